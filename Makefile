@@ -1,0 +1,53 @@
+# Every target creates (or reuses) its own virtualenv in $(VENV); torch is pinned to the CPU
+# wheel through constraints.txt so nothing can pull a CUDA build.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: install demo test lint format crd docs images clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[operator,trainer,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job: train the tiny CPU example locally (count-up task, tiny Llama, PPO).
+demo: $(STAMP)
+	$(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo
+
+## The test suite (what CI runs). pytest exits 5 when it collects no test: that fails too.
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+## Regenerate the CRD (and the chart's copy) and the API reference from the models.
+crd: $(STAMP)
+	$(VENV)/bin/ppojob crd > crds/ppojob.io_ppojobs.yaml
+	cp crds/ppojob.io_ppojobs.yaml charts/ppojob-operator/crds/ppojob.io_ppojobs.yaml
+	$(PY) -m ppojob_operator.reference > docs/reference.md
+
+docs: crd
+
+## Build both images (needs a Docker engine; not run in CI).
+images:
+	bash hack/build-images.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info ppojob-out

@@ -1,0 +1,1 @@
+"""ppojob control plane: the kopf operator. Never imports torch, ray or user code."""

@@ -1,0 +1,419 @@
+"""The PPOJob API (`ppojob.io/v1alpha1`), defined once as typed models.
+
+The CRD's schema (`crd.py`), the operator's validation, the docs' reference and the trainer's config
+all come from these models. The training half of the spec is the trainer's own config model
+(`ppojob_trainer.config.TrainingHalf`, importable without torch or Ray); this module adds the
+cluster half and the status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from ppojob_trainer.config import (
+    Problem,
+    SpecError,
+    TrainerConfig,
+    TrainingHalf,
+    _Model,
+    check_training_half,
+    pydantic_problems,
+)
+from pydantic import Field
+
+GROUP = "ppojob.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PPOJob"
+PLURAL = "ppojobs"
+SINGULAR = "ppojob"
+SHORT_NAMES = ["ppo"]
+
+PHASES = ("Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspended", "Invalid")
+
+
+class Scheduling(_Model):
+    """Gang scheduling: all pods of the job (head and every worker) start together or not at all."""
+
+    gang_scheduler: Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "none"] = "none"
+    """Which gang scheduler admits the job. KubeRay must be configured for it (see the
+    gang-scheduling guide); `none` relies on the default scheduler (no all-or-nothing
+    guarantee)."""
+
+    queue: str | None = Field(None, min_length=1)
+    """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue). Required
+    for kueue."""
+
+    priority_class_name: str | None = Field(None, min_length=1)
+    """PriorityClass of the job's pods."""
+
+    timeout_seconds: int = Field(600, ge=1, le=604800)
+    """How long the job may wait for all its resources: the PodGroup's schedule timeout and the
+    trainer's placement-group wait."""
+
+
+class SecretRef(_Model):
+    """A reference to a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """Secret name."""
+
+
+class PVCSource(_Model):
+    """A PersistentVolumeClaim to mount."""
+
+    claim_name: str = Field(min_length=1)
+    """Name of the PersistentVolumeClaim in the job's namespace."""
+
+
+class NFSSource(_Model):
+    """An NFS export to mount."""
+
+    server: str = Field(min_length=1)
+    """NFS server host name or address."""
+
+    path: str = Field(min_length=1)
+    """Exported path."""
+
+
+class CheckpointVolume(_Model):
+    """A volume mounted at spec.training.checkpointDir in every trainer pod, so checkpoints
+    survive pod restarts, RayJob retries and suspend/resume. Set exactly one source."""
+
+    persistent_volume_claim: PVCSource | None = None
+    """Mount this PersistentVolumeClaim (ReadWriteMany when pods span nodes)."""
+
+    nfs: NFSSource | None = None
+    """Mount this NFS export."""
+
+
+class HeadSpec(_Model):
+    """Resources of the Ray head pod."""
+
+    cpus: float = Field(2.0, gt=0)
+    """CPU cores of the head pod."""
+
+    memory: str = Field("8Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+    """Memory of the head pod, as a Kubernetes quantity."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the head pod must match."""
+
+
+class PPOJobSpec(TrainingHalf):
+    """Desired state of a PPOJob: the cluster half (image, scheduling, lifecycle) and the training
+    half (model, roles, algorithm, data, training)."""
+
+    image: str = Field(min_length=1)
+    """Trainer container image (torch, ray, megatron-core, sglang and the ppojob trainer)."""
+
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Pull policy of the trainer image."""
+
+    image_pull_secrets: list[SecretRef] = Field(default_factory=list)
+    """Secrets for pulling the trainer image."""
+
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    """The Ray head pod, which runs the PPO driver (no GPUs)."""
+
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Gang scheduling settings."""
+
+    checkpoint_volume: CheckpointVolume | None = None
+    """Volume mounted at spec.training.checkpointDir in every trainer pod."""
+
+    submission_mode: Literal["SidecarMode", "K8sJobMode"] = "SidecarMode"
+    """How KubeRay submits the trainer: `SidecarMode` (a container in the head pod, inside the
+    gang; KubeRay >= 1.3) or `K8sJobMode` (a separate submitter pod, for older KubeRay)."""
+
+    suspend: bool = False
+    """Suspend the job: its pods are deleted; setting it back to false starts it again (resuming
+    from the newest checkpoint)."""
+
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    """Fail the job if it runs longer than this."""
+
+    backoff_limit: int = Field(0, ge=0, le=100)
+    """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest
+    checkpoint."""
+
+    ttl_seconds_after_finished: int = Field(3600, ge=0)
+    """Seconds after the job finishes before its Ray cluster is deleted."""
+
+    ray_version: str = Field("2.60.0", min_length=1)
+    """Ray version inside the trainer image (KubeRay uses it for compatibility)."""
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition."""
+
+    type: str
+    """Condition type: Valid, Admitted, Running, Succeeded, Failed, Suspended."""
+
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+
+    reason: str = ""
+    """CamelCase reason (see the troubleshooting guide)."""
+
+    message: str = ""
+    """Human-readable detail."""
+
+    last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
+
+    observed_generation: int | None = None
+    """The spec generation this condition was computed from."""
+
+
+class Progress(_Model):
+    """Live training progress, written by the trainer."""
+
+    step: int | None = None
+    """Last completed training step."""
+
+    total_steps: int | None = None
+    """Steps the job will run."""
+
+    reward_mean: float | None = None
+    """Mean reward of the last step's samples."""
+
+    kl: float | None = None
+    """Mean KL to the reference policy in the last step."""
+
+    value_loss: float | None = None
+    """Critic loss of the last step."""
+
+    tokens_per_second: float | None = None
+    """Throughput of the last step (generated tokens per second)."""
+
+    updated_at: str | None = None
+    """When the trainer wrote this (RFC 3339)."""
+
+
+class PPOJobStatus(_Model):
+    """Observed state of a PPOJob."""
+
+    phase: (
+        Literal["Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspended", "Invalid"]
+        | None
+    ) = None
+    """Pending, Initializing, Running, Succeeded, Failed, Suspended or Invalid."""
+
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions with reasons and messages."""
+
+    observed_generation: int | None = None
+    """The spec generation the operator last acted on."""
+
+    ray_job_name: str | None = None
+    """Name of the RayJob running this job."""
+
+    ray_cluster_name: str | None = None
+    """Name of the current RayCluster (a new one per retry)."""
+
+    dashboard_url: str | None = Field(None, alias="dashboardURL")
+    """Ray dashboard address of the running cluster."""
+
+    gpus: int | None = None
+    """GPUs requested by all the job's pods together."""
+
+    start_time: str | None = None
+    """When the job started running (RFC 3339)."""
+
+    completion_time: str | None = None
+    """When the job finished (RFC 3339)."""
+
+    progress: Progress | None = None
+    """Live training progress written by the trainer."""
+
+
+class ObjectMeta(_Model):
+    """The subset of metadata the API reads."""
+
+    model_config = _Model.model_config | {"extra": "allow"}
+
+    name: str | None = None
+    namespace: str | None = None
+
+
+class PPOJob(_Model):
+    """PPO training of a language model on Ray, gang-scheduled all-or-nothing."""
+
+    api_version: Literal["ppojob.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["PPOJob"] = "PPOJob"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: PPOJobSpec
+    status: PPOJobStatus | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def check_spec(spec: PPOJobSpec) -> list[Problem]:
+    """Every semantic problem of a spec, cluster half and training half."""
+    problems = check_training_half(spec, prefix="spec")
+    sched = spec.scheduling
+    if sched.gang_scheduler == "kueue" and not sched.queue:
+        problems.append(
+            Problem(
+                "spec.scheduling.queue",
+                "kueue needs a LocalQueue name",
+                "set spec.scheduling.queue",
+            )
+        )
+    if sched.gang_scheduler == "none" and (sched.queue or sched.priority_class_name):
+        field = "queue" if sched.queue else "priorityClassName"
+        problems.append(
+            Problem(
+                f"spec.scheduling.{field}",
+                "has no effect without a gang scheduler",
+                "set spec.scheduling.gangScheduler",
+            )
+        )
+    vol = spec.checkpoint_volume
+    if vol is not None:
+        sources = [s for s in (vol.persistent_volume_claim, vol.nfs) if s is not None]
+        if len(sources) != 1:
+            problems.append(
+                Problem(
+                    "spec.checkpointVolume",
+                    f"needs exactly one source, got {len(sources)}",
+                    "set persistentVolumeClaim or nfs",
+                )
+            )
+        if not spec.training.checkpoint_dir.startswith("/"):
+            problems.append(
+                Problem(
+                    "spec.training.checkpointDir",
+                    f"{spec.training.checkpoint_dir!r} is relative, but the checkpoint volume is "
+                    "mounted at this path",
+                    "use an absolute path such as /checkpoints",
+                )
+            )
+    any_gpu = any(
+        r is not None and r.resources.gpus > 0
+        for r in (spec.roles.actor, spec.roles.critic, spec.roles.rollout)
+    )
+    if any_gpu and spec.model.dtype == "float32" and spec.roles.actor.backend == "megatron":
+        problems.append(
+            Problem(
+                "spec.model.dtype",
+                "megatron trains in bf16/fp16 mixed precision",
+                "set dtype: bfloat16",
+            )
+        )
+    return problems
+
+
+def validate_manifest(doc: Any, source: str = "") -> PPOJob:
+    """Parse and validate one PPOJob document; raise SpecError listing every problem."""
+    if doc is None:
+        raise SpecError([Problem("<document>", "is empty", "write a PPOJob manifest")], source)
+    if not isinstance(doc, dict):
+        raise SpecError(
+            [
+                Problem(
+                    "<document>",
+                    f"expected a mapping, got {type(doc).__name__}",
+                    "write a PPOJob manifest (apiVersion, kind, metadata, spec)",
+                )
+            ],
+            source,
+        )
+    head: list[Problem] = []
+    if doc.get("apiVersion") != API_VERSION:
+        head.append(
+            Problem(
+                "apiVersion",
+                f"expected {API_VERSION!r}, got {doc.get('apiVersion')!r}",
+                f"set apiVersion: {API_VERSION}",
+            )
+        )
+    if doc.get("kind") != KIND:
+        head.append(
+            Problem("kind", f"expected {KIND!r}, got {doc.get('kind')!r}", f"set kind: {KIND}")
+        )
+    if head:
+        raise SpecError(head, source)
+    body = {k: v for k, v in doc.items() if k != "status"}
+    try:
+        job = PPOJob.model_validate(body)
+    except Exception as exc:  # pydantic.ValidationError
+        raise SpecError(pydantic_problems(exc), source) from None
+    problems = check_spec(job.spec)
+    if problems:
+        raise SpecError(problems, source)
+    return job
+
+
+def load_manifests(text: str, source: str = "") -> list[PPOJob]:
+    """Parse a YAML stream of PPOJobs; raise SpecError listing every problem of every document."""
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise SpecError(
+            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
+        ) from None
+    docs = [d for d in docs if d is not None] or [None]
+    jobs, problems = [], []
+    for i, doc in enumerate(docs):
+        try:
+            jobs.append(validate_manifest(doc))
+        except SpecError as exc:
+            prefix = f"document {i + 1}: " if len(docs) > 1 else ""
+            problems += [Problem(prefix + p.path, p.message, p.fix) for p in exc.problems]
+    if problems:
+        raise SpecError(problems, source)
+    return jobs
+
+
+def trainer_config_from_spec(spec: PPOJobSpec, job_name: str | None = None) -> TrainerConfig:
+    """The trainer's config: the training half of the spec plus the placement timeout."""
+    half = {name: getattr(spec, name) for name in TrainingHalf.model_fields}
+    return TrainerConfig(
+        **half,
+        placement_timeout_seconds=spec.scheduling.timeout_seconds,
+        job_name=job_name,
+    )
+
+
+def total_gpus(spec: PPOJobSpec) -> int:
+    """GPUs all the job's pods request (colocated roles have no pods of their own)."""
+    roles = spec.roles
+    total = roles.actor.total_gpus()
+    critic = roles.effective_critic(spec.algorithm.needs_critic)
+    if critic is not None and not critic.colocate_with_actor:
+        total += critic.total_gpus()
+    if not roles.rollout.colocate_with_actor:
+        total += roles.rollout.total_gpus()
+    return total
+
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PHASES",
+    "PLURAL",
+    "VERSION",
+    "Condition",
+    "PPOJob",
+    "PPOJobSpec",
+    "PPOJobStatus",
+    "Problem",
+    "Progress",
+    "Scheduling",
+    "SpecError",
+    "check_spec",
+    "load_manifests",
+    "total_gpus",
+    "trainer_config_from_spec",
+    "validate_manifest",
+]
+
+
+def dump(model: _Model) -> dict[str, Any]:
+    """Serialise a model the way it appears in Kubernetes (camelCase, no nulls)."""
+    return model.model_dump(by_alias=True, exclude_none=True, mode="json")

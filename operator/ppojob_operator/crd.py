@@ -1,0 +1,197 @@
+"""Generate the PPOJob CustomResourceDefinition from the typed models (like controller-gen).
+
+Pydantic emits JSON Schema (draft 2020-12) with `$ref`s, `anyOf` for optional fields and
+`exclusiveMinimum` as a number. Kubernetes wants a *structural* OpenAPI v3.0 schema: every node
+typed, no `$ref`, nullability as `nullable: true`, free-form maps marked with
+`x-kubernetes-preserve-unknown-fields`. `structural_schema` does that translation; `build_crd`
+wraps it into the CRD with the status subresource and printer columns.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from ppojob_operator.api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, PPOJob
+
+_DROP = {"title", "$defs", "discriminator"}
+
+PRINTER_COLUMNS = [
+    {
+        "name": "Phase",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "Lifecycle phase of the job",
+    },
+    {
+        "name": "Step",
+        "type": "integer",
+        "jsonPath": ".status.progress.step",
+        "description": "Last completed training step",
+    },
+    {
+        "name": "Steps",
+        "type": "integer",
+        "jsonPath": ".status.progress.totalSteps",
+        "description": "Steps the job will run",
+    },
+    {
+        "name": "Reward",
+        "type": "number",
+        "jsonPath": ".status.progress.rewardMean",
+        "description": "Mean reward of the last step",
+    },
+    {
+        "name": "KL",
+        "type": "number",
+        "jsonPath": ".status.progress.kl",
+        "priority": 1,
+        "description": "KL to the reference policy in the last step",
+    },
+    {
+        "name": "GPUs",
+        "type": "integer",
+        "jsonPath": ".status.gpus",
+        "description": "GPUs requested by all the job's pods",
+    },
+    {
+        "name": "RayJob",
+        "type": "string",
+        "jsonPath": ".status.rayJobName",
+        "priority": 1,
+        "description": "The RayJob running this job",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_TOP_DESCRIPTIONS = {
+    "apiVersion": "APIVersion defines the versioned schema of this representation of an object.",
+    "kind": "Kind is a string value representing the REST resource this object represents.",
+    "metadata": "Standard object metadata.",
+    "spec": "Desired state of the PPOJob.",
+    "status": "Observed state of the PPOJob, written by the operator and the trainer.",
+}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def structural_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Translate a pydantic JSON schema into a structural OpenAPI v3.0 schema."""
+    defs = schema.get("$defs", {})
+
+    def conv(node: dict[str, Any]) -> dict[str, Any]:
+        node = dict(node)
+        if "$ref" in node:
+            target = defs[node.pop("$ref").split("/")[-1]]
+            merged = {**copy.deepcopy(target), **node}  # the use site's description wins
+            return conv(merged)
+        out: dict[str, Any] = {}
+        nullable = False
+        if "anyOf" in node:
+            options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+            if len(options) != 1:
+                raise ValueError(f"cannot express a union of {len(options)} types structurally")
+            out = conv(options[0])
+            out.update(conv(node))  # the use site's description and default
+            nullable = True
+        else:
+            for key, value in node.items():
+                if key in _DROP:
+                    continue
+                if key == "properties":
+                    out["properties"] = {k: conv(v) for k, v in value.items()}
+                elif key == "items":
+                    out["items"] = conv(value)
+                elif key == "additionalProperties":
+                    if isinstance(value, dict) and value:
+                        out["additionalProperties"] = conv(value)
+                    # `false` (unknown fields are pruned anyway) and `true` are dropped;
+                    # free-form maps carry x-kubernetes-preserve-unknown-fields instead.
+                elif key == "const":
+                    out["enum"] = [value]
+                elif key == "exclusiveMinimum":
+                    out["minimum"], out["exclusiveMinimum"] = value, True
+                elif key == "exclusiveMaximum":
+                    out["maximum"], out["exclusiveMaximum"] = value, True
+                elif key == "description":
+                    out["description"] = _one_line(value)
+                elif key == "default":
+                    if value is not None:
+                        out["default"] = value
+                else:
+                    out[key] = value
+        if nullable:
+            out["nullable"] = True
+        if "enum" in out and "type" not in out:
+            out["type"] = "string"
+        if (
+            out.get("type") == "object"
+            and "properties" not in out
+            and ("additionalProperties" not in out)
+        ):
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        return out
+
+    return conv(schema)
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The PPOJob's openAPIV3Schema."""
+    raw = PPOJob.model_json_schema(by_alias=True, mode="validation")
+    schema = structural_schema(raw)
+    schema["required"] = ["spec"]
+    schema["properties"]["metadata"] = {"type": "object"}
+    for name, text in _TOP_DESCRIPTIONS.items():
+        schema["properties"][name]["description"] = text
+    schema["description"] = _one_line(PPOJob.__doc__ or "")
+    # apiVersion and kind are checked by the API server itself; no enum/default there.
+    for name in ("apiVersion", "kind"):
+        schema["properties"][name] = {
+            "type": "string",
+            "description": _TOP_DESCRIPTIONS[name],
+        }
+    return schema
+
+
+def build_crd() -> dict[str, Any]:
+    """The complete apiextensions.k8s.io/v1 CustomResourceDefinition."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "annotations": {"ppojob.io/generated-by": "ppojob crd (from ppojob_operator.api)"},
+        },
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["all", "ml"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the YAML committed at crds/ppojob.io_ppojobs.yaml."""
+    header = "# Generated by `ppojob crd` from ppojob_operator/api.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
