@@ -1,0 +1,509 @@
+"""GAE, reward shaping and the advantage-estimator registry, against float64 loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ppojob_trainer.algorithms import advantages as adv_mod
+from ppojob_trainer.algorithms import (
+    compute_advantages,
+    compute_gae,
+    discounted_reverse_cumsum,
+    get_advantage_estimator,
+    list_advantage_estimators,
+    register_advantage_estimator,
+    shape_token_rewards,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+# ------------------------------------------------------------------ references (plain loops)
+def ref_gae(rewards, values, mask, gamma, lam):
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        positions = [t for t in range(T) if mask[b][t]]
+        next_v, next_a = 0.0, 0.0
+        for t in reversed(positions):
+            delta = rewards[b][t] + gamma * next_v - values[b][t]
+            a = delta + gamma * lam * next_a
+            adv[b][t] = a
+            ret[b][t] = a + values[b][t]
+            next_v, next_a = values[b][t], a
+    return adv, ret
+
+
+def ref_reward_to_go(rewards, mask, gamma):
+    out = [[0.0] * len(row) for row in rewards]
+    for b, row in enumerate(rewards):
+        acc = 0.0
+        for t in reversed(range(len(row))):
+            if mask[b][t]:
+                acc = row[t] + gamma * acc
+                out[b][t] = acc
+    return out
+
+
+def ref_whiten(x, mask):
+    vals = [x[b][t] for b in range(len(x)) for t in range(len(x[0])) if mask[b][t]]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    return [
+        [(x[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b][t] else 0.0 for t in range(len(x[0]))]
+        for b in range(len(x))
+    ]
+
+
+def make_batch(seed, B, T, layout):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    if layout == "random":  # interior gaps anywhere
+        mask = torch.rand(B, T, generator=g) < 0.6
+    else:  # prompt | response | padding
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for b in range(B):
+            start = int(torch.randint(0, T, (1,), generator=g))
+            length = int(torch.randint(0, T - start + 1, (1,), generator=g))
+            mask[b, start : start + length] = True
+    # garbage off the mask must never matter
+    rewards[~mask] = float("nan")
+    values[~mask] = float("inf")
+    return rewards, values, mask
+
+
+def nan_to_zero(x):
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+# ------------------------------------------------------------------ GAE
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 6),
+    T=st.integers(1, 90),
+    gamma=st.one_of(st.just(1.0), st.just(0.0), st.floats(0.0, 1.0)),
+    lam=st.one_of(st.just(1.0), st.just(0.0), st.floats(0.0, 1.0)),
+    layout=st.sampled_from(["random", "contiguous"]),
+)
+def test_gae_matches_loop_reference(seed, B, T, gamma, lam, layout):
+    rewards, values, mask = make_batch(seed, B, T, layout)
+    adv, ret = compute_gae(rewards, values, mask.float(), gamma, lam)
+    ref_a, ref_r = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(adv, torch.tensor(ref_a, dtype=torch.float64), atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, torch.tensor(ref_r, dtype=torch.float64), atol=1e-9, rtol=1e-9)
+    # float32 path agrees within float32 accuracy
+    adv32, ret32 = compute_gae(rewards.float(), values.float(), mask, gamma, lam)
+    assert adv32.dtype == torch.float32
+    torch.testing.assert_close(adv32.double(), adv, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ret32.double(), ret, atol=1e-4, rtol=1e-4)
+    assert bool((adv[~mask] == 0).all()) and bool((ret[~mask] == 0).all())
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 60))
+def test_gae_gamma_lambda_one_is_reward_to_go_minus_values(seed, B, T):
+    """Documented property: gamma = lam = 1 gives A = sum of future rewards - V on the mask."""
+    rewards, values, mask = make_batch(seed, B, T, "random")
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    rtg = torch.tensor(
+        ref_reward_to_go(nan_to_zero(rewards).tolist(), mask.tolist(), 1.0), dtype=torch.float64
+    )
+    expected = torch.where(mask, rtg.double() - nan_to_zero(values), torch.zeros(()).double())
+    torch.testing.assert_close(adv, expected, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, torch.where(mask, rtg, torch.zeros(()).double()))
+
+
+def test_gae_hand_computed():
+    # prompt, 3 response tokens, padding; gamma = 0.5, lam = 0.5
+    r = torch.tensor([[9.0, 0.0, 0.0, 1.0, 9.0]])
+    v = torch.tensor([[9.0, 1.0, 2.0, 3.0, 9.0]])
+    m = torch.tensor([[0, 1, 1, 1, 0]])
+    adv, ret = compute_gae(r, v, m, 0.5, 0.5)
+    # deltas: t3: 1 - 3 = -2; t2: 0 + 0.5*3 - 2 = -0.5; t1: 0 + 0.5*2 - 1 = 0
+    # A3 = -2; A2 = -0.5 + 0.25*-2 = -1; A1 = 0 + 0.25*-1 = -0.25
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -0.25, -1.0, -2.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 0.75, 1.0, 1.0, 0.0]]))
+
+
+def test_gae_skips_interior_masked_positions():
+    # the gap at index 1 is skipped: token 0 links to token 2
+    r = torch.tensor([[0.0, 100.0, 1.0]])
+    v = torch.tensor([[0.5, 100.0, 0.25]])
+    m = torch.tensor([[1.0, 0.0, 1.0]])
+    adv, _ = compute_gae(r, v, m, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.0, 0.75]]))
+
+
+def test_gae_all_masked_row_is_zero_and_long_sequences():
+    B, T = 3, 5000
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(B, T, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, generator=g, dtype=torch.float64)
+    m = torch.ones(B, T, dtype=torch.bool)
+    m[1] = False
+    m[2, :100] = False
+    adv, ret = compute_gae(r, v, m, 0.999, 0.97)
+    ref_a, ref_r = ref_gae(r.tolist(), v.tolist(), m.tolist(), 0.999, 0.97)
+    torch.testing.assert_close(adv, torch.tensor(ref_a, dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor(ref_r, dtype=torch.float64))
+    assert bool((adv[1] == 0).all())
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    T=st.integers(0, 300),
+    c=st.floats(0.0, 1.0),
+    chunk=st.integers(2, 9),
+)
+def test_discounted_reverse_cumsum_recursion(seed, T, c, chunk):
+    x = torch.randn(2, T, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    out = discounted_reverse_cumsum(x, c, chunk)
+    expected = torch.zeros_like(x)
+    for b in range(2):
+        acc = 0.0
+        for t in reversed(range(T)):
+            acc = float(x[b, t]) + c * acc
+            expected[b, t] = acc
+    torch.testing.assert_close(out, expected, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rewards": torch.zeros(2, 3), "values": torch.zeros(2, 4)}, "values shape"),
+        ({"mask": torch.ones(2, 4)}, "rewards shape"),
+        (
+            {"rewards": torch.zeros(0, 3), "values": torch.zeros(0, 3), "mask": torch.ones(0, 3)},
+            "empty",
+        ),
+        ({"mask": torch.ones(3)}, r"\[B, T\]"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"lam": -0.1}, "lam"),
+        ({"gamma": float("nan")}, "gamma"),
+        ({"rewards": torch.tensor([[0.0, float("nan"), 0.0]] * 2)}, "rewards has a non-finite"),
+        ({"values": torch.tensor([[0.0, 0.0, float("inf")]] * 2)}, "sample 0, position 2"),
+        ({"rewards": torch.zeros(2, 3, dtype=torch.long)}, "floating-point"),
+    ],
+)
+def test_gae_bad_inputs(kwargs, match):
+    args = {
+        "rewards": torch.zeros(2, 3),
+        "values": torch.zeros(2, 3),
+        "mask": torch.ones(2, 3),
+        "gamma": 1.0,
+        "lam": 0.95,
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        compute_gae(**args)
+
+
+# ------------------------------------------------------------------ shaping
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 30))
+def test_shape_token_rewards_matches_loop(seed, B, T):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < 0.5
+    mask[:, int(torch.randint(0, T, (1,), generator=g))] = True  # every row has a token
+    scores = torch.randn(B, generator=g, dtype=torch.float64)
+    kl = torch.randn(B, T, generator=g, dtype=torch.float64)
+    out = shape_token_rewards(scores, mask, kl, kl_coef=0.3)
+    expected = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        last = max(t for t in range(T) if mask[b, t])
+        for t in range(T):
+            if mask[b, t]:
+                expected[b, t] = -0.3 * float(kl[b, t]) + (float(scores[b]) if t == last else 0)
+    torch.testing.assert_close(out, expected)
+    no_kl = shape_token_rewards(scores.float(), mask)
+    assert no_kl.dtype == torch.float32
+    assert torch.allclose(no_kl.sum(dim=1).double(), scores, atol=1e-6)
+
+
+def test_shape_token_rewards_errors():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match="sample 1 has no response token"):
+        shape_token_rewards(torch.tensor([1.0, 2.0]), mask)
+    with pytest.raises(ValueError, match="non-finite value at sample 0"):
+        shape_token_rewards(torch.tensor([float("nan")]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        shape_token_rewards(torch.tensor([1.0]), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="kl_coef"):
+        shape_token_rewards(torch.ones(1), torch.ones(1, 2), torch.zeros(1, 2), kl_coef=-1)
+    # integer scores are fine: float32 result
+    out = shape_token_rewards(torch.tensor([3]), torch.tensor([[0, 1, 1, 0]]))
+    assert out.tolist() == [[0.0, 0.0, 3.0, 0.0]]
+
+
+# ------------------------------------------------------------------ outcome estimators
+def ref_groups(scores, group_ids):
+    groups = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(scores[i])
+    return groups
+
+
+def ref_grpo(scores, group_ids, norm_by_std, eps):
+    groups = ref_groups(scores, group_ids)
+    out = []
+    for s, g in zip(scores, group_ids, strict=True):
+        members = groups[g]
+        n = len(members)
+        if n == 1:
+            out.append(0.0)
+            continue
+        mean = sum(members) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
+        out.append((s - mean) / (std + eps) if norm_by_std else s - mean)
+    return out
+
+
+def ref_rloo(scores, group_ids):
+    groups = ref_groups(scores, group_ids)
+    out = []
+    for s, g in zip(scores, group_ids, strict=True):
+        others = list(groups[g])
+        others.remove(s)
+        out.append(s - sum(others) / len(others))
+    return out
+
+
+def broadcast(per_sample, mask):
+    return [
+        [per_sample[b] if mask[b][t] else 0.0 for t in range(len(mask[0]))]
+        for b in range(len(mask))
+    ]
+
+
+def outcome_batch(seed, B, T, n_groups, min_group=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[:, 0] = True
+    scores = torch.randint(0, 3, (B,), generator=g).double() + torch.rand(B, generator=g).double()
+    group_ids = torch.randint(0, n_groups, (B,), generator=g)
+    if min_group > 1:
+        group_ids = torch.arange(B) // min_group
+        if B % min_group:
+            group_ids[-(B % min_group) :] = group_ids[-(B % min_group) - 1]
+    token_rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return dict(
+        token_rewards=token_rewards, scores=scores, values=None, mask=mask, group_ids=group_ids
+    )
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 12),
+    T=st.integers(1, 12),
+    n_groups=st.integers(1, 4),
+    norm_by_std=st.booleans(),
+)
+def test_grpo_matches_reference(seed, B, T, n_groups, norm_by_std):
+    batch = outcome_batch(seed, B, T, n_groups)
+    adv, ret = compute_advantages(
+        "grpo", **batch, gamma=1.0, lam=1.0, norm_by_std=norm_by_std, eps=1e-6
+    )
+    ref = ref_grpo(batch["scores"].tolist(), batch["group_ids"].tolist(), norm_by_std, 1e-6)
+    expected = torch.tensor(broadcast(ref, batch["mask"].tolist()), dtype=torch.float64)
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(2, 12),
+    T=st.integers(1, 12),
+    size=st.integers(2, 4),
+)
+def test_rloo_matches_reference(seed, B, T, size):
+    batch = outcome_batch(seed, B, T, 1, min_group=min(size, B))
+    adv, _ = compute_advantages("rloo", **batch, gamma=1.0, lam=1.0)
+    ref = ref_rloo(batch["scores"].tolist(), batch["group_ids"].tolist())
+    expected = torch.tensor(broadcast(ref, batch["mask"].tolist()), dtype=torch.float64)
+    torch.testing.assert_close(adv, expected)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1), B=st.integers(1, 8), T=st.integers(2, 15), gamma=st.floats(0, 1)
+)
+def test_reinforce_plus_plus_matches_reference(seed, B, T, gamma):
+    batch = outcome_batch(seed, B, T, 2)
+    adv, ret = compute_advantages("reinforce_plus_plus", **batch, gamma=gamma, lam=0.3)
+    m = batch["mask"].tolist()
+    rtg = ref_reward_to_go(batch["token_rewards"].tolist(), m, gamma)
+    torch.testing.assert_close(ret, torch.tensor(rtg, dtype=torch.float64))
+    torch.testing.assert_close(adv, torch.tensor(ref_whiten(rtg, m), dtype=torch.float64))
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 10),
+    T=st.integers(1, 10),
+    n_groups=st.integers(1, 3),
+)
+def test_reinforce_plus_plus_baseline_matches_reference(seed, B, T, n_groups):
+    batch = outcome_batch(seed, B, T, n_groups)
+    s, gids = batch["scores"].tolist(), batch["group_ids"].tolist()
+    groups = ref_groups(s, gids)
+    centred = [x - sum(groups[g]) / len(groups[g]) for x, g in zip(s, gids, strict=True)]
+    m = batch["mask"].tolist()
+    expected = ref_whiten(broadcast(centred, m), m)
+    adv, ret = compute_advantages("reinforce_plus_plus_baseline", **batch, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(ret, adv)
+
+
+def test_grpo_hand_computed_and_singletons():
+    mask = torch.ones(4, 2)
+    scores = torch.tensor([1.0, 0.0, 1.0, 5.0])
+    gids = torch.tensor([7, 7, 7, 9])  # group 9 is a singleton
+    kwargs = dict(token_rewards=torch.zeros(4, 2), scores=scores, values=None, mask=mask)
+    adv, _ = compute_advantages("grpo", **kwargs, group_ids=gids, gamma=1.0, lam=1.0)
+    # group 7: mean 2/3, sample std sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    expected = [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6), 0.0]
+    torch.testing.assert_close(adv[:, 0], torch.tensor(expected))
+    # identical scores in a group: advantage 0, not NaN
+    adv, _ = compute_advantages(
+        "grpo", **{**kwargs, "scores": torch.ones(4)}, group_ids=gids, gamma=1.0, lam=1.0
+    )
+    assert bool((adv == 0).all())
+
+
+def test_rloo_hand_computed_and_singleton_error():
+    kwargs = dict(token_rewards=torch.zeros(3, 1), values=None, mask=torch.ones(3, 1))
+    adv, _ = compute_advantages(
+        "rloo",
+        **kwargs,
+        scores=torch.tensor([3.0, 1.0, 2.0]),
+        group_ids=torch.zeros(3, dtype=torch.long),
+        gamma=1.0,
+        lam=1.0,
+    )
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.5, -1.5, 0.0]))
+    with pytest.raises(ValueError, match=r"sample 2 \(group id 5\) is alone"):
+        compute_advantages(
+            "rloo",
+            **kwargs,
+            scores=torch.ones(3),
+            group_ids=torch.tensor([1, 1, 5]),
+            gamma=1.0,
+            lam=1.0,
+        )
+
+
+def test_gae_estimator_whitens_and_needs_values():
+    g = torch.Generator().manual_seed(3)
+    r, v = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    mask = torch.ones(3, 6)
+    mask[0, :2] = 0
+    common = dict(token_rewards=r, scores=torch.zeros(3), mask=mask, group_ids=torch.arange(3))
+    a_raw, ret_raw = compute_gae(r, v, mask, 0.9, 0.8)
+    a, _ = compute_advantages("gae", **common, values=v, gamma=0.9, lam=0.8, whiten=False)
+    torch.testing.assert_close(a, a_raw)
+    a_w, ret_w = compute_advantages("gae", **common, values=v, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(ret_w, ret_raw)
+    m = mask.bool()
+    assert abs(float(a_w[m].mean())) < 1e-5 and abs(float(a_w[m].std(unbiased=False)) - 1) < 1e-4
+    with pytest.raises(ValueError, match="needs critic values"):
+        compute_advantages("gae", **common, values=None, gamma=0.9, lam=0.8)
+
+
+def test_registry_extension_unknown_names_and_options():
+    assert {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"} <= set(
+        list_advantage_estimators()
+    )
+    with pytest.raises(ValueError, match=r"registered: .*grpo"):
+        get_advantage_estimator("nope")
+    with pytest.raises(ValueError, match="unknown option"):
+        compute_advantages(
+            "grpo",
+            token_rewards=torch.zeros(2, 2),
+            scores=torch.zeros(2),
+            values=None,
+            mask=torch.ones(2, 2),
+            group_ids=torch.zeros(2, dtype=torch.long),
+            gamma=1.0,
+            lam=1.0,
+            norm_by_sdt=False,
+        )
+
+    @register_advantage_estimator("test_constant")
+    def constant(*, token_rewards, mask, scale=1.0, **_):
+        out = torch.full_like(token_rewards, scale)
+        return out, out
+
+    try:
+        adv, _ = compute_advantages(
+            "test_constant",
+            token_rewards=torch.zeros(1, 3),
+            scores=torch.zeros(1),
+            values=None,
+            mask=torch.tensor([[0, 1, 1]]),
+            group_ids=torch.zeros(1, dtype=torch.long),
+            gamma=1.0,
+            lam=1.0,
+            scale=2.0,
+        )
+        assert adv.tolist() == [[0.0, 2.0, 2.0]]  # zeroed off the mask by the dispatcher
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage_estimator("test_constant")(constant)
+
+        @register_advantage_estimator("test_constant", override=True)
+        def broken(**_):
+            return torch.zeros(2), torch.zeros(1, 3)
+
+        with pytest.raises(ValueError, match=r"advantages must be \[B, T\]"):
+            compute_advantages(
+                "test_constant",
+                token_rewards=torch.zeros(1, 3),
+                scores=torch.zeros(1),
+                values=None,
+                mask=torch.ones(1, 3),
+                group_ids=torch.zeros(1, dtype=torch.long),
+                gamma=1.0,
+                lam=1.0,
+            )
+    finally:
+        adv_mod._REGISTRY.pop("test_constant", None)
+
+
+def test_dispatcher_rejects_bad_common_inputs():
+    base = dict(
+        token_rewards=torch.zeros(2, 2),
+        scores=torch.zeros(2),
+        values=None,
+        mask=torch.ones(2, 2),
+        group_ids=torch.zeros(2, dtype=torch.long),
+        gamma=1.0,
+        lam=1.0,
+    )
+    with pytest.raises(ValueError, match="scores has a non-finite value at sample 1"):
+        compute_advantages("grpo", **{**base, "scores": torch.tensor([0.0, float("nan")])})
+    with pytest.raises(ValueError, match="integer"):
+        compute_advantages("grpo", **{**base, "group_ids": torch.zeros(2)})
+    with pytest.raises(ValueError, match="empty batch"):
+        compute_advantages(
+            "grpo",
+            **{
+                **base,
+                "mask": torch.ones(0, 2),
+                "token_rewards": torch.zeros(0, 2),
+                "scores": torch.zeros(0),
+                "group_ids": torch.zeros(0, dtype=torch.long),
+            },
+        )
+    with pytest.raises(ValueError, match="values shape"):
+        compute_advantages("gae", **{**base, "values": torch.zeros(2, 3)})

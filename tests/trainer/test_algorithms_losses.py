@@ -1,0 +1,318 @@
+"""KL estimators and controllers, policy/value/entropy/KL losses, against float64 loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ppojob_trainer.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    aggregate_loss,
+    entropy_from_logits,
+    kl_estimate,
+    kl_loss,
+    policy_loss,
+    value_loss,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+def ref_agg(mat, mask, mode):
+    B, T = len(mat), len(mat[0])
+    if mode == "token-mean":
+        vals = [mat[b][t] for b in range(B) for t in range(T) if mask[b][t]]
+        return sum(vals) / len(vals)
+    seqs = []
+    for b in range(B):
+        vals = [mat[b][t] for t in range(T) if mask[b][t]]
+        if vals:
+            seqs.append(sum(vals) if mode == "seq-mean-token-sum" else sum(vals) / len(vals))
+    return sum(seqs) / len(seqs)
+
+
+def ref_kl(lp, ref, est):
+    d = ref - lp
+    if est == "k1":
+        return -d
+    if est == "k2":
+        return 0.5 * d * d
+    k3 = math.exp(d) - d - 1
+    return k3 if est == "k3" else min(max(k3, -10.0), 10.0)
+
+
+def rand_batch(seed, B, T, n=3):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[0, 0] = True
+    tensors = [torch.randn(B, T, generator=g, dtype=torch.float64) for _ in range(n)]
+    for t in tensors:
+        t[~mask] = float("nan")  # garbage off the mask never reaches a loss or metric
+    return mask, tensors
+
+
+def close(a, b, tol=1e-9):
+    assert math.isclose(float(a), b, rel_tol=tol, abs_tol=tol), (float(a), b)
+
+
+# ------------------------------------------------------------------ KL
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), est=st.sampled_from(["k1", "k2", "k3", "low_var_kl"]))
+def test_kl_estimators_match_reference(seed, est):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(3, 5, generator=g, dtype=torch.float64) * 3
+    ref = torch.randn(3, 5, generator=g, dtype=torch.float64) * 3
+    out = kl_estimate(lp, ref, est)
+    for b in range(3):
+        for t in range(5):
+            close(out[b, t], ref_kl(float(lp[b, t]), float(ref[b, t]), est), 1e-9)
+
+
+def test_kl_properties_and_errors():
+    lp = torch.tensor([0.0, -50.0, -1.0])
+    ref = torch.tensor([0.0, 0.0, -1.0])
+    assert kl_estimate(lp, ref, "k1").tolist() == [0.0, -50.0, 0.0]
+    k3 = kl_estimate(lp, ref, "k3")
+    assert bool((k3 >= 0).all())
+    big = kl_estimate(torch.tensor([-200.0]), torch.tensor([0.0]), "low_var_kl")
+    assert big.item() == 10.0  # clamped, never inf
+    with pytest.raises(ValueError, match="k1, k2, k3, low_var_kl"):
+        kl_estimate(lp, ref, "k4")
+    with pytest.raises(ValueError, match="shape"):
+        kl_estimate(lp, ref[:2], "k1")
+
+
+def test_fixed_and_adaptive_kl_controllers():
+    fixed = FixedKLController(0.1)
+    fixed.update(5.0, 100)
+    assert fixed.value == 0.1
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=10000)
+    ctl.update(current_kl=9.0, n_steps=256)  # error clipped to +0.2
+    assert math.isclose(ctl.value, 0.2 * (1 + 0.2 * 256 / 10000))
+    v = ctl.value
+    ctl.update(current_kl=5.4, n_steps=100)  # error -0.1
+    assert math.isclose(ctl.value, v * (1 - 0.1 * 100 / 10000))
+    v = ctl.value
+    ctl.update(current_kl=6.0, n_steps=100)  # on target: unchanged
+    assert ctl.value == v
+    # a simulated loop: the coefficient rises while KL is above target, falls while below
+    ctl = AdaptiveKLController(1.0, target=1.0, horizon=10)
+    for _ in range(5):
+        ctl.update(2.0, 1)
+    assert math.isclose(ctl.value, 1.02**5)
+    ctl.update(0.0, 1000)  # huge n_steps: floored, never negative
+    assert ctl.value == 0.0
+    for bad in (
+        dict(init_coef=-1, target=1, horizon=1),
+        dict(init_coef=1, target=0, horizon=1),
+        dict(init_coef=1, target=1, horizon=0),
+    ):
+        with pytest.raises(ValueError):
+            AdaptiveKLController(**bad)
+    with pytest.raises(ValueError, match="finite"):
+        AdaptiveKLController(1, 1, 1).update(float("nan"), 1)
+
+
+# ------------------------------------------------------------------ aggregation
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 5),
+    T=st.integers(1, 12),
+    mode=st.sampled_from(MODES),
+)
+def test_aggregate_loss_matches_reference(seed, B, T, mode):
+    mask, (x,) = rand_batch(seed, B, T, 1)
+    close(aggregate_loss(x, mask, mode), ref_agg(x.tolist(), mask.tolist(), mode))
+
+
+def test_aggregate_hand_computed_and_errors():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # last row empty: left out of seq means
+    assert aggregate_loss(x, m, "token-mean").item() == 2.5
+    assert aggregate_loss(x, m, "seq-mean-token-sum").item() == 5.0
+    assert aggregate_loss(x, m, "seq-mean-token-mean").item() == 3.0
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_loss(x, m, "sum")
+    with pytest.raises(ValueError, match="no response token"):
+        aggregate_loss(x, torch.zeros(3, 3), "token-mean")
+    with pytest.raises(ValueError, match="shape"):
+        aggregate_loss(x, torch.ones(3, 2), "token-mean")
+
+
+# ------------------------------------------------------------------ policy loss
+def ref_policy(lp, old, adv, mask, lo, hi, dual, mode):
+    B, T = len(lp), len(lp[0])
+    mat = [[0.0] * T for _ in range(B)]
+    clipped = dualed = n = 0
+    kl = 0.0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            n += 1
+            ratio = math.exp(lp[b][t] - old[b][t])
+            a = adv[b][t]
+            unclipped = -a * ratio
+            clip = -a * min(max(ratio, 1 - lo), 1 + hi)
+            loss = max(unclipped, clip)
+            clipped += clip > unclipped
+            if dual is not None and a < 0 and loss > -a * dual:
+                loss = -a * dual
+                dualed += 1
+            mat[b][t] = loss
+            kl += old[b][t] - lp[b][t]
+    return ref_agg(mat, mask, mode), clipped / n, dualed / n, kl / n
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 5),
+    T=st.integers(1, 12),
+    lo=st.floats(0.0, 0.5),
+    hi=st.floats(0.0, 0.5),
+    dual=st.one_of(st.none(), st.floats(1.01, 5.0)),
+    mode=st.sampled_from(MODES),
+)
+def test_policy_loss_matches_reference(seed, B, T, lo, hi, dual, mode):
+    mask, (lp, old, adv) = rand_batch(seed, B, T)
+    lp = lp * 0.5  # ratios around 1 so that both clipped and unclipped tokens occur
+    loss, metrics = policy_loss(lp, old * 0.5, adv, mask, lo, hi, dual, mode)
+    r_loss, r_clip, r_dual, r_kl = ref_policy(
+        lp.tolist(), (old * 0.5).tolist(), adv.tolist(), mask.tolist(), lo, hi, dual, mode
+    )
+    close(loss, r_loss)
+    close(metrics["clip_frac"], r_clip, 1e-6)
+    close(metrics["dual_clip_frac"], r_dual, 1e-6)
+    close(metrics["approx_kl"], r_kl, 1e-5)
+
+
+def test_policy_loss_hand_computed_gradients_and_entropy():
+    lp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 3.0]])).requires_grad_()
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, 1.0, -2.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, m = policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.3, dual_clip=2.5)
+    # t0: ratio 1.5, A=1: max(-1.5, -1.3) = -1.3 (clipped)
+    # t1: ratio 0.5, A=1: max(-0.5, -0.8) = -0.5
+    # t2: ratio 1, A=-2: 2
+    # t3: ratio 3, A=-1: max(3, 1.3) = 3 -> dual clip min(3, 2.5) = 2.5
+    assert math.isclose(loss.item(), (-1.3 - 0.5 + 2 + 2.5) / 4, rel_tol=1e-6)
+    assert m["clip_frac"].item() == 0.25 and m["dual_clip_frac"].item() == 0.25
+    loss.backward()
+    # clipped and dual-clipped tokens carry no gradient; others d/dlp(-A*ratio) / 4
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.5 / 4, 2.0 / 4, 0.0]]))
+    ent = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    loss_e, m_e = policy_loss(
+        lp.detach(), old, adv, mask, 0.2, 0.3, 2.5, entropy=ent, entropy_coef=0.1
+    )
+    assert math.isclose(loss_e.item(), loss.item() - 0.1 * 2.5, rel_tol=1e-6)
+    assert m_e["entropy"].item() == 2.5
+
+
+def test_policy_loss_errors_and_extremes():
+    t = torch.zeros(2, 3)
+    m = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="dual_clip must be"):
+        policy_loss(t, t, t, m, dual_clip=1.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(t, t, t, m, clip_low=1.0)
+    with pytest.raises(ValueError, match="advantages shape"):
+        policy_loss(t, t, torch.zeros(2, 2), m)
+    with pytest.raises(ValueError, match="no response token"):
+        policy_loss(t, t, t, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="unknown agg"):
+        policy_loss(t, t, t, m, agg="mean")
+    # a huge log-ratio does not overflow to inf/NaN
+    loss, metrics = policy_loss(torch.full((2, 3), 500.0), t, torch.ones(2, 3), m)
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+
+
+# ------------------------------------------------------------------ value loss
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 5),
+    T=st.integers(1, 12),
+    clip=st.one_of(st.none(), st.floats(0.01, 2.0)),
+    mode=st.sampled_from(MODES),
+)
+def test_value_loss_matches_reference(seed, B, T, clip, mode):
+    mask, (v, old, ret) = rand_batch(seed, B, T)
+    loss, metrics = value_loss(v, old, ret, mask, clip, mode)
+    mat = [[0.0] * T for _ in range(B)]
+    n = clipped = 0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            vv, oo, rr = float(v[b, t]), float(old[b, t]), float(ret[b, t])
+            l1 = (vv - rr) ** 2
+            l2 = l1 if clip is None else (oo + min(max(vv - oo, -clip), clip) - rr) ** 2
+            mat[b][t] = 0.5 * max(l1, l2)
+            n += 1
+            clipped += l2 > l1
+    close(loss, ref_agg(mat, mask.tolist(), mode))
+    close(metrics["clip_frac"], clipped / n, 1e-6)
+
+
+def test_value_loss_hand_computed_and_errors():
+    v = torch.tensor([[2.0, 0.0]])
+    old = torch.tensor([[0.0, 0.0]])
+    ret = torch.tensor([[3.0, 1.0]])
+    loss, m = value_loss(v, old, ret, torch.ones(1, 2), clip_range=0.5)
+    # t0: unclipped (2-3)^2 = 1, clipped (0.5-3)^2 = 6.25 -> 6.25; t1: 1 vs 1 -> 1
+    assert math.isclose(loss.item(), 0.5 * (6.25 + 1) / 2)
+    assert m["clip_frac"].item() == 0.5
+    loss, m = value_loss(v, old, ret, torch.ones(1, 2))
+    assert math.isclose(loss.item(), 0.5 * (1 + 1) / 2) and m["clip_frac"].item() == 0.0
+    with pytest.raises(ValueError, match="clip_range"):
+        value_loss(v, old, ret, torch.ones(1, 2), clip_range=0.0)
+    with pytest.raises(ValueError, match="returns shape"):
+        value_loss(v, old, ret[:, :1], torch.ones(1, 2))
+
+
+# ------------------------------------------------------------------ entropy and KL loss
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), V=st.integers(1, 8))
+def test_entropy_matches_reference(seed, V):
+    logits = (
+        torch.randn(2, 3, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 4
+    )
+    out = entropy_from_logits(logits)
+    for b in range(2):
+        for t in range(3):
+            z = logits[b, t].tolist()
+            mx = max(z)
+            ps = [math.exp(x - mx) for x in z]
+            total = sum(ps)
+            close(out[b, t], -sum(p / total * math.log(p / total) for p in ps if p > 0), 1e-9)
+
+
+def test_entropy_with_banned_tokens_has_finite_gradient():
+    logits = torch.tensor([[[0.0, 0.0, float("-inf"), 1000.0]]], requires_grad=True)
+    h = entropy_from_logits(logits)
+    h.sum().backward()
+    assert torch.isfinite(h).all() and torch.isfinite(logits.grad).all()
+    assert math.isclose(entropy_from_logits(torch.zeros(1, 1, 4)).item(), math.log(4), rel_tol=1e-6)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    est=st.sampled_from(["k1", "k2", "k3", "low_var_kl"]),
+    mode=st.sampled_from(MODES),
+)
+def test_kl_loss_matches_reference(seed, est, mode):
+    mask, (lp, ref) = rand_batch(seed, 3, 6, 2)
+    mat = [
+        [ref_kl(float(lp[b, t]), float(ref[b, t]), est) if mask[b, t] else 0.0 for t in range(6)]
+        for b in range(3)
+    ]
+    close(kl_loss(lp, ref, mask, est, mode), ref_agg(mat, mask.tolist(), mode), 1e-9)
