@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test lint format crd docs images clean
+.PHONY: install demo test lint format crd docs images e2e clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ docs: crd
 ## Build both images (needs a Docker engine; not run in CI).
 images:
 	bash hack/build-images.sh
+
+## End-to-end on a kind cluster (needs Docker and kind; not run in CI).
+e2e:
+	bash hack/e2e-kind.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info ppojob-out

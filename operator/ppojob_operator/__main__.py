@@ -1,0 +1,96 @@
+"""`ppojob-operator` / `python -m ppojob_operator`: run the PPOJob operator.
+
+Flags (the Helm chart passes exactly these):
+
+--namespace NS        watch this namespace (repeatable); none given means --all-namespaces
+--all-namespaces      watch every namespace (cluster-wide)
+--metrics-port 8080   Prometheus metrics at http://:PORT/metrics (0 disables)
+--health-port 8081    liveness probe at http://:PORT/healthz (kopf's liveness endpoint; 0 disables)
+--gang-scheduler S    cluster default gang scheduler, used only for jobs whose spec omits
+                      `spec.scheduling.gangScheduler` (an explicit `none` in the spec stays `none`)
+--log-level LEVEL     DEBUG, INFO, WARNING, ERROR
+--trainer-entrypoint  override the trainer command run in the head pod
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ppojob-operator", description="Run the PPOJob operator (kopf, standalone)."
+    )
+    p.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="namespace to watch (repeatable); none means --all-namespaces",
+    )
+    p.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch all namespaces (cluster-wide)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="port of the Prometheus /metrics endpoint (0 disables)",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=8081,
+        help="port of the /healthz liveness endpoint (0 disables)",
+    )
+    p.add_argument(
+        "--gang-scheduler",
+        choices=GANG_SCHEDULERS,
+        default=None,
+        help="default gang scheduler for jobs whose spec omits gangScheduler",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level",
+    )
+    p.add_argument(
+        "--trainer-entrypoint",
+        default=None,
+        help="trainer command run in the head pod (default: ppojob-train ...)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.namespace and args.all_namespaces:
+        print("--namespace and --all-namespaces are exclusive", file=sys.stderr)
+        return 2
+    import logging
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from ppojob_operator import handlers, metrics
+
+    metrics.serve(args.metrics_port)
+    handlers.run(
+        namespaces=args.namespace,
+        clusterwide=not args.namespace,
+        config=handlers.OperatorConfig(
+            gang_default=args.gang_scheduler, entrypoint=args.trainer_entrypoint
+        ),
+        health_port=args.health_port,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

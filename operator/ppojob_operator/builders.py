@@ -1,0 +1,435 @@
+"""Pure builders: PPOJob -> the children the operator creates (plain dicts, no API calls).
+
+Children, in creation order (the RayJob last, so everything its pods need exists first):
+
+1. ConfigMap ``<job>-trainer``: ``trainer.yaml``, the trainer's config (the training half).
+2. ServiceAccount ``<job>-trainer``: the identity of every trainer pod.
+3. Role + RoleBinding ``<job>-trainer``: ``get`` and ``patch`` on ``ppojobs/status`` of this job
+   only (``resourceNames``), so the trainer can report progress and nothing else.
+4. PodGroup ``<job>`` (scheduler-plugins only; see ``scheduling``).
+5. RayJob ``<job>``: a head group and one worker group per role with pods of its own.
+
+Every child carries a controller ownerReference to its PPOJob (when the PPOJob's uid is known;
+``ppojob render`` without a cluster leaves it out), so deleting the PPOJob garbage-collects them.
+
+Ray custom resources: each pod advertises ``ppojob-<role>: <workers on this pod>`` (``ppojob-head:
+1`` on the head) in ``rayStartParams.resources``, so the trainer can pin each role's workers
+to that role's pods (see :data:`ROLE_RESOURCE`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import yaml
+
+from ppojob_operator import scheduling
+from ppojob_operator.api import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    PPOJob,
+    Problem,
+    dump,
+    trainer_config_from_spec,
+)
+
+MANAGED_BY = "ppojob-operator"
+JOB_LABEL = "ppojob.io/job"
+ROLE_LABEL = "ppojob.io/role"
+APPLIED_SPEC_ANNOTATION = "ppojob.io/applied-spec"
+ROLE_RESOURCE = "ppojob-{role}"
+"""Name of the Ray custom resource marking a role's pods (``ppojob-actor``, ...)."""
+
+CONFIG_DIR = "/etc/ppojob"
+CONFIG_KEY = "trainer.yaml"
+OUTPUT_DIR = "/tmp/ppojob-out"
+DEFAULT_ENTRYPOINT = f"ppojob-train --config {CONFIG_DIR}/{CONFIG_KEY} --out {OUTPUT_DIR}"
+RUN_AS_USER = 1000  # the `ray` user of the trainer image
+MAX_NAME_LENGTH = 47  # KubeRay: RayJob names <= 47 characters (it appends 6 for the cluster)
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+ENV_JOB_NAME = "PPOJOB_NAME"
+ENV_JOB_NAMESPACE = "PPOJOB_NAMESPACE"
+ENV_ROLE = "PPOJOB_ROLE"
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, ownership, operator-level checks
+# ---------------------------------------------------------------------------------------------
+def trainer_name(job_name: str) -> str:
+    """Name of the ConfigMap, ServiceAccount, Role and RoleBinding of a job."""
+    return f"{job_name}-trainer"
+
+
+def owner_reference(job_name: str, uid: str) -> dict[str, Any]:
+    """A controller ownerReference to the PPOJob (deletion garbage-collects the child)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job_name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def check_job(job: PPOJob) -> list[Problem]:
+    """Problems only the operator sees (the child names KubeRay will accept)."""
+    name = job.metadata.name or ""
+    problems: list[Problem] = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(
+            Problem(
+                "metadata.name",
+                f"is {len(name)} characters; KubeRay accepts "
+                f"RayJob names of at most {MAX_NAME_LENGTH}",
+                "use a shorter name",
+            )
+        )
+    if name and not _DNS1035.match(name):
+        problems.append(
+            Problem(
+                "metadata.name",
+                f"{name!r} is not a DNS-1035 label (KubeRay "
+                "needs one: lower case, digits and '-', starting with a letter)",
+                "rename the job",
+            )
+        )
+    return problems
+
+
+def applied_spec(job: PPOJob) -> dict[str, Any]:
+    """The part of the spec a started job cannot change (everything but ``suspend``)."""
+    spec = dump(job.spec)
+    spec.pop("suspend", None)
+    return spec
+
+
+def _meta(name: str, namespace: str, job_name: str, uid: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, JOB_LABEL: job_name},
+    }
+    if uid:
+        meta["ownerReferences"] = [owner_reference(job_name, uid)]
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# ConfigMap, ServiceAccount, Role, RoleBinding
+# ---------------------------------------------------------------------------------------------
+def trainer_config_yaml(job: PPOJob) -> str:
+    """The trainer's config file: the training half of the spec."""
+    cfg = trainer_config_from_spec(job.spec, job.metadata.name)
+    data = cfg.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def config_map(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    name = job.metadata.name or ""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(trainer_name(name), namespace, name, uid),
+        "data": {CONFIG_KEY: trainer_config_yaml(job)},
+    }
+
+
+def service_account(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    name = job.metadata.name or ""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(trainer_name(name), namespace, name, uid),
+    }
+
+
+def role(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    name = job.metadata.name or ""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(trainer_name(name), namespace, name, uid),
+        "rules": [
+            {
+                "apiGroups": [GROUP],
+                "resources": [f"{PLURAL}/status"],
+                "resourceNames": [name],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    }
+
+
+def role_binding(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    name = job.metadata.name or ""
+    tname = trainer_name(name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(tname, namespace, name, uid),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": tname},
+        "subjects": [{"kind": "ServiceAccount", "name": tname, "namespace": namespace}],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# RayJob
+# ---------------------------------------------------------------------------------------------
+def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
+    """(role, role spec) of every role that needs pods of its own, in group order."""
+    spec = job.spec
+    out: list[tuple[str, Any]] = [("actor", spec.roles.actor)]
+    critic = spec.roles.effective_critic(spec.algorithm.needs_critic)
+    if critic is not None and not critic.colocate_with_actor:
+        out.append(("critic", critic))
+    if not spec.roles.rollout.colocate_with_actor:
+        out.append(("rollout", spec.roles.rollout))
+    return out
+
+
+def _cpu(cpus: float) -> str:
+    milli = round(cpus * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _resources(cpus: float, memory: str, gpus: int) -> dict[str, dict[str, str]]:
+    res = {"cpu": _cpu(cpus), "memory": memory}
+    if gpus:
+        res["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(res), "limits": dict(res)}
+
+
+def _volumes(job: PPOJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    name = job.metadata.name or ""
+    volumes: list[dict[str, Any]] = [
+        {"name": "trainer-config", "configMap": {"name": trainer_name(name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "trainer-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    vol = job.spec.checkpoint_volume
+    if vol is not None:
+        if vol.persistent_volume_claim is not None:
+            src = {"persistentVolumeClaim": {"claimName": vol.persistent_volume_claim.claim_name}}
+        elif vol.nfs is not None:
+            src = {"nfs": {"server": vol.nfs.server, "path": vol.nfs.path}}
+        else:  # check_spec rejects this; keep the builder total
+            src = None
+        if src is not None:
+            volumes.append({"name": "checkpoints", **src})
+            mounts.append({"name": "checkpoints", "mountPath": job.spec.training.checkpoint_dir})
+    return volumes, mounts
+
+
+def _env(job_role: str, extra: list[Any]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {
+            "name": ENV_JOB_NAME,
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOB_LABEL}']"}},
+        },
+        {"name": ENV_JOB_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_ROLE, "value": job_role},
+        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+    ]
+    seen = {e["name"] for e in env}
+    env += [{"name": e.name, "value": e.value} for e in extra if e.name not in seen]
+    return env
+
+
+def _pod_template(
+    job: PPOJob,
+    *,
+    group_role: str,
+    container: str,
+    resources: dict[str, Any],
+    node_selector: dict[str, str],
+    tolerations: list[Any],
+    env: list[Any],
+    gang: scheduling.GangPlan,
+) -> dict[str, Any]:
+    spec = job.spec
+    name = job.metadata.name or ""
+    volumes, mounts = _volumes(job)
+    pod: dict[str, Any] = {
+        "serviceAccountName": trainer_name(name),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": container,
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "resources": resources,
+                "env": _env(group_role, env),
+                "volumeMounts": mounts,
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
+        "volumes": volumes,
+    }
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod["tolerations"] = [dump(t) for t in tolerations]
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    if gang.scheduler_name:
+        pod["schedulerName"] = gang.scheduler_name
+    labels = {JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
+    return {"metadata": {"labels": labels}, "spec": pod}
+
+
+def _ray_resources(values: dict[str, int]) -> str:
+    # rayStartParams values are passed verbatim to `ray start --resources=...`: quoted JSON.
+    return json.dumps(json.dumps(values, separators=(",", ":")))
+
+
+def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
+    """Head and worker groups as gang members (replicas and per-pod requests)."""
+    head = job.spec.head
+    members = [scheduling.GangMember(1, _resources(head.cpus, head.memory, 0)["requests"])]
+    for _, r in pod_roles(job):
+        res = r.resources
+        members.append(
+            scheduling.GangMember(
+                r.replicas, _resources(res.cpus, res.memory, res.gpus)["requests"]
+            )
+        )
+    return members
+
+
+def ray_job(
+    job: PPOJob,
+    namespace: str,
+    uid: str | None = None,
+    *,
+    gang: scheduling.GangPlan,
+    entrypoint: str | None = None,
+) -> dict[str, Any]:
+    spec = job.spec
+    name = job.metadata.name or ""
+    head = spec.head
+    head_group = {
+        "rayStartParams": {
+            "dashboard-host": "0.0.0.0",
+            "resources": _ray_resources({ROLE_RESOURCE.format(role="head"): 1}),
+        },
+        "template": _pod_template(
+            job,
+            group_role="head",
+            container="ray-head",
+            resources=_resources(head.cpus, head.memory, 0),
+            node_selector=head.node_selector,
+            tolerations=[],
+            env=[],
+            gang=gang,
+        ),
+    }
+    workers = []
+    for role_name, r in pod_roles(job):
+        res = r.resources
+        workers.append(
+            {
+                "groupName": role_name,
+                "replicas": r.replicas,
+                "minReplicas": r.replicas,
+                "maxReplicas": r.replicas,
+                "rayStartParams": {
+                    "resources": _ray_resources(
+                        {ROLE_RESOURCE.format(role=role_name): max(res.gpus, 1)}
+                    )
+                },
+                "template": _pod_template(
+                    job,
+                    group_role=role_name,
+                    container="ray-worker",
+                    resources=_resources(res.cpus, res.memory, res.gpus),
+                    node_selector=r.node_selector,
+                    tolerations=r.tolerations,
+                    env=r.env,
+                    gang=gang,
+                ),
+            }
+        )
+    meta = _meta(name, namespace, name, uid)
+    meta["labels"].update(gang.rayjob_labels)
+    meta["annotations"] = {APPLIED_SPEC_ANNOTATION: json.dumps(applied_spec(job), sort_keys=True)}
+    body: dict[str, Any] = {
+        "entrypoint": entrypoint or DEFAULT_ENTRYPOINT,
+        "submissionMode": spec.submission_mode,
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
+        "backoffLimit": spec.backoff_limit,
+        "suspend": bool(spec.suspend or gang.create_suspended),
+        "rayClusterSpec": {
+            "rayVersion": spec.ray_version,
+            "headGroupSpec": head_group,
+            "workerGroupSpecs": workers,
+        },
+    }
+    if spec.active_deadline_seconds is not None:
+        body["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": body}
+
+
+# ---------------------------------------------------------------------------------------------
+# All children
+# ---------------------------------------------------------------------------------------------
+def build_children(
+    job: PPOJob,
+    *,
+    namespace: str,
+    uid: str | None = None,
+    gang_default: str | None = None,
+    entrypoint: str | None = None,
+) -> list[dict[str, Any]]:
+    """Every child of a valid PPOJob, in creation order (the RayJob last)."""
+    name = job.metadata.name or ""
+    scheduler = scheduling.effective_scheduler(job, gang_default)
+    owner_refs = [owner_reference(name, uid)] if uid else None
+    gang = scheduling.plan(
+        job,
+        name=name,
+        namespace=namespace,
+        scheduler=scheduler,
+        members=gang_members(job),
+        owner_refs=owner_refs,
+    )
+    return [
+        config_map(job, namespace, uid),
+        service_account(job, namespace, uid),
+        role(job, namespace, uid),
+        role_binding(job, namespace, uid),
+        *gang.objects,
+        ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint),
+    ]
+
+
+def render_children_yaml(
+    job: PPOJob, namespace: str = "default", gang_default: str | None = None
+) -> str:
+    """The children as a YAML stream, exactly as the operator would create them (less the
+    ownerReferences, which need the PPOJob's uid from the cluster)."""
+    ns = job.metadata.namespace or namespace
+    docs = build_children(job, namespace=ns, gang_default=gang_default)
+    header = f"# children of PPOJob {ns}/{job.metadata.name} (ownerReferences added in-cluster)\n"
+    return header + yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True)

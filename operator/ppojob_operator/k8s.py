@@ -1,0 +1,225 @@
+"""The only module that calls the Kubernetes API (official ``kubernetes`` client).
+
+Objects are plain dicts (what the builders make); requests go through the client's REST layer
+with JSON bodies, skipping its model (de)serialisation, which costs more CPU than the request.
+Every call is idempotent or made so: :func:`create_or_get` treats 409 AlreadyExists as success
+(after checking that the existing object is ours), so re-running a handler never makes a
+second child.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from ppojob_operator.api import GROUP, KIND, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+# apiVersion, kind -> (plural, namespaced)
+KINDS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Event"): "events",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("ray.io/v1", "RayJob"): "rayjobs",
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
+    (f"{GROUP}/{VERSION}", KIND): PLURAL,
+}
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, status: int, reason: str, body: str = "") -> None:
+        super().__init__(f"HTTP {status} {reason}: {body[:4000]}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object that another owner controls."""
+
+
+@dataclass
+class _State:
+    client: Any = None
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def configure(host: str | None = None, *, token: str | None = None, pool_size: int = 32) -> None:
+    """Set up the client: explicit ``host`` (tests), else in-cluster config, else kubeconfig."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    if host:
+        cfg.host = host
+        if token:
+            cfg.api_key = {"authorization": token}
+            cfg.api_key_prefix = {"authorization": "Bearer"}
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool_size
+    with _lock:
+        _state.client = client.ApiClient(cfg)
+
+
+def _client() -> Any:
+    if _state.client is None:
+        configure()
+    return _state.client
+
+
+def path_for(
+    api_version: str,
+    kind: str,
+    namespace: str | None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """URL path of a collection or an object."""
+    plural = KINDS.get((api_version, kind))
+    if plural is None:
+        raise ValueError(f"unknown kind {api_version}/{kind}")
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = base + (f"/namespaces/{quote(namespace)}" if namespace else "") + f"/{plural}"
+    if name:
+        path += f"/{quote(name)}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def request(
+    method: str, path: str, body: Any = None, content_type: str = "application/json"
+) -> dict[str, Any]:
+    """One API request; returns the decoded JSON answer, raises :class:`ApiError` on non-2xx."""
+    api = _client()
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = content_type
+    method_, url, headers, body_, _ = api.param_serialize(
+        method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
+    )
+    resp = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
+    raw = resp.read()
+    if not 200 <= resp.status < 300:
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        raise ApiError(resp.status, str(resp.reason), text)
+    return json.loads(raw) if raw else {}
+
+
+def get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object, or None if it does not exist."""
+    try:
+        return request("GET", path_for(api_version, kind, namespace, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def _controller_uid(obj: dict[str, Any]) -> str | None:
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def create_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Create the object; on 409 return the existing one. Returns (object, created).
+
+    Raises :class:`ChildConflict` when the existing object is controlled by another owner.
+    """
+    meta = obj["metadata"]
+    ns, name = meta.get("namespace"), meta["name"]
+    try:
+        return request("POST", path_for(obj["apiVersion"], obj["kind"], ns), obj), True
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+    existing = get(obj["apiVersion"], obj["kind"], ns, name)
+    if existing is None:  # deleted between our create and get: create again
+        return request("POST", path_for(obj["apiVersion"], obj["kind"], ns), obj), True
+    want, have = _controller_uid(obj), _controller_uid(existing)
+    if want and have and want != have:
+        raise ChildConflict(
+            f"{obj['kind']} {ns}/{name} exists and is controlled by another owner (uid {have})"
+        )
+    return existing, False
+
+
+def patch(
+    api_version: str,
+    kind: str,
+    namespace: str,
+    name: str,
+    body: dict[str, Any],
+    subresource: str | None = None,
+) -> dict[str, Any] | None:
+    """JSON merge patch; None if the object is gone."""
+    try:
+        return request(
+            "PATCH",
+            path_for(api_version, kind, namespace, name, subresource),
+            body,
+            content_type="application/merge-patch+json",
+        )
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
+    """Merge-patch a PPOJob's status subresource; None if the PPOJob is gone."""
+    return patch(f"{GROUP}/{VERSION}", KIND, namespace, name, {"status": status}, "status")
+
+
+def post_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post a core/v1 Event about an object; failures are logged, never raised."""
+    meta = involved.get("metadata", {})
+    ns = meta.get("namespace") or "default"
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{meta.get('name', 'ppojob')}.{uuid.uuid4().hex[:16]}",
+            "namespace": ns,
+        },
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion", f"{GROUP}/{VERSION}"),
+            "kind": involved.get("kind", KIND),
+            "name": meta.get("name"),
+            "namespace": ns,
+            **({"uid": meta["uid"]} if meta.get("uid") else {}),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1000],
+        "source": {"component": "ppojob-operator"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+        "reportingComponent": "ppojob-operator",
+    }
+    try:
+        request("POST", path_for("v1", "Event", ns), event)
+    except Exception as exc:  # events are best-effort
+        log.warning("could not post event %s on %s/%s: %s", reason, ns, meta.get("name"), exc)

@@ -1,0 +1,78 @@
+"""The exact ClusterRole rules the operator needs; the Helm chart renders these.
+
+Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by kopf itself:
+
+- PPOJobs: kopf lists and watches them, patches them (finalizer-free; kopf's progress storage
+  lives in annotations, hence ``patch`` on the object), and the operator writes ``status``.
+- ``ppojobs/status`` get+patch: the operator writes status, and it must itself hold these
+  verbs to create the per-job Role that grants them to the trainer (RBAC escalation rule).
+- RayJobs: created, read, watched (status mirroring) and patched (suspend/resume).
+- ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get).
+- PodGroups (Volcano, read only, for visibility; scheduler-plugins: created and read).
+- Events: created (kopf's and ours).
+- CRDs list/watch: kopf's resource scanning. Namespaces list/watch: cluster-wide mode.
+The operator runs kopf in standalone mode (no peering), so no KopfPeering rules.
+"""
+
+from __future__ import annotations
+
+OPERATOR_RULES: list[dict] = [
+    {
+        "apiGroups": ["ppojob.io"],
+        "resources": ["ppojobs"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
+    {
+        "apiGroups": ["ppojob.io"],
+        "resources": ["ppojobs/status"],
+        "verbs": ["get", "patch"],
+    },
+    {
+        # children carry blockOwnerDeletion: the OwnerReferencesPermissionEnforcement admission
+        # plugin requires `update` on the owner's finalizers subresource
+        "apiGroups": ["ppojob.io"],
+        "resources": ["ppojobs/finalizers"],
+        "verbs": ["update"],
+    },
+    {
+        "apiGroups": ["ray.io"],
+        "resources": ["rayjobs"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps", "serviceaccounts"],
+        "verbs": ["get", "create"],
+    },
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["get", "create"],
+    },
+    {
+        "apiGroups": ["scheduling.x-k8s.io"],
+        "resources": ["podgroups"],
+        "verbs": ["get", "create"],
+    },
+    {
+        "apiGroups": ["scheduling.volcano.sh"],
+        "resources": ["podgroups"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {
+        "apiGroups": ["", "events.k8s.io"],
+        "resources": ["events"],
+        "verbs": ["create"],
+    },
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["namespaces"],
+        "verbs": ["list", "watch"],
+    },
+]
+"""ClusterRole rules of the operator's ServiceAccount (see the module docstring)."""

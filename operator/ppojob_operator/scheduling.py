@@ -1,0 +1,238 @@
+"""Gang scheduling: one small pure strategy per scheduler (``spec.scheduling.gangScheduler``).
+
+Each strategy turns a job into a :class:`GangPlan`: labels for the RayJob (KubeRay copies them
+to the RayCluster it creates), labels and a scheduler name for every pod template, whether the
+RayJob must be created suspended, and any object we must create ourselves. Every pod of the job
+(the head and every worker, all with replicas = minReplicas = maxReplicas) is in the one gang;
+with ``submissionMode: SidecarMode`` the submitter is a container of the head pod, so no pod
+lives outside it.
+
+What each scheduler needs in the cluster (the KubeRay operator's settings and the scheduler):
+
+``volcano``
+    KubeRay operator started with ``batchScheduler.name=volcano`` (Helm value; the flag is
+    ``--batch-scheduler=volcano``, or ``--enable-batch-scheduler=true`` before KubeRay 1.2).
+    We set ``ray.io/gang-scheduling-enabled: "true"``, ``volcano.sh/queue-name`` (when
+    ``spec.scheduling.queue`` is set; Volcano's ``default`` queue otherwise) and
+    ``ray.io/priority-class-name``; KubeRay then creates one Volcano PodGroup (minMember = head
+    + all workers, minResources = their sum) and sets ``schedulerName: volcano`` on the pods.
+    Volcano must be installed, with the queue existing and open.
+``yunikorn``
+    KubeRay operator started with ``batchScheduler.name=yunikorn`` (``--batch-scheduler=yunikorn``,
+    KubeRay >= 1.2). We set ``yunikorn.apache.org/app-id``, ``yunikorn.apache.org/queue`` (when
+    set) and ``ray.io/gang-scheduling-enabled: "true"``; KubeRay writes the task groups
+    (gang members) into the pod annotations and sets ``schedulerName: yunikorn``. YuniKorn must be
+    installed with the queue in its queue configuration.
+``kueue``
+    No KubeRay setting. Kueue must be installed with the RayJob integration enabled
+    (``integrations.frameworks`` includes ``ray.io/rayjob`` in Kueue's configuration) and a
+    LocalQueue named by ``spec.scheduling.queue`` in the job's namespace. We set
+    ``kueue.x-k8s.io/queue-name`` and create the RayJob suspended; Kueue admits the whole job
+    (head and all workers as one workload) by unsuspending it when quota allows. While queued the
+    PPOJob is ``Pending`` with reason ``WaitingForAdmission``.
+``scheduler-plugins``
+    KubeRay's scheduler-plugins integration covers RayCluster only, so leave KubeRay's
+    ``batchScheduler.name`` unset (if it is set to ``scheduler-plugins`` KubeRay would also create
+    a PodGroup of its own per RayCluster). The scheduler-plugins second scheduler must be
+    installed (scheduler name ``scheduler-plugins-scheduler``, the chart's default) with the
+    Coscheduling plugin enabled. We create a ``scheduling.x-k8s.io/v1alpha1`` PodGroup named after
+    the job (minMember = head + all workers, minResources = their sum, scheduleTimeoutSeconds =
+    ``spec.scheduling.timeoutSeconds``) and put ``scheduling.x-k8s.io/pod-group`` and
+    ``schedulerName`` in every pod template.
+``none``
+    Nothing is needed; pods are scheduled one by one by the default scheduler (no all-or-nothing
+    guarantee; the trainer's placement group still waits for the whole job).
+
+The operator's ``--gang-scheduler`` flag is a cluster default used only for jobs whose stored
+spec does not name a gang scheduler (``spec.scheduling`` omitted); an explicit ``none`` stays
+``none``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppojob_operator.api import PPOJob
+
+GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
+
+GANG_LABEL = "ray.io/gang-scheduling-enabled"
+VOLCANO_QUEUE_LABEL = "volcano.sh/queue-name"
+PRIORITY_LABEL = "ray.io/priority-class-name"
+YUNIKORN_APP_LABEL = "yunikorn.apache.org/app-id"
+YUNIKORN_QUEUE_LABEL = "yunikorn.apache.org/queue"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+SP_POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+SP_SCHEDULER_NAME = "scheduler-plugins-scheduler"
+
+
+@dataclass
+class GangMember:
+    """One group of identical pods of the gang (the head, or one worker group)."""
+
+    replicas: int
+    requests: dict[str, str]
+
+
+@dataclass
+class GangPlan:
+    """What one scheduler strategy adds to the children."""
+
+    scheduler: str
+    rayjob_labels: dict[str, str] = field(default_factory=dict)
+    pod_labels: dict[str, str] = field(default_factory=dict)
+    scheduler_name: str | None = None
+    create_suspended: bool = False
+    objects: list[dict[str, Any]] = field(default_factory=list)
+
+
+def effective_scheduler(job: PPOJob, default: str | None) -> str:
+    """The job's gang scheduler: the spec's, or the operator default when the spec names none."""
+    spec = job.spec
+    named = spec.explicit("scheduling") and spec.scheduling.explicit("gang_scheduler")
+    if not named and default:
+        if default not in GANG_SCHEDULERS:
+            raise ValueError(f"unknown gang scheduler {default!r}; one of {GANG_SCHEDULERS}")
+        return default
+    return spec.scheduling.gang_scheduler
+
+
+def _parse_quantity(value: str) -> float:
+    """A Kubernetes quantity as a float (only what our builders emit: plain, m, Ki..Ei, k..E)."""
+    suffixes = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "Pi": 2**50,
+        "Ei": 2**60,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "P": 1e15,
+        "E": 1e18,
+        "m": 1e-3,
+    }
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * suffixes[suffix]
+    return float(value)
+
+
+def _format_quantity(name: str, total: float) -> str:
+    if name == "memory":
+        return f"{round(total)}"
+    if name == "cpu":
+        milli = round(total * 1000)
+        return f"{milli // 1000}" if milli % 1000 == 0 else f"{milli}m"
+    return f"{round(total)}"
+
+
+def gang_totals(members: list[GangMember]) -> tuple[int, dict[str, str]]:
+    """minMember and minResources of the whole gang."""
+    count = sum(m.replicas for m in members)
+    sums: dict[str, float] = {}
+    for m in members:
+        for name, qty in m.requests.items():
+            sums[name] = sums.get(name, 0.0) + m.replicas * _parse_quantity(qty)
+    return count, {k: _format_quantity(k, v) for k, v in sorted(sums.items()) if v > 0}
+
+
+def plan(
+    job: PPOJob,
+    *,
+    name: str,
+    namespace: str,
+    scheduler: str,
+    members: list[GangMember],
+    owner_refs: list[dict[str, Any]] | None = None,
+) -> GangPlan:
+    """The gang plan of one job for one scheduler."""
+    sched = job.spec.scheduling
+    out = GangPlan(scheduler=scheduler)
+    if scheduler == "volcano":
+        out.rayjob_labels[GANG_LABEL] = "true"
+        if sched.queue:
+            out.rayjob_labels[VOLCANO_QUEUE_LABEL] = sched.queue
+        if sched.priority_class_name:
+            out.rayjob_labels[PRIORITY_LABEL] = sched.priority_class_name
+    elif scheduler == "yunikorn":
+        out.rayjob_labels[GANG_LABEL] = "true"
+        out.rayjob_labels[YUNIKORN_APP_LABEL] = f"ppojob-{namespace}-{name}"[:63].rstrip("-.")
+        if sched.queue:
+            out.rayjob_labels[YUNIKORN_QUEUE_LABEL] = sched.queue
+    elif scheduler == "kueue":
+        if sched.queue:
+            out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
+        out.create_suspended = True
+    elif scheduler == "scheduler-plugins":
+        out.pod_labels[SP_POD_GROUP_LABEL] = name
+        out.scheduler_name = SP_SCHEDULER_NAME
+        out.objects.append(
+            scheduler_plugins_podgroup(
+                name=name,
+                namespace=namespace,
+                members=members,
+                timeout_seconds=sched.timeout_seconds,
+                owner_refs=owner_refs,
+            )
+        )
+    elif scheduler != "none":
+        raise ValueError(f"unknown gang scheduler {scheduler!r}; one of {GANG_SCHEDULERS}")
+    return out
+
+
+def scheduler_plugins_podgroup(
+    *,
+    name: str,
+    namespace: str,
+    members: list[GangMember],
+    timeout_seconds: int,
+    owner_refs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The ``scheduling.x-k8s.io/v1alpha1`` PodGroup holding head and all workers."""
+    count, resources = gang_totals(members)
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {"app.kubernetes.io/managed-by": "ppojob-operator", "ppojob.io/job": name},
+    }
+    if owner_refs:
+        meta["ownerReferences"] = owner_refs
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": meta,
+        "spec": {
+            "minMember": count,
+            "minResources": resources,
+            "scheduleTimeoutSeconds": timeout_seconds,
+        },
+    }
+
+
+def volcano_podgroup_preview(
+    *,
+    name: str,
+    namespace: str,
+    members: list[GangMember],
+    queue: str | None,
+    priority_class_name: str | None,
+) -> dict[str, Any]:
+    """The Volcano PodGroup KubeRay creates for the job (we never create it; for docs/tests)."""
+    count, resources = gang_totals(members)
+    spec: dict[str, Any] = {
+        "minMember": count,
+        "minResources": resources,
+        "queue": queue or "default",
+    }
+    if priority_class_name:
+        spec["priorityClassName"] = priority_class_name
+    return {
+        "apiVersion": "scheduling.volcano.sh/v1beta1",
+        "kind": "PodGroup",
+        "metadata": {"name": f"ray-{name}-pg", "namespace": namespace},
+        "spec": spec,
+    }

@@ -1,0 +1,213 @@
+"""Pure: RayJob status (+ the PPOJob's spec) -> PPOJob ``status`` (all but ``progress``).
+
+``status.progress`` belongs to the trainer (its ProgressReporter patches it); the operator
+never writes it.
+
+RayJob ``jobDeploymentStatus`` / ``jobStatus`` -> PPOJob ``phase``:
+
+=================================  ======================  ====================================
+jobDeploymentStatus                jobStatus               phase
+=================================  ======================  ====================================
+"" / New                           any                     Pending (Suspended if spec.suspend)
+Initializing / Retrying / Waiting  any                     Initializing
+Running                            RUNNING                 Running
+Running                            other                   Initializing (submitting)
+Complete                           SUCCEEDED               Succeeded
+Complete                           FAILED / STOPPED        Failed
+Failed                             any                     Failed (RayJob's reason and message)
+Suspending / Suspended             any                     Suspended (Pending while Kueue has
+                                                           not admitted an unsuspended job)
+=================================  ======================  ====================================
+
+Conditions (always the same six types, ``lastTransitionTime`` kept while the status holds):
+``Valid``, ``SpecApplied`` (False with reason ``SpecChangeRefused`` when the spec of a started
+job changed in anything but ``suspend``), ``Running``, ``Succeeded``, ``Failed``, ``Suspended``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ppojob_operator.api import PPOJob, Problem, total_gpus
+from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION, applied_spec
+
+CONDITION_TYPES = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")
+OPERATOR_KEYS = (
+    "phase",
+    "conditions",
+    "observedGeneration",
+    "rayJobName",
+    "rayClusterName",
+    "dashboardURL",
+    "gpus",
+    "startTime",
+    "completionTime",
+)
+
+
+def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str, str, str]:
+    """(phase, reason, message) of a job from its RayJob."""
+    st = rayjob.get("status") or {}
+    dep = st.get("jobDeploymentStatus") or ""
+    js = st.get("jobStatus") or ""
+    reason = st.get("reason") or ""
+    message = st.get("message") or ""
+    if dep == "Complete":
+        if js == "SUCCEEDED":
+            return "Succeeded", "RayJobSucceeded", message or "the Ray job succeeded"
+        return "Failed", reason or f"RayJob{js.title() or 'Failed'}", message or f"jobStatus {js}"
+    if dep == "Failed":
+        return "Failed", reason or "RayJobFailed", message or "the RayJob failed"
+    if dep in ("Suspended", "Suspending"):
+        if kueue and not suspend:
+            return "Pending", "WaitingForAdmission", "waiting for Kueue to admit the job"
+        return "Suspended", f"RayJob{dep}", "the job is suspended (spec.suspend)"
+    if dep == "Running":
+        if js == "RUNNING":
+            return "Running", "RayJobRunning", "the trainer is running"
+        return "Initializing", "Submitting", f"the Ray cluster is up; job status {js or 'unset'}"
+    if dep in ("Initializing", "Retrying", "Waiting"):
+        why = "retrying with a new Ray cluster" if dep == "Retrying" else "starting the Ray cluster"
+        return "Initializing", f"RayJob{dep}", message or why
+    if dep in ("", "New"):
+        if suspend:
+            return "Suspended", "Suspended", "the job is suspended (spec.suspend)"
+        if kueue:
+            return "Pending", "WaitingForAdmission", "waiting for Kueue to admit the job"
+        return "Pending", "RayJobCreated", "waiting for KubeRay"
+    return "Pending", "UnknownDeploymentStatus", f"RayJob jobDeploymentStatus {dep!r}"
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str, gen: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+    }
+    if gen is not None:
+        out["observedGeneration"] = gen
+    return out
+
+
+def _with_times(conds: list[dict[str, Any]], previous: list[dict[str, Any]], now: str) -> list:
+    prev = {c.get("type"): c for c in previous or []}
+    for c in conds:
+        p = prev.get(c["type"])
+        same = p is not None and p.get("status") == c["status"]
+        c["lastTransitionTime"] = p.get("lastTransitionTime", now) if same else now  # type: ignore[union-attr]
+    return conds
+
+
+def changed_fields(applied: Any, current: Any, path: str = "spec") -> list[str]:
+    """Paths of the fields that differ between two spec dicts (suspend excluded)."""
+    if isinstance(applied, dict) and isinstance(current, dict):
+        out: list[str] = []
+        for key in sorted(set(applied) | set(current)):
+            if path == "spec" and key == "suspend":
+                continue
+            out += changed_fields(applied.get(key), current.get(key), f"{path}.{key}")
+        return out
+    return [] if applied == current else [path]
+
+
+def invalid_status(
+    problems: list[Problem], *, generation: int | None, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
+    """Status of a job whose spec is invalid: no children exist."""
+    msg = "; ".join(str(p) for p in problems)
+    conds = [_cond("Valid", False, "InvalidSpec", msg, generation)]
+    conds += [_cond(t, False, "InvalidSpec", "", generation) for t in CONDITION_TYPES[1:]]
+    return {
+        "phase": "Invalid",
+        "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
+        "observedGeneration": generation,
+    }
+
+
+def desired_status(
+    job: PPOJob,
+    rayjob: dict[str, Any],
+    *,
+    generation: int | None,
+    previous: dict[str, Any] | None,
+    now: str,
+    scheduler: str = "none",
+) -> dict[str, Any]:
+    """The operator's part of a valid, started job's status, from its RayJob."""
+    kueue = scheduler == "kueue"
+    phase, reason, message = phase_of(rayjob, suspend=job.spec.suspend, kueue=kueue)
+    st = rayjob.get("status") or {}
+    g = generation
+    try:
+        applied = json.loads(rayjob["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION])
+    except (KeyError, TypeError, ValueError):
+        applied = None
+    diff = changed_fields(applied, applied_spec(job)) if applied is not None else []
+    if diff:
+        spec_cond = _cond(
+            "SpecApplied",
+            False,
+            "SpecChangeRefused",
+            "a started job's spec can only change spec.suspend; changed: "
+            + ", ".join(diff[:20])
+            + ". Revert them, or delete and recreate the job",
+            g,
+        )
+    else:
+        spec_cond = _cond("SpecApplied", True, "SpecApplied", "the RayJob matches the spec", g)
+    conds = [
+        _cond("Valid", True, "SpecValid", "the spec is valid", g),
+        spec_cond,
+        _cond("Running", phase == "Running", reason if phase == "Running" else phase, "", g),
+        _cond(
+            "Succeeded",
+            phase == "Succeeded",
+            reason if phase == "Succeeded" else phase,
+            message if phase == "Succeeded" else "",
+            g,
+        ),
+        _cond(
+            "Failed",
+            phase == "Failed",
+            reason if phase == "Failed" else phase,
+            message if phase == "Failed" else "",
+            g,
+        ),
+        _cond(
+            "Suspended",
+            phase == "Suspended",
+            reason if phase == "Suspended" else phase,
+            message if phase == "Suspended" else "",
+            g,
+        ),
+    ]
+    out: dict[str, Any] = {
+        "phase": phase,
+        "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
+        "observedGeneration": generation,
+        "rayJobName": rayjob.get("metadata", {}).get("name"),
+        "gpus": total_gpus(job.spec),
+    }
+    for src, dst in (
+        ("rayClusterName", "rayClusterName"),
+        ("dashboardURL", "dashboardURL"),
+        ("startTime", "startTime"),
+    ):
+        if st.get(src):
+            out[dst] = st[src]
+    if phase in ("Succeeded", "Failed") and st.get("endTime"):
+        out["completionTime"] = st["endTime"]
+    return out
+
+
+def status_patch(current: dict[str, Any] | None, desired: dict[str, Any]) -> dict[str, Any]:
+    """Merge patch turning the operator's keys of ``current`` into ``desired`` ({} if equal)."""
+    current = current or {}
+    out: dict[str, Any] = {}
+    for key in OPERATOR_KEYS:
+        want = desired.get(key)
+        if current.get(key) != want:
+            out[key] = want  # None deletes the key (JSON merge patch)
+    return out

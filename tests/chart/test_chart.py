@@ -1,0 +1,368 @@
+"""The Helm chart: lint, render with several value sets, strict schema validation of every
+built-in object, RBAC equal to the operator's own rule list, CRD byte-identity, hardening."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+from ppojob_operator.__main__ import build_parser
+from ppojob_operator.crd import crd_yaml
+from ppojob_operator.rbac import OPERATOR_RULES
+
+from .conftest import CHART, ROOT, run_helm
+
+# A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
+K8S_VERSION = "1.35"
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"}
+BUILTIN_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "apiextensions.k8s.io/v1"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    "volcano-debug-extra": {
+        "defaultGangScheduler": "volcano",
+        "logLevel": "DEBUG",
+        "extraArgs": ["--trainer-entrypoint=ppojob-train"],
+        "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        "image": {
+            "repository": "registry.example.com/ppojob-operator",
+            "tag": "dev",
+            "digest": "sha256:" + "a" * 64,
+            "pullPolicy": "Always",
+        },
+        "imagePullSecrets": [{"name": "regcred"}],
+    },
+    "metrics-off": {"metrics": {"enabled": False}, "rbac": {"aggregateToDefaultRoles": False}},
+    "servicemonitor": {
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "podAnnotations": {"example.com/team": "ml"},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}
+        ],
+        "priorityClassName": "system-cluster-critical",
+    },
+    "existing-sa-no-rbac": {
+        "serviceAccount": {"create": False, "name": "ppojob-preexisting"},
+        "rbac": {"create": False},
+        "replicaCount": 0,
+    },
+    "kueue-namespaced-one": {"watchNamespaces": ["ml"], "defaultGangScheduler": "kueue"},
+}
+
+
+def _by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _operator_rbac(objs: list[dict], kind: str) -> list[dict]:
+    return [
+        o
+        for o in _by_kind(objs, kind)
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "operator-rbac"
+    ]
+
+
+def _container(objs: list[dict]) -> dict:
+    (deploy,) = _by_kind(objs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _triples(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def _is_cluster_scoped(rule: dict) -> bool:
+    return any(r in CLUSTER_SCOPED for r in rule["resources"])
+
+
+# ---------------------------------------------------------------------------------------------
+# lint and render
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint_strict(helm: Path, tmp_path: Path, name: str) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(VALUE_SETS[name]))
+    out = run_helm(helm, "lint", "--strict", str(CHART), "--values", str(values))
+    assert "0 chart(s) failed" in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_objects_validate_strictly(render, name: str) -> None:
+    objs = render(values=VALUE_SETS[name])
+    assert objs, "nothing rendered"
+    for obj in objs:
+        if obj["apiVersion"] not in BUILTIN_GROUPS:
+            assert obj["kind"] == "ServiceMonitor", f"unexpected non-built-in object {obj['kind']}"
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {where}: {exc.message}")
+
+
+def test_validation_version_is_shipped() -> None:
+    assert K8S_VERSION in {kv_utils.major_minor(v) for v in kv_utils.all_versions()}
+
+
+def test_defaults_render_the_expected_objects(render) -> None:
+    objs = render()
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == [
+        ("ClusterRole", "ppojob-ppojob-operator"),
+        ("ClusterRole", "ppojob-ppojob-operator-edit"),
+        ("ClusterRole", "ppojob-ppojob-operator-view"),
+        ("ClusterRoleBinding", "ppojob-ppojob-operator"),
+        ("Deployment", "ppojob-ppojob-operator"),
+        ("Service", "ppojob-ppojob-operator-metrics"),
+        ("ServiceAccount", "ppojob-ppojob-operator"),
+    ]
+    for o in objs:
+        if o["kind"] in {"Deployment", "Service", "ServiceAccount"}:
+            assert o["metadata"]["namespace"] == "ppojob-system"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "replicaCount=2",
+        "defaultGangScheduler=slurm",
+        "logLevel=TRACE",
+        "notAValue=1",
+        "watchNamespaces[0]=Not_A_Namespace",
+        "image.pullPolicy=Sometimes",
+    ],
+)
+def test_values_schema_rejects(helm: Path, bad: str) -> None:
+    out = run_helm(helm, "template", "x", str(CHART), "--set", bad, check=False)
+    assert out.returncode != 0, f"--set {bad} should be rejected by values.schema.json"
+    assert "values don't meet the specifications" in out.stderr or "schema" in out.stderr.lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# CRDs
+# ---------------------------------------------------------------------------------------------
+def test_chart_crd_is_byte_identical_to_generated_crd() -> None:
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    repo_crds = sorted(p.name for p in (ROOT / "crds").iterdir())
+    assert chart_crds == repo_crds
+    for name in repo_crds:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+            f"charts/ppojob-operator/crds/{name} differs from crds/{name}: "
+            f"cp crds/{name} charts/ppojob-operator/crds/"
+        )
+
+
+def test_chart_crd_matches_the_models() -> None:
+    assert (CHART / "crds" / "ppojob.io_ppojobs.yaml").read_text() == crd_yaml(), (
+        "regenerate: ppojob crd > crds/ppojob.io_ppojobs.yaml and copy it into the chart"
+    )
+
+
+def test_crd_is_installed_and_valid(render) -> None:
+    objs = render(include_crds=True)
+    crds = _by_kind(objs, "CustomResourceDefinition")
+    assert [c["metadata"]["name"] for c in crds] == ["ppojobs.ppojob.io"]
+    kubernetes_validate.validate(crds[0], K8S_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# RBAC: exactly ppojob_operator.rbac.OPERATOR_RULES
+# ---------------------------------------------------------------------------------------------
+def test_cluster_wide_rbac_is_exactly_operator_rules(render) -> None:
+    objs = render()
+    (role,) = _operator_rbac(objs, "ClusterRole")
+    expected = yaml.safe_dump({"rules": OPERATOR_RULES}, sort_keys=False)
+    assert role["rules"] == OPERATOR_RULES, (
+        "the chart's rules (templates/_helpers.tpl, ppojob-operator.rules) differ from "
+        f"ppojob_operator.rbac.OPERATOR_RULES; they should be:\n{expected}"
+    )
+    assert not _operator_rbac(objs, "Role")
+    (binding,) = _operator_rbac(objs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ppojob-ppojob-operator", "namespace": "ppojob-system"}
+    ]
+
+
+def test_namespaced_rbac_splits_operator_rules(render) -> None:
+    namespaces = ["team-a", "team-b"]
+    objs = render(values={"watchNamespaces": namespaces})
+    namespaced = [r for r in OPERATOR_RULES if not _is_cluster_scoped(r)]
+    crd_rules = [r for r in OPERATOR_RULES if "customresourcedefinitions" in r["resources"]]
+    (cluster_role,) = _operator_rbac(objs, "ClusterRole")
+    assert cluster_role["rules"] == crd_rules, "namespaced mode: only kopf's CRD reads cluster-wide"
+    roles = _operator_rbac(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
+    for role in roles:
+        assert role["rules"] == namespaced
+    bindings = _operator_rbac(objs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == namespaces
+    for b in bindings:
+        assert b["roleRef"]["kind"] == "Role"
+        assert b["subjects"][0]["namespace"] == "ppojob-system"
+    # Together they grant every operator permission except watching Namespace objects, which
+    # kopf needs only when it watches the whole cluster.
+    granted = _triples(cluster_role["rules"]) | _triples(roles[0]["rules"])
+    wanted = _triples([r for r in OPERATOR_RULES if "namespaces" not in r["resources"]])
+    assert granted == wanted
+
+
+def test_operator_rules_use_only_known_scopes() -> None:
+    """A new cluster-scoped resource in OPERATOR_RULES must be classified here and in the chart."""
+    for rule in OPERATOR_RULES:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}
+        if _is_cluster_scoped(rule):
+            assert set(rule["resources"]) <= CLUSTER_SCOPED, rule
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    for resource in CLUSTER_SCOPED:
+        assert resource in helpers
+
+
+def test_user_roles_aggregate_and_grant_no_status_writes(render) -> None:
+    objs = render()
+    user = [
+        o
+        for o in _by_kind(objs, "ClusterRole")
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "user-rbac"
+    ]
+    labels = set().union(*(o["metadata"]["labels"] for o in user))
+    assert {
+        "rbac.authorization.k8s.io/aggregate-to-edit",
+        "rbac.authorization.k8s.io/aggregate-to-view",
+    } <= labels
+    for role in user:
+        for g, r, v in _triples(role["rules"]):
+            assert g == "ppojob.io"
+            assert not (r == "ppojobs/status" and v not in {"get", "list", "watch"})
+
+
+def test_rbac_can_be_disabled(render) -> None:
+    objs = render(values=VALUE_SETS["existing-sa-no-rbac"])
+    assert {o["kind"] for o in objs} == {"Deployment", "Service"}
+    spec = _by_kind(objs, "Deployment")[0]["spec"]
+    assert spec["replicas"] == 0
+    assert spec["template"]["spec"]["serviceAccountName"] == "ppojob-preexisting"
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
+    args = _container(render(values=VALUE_SETS[name]))["args"]
+    parsed = build_parser().parse_args(args)  # exits (fails the test) on an unknown flag
+    watch = VALUE_SETS[name].get("watchNamespaces", [])
+    assert parsed.namespace == watch
+    assert parsed.all_namespaces is (not watch)
+    assert parsed.health_port == 8081
+    metrics_on = VALUE_SETS[name].get("metrics", {}).get("enabled", True)
+    assert parsed.metrics_port == (8080 if metrics_on else 0)
+    assert parsed.gang_scheduler == (VALUE_SETS[name].get("defaultGangScheduler") or None)
+    assert parsed.log_level == VALUE_SETS[name].get("logLevel", "INFO")
+
+
+def test_extra_args_and_image_digest(render) -> None:
+    c = _container(render(values=VALUE_SETS["volcano-debug-extra"]))
+    assert c["args"][-1] == "--trainer-entrypoint=ppojob-train"
+    assert c["image"] == "registry.example.com/ppojob-operator@sha256:" + "a" * 64
+    assert c["imagePullPolicy"] == "Always"
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"]
+
+
+def test_deployment_is_single_replica_recreate(render) -> None:
+    (deploy,) = _by_kind(render(), "Deployment")
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert _container(render())["image"] == "ghcr.io/ppojob/ppojob-operator:0.1.0"
+
+
+@pytest.mark.parametrize(
+    "weaken",
+    [
+        {},
+        {
+            "securityContext": {
+                "readOnlyRootFilesystem": False,
+                "allowPrivilegeEscalation": True,
+                "privileged": True,
+                "capabilities": {"add": ["NET_ADMIN"]},
+                "runAsNonRoot": False,
+            }
+        },
+    ],
+    ids=["defaults", "attempted-weakening"],
+)
+def test_container_is_hardened(render, weaken: dict) -> None:
+    objs = render(values=weaken)
+    c = _container(objs)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    pod = _by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # A read-only root filesystem needs a writable /tmp.
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_probes_hit_kopf_health_endpoint(render) -> None:
+    c = _container(render())
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 8081, "metrics": 8080}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+def test_metrics_service_selects_the_operator(render) -> None:
+    objs = render()
+    (svc,) = _by_kind(objs, "Service")
+    (deploy,) = _by_kind(objs, "Deployment")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+
+
+def test_metrics_off_renders_no_service(render) -> None:
+    objs = render(values=VALUE_SETS["metrics-off"])
+    assert not _by_kind(objs, "Service")
+    assert [p["name"] for p in _container(objs)["ports"]] == ["health"]
+
+
+def test_service_monitor(render) -> None:
+    objs = render(values=VALUE_SETS["servicemonitor"])
+    (sm,) = _by_kind(objs, "ServiceMonitor")
+    (svc,) = _by_kind(objs, "Service")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ppojob-system"]}
+    assert not _by_kind(render(), "ServiceMonitor")

@@ -1,0 +1,269 @@
+"""Pure tests of the builders: every role layout, colocation mode and gang scheduler; every child
+validated strictly against the real schemas (KubeRay, Volcano, scheduler-plugins) and
+kubernetes-validate (built-in kinds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO, base_manifest
+from ppojob_operator import builders, scheduling
+from ppojob_operator.api import total_gpus, validate_manifest
+
+GPU = {"gpus": 2, "cpus": 8, "memory": "64Gi"}
+LAYOUTS = {
+    "grpo-colocated-rollout": {
+        "algorithm": {"advantageEstimator": "grpo"},
+        "roles": {"rollout": {"colocateWithActor": True}},
+    },
+    "grpo-separate-rollout": {"algorithm": {"advantageEstimator": "grpo"}},
+    "gae-default-critic": {},
+    "gae-colocated-critic": {"roles": {"critic": {"colocateWithActor": True}}},
+    "gae-separate-all": {
+        "roles": {
+            "actor": {"replicas": 2, "resources": GPU},
+            "critic": {"replicas": 1, "resources": GPU},
+            "rollout": {"replicas": 3, "resources": GPU},
+        }
+    },
+    "gae-all-colocated": {
+        "roles": {
+            "actor": {"resources": GPU},
+            "critic": {"colocateWithActor": True},
+            "rollout": {"colocateWithActor": True},
+        }
+    },
+}
+EXPECTED_GROUPS = {
+    "grpo-colocated-rollout": ["actor"],
+    "grpo-separate-rollout": ["actor", "rollout"],
+    "gae-default-critic": ["actor", "rollout"],
+    "gae-colocated-critic": ["actor", "rollout"],
+    "gae-separate-all": ["actor", "critic", "rollout"],
+    "gae-all-colocated": ["actor"],
+}
+SCHEDULING = {
+    "none": {},
+    "volcano": {"gangScheduler": "volcano", "queue": "q1", "priorityClassName": "high"},
+    "yunikorn": {"gangScheduler": "yunikorn", "queue": "root.ml"},
+    "kueue": {"gangScheduler": "kueue", "queue": "lq"},
+    "scheduler-plugins": {"gangScheduler": "scheduler-plugins", "timeoutSeconds": 120},
+}
+
+
+def make(layout: str = "gae-default-critic", sched: str = "none", **extra):
+    spec = json.loads(json.dumps(LAYOUTS[layout]))
+    if SCHEDULING[sched]:
+        spec["scheduling"] = SCHEDULING[sched]
+    spec.update(extra)
+    return validate_manifest(base_manifest(**spec))
+
+
+def by_kind(children):
+    return {c["kind"]: c for c in children}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULING))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_children_validate_strictly(layout, sched, validate_child):
+    job = make(layout, sched)
+    children = builders.build_children(job, namespace="ns1", uid="uid-1")
+    for child in children:
+        validate_child(child)
+        refs = child["metadata"]["ownerReferences"]
+        assert refs == [builders.owner_reference("demo", "uid-1")] and refs[0]["controller"]
+    kinds = [c["kind"] for c in children]
+    assert kinds[:4] == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding"]
+    assert kinds[-1] == "RayJob"
+    assert ("PodGroup" in kinds) == (sched == "scheduler-plugins")
+    rj = children[-1]
+    groups = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == EXPECTED_GROUPS[layout]
+    for g in groups:
+        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] >= 1
+        res = json.loads(json.loads(g["rayStartParams"]["resources"]))
+        assert list(res) == [f"ppojob-{g['groupName']}"]
+
+
+def test_gpu_resources_and_role_marks():
+    job = make("gae-separate-all")
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    groups = {g["groupName"]: g for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    c = groups["critic"]["template"]["spec"]["containers"][0]
+    assert (
+        c["resources"]["requests"]
+        == c["resources"]["limits"]
+        == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
+    )
+    assert groups["rollout"]["replicas"] == 3
+    assert json.loads(json.loads(groups["actor"]["rayStartParams"]["resources"])) == {
+        "ppojob-actor": 2
+    }
+    assert total_gpus(job.spec) == 12
+
+
+def test_rayjob_lifecycle_fields_and_pod_security():
+    job = make(activeDeadlineSeconds=3600, backoffLimit=2, ttlSecondsAfterFinished=60)
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    spec = rj["spec"]
+    assert spec["submissionMode"] == "SidecarMode"
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] == 60
+    assert spec["activeDeadlineSeconds"] == 3600
+    assert spec["backoffLimit"] == 2
+    assert spec["suspend"] is False
+    assert spec["entrypoint"] == builders.DEFAULT_ENTRYPOINT
+    templates = [spec["rayClusterSpec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in spec["rayClusterSpec"]["workerGroupSpecs"]
+    ]
+    for t in templates:
+        pod = t["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["serviceAccountName"] == "demo-trainer"
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            env = {e["name"]: e for e in c["env"]}
+            assert env["PPOJOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+                "metadata.labels['ppojob.io/job']"
+            )
+            assert env["PPOJOB_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+                "metadata.namespace"
+            )
+            assert {"name": "trainer-config", "mountPath": "/etc/ppojob", "readOnly": True} in (
+                c["volumeMounts"]
+            )
+        assert t["metadata"]["labels"]["ppojob.io/job"] == "demo"
+    assert make(submissionMode="K8sJobMode", suspend=True).spec.submission_mode == "K8sJobMode"
+    rj2 = builders.build_children(make(submissionMode="K8sJobMode", suspend=True), namespace="ns1")[
+        -1
+    ]
+    assert rj2["spec"]["submissionMode"] == "K8sJobMode" and rj2["spec"]["suspend"] is True
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"persistentVolumeClaim": {"claimName": "ckpt"}},
+        {"nfs": {"server": "nfs.local", "path": "/export/ckpt"}},
+    ],
+)
+def test_checkpoint_volume_mounted_in_every_pod(volume, validate_child):
+    job = make(checkpointVolume=volume, training={"checkpointDir": "/checkpoints"})
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    validate_child(rj)
+    spec = rj["spec"]["rayClusterSpec"]
+    groups = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for t in [g["template"] for g in groups]:
+        vols = {v["name"]: v for v in t["spec"]["volumes"]}
+        assert {k: v for k, v in vols["checkpoints"].items() if k != "name"} == volume
+        mounts = {m["name"]: m for m in t["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["checkpoints"]["mountPath"] == "/checkpoints"
+
+
+def test_config_map_is_the_trainer_config():
+    from ppojob_trainer.config import TrainerConfig
+
+    job = make(training={"steps": 7})
+    cm = builders.build_children(job, namespace="ns1")[0]
+    cfg = TrainerConfig.model_validate(yaml.safe_load(cm["data"]["trainer.yaml"]))
+    assert cfg.training.steps == 7 and cfg.job_name == "demo"
+
+
+def test_trainer_role_allows_only_own_status():
+    role = builders.build_children(make(), namespace="ns1")[2]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["ppojob.io"],
+            "resources": ["ppojobs/status"],
+            "resourceNames": ["demo"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+
+
+def test_gang_labels_per_scheduler():
+    def labels(sched):
+        return builders.build_children(make("gae-separate-all", sched), namespace="ns1")[-1]
+
+    v = labels("volcano")["metadata"]["labels"]
+    assert v["ray.io/gang-scheduling-enabled"] == "true"
+    assert v["volcano.sh/queue-name"] == "q1" and v["ray.io/priority-class-name"] == "high"
+    y = labels("yunikorn")["metadata"]["labels"]
+    assert y["yunikorn.apache.org/queue"] == "root.ml" and y["yunikorn.apache.org/app-id"]
+    k = labels("kueue")
+    assert k["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "lq"
+    assert k["spec"]["suspend"] is True
+    sp = labels("scheduler-plugins")
+    for g in [sp["spec"]["rayClusterSpec"]["headGroupSpec"]] + sp["spec"]["rayClusterSpec"][
+        "workerGroupSpecs"
+    ]:
+        assert g["template"]["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
+        assert g["template"]["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+    assert "ray.io/gang-scheduling-enabled" not in labels("none")["metadata"]["labels"]
+
+
+def test_scheduler_plugins_podgroup_sums_the_gang():
+    job = make("gae-separate-all", "scheduler-plugins")
+    pg = by_kind(builders.build_children(job, namespace="ns1"))["PodGroup"]
+    # head (2 cpu, 8Gi) + 6 worker pods of 8 cpu, 64Gi, 2 GPUs
+    assert pg["spec"]["minMember"] == 7
+    assert pg["spec"]["minResources"] == {
+        "cpu": "50",
+        "memory": str((8 + 6 * 64) * 2**30),
+        "nvidia.com/gpu": "12",
+    }
+    assert pg["spec"]["scheduleTimeoutSeconds"] == 120
+
+
+def test_volcano_preview_validates(validate_child):
+    job = make("gae-separate-all", "volcano")
+    pg = scheduling.volcano_podgroup_preview(
+        name="demo",
+        namespace="ns1",
+        members=builders.gang_members(job),
+        queue="q1",
+        priority_class_name="high",
+    )
+    validate_child(pg)
+    assert pg["spec"]["minMember"] == 7
+
+
+def test_operator_default_scheduler_applies_only_when_spec_names_none():
+    assert scheduling.effective_scheduler(make(), "volcano") == "volcano"
+    explicit = validate_manifest(base_manifest(scheduling={"gangScheduler": "none"}))
+    assert scheduling.effective_scheduler(explicit, "volcano") == "none"
+    assert scheduling.effective_scheduler(make(), None) == "none"
+
+
+def test_strict_validation_catches_unknown_fields(validate_child):
+    rj = builders.build_children(make(), namespace="ns1")[-1]
+    rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "bogusField"
+    ] = 1
+    with pytest.raises(AssertionError, match="bogusField"):
+        validate_child(rj)
+
+
+def test_job_name_limits():
+    long = validate_manifest(base_manifest(name="x" * 48))
+    assert [p.path for p in builders.check_job(long)] == ["metadata.name"]
+    assert builders.check_job(make()) == []
+
+
+def test_render_cli_prints_the_builders_output(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(base_manifest(scheduling=SCHEDULING["scheduler-plugins"])))
+    out = subprocess.run(
+        [sys.executable, "-m", "ppojob_trainer.cli", "render", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    job = validate_manifest(base_manifest(scheduling=SCHEDULING["scheduler-plugins"]))
+    assert docs == builders.build_children(job, namespace="ns1")

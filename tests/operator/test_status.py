@@ -1,0 +1,99 @@
+"""Pure tests of the RayJob -> PPOJob status mapping."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import base_manifest
+from ppojob_operator import builders
+from ppojob_operator.api import Problem, validate_manifest
+from ppojob_operator.status import desired_status, invalid_status, phase_of, status_patch
+
+JOB = validate_manifest(base_manifest())
+
+
+def rayjob(dep="", js="", **extra):
+    rj = builders.build_children(JOB, namespace="ns1")[-1]
+    rj["status"] = {"jobDeploymentStatus": dep, "jobStatus": js, **extra}
+    return rj
+
+
+@pytest.mark.parametrize(
+    ("dep", "js", "phase"),
+    [
+        ("", "", "Pending"),
+        ("New", "", "Pending"),
+        ("Initializing", "", "Initializing"),
+        ("Running", "PENDING", "Initializing"),
+        ("Running", "RUNNING", "Running"),
+        ("Complete", "SUCCEEDED", "Succeeded"),
+        ("Complete", "FAILED", "Failed"),
+        ("Failed", "FAILED", "Failed"),
+        ("Retrying", "", "Initializing"),
+        ("Suspending", "", "Suspended"),
+        ("Suspended", "", "Suspended"),
+    ],
+)
+def test_phase_mapping(dep, js, phase):
+    assert phase_of(rayjob(dep, js), suspend=False, kueue=False)[0] == phase
+
+
+def test_kueue_waiting_is_pending():
+    assert phase_of(rayjob("Suspended"), suspend=False, kueue=True)[:2] == (
+        "Pending",
+        "WaitingForAdmission",
+    )
+    assert phase_of(rayjob("Suspended"), suspend=True, kueue=True)[0] == "Suspended"
+
+
+def test_failure_carries_rayjob_reason_and_message():
+    rj = rayjob(
+        "Failed",
+        "FAILED",
+        reason="DeadlineExceeded",
+        message="ran past 3600s",
+        startTime="t0",
+        endTime="t1",
+    )
+    st = desired_status(JOB, rj, generation=3, previous=None, now="T")
+    assert st["phase"] == "Failed" and st["completionTime"] == "t1" and st["startTime"] == "t0"
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed == {
+        "type": "Failed",
+        "status": "True",
+        "reason": "DeadlineExceeded",
+        "message": "ran past 3600s",
+        "observedGeneration": 3,
+        "lastTransitionTime": "T",
+    }
+    assert st["observedGeneration"] == 3 and st["rayJobName"] == "demo" and st["gpus"] == 0
+
+
+def test_transition_times_kept_and_no_patch_when_unchanged():
+    rj = rayjob("Running", "RUNNING", dashboardURL="demo-head:8265")
+    first = desired_status(JOB, rj, generation=1, previous=None, now="T1")
+    again = desired_status(JOB, rj, generation=1, previous=first, now="T2")
+    assert again == first and status_patch(first, again) == {}
+    assert first["dashboardURL"] == "demo-head:8265"
+    done = desired_status(
+        JOB, rayjob("Complete", "SUCCEEDED"), generation=1, previous=first, now="T3"
+    )
+    times = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    assert times["Valid"] == "T1" and times["Running"] == "T3" and times["Succeeded"] == "T3"
+    assert status_patch(first, done)["dashboardURL"] is None  # gone from RayJob: removed
+
+
+def test_spec_change_refused_condition_names_fields():
+    changed = validate_manifest(base_manifest(training={"steps": 5}, suspend=True))
+    st = desired_status(changed, rayjob("Running", "RUNNING"), generation=2, previous=None, now="T")
+    cond = next(c for c in st["conditions"] if c["type"] == "SpecApplied")
+    assert cond["status"] == "False" and cond["reason"] == "SpecChangeRefused"
+    assert cond["message"].split("changed: ")[1].startswith("spec.training.steps.")
+
+
+def test_invalid_status():
+    st = invalid_status(
+        [Problem("spec.image", "is empty", "set it")], generation=1, previous=None, now="T"
+    )
+    assert st["phase"] == "Invalid"
+    assert st["conditions"][0]["reason"] == "InvalidSpec"
+    assert "spec.image" in st["conditions"][0]["message"]
