@@ -1,0 +1,100 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "ppojob-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: the release name, with the chart name unless the release already has it. */}}
+{{- define "ppojob-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "ppojob-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ppojob-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ppojob-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "ppojob-operator.labels" -}}
+helm.sh/chart: {{ include "ppojob-operator.chart" . }}
+{{ include "ppojob-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ppojob
+{{- end }}
+
+{{- define "ppojob-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ppojob-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "ppojob-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's RBAC rules: exactly ppojob_operator.rbac.OPERATOR_RULES, same order
+(tests/chart/test_chart.py compares them). Cluster-wide mode puts all of them in one ClusterRole.
+Namespaced mode puts the namespaced ones in a Role per watched namespace and only the
+CustomResourceDefinitions rule in a ClusterRole (kopf watches only the named namespaces, so it
+needs no access to Namespace objects).
+*/}}
+{{- define "ppojob-operator.rules" -}}
+rules:
+  - apiGroups: ["ppojob.io"]
+    resources: ["ppojobs"]
+    verbs: ["get", "list", "watch", "patch"]
+  - apiGroups: ["ppojob.io"]
+    resources: ["ppojobs/status"]
+    verbs: ["get", "patch"]
+  - apiGroups: ["ppojob.io"]
+    resources: ["ppojobs/finalizers"]
+    verbs: ["update"]
+  - apiGroups: ["ray.io"]
+    resources: ["rayjobs"]
+    verbs: ["get", "list", "watch", "create", "patch"]
+  - apiGroups: [""]
+    resources: ["configmaps", "serviceaccounts"]
+    verbs: ["get", "create"]
+  - apiGroups: ["rbac.authorization.k8s.io"]
+    resources: ["roles", "rolebindings"]
+    verbs: ["get", "create"]
+  - apiGroups: ["scheduling.x-k8s.io"]
+    resources: ["podgroups"]
+    verbs: ["get", "create"]
+  - apiGroups: ["scheduling.volcano.sh"]
+    resources: ["podgroups"]
+    verbs: ["get", "list", "watch"]
+  - apiGroups: ["", "events.k8s.io"]
+    resources: ["events"]
+    verbs: ["create"]
+  - apiGroups: ["apiextensions.k8s.io"]
+    resources: ["customresourcedefinitions"]
+    verbs: ["list", "watch"]
+  - apiGroups: [""]
+    resources: ["namespaces"]
+    verbs: ["list", "watch"]
+{{- end }}
+
+{{/* Resources that are cluster-scoped (never granted by a namespaced Role). */}}
+{{- define "ppojob-operator.clusterScopedResources" -}}
+customresourcedefinitions namespaces
+{{- end }}

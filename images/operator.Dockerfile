@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1
+# The PPOJob operator: slim Python, kopf and the Kubernetes client, the `operator` extra only.
+# No torch, no Ray. Runs as a non-root user; the chart also makes the root filesystem read-only.
+#
+#   docker build -f images/operator.Dockerfile -t ghcr.io/ppojob/ppojob-operator:0.1.0 .
+# (build context: the repository root; see hack/build-images.sh)
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator/ operator/
+COPY trainer/ trainer/
+# The distribution holds both packages; the operator imports only the trainer's config model
+# (pydantic, no torch). Installing the `operator` extra pulls kopf, kubernetes, prometheus-client.
+RUN python -m venv /opt/ppojob \
+ && /opt/ppojob/bin/pip install --no-cache-dir ".[operator]" \
+ && /opt/ppojob/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'ray')))" \
+ && /opt/ppojob/bin/ppojob-operator --help > /dev/null
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="ppojob-operator" \
+      org.opencontainers.image.description="PPOJob operator (kopf): PPOJob -> gang-scheduled KubeRay RayJob" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --gid 10001 ppojob \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin ppojob
+COPY --from=build /opt/ppojob /opt/ppojob
+ENV PATH=/opt/ppojob/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+EXPOSE 8080 8081
+ENTRYPOINT ["ppojob-operator"]
+CMD ["--all-namespaces"]

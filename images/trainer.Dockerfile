@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1
+# The ppojob trainer: CUDA, torch, Ray, megatron-core, sglang and the ppojob trainer. Every pod of
+# a PPOJob (the Ray head with the PPO driver, and every worker) runs this image. Non-root.
+#
+#   docker build -f images/trainer.Dockerfile -t ghcr.io/ppojob/trainer:0.1.0 .
+#
+# A CPU-only variant (the tiny example, kind clusters, CI-sized runs):
+#   docker build -f images/trainer.Dockerfile -t ppojob-trainer:cpu \
+#     --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRAS=trainer \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#
+# Your own code (reward functions, custom advantage functions, datasets) goes into an image built
+# FROM this one: see docs/trainer-guide.md, "Custom hooks".
+
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+# trainer,gpu: torch, ray, transformers, megatron-core, sglang. trainer alone: the CPU path.
+ARG EXTRAS=trainer,gpu
+# Empty: torch from PyPI (CUDA wheels). https://download.pytorch.org/whl/cpu: CPU wheels.
+ARG TORCH_INDEX_URL=""
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/ppojob \
+    PATH=/opt/ppojob/bin:$PATH
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# wget: KubeRay's exec liveness/readiness probes of Ray pods call it (KubeRay >= 1.1).
+# git, build-essential, python3-dev: sglang and megatron-core build small native extensions.
+# Versions float with the base image's distribution release (the base image is pinned).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      python3 python3-venv python3-dev build-essential git wget ca-certificates procps \
+      libnuma1 \
+ && rm -rf /var/lib/apt/lists/*
+
+RUN python3 -m venv "$VIRTUAL_ENV"
+
+WORKDIR /src
+COPY pyproject.toml README.md constraints.txt ./
+COPY operator/ operator/
+COPY trainer/ trainer/
+# torch first (from the CPU index when asked; pinned by constraints.txt), then the trainer with
+# its extras (versions bounded by pyproject.toml).
+# hadolint ignore=DL3013
+RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+      pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c constraints.txt torch; \
+    fi \
+ && pip install --no-cache-dir ".[${EXTRAS}]" \
+ && python -c "import torch, ray, ppojob_trainer; print('torch', torch.__version__, 'ray', ray.__version__)" \
+ && ppojob-train --help > /dev/null
+
+RUN groupadd --gid 10001 ppojob \
+ && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/ppojob --shell /bin/bash ppojob \
+ && mkdir -p /workspace \
+ && chown ppojob:ppojob /workspace
+ENV HOME=/home/ppojob \
+    HF_HOME=/home/ppojob/.cache/huggingface
+WORKDIR /workspace
+USER 10001:10001
