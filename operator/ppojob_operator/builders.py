@@ -52,6 +52,9 @@ RUN_AS_USER = 1000  # the `ray` user of the trainer image
 MAX_NAME_LENGTH = 47  # KubeRay: RayJob names <= 47 characters (it appends 6 for the cluster)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
+# libyaml's emitter when present (same output as yaml.safe_dump, several times faster)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 ENV_JOB_NAME = "PPOJOB_NAME"
 ENV_JOB_NAMESPACE = "PPOJOB_NAMESPACE"
 ENV_ROLE = "PPOJOB_ROLE"
@@ -127,7 +130,7 @@ def trainer_config_yaml(job: PPOJob) -> str:
     """The trainer's config file: the training half of the spec."""
     cfg = trainer_config_from_spec(job.spec, job.metadata.name)
     data = cfg.model_dump(by_alias=True, exclude_none=True, mode="json")
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
 def config_map(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:

@@ -15,9 +15,9 @@ ownerReferences. kopf runs standalone (no peering); its own events are posted on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,34 +56,35 @@ class State:
         self.rayjobs: dict[Key, dict[str, Any]] = {}
         self.written: dict[Key, dict[str, Any]] = {}
         self.posted: dict[tuple[Key, str], str] = {}  # (job, reason) -> last message posted
-        self._locks: dict[Key, threading.Lock] = {}
-        self._guard = threading.Lock()
+        # The handlers are async and run in kopf's event loop (one thread): plain dicts suffice;
+        # the per-job lock only orders the status writes of one job across awaits.
+        self._locks: dict[Key, asyncio.Lock] = {}
 
-    def lock(self, key: Key) -> threading.Lock:
-        with self._guard:
-            lk = self._locks.get(key)
-            if lk is None:
-                lk = self._locks[key] = threading.Lock()
-            return lk
+    def lock(self, key: Key) -> asyncio.Lock:
+        lk = self._locks.get(key)
+        if lk is None:
+            lk = self._locks[key] = asyncio.Lock()
+        return lk
 
     def forget(self, key: Key) -> None:
-        with self._guard:
-            self.jobs.pop(key, None)
-            self.written.pop(key, None)
-            self._locks.pop(key, None)
-            for k in [k for k in self.posted if k[0] == key]:
-                self.posted.pop(k, None)
+        self.jobs.pop(key, None)
+        self.written.pop(key, None)
+        self._locks.pop(key, None)
+        for k in [k for k in self.posted if k[0] == key]:
+            self.posted.pop(k, None)
         metrics.JOBS.set(key, None)
 
 
-def _event_once(state: State, body: dict[str, Any], type_: str, reason: str, msg: str) -> None:
+async def _event_once(
+    state: State, body: dict[str, Any], type_: str, reason: str, msg: str
+) -> None:
     """Post an event unless the same one was just posted for this job (handlers may re-run)."""
     meta = body["metadata"]
     key = ((meta.get("namespace") or "", meta.get("name") or ""), reason)
     if state.posted.get(key) == msg:
         return
     state.posted[key] = msg
-    k8s.post_event(body, type_, reason, msg)
+    await k8s.apost_event(body, type_, reason, msg)
 
 
 def _normalized(spec: dict[str, Any]) -> dict[str, Any]:
@@ -155,9 +156,9 @@ def _owner_key(rayjob: dict[str, Any]) -> Key | None:
 # ---------------------------------------------------------------------------------------------
 # The reconcile steps (plain functions; the kopf handlers below only route to them)
 # ---------------------------------------------------------------------------------------------
-def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = None) -> bool:
+async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = None) -> bool:
     """Write the operator's status keys of one job if they changed. Returns whether it wrote."""
-    with state.lock(key):
+    async with state.lock(key):
         body = state.jobs.get(key)
         if body is None:
             return False
@@ -179,22 +180,24 @@ def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = None) ->
         metrics.JOBS.set(key, desired.get("phase"))
         if not patch:
             return False
-        if k8s.patch_job_status(key[0], key[1], patch) is None:
+        if await k8s.apatch_job_status(key[0], key[1], patch) is None:
             return False  # the PPOJob is gone
         state.written[key] = desired
         return True
 
 
-def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Create (or find) every child of a PPOJob, then write its status. Idempotent."""
+async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Create (or find) every child of a PPOJob, then write its status. Idempotent.
+
+    The children the RayJob's pods need are created concurrently, the RayJob after them."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    with state._guard:
-        state.jobs.setdefault(key, body)
+    state.jobs.setdefault(key, body)
     job, problems = parse(body)
     if job is None:
-        _event_once(state, body, "Warning", "InvalidSpec", "; ".join(str(p) for p in problems))
-        sync_status(state, key)
+        msg = "; ".join(str(p) for p in problems)
+        await _event_once(state, body, "Warning", "InvalidSpec", msg)
+        await sync_status(state, key)
         return []
     children = build_children(
         job,
@@ -203,22 +206,20 @@ def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any
         gang_default=state.config.gang_default,
         entrypoint=state.config.entrypoint,
     )
-    made = []
-    for child in children:
-        try:
-            obj, _created = k8s.create_or_get(child)
-        except k8s.ChildConflict as exc:
-            k8s.post_event(body, "Warning", "ChildConflict", str(exc))
-            raise kopf.PermanentError(str(exc)) from None
-        made.append(obj)
+    try:
+        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, children[:-1]))]
+        made.append((await k8s.acreate_or_get(children[-1]))[0])
+    except k8s.ChildConflict as exc:
+        await k8s.apost_event(body, "Warning", "ChildConflict", str(exc))
+        raise kopf.PermanentError(str(exc)) from None
     rayjob = made[-1]
     if not rayjob.get("metadata", {}).get("annotations"):
         rayjob = children[-1]  # an emulator/server that dropped fields: fall back to ours
-    sync_status(state, key, rayjob=rayjob)
+    await sync_status(state, key, rayjob=rayjob)
     return made
 
 
-def apply_spec_change(
+async def apply_spec_change(
     state: State, body: dict[str, Any], old: dict[str, Any] | None, new: dict[str, Any] | None
 ) -> None:
     """A spec change: suspend/resume the RayJob; refuse (visibly) anything else."""
@@ -227,11 +228,11 @@ def apply_spec_change(
     state.jobs[key] = body
     status = body.get("status") or {}
     if not status.get("rayJobName"):
-        reconcile_children(state, body)
+        await reconcile_children(state, body)
         return
     job, problems = parse(body)
     if job is None:
-        _event_once(
+        await _event_once(
             state,
             body,
             "Warning",
@@ -239,21 +240,21 @@ def apply_spec_change(
             "the new spec is invalid; the running "
             "RayJob is unchanged: " + "; ".join(str(p) for p in problems),
         )
-        sync_status(state, key)
+        await sync_status(state, key)
         return
     suspend = job.spec.suspend
     rj = state.rayjobs.get(key)
     differs = rj is None or bool((rj.get("spec") or {}).get("suspend")) != suspend
     if (
         differs
-        and k8s.patch(
+        and await k8s.apatch(
             "ray.io/v1", "RayJob", key[0], status["rayJobName"], {"spec": {"suspend": suspend}}
         )
         is not None
     ):
         if rj is not None:
             rj.setdefault("spec", {})["suspend"] = suspend
-        _event_once(
+        await _event_once(
             state,
             body,
             "Normal",
@@ -262,7 +263,7 @@ def apply_spec_change(
         )
     refused = changed_fields(_normalized(old or {}), _normalized(new or {}))
     if refused:
-        _event_once(
+        await _event_once(
             state,
             body,
             "Warning",
@@ -270,7 +271,7 @@ def apply_spec_change(
             "a started job's spec can only change spec.suspend; refused: "
             + ", ".join(refused[:20]),
         )
-    sync_status(state, key)
+    await sync_status(state, key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,21 +288,24 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
         settings.watching.server_timeout = 600
         settings.networking.request_timeout = 60
         settings.batching.batch_window = 0.005  # default 0.1 s delays every job by 100 ms
+        # Handler progress in annotations only: kopf's default also keeps it in status.kopf,
+        # which our CRD does not declare, and deep-copies the body once more per event to do so.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("ppojob_event")
-    def _ppojob_event(type: str | None, body: Any, **_: Any) -> None:
+    async def _ppojob_event(type: str | None, body: Any, **_: Any) -> None:
         plain = _plain(body)
         key = (plain["metadata"].get("namespace") or "", plain["metadata"].get("name"))
         if type == "DELETED":
             state.forget(key)
             return
         state.jobs[key] = plain
-        sync_status(state, key)
+        await sync_status(state, key)
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     @metrics.instrumented("rayjob_event")
-    def _rayjob_event(type: str | None, body: Any, **_: Any) -> None:
+    async def _rayjob_event(type: str | None, body: Any, **_: Any) -> None:
         plain = _plain(body)
         key = _owner_key(plain)
         if key is None:
@@ -310,17 +314,17 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
             state.rayjobs.pop(key, None)
             return
         state.rayjobs[key] = plain
-        sync_status(state, key)
+        await sync_status(state, key)
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("create")
-    def _create(body: Any, **_: Any) -> None:
-        reconcile_children(state, _plain(body))
+    async def _create(body: Any, **_: Any) -> None:
+        await reconcile_children(state, _plain(body))
 
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
     @metrics.instrumented("update")
-    def _update(body: Any, old: Any, new: Any, **_: Any) -> None:
-        apply_spec_change(state, _plain(body), dict(old or {}), dict(new or {}))
+    async def _update(body: Any, old: Any, new: Any, **_: Any) -> None:
+        await apply_spec_change(state, _plain(body), dict(old or {}), dict(new or {}))
 
     return registry
 
@@ -350,23 +354,26 @@ def run(
     post_events: bool = True,
 ) -> None:
     """Run the operator until ``stop_flag`` is set (blocking; owns its event loop)."""
-    import asyncio
-
     state = State(config or OperatorConfig())
     k8s.configure(host)
     registry = build_registry(state, host)
     settings = kopf.OperatorSettings()
     settings.posting.enabled = post_events
     liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            settings=settings,
-            standalone=True,
-            clusterwide=clusterwide,
-            namespaces=namespaces or [],
-            liveness_endpoint=liveness,
-            stop_flag=stop_flag,
-            ready_flag=ready_flag,
-        )
-    )
+
+    async def main() -> None:
+        try:
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                standalone=True,
+                clusterwide=clusterwide,
+                namespaces=namespaces or [],
+                liveness_endpoint=liveness,
+                stop_flag=stop_flag,
+                ready_flag=ready_flag,
+            )
+        finally:
+            await k8s.aclose()
+
+    asyncio.run(main())

@@ -53,6 +53,9 @@ class ChildConflict(Exception):
 @dataclass
 class _State:
     client: Any = None
+    config: Any = None
+    session: Any = None  # aiohttp session of the async path, bound to one event loop
+    loop: Any = None
 
 
 _state = _State()
@@ -77,6 +80,7 @@ def configure(host: str | None = None, *, token: str | None = None, pool_size: i
     cfg.connection_pool_maxsize = pool_size
     with _lock:
         _state.client = client.ApiClient(cfg)
+        _state.config = cfg
 
 
 def _client() -> Any:
@@ -156,12 +160,18 @@ def create_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     existing = get(obj["apiVersion"], obj["kind"], ns, name)
     if existing is None:  # deleted between our create and get: create again
         return request("POST", path_for(obj["apiVersion"], obj["kind"], ns), obj), True
+    _check_owner(obj, existing)
+    return existing, False
+
+
+def _check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
     want, have = _controller_uid(obj), _controller_uid(existing)
     if want and have and want != have:
+        meta = obj["metadata"]
         raise ChildConflict(
-            f"{obj['kind']} {ns}/{name} exists and is controlled by another owner (uid {have})"
+            f"{obj['kind']} {meta.get('namespace')}/{meta['name']} exists and is controlled by "
+            f"another owner (uid {have})"
         )
-    return existing, False
 
 
 def patch(
@@ -191,8 +201,7 @@ def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> dict[
     return patch(f"{GROUP}/{VERSION}", KIND, namespace, name, {"status": status}, "status")
 
 
-def post_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """Post a core/v1 Event about an object; failures are logged, never raised."""
+def _event(involved: dict[str, Any], type_: str, reason: str, message: str) -> dict[str, Any]:
     meta = involved.get("metadata", {})
     ns = meta.get("namespace") or "default"
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -219,7 +228,144 @@ def post_event(involved: dict[str, Any], type_: str, reason: str, message: str) 
         "count": 1,
         "reportingComponent": "ppojob-operator",
     }
+    return event
+
+
+def post_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post a core/v1 Event about an object; failures are logged, never raised."""
+    event = _event(involved, type_, reason, message)
+    ns = event["metadata"]["namespace"]
     try:
         request("POST", path_for("v1", "Event", ns), event)
     except Exception as exc:  # events are best-effort
-        log.warning("could not post event %s on %s/%s: %s", reason, ns, meta.get("name"), exc)
+        name = event["involvedObject"]["name"]
+        log.warning("could not post event %s on %s/%s: %s", reason, ns, name, exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# The async path (the operator's handlers): one aiohttp session per event loop, same config and
+# credentials as the client above, no thread-pool hop, no model (de)serialisation.
+# ---------------------------------------------------------------------------------------------
+def _ssl_context(cfg: Any) -> Any:
+    import ssl
+
+    if not cfg.verify_ssl:
+        return False
+    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    return ctx
+
+
+async def _session() -> Any:
+    import asyncio
+
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    if _state.session is None or _state.loop is not loop or _state.session.closed:
+        if _state.config is None:
+            configure()
+        cfg = _state.config
+        conn = aiohttp.TCPConnector(limit=cfg.connection_pool_maxsize, ssl=_ssl_context(cfg))
+        _state.session = aiohttp.ClientSession(
+            base_url=None, connector=conn, timeout=aiohttp.ClientTimeout(total=30)
+        )
+        _state.loop = loop
+    return _state.session
+
+
+async def aclose() -> None:
+    """Close the async session (at operator shutdown)."""
+    session, _state.session, _state.loop = _state.session, None, None
+    if session is not None and not session.closed:
+        await session.close()
+
+
+async def arequest(
+    method: str, path: str, body: Any = None, content_type: str = "application/json"
+) -> dict[str, Any]:
+    """Async :func:`request`."""
+    session = await _session()
+    cfg = _state.config
+    headers = {"Accept": "application/json"}
+    token = cfg.get_api_key_with_prefix("authorization")  # runs the token refresh hook
+    if token:
+        headers["Authorization"] = token
+    data = None
+    if body is not None:
+        headers["Content-Type"] = content_type
+        data = json.dumps(body, separators=(",", ":"))
+    async with session.request(method, cfg.host + path, data=data, headers=headers) as resp:
+        raw = await resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiError(resp.status, str(resp.reason), raw.decode("utf-8", "replace"))
+    return json.loads(raw) if raw else {}
+
+
+async def aget(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """Async :func:`get`."""
+    try:
+        return await arequest("GET", path_for(api_version, kind, namespace, name))
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def acreate_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Async :func:`create_or_get`."""
+    meta = obj["metadata"]
+    ns, name = meta.get("namespace"), meta["name"]
+    collection = path_for(obj["apiVersion"], obj["kind"], ns)
+    try:
+        return await arequest("POST", collection, obj), True
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+    existing = await aget(obj["apiVersion"], obj["kind"], ns, name)
+    if existing is None:  # deleted between our create and get: create again
+        return await arequest("POST", collection, obj), True
+    _check_owner(obj, existing)
+    return existing, False
+
+
+async def apatch(
+    api_version: str,
+    kind: str,
+    namespace: str,
+    name: str,
+    body: dict[str, Any],
+    subresource: str | None = None,
+) -> dict[str, Any] | None:
+    """Async :func:`patch`."""
+    try:
+        return await arequest(
+            "PATCH",
+            path_for(api_version, kind, namespace, name, subresource),
+            body,
+            content_type="application/merge-patch+json",
+        )
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def apatch_job_status(
+    namespace: str, name: str, status: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Async :func:`patch_job_status`."""
+    return await apatch(f"{GROUP}/{VERSION}", KIND, namespace, name, {"status": status}, "status")
+
+
+async def apost_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Async :func:`post_event`."""
+    event = _event(involved, type_, reason, message)
+    ns = event["metadata"]["namespace"]
+    try:
+        await arequest("POST", path_for("v1", "Event", ns), event)
+    except Exception as exc:  # events are best-effort
+        log.warning(
+            "could not post event %s on %s/%s: %s", reason, ns, event["involvedObject"]["name"], exc
+        )

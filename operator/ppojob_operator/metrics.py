@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +77,17 @@ def instrumented(handler: str) -> Callable[[Callable[..., Any]], Callable[..., A
     """Decorator form of :func:`observe`."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                with observe(handler):
+                    return await fn(*args, **kwargs)
+
+            awrapper.__name__ = fn.__name__
+            awrapper.__qualname__ = fn.__qualname__
+            awrapper.__doc__ = fn.__doc__
+            return awrapper
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with observe(handler):
                 return fn(*args, **kwargs)

@@ -6,6 +6,8 @@ Shared by the integration tests and ``bench/operator_load.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,66 @@ def _parse_path_with_namespaces(path: str) -> Any:
 
 
 parsing.parse_path = _parse_path_with_namespaces
+
+
+# id(emulator) -> functions called with (emulator, request) after each request it served
+# (kmock's classes are slotted: an instance cannot carry a wrapper of its own).
+_AFTER: dict[int, list[Callable[[Any, Any], None]]] = {}
+
+
+def _forget_request(km: Any, request: Any) -> None:
+    """Keep only in-flight requests in kmock's log (it matches each request against its whole
+    log, so an unbounded log makes a load test measure kmock)."""
+    with contextlib.suppress(ValueError):
+        km._requests.remove(request)
+
+
+def _install_resource_versions() -> None:
+    """Give every stored object a ``metadata.resourceVersion`` that changes on each write.
+
+    kmock 0.8 has none, so kopf cannot tell a stale watch event (one that predates its own
+    bookkeeping patch) from a new one and re-runs the handlers of a just-created object. A real
+    API server has them; kopf's consistency wait (``settings.persistence.consistency_timeout``)
+    relies on them. Only the version is emulated, not optimistic concurrency.
+    """
+    cls = kmock.KubernetesEmulator
+    if getattr(cls, "_ppojob_rv", False):
+        return
+    orig = cls._handle
+    counter = itertools.count(1)
+
+    async def _handle(self: Any, request: Any) -> Any:
+        if (
+            request.resource is not None
+            and request.action in (kmock.action.CREATE, kmock.action.UPDATE)
+            and isinstance(request.data, dict)
+        ):
+            meta = request.data.get("metadata")
+            if not isinstance(meta, dict):
+                meta = request.data["metadata"] = {}
+            meta["resourceVersion"] = str(next(counter))
+        try:
+            return await orig(self, request)
+        finally:
+            for hook in _AFTER.get(id(self), ()):
+                hook(self, request)
+
+    get_objs = cls._KubernetesEmulator__get_objs  # type: ignore[attr-defined]
+
+    def _get_objs(self: Any, request: Any, strict: bool) -> list[Any]:
+        # kmock scans every stored object per request; a named, strict lookup is one dict hit.
+        if strict and request.name is not None:
+            obj = self._objects._objects.get((request.resource, request.namespace, request.name))
+            if obj is not None:
+                return [obj]
+        return get_objs(self, request, strict)
+
+    cls._handle = _handle
+    cls._KubernetesEmulator__get_objs = _get_objs  # type: ignore[attr-defined]
+    cls._ppojob_rv = True
+
+
+_install_resource_versions()
 
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 RESOURCES = {
@@ -57,7 +119,8 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0
 class Emulator:
     """kmock's KubernetesEmulator served over HTTP from a background thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bounded_log: bool = False) -> None:
+        self.bounded_log = bounded_log
         self.url = ""
         self.km: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,10 +150,20 @@ class Emulator:
                 km.resources[key] = kmock.ResourceInfo(
                     kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subs
                 )
+            hooks = _AFTER.setdefault(id(km), [])
+            if self.bounded_log:
+                hooks.append(_forget_request)
             self.km = km
             self.url = str(server.url).rstrip("/")
             self._ready.set()
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                _AFTER.pop(id(km), None)
+
+    def after_each_request(self, fn: Callable[[Any, Any], None]) -> None:
+        """Call ``fn(emulator, request)`` in the emulator's loop after each request served."""
+        _AFTER[id(self.km)].append(fn)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the emulator's loop (thread-safe access to its state)."""
@@ -102,6 +175,7 @@ class Emulator:
         return asyncio.run_coroutine_threadsafe(_do(), self._loop).result(10)
 
     def requests(self) -> list[Any]:
+        """The request log (with ``bounded_log``, only the requests still being served)."""
         return self.call(lambda: list(self.km._requests))
 
     def clear_log(self) -> None:
