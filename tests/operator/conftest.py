@@ -2,57 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-EXTERNAL_CRDS = REPO.parent / "shared" / "external-crds"
 sys.path.insert(0, str(HERE))
 
-
-def base_manifest(name: str = "demo", namespace: str = "ns1", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"image": "ghcr.io/example/ppojob-trainer:1"}
-    body.update(spec)
-    return {
-        "apiVersion": "ppojob.io/v1alpha1",
-        "kind": "PPOJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": body,
-    }
-
-
-def _strict(schema: Any) -> Any:
-    """Close every object schema that lists properties (unless it preserves unknown fields)."""
-    if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
-        if (
-            "properties" in out
-            and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            out["additionalProperties"] = False
-        if out.get("x-kubernetes-int-or-string") and "type" not in out:
-            out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-        return out
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
-def crd_validator(filename: str, version: str) -> jsonschema.Draft7Validator:
-    crd = yaml.safe_load((EXTERNAL_CRDS / filename).read_text())
-    for v in crd["spec"]["versions"]:
-        if v["name"] == version:
-            schema = _strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
-            return jsonschema.Draft7Validator(schema)
-    raise LookupError(f"{filename} has no version {version}")
+from ophelpers import crd_validator  # noqa: E402
 
 
 @pytest.fixture(scope="session")

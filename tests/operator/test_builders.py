@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO, base_manifest
+from ophelpers import REPO, base_manifest
 from ppojob_operator import builders, scheduling
 from ppojob_operator.api import total_gpus, validate_manifest
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import base_manifest
 from kmockenv import Operator, wait_for
+from ophelpers import base_manifest
 from ppojob_operator import k8s
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")
@@ -141,7 +141,7 @@ def test_invalid_spec_gets_no_children(cluster):
 
 def test_restart_mid_way_makes_no_duplicate(cluster):
     # A previous operator run created some children and died before the RayJob and the status.
-    from conftest import base_manifest as bm
+    from ophelpers import base_manifest as bm
     from ppojob_operator import builders
     from ppojob_operator.api import validate_manifest
 

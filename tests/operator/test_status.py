@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import base_manifest
+from ophelpers import base_manifest
 from ppojob_operator import builders
 from ppojob_operator.api import Problem, validate_manifest
 from ppojob_operator.status import desired_status, invalid_status, phase_of, status_patch

@@ -1,0 +1,120 @@
+"""Checkpoints: atomic writes, newest-complete selection, keep-N pruning, RNG round trip."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ppojob_trainer.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    capture_rng_state,
+    checkpoint_writer,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+
+
+def state_at(step: int) -> dict:
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, float(step))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return {
+        "actor": model.state_dict(),
+        "actor_optimizer": opt.state_dict(),
+        "data": {"epoch": 1, "position": step * 4},
+        "rng": capture_rng_state(),
+    }
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    state = state_at(3)
+    path = save_checkpoint(tmp_path, 3, state, keep=2)
+    assert path == tmp_path / "step-000003"
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["complete"] is True and manifest["step"] == 3
+    assert set(manifest["files"]) == {"actor.pt", "actor_optimizer.pt", "data.pt", "rng.pt"}
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 3
+    assert loaded["data"] == {"epoch": 1, "position": 12}
+    assert torch.equal(loaded["actor"]["weight"], state["actor"]["weight"])
+    exp_avg = state["actor_optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(loaded["actor_optimizer"]["state"][0]["exp_avg"], exp_avg)
+    assert latest_checkpoint(tmp_path) == path
+
+
+def test_crash_mid_write_is_never_the_latest(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 10, state_at(10), keep=3)
+    # A crash while writing step 20: the temp dir holds a partial file and no manifest.
+    partial = tmp_path / ".tmp-step-000020-deadbeef"
+    partial.mkdir()
+    (partial / "actor.pt").write_bytes(b"\x80\x02partial")
+    # A step dir without a manifest (e.g. copied by hand, half done) and one whose file was
+    # truncated after the manifest was written: neither counts.
+    (tmp_path / "step-000030").mkdir()
+    (tmp_path / "step-000030" / "actor.pt").write_bytes(b"x")
+    broken = save_checkpoint(tmp_path, 40, state_at(40), keep=3)
+    (broken / "actor.pt").write_bytes(b"short")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000010"
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step-000030")
+    # The next save cleans the leftover temp dir and becomes the latest.
+    path = save_checkpoint(tmp_path, 50, state_at(50), keep=3)
+    assert not partial.exists()
+    assert latest_checkpoint(tmp_path) == path
+
+
+def test_exception_while_writing_leaves_nothing(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 1, state_at(1), keep=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with checkpoint_writer(tmp_path, 2, keep=2) as writer:
+            writer.save("actor", {"w": torch.zeros(2)})
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+
+
+def test_keep_n_prunes_oldest(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000006", "step-000008"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 5, {"x": torch.tensor([1])}, keep=2)
+    save_checkpoint(tmp_path, 5, {"x": torch.tensor([2])}, keep=2)
+    assert load_checkpoint(latest_checkpoint(tmp_path))["x"].item() == 2
+
+
+def test_bad_input_is_rejected_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"'data'\['when'\] is a builtins.object"):
+        save_checkpoint(tmp_path, 1, {"data": {"when": object()}}, keep=1)
+    with pytest.raises(ValueError, match="must match"):
+        save_checkpoint(tmp_path, 1, {"../evil": 1}, keep=1)
+    with pytest.raises(ValueError, match="keepCheckpoints"):
+        save_checkpoint(tmp_path, 1, {"x": 1}, keep=0)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    save_checkpoint(tmp_path, 1, {"rng": capture_rng_state()}, keep=1)
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    restore_rng_state(load_checkpoint(latest_checkpoint(tmp_path))["rng"])
+    got = (random.random(), np.random.rand(), torch.rand(2))
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert torch.equal(got[2], expected[2])

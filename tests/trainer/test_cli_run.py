@@ -1,0 +1,230 @@
+"""`ppojob run` and `ppojob-train`: argument handling, error paths, and one real run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ppojob_trainer import entrypoint, run_cmd
+from ppojob_trainer.cli import main as ppojob
+from ppojob_trainer.config import SpecError, TrainerConfig
+from ppojob_trainer.manifest import apply_spec_overrides, load_manifest, parse_set
+from ppojob_trainer.progress import REQUIRED_KEYS, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "ppojob-tiny.yaml"
+SMALL = ["--set", "data.rolloutBatchSize=4", "--set", "training.miniBatchSize=32"]
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Replace the training by a recorder: what `ppojob run` would have trained."""
+    calls: list[dict[str, Any]] = []
+
+    def fake(cfg: TrainerConfig, out_dir: Path, num_cpus: int | None = None, **kw: Any) -> int:
+        calls.append({"cfg": cfg, "out": out_dir, "num_cpus": num_cpus})
+        return 0
+
+    monkeypatch.setattr(run_cmd, "train_locally", fake)
+    return calls
+
+
+def write(tmp_path: Path, doc: Any, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc) if not isinstance(doc, str) else doc)
+    return str(path)
+
+
+def tiny_doc() -> dict[str, Any]:
+    return yaml.safe_load(TINY.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# ppojob run: argument handling (no training)
+# ---------------------------------------------------------------------------------------------
+def test_overrides_steps_seed_and_default_out(captured, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc = ppojob(["run", str(TINY), "--steps", "5", "--seed", "3", "--num-cpus", "2",
+                 "--set", "training.learningRate=1e-4"])  # fmt: skip
+    assert rc == 0
+    (call,) = captured
+    cfg = call["cfg"]
+    assert (cfg.training.steps, cfg.training.seed, cfg.training.learning_rate) == (5, 3, 1e-4)
+    assert cfg.job_name == "tiny-count-up" and call["num_cpus"] == 2
+    assert call["out"] == Path("ppojob-out/tiny-count-up")
+    assert (tmp_path / "ppojob-out" / "tiny-count-up").is_dir()
+
+
+def test_grpo_from_the_same_manifest_with_one_field_changed(captured, tmp_path) -> None:
+    out = tmp_path / "grpo"
+    rc = ppojob(["run", str(TINY), "--set", "algorithm.advantageEstimator=grpo", "--out", str(out)])
+    assert rc == 0
+    cfg = captured[0]["cfg"]
+    assert cfg.algorithm.advantage_estimator == "grpo" and not cfg.algorithm.needs_critic
+    assert captured[0]["out"] == out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--steps", "0"], "spec.training.steps"),
+        (["--steps", "many"], "spec.training.steps"),
+        (["--set", "roles.actor.replica=2"], "spec.roles.actor.replica: unknown field"),
+        (["--set", "noequals"], "expected KEY=VALUE"),
+        (["--set", "data.prompts.x=1"], "spec.data.prompts is a str, not a mapping"),
+        (["--set", "algorithm.advantageEstimator=ppo"], "advantageEstimator"),
+        (["--set", "algorithm.advantageEstimator=grpo", "--set", "roles.critic.replicas=1"],
+         "spec.roles.critic"),
+        (["--num-cpus", "0"], "--num-cpus must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_1_with_the_field_and_no_traceback(
+    captured, capsys, argv: list[str], expected: str
+) -> None:
+    assert ppojob(["run", str(TINY), *argv]) == 1
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert captured == []
+
+
+def test_bad_files_exit_1(captured, capsys, tmp_path) -> None:
+    cases = {
+        str(tmp_path / "missing.yaml"): "cannot read",
+        write(tmp_path, "a: [1,", "broken.yaml"): "not valid YAML",
+        write(tmp_path, {**tiny_doc(), "kind": "RayJob"}, "kind.yaml"): "kind: expected 'PPOJob'",
+        write(tmp_path, "---\n" + TINY.read_text() + "---\n" + TINY.read_text(), "two.yaml"): (
+            "expected one PPOJob document, found 2"
+        ),
+    }
+    for path, expected in cases.items():
+        assert ppojob(["run", path]) == 1, path
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert captured == []
+
+
+def test_cluster_fields_are_accepted_and_unset_restores_a_default(tmp_path) -> None:
+    doc = tiny_doc()
+    doc["spec"]["suspend"] = False
+    doc["spec"]["scheduling"] = {"gangScheduler": "none", "timeoutSeconds": 42}
+    doc["spec"]["roles"]["critic"] = {"colocateWithActor": True}
+    path = write(tmp_path, doc)
+    with pytest.raises(SpecError, match=r"spec\.roles\.critic"):
+        load_manifest(path, [("algorithm.advantageEstimator", "grpo")])
+    _, cfg = load_manifest(path, [("algorithm.advantageEstimator", "grpo")], ["roles.critic"])
+    assert cfg.placement_timeout_seconds == 42 and cfg.roles.critic is None
+
+
+def test_parse_set_values_are_yaml_and_overrides_do_not_mutate() -> None:
+    assert parse_set("training.learningRate=3e-4") == ("training.learningRate", 3e-4)
+    assert parse_set("data.prompts=a=b.jsonl") == ("data.prompts", "a=b.jsonl")
+    assert parse_set("spec.data.shuffle=false") == ("spec.data.shuffle", False)
+    assert parse_set("algorithm.valueClip=null") == ("algorithm.valueClip", None)
+    doc = {"spec": {"training": {"steps": 1}}}
+    new = apply_spec_overrides(doc, [("spec.training.steps", 2), ("data.temperature", 0.5)])
+    assert new["spec"] == {"training": {"steps": 2}, "data": {"temperature": 0.5}}
+    assert doc == {"spec": {"training": {"steps": 1}}}
+
+
+# ---------------------------------------------------------------------------------------------
+# ppojob-train
+# ---------------------------------------------------------------------------------------------
+def trainer_config_file(tmp_path: Path, estimator: str = "gae") -> str:
+    sets = [("algorithm.advantageEstimator", estimator)]
+    _, cfg = load_manifest(TINY, sets)
+    doc = cfg.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    return write(tmp_path, doc, "trainer.yaml")
+
+
+def test_critic_override_file_is_merged_onto_the_config(tmp_path) -> None:
+    cfg = TrainerConfig.model_validate(
+        yaml.safe_load(Path(trainer_config_file(tmp_path)).read_text())
+    )
+    cfg = cfg.model_copy(deep=True)
+    merged = entrypoint.apply_critic_override_file(cfg, {"learning_rate": 1e-5, "ppoEpochs": 2})
+    critic = merged.critic_training()
+    assert (critic.learning_rate, critic.ppo_epochs) == (1e-5, 2)
+    assert merged.training.learning_rate == cfg.training.learning_rate  # actor unchanged
+    again = entrypoint.apply_critic_override_file(merged, {"learningRate": 2e-5})
+    assert again.critic_training().learning_rate == 2e-5  # file wins, whatever the spelling
+    assert again.critic_training().ppo_epochs == 2
+
+
+def test_entrypoint_rejects_bad_config_and_override_files(tmp_path, capsys) -> None:
+    good = trainer_config_file(tmp_path)
+    bad_override = write(tmp_path, {"critic": [{"name": "x", "overrides": {"gpus": 2}}]}, "c.yaml")
+    assert entrypoint.main(["--config", good, "--critic-config-path", bad_override]) == 1
+    assert "may not change GPU allocation" in capsys.readouterr().err
+    grpo = trainer_config_file(tmp_path, "grpo")
+    override = write(tmp_path, {"critic": [{"name": "x", "overrides": {"lr": 1e-5}}]}, "c2.yaml")
+    assert entrypoint.main(["--config", grpo, "--critic-config-path", override]) == 1
+    assert "uses no critic" in capsys.readouterr().err
+    broken = write(tmp_path, {"training": {"steps": 0}}, "broken.yaml")
+    assert entrypoint.main(["--config", broken]) == 1
+    err = capsys.readouterr().err
+    assert "broken.yaml" in err and "training.steps" in err and "Traceback" not in err
+    missing = str(tmp_path / "nope.yaml")
+    assert entrypoint.main(["--config", missing, "--critic-config-path", override]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A real run (loopback Ray from the module fixture; `ppojob run` leaves a caller's Ray running)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ppojob_run_trains_and_prints_a_summary(local_ray, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    rc = ppojob(["run", str(TINY), "--steps", "2", "--out", str(out), "--no-progress", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "tiny-count-up finished" in captured.out
+    assert "steps:         2 of 2" in captured.out and f"output:        {out}" in captured.out
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(set(REQUIRED_KEYS) <= set(r) for r in records)
+    assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_ppojob_run_that_cannot_be_placed_exits_2(local_ray, tmp_path, capsys) -> None:
+    rc = ppojob(["run", str(TINY), "--out", str(tmp_path), "--set",
+                 "roles.actor.resources.cpus=64"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "cannot place the job" in err and "CPU: the job needs 64" in err
+    assert "Traceback" not in err
+
+
+def test_entrypoint_adds_the_kubernetes_reporter_from_the_env(tmp_path, monkeypatch) -> None:
+    from ppojob_trainer.k8s_progress import KubernetesProgressReporter
+    from ppojob_trainer.progress import LocalProgressReporter
+
+    monkeypatch.delenv("PPOJOB_NAME", raising=False)
+    assert len(entrypoint._reporters(tmp_path, show_bar=False).reporters) == 1
+    monkeypatch.setenv("PPOJOB_NAME", "job-a")
+    monkeypatch.setenv("PPOJOB_NAMESPACE", "team-b")
+    local, kube = entrypoint._reporters(tmp_path, show_bar=False).reporters
+    assert isinstance(local, LocalProgressReporter) and isinstance(kube, KubernetesProgressReporter)
+    assert (kube.name, kube.namespace) == ("job-a", "team-b")
+
+
+@pytest.mark.slow
+def test_ppojob_train_runs_the_rendered_config_with_critic_overrides(
+    local_ray, tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("PPOJOB_NAME", raising=False)
+    sets = [("training.steps", 1), ("data.rolloutBatchSize", 4), ("training.miniBatchSize", 32)]
+    _, cfg = load_manifest(TINY, sets)
+    config = write(tmp_path, cfg.model_dump(by_alias=True, exclude_unset=True, mode="json"))
+    critic = write(tmp_path, {"critic": [{"name": "c", "overrides": {"learningRate": 1e-4}}]}, "c")
+    out = tmp_path / "out"
+    argv = ["--config", config, "--critic-config-path", critic, "--out", str(out), "--no-progress"]
+    rc = entrypoint.main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "steps:         1 of 1" in captured.out
+    assert [r["step"] for r in read_metrics(out)] == [1]

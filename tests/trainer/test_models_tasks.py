@@ -1,0 +1,163 @@
+"""Built-in models, the character tokenizer, built-in tasks, datasets and reward loading."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import textwrap
+
+import pytest
+import torch
+from ppojob_trainer import models, tasks
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "ppojob-cache"))
+
+
+def test_tiny_llama_has_the_comparison_shape():
+    model = models.build_builtin_model("tiny-llama", seed=0)
+    cfg = model.config
+    assert cfg.model_type == "llama"
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 256, 2)
+    assert (cfg.num_attention_heads, cfg.vocab_size) == (4, 14)
+    assert models.count_parameters(model) == 133_184
+
+
+def test_other_builtins():
+    qwen = models.build_builtin_model("tiny-qwen2", seed=0)
+    assert qwen.config.model_type == "qwen2"
+    small = models.build_builtin_model("small-llama", seed=0)
+    ratio = models.count_parameters(small) / 133_184
+    assert 9 <= ratio <= 11
+
+
+def test_unknown_builtin_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown built-in model builtin:huge"):
+        models.resolve_model_path("builtin:huge", 0)
+    with pytest.raises(ValueError, match="does not exist"):
+        models.resolve_model_path("/no/such/model", 0)
+
+
+def test_builtin_directory_loads_like_a_real_model_and_is_seeded():
+    path = models.materialize_builtin("tiny-llama", 3)
+    assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
+    assert models.materialize_builtin("tiny-llama", 3) == path  # idempotent
+    loaded = models.load_causal_lm(path)
+    fresh = models.build_builtin_model("tiny-llama", 3)
+    other = models.build_builtin_model("tiny-llama", 4)
+    for (k, a), b in zip(loaded.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    pairs = zip(fresh.parameters(), other.parameters(), strict=True)
+    assert not all(torch.equal(b, c) for b, c in pairs)
+    tok = models.load_tokenizer(path)
+    assert len(tok) == 14
+    ids = tok("7031")["input_ids"]
+    assert ids == [tok.bos_token_id, 11, 4, 7, 5]
+    assert tok.decode(ids[1:]) == "7031"
+    value = models.load_value_model(path, seed=0)
+    out = value(torch.tensor([ids]))
+    assert out.shape == (1, 5) and out.dtype == torch.float32
+
+
+def test_count_up_definition():
+    assert tasks.count_up_answer("7") == "89012345"
+    assert tasks.count_up_reward(["7"], ["89012345"], [None]) == [1.0]
+    assert tasks.count_up_reward(["7"], ["8901"], [None]) == [0.5]
+    assert tasks.count_up_reward(["0"], ["12399999"], ["12345678"]) == [3 / 8]
+    examples = tasks.make_task("builtin:count-up").sample(50, random.Random(0))
+    assert all(len(e.prompt) == 1 and e.label == tasks.count_up_answer(e.prompt) for e in examples)
+
+
+def test_random_policy_scores_about_003():
+    rng = random.Random(0)
+    vocab = models.VOCAB
+    scores = []
+    for _ in range(20000):
+        d = str(rng.randrange(10))
+        toks = [rng.choice(vocab) for _ in range(8)]
+        cut = next((i for i, t in enumerate(toks) if t in models.SPECIAL_TOKENS), 8)
+        scores += tasks.count_up_reward([d], ["".join(toks[:cut])], [None])
+    assert 0.025 < sum(scores) / len(scores) < 0.035
+
+
+def test_reverse_task():
+    ex = tasks.make_task("builtin:reverse").sample(5, random.Random(1))
+    assert all(e.label == e.prompt[::-1] and len(e.prompt) == 5 for e in ex)
+    assert tasks.reverse_reward(["12345"], ["54321"], [None]) == [1.0]
+    assert tasks.reverse_reward(["12345"], ["5"], [None]) == [0.2]
+
+
+def test_datasets(tmp_path):
+    rows = [{"prompt": "12", "label": "3"}, {"prompt": "45"}]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    js = tmp_path / "d.json"
+    js.write_text(json.dumps(rows))
+    for path in (jl, js):
+        task = tasks.make_task(str(path), shuffle=False)
+        got = task.sample(3, random.Random(0))
+        assert [e.prompt for e in got] == ["12", "45", "12"]
+        assert got[0].label == "3" and got[1].label is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="no string 'prompt' field"):
+        tasks.make_task(str(bad))
+    with pytest.raises(ValueError, match="does not exist"):
+        tasks.make_task(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
+        def good(prompts, completions, labels):
+            return [float(len(c)) for c in completions]
+        def short(prompts, completions, labels):
+            return [1.0]
+        def nan(prompts, completions, labels):
+            return [float("nan")] * len(prompts)
+        def text(prompts, completions, labels):
+            return ["high"] * len(prompts)
+        def boom(prompts, completions, labels):
+            raise KeyError("label")
+        not_callable = 3
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_rewards"
+    sys.modules.pop("my_rewards", None)
+
+
+def test_user_reward_function(reward_module):
+    scorer = tasks.RewardScorer(f"{reward_module}:good", "data.jsonl")
+    assert scorer(["a", "b"], ["xyz", ""], [None, None]) == [3.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("short", "1"),
+        ("nan", "nan|finite"),
+        ("text", "str|number|float"),
+        ("boom", "raised KeyError"),
+    ],
+)
+def test_bad_reward_functions_give_clear_errors(reward_module, fn, message):
+    scorer = tasks.RewardScorer(f"{reward_module}:{fn}", "data.jsonl")
+    with pytest.raises(ValueError, match=message) as err:
+        scorer(["a", "b"], ["x", "y"], [None, None])
+    assert fn in str(err.value)
+
+
+def test_unloadable_reward_functions(reward_module):
+    with pytest.raises(ValueError, match="rewardFunction"):
+        tasks.RewardScorer("no_such_module_xyz:f", "data.jsonl")
+    with pytest.raises(ValueError, match="rewardFunction"):
+        tasks.RewardScorer(f"{reward_module}:missing", "data.jsonl")
+    with pytest.raises(ValueError, match="rewardFunction"):
+        tasks.RewardScorer(f"{reward_module}:not_callable", "data.jsonl")
+    with pytest.raises(ValueError, match="needs a reward function"):
+        tasks.RewardScorer(None, "data.jsonl")

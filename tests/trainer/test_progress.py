@@ -1,0 +1,137 @@
+"""Progress reporting: metrics.jsonl (one line per step, no duplicates on resume), the curve, the
+composite reporter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ppojob_trainer.progress import (
+    REQUIRED_KEYS,
+    CompositeReporter,
+    LocalProgressReporter,
+    ProgressReporter,
+    read_metrics,
+)
+
+
+def metrics(step: int) -> dict[str, float]:
+    return {
+        "elapsed_seconds": 1.5 * step,
+        "reward_mean": 0.1 * step,
+        "kl": 0.01 * step,
+        "value_loss": 1.0 / step,
+        "tokens_per_second": 100.0 + step,
+    }
+
+
+def run(out: Path, steps: range, total: int, start: int = 0) -> LocalProgressReporter:
+    rep = LocalProgressReporter(out, show_bar=False)
+    rep.start(total, start)
+    for step in steps:
+        rep.report(step, metrics(step))
+    return rep
+
+
+def test_one_json_line_per_step_with_required_keys_and_a_curve(tmp_path: Path) -> None:
+    rep = run(tmp_path, range(1, 5), total=4)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for rec in records:
+        assert set(REQUIRED_KEYS) <= set(rec)
+    rep.finish({"steps_completed": 4, "final_reward": 0.4})
+    png = tmp_path / "reward_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_completed"] == 4
+
+
+@pytest.mark.parametrize("pass_start_step", [True, False])
+def test_resume_keeps_earlier_lines_and_never_duplicates_a_step(
+    tmp_path: Path, pass_start_step: bool
+) -> None:
+    run(tmp_path, range(1, 7), total=10)  # crashed after step 6; newest checkpoint at step 4
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "rew')  # a line cut short by the crash
+    rep = run(tmp_path, range(5, 11), total=10, start=4 if pass_start_step else 0)
+    rep.report(10, metrics(10))  # a repeated report is ignored
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 10
+    # elapsed_seconds continues across the resume: step 4's 6.0 s plus this run's own clock
+    assert records[3]["elapsed_seconds"] == 6.0
+    assert records[4]["elapsed_seconds"] == 6.0 + 7.5
+
+
+def test_a_resumed_run_that_dies_before_its_first_step_loses_nothing(tmp_path: Path) -> None:
+    run(tmp_path, range(1, 4), total=10)
+    rep = LocalProgressReporter(tmp_path, show_bar=False)
+    rep.start(10, 2)
+    rep.finish({"error": "placement failed"})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_values_are_plain_json_and_elapsed_is_filled_in(tmp_path: Path) -> None:
+    rep = LocalProgressReporter(tmp_path, show_bar=False)
+    rep.start(2)
+    rep.report(1, {"reward_mean": torch.tensor(0.5), "kl": float("nan"), "value_loss": 2})
+    (rec,) = read_metrics(tmp_path)
+    assert rec["reward_mean"] == 0.5 and rec["kl"] is None and rec["value_loss"] == 2
+    assert rec["elapsed_seconds"] >= 0
+
+
+def test_bar_shows_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = LocalProgressReporter(tmp_path, show_bar=True)
+    rep.start(2)
+    rep.report(1, metrics(1))
+    rep.report(2, metrics(2))
+    rep.finish({})
+    err = capsys.readouterr().err
+    assert "2/2" in err and "reward=0.200" in err and "tok/s=102" in err and "vloss=" in err
+
+
+def test_composite_forwards_in_order() -> None:
+    calls: list[tuple] = []
+
+    class Recorder(ProgressReporter):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start(self, total_steps: int, start_step: int = 0) -> None:
+            calls.append((self.name, "start", total_steps, start_step))
+
+        def report(self, step: int, metrics: dict[str, float]) -> None:
+            calls.append((self.name, "report", step))
+
+        def finish(self, summary: dict) -> None:
+            calls.append((self.name, "finish"))
+
+    rep = CompositeReporter([Recorder("a"), Recorder("b"), ProgressReporter()])
+    rep.start(3, 1)
+    rep.report(2, {})
+    rep.finish({})
+    assert calls == [
+        ("a", "start", 3, 1),
+        ("b", "start", 3, 1),
+        ("a", "report", 2),
+        ("b", "report", 2),
+        ("a", "finish"),
+        ("b", "finish"),
+    ]
+
+
+def test_namespaced_loop_metrics_fill_the_required_keys(tmp_path: Path) -> None:
+    rep = LocalProgressReporter(tmp_path, show_bar=False)
+    rep.start(1)
+    rep.report(1, {"reward/mean": 0.25, "kl/mean": 0.5, "critic/vf_loss": 3.0, "time/elapsed": 9.0})
+    (rec,) = read_metrics(tmp_path)
+    assert (rec["reward_mean"], rec["kl"], rec["value_loss"], rec["elapsed_seconds"]) == (
+        0.25,
+        0.5,
+        3.0,
+        9.0,
+    )
+    assert rec["tokens_per_second"] is None and rec["reward/mean"] == 0.25

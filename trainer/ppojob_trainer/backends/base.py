@@ -1,0 +1,146 @@
+"""Backend interfaces: what the role logic in ``workers/`` asks of a training or generation stack.
+
+Three seams, each implemented by the ``torch`` backend (Hugging Face models, CPU or GPU) and by
+the GPU backends (``megatron`` for training, ``sglang`` for generation):
+
+``GenerationEngine``  sample completions for a batch of prompts; take new weights
+                      (``update_weights``) after every actor update.
+``PolicyTrainer``     log-probs of responses under the policy (and under the frozen reference);
+                      one optimizer update from a mini-batch and a loss function.
+``ValueTrainer``      values of response positions; one optimizer update likewise.
+
+Tensors cross these seams on the CPU, shaped ``[B, P]`` (prompts, left-padded) and ``[B, T]``
+(responses, right-padded; ``response_mask`` is 1 on generated tokens up to and including the
+first stop token). The loss functions are the backend-agnostic part: the role logic builds them
+from ``ppojob_trainer.algorithms``; a backend only runs forward, backward, the gradient
+all-reduce of its data-parallel group and the optimizer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+# (logprobs [b, T], entropy [b, T] or None, mini-batch) -> (loss, metrics)
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor]],
+    tuple[torch.Tensor, dict[str, float]],
+]
+# (values [b, T], mini-batch) -> (loss, metrics)
+ValueLossFn = Callable[
+    [torch.Tensor, Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]
+]
+
+
+@dataclass
+class Generation:
+    """Completions of a batch of prompts."""
+
+    response_ids: torch.Tensor  # [B, T] long, padded with the pad id after the stop token
+    response_mask: torch.Tensor  # [B, T] bool
+    logprobs: torch.Tensor  # [B, T] float32, log-probs of the sampled tokens (0 where masked)
+    lengths: torch.Tensor  # [B] long, response tokens incl. the stop token
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """Where a worker sits in its role's parallel layout."""
+
+    role: str
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @property
+    def is_dp_leader(self) -> bool:
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
+
+
+class GenerationEngine(ABC):
+    """Samples completions; holds its own copy of the policy weights."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> Generation:
+        """Sample one completion per prompt row (repeat rows for several samples per prompt)."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights with the actor's (names as in the HF state dict).
+
+        The torch backend copies CPU tensors it received through the object store; sglang maps
+        this onto ``update_weights_from_tensor`` (or a broadcast group on multi-node layouts).
+        """
+
+    def release_memory(self) -> None:  # noqa: B027 - optional hook
+        """Free weights and KV cache while the actor trains (colocated engines with offload)."""
+
+    def resume_memory(self) -> None:  # noqa: B027 - optional hook
+        """Take the memory back before the next generation."""
+
+
+class PolicyTrainer(ABC):
+    """The actor's model, optional frozen reference model and optimizer."""
+
+    @abstractmethod
+    def logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, reference: bool = False
+    ) -> torch.Tensor:
+        """Log-probs [B, T] of ``batch['response_ids']`` under the policy (or the reference)."""
+
+    @abstractmethod
+    def update(
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int
+    ) -> dict[str, float]:
+        """One optimizer update from this worker's share of a mini-batch (gradients averaged
+        over the data-parallel group). Returns the loss metrics and ``grad_norm``, ``lr``."""
+
+    @abstractmethod
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights for the generation engines, HF names, CPU tensors."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume: model, optimizer and schedule state."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore from :meth:`state_dict`."""
+
+
+class ValueTrainer(ABC):
+    """The critic's value model and optimizer."""
+
+    @abstractmethod
+    def values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Values [B, T] (float32) of the states before each response token."""
+
+    @abstractmethod
+    def update(
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int
+    ) -> dict[str, float]:
+        """One optimizer update, as :meth:`PolicyTrainer.update`."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore from :meth:`state_dict`."""

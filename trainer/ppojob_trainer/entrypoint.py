@@ -1,0 +1,179 @@
+"""`ppojob-train`: the trainer's entrypoint inside the cluster (the RayJob's submitted command).
+
+    ppojob-train --config /etc/ppojob/trainer.yaml [--critic-config-path FILE] [--out DIR]
+
+Reads the trainer config rendered by the operator (`config.load_trainer_config`), applies the
+critic overrides file (`critic: [{name, overrides}]`) on top of the config's critic overrides,
+connects to the job's Ray cluster (`RAY_ADDRESS`, set by KubeRay) or starts a loopback-only local
+one, and trains. Progress goes to the local reporter and, when `PPOJOB_NAME` and
+`PPOJOB_NAMESPACE` are set, to the PPOJob's `status.progress` (`ppojob_trainer.k8s_progress`).
+Exit codes: 0 done, 1 bad config, 2 training or placement failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ppojob_trainer.config import (
+    CriticRole,
+    Problem,
+    SpecError,
+    TrainerConfig,
+    check_training_half,
+    load_trainer_config,
+    parse_critic_override_file,
+    pydantic_problems,
+)
+
+log = logging.getLogger("ppojob_trainer.entrypoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ppojob-train", description="Run the PPO trainer.")
+    p.add_argument("--config", required=True, metavar="FILE", help="trainer config (YAML)")
+    p.add_argument(
+        "--critic-config-path",
+        metavar="FILE",
+        default=None,
+        help="critic overrides file: `critic: [{name: default, overrides: {learningRate: 1e-5}}]`",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="output directory (default: $PPOJOB_OUTPUT_DIR, else ./ppojob-out/<job name>)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _norm(key: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", str(key).lower())
+
+
+def apply_critic_override_file(
+    cfg: TrainerConfig, overrides: dict[str, Any], source: str = "critic config"
+) -> TrainerConfig:
+    """`cfg` with `overrides` merged onto its critic's overrides (the file wins per key, whatever
+    its spelling), revalidated as a whole."""
+    if not overrides:
+        return cfg
+    if not cfg.algorithm.needs_critic:
+        raise SpecError(
+            [
+                Problem(
+                    "critic[0].overrides",
+                    f"advantageEstimator {cfg.algorithm.advantage_estimator} uses no critic",
+                    "drop --critic-config-path or use gae",
+                )
+            ],
+            source,
+        )
+    critic = cfg.roles.effective_critic(True) or CriticRole(colocate_with_actor=True)
+    file_keys = {_norm(k) for k in overrides}
+    merged = {k: v for k, v in critic.overrides.items() if _norm(k) not in file_keys}
+    merged.update(overrides)
+    doc = cfg.model_dump(by_alias=True, exclude_unset=True)
+    roles = doc.setdefault("roles", {})
+    crit = roles.get("critic") or {"colocateWithActor": True}
+    crit["overrides"] = merged
+    roles["critic"] = crit
+    try:
+        new = TrainerConfig.model_validate(doc)
+    except Exception as exc:  # pydantic.ValidationError
+        raise SpecError(pydantic_problems(exc, "config"), source) from None
+    problems = check_training_half(new, prefix="config")
+    if problems:
+        raise SpecError(problems, source)
+    return new
+
+
+def _reporters(out_dir: Path, show_bar: bool) -> Any:
+    from ppojob_trainer.progress import CompositeReporter, LocalProgressReporter
+
+    reporters: list[Any] = [LocalProgressReporter(out_dir, show_bar=show_bar)]
+    name, namespace = os.environ.get("PPOJOB_NAME"), os.environ.get("PPOJOB_NAMESPACE")
+    if name and namespace:
+        try:
+            mod = importlib.import_module("ppojob_trainer.k8s_progress")
+        except ModuleNotFoundError as exc:
+            if exc.name != "ppojob_trainer.k8s_progress":
+                raise
+            log.warning(
+                "PPOJOB_NAME is set but ppojob_trainer.k8s_progress is missing; "
+                "progress is not written to the PPOJob status"
+            )
+        else:
+            reporters.append(mod.KubernetesProgressReporter(name=name, namespace=namespace))
+    return CompositeReporter(reporters)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the trainer; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from ppojob_trainer.run_cmd import _configure_logging, format_summary
+
+    _configure_logging()
+    try:
+        cfg = load_trainer_config(args.config)
+        if args.critic_config_path:
+            path = Path(args.critic_config_path)
+            try:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SpecError(
+                    [Problem(str(path), f"cannot read: {exc}", "check the path")]
+                ) from None
+            overrides = parse_critic_override_file(text, str(path))
+            cfg = apply_critic_override_file(cfg, overrides, str(path))
+    except OSError as exc:
+        print(f"ppojob-train: {args.config}: cannot read: {exc}", file=sys.stderr)
+        return 1
+    except SpecError as exc:
+        print(f"ppojob-train: {exc}", file=sys.stderr)
+        return 1
+    out_dir = args.out or Path(
+        os.environ.get("PPOJOB_OUTPUT_DIR") or Path("ppojob-out") / (cfg.job_name or "job")
+    )
+    try:
+        from ppojob_trainer.loop import train
+    except ImportError as exc:
+        print(f"ppojob-train: the training loop is not available: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from ppojob_trainer.placement import PlacementError
+    from ppojob_trainer.runtime import connect_ray, shutdown_ray
+
+    owns_ray = not ray.is_initialized()
+    t0 = time.monotonic()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        reporter = _reporters(out_dir, show_bar=not args.no_progress)
+        connect_ray()
+        result = train(cfg, out_dir, reporter)
+    except PlacementError as exc:
+        print(f"ppojob-train: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        log.exception("training failed")
+        print(f"ppojob-train: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if owns_ray:
+            shutdown_ray()
+    print(format_summary(cfg, result, out_dir, time.monotonic() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Reading a PPOJob manifest for `ppojob run`: validation is the operator's (`ppojob_operator.api`),
+so a manifest that `kubectl apply` accepts runs locally unchanged, cluster fields included.
+
+`--set KEY=VALUE` / `--unset KEY` change spec fields before validation (`KEY` is a dotted path
+under `spec`, e.g. `algorithm.advantageEstimator`; `VALUE` is parsed as YAML, so `3e-4`, `true`,
+`null` and `[1, 2]` have their YAML types).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ppojob_trainer.config import Problem, SpecError, TrainerConfig
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`a.b.c=value` -> ("a.b.c", parsed value); raises SpecError on a malformed item."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise SpecError(
+            [
+                Problem(
+                    f"--set {item}",
+                    "expected KEY=VALUE",
+                    "write e.g. --set algorithm.advantageEstimator=grpo",
+                )
+            ]
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise SpecError(
+            [
+                Problem(
+                    f"--set {key}",
+                    f"value is not valid YAML: {exc}",
+                    "quote it, e.g. --set 'data.prompts=\"a b.jsonl\"'",
+                )
+            ]
+        ) from None
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        value = float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
+    return key, value
+
+
+def _path(key: str) -> list[str]:
+    parts = key.split(".")
+    if parts and parts[0] == "spec":
+        parts = parts[1:]
+    if not parts or any(not p for p in parts):
+        raise SpecError(
+            [
+                Problem(
+                    f"--set {key}",
+                    "empty path segment",
+                    "write a dotted path under spec, e.g. training.steps",
+                )
+            ]
+        )
+    return parts
+
+
+def apply_spec_overrides(
+    doc: dict[str, Any], sets: Sequence[tuple[str, Any]] = (), unsets: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A copy of `doc` with `spec.<key>` set or removed for each override."""
+    out = copy.deepcopy(doc)
+    if not isinstance(out.get("spec"), dict):
+        out["spec"] = {} if out.get("spec") is None else out["spec"]
+    problems: list[Problem] = []
+    for key in unsets:
+        parts = _path(key)
+        node: Any = out["spec"]
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    for key, value in sets:
+        parts = _path(key)
+        node = out["spec"]
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if nxt is None and isinstance(node, dict):
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                where = "spec." + ".".join(parts[: i + 1])
+                problems.append(
+                    Problem(
+                        f"--set {key}",
+                        f"{where} is a {type(nxt).__name__}, not a mapping",
+                        "set a field of a mapping",
+                    )
+                )
+                break
+            node = nxt
+        else:
+            if isinstance(node, dict):
+                node[parts[-1]] = value
+            else:
+                problems.append(Problem(f"--set {key}", "spec is not a mapping", ""))
+    if problems:
+        raise SpecError(problems)
+    return out
+
+
+def config_from_doc(doc: Any, source: str = "") -> TrainerConfig:
+    """Validate a PPOJob document completely and return the trainer config of its spec."""
+    from ppojob_operator.api import trainer_config_from_spec, validate_manifest
+
+    job = validate_manifest(doc, source)
+    return trainer_config_from_spec(job.spec, job_name=job.metadata.name)
+
+
+def read_manifest_doc(path: str | Path) -> dict[str, Any]:
+    """The single YAML document of a manifest file; SpecError if unreadable or not one mapping."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([Problem(source, f"cannot read: {exc}", "check the path")]) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError(
+            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
+        ) from None
+    if len(docs) != 1:
+        raise SpecError(
+            [
+                Problem(
+                    "<file>",
+                    f"expected one PPOJob document, found {len(docs)}",
+                    "put one PPOJob in the file",
+                )
+            ],
+            source,
+        )
+    if not isinstance(docs[0], dict):
+        raise SpecError(
+            [
+                Problem(
+                    "<document>",
+                    f"expected a mapping, got {type(docs[0]).__name__}",
+                    "write a PPOJob manifest",
+                )
+            ],
+            source,
+        )
+    return docs[0]
+
+
+def load_manifest(
+    path: str | Path, sets: Sequence[tuple[str, Any]] = (), unsets: Sequence[str] = ()
+) -> tuple[dict[str, Any], TrainerConfig]:
+    """Read a PPOJob manifest, apply spec overrides, validate; returns (document, config).
+
+    Raises SpecError listing every problem (apiVersion, kind, unknown or invalid fields, and the
+    semantic checks of both spec halves).
+    """
+    doc = apply_spec_overrides(read_manifest_doc(path), sets, unsets)
+    return doc, config_from_doc(doc, str(path))

@@ -1,0 +1,251 @@
+"""Models and tokenizers: built-in tiny HF architectures for CPU runs, and the one loading path.
+
+A built-in model (``builtin:tiny-llama``, ``builtin:tiny-qwen2``, ``builtin:small-llama``) is a
+Hugging Face architecture with a tiny config, initialised from a seed, plus a character-level
+tokenizer built with the ``tokenizers`` library. Both are saved as an ordinary HF model directory
+(``config.json``, ``model.safetensors``, ``tokenizer.json``...), so the workers load every model,
+built-in or real, with the same ``from_pretrained`` calls.
+
+The 14-token vocabulary is ``<pad> <s> </s> <unk> 0 1 ... 9``. ``tiny-llama`` (hidden 64,
+intermediate 256, 2 layers, 4 heads, untied embeddings) has 133,184 parameters; ``small-llama``
+(hidden 128, intermediate 512, 5 layers) about ten times as many.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+BUILTIN_PREFIX = "builtin:"
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+DIGITS = tuple("0123456789")
+VOCAB = SPECIAL_TOKENS + DIGITS
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """Shape of a built-in model."""
+
+    arch: str  # "llama" or "qwen2"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny-llama": BuiltinModel("llama", 64, 256, 2, 4),
+    "tiny-qwen2": BuiltinModel("qwen2", 64, 256, 2, 4),
+    "small-llama": BuiltinModel("llama", 128, 512, 5, 4),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (`float32`, `bfloat16`, `float16`)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"model.dtype: unknown dtype {name!r}; use one of {list(_DTYPES)}"
+        ) from None
+
+
+def cache_root() -> Path:
+    """Where built-in models are materialised: ``$PPOJOB_CACHE_DIR`` or ``~/.cache/ppojob``."""
+    env = os.environ.get("PPOJOB_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "ppojob"
+
+
+def build_char_tokenizer() -> Any:
+    """The character-level tokenizer of the built-in models, as a ``PreTrainedTokenizerFast``.
+
+    Every character is one token; unknown characters map to ``<unk>``; encoding prepends
+    ``<s>``; decoding concatenates characters without spaces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def builtin_config(name: str) -> Any:
+    """The transformers config of a built-in model."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model.path: unknown built-in model {BUILTIN_PREFIX}{name}; "
+            f"use one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]}"
+        )
+    shape = BUILTIN_MODELS[name]
+    common: dict[str, Any] = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=VOCAB.index("<pad>"),
+        bos_token_id=VOCAB.index("<s>"),
+        eos_token_id=VOCAB.index("</s>"),
+        initializer_range=0.02,
+    )
+    if shape.arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common)
+
+
+def build_builtin_model(name: str, seed: int) -> Any:
+    """A built-in causal LM, randomly initialised from ``seed`` (deterministic)."""
+    from transformers import AutoModelForCausalLM
+
+    config = builtin_config(name)
+    devices_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(devices_state)
+    return model
+
+
+def materialize_builtin(name: str, seed: int, root: Path | None = None) -> Path:
+    """Save built-in model ``name`` (seeded) and its tokenizer as a HF directory; return it.
+
+    Idempotent and safe under concurrent callers: the directory is written under a temporary
+    name and renamed into place.
+    """
+    root = cache_root() if root is None else Path(root)
+    target = root / "models" / f"{name}-seed{seed}"
+    if (target / "config.json").exists():
+        return target
+    root.joinpath("models").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root / "models"))
+    try:
+        quiet_transformers()
+        build_builtin_model(name, seed).save_pretrained(tmp)
+        build_char_tokenizer().save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str, seed: int, root: Path | None = None) -> Path:
+    """A loadable model directory for ``model.path``: built-ins are materialised first."""
+    if path.startswith(BUILTIN_PREFIX):
+        return materialize_builtin(path[len(BUILTIN_PREFIX) :], seed, root)
+    local = Path(path)
+    if not local.exists():
+        raise ValueError(
+            f"model.path: {path!r} does not exist; give a local Hugging Face model directory "
+            f"or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]}"
+        )
+    return local
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and load reports (workers log through Ray)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(model_dir: Path | str) -> Any:
+    """The tokenizer saved with a model, left-padding, with a pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(model_dir: Path | str, dtype: str = "float32") -> Any:
+    """The policy: ``AutoModelForCausalLM`` from a directory, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    model.config.use_cache = True
+    return model
+
+
+class ValueModel(nn.Module):
+    """The critic: a causal-LM backbone (without its LM head) and a scalar value head.
+
+    ``forward(input_ids, attention_mask, position_ids)`` returns one value per position,
+    [B, L], in float32.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, seed: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            w = torch.randn(self.value_head.weight.shape, generator=gen) / (hidden_size + 1)
+            self.value_head.weight.copy_(w.to(self.value_head.weight.dtype))
+            self.value_head.bias.zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+
+
+def load_value_model(model_dir: Path | str, dtype: str = "float32", seed: int = 0) -> ValueModel:
+    """The critic from a causal-LM directory: its backbone (``AutoModel``) and a new value head."""
+    from transformers import AutoModel
+
+    quiet_transformers()
+    backbone = AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    model = ValueModel(backbone, backbone.config.hidden_size, seed)
+    return model.to(torch_dtype(dtype))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters of a module."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,362 @@
+"""One Ray placement group holding every role's bundles.
+
+Separate groups per role can each reserve part of the cluster and wait forever for the rest;
+one group reserves everything at once or nothing.
+
+Layout (`plan_placement`, pure): the roles that own bundles come in the order actor, critic,
+rollout, each with a contiguous range `[offset, offset + count)`, one bundle per worker. A
+colocated critic or rollout owns no bundles: it uses the actor's range, and every role on a bundle
+requests an equal fractional share of it (actor + colocated critic on a GPU bundle: `{"GPU": 0.5}`
+each; with a colocated rollout too: a third each).
+
+Bundle shapes:
+- GPU role (`resources.gpus = g > 0`): one bundle per GPU, `{"GPU": 1, "CPU": cpus / g}`.
+- CPU role (`gpus = 0`): one worker per replica whose bundle `{"CPU": cpus}` stands in for the
+  GPU, with `cpus` the replica's `resources.cpus` (default 1).
+Memory is not reserved (Ray's logical memory does not match pod limits); pods enforce it.
+
+Local runs: `ppojob run` starts Ray with `num_cpus = os.cpu_count()` logical CPUs (`--num-cpus`
+changes it), and the driver itself holds none. `examples/ppojob-tiny.yaml` (actor `cpus: 2`,
+rollout and critic colocated) is one `{"CPU": 2}` bundle, each of the three roles requesting
+`{"CPU": 0.6666}` of it; a separate 1-CPU rollout with a colocated critic would be
+`[{"CPU": 1}, {"CPU": 1}]`. Both fit a 2-core laptop; on a 1-core machine `--num-cpus 2`
+oversubscribes instead of failing.
+
+`reserve_placement` first compares the request with the cluster (totals, and that each bundle fits
+some node) and fails at once naming what is missing; then it waits for the group at most
+`timeout_s`, logging while it waits; on timeout (or any error, or Ctrl-C) it removes the group and
+raises `PlacementError` naming the resources that are not free.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppojob_trainer.config import TrainerConfig
+
+ROLES = ("actor", "critic", "rollout")
+SHARE_PRECISION = 10_000  # Ray stores resources with 4 decimal places
+
+log = logging.getLogger(__name__)
+
+
+class PlacementError(RuntimeError):
+    """The placement group cannot be reserved; the message names the missing resources."""
+
+    def __init__(self, message: str, missing: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.missing = dict(missing or {})
+
+
+@dataclass(frozen=True)
+class RoleSlot:
+    """Where a role's workers live in the group."""
+
+    offset: int
+    """Index of the role's first bundle."""
+    count: int
+    """Number of workers (= bundles used) of the role."""
+    share: dict[str, float]
+    """Resources each worker requests from its bundle (a fraction when roles share a bundle)."""
+    owner: str
+    """The role whose bundles these are (`actor` for colocated roles)."""
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Bundles of the single placement group and each role's slot in it."""
+
+    bundles: list[dict[str, float]]
+    roles: dict[str, RoleSlot]
+    strategy: str = "PACK"
+    name: str = "ppojob"
+
+    def total(self) -> dict[str, float]:
+        """Sum of every bundle's resources."""
+        out: dict[str, float] = {}
+        for bundle in self.bundles:
+            for key, value in bundle.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def describe(self) -> str:
+        """One line per role, for logs."""
+        parts = []
+        for role, slot in self.roles.items():
+            where = f"bundles {slot.offset}..{slot.offset + slot.count - 1}"
+            if slot.owner != role:
+                where += f" (shared with {slot.owner})"
+            parts.append(f"{role}: {slot.count} worker(s) on {where}, each {slot.share}")
+        return "; ".join(parts)
+
+
+def _floor_share(value: float, n: int) -> float:
+    return math.floor(value / n * SHARE_PRECISION) / SHARE_PRECISION
+
+
+def _bundles_of(spec: Any) -> list[dict[str, float]]:
+    res = spec.resources
+    if res.gpus > 0:
+        one = {"GPU": 1.0, "CPU": _floor_share(res.cpus, res.gpus)}
+        if one["CPU"] <= 0:
+            del one["CPU"]
+        return [dict(one) for _ in range(spec.replicas * res.gpus)]
+    return [{"CPU": float(res.cpus)} for _ in range(spec.replicas)]
+
+
+def role_resource(role: str) -> str:
+    """The Ray custom resource the operator puts on a role's pods (`ppojob-actor`, ...): one unit
+    per worker slot of the pod."""
+    return f"ppojob-{role}"
+
+
+def cluster_pins_roles(totals: dict[str, float]) -> bool:
+    """Whether the Ray cluster marks its pods by role (an operator-made cluster does; a local Ray
+    does not)."""
+    return role_resource("actor") in totals
+
+
+def plan_placement(
+    cfg: TrainerConfig,
+    strategy: str = "PACK",
+    name: str | None = None,
+    pin_roles: bool = False,
+) -> PlacementPlan:
+    """The bundles and role slots of the job's single placement group (pure).
+
+    With `pin_roles`, every bundle also asks for one unit of its owner's role resource
+    (`ppojob-actor`, `ppojob-critic`, `ppojob-rollout`), so a role's workers land on the pods
+    the operator made for that role rather than on whichever node has a free GPU.
+    """
+    if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        raise ValueError(
+            f"strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {strategy!r}"
+        )
+    roles = cfg.roles
+    specs = {
+        "actor": roles.actor,
+        "critic": roles.effective_critic(cfg.algorithm.needs_critic),
+        "rollout": roles.rollout,
+    }
+    bundles: list[dict[str, float]] = []
+    owned: dict[str, tuple[int, int]] = {}
+    sharers: dict[str, list[str]] = {"actor": ["actor"]}
+    for role in ROLES:
+        spec = specs[role]
+        if spec is None:
+            continue
+        if role != "actor" and getattr(spec, "colocate_with_actor", False):
+            sharers["actor"].append(role)
+            continue
+        own = _bundles_of(spec)
+        if pin_roles:
+            for bundle in own:
+                bundle[role_resource(role)] = 1.0
+        owned[role] = (len(bundles), len(own))
+        sharers.setdefault(role, [role])
+        bundles.extend(own)
+    slots: dict[str, RoleSlot] = {}
+    for owner, members in sharers.items():
+        offset, count = owned[owner]
+        shape = bundles[offset]
+        share = {k: _floor_share(v, len(members)) for k, v in shape.items()}
+        for role in members:
+            slots[role] = RoleSlot(offset=offset, count=count, share=share, owner=owner)
+    ordered = {role: slots[role] for role in ROLES if role in slots}
+    job = name or f"ppojob-{cfg.job_name or 'local'}"
+    return PlacementPlan(bundles=bundles, roles=ordered, strategy=strategy, name=job)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking against the cluster
+# ---------------------------------------------------------------------------------------------
+def _fmt(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) or "nothing"
+
+
+def shortfall(need: dict[str, float], have: dict[str, float]) -> dict[str, float]:
+    """Resources in `need` that `have` lacks, and by how much."""
+    eps = 1e-6
+    return {k: v - have.get(k, 0.0) for k, v in need.items() if v > have.get(k, 0.0) + eps}
+
+
+def check_fits(
+    plan: PlacementPlan,
+    totals: dict[str, float],
+    nodes: list[dict[str, float]] | None = None,
+) -> None:
+    """Raise PlacementError if the cluster can never hold the plan: its total resources are too
+    small, or some bundle is larger than every node (PACK/SPREAD place a bundle on one node)."""
+    need = plan.total()
+    missing = shortfall(need, totals)
+    if missing:
+        lines = [
+            f"  - {k}: the job needs {need[k]:g}, the cluster has {totals.get(k, 0.0):g} in "
+            f"total (missing {v:g})"
+            for k, v in sorted(missing.items())
+        ]
+        hint = (
+            "add nodes to the Ray cluster, or lower spec.roles.*.replicas / resources"
+            if "GPU" not in missing
+            else "run on a cluster with GPUs, or set resources.gpus: 0 to run on CPU"
+        )
+        raise PlacementError(
+            f"the Ray cluster is too small for the job's placement group "
+            f"({len(plan.bundles)} bundles):\n" + "\n".join(lines) + f"\n  fix: {hint}",
+            missing,
+        )
+    if nodes:
+        for i, bundle in enumerate(plan.bundles):
+            if not any(not shortfall(bundle, node) for node in nodes):
+                biggest = max(nodes, key=lambda n: tuple(n.get(k, 0.0) for k in bundle))
+                miss = shortfall(bundle, biggest)
+                raise PlacementError(
+                    f"bundle {i} ({_fmt(bundle)}) is larger than every Ray node (the largest "
+                    f"has {_fmt({k: biggest.get(k, 0.0) for k in bundle})}; missing "
+                    f"{_fmt(miss)})\n  fix: lower the role's resources.cpus per GPU/replica, or "
+                    f"use bigger nodes",
+                    miss,
+                )
+    if plan.strategy == "STRICT_PACK" and nodes and all(shortfall(need, n) for n in nodes):
+        raise PlacementError(f"STRICT_PACK needs one node with {_fmt(need)}; no node has it", need)
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    import ray
+
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reserving
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ReservedPlacement:
+    """A reserved placement group and where each role's workers go in it."""
+
+    plan: PlacementPlan
+    group: Any
+    """The Ray PlacementGroup."""
+    _released: bool = field(default=False, repr=False)
+
+    def bundle_for(self, role: str, worker_index: int) -> tuple[int, dict[str, float]]:
+        """Bundle index and the resources a worker of `role` should request from it."""
+        slot = self.plan.roles.get(role)
+        if slot is None:
+            raise KeyError(
+                f"role {role!r} has no workers in this plan (roles: {', '.join(self.plan.roles)})"
+            )
+        if not 0 <= worker_index < slot.count:
+            raise IndexError(
+                f"{role} worker index {worker_index} out of range: the role has {slot.count} "
+                "worker(s)"
+            )
+        return slot.offset + worker_index, dict(slot.share)
+
+    def scheduling_options(self, role: str, worker_index: int) -> dict[str, Any]:
+        """Keyword arguments for `ActorClass.options(...)` placing the worker in its bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        index, share = self.bundle_for(role, worker_index)
+        custom = {k: v for k, v in share.items() if k not in ("CPU", "GPU")}
+        opts: dict[str, Any] = {
+            "num_cpus": share.get("CPU", 0),
+            "num_gpus": share.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group,
+                placement_group_bundle_index=index,
+                placement_group_capture_child_tasks=False,
+            ),
+        }
+        if custom:
+            opts["resources"] = custom
+        return opts
+
+    def release(self) -> None:
+        """Remove the group (and with it the workers placed in it); idempotent."""
+        if self._released:
+            return
+        self._released = True
+        _remove(self.group)
+
+    def __enter__(self) -> ReservedPlacement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _remove(group: Any) -> None:
+    from ray.util import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as exc:  # pragma: no cover - Ray already gone
+        log.warning("could not remove placement group %s: %s", group.id.hex(), exc)
+
+
+def reserve_placement(
+    plan: PlacementPlan,
+    timeout_s: float,
+    log: Callable[[str], None] | None = None,
+    log_every_s: float = 10.0,
+) -> ReservedPlacement:
+    """Reserve the plan's group, waiting at most `timeout_s`; all or nothing.
+
+    Raises PlacementError at once when the cluster can never fit the plan, and after
+    `timeout_s` when it does not fit now (other jobs hold the resources); the group is removed
+    before raising, so no half-reserved group is left behind.
+    """
+    import ray
+    from ray.util import placement_group
+
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 (spec.scheduling.timeoutSeconds), got {timeout_s}")
+    say = log or _default_log
+    check_fits(plan, ray.cluster_resources(), _alive_nodes())
+    say(
+        f"reserving placement group {plan.name}: {len(plan.bundles)} bundle(s), "
+        f"{_fmt(plan.total())}, strategy {plan.strategy}; {plan.describe()}"
+    )
+    group = placement_group(plan.bundles, strategy=plan.strategy, name=plan.name)
+    start = time.monotonic()
+    try:
+        ready_ref = group.ready()
+        while True:
+            left = timeout_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            ready, _ = ray.wait([ready_ref], timeout=min(left, log_every_s))
+            if ready:
+                ray.get(ready[0])
+                say(f"placement group {plan.name} reserved after {time.monotonic() - start:.1f}s")
+                return ReservedPlacement(plan=plan, group=group)
+            waited = time.monotonic() - start
+            if waited < timeout_s:
+                missing = shortfall(plan.total(), ray.available_resources())
+                say(
+                    f"waiting for placement group {plan.name} ({waited:.0f}s of {timeout_s:g}s); "
+                    f"not free now: {_fmt(missing) if missing else 'fragmented across nodes'}"
+                )
+    except BaseException:
+        _remove(group)
+        raise
+    _remove(group)
+    missing = shortfall(plan.total(), ray.available_resources())
+    detail = _fmt(missing) if missing else "enough in total, but not on the nodes the bundles need"
+    raise PlacementError(
+        f"placement group {plan.name} ({_fmt(plan.total())}) could not be reserved within "
+        f"{timeout_s:g}s (spec.scheduling.timeoutSeconds); missing: {detail}. Other jobs or "
+        "actors hold them; the group was removed.\n  fix: free the resources, wait and retry, "
+        "or raise spec.scheduling.timeoutSeconds",
+        missing,
+    )
+
+
+def _default_log(message: str) -> None:
+    log.info(message)

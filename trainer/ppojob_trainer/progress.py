@@ -1,0 +1,251 @@
+"""Training progress: a reporter interface and the local implementation.
+
+The loop calls `start(total_steps, start_step)` once (start_step = steps already completed, from
+a checkpoint), `report(step, metrics)` after every completed step (steps count from 1), and
+`finish(summary)` at the end. `LocalProgressReporter` shows a progress bar, appends one JSON
+object per step to `out_dir/metrics.jsonl` and draws `out_dir/reward_curve.png` at the end. The
+Kubernetes reporter (patching the PPOJob's `status.progress`) lives in `k8s_progress`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "reward_curve.png"
+SUMMARY_FILE = "summary.json"
+REQUIRED_KEYS = ("step", "elapsed_seconds", "reward_mean", "kl", "value_loss", "tokens_per_second")
+
+# The loop's namespaced metric names that stand for the required keys, when it sends no plain one.
+ALIASES = {
+    "elapsed_seconds": ("time/elapsed",),
+    "reward_mean": ("reward/mean",),
+    "kl": ("kl/mean",),
+    "value_loss": ("critic/vf_loss", "critic/value_loss"),
+    "tokens_per_second": ("throughput/tokens_per_second", "time/tokens_per_second"),
+}
+
+
+class ProgressReporter:
+    """Receives progress from the training loop. The base class does nothing."""
+
+    def start(self, total_steps: int, start_step: int = 0) -> None:
+        """Training of `total_steps` begins, `start_step` of them already done (resume)."""
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` (1-based) completed with these metrics."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Training ended (successfully or not); `summary` holds final figures."""
+
+
+class CompositeReporter(ProgressReporter):
+    """Forwards every call to each of its reporters, in order."""
+
+    def __init__(self, reporters: Iterable[ProgressReporter]) -> None:
+        self.reporters = list(reporters)
+
+    def start(self, total_steps: int, start_step: int = 0) -> None:
+        for r in self.reporters:
+            r.start(total_steps, start_step)
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        for r in self.reporters:
+            r.report(step, metrics)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for r in self.reporters:
+            r.finish(summary)
+
+
+def _json_value(value: Any) -> Any:
+    """Plain JSON for a metric: tensors/numpy scalars to float, NaN/inf to None."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return f if math.isfinite(f) else None
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """The per-step records of `out_dir/metrics.jsonl` (unreadable lines skipped)."""
+    path = Path(out_dir) / METRICS_FILE
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            records.append(rec)
+    return records
+
+
+class LocalProgressReporter(ProgressReporter):
+    """Progress bar, `metrics.jsonl` (one line per step) and `reward_curve.png`.
+
+    Every line has the REQUIRED_KEYS (null when a metric does not apply, e.g. `value_loss`
+    without a critic) and the loop's other metrics as sent. `elapsed_seconds` is the training
+    wall time across resumes: the value the loop sends (or the reporter's own clock since
+    `start`), plus the `elapsed_seconds` of the last step kept from before the resume.
+
+    Resume: the first `report(step)` of a run drops the lines of `step` and later ones (they were
+    computed after the checkpoint the run resumed from and are computed again) and keeps the
+    earlier ones, so no step appears twice and no completed step is lost, whether or not the
+    loop passes `start_step`.
+    """
+
+    def __init__(self, out_dir: Path, show_bar: bool = True) -> None:
+        self.out_dir = Path(out_dir)
+        self.show_bar = show_bar
+        self.metrics_path = self.out_dir / METRICS_FILE
+        self._bar: Any = None
+        self._last_step: int | None = None  # None until the first report of this run
+        self._start_step = 0
+        self._t0 = time.monotonic()
+        self._elapsed_before = 0.0
+
+    def start(self, total_steps: int, start_step: int = 0) -> None:
+        if total_steps < 0 or start_step < 0:
+            raise ValueError(
+                f"total_steps and start_step must be >= 0, got {total_steps}, {start_step}"
+            )
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._start_step = start_step
+        self._last_step = None
+        self._t0 = time.monotonic()
+        if self.show_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="ppo",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    def _begin(self, first_step: int) -> None:
+        """Keep the lines of steps before `first_step` (deduplicated, in order); drop the rest."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        by_step = {r["step"]: r for r in read_metrics(self.out_dir) if r["step"] < first_step}
+        kept = [by_step[s] for s in sorted(by_step)]
+        tmp = self.metrics_path.with_name(METRICS_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            for rec in kept:
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics_path)
+        last = kept[-1].get("elapsed_seconds") if kept else None
+        self._elapsed_before = float(last) if isinstance(last, int | float) else 0.0
+        self._last_step = first_step - 1
+        if self._bar is not None and first_step - 1 != self._start_step:
+            self._bar.n = first_step - 1  # the loop resumed elsewhere than start_step said
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        if self._last_step is None:
+            self._begin(step)
+        last_step = self._last_step if self._last_step is not None else step - 1
+        if step <= last_step:
+            log.warning(
+                "step %d already recorded in %s; not writing it again", step, self.metrics_path
+            )
+            return
+        record: dict[str, Any] = {"step": int(step)}
+        record.update({k: _json_value(v) for k, v in metrics.items() if k != "step"})
+        for key, aliases in ALIASES.items():
+            if record.get(key) is None:
+                found = [record[a] for a in aliases if record.get(a) is not None]
+                if found:
+                    record[key] = found[0]
+        elapsed = record.get("elapsed_seconds")
+        if not isinstance(elapsed, int | float):
+            elapsed = time.monotonic() - self._t0
+        record["elapsed_seconds"] = self._elapsed_before + elapsed
+        for key in REQUIRED_KEYS:
+            record.setdefault(key, None)  # e.g. value_loss without a critic, kl with KL off
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        advanced = step - last_step
+        self._last_step = step
+        if self._bar is not None:
+            self._bar.set_postfix_str(_postfix(record), refresh=False)
+            self._bar.update(advanced)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        plain = {k: _json_value(v) for k, v in summary.items()}
+        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(plain, indent=1, sort_keys=True))
+        try:
+            plot_reward_curve(self.out_dir)
+        except Exception as exc:  # a plot must never fail the run
+            log.warning("could not draw %s: %s", CURVE_FILE, exc)
+
+
+def _postfix(rec: dict[str, Any]) -> str:
+    parts = []
+    for key, label, fmt in (
+        ("reward_mean", "reward", ".3f"),
+        ("kl", "kl", ".4f"),
+        ("value_loss", "vloss", ".4f"),
+        ("tokens_per_second", "tok/s", ".0f"),
+    ):
+        value = rec.get(key)
+        if isinstance(value, int | float):
+            parts.append(f"{label}={value:{fmt}}")
+    return " ".join(parts)
+
+
+def plot_reward_curve(out_dir: Path) -> Path | None:
+    """Draw mean reward (and KL, when recorded) per step from metrics.jsonl; None if no data."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = [r for r in read_metrics(out_dir) if isinstance(r.get("reward_mean"), int | float)]
+    if not records:
+        return None
+    steps = [r["step"] for r in records]
+    kls = [(r["step"], r["kl"]) for r in records if isinstance(r.get("kl"), int | float)]
+    fig = Figure(figsize=(7, 5 if kls else 3.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(2 if kls else 1, 1, 1)
+    ax.plot(steps, [r["reward_mean"] for r in records], marker="." if len(steps) < 50 else None)
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"reward per step ({len(steps)} steps)")
+    if kls:
+        ax2 = fig.add_subplot(2, 1, 2, sharex=ax)
+        ax2.plot([s for s, _ in kls], [k for _, k in kls], color="tab:orange")
+        ax2.set_ylabel("KL")
+        ax2.grid(alpha=0.3)
+        ax2.set_xlabel("step")
+    else:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    path = Path(out_dir) / CURVE_FILE
+    fig.savefig(path)
+    return path

@@ -1,0 +1,214 @@
+"""`ppojob run FILE`: train a PPOJob manifest on this machine.
+
+Starts a local Ray bound to 127.0.0.1 only, runs the same trainer as in the cluster, prints a
+summary. Exit codes: 0 done, 1 bad input (the message lists every problem, no traceback), 2 the
+training or the placement failed, 130 interrupted. Running the same command again resumes from
+the newest checkpoint in the output directory.
+
+This module imports neither torch nor Ray at import time (`ppojob validate` imports it to build
+the parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT_ROOT = Path("ppojob-out")
+
+log = logging.getLogger("ppojob_trainer.run")
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `run` subcommand to `ppojob`'s subparsers; it dispatches via `args.func`."""
+    p = subparsers.add_parser(
+        "run",
+        help="train a PPOJob manifest locally (Ray bound to 127.0.0.1)",
+        description="Train a PPOJob manifest on this machine with a local Ray bound to 127.0.0.1 "
+        "only. Running it again resumes from the newest checkpoint in the output directory.",
+    )
+    p.add_argument("file", metavar="FILE", help="PPOJob manifest (YAML)")
+    p.add_argument("--steps", metavar="N", help="train N steps (sets spec.training.steps)")
+    p.add_argument("--seed", metavar="N", help="random seed (sets spec.training.seed)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="output directory (default: ./ppojob-out/<metadata.name>)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a spec field before validation, e.g. --set algorithm.advantageEstimator=grpo "
+        "(VALUE is YAML; repeatable)",
+    )
+    p.add_argument(
+        "--unset",
+        dest="unsets",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="remove a spec field (it takes its default), e.g. --unset roles.critic; repeatable",
+    )
+    p.add_argument(
+        "--num-cpus",
+        metavar="N",
+        default=None,
+        help="logical CPUs of the local Ray (default: this machine's CPU count)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_command)
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"ppojob run: {message}", file=sys.stderr)
+    return 1
+
+
+def _positive(name: str, raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run `ppojob run`; returns the exit code."""
+    from ppojob_trainer.config import SpecError
+    from ppojob_trainer.manifest import load_manifest, parse_set
+
+    try:
+        num_cpus = _positive("--num-cpus", args.num_cpus)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        sets = [parse_set(s) for s in args.sets]
+        if args.steps is not None:
+            sets.append(("training.steps", parse_set(f"x={args.steps}")[1]))
+        if args.seed is not None:
+            sets.append(("training.seed", parse_set(f"x={args.seed}")[1]))
+        doc, cfg = load_manifest(args.file, sets, args.unsets)
+    except SpecError as exc:
+        return _fail(str(exc))
+    name = (doc.get("metadata") or {}).get("name") or Path(args.file).stem
+    out_dir = Path(args.out) if args.out is not None else DEFAULT_OUT_ROOT / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _fail(f"--out {out_dir}: cannot create: {exc}")
+    return train_locally(cfg, out_dir, num_cpus=num_cpus, show_bar=not args.no_progress)
+
+
+def train_locally(
+    cfg: Any, out_dir: Path, num_cpus: int | None = None, show_bar: bool = True
+) -> int:
+    """Start a loopback-only Ray, train `cfg` into `out_dir`, print a summary; the exit code."""
+    _configure_logging()
+    try:
+        from ppojob_trainer.loop import train
+    except ImportError as exc:
+        print(f"ppojob run: the training loop is not available: {exc}", file=sys.stderr)
+        return 2
+    from ppojob_trainer.placement import PlacementError
+    from ppojob_trainer.progress import LocalProgressReporter
+    from ppojob_trainer.runtime import shutdown_ray, start_local_ray
+
+    t0 = time.monotonic()
+    reporter = LocalProgressReporter(out_dir, show_bar=show_bar)
+    print(
+        f"ppojob run: {cfg.job_name or 'job'}: {cfg.training.steps} steps, "
+        f"{cfg.algorithm.advantage_estimator}, output in {out_dir}",
+        file=sys.stderr,
+    )
+    import ray
+
+    owns_ray = not ray.is_initialized()  # a caller's (e.g. a test's) Ray is left running
+    try:
+        start_local_ray(num_cpus=num_cpus)
+        result = train(cfg, out_dir, reporter)
+    except PlacementError as exc:
+        print(
+            f"ppojob run: cannot place the job on the local Ray: {exc}\n  locally: --num-cpus N "
+            "gives the local Ray N logical CPUs (default: this machine's count)",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as exc:
+        log.debug("training failed", exc_info=True)
+        print(f"ppojob run: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if owns_ray:
+            shutdown_ray()
+    print(format_summary(cfg, result, out_dir, time.monotonic() - t0))
+    return 0
+
+
+def format_summary(cfg: Any, result: Any, out_dir: Path, wall_s: float) -> str:
+    """Human summary of a TrainResult (tolerates the field names of either loop version)."""
+    steps = _first(result, "steps_completed", "steps")
+    final = _first(result, "final_reward")
+    metrics = _first(result, "final_metrics") or {}
+    if final is None and isinstance(metrics, dict):
+        final = metrics.get("reward_mean", metrics.get("reward/mean"))
+    reward = f"{final:.4f}" if isinstance(final, int | float) and math.isfinite(final) else "n/a"
+    files = [f for f in ("metrics.jsonl", "reward_curve.png") if (out_dir / f).exists()]
+    ckpt = _first(result, "checkpoint")
+    lines = [
+        f"ppojob run: {cfg.job_name or 'job'} finished",
+        f"  steps:         {steps if steps is not None else 'n/a'} of {cfg.training.steps}",
+        f"  final reward:  {reward}",
+        f"  time:          {wall_s:.1f} s",
+        f"  output:        {out_dir}" + (f" ({', '.join(files)})" if files else ""),
+    ]
+    if ckpt:
+        lines.append(f"  checkpoint:    {ckpt}")
+    return "\n".join(lines)
+
+
+def _first(obj: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (test capture replaces it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _configure_logging() -> None:
+    """Show the trainer's INFO logs (placement, resume, checkpoints) on stderr, once."""
+    logger = logging.getLogger("ppojob_trainer")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        level = os.environ.get("PPOJOB_LOG_LEVEL", "INFO").upper()
+        logger.setLevel(getattr(logging, level, logging.INFO))
+        logger.propagate = False

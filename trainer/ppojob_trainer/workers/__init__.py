@@ -1,0 +1,1 @@
+"""Ray workers per role (rollout, actor, critic) with backend-agnostic role logic."""

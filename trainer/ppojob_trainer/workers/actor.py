@@ -1,0 +1,258 @@
+"""Actor role: old (and reference) log-probs of its shard, advantages, PPO updates.
+
+The actor worker of data-parallel rank ``r`` owns the samples :func:`shard_range(N, dp, r)`. It
+fetches only the rollout parts and the critic value objects that overlap its range (values come
+as ObjectRefs the critic workers put; the driver only passes the refs and the ranges), computes
+advantages and returns, and sends each critic worker the returns of the samples that critic owns,
+again as ObjectRefs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from .. import algorithms as A
+from ..backends.base import PolicyTrainer, ShardIdentity
+from ..config import TrainerConfig
+from .group import overlap, shard_range
+from .rollout import cat_batches, pack_weights, slice_batch
+
+Part = tuple[int, int, Any]  # (start, end, ObjectRef of a rollout batch)
+
+
+_FETCHED: dict[Any, dict[str, torch.Tensor]] = {}  # this step's rollout parts, per process
+
+
+def fetch_range(parts: Sequence[Part], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """The samples ``lo:hi`` of a step, fetching only the rollout parts that hold them.
+
+    A part is fetched once per process and step (colocated roles share it); the cache holds only
+    the parts of the latest step.
+    """
+    keys = [ref for _, _, ref in parts]
+    for stale in [k for k in _FETCHED if k not in keys]:
+        del _FETCHED[stale]
+    pieces = []
+    for start, end, ref in parts:
+        ov = overlap((start, end), (lo, hi))
+        if ov is None:
+            continue
+        if ref not in _FETCHED:
+            _FETCHED[ref] = ray.get(ref)
+        pieces.append(slice_batch(_FETCHED[ref], ov[0] - start, ov[1] - start))
+    return cat_batches(pieces)
+
+
+def make_policy_trainer(
+    cfg: TrainerConfig, model_dir: Path, group: Any, shard: ShardIdentity, device: str,
+    total_updates: int,
+) -> PolicyTrainer:  # fmt: skip
+    """The policy trainer of ``spec.roles.actor.backend``."""
+    need_ref = cfg.algorithm.kl.coefficient > 0
+    if cfg.roles.actor.backend == "megatron":
+        from ..backends.megatron_backend import MegatronPolicyTrainer
+
+        return MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=need_ref)
+    from ..backends.torch_backend import TorchPolicyTrainer
+
+    return TorchPolicyTrainer(
+        model_dir,
+        cfg.model.dtype,
+        cfg.training,
+        total_updates=total_updates,
+        temperature=cfg.data.temperature,
+        need_reference=need_ref,
+        need_entropy=True,
+        group=group,
+        dp_size=shard.dp_size,
+        device=device,
+    )
+
+
+def updates_per_step(n: int, mini_batch_size: int | None, epochs: int) -> int:
+    """Optimizer updates of one training pass of a role over a step's ``n`` samples."""
+    return epochs * (n // (mini_batch_size or n))
+
+
+class ActorWorker:
+    """Role logic of one actor (policy) worker."""
+
+    def __init__(
+        self, cfg: TrainerConfig, shard: ShardIdentity, model_dir: Path, device: str, group: Any
+    ) -> None:
+        self.cfg = cfg
+        self.shard = shard
+        self.group = group
+        n = cfg.data.samples_per_step
+        total = cfg.training.steps * updates_per_step(
+            n, cfg.training.mini_batch_size, cfg.training.ppo_epochs
+        )
+        self.trainer = make_policy_trainer(cfg, model_dir, group, shard, device, total)
+        self.range = shard_range(n, shard.dp_size, shard.dp_rank)
+        self.custom = (
+            A.load_function(cfg.algorithm.custom_advantage_function,
+                            "spec.algorithm.customAdvantageFunction")
+            if cfg.algorithm.custom_advantage_function else None
+        )  # fmt: skip
+        self.batch: dict[str, torch.Tensor] | None = None
+        self.received_values: torch.Tensor | None = None
+
+    # -- step phase 1: log-probs and advantages ------------------------------------------------
+    def prepare(
+        self,
+        parts: Sequence[Part],
+        value_lists: Sequence[Any] | None,
+        critic_ranges: Sequence[tuple[int, int]] | None,
+        kl_coef: float,
+    ) -> tuple[list[Any] | None, dict[str, float]]:
+        """Compute old/ref log-probs, advantages and returns for this worker's samples.
+
+        ``value_lists[i]`` is critic worker ``i``'s list of value refs (one per actor worker);
+        only entry ``self.shard.dp_rank`` is fetched. Returns the refs of
+        the returns for each critic worker (None without a critic) and metrics (sums).
+        """
+        algo = self.cfg.algorithm
+        lo, hi = self.range
+        batch = fetch_range(parts, lo, hi)
+        mask = batch["response_mask"]
+        batch["old_logprobs"] = self.trainer.logprobs(batch)
+        metrics: dict[str, float] = {}
+        kl = None
+        if algo.kl.coefficient > 0:
+            batch["ref_logprobs"] = self.trainer.logprobs(batch, reference=True)
+            kl = A.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.estimator)
+            kl = torch.where(mask, kl, 0.0)
+            metrics["kl_sum"] = float((kl.sum(1)).sum())
+        values = None
+        if value_lists is not None:
+            values = self._fetch_values(value_lists, critic_ranges or [])
+            batch["values"] = values
+        reward_kl = kl if (kl is not None and algo.kl.mode == "reward") else None
+        token_rewards = A.shape_token_rewards(
+            batch["scores"], mask, reward_kl, kl_coef if reward_kl is not None else 0.0
+        )
+        common = dict(gamma=algo.gamma, lam=algo.lam)
+        if self.custom is not None:
+            adv, ret = A.run_custom_advantage(
+                self.custom, token_rewards=token_rewards, scores=batch["scores"], values=values,
+                mask=mask, group_ids=batch["group_ids"], **common,
+            )  # fmt: skip
+        elif algo.advantage_estimator == "gae":
+            adv, ret = A.compute_advantages(
+                "gae", token_rewards=token_rewards, scores=batch["scores"], values=values,
+                mask=mask, group_ids=batch["group_ids"], whiten=algo.normalize_advantages,
+                whiten_group=self.group, **common,
+            )  # fmt: skip
+        else:
+            adv, ret = self._outcome_advantages(parts, batch, token_rewards)
+        batch["advantages"], batch["returns"] = adv, ret
+        self.batch = batch
+        metrics["adv_abs_sum"] = float((adv.abs() * mask).sum())
+        metrics["tokens"] = float(mask.sum())
+        returns_refs = None
+        if critic_ranges is not None:
+            returns_refs = []
+            for c_lo, c_hi in critic_ranges:
+                ov = overlap((lo, hi), (c_lo, c_hi))
+                returns_refs.append(
+                    None if ov is None else ray.put(ret[ov[0] - lo : ov[1] - lo].clone())
+                )
+        return returns_refs, metrics
+
+    def _fetch_values(
+        self, value_lists: Sequence[Any], critic_ranges: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        lo, hi = self.range
+        pieces = []
+        for outer, c_range in zip(value_lists, critic_ranges, strict=True):
+            if overlap(c_range, (lo, hi)) is None:
+                continue
+            pieces.append(ray.get(outer[self.shard.dp_rank]))
+        widths = {p.shape[1] for p in pieces}
+        if len(widths) > 1:
+            width = max(widths)
+            pieces = [
+                torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], 1) for p in pieces
+            ]
+        values = torch.cat(pieces, 0)
+        self.received_values = values
+        return values
+
+    def _outcome_advantages(
+        self, parts: Sequence[Part], batch: dict[str, torch.Tensor], token_rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outcome estimators compare samples of a prompt group: run them over the whole step
+        (scores and masks only) and keep this worker's rows."""
+        algo = self.cfg.algorithm
+        name = algo.advantage_estimator
+        n = self.cfg.data.samples_per_step
+        lo, hi = self.range
+        if (lo, hi) == (0, n):
+            full, tr = batch, token_rewards
+        else:
+            full = fetch_range(parts, 0, n)
+            tr = A.shape_token_rewards(full["scores"], full["response_mask"])
+            tr[lo:hi] = token_rewards
+        mask = full["response_mask"]
+        options: dict[str, Any] = {}
+        if name == "grpo":
+            options["norm_by_std"] = algo.grpo_norm_by_std
+        adv, ret = A.compute_advantages(
+            name, token_rewards=tr, scores=full["scores"], values=None, mask=mask,
+            group_ids=full["group_ids"], gamma=algo.gamma, lam=algo.lam, **options,
+        )  # fmt: skip
+        if name == "rloo" and algo.normalize_advantages:
+            adv = A.masked_whiten(adv, mask.bool())
+        return adv[lo:hi], ret[lo:hi]
+
+    # -- step phase 2: PPO updates -------------------------------------------------------------
+    def train(self, step: int) -> dict[str, float]:
+        """PPO epochs over this worker's samples in mini-batches; returns averaged metrics."""
+        if self.batch is None:
+            raise RuntimeError("ActorWorker.train called before prepare")
+        cfg, algo = self.cfg, self.cfg.algorithm
+        tr = cfg.training
+        batch = {k: v for k, v in self.batch.items() if k not in ("values", "returns")}
+        batch["response_mask"] = batch["response_mask"].bool()
+        local = batch["response_ids"].shape[0]
+        mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
+        micro = tr.micro_batch_size or mini
+        kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"
+
+        def loss_fn(
+            logp: torch.Tensor, ent: torch.Tensor | None, mb: Mapping[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, m = A.policy_loss(
+                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
+                algo.clip_range_low, algo.clip_range_high, algo.dual_clip,
+                agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
+            )  # fmt: skip
+            metrics = {f"actor/{k}": float(v) for k, v in m.items()}
+            metrics["actor/pg_loss"] = float(loss.detach())
+            if kl_loss_on:
+                kll = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"],
+                                algo.kl.estimator, algo.loss_aggregation)  # fmt: skip
+                loss = loss + algo.kl.coefficient * kll
+                metrics["actor/kl_loss"] = float(kll.detach())
+            return loss, metrics
+
+        parts: list[dict[str, float]] = []
+        gen = torch.Generator().manual_seed(cfg.training.seed * 1_000_003 + step)
+        for _ in range(tr.ppo_epochs):
+            order = torch.randperm(local, generator=gen) if local > mini else torch.arange(local)
+            for s in range(0, local, mini):
+                idx = order[s : s + mini]
+                mb = {k: v[idx] for k, v in batch.items()}
+                parts.append(self.trainer.update(mb, loss_fn, micro))
+        return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+
+    def export_weights(self) -> Any:
+        """ObjectRef of the policy weights (data-parallel leader only; None elsewhere)."""
+        if not self.shard.is_dp_leader:
+            return None
+        return ray.put(pack_weights(self.trainer.export_weights()))

@@ -1,0 +1,138 @@
+"""Critic role: values of its shard (put in the object store, routed by sample to the actor
+workers) and clipped value-loss updates on the returns the actor workers send back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from .. import algorithms as A
+from ..backends.base import ShardIdentity, ValueTrainer
+from ..config import TrainerConfig
+from .actor import Part, fetch_range, updates_per_step
+from .group import overlap, shard_range
+
+
+def make_value_trainer(
+    cfg: TrainerConfig, model_dir: Path, group: Any, shard: ShardIdentity, device: str
+) -> ValueTrainer:
+    """The value trainer of ``spec.roles.critic.backend``."""
+    critic = cfg.roles.effective_critic(cfg.algorithm.needs_critic)
+    settings = cfg.critic_training()
+    if critic is not None and critic.backend == "megatron":
+        from ..backends.megatron_backend import MegatronValueTrainer
+
+        return MegatronValueTrainer(cfg, model_dir, shard)
+    from ..backends.torch_backend import TorchValueTrainer
+
+    n = cfg.data.samples_per_step
+    total = (
+        cfg.training.steps
+        * cfg.algorithm.critic_updates_per_step
+        * updates_per_step(n, settings.mini_batch_size, settings.ppo_epochs)
+    )
+    return TorchValueTrainer(
+        model_dir,
+        cfg.model.dtype,
+        settings,
+        total_updates=total,
+        seed=cfg.training.seed,
+        group=group,
+        dp_size=shard.dp_size,
+        device=device,
+    )
+
+
+class CriticWorker:
+    """Role logic of one critic (value) worker."""
+
+    def __init__(
+        self, cfg: TrainerConfig, shard: ShardIdentity, model_dir: Path, device: str, group: Any
+    ) -> None:
+        self.cfg = cfg
+        self.shard = shard
+        self.settings = cfg.critic_training()
+        self.trainer = make_value_trainer(cfg, model_dir, group, shard, device)
+        self.range = shard_range(cfg.data.samples_per_step, shard.dp_size, shard.dp_rank)
+        self.batch: dict[str, torch.Tensor] | None = None
+
+    def compute_values(
+        self, parts: Sequence[Part], actor_ranges: Sequence[tuple[int, int]]
+    ) -> list[Any]:
+        """Values of this worker's samples, one ObjectRef per actor worker (None where the
+        actor owns none of them). The tensors keep their dtype; nothing is converted."""
+        lo, hi = self.range
+        batch = fetch_range(parts, lo, hi)
+        values = self.trainer.values(batch)
+        batch["old_values"] = values
+        self.batch = batch
+        refs: list[Any] = []
+        for a_range in actor_ranges:
+            ov = overlap((lo, hi), a_range)
+            refs.append(None if ov is None else ray.put(values[ov[0] - lo : ov[1] - lo].clone()))
+        return refs
+
+    def train(
+        self, step: int, returns_lists: Sequence[Any], actor_ranges: Sequence[tuple[int, int]],
+        updates: int,
+    ) -> dict[str, float]:  # fmt: skip
+        """``updates`` passes of value-loss training on the returns from the actor workers.
+
+        ``returns_lists[j]`` is actor worker ``j``'s prepare result ``(returns refs, metrics)``,
+        one returns ref per critic worker; only entry ``self.shard.dp_rank`` is fetched.
+        """
+        if self.batch is None:
+            raise RuntimeError("CriticWorker.train called before compute_values")
+        lo, hi = self.range
+        pieces = []
+        for outer, a_range in zip(returns_lists, actor_ranges, strict=True):
+            if overlap(a_range, (lo, hi)) is None:
+                continue
+            pieces.append(ray.get(outer[0][self.shard.dp_rank]))
+        width = self.batch["response_ids"].shape[1]
+        pieces = [
+            torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], 1)
+            if p.shape[1] < width else p[:, :width]
+            for p in pieces
+        ]  # fmt: skip
+        batch = {
+            k: self.batch[k]
+            for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_values")
+        }
+        batch["response_mask"] = batch["response_mask"].bool()
+        batch["returns"] = torch.cat(pieces, 0)
+        s = self.settings
+        local = batch["response_ids"].shape[0]
+        mini = (s.mini_batch_size or self.cfg.data.samples_per_step) // self.shard.dp_size
+        micro = s.micro_batch_size or mini
+        clip = self.cfg.algorithm.value_clip
+        agg = self.cfg.algorithm.loss_aggregation
+
+        def loss_fn(
+            values: torch.Tensor, mb: Mapping[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, m = A.value_loss(
+                values, mb["old_values"], mb["returns"], mb["response_mask"], clip, agg=agg
+            )
+            out = {f"critic/{k}": float(v) for k, v in m.items()}
+            out["critic/vf_loss"] = float(loss.detach())
+            return loss, out
+
+        gen = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_033 + step)
+        parts: list[dict[str, float]] = []
+        for _ in range(updates):
+            for _ in range(s.ppo_epochs):
+                order = (
+                    torch.randperm(local, generator=gen) if local > mini else torch.arange(local)
+                )
+                for st in range(0, local, mini):
+                    idx = order[st : st + mini]
+                    mb = {k: v[idx] for k, v in batch.items()}
+                    parts.append(self.trainer.update(mb, loss_fn, micro))
+        if not parts:
+            return {}
+        return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}

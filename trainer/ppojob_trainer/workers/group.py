@@ -1,0 +1,75 @@
+"""Per-role ``torch.distributed`` groups and sample sharding.
+
+Every worker process hosts one or more roles that share its workers (the actor with a colocated
+critic and rollout). The process joins one ``torch.distributed`` world made of the processes of
+its role set (gloo on CPU, nccl on GPU) and creates one process group per role in it, so the
+actor's gradient all-reduce and the critic's never share a communicator. A role with a single
+worker gets no group (``None``) and skips collectives.
+
+Samples of a step are numbered ``0 .. N-1``; a role with ``dp`` data-parallel workers gives
+worker ``r`` the contiguous range :func:`shard_range`. Routing between roles of different sizes is
+by those ranges (:func:`overlap`), never by worker index.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+from ..backends.base import ShardIdentity
+
+
+def shard_range(n: int, size: int, rank: int) -> tuple[int, int]:
+    """The ``[start, end)`` sample range of worker ``rank`` of ``size`` over ``n`` samples."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"shard_range: rank {rank} not in a group of size {size}")
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """The intersection of two ranges, or None when empty."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for the rendezvous of a process group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_role_groups(
+    roles: list[str],
+    rank: int,
+    world: int,
+    master_addr: str,
+    master_port: int,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Join the world of this process's role set and create one group per role.
+
+    Returns ``{role: group}``; groups are None when ``world == 1``.
+    """
+    if world <= 1:
+        return {role: None for role in roles}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return {role: dist.new_group(ranks=list(range(world)), backend=backend) for role in roles}
+
+
+def identity(role: str, rank: int, world: int) -> ShardIdentity:
+    """Shard identity of a data-parallel-only worker (the torch backend)."""
+    return ShardIdentity(role=role, dp_rank=rank, dp_size=world)
