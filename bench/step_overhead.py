@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_cfg(manifest: Path, model: str, cpus: float | None = None):
-    from ppojob_trainer.loop import config_from_manifest
+    from ppojob_trainer.manifest import config_from_doc as config_from_manifest
 
     doc = yaml.safe_load(manifest.read_text())
     doc["spec"]["model"]["path"] = model

@@ -12,9 +12,13 @@ Children, in creation order (the RayJob last, so everything its pods need exists
 Every child carries a controller ownerReference to its PPOJob (when the PPOJob's uid is known;
 ``ppojob render`` without a cluster leaves it out), so deleting the PPOJob garbage-collects them.
 
-Ray custom resources: each pod advertises ``ppojob-<role>: <workers on this pod>`` (``ppojob-head:
-1`` on the head) in ``rayStartParams.resources``, so the trainer can pin each role's workers
-to that role's pods (see :data:`ROLE_RESOURCE`).
+Ray custom resources: each worker pod advertises ``ppojob-<role>: <workers on this pod>`` (its
+GPUs, or 1 on a CPU pod) in ``rayStartParams.resources``, so the trainer can pin each role's
+workers to that role's pods (see :data:`ROLE_RESOURCE` and the trainer's
+``placement.role_resource``). The head advertises none of them, only ``ppojob-head: 1``, and
+``num-cpus: "0"``: it runs the PPO driver, which holds no resources, so no bundle or task of the
+job can land there. Worker pods advertise the CPUs and GPUs KubeRay derives from their limits
+(CPUs rounded up), never fewer than the trainer's bundles on the pod ask for.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ CONFIG_DIR = "/etc/ppojob"
 CONFIG_KEY = "trainer.yaml"
 OUTPUT_DIR = "/tmp/ppojob-out"
 DEFAULT_ENTRYPOINT = f"ppojob-train --config {CONFIG_DIR}/{CONFIG_KEY} --out {OUTPUT_DIR}"
-RUN_AS_USER = 1000  # the `ray` user of the trainer image
+RUN_AS_USER = 10001  # the `ppojob` user of images/trainer.Dockerfile (owns HOME and /workspace)
 MAX_NAME_LENGTH = 47  # KubeRay: RayJob names <= 47 characters (it appends 6 for the cluster)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -334,6 +338,7 @@ def ray_job(
     head_group = {
         "rayStartParams": {
             "dashboard-host": "0.0.0.0",
+            "num-cpus": "0",
             "resources": _ray_resources({ROLE_RESOURCE.format(role="head"): 1}),
         },
         "template": _pod_template(

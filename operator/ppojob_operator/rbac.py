@@ -8,8 +8,9 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   verbs to create the per-job Role that grants them to the trainer (RBAC escalation rule).
 - RayJobs: created, read, watched (status mirroring) and patched (suspend/resume).
 - ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get).
-- PodGroups (Volcano, read only, for visibility; scheduler-plugins: created and read).
-- Events: created (kopf's and ours).
+- PodGroups of scheduler-plugins: created and read. Volcano's PodGroups are KubeRay's; the
+  operator never reads them, so it gets no access to them.
+- Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
 - CRDs list/watch: kopf's resource scanning. Namespaces list/watch: cluster-wide mode.
 The operator runs kopf in standalone mode (no peering), so no KopfPeering rules.
 """
@@ -55,12 +56,7 @@ OPERATOR_RULES: list[dict] = [
         "verbs": ["get", "create"],
     },
     {
-        "apiGroups": ["scheduling.volcano.sh"],
-        "resources": ["podgroups"],
-        "verbs": ["get", "list", "watch"],
-    },
-    {
-        "apiGroups": ["", "events.k8s.io"],
+        "apiGroups": [""],
         "resources": ["events"],
         "verbs": ["create"],
     },

@@ -14,7 +14,7 @@ Running                            RUNNING                 Running
 Running                            other                   Initializing (submitting)
 Complete                           SUCCEEDED               Succeeded
 Complete                           FAILED / STOPPED        Failed
-Failed                             any                     Failed (RayJob's reason and message)
+Failed / ValidationFailed          any                     Failed (RayJob's reason and message)
 Suspending / Suspended             any                     Suspended (Pending while Kueue has
                                                            not admitted an unsuspended job)
 =================================  ======================  ====================================
@@ -59,6 +59,12 @@ def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str
         return "Failed", reason or f"RayJob{js.title() or 'Failed'}", message or f"jobStatus {js}"
     if dep == "Failed":
         return "Failed", reason or "RayJobFailed", message or "the RayJob failed"
+    if dep == "ValidationFailed":  # KubeRay rejected the RayJob; it never retries it
+        return (
+            "Failed",
+            reason or "ValidationFailed",
+            message or "KubeRay rejected the RayJob (see its events)",
+        )
     if dep in ("Suspended", "Suspending"):
         if kueue and not suspend:
             return "Pending", "WaitingForAdmission", "waiting for Kueue to admit the job"

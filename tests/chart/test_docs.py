@@ -49,6 +49,7 @@ DEPLOYMENT_STATUSES = [
     "Running",
     "Complete",
     "Failed",
+    "ValidationFailed",
     "Retrying",
     "Suspending",
     "Suspended",

@@ -267,3 +267,79 @@ def test_render_cli_prints_the_builders_output(tmp_path):
     docs = [d for d in yaml.safe_load_all(out) if d]
     job = validate_manifest(base_manifest(scheduling=SCHEDULING["scheduler-plugins"]))
     assert docs == builders.build_children(job, namespace="ns1")
+
+
+def _advertised(group: dict) -> dict[str, float]:
+    """What Ray sees on one pod of a group: rayStartParams, else what KubeRay derives from the
+    container's limits (num-cpus: the CPU limit rounded up; num-gpus: nvidia.com/gpu)."""
+    import math
+
+    params = group["rayStartParams"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    out = {k: float(v) for k, v in json.loads(json.loads(params["resources"])).items()}
+    if "num-cpus" in params:
+        out["CPU"] = float(params["num-cpus"])
+    else:
+        out["CPU"] = float(math.ceil(scheduling._parse_quantity(limits["cpu"])))
+    gpus = int(limits.get("nvidia.com/gpu", 0))
+    if gpus:
+        out["GPU"] = float(gpus)
+    return out
+
+
+CPU_ROLES = {
+    "roles": {
+        "actor": {"replicas": 2, "resources": {"cpus": 1.5, "memory": "2Gi"}},
+        "critic": {"replicas": 1, "resources": {"cpus": 3, "memory": "2Gi"}},
+        "rollout": {"replicas": 3, "resources": {"cpus": 0.5, "memory": "1Gi"}},
+    }
+}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cpu-fractional"])
+def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
+    """The trainer pins each bundle to its role's pods with one unit of `ppojob-<role>`: every
+    role pod must advertise one unit per worker on it, CPUs for its bundles, and the head none
+    (nor any CPU), so the trainer's placement group fits exactly and never lands on the head."""
+    from ppojob_operator.api import trainer_config_from_spec
+    from ppojob_trainer.placement import plan_placement, role_resource
+
+    if layout == "cpu-fractional":
+        job = validate_manifest(base_manifest(**CPU_ROLES))
+    else:
+        job = make(layout)
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    cluster = rj["spec"]["rayClusterSpec"]
+    head = _advertised(cluster["headGroupSpec"])
+    assert head == {"ppojob-head": 1.0, "CPU": 0.0}
+    plan = plan_placement(trainer_config_from_spec(job.spec, "demo"), pin_roles=True)
+    for group in cluster["workerGroupSpecs"]:
+        role, pod = group["groupName"], _advertised(group)
+        res = dict(job.spec.roles).get(role) or job.spec.roles.actor
+        assert pod[role_resource(role)] == max(res.resources.gpus, 1)
+        assert [k for k in pod if k.startswith("ppojob-")] == [role_resource(role)]
+        mine = [b for b in plan.bundles if b.get(role_resource(role))]
+        per_pod = int(pod[role_resource(role)])
+        assert len(mine) == group["replicas"] * per_pod, role
+        for i in range(group["replicas"]):  # the bundles of one pod fit that pod
+            chunk = mine[i * per_pod : (i + 1) * per_pod]
+            for key in {k for b in chunk for k in b}:
+                assert sum(b.get(key, 0.0) for b in chunk) <= pod.get(key, 0.0) + 1e-9, (role, key)
+    assert all(any(k.startswith("ppojob-") for k in b) for b in plan.bundles)
+
+
+def test_trainer_pods_run_as_the_trainer_images_user():
+    """The pods' runAsUser must be the image's USER: HOME (/home/ppojob, the model cache) and
+    /workspace belong to it and are not writable by any other uid."""
+    import re
+
+    text = (REPO / "images" / "trainer.Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\d+)(?::(\d+))?", text, flags=re.M)
+    assert users, "trainer.Dockerfile sets no numeric USER"
+    uid, gid = users[-1]
+    rj = builders.build_children(make(), namespace="ns1")[-1]
+    cluster = rj["spec"]["rayClusterSpec"]
+    for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        sc = g["template"]["spec"]["securityContext"]
+        assert sc["runAsUser"] == int(uid)
+        assert sc["runAsGroup"] == int(gid or uid)

@@ -28,6 +28,7 @@ def rayjob(dep="", js="", **extra):
         ("Complete", "SUCCEEDED", "Succeeded"),
         ("Complete", "FAILED", "Failed"),
         ("Failed", "FAILED", "Failed"),
+        ("ValidationFailed", "", "Failed"),
         ("Retrying", "", "Initializing"),
         ("Suspending", "", "Suspended"),
         ("Suspended", "", "Suspended"),
@@ -97,3 +98,15 @@ def test_invalid_status():
     assert st["phase"] == "Invalid"
     assert st["conditions"][0]["reason"] == "InvalidSpec"
     assert "spec.image" in st["conditions"][0]["message"]
+
+
+def test_kuberay_validation_failure_is_failed_with_its_reason():
+    rj = rayjob("ValidationFailed", "", reason="ValidationFailed", message="bad rayStartParams")
+    st = desired_status(JOB, rj, generation=1, previous=None, now="T")
+    assert st["phase"] == "Failed"
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"], failed["message"]) == (
+        "True",
+        "ValidationFailed",
+        "bad rayStartParams",
+    )

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 from ppojob_trainer.config import SpecError
-from ppojob_trainer.loop import config_from_manifest, train
+from ppojob_trainer.loop import train
+from ppojob_trainer.manifest import config_from_doc as config_from_manifest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"
 

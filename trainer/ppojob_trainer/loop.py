@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import SpecError, TrainerConfig, TrainingHalf, check_training_half
+from .config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,32 +50,14 @@ class TrainResult:
         return None
 
 
-def config_from_manifest(doc: dict[str, Any]) -> TrainerConfig:
-    """The trainer config of a PPOJob manifest: its spec's training half, the scheduling
-    timeout and the job name. Cluster fields are ignored; ``SpecError`` lists every problem."""
-    spec = doc.get("spec") or {}
-    if not isinstance(spec, dict):
-        raise SpecError([], "manifest: spec must be a mapping")
-    keys = {f.alias or n for n, f in TrainingHalf.model_fields.items()} | set(
-        TrainingHalf.model_fields
-    )
-    half = {k: v for k, v in spec.items() if k in keys}
-    timeout = (spec.get("scheduling") or {}).get("timeoutSeconds")
-    if timeout is not None:
-        half["placementTimeoutSeconds"] = timeout
-    name = (doc.get("metadata") or {}).get("name")
-    if name:
-        half["jobName"] = name
-    from .config import pydantic_problems
+def _rendezvous_address() -> tuple[str, int]:
+    """Address and a free port on this node, for a process group's rendezvous."""
+    import ray
 
-    try:
-        cfg = TrainerConfig.model_validate(half)
-    except Exception as exc:
-        raise SpecError(pydantic_problems(exc, "spec"), "manifest") from None
-    problems = check_training_half(cfg)
-    if problems:
-        raise SpecError(problems, "manifest")
-    return cfg
+    from .workers.group import free_port
+
+    host = ray.util.get_node_ip_address()
+    return host, free_port(host)
 
 
 def _ranges(n: int, size: int) -> list[tuple[int, int]]:
@@ -95,8 +77,7 @@ class PPOTrainer:
         import ray
 
         from .models import cache_root
-        from .placement import plan_placement, reserve_placement
-        from .workers.group import free_port
+        from .placement import cluster_pins_roles, plan_placement, reserve_placement
         from .workers.host import RemoteWorkerHost
 
         self.cfg = cfg
@@ -104,7 +85,10 @@ class PPOTrainer:
         n = cfg.data.samples_per_step
         critic = roles.effective_critic(algo.needs_critic)
         self.has_critic = critic is not None
-        self.placement = reserve_placement(plan_placement(cfg), cfg.placement_timeout_seconds)
+        # On an operator-made cluster every pod advertises its role (`ppojob-actor`, ...): pin
+        # each role's bundles to its own pods. A local Ray has no such resources.
+        plan = plan_placement(cfg, pin_roles=cluster_pins_roles(ray.cluster_resources()))
+        self.placement = reserve_placement(plan, cfg.placement_timeout_seconds)
         cfg_json = cfg.model_dump_json(by_alias=True)
 
         # Which roles share a process: colocated ones live with the actor worker of their rank.
@@ -126,7 +110,13 @@ class PPOTrainer:
         for owner, hosted, world in layout:
             # One GPU per worker when the role has GPUs (Ray sets CUDA_VISIBLE_DEVICES).
             device = "cuda" if specs[owner].resources.gpus > 0 else "cpu"
-            port = free_port() if world > 1 and owner != "rollout" else 0
+            # The rendezvous of the role's process group is on the node of its rank 0.
+            rendezvous = None
+            if world > 1 and owner != "rollout":
+                # (a task in rank 0's bundle, holding its CPU share only while it runs)
+                opts0 = {**self.placement.scheduling_options(owner, 0), "num_gpus": 0}
+                address = ray.remote(_rendezvous_address).options(**opts0).remote()
+                rendezvous = tuple(ray.get(address))
             for rank in range(world):
                 opts = self.placement.scheduling_options(owner, rank)
                 cpus = sum(self.placement.bundle_for(r, rank)[1].get("CPU", 0.0) for r in hosted)
@@ -140,7 +130,7 @@ class PPOTrainer:
                 handle = RemoteWorkerHost.options(**opts).remote(
                     cfg_json,
                     {r: (rank, world) for r in hosted},
-                    ("127.0.0.1", port) if world > 1 else None,
+                    rendezvous,
                     nthreads,
                     device,
                     str(cache_root()),
@@ -377,20 +367,15 @@ def _default_cache(out_dir: Path) -> Path:
 
 
 def _save(trainer: PPOTrainer, ckpt_dir: Path, step: int, keep: int) -> str | None:
-    try:
-        from .checkpoint import save_checkpoint
-    except ImportError:
-        log.warning("ppojob_trainer.checkpoint is not available; no checkpoint written")
-        return None
+    from .checkpoint import save_checkpoint
+
     path = save_checkpoint(ckpt_dir, step, trainer.state(step), keep)
     return str(path)
 
 
 def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
-    try:
-        from .checkpoint import latest_checkpoint, load_checkpoint
-    except ImportError:
-        return 0
+    from .checkpoint import latest_checkpoint, load_checkpoint
+
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         return 0
@@ -398,4 +383,4 @@ def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
     return trainer.restore(load_checkpoint(path))
 
 
-__all__ = ["PPOTrainer", "TrainResult", "config_from_manifest", "train"]
+__all__ = ["PPOTrainer", "TrainResult", "train"]

@@ -49,8 +49,8 @@ class WorkerHost:
         if trained:
             rank, world = roles[trained[0]]
             addr, port = rendezvous if rendezvous else ("127.0.0.1", 0)
-            groups = init_role_groups(trained, rank, world, addr, port,
-                                      "nccl" if device.startswith("cuda") else "gloo")  # fmt: skip
+            backend = "nccl" if device.startswith("cuda") else "gloo"
+            groups = init_role_groups(trained, rank, world, addr, port, backend)
         self.rollout = self.actor = self.critic = None
         if "rollout" in roles:
             from .rollout import RolloutWorker
