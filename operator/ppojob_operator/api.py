@@ -149,7 +149,7 @@ class Condition(_Model):
     """A standard Kubernetes condition."""
 
     type: str
-    """Condition type: Valid, Admitted, Running, Succeeded, Failed, Suspended."""
+    """Condition type: Valid, SpecApplied, Running, Succeeded, Failed, Suspended."""
 
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""

@@ -310,10 +310,21 @@ def _ray_resources(values: dict[str, int]) -> str:
     return json.dumps(json.dumps(values, separators=(",", ":")))
 
 
+SIDECAR_SUBMITTER_REQUESTS = {"cpu": 0.5, "memory": 200 * 2**20}
+"""Requests of the ``ray-job-submitter`` container KubeRay adds to the head pod in SidecarMode
+(its ``GetDefaultSubmitterContainer``: 500m CPU, 200Mi memory)."""
+
+
 def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
-    """Head and worker groups as gang members (replicas and per-pod requests)."""
+    """Head and worker groups as gang members (replicas and per-pod requests). In SidecarMode
+    the head pod also holds KubeRay's submitter container, so its requests count too."""
     head = job.spec.head
-    members = [scheduling.GangMember(1, _resources(head.cpus, head.memory, 0)["requests"])]
+    head_requests = _resources(head.cpus, head.memory, 0)["requests"]
+    if job.spec.submission_mode == "SidecarMode":
+        cpu = head.cpus + SIDECAR_SUBMITTER_REQUESTS["cpu"]
+        mem = scheduling._parse_quantity(head.memory) + SIDECAR_SUBMITTER_REQUESTS["memory"]
+        head_requests = {"cpu": _cpu(cpu), "memory": str(round(mem))}
+    members = [scheduling.GangMember(1, head_requests)]
     for _, r in pod_roles(job):
         res = r.resources
         members.append(

@@ -31,7 +31,6 @@ KINDS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
-    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 

@@ -209,14 +209,21 @@ def test_gang_labels_per_scheduler():
 def test_scheduler_plugins_podgroup_sums_the_gang():
     job = make("gae-separate-all", "scheduler-plugins")
     pg = by_kind(builders.build_children(job, namespace="ns1"))["PodGroup"]
-    # head (2 cpu, 8Gi) + 6 worker pods of 8 cpu, 64Gi, 2 GPUs
+    # head (2 cpu, 8Gi, plus KubeRay's SidecarMode submitter container: 500m, 200Mi)
+    # + 6 worker pods of 8 cpu, 64Gi, 2 GPUs
     assert pg["spec"]["minMember"] == 7
     assert pg["spec"]["minResources"] == {
-        "cpu": "50",
-        "memory": str((8 + 6 * 64) * 2**30),
+        "cpu": "50500m",
+        "memory": str((8 + 6 * 64) * 2**30 + 200 * 2**20),
         "nvidia.com/gpu": "12",
     }
     assert pg["spec"]["scheduleTimeoutSeconds"] == 120
+    # K8sJobMode: the submitter is a pod of its own, outside the gang
+    job = make("gae-separate-all", "scheduler-plugins", submissionMode="K8sJobMode")
+    pg = by_kind(builders.build_children(job, namespace="ns1"))["PodGroup"]
+    assert pg["spec"]["minMember"] == 7
+    assert pg["spec"]["minResources"]["cpu"] == "50"
+    assert pg["spec"]["minResources"]["memory"] == str((8 + 6 * 64) * 2**30)
 
 
 def test_volcano_preview_validates(validate_child):
