@@ -249,6 +249,12 @@ GRPO_INVALID: list[tuple[str, str, Any, str]] = [
         {"coefficient": 0.01},
         "spec.algorithm.kl.mode",
     ),
+    (
+        "reinforce++ baseline with KL in the reward",
+        "spec.algorithm",
+        {"advantageEstimator": "reinforce_plus_plus_baseline", "kl": {"coefficient": 0.01}},
+        "spec.algorithm.kl.mode",
+    ),
 ]
 
 

@@ -837,12 +837,12 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                 "use k2, k3 or low_var_kl with mode: loss",
             )
         )
-    if kl.coefficient > 0 and kl.mode == "reward" and algo.advantage_estimator in ("grpo", "rloo"):
+    if kl.coefficient > 0 and kl.mode == "reward" and algo.advantage_estimator in GROUP_ESTIMATORS:
         p.append(
             Problem(
                 f"{kpath}.mode",
-                f"{algo.advantage_estimator} normalises outcome "
-                "rewards within a group, which discards a per-token KL penalty",
+                f"{algo.advantage_estimator} compares outcome rewards "
+                "within a group, which discards a per-token KL penalty",
                 "set kl.mode: loss (with k3 or low_var_kl)",
             )
         )
