@@ -141,3 +141,15 @@ def test_distributed_whiten_gloo_world_size_2():
         torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5)
         assert out.dtype == torch.float32
         assert "no element on any rank" in results[f"err{rank}"]
+
+
+def test_collective_device_follows_the_backend():
+    """NCCL reduces CUDA tensors only: the stats go to the current CUDA device for nccl and
+    stay on the CPU for gloo (checked without a GPU through the explicit index)."""
+    from ppojob_trainer.algorithms.stats import collective_device
+
+    assert collective_device("gloo") == torch.device("cpu")
+    assert collective_device("nccl", cuda_index=0) == torch.device("cuda", 0)
+    assert collective_device("NCCL", cuda_index=3) == torch.device("cuda", 3)
+    assert collective_device(dist.Backend.NCCL, cuda_index=1) == torch.device("cuda", 1)
+    assert collective_device(dist.Backend.GLOO, cuda_index=1) == torch.device("cpu")

@@ -139,3 +139,92 @@ def test_lr_schedules():
     lin = TrainingSettings(learning_rate=1.0, lr_scheduler="linear")
     assert lr_factor(5, lin, 10) == pytest.approx(0.5)
     assert lr_factor(5, TrainingSettings(learning_rate=1.0), 10) == 1.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_of_unequal_token_counts_give_the_full_batch_gradient(model_dir, tok, agg):
+    """Gradient accumulation over micro-batches with 1 and 11 response tokens (1 and 2 non-empty
+    samples) equals one pass over the whole mini-batch: the loss is the mean over the whole
+    mini-batch, not a mean of the micro-batch means."""
+    from ppojob_trainer.algorithms import policy_loss
+
+    ids, mask = _prompts(tok, ["1", "2", "3", "4"])
+    g = torch.Generator().manual_seed(0)
+    resp = torch.randint(4, 14, (4, 6), generator=g)
+    rmask = torch.arange(6)[None, :] < torch.tensor([1, 0, 6, 5])[:, None]
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp, "response_mask": rmask,
+             "old_logprobs": -torch.rand(4, 6, generator=g) * 3,
+             "advantages": torch.randn(4, 6, generator=g)}  # fmt: skip
+
+    def loss_fn(logp, ent, mb):
+        loss, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
+                              agg=agg, entropy=ent, entropy_coef=0.01)  # fmt: skip
+        return loss, {}
+
+    grads = []
+    for micro in (4, 2):
+        trainer = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
+                                     temperature=1.0, need_reference=False)  # fmt: skip
+
+        def capture(trainer=trainer):
+            grads.append([p.grad.clone() for p in trainer.opt.params])
+            return {}
+
+        trainer.opt.step = capture
+        trainer.update(batch, loss_fn, micro_batch_size=micro, agg=agg)
+    (whole, parts) = grads
+    assert any(float(g.abs().sum()) > 0 for g in whole)
+    for a, b in zip(whole, parts, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_accumulation_weights_scale_by_global_count_and_dp():
+    from ppojob_trainer.backends.torch_backend import accumulation_weights
+
+    # this worker: micro-batches of 3 and 11 tokens; both workers together: 20 tokens
+    assert accumulation_weights([3, 11], 20, 2) == pytest.approx([0.3, 1.1])
+    assert accumulation_weights([3, 11], 14, 1) == pytest.approx([3 / 14, 11 / 14])
+    with pytest.raises(ValueError, match="no unit"):
+        accumulation_weights([0], 0, 1)
+
+
+def test_logprobs_and_values_run_in_eval_mode_and_updates_in_train_mode(model_dir, tok):
+    """Old/ref log-probs and the values for the advantages are computed without dropout (eval
+    mode); the updates train in train mode."""
+    ids, mask = _prompts(tok, ["5"] * 4)
+    resp = torch.randint(4, 14, (4, 3))
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp,
+             "response_mask": torch.ones(4, 3, dtype=torch.bool)}  # fmt: skip
+    policy = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
+                                temperature=1.0, need_reference=True)  # fmt: skip
+    critic = TorchValueTrainer(model_dir, "float32", _settings(), total_updates=1, seed=0)
+    modes: list[tuple[str, bool]] = []
+    for name, module in (("policy", policy.model), ("ref", policy.reference),
+                         ("critic", critic.model)):  # fmt: skip
+        module.register_forward_pre_hook(lambda m, _a, name=name: modes.append((name, m.training)))
+    policy.logprobs(batch)
+    policy.logprobs(batch, reference=True)
+    critic.values(batch)
+    assert modes == [("policy", False), ("ref", False), ("critic", False)]
+    modes.clear()
+    policy.update(batch, lambda logp, ent, mb: (-logp.mean(), {}), micro_batch_size=4)
+    critic.update(batch, lambda v, mb: ((v**2).mean(), {}), micro_batch_size=4)
+    assert modes == [("policy", True), ("critic", True)]
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_entropy_has_a_graph_only_when_the_loss_uses_it(model_dir, tok, entropy_grad):
+    ids, mask = _prompts(tok, ["6"] * 2)
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": torch.randint(4, 14, (2, 3)),
+             "response_mask": torch.ones(2, 3, dtype=torch.bool)}  # fmt: skip
+    policy = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
+                                temperature=1.0, need_reference=False,
+                                entropy_grad=entropy_grad)  # fmt: skip
+    seen = []
+
+    def loss_fn(logp, ent, mb):
+        seen.append(ent.requires_grad)
+        return -logp.mean(), {"entropy": float(ent.detach().mean())}
+
+    metrics = policy.update(batch, loss_fn, micro_batch_size=2)
+    assert seen == [entropy_grad] and metrics["entropy"] > 0

@@ -118,3 +118,44 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
     got = (random.random(), np.random.rand(), torch.rand(2))
     assert got[0] == expected[0] and got[1] == expected[1]
     assert torch.equal(got[2], expected[2])
+
+
+def _cfg(**training):
+    from ppojob_trainer.config import TrainerConfig
+
+    return TrainerConfig.model_validate({
+        "roles": {"actor": {"replicas": 1}, "rollout": {"replicas": 1}},
+        "algorithm": {"advantageEstimator": "grpo"},
+        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+        "training": {"steps": 2, **training},
+    })  # fmt: skip
+
+
+def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Path) -> None:
+    from ppojob_trainer.checkpoint import config_fingerprint
+    from ppojob_trainer.loop import _resume
+
+    saved_cfg = _cfg(seed=1)
+    save_checkpoint(tmp_path, 2, {"step": 2, "fingerprint": config_fingerprint(saved_cfg)}, 2)
+
+    class FakeTrainer:
+        def __init__(self, cfg):
+            self.cfg, self.restored = cfg, None
+
+        def restore(self, state):
+            self.restored = state
+            return int(state["step"])
+
+    same = FakeTrainer(_cfg(seed=1, learningRate=3e-4))  # a setting free to change
+    assert _resume(same, tmp_path) == 2 and same.restored["step"] == 2
+
+    changed = _cfg(seed=2)
+    changed.data.rollout_batch_size = 8
+    other = FakeTrainer(changed)
+    with pytest.raises(CheckpointError) as err:
+        _resume(other, tmp_path)
+    msg = str(err.value)
+    assert "spec.training.seed: 1 in the checkpoint, 2 now" in msg
+    assert "spec.data.rolloutBatchSize: 4 in the checkpoint, 8 now" in msg
+    assert "spec.model.path" not in msg and "checkpointDir" in msg and "resume: false" in msg
+    assert other.restored is None

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import ray
 import torch
+from ppojob_trainer.algorithms import compute_advantages, masked_whiten, shape_token_rewards
 from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.config import TrainerConfig
 from ppojob_trainer.loop import PPOTrainer
@@ -91,6 +92,9 @@ def test_values_reach_the_actor_bit_identical_and_never_touch_the_driver(
         assert not [t for obj in fetched for t in _tensors_in(obj)], "driver pulled a tensor"
         assert all(math.isfinite(v) for m in metrics for v in m.values())
         assert "critic/vf_loss" in metrics[-1] and "actor/pg_loss" in metrics[-1]
+        # each role's optimizer figures under its own name; neither overwrites the other's
+        assert {"actor/grad_norm", "actor/lr", "critic/grad_norm", "critic/lr"} <= set(metrics[-1])
+        assert not {"grad_norm", "lr"} & set(metrics[-1])
 
         computed = ray.get([h.computed_values.remote() for h in trainer.hosts["critic"]])
         received = ray.get([h.received_values.remote() for h in trainer.hosts["actor"]])
@@ -146,7 +150,8 @@ def _rollout_parts(cfg):
 
 
 def test_custom_advantage_function(hooks):
-    cfg = _cfg(**{"advantageEstimator": "grpo", "customAdvantageFunction": f"{hooks}:good"})
+    cfg = _cfg(**{"advantageEstimator": "grpo", "customAdvantageFunction": f"{hooks}:good",
+                  "normalizeAdvantages": False})  # fmt: skip
     path, parts, batch = _rollout_parts(cfg)
     actor = ActorWorker(cfg, ShardIdentity("actor"), path, "cpu", None)
     refs, metrics = actor.prepare(parts, None, None, 0.0)
@@ -154,7 +159,17 @@ def test_custom_advantage_function(hooks):
     adv = actor.batch["advantages"]
     last = batch["response_mask"].long().cumsum(1).argmax(1)
     assert torch.allclose(adv[torch.arange(adv.shape[0]), last], 2 * batch["scores"])
-    assert math.isfinite(actor.train(0)["actor/pg_loss"])
+    # normalizeAdvantages applies to a custom function's output too
+    algo_on = cfg.algorithm.model_copy(update={"normalize_advantages": True})
+    on = ActorWorker(
+        cfg.model_copy(update={"algorithm": algo_on}), ShardIdentity("actor"), path, "cpu", None
+    )
+    on.prepare(parts, None, None, 0.0)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(on.batch["advantages"], masked_whiten(adv, mask))
+    trained = actor.train(0)
+    assert math.isfinite(trained["actor/pg_loss"])
+    assert {"actor/grad_norm", "actor/lr"} <= set(trained) and "grad_norm" not in trained
 
 
 @pytest.mark.parametrize(("fn", "message"), [("wrong_shape", "shape"), ("missing_key", "returns")])
@@ -210,3 +225,119 @@ def test_cat_batches_pads_to_the_widest():
     out = cat_batches([a, b])
     assert out["prompt_ids"].shape == (3, 2) and out["response_ids"].shape == (3, 3)
     assert out["prompt_mask"][1:].tolist() == [[False, True], [False, True]]
+
+
+def _live_ours(name: str) -> tuple[list[str], list[str]]:
+    """(states of our placement groups not removed, ids of our worker hosts alive)."""
+    from ray._private import state
+
+    groups = [
+        g["state"]
+        for g in ray.util.placement_group_table().values()
+        if g["name"] == name and g["state"] != "REMOVED"
+    ]
+    hosts = [
+        a_id
+        for a_id, a in state.actors(actor_state_name="ALIVE").items()
+        if "WorkerHost" in str(a.get("ActorClassName", ""))
+    ]
+    return groups, hosts
+
+
+def test_a_worker_failing_to_start_leaves_no_group_and_no_worker():
+    """The actor host starts fine, the rollout host's reward module does not import: the
+    constructor must kill the started host and release the placement group, then re-raise."""
+    import time
+
+    cfg = _cfg()
+    cfg.job_name = "startup-leak"
+    cfg.data.reward_function = "no_such_reward_mod_q:score"
+    assert _live_ours("ppojob-startup-leak") == ([], [])
+    with pytest.raises(Exception, match="no_such_reward_mod_q"):
+        PPOTrainer(cfg)
+    # Killing is asynchronous in Ray: wait (bounded) for the state to say so, never a fixed sleep.
+    deadline = time.monotonic() + 30
+    while _live_ours("ppojob-startup-leak") != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live_ours("ppojob-startup-leak") == ([], [])
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_normalize_advantages_switches_whitening(estimator):
+    """Same batch: normalizeAdvantages false gives the estimator's raw advantages, true gives
+    them whitened over the batch's response tokens (once: GAE's own whitening is not doubled)."""
+    cfg = _cfg(advantageEstimator=estimator, normalizeAdvantages=False, kl={"coefficient": 0.0})
+    path, _, batch = _rollout_parts(cfg)
+    n, width = batch["response_ids"].shape
+    # scores that differ inside the prompt groups, so that GRPO's advantages are not all 0
+    batch["scores"] = torch.arange(n, dtype=torch.float32) % 3 * 0.5
+    parts = [(0, n, ray.put(batch))]
+    mask = batch["response_mask"]
+    value_lists = critic_ranges = None
+    values = None
+    if estimator == "gae":
+        values = torch.randn(n, width, generator=torch.Generator().manual_seed(1))
+        value_lists, critic_ranges = [[ray.put(values)]], [(0, n)]
+    out = {}
+    for on in (False, True):
+        c = cfg.model_copy(
+            update={"algorithm": cfg.algorithm.model_copy(update={"normalize_advantages": on})}
+        )
+        actor = ActorWorker(c, ShardIdentity("actor"), path, "cpu", None)
+        actor.prepare(parts, value_lists, critic_ranges, 0.0)
+        out[on] = actor.batch["advantages"]
+    options = {"whiten": False} if estimator == "gae" else {}
+    raw, _ = compute_advantages(
+        estimator, token_rewards=shape_token_rewards(batch["scores"], mask), scores=batch["scores"],
+        values=values, mask=mask, group_ids=batch["group_ids"], gamma=cfg.algorithm.gamma,
+        lam=cfg.algorithm.lam, **options,
+    )  # fmt: skip
+    torch.testing.assert_close(out[False], raw)
+    torch.testing.assert_close(out[True], masked_whiten(raw, mask.bool()))
+    assert not torch.allclose(out[True], out[False])
+    sel = out[True][mask.bool()]
+    assert abs(float(sel.mean())) < 1e-5 and abs(float(sel.std(unbiased=False)) - 1) < 1e-3
+
+
+def test_lr_schedule_length_counts_the_updates_each_role_makes():
+    from ppojob_trainer.workers.actor import planned_updates
+
+    cfg = TrainerConfig.model_validate({
+        "roles": {"actor": {"replicas": 1, "resources": {"cpus": 1}},
+                  "critic": {"replicas": 1, "resources": {"cpus": 1},
+                             "overrides": {"ppoEpochs": 3, "miniBatchSize": 2}},
+                  "rollout": {"replicas": 1, "resources": {"cpus": 1}}},
+        "algorithm": {"advantageEstimator": "gae", "criticWarmupSteps": 2,
+                      "criticUpdatesPerStep": 2},
+        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+        "training": {"steps": 10, "ppoEpochs": 2, "miniBatchSize": 4},
+    })  # fmt: skip
+    # actor: (10 - 2) steps x 2 epochs x (8 / 4) mini-batches
+    assert planned_updates(cfg, "actor") == 8 * 2 * 2
+    # critic: 10 steps x 2 updates per step x 3 epochs x (8 / 2) mini-batches
+    assert planned_updates(cfg, "critic") == 10 * 2 * 3 * 4
+    # without a critic the warm-up does not apply: the actor trains at every step
+    grpo = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
+        update={"advantage_estimator": "grpo"})})  # fmt: skip
+    assert grpo.roles.effective_critic(grpo.algorithm.needs_critic) is None
+    assert planned_updates(grpo, "actor") == 10 * 2 * 2
+
+
+def test_long_prompts_are_truncated_from_the_left():
+    """maxPromptLength keeps the end of the prompt (next to the answer), not its start."""
+    cfg = _cfg()
+    cfg.data.max_prompt_length = 4
+    from ppojob_trainer.models import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path, cfg.training.seed)
+    worker = RolloutWorker(cfg, ShardIdentity("rollout"), path, "cpu")
+    tok = worker.tokenizer
+    long_prompt, short = "1234567890", "12"
+    ids, mask = worker.encode([long_prompt, short])
+    assert ids.shape[1] == 4
+    full = tok(long_prompt)["input_ids"]
+    assert len(full) > 4
+    kept = ids[0][mask[0]].tolist()
+    assert kept[-2:] == full[-2:] and tok.convert_tokens_to_ids("0") in kept
+    assert tok.convert_tokens_to_ids("1") not in kept
+    assert ids[1][mask[1]].tolist() == tok(short)["input_ids"]  # short prompts untouched

@@ -185,6 +185,49 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int)
 
 
 # ---------------------------------------------------------------------------------------------
+# What must not change across a resume
+# ---------------------------------------------------------------------------------------------
+def config_fingerprint(cfg: Any) -> dict[str, Any]:
+    """The settings a checkpoint is only valid under (a ``TrainerConfig``), by spec path: the
+    model, every role's worker count, the data batch sizes, the seed and the estimator. Stored in
+    each checkpoint as ``fingerprint`` and compared on resume (:func:`check_fingerprint`)."""
+    roles, data, algo = cfg.roles, cfg.data, cfg.algorithm
+    has_critic = roles.effective_critic(algo.needs_critic) is not None
+    return {
+        "spec.model.path": cfg.model.path,
+        "spec.model.criticPath": cfg.model.critic_path,
+        "spec.roles.actor (workers)": roles.workers_of("actor"),
+        "spec.roles.critic (workers)": roles.workers_of("critic") if has_critic else 0,
+        "spec.roles.rollout (workers)": roles.workers_of("rollout"),
+        "spec.data.rolloutBatchSize": data.rollout_batch_size,
+        "spec.data.samplesPerPrompt": data.samples_per_prompt,
+        "spec.training.miniBatchSize": cfg.training.mini_batch_size,
+        "spec.training.seed": cfg.training.seed,
+        "spec.algorithm.advantageEstimator": algo.advantage_estimator,
+    }
+
+
+def check_fingerprint(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> None:
+    """Raise :class:`CheckpointError` naming every setting that differs between the checkpoint
+    at ``path`` (``saved``; None for a checkpoint written before fingerprints) and this run."""
+    if saved is None:
+        log.warning("checkpoint %s has no config fingerprint; resuming without the check", path)
+        return
+    diffs = [
+        f"{key}: {saved.get(key, '(not recorded)')!r} in the checkpoint, {value!r} now"
+        for key, value in current.items()
+        if saved.get(key, value) != value
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"cannot resume from {path}: settings that a checkpoint depends on changed: "
+            + "; ".join(diffs)
+            + ". Restore them, or start afresh with a new spec.training.checkpointDir or "
+            "spec.training.resume: false."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Finding, reading, pruning
 # ---------------------------------------------------------------------------------------------
 def read_manifest(path: Path) -> dict[str, Any] | None:

@@ -287,7 +287,10 @@ class Algorithm(_Model):
     """Weight of the entropy bonus in the policy loss."""
 
     normalize_advantages: bool = True
-    """Whiten advantages over the whole batch (across data-parallel workers) before the update."""
+    """Whiten the final advantages over the whole step's response tokens (across data-parallel
+    workers) before the update, for every estimator and for a customAdvantageFunction;
+    estimators whose definition already whitens (gae, reinforce_plus_plus,
+    reinforce_plus_plus_baseline) do it once, not twice. false: no whitening at all."""
 
     grpo_norm_by_std: bool = True
     """For `grpo`: divide by the group's reward standard deviation (false gives Dr. GRPO)."""

@@ -76,19 +76,33 @@ class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, threads: dict[str, int] | None = None) -> None:
         import ray
 
-        from .models import cache_root
         from .placement import cluster_pins_roles, plan_placement, reserve_placement
-        from .workers.host import RemoteWorkerHost
 
         self.cfg = cfg
         algo, roles = cfg.algorithm, cfg.roles
-        n = cfg.data.samples_per_step
         critic = roles.effective_critic(algo.needs_critic)
         self.has_critic = critic is not None
         # On an operator-made cluster every pod advertises its role (`ppojob-actor`, ...): pin
         # each role's bundles to its own pods. A local Ray has no such resources.
         plan = plan_placement(cfg, pin_roles=cluster_pins_roles(ray.cluster_resources()))
         self.placement = reserve_placement(plan, cfg.placement_timeout_seconds)
+        self.all_hosts: list[Any] = []
+        try:
+            self._start(cfg, critic, threads)
+        except BaseException:
+            # A worker that fails to start (bad model path, reward module...) must not leave the
+            # placement group and the workers already started holding the cluster.
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: TrainerConfig, critic: Any, threads: dict[str, int] | None) -> None:
+        import ray
+
+        from .models import cache_root
+        from .workers.host import RemoteWorkerHost
+
+        algo, roles = cfg.algorithm, cfg.roles
+        n = cfg.data.samples_per_step
         cfg_json = cfg.model_dump_json(by_alias=True)
 
         # Which roles share a process: colocated ones live with the actor worker of their rank.
@@ -105,7 +119,7 @@ class PPOTrainer:
             layout.append(("rollout", ["rollout"], roles.workers_of("rollout")))
 
         self.hosts: dict[str, list[Any]] = {"actor": [], "critic": [], "rollout": []}
-        all_hosts = []
+        all_hosts = self.all_hosts
         specs = {"actor": roles.actor, "critic": critic, "rollout": roles.rollout}
         for owner, hosted, world in layout:
             # One GPU per worker when the role has GPUs (Ray sets CUDA_VISIBLE_DEVICES).
@@ -139,7 +153,6 @@ class PPOTrainer:
                     self.hosts[r].append(handle)
                 all_hosts.append(handle)
         self.identities = ray.get([h.ready.remote() for h in all_hosts])
-        self.all_hosts = all_hosts
         self.actor_ranges = _ranges(n, len(self.hosts["actor"]))
         self.critic_ranges = _ranges(n, len(self.hosts["critic"])) if self.has_critic else None
         self.data_rng = random.Random(cfg.training.seed)
@@ -263,8 +276,11 @@ class PPOTrainer:
         """Checkpoint state: trainer states of the actor (and critic) leaders and driver state."""
         import ray
 
+        from .checkpoint import config_fingerprint
+
         state: dict[str, Any] = {
             "step": step,
+            "fingerprint": config_fingerprint(self.cfg),
             "actor": ray.get(self.hosts["actor"][0].get_state.remote("actor")),
             "data_rng": self.data_rng.getstate(),
             "kl_coef": self.kl_ctl.value,
@@ -293,11 +309,18 @@ class PPOTrainer:
         return int(state["step"])
 
     def shutdown(self) -> None:
+        """Kill every worker started and release the placement group (safe to call twice)."""
         import ray
 
-        for h in self.all_hosts:
-            ray.kill(h)
-        self.placement.release()
+        hosts, self.all_hosts = list(getattr(self, "all_hosts", [])), []
+        for h in hosts:
+            try:
+                ray.kill(h)
+            except Exception:  # already dead: keep releasing the rest
+                log.debug("could not kill a worker host", exc_info=True)
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            placement.release()
 
 
 def _as_rng_state(s: Any) -> tuple[Any, ...]:
@@ -374,13 +397,20 @@ def _save(trainer: PPOTrainer, ckpt_dir: Path, step: int, keep: int) -> str | No
 
 
 def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
-    from .checkpoint import latest_checkpoint, load_checkpoint
+    from .checkpoint import (
+        check_fingerprint,
+        config_fingerprint,
+        latest_checkpoint,
+        load_checkpoint,
+    )
 
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         return 0
     log.info("resuming from %s", path)
-    return trainer.restore(load_checkpoint(path))
+    state = load_checkpoint(path)
+    check_fingerprint(state.get("fingerprint"), config_fingerprint(trainer.cfg), path)
+    return trainer.restore(state)
 
 
 __all__ = ["PPOTrainer", "TrainResult", "train"]

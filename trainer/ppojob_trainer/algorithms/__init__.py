@@ -18,6 +18,7 @@ from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estim
 from .losses import (
     AGG_MODES,
     aggregate_loss,
+    aggregation_count,
     entropy_from_logits,
     kl_loss,
     policy_loss,
@@ -33,6 +34,7 @@ __all__ = [
     "FixedKLController",
     "StepPlan",
     "aggregate_loss",
+    "aggregation_count",
     "compute_advantages",
     "compute_gae",
     "discounted_reverse_cumsum",

@@ -25,10 +25,12 @@ Built-in estimators and their options:
 ``reinforce_plus_plus``
     Discounted reward-to-go of ``token_rewards`` (``gamma``; ``lam`` unused), whitened over the
     batch's response tokens (Hu 2025). Returns are the unwhitened reward-to-go.
-    Option ``whiten_group``.
+    Options ``whiten=True`` (False: keep the raw reward-to-go as the advantage),
+    ``whiten_group``.
 ``reinforce_plus_plus_baseline``
     ``score - group mean``, broadcast over the response, then whitened over the batch's response
-    tokens. Singleton groups get 0 before whitening. Option ``whiten_group``.
+    tokens. Singleton groups get 0 before whitening. Options ``whiten=True`` (False: skip the
+    whitening), ``whiten_group``.
 ``rloo``
     ``score - mean of the other samples' scores in the group`` (Ahmadian et al. 2024). Every
     group needs at least 2 samples; a singleton group raises ``ValueError``.
@@ -495,11 +497,12 @@ def _reinforce_pp(
     group_ids: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
     whiten_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = mask.bool()
     ret, _ = compute_gae(token_rewards, torch.zeros_like(token_rewards), m, gamma, 1.0)
-    return _whiten(ret, m, whiten_group), ret
+    return (_whiten(ret, m, whiten_group) if whiten else ret.clone()), ret
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
@@ -512,11 +515,14 @@ def _reinforce_pp_baseline(
     group_ids: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
     whiten_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = mask.bool()
     s = _float_scores(scores, token_rewards)
     inv, counts, mean = _group_stats(s, group_ids)
     adv = torch.where(counts[inv] > 1, s - mean[inv], torch.zeros_like(s))
-    out = _whiten(_broadcast(adv, m), m, whiten_group)
+    out = _broadcast(adv, m)
+    if whiten:
+        out = _whiten(out, m, whiten_group)
     return out, out.clone()

@@ -25,6 +25,7 @@ from .kl import kl_estimate
 __all__ = [
     "AGG_MODES",
     "aggregate_loss",
+    "aggregation_count",
     "entropy_from_logits",
     "kl_loss",
     "policy_loss",
@@ -69,6 +70,19 @@ def _agg(loss_mat: torch.Tensor, m: torch.Tensor, mode: str) -> torch.Tensor:
         seq = seq / counts.clamp_min(1)
     has = counts > 0
     return _zero(seq, has).sum() / has.sum()
+
+
+def aggregation_count(mask: torch.Tensor, mode: str) -> int:
+    """How many units ``mode`` averages over in ``mask``: response tokens for ``token-mean``,
+    samples with at least one response token for the ``seq-*`` modes. A mini-batch split into
+    micro-batches (and over data-parallel workers) weighs each part's loss by its count over the
+    whole mini-batch's count, so that the sum is the loss of the whole mini-batch."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+    m = mask.bool()
+    if mode == "token-mean":
+        return int(m.sum())
+    return int((m.sum(dim=-1) > 0).sum())
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "all_reduce_sum",
+    "collective_device",
     "distributed_masked_whiten",
     "masked_mean",
     "masked_sum_count",
@@ -104,6 +106,31 @@ def masked_whiten(
     return _whiten_with(x, m, mean, var, shift_mean, eps)
 
 
+def collective_device(backend: str, cuda_index: int | None = None) -> torch.device:
+    """Where a tensor must be for a collective of a group with ``backend`` (its name, as
+    ``torch.distributed.get_backend`` gives it): NCCL only reduces CUDA tensors, so the current
+    CUDA device (or ``cuda:cuda_index``) for ``nccl``; the CPU for every other backend (gloo...)."""
+    if str(backend).lower() == "nccl":
+        index = torch.cuda.current_device() if cuda_index is None else cuda_index
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def all_reduce_sum(t: torch.Tensor, group: object | None = None) -> torch.Tensor:
+    """``all_reduce(SUM)`` of ``t`` over ``group``, whatever the group's backend: the tensor goes
+    to the device the backend needs (:func:`collective_device`) and the sum comes back on
+    ``t``'s device. Returns a new tensor when it moved, else ``t`` itself (reduced in place)."""
+    import torch.distributed as dist
+
+    dev = collective_device(dist.get_backend(group))
+    if t.device == dev:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+    moved = t.to(dev)
+    dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
+    return moved.to(t.device)
+
+
 def distributed_masked_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -114,11 +141,12 @@ def distributed_masked_whiten(
     """Like :func:`masked_whiten`, with mean and variance taken over every rank of ``group``.
 
     Two ``all_reduce`` (SUM) calls: first of ``[sum, count]``, then of the sum of squared
-    deviations from the global mean. The reductions run in float64 for accuracy; the result
-    has x's dtype. Every rank of the group must call this function. A rank may hold no masked
-    element as long as the group as a whole holds at least one (else ``ValueError`` on every
-    rank). When ``torch.distributed`` is unavailable or not initialised, this is exactly
-    :func:`masked_whiten` on the local tensor.
+    deviations from the global mean; on an NCCL group the small stats tensors travel to the
+    current CUDA device and back (:func:`all_reduce_sum`), so ``x`` may stay on the CPU. The
+    reductions run in float64 for accuracy; the result has x's dtype. Every rank of the group
+    must call this function. A rank may hold no masked element as long as the group as a whole
+    holds at least one (else ``ValueError`` on every rank). When ``torch.distributed`` is
+    unavailable or not initialised, this is exactly :func:`masked_whiten` on the local tensor.
     """
     import torch.distributed as dist
 
@@ -126,8 +154,7 @@ def distributed_masked_whiten(
         return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps)
     m = _check(x, mask, "distributed_masked_whiten")
     x64 = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
-    buf = torch.stack([x64.sum(), m.sum().double()])
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    buf = all_reduce_sum(torch.stack([x64.sum(), m.sum().double()]), group)
     total, count = buf[0], buf[1]
     if count.item() == 0:
         raise ValueError(
@@ -135,7 +162,6 @@ def distributed_masked_whiten(
         )
     mean = total / count
     dev = torch.where(m, x64 - mean, torch.zeros((), dtype=torch.float64, device=x.device))
-    sq = (dev * dev).sum().reshape(1)
-    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    sq = all_reduce_sum((dev * dev).sum().reshape(1), group)
     var = sq[0] / count
     return _whiten_with(x, m, mean.to(x.dtype), var.to(x.dtype), shift_mean, eps)

@@ -106,10 +106,16 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int
-    ) -> dict[str, float]:
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:  # fmt: skip
         """One optimizer update from this worker's share of a mini-batch (gradients averaged
-        over the data-parallel group). Returns the loss metrics and ``grad_norm``, ``lr``."""
+        over the data-parallel group). Returns the loss metrics and ``grad_norm``, ``lr``.
+
+        ``loss_fn`` gives each micro-batch's loss aggregated over that micro-batch with ``agg``
+        (a mean); the backend weighs it by the micro-batch's share of the whole mini-batch's
+        tokens (or sequences, for the ``seq-*`` modes) over every data-parallel worker, so the
+        update is that of the loss of the whole mini-batch in one pass."""
 
     @abstractmethod
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -133,8 +139,9 @@ class ValueTrainer(ABC):
 
     @abstractmethod
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int
-    ) -> dict[str, float]:
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:  # fmt: skip
         """One optimizer update, as :meth:`PolicyTrainer.update`."""
 
     @abstractmethod

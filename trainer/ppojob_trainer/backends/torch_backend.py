@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,47 @@ def lr_factor(update: int, settings: TrainingSettings, total_updates: int) -> fl
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (no dropout) inside the block, its previous mode after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
 def _split(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: int) -> list[float]:
+    """Weights of the micro-batch losses of one mini-batch under gradient accumulation.
+
+    Each micro-batch's loss is a mean over its own ``counts[i]`` units (tokens or sequences);
+    the mini-batch's loss is the mean over ``global_count`` units, every data-parallel worker's
+    together. The weight ``counts[i] / global_count`` makes the summed gradients that of the
+    global mean; times ``dp_size`` because the data-parallel all-reduce then averages them.
+    """
+    if global_count <= 0:
+        raise ValueError(f"accumulation_weights: the mini-batch has no unit to average over "
+                         f"(global count {global_count})")  # fmt: skip
+    return [float(c) * dp_size / float(global_count) for c in counts]
+
+
+def _micro_weights(
+    minibatch: Mapping[str, torch.Tensor], slices: Sequence[slice], agg: str, opt: _Optimised
+) -> list[float]:
+    """:func:`accumulation_weights` of the micro-batches ``slices`` of ``minibatch``."""
+    from ..algorithms import aggregation_count
+
+    mask = minibatch.get("response_mask")
+    if mask is None:  # a loss without a mask: each row counts once
+        counts = [float(sl.stop - sl.start) for sl in slices]
+    else:
+        counts = [float(aggregation_count(mask[sl], agg)) for sl in slices]
+    return accumulation_weights(counts, opt.global_count(sum(counts)), opt.dp_size)
 
 
 class _Optimised:
@@ -110,6 +150,14 @@ class _Optimised:
             weight_decay=settings.weight_decay,
         )
         self.updates = 0
+
+    def global_count(self, local: float) -> float:
+        """Sum of ``local`` over the data-parallel group."""
+        if self.dp_size <= 1:
+            return float(local)
+        from ..algorithms.stats import all_reduce_sum
+
+        return float(all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64), self.group))
 
     def step(self) -> dict[str, float]:
         if self.dp_size > 1:
@@ -281,10 +329,14 @@ class TorchPolicyTrainer(PolicyTrainer):
         temperature: float,
         need_reference: bool,
         need_entropy: bool = True,
+        entropy_grad: bool = False,
         group: Any | None = None,
         dp_size: int = 1,
         device: str = "cpu",
     ) -> None:
+        """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
+        graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
+        metric computed under ``no_grad`` (no [B, T, V] activations kept for backward)."""
         self.device = torch.device(device)
         self.model = load_causal_lm(model_dir, dtype).to(self.device)
         self.model.train()
@@ -294,6 +346,7 @@ class TorchPolicyTrainer(PolicyTrainer):
             self.reference.requires_grad_(False)
         self.temperature = temperature
         self.need_entropy = need_entropy
+        self.entropy_grad = entropy_grad
         self.opt = _Optimised(self.model, settings, total_updates, group, dp_size)
 
     def _forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -314,25 +367,33 @@ class TorchPolicyTrainer(PolicyTrainer):
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("logprobs(reference=True) needs a reference model (KL is off)")
-        logits = self._forward(model, batch)
+        with _eval_mode(model):  # old/ref log-probs without dropout; training uses train mode
+            logits = self._forward(model, batch)
         tokens = batch["response_ids"].to(self.device)
         return token_logprobs(logits, tokens, self.temperature).cpu()
 
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int
-    ) -> dict[str, float]:
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:  # fmt: skip
         n = minibatch["response_ids"].shape[0]
         parts = []
-        for sl in _split(n, micro_batch_size):
+        self.model.train()
+        slices = _split(n, micro_batch_size)
+        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self.opt), strict=True):
             micro = {k: v[sl] for k, v in minibatch.items()}
             logits = self._forward(self.model, micro)
             tokens = micro["response_ids"].to(self.device)
             logp = token_logprobs(logits, tokens, self.temperature)
-            ent = entropy(logits, self.temperature) if self.need_entropy else None
+            ent = None
+            if self.need_entropy and self.entropy_grad:
+                ent = entropy(logits, self.temperature)
+            elif self.need_entropy:
+                with torch.no_grad():
+                    ent = entropy(logits.detach(), self.temperature)
             loss, metrics = loss_fn(logp, ent, micro)
-            weight = (sl.stop - sl.start) / n
-            (loss * weight).backward()
-            parts.append((weight, metrics))
+            (loss * scale).backward()
+            parts.append(((sl.stop - sl.start) / n, metrics))
         metrics = _mean_metrics(parts)
         metrics.update(self.opt.step())
         return metrics
@@ -380,19 +441,22 @@ class TorchValueTrainer(ValueTrainer):
 
     @torch.no_grad()
     def values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self._forward(batch).cpu()
+        with _eval_mode(self.model):  # values for the advantages without dropout
+            return self._forward(batch).cpu()
 
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int
-    ) -> dict[str, float]:
+        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:  # fmt: skip
         n = minibatch["response_ids"].shape[0]
         parts = []
-        for sl in _split(n, micro_batch_size):
+        self.model.train()
+        slices = _split(n, micro_batch_size)
+        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self.opt), strict=True):
             micro = {k: v[sl] for k, v in minibatch.items()}
             loss, metrics = loss_fn(self._forward(micro), micro)
-            weight = (sl.stop - sl.start) / n
-            (loss * weight).backward()
-            parts.append((weight, metrics))
+            (loss * scale).backward()
+            parts.append(((sl.stop - sl.start) / n, metrics))
         metrics = _mean_metrics(parts)
         metrics.update(self.opt.step())
         return metrics
@@ -408,6 +472,7 @@ __all__ = [
     "TorchGenerationEngine",
     "TorchPolicyTrainer",
     "TorchValueTrainer",
+    "accumulation_weights",
     "entropy",
     "full_inputs",
     "lr_factor",

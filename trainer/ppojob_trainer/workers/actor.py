@@ -25,6 +25,13 @@ from .rollout import cat_batches, pack_weights, slice_batch
 Part = tuple[int, int, Any]  # (start, end, ObjectRef of a rollout batch)
 
 
+# Built-in estimators that whiten over the batch by definition, and their option switching it.
+WHITENING_ESTIMATORS = {
+    "gae": "whiten",
+    "reinforce_plus_plus": "whiten",
+    "reinforce_plus_plus_baseline": "whiten",
+}
+
 _FETCHED: dict[Any, dict[str, torch.Tensor]] = {}  # this step's rollout parts, per process
 
 
@@ -68,15 +75,48 @@ def make_policy_trainer(
         temperature=cfg.data.temperature,
         need_reference=need_ref,
         need_entropy=True,
+        entropy_grad=cfg.algorithm.entropy_coefficient > 0,
         group=group,
         dp_size=shard.dp_size,
         device=device,
     )
 
 
+def role_metrics(metrics: Mapping[str, float], role: str) -> dict[str, float]:
+    """``metrics`` with every key under ``role/``: backends report plain ``grad_norm`` and
+    ``lr``, which the actor and the critic would otherwise overwrite in the step's metrics."""
+    prefix = f"{role}/"
+    return {(k if k.startswith(prefix) else prefix + k): v for k, v in metrics.items()}
+
+
 def updates_per_step(n: int, mini_batch_size: int | None, epochs: int) -> int:
     """Optimizer updates of one training pass of a role over a step's ``n`` samples."""
     return epochs * (n // (mini_batch_size or n))
+
+
+def planned_updates(cfg: TrainerConfig, role: str) -> int:
+    """Optimizer updates ``role`` ("actor" or "critic") makes over the whole run: the length of
+    its learning-rate schedule.
+
+    Actor: the steps it trains at (all but the critic warm-up ones when there is a critic)
+    x ``ppoEpochs`` x mini-batches per step. Critic: steps x ``criticUpdatesPerStep`` x its own
+    ``ppoEpochs`` x its own mini-batches per step (its settings with the critic overrides).
+    """
+    algo = cfg.algorithm
+    has_critic = cfg.roles.effective_critic(algo.needs_critic) is not None
+    n = cfg.data.samples_per_step
+    settings = cfg.critic_training() if role == "critic" else cfg.training
+    per_pass = updates_per_step(n, settings.mini_batch_size, settings.ppo_epochs)
+    total = 0
+    for step in range(cfg.training.steps):
+        plan = A.plan_step(step, has_critic=has_critic,
+                           critic_warmup_steps=algo.critic_warmup_steps,
+                           critic_updates_per_step=algo.critic_updates_per_step)  # fmt: skip
+        if role == "critic":
+            total += plan.critic_updates * per_pass
+        elif plan.actor_trains:
+            total += per_pass
+    return total
 
 
 class ActorWorker:
@@ -89,9 +129,7 @@ class ActorWorker:
         self.shard = shard
         self.group = group
         n = cfg.data.samples_per_step
-        total = cfg.training.steps * updates_per_step(
-            n, cfg.training.mini_batch_size, cfg.training.ppo_epochs
-        )
+        total = planned_updates(cfg, "actor")
         self.trainer = make_policy_trainer(cfg, model_dir, group, shard, device, total)
         self.range = shard_range(n, shard.dp_size, shard.dp_rank)
         self.custom = (
@@ -137,11 +175,17 @@ class ActorWorker:
             batch["scores"], mask, reward_kl, kl_coef if reward_kl is not None else 0.0
         )
         common = dict(gamma=algo.gamma, lam=algo.lam)
+        # normalizeAdvantages: whiten the final advantages over the whole step's response tokens
+        # (every data-parallel worker's), exactly once. GAE and the REINFORCE++ estimators whiten
+        # that way themselves when asked (``whiten``); the outcome estimators run over the whole
+        # step (see _outcome_advantages); a custom function's output is whitened here.
         if self.custom is not None:
             adv, ret = A.run_custom_advantage(
                 self.custom, token_rewards=token_rewards, scores=batch["scores"], values=values,
                 mask=mask, group_ids=batch["group_ids"], **common,
             )  # fmt: skip
+            if algo.normalize_advantages:
+                adv = self._whiten_over_dp(adv, mask.bool())
         elif algo.advantage_estimator == "gae":
             adv, ret = A.compute_advantages(
                 "gae", token_rewards=token_rewards, scores=batch["scores"], values=values,
@@ -202,13 +246,25 @@ class ActorWorker:
         options: dict[str, Any] = {}
         if name == "grpo":
             options["norm_by_std"] = algo.grpo_norm_by_std
+        # Estimators whose definition whitens take the switch (and whiten once, over this whole
+        # step); the others are whitened here, over the whole step too, when it is on.
+        self_whitening = WHITENING_ESTIMATORS.get(name)
+        if self_whitening is not None:
+            options[self_whitening] = algo.normalize_advantages
         adv, ret = A.compute_advantages(
             name, token_rewards=tr, scores=full["scores"], values=None, mask=mask,
             group_ids=full["group_ids"], gamma=algo.gamma, lam=algo.lam, **options,
         )  # fmt: skip
-        if name == "rloo" and algo.normalize_advantages:
+        if self_whitening is None and algo.normalize_advantages:
             adv = A.masked_whiten(adv, mask.bool())
         return adv[lo:hi], ret[lo:hi]
+
+    def _whiten_over_dp(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Whiten this worker's advantages with the statistics of every data-parallel worker's
+        (all of them call this in the same phase)."""
+        if self.group is None:
+            return A.masked_whiten(adv, mask)
+        return A.distributed_masked_whiten(adv, mask, group=self.group)
 
     # -- step phase 2: PPO updates -------------------------------------------------------------
     def train(self, step: int) -> dict[str, float]:
@@ -248,7 +304,8 @@ class ActorWorker:
             for s in range(0, local, mini):
                 idx = order[s : s + mini]
                 mb = {k: v[idx] for k, v in batch.items()}
-                parts.append(self.trainer.update(mb, loss_fn, micro))
+                out = self.trainer.update(mb, loss_fn, micro, agg=algo.loss_aggregation)
+                parts.append(role_metrics(out, "actor"))
         return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
 
     def export_weights(self) -> Any:

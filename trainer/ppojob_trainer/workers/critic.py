@@ -13,7 +13,7 @@ import torch
 from .. import algorithms as A
 from ..backends.base import ShardIdentity, ValueTrainer
 from ..config import TrainerConfig
-from .actor import Part, fetch_range, updates_per_step
+from .actor import Part, fetch_range, planned_updates, role_metrics
 from .group import overlap, shard_range
 
 
@@ -29,12 +29,7 @@ def make_value_trainer(
         return MegatronValueTrainer(cfg, model_dir, shard)
     from ..backends.torch_backend import TorchValueTrainer
 
-    n = cfg.data.samples_per_step
-    total = (
-        cfg.training.steps
-        * cfg.algorithm.critic_updates_per_step
-        * updates_per_step(n, settings.mini_batch_size, settings.ppo_epochs)
-    )
+    total = planned_updates(cfg, "critic")
     return TorchValueTrainer(
         model_dir,
         cfg.model.dtype,
@@ -132,7 +127,8 @@ class CriticWorker:
                 for st in range(0, local, mini):
                     idx = order[st : st + mini]
                     mb = {k: v[idx] for k, v in batch.items()}
-                    parts.append(self.trainer.update(mb, loss_fn, micro))
+                    out = self.trainer.update(mb, loss_fn, micro, agg=agg)
+                    parts.append(role_metrics(out, "critic"))
         if not parts:
             return {}
         return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}

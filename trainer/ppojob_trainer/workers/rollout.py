@@ -56,6 +56,8 @@ class RolloutWorker:
         self.cfg = cfg
         self.shard = shard
         self.tokenizer = load_tokenizer(model_dir)
+        # maxPromptLength keeps a prompt's end, next to where the answer starts
+        self.tokenizer.truncation_side = "left"
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device)
         self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
