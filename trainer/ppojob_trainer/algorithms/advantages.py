@@ -202,10 +202,12 @@ def compute_gae(
     at masked-out positions are ignored (they may be anything, even NaN). With ``gamma = lam
     = 1`` the advantage is the reward-to-go minus the value.
 
-    Vectorised over the batch: response tokens are compacted to the front of each row (a
-    scatter), the recursion runs as a chunked parallel scan (:func:`discounted_reverse_cumsum`)
-    and the result is gathered back. Raises ``ValueError`` on mismatched shapes, an empty batch,
-    ``gamma``/``lam`` outside [0, 1] or a non-finite reward or value on a response token.
+    Vectorised over the batch. When every row's response is one contiguous run (prompt,
+    response, padding) the scan runs in place; otherwise response tokens are compacted to the
+    front of each row (a scatter), the recursion runs as a chunked parallel scan
+    (:func:`discounted_reverse_cumsum`) and the result is gathered back. Raises ``ValueError``
+    on mismatched shapes, an empty batch, ``gamma``/``lam`` outside [0, 1] or a non-finite
+    reward or value on a response token.
     """
     fn = "compute_gae"
     m = _check_mask(mask, fn)
@@ -215,6 +217,17 @@ def compute_gae(
     lm = _check_coef(lam, "lam", fn)
     dtype = r.dtype
     bsz, length = m.shape
+
+    # Fast path: each row's response tokens form one contiguous run (the common layout: prompt,
+    # response, padding). The next response token of t is then t + 1, and V there is already 0
+    # after the run's end; positions off the run are zeroed at the end.
+    runs = m[:, :1].sum(dim=1) + (m[:, 1:] & ~m[:, :-1]).sum(dim=1)
+    if int(runs.max()) <= 1:
+        zero = torch.zeros((), dtype=dtype, device=r.device)
+        v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))
+        delta = torch.where(m, r + g * v_next - v, zero)
+        adv = torch.where(m, discounted_reverse_cumsum(delta, g * lm), zero)
+        return adv, adv + v
 
     # Compaction: response token j of a row goes to column j; other positions to a trash column.
     rank = torch.cumsum(m, dim=1) - 1
