@@ -2,7 +2,7 @@
 
 Objects are plain dicts (what the builders make); requests go through the client's REST layer
 with JSON bodies, skipping its model (de)serialisation, which costs more CPU than the request.
-Every call is idempotent or made so: :func:`create_or_get` treats 409 AlreadyExists as success
+Every call is idempotent or made so: :func:`acreate_or_get` treats 409 AlreadyExists as success
 (after checking that the existing object is ours), so re-running a handler never makes a
 second child.
 """
@@ -144,25 +144,6 @@ def _controller_uid(obj: dict[str, Any]) -> str | None:
     return None
 
 
-def create_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Create the object; on 409 return the existing one. Returns (object, created).
-
-    Raises :class:`ChildConflict` when the existing object is controlled by another owner.
-    """
-    meta = obj["metadata"]
-    ns, name = meta.get("namespace"), meta["name"]
-    try:
-        return request("POST", path_for(obj["apiVersion"], obj["kind"], ns), obj), True
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-    existing = get(obj["apiVersion"], obj["kind"], ns, name)
-    if existing is None:  # deleted between our create and get: create again
-        return request("POST", path_for(obj["apiVersion"], obj["kind"], ns), obj), True
-    _check_owner(obj, existing)
-    return existing, False
-
-
 def _check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
     want, have = _controller_uid(obj), _controller_uid(existing)
     if want and have and want != have:
@@ -195,11 +176,6 @@ def patch(
         raise
 
 
-def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
-    """Merge-patch a PPOJob's status subresource; None if the PPOJob is gone."""
-    return patch(f"{GROUP}/{VERSION}", KIND, namespace, name, {"status": status}, "status")
-
-
 def _event(involved: dict[str, Any], type_: str, reason: str, message: str) -> dict[str, Any]:
     meta = involved.get("metadata", {})
     ns = meta.get("namespace") or "default"
@@ -228,17 +204,6 @@ def _event(involved: dict[str, Any], type_: str, reason: str, message: str) -> d
         "reportingComponent": "ppojob-operator",
     }
     return event
-
-
-def post_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """Post a core/v1 Event about an object; failures are logged, never raised."""
-    event = _event(involved, type_, reason, message)
-    ns = event["metadata"]["namespace"]
-    try:
-        request("POST", path_for("v1", "Event", ns), event)
-    except Exception as exc:  # events are best-effort
-        name = event["involvedObject"]["name"]
-        log.warning("could not post event %s on %s/%s: %s", reason, ns, name, exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +278,10 @@ async def aget(api_version: str, kind: str, namespace: str, name: str) -> dict[s
 
 
 async def acreate_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Async :func:`create_or_get`."""
+    """Create the object; on 409 return the existing one. Returns (object, created).
+
+    Raises :class:`ChildConflict` when the existing object is controlled by another owner.
+    """
     meta = obj["metadata"]
     ns, name = meta.get("namespace"), meta["name"]
     collection = path_for(obj["apiVersion"], obj["kind"], ns)
@@ -354,12 +322,12 @@ async def apatch(
 async def apatch_job_status(
     namespace: str, name: str, status: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """Async :func:`patch_job_status`."""
+    """Merge-patch a PPOJob's status subresource; None if the PPOJob is gone."""
     return await apatch(f"{GROUP}/{VERSION}", KIND, namespace, name, {"status": status}, "status")
 
 
 async def apost_event(involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """Async :func:`post_event`."""
+    """Post a core/v1 Event about an object; failures are logged, never raised."""
     event = _event(involved, type_, reason, message)
     ns = event["metadata"]["namespace"]
     try:

@@ -141,15 +141,17 @@ def test_invalid_spec_gets_no_children(cluster):
 
 def test_restart_mid_way_makes_no_duplicate(cluster):
     # A previous operator run created some children and died before the RayJob and the status.
-    from ophelpers import base_manifest as bm
     from ppojob_operator import builders
     from ppojob_operator.api import validate_manifest
 
-    job = validate_manifest(bm())
+    job = validate_manifest(base_manifest())
     children = builders.build_children(job, namespace="ns1", uid="uid-demo")
     create_job()
     for child in children[:2]:
-        k8s.create_or_get(child)
+        meta = child["metadata"]
+        k8s.request(
+            "POST", k8s.path_for(child["apiVersion"], child["kind"], meta["namespace"]), child
+        )
     with Operator(cluster.url, ["ns1"]):
         wait_for(phase_is("Pending"))
     with Operator(cluster.url, ["ns1"]):  # and once more: nothing new

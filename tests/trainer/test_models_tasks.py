@@ -161,3 +161,17 @@ def test_unloadable_reward_functions(reward_module):
         tasks.RewardScorer(f"{reward_module}:not_callable", "data.jsonl")
     with pytest.raises(ValueError, match="needs a reward function"):
         tasks.RewardScorer(None, "data.jsonl")
+
+
+def test_dataset_position_survives_a_checkpoint_round_trip():
+    examples = [tasks.Example(str(i), str(i)) for i in range(7)]
+    first = tasks.DatasetTask(examples, shuffle=True)
+    rng = random.Random(3)
+    first.sample(5, rng)  # part-way through the first epoch
+    saved, rng_saved = json.loads(json.dumps(first.state())), rng.getstate()
+    expected = first.sample(6, rng)  # crosses into the next (reshuffled) epoch
+    resumed = tasks.DatasetTask(examples, shuffle=True)
+    resumed.load_state(saved)
+    rng.setstate(rng_saved)
+    assert resumed.sample(6, rng) == expected
+    assert tasks.CountUpTask().state() == {}

@@ -287,9 +287,7 @@ class PPOTrainer:
         }
         if self.has_critic:
             state["critic"] = ray.get(self.hosts["critic"][0].get_state.remote("critic"))
-        task_state = getattr(self.task, "_order", None)
-        if task_state is not None:
-            state["task"] = {"order": task_state, "pos": self.task._pos}  # type: ignore[attr-defined]
+        state["task"] = self.task.state()
         return state
 
     def restore(self, state: dict[str, Any]) -> int:
@@ -304,8 +302,7 @@ class PPOTrainer:
         ray.get([r.update_weights.remote(exported) for r in self.hosts["rollout"]])
         self.data_rng.setstate(_as_rng_state(state["data_rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
-        if "task" in state and hasattr(self.task, "_order"):
-            self.task._order, self.task._pos = list(state["task"]["order"]), state["task"]["pos"]
+        self.task.load_state(state.get("task", {}))
         return int(state["step"])
 
     def shutdown(self) -> None:

@@ -78,6 +78,13 @@ class Task:
     def sample(self, n: int, rng: random.Random) -> list[Example]:
         raise NotImplementedError
 
+    def state(self) -> dict[str, Any]:
+        """The data position to checkpoint (built-in tasks draw from the rng alone: none)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned."""
+
 
 class CountUpTask(Task):
     name = "count-up"
@@ -126,6 +133,12 @@ class DatasetTask(Task):
             out.append(self.examples[self._order[self._pos]])
             self._pos += 1
         return out
+
+    def state(self) -> dict[str, Any]:
+        return {"order": list(self._order), "pos": self._pos}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._order, self._pos = list(state.get("order", [])), int(state.get("pos", 0))
 
 
 BUILTIN_TASKS: dict[str, tuple[type[Task], RewardFn]] = {

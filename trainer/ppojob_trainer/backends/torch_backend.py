@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -106,8 +106,10 @@ def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: 
     global mean; times ``dp_size`` because the data-parallel all-reduce then averages them.
     """
     if global_count <= 0:
-        raise ValueError(f"accumulation_weights: the mini-batch has no unit to average over "
-                         f"(global count {global_count})")  # fmt: skip
+        raise ValueError(
+            f"accumulation_weights: the mini-batch has no unit to average over "
+            f"(global count {global_count})"
+        )
     return [float(c) * dp_size / float(global_count) for c in counts]
 
 
@@ -158,6 +160,28 @@ class _Optimised:
         from ..algorithms.stats import all_reduce_sum
 
         return float(all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64), self.group))
+
+    def accumulate(
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        micro_batch_size: int,
+        agg: str,
+        micro_loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        """One optimizer update over ``minibatch``: backward each micro-batch's loss with its
+        :func:`accumulation_weights` weight, then step. Returns the row-weighted mean of the
+        micro-batches' metrics plus the step's."""
+        n = minibatch["response_ids"].shape[0]
+        self.module.train()
+        slices = _split(n, micro_batch_size)
+        parts = []
+        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self), strict=True):
+            loss, metrics = micro_loss({k: v[sl] for k, v in minibatch.items()})
+            (loss * scale).backward()
+            parts.append(((sl.stop - sl.start) / n, metrics))
+        out = _mean_metrics(parts)
+        out.update(self.step())
+        return out
 
     def step(self) -> dict[str, float]:
         if self.dp_size > 1:
@@ -316,7 +340,19 @@ class TorchGenerationEngine(GenerationEngine):
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
-class TorchPolicyTrainer(PolicyTrainer):
+class _OptimisedState:
+    """Checkpoint state of a trainer is its model and optimizer (``self.opt``)."""
+
+    opt: _Optimised
+
+    def state_dict(self) -> dict[str, object]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.opt.load_state_dict(state)
+
+
+class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     """The actor: HF causal LM, frozen reference copy when KL is on, AdamW."""
 
     def __init__(
@@ -373,15 +409,13 @@ class TorchPolicyTrainer(PolicyTrainer):
         return token_logprobs(logits, tokens, self.temperature).cpu()
 
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int,
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: PolicyLossFn,
+        micro_batch_size: int,
         agg: str = "token-mean",
-    ) -> dict[str, float]:  # fmt: skip
-        n = minibatch["response_ids"].shape[0]
-        parts = []
-        self.model.train()
-        slices = _split(n, micro_batch_size)
-        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self.opt), strict=True):
-            micro = {k: v[sl] for k, v in minibatch.items()}
+    ) -> dict[str, float]:
+        def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             logits = self._forward(self.model, micro)
             tokens = micro["response_ids"].to(self.device)
             logp = token_logprobs(logits, tokens, self.temperature)
@@ -391,25 +425,16 @@ class TorchPolicyTrainer(PolicyTrainer):
             elif self.need_entropy:
                 with torch.no_grad():
                     ent = entropy(logits.detach(), self.temperature)
-            loss, metrics = loss_fn(logp, ent, micro)
-            (loss * scale).backward()
-            parts.append(((sl.stop - sl.start) / n, metrics))
-        metrics = _mean_metrics(parts)
-        metrics.update(self.opt.step())
-        return metrics
+            return loss_fn(logp, ent, micro)
+
+        return self.opt.accumulate(minibatch, micro_batch_size, agg, micro_loss)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         # No copy on CPU: the caller serialises them (ray.put) before the next update.
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
 
-    def state_dict(self) -> dict[str, object]:
-        return self.opt.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        self.opt.load_state_dict(state)
-
-
-class TorchValueTrainer(ValueTrainer):
+class TorchValueTrainer(_OptimisedState, ValueTrainer):
     """The critic: HF backbone with a scalar value head, AdamW."""
 
     def __init__(
@@ -445,27 +470,15 @@ class TorchValueTrainer(ValueTrainer):
             return self._forward(batch).cpu()
 
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int,
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: ValueLossFn,
+        micro_batch_size: int,
         agg: str = "token-mean",
-    ) -> dict[str, float]:  # fmt: skip
-        n = minibatch["response_ids"].shape[0]
-        parts = []
-        self.model.train()
-        slices = _split(n, micro_batch_size)
-        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self.opt), strict=True):
-            micro = {k: v[sl] for k, v in minibatch.items()}
-            loss, metrics = loss_fn(self._forward(micro), micro)
-            (loss * scale).backward()
-            parts.append(((sl.stop - sl.start) / n, metrics))
-        metrics = _mean_metrics(parts)
-        metrics.update(self.opt.step())
-        return metrics
-
-    def state_dict(self) -> dict[str, object]:
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        self.opt.load_state_dict(state)
+    ) -> dict[str, float]:
+        return self.opt.accumulate(
+            minibatch, micro_batch_size, agg, lambda micro: loss_fn(self._forward(micro), micro)
+        )
 
 
 __all__ = [
