@@ -6,6 +6,7 @@ import json
 import random
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,21 @@ def test_dataset_position_survives_a_checkpoint_round_trip():
     rng.setstate(rng_saved)
     assert resumed.sample(6, rng) == expected
     assert tasks.CountUpTask().state() == {}
+
+
+def _materialize_in(root: str) -> str:
+    return str(models.materialize_builtin("tiny-llama", 5, Path(root)))
+
+
+def test_concurrent_materialisation_gives_one_complete_directory(tmp_path):
+    import multiprocessing
+
+    # a directory left behind incomplete (a writer killed mid-way) must not be taken as built
+    (tmp_path / "models" / "tiny-llama-seed5").mkdir(parents=True)
+    (tmp_path / "models" / "tiny-llama-seed5" / "tokenizer.json").write_text("{}")
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        paths = pool.map(_materialize_in, [str(tmp_path)] * 3)
+    assert len(set(paths)) == 1
+    assert models.load_causal_lm(paths[0]).num_parameters() == 133_184
+    leftovers = [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == ["tiny-llama-seed5"]

@@ -139,26 +139,29 @@ def build_builtin_model(name: str, seed: int) -> Any:
 def materialize_builtin(name: str, seed: int, root: Path | None = None) -> Path:
     """Save built-in model ``name`` (seeded) and its tokenizer as a HF directory; return it.
 
-    Idempotent and safe under concurrent callers: the directory is written under a temporary
-    name and renamed into place.
+    Idempotent and safe under concurrent callers (several worker processes start at once): one
+    writer at a time holds a lock file, writes under a temporary name and renames the finished
+    directory into place; a directory left incomplete by a killed writer is rebuilt.
     """
+    import fcntl
+
     root = cache_root() if root is None else Path(root)
-    target = root / "models" / f"{name}-seed{seed}"
-    if (target / "config.json").exists():
-        return target
-    root.joinpath("models").mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root / "models"))
-    try:
-        quiet_transformers()
-        build_builtin_model(name, seed).save_pretrained(tmp)
-        build_char_tokenizer().save_pretrained(tmp)
+    models = root / "models"
+    target = models / f"{name}-seed{seed}"
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{name}-seed{seed}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # incomplete: rebuild it
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
+            quiet_transformers()
+            build_builtin_model(name, seed).save_pretrained(tmp)
+            build_char_tokenizer().save_pretrained(tmp)
             tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
