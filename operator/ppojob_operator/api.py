@@ -8,9 +8,10 @@ cluster half and the status.
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, Literal
 
-import yaml
 from ppojob_trainer.config import (
     Problem,
     SpecError,
@@ -18,6 +19,7 @@ from ppojob_trainer.config import (
     TrainingHalf,
     _Model,
     check_training_half,
+    load_yaml_documents,
     pydantic_problems,
 )
 from pydantic import Field
@@ -251,10 +253,106 @@ class PPOJob(_Model):
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+MAX_NAME_LENGTH = 47
+"""KubeRay derives the RayCluster (name + 6 characters), its services and the PodGroup from the
+RayJob's name, which is the PPOJob's; it refuses RayJob names longer than 47 characters."""
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+GENERATE_NAME_SUFFIX = 5  # characters the API server appends to metadata.generateName
+
+
+def check_name(
+    name: Any, field: str = "metadata.name", max_length: int = MAX_NAME_LENGTH
+) -> list[Problem]:
+    """Problems of a job name: a DNS-1035 label of at most `max_length` characters."""
+    if not isinstance(name, str) or not name:
+        return [
+            Problem(field, "required field is missing", "add metadata.name, e.g. `name: my-job`")
+        ]
+    problems = []
+    if len(name) > max_length:
+        problems.append(
+            Problem(
+                field,
+                f"is {len(name)} characters; at most {max_length} (KubeRay derives its RayCluster, "
+                "service and PodGroup names from it)",
+                "use a shorter name",
+            )
+        )
+    if not _DNS1035.match(name):
+        problems.append(
+            Problem(
+                field,
+                f"{name!r} is not a DNS-1035 label: lower-case letters, digits and '-', starting "
+                "with a letter and ending with a letter or digit (no '_', '.', upper case or "
+                "non-ASCII)",
+                f"rename it, e.g. {_suggest_name(name)!r}",
+            )
+        )
+    return problems
+
+
+def _suggest_name(name: str) -> str:
+    out = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    out = re.sub(r"^[^a-z]+", "", out)[:MAX_NAME_LENGTH].rstrip("-")
+    return out or "my-job"
+
+
+def check_namespace(namespace: Any, field: str = "metadata.namespace") -> list[Problem]:
+    """Problems of a namespace name: a DNS-1123 label (at most 63 characters)."""
+    if namespace is None:
+        return []
+    if not isinstance(namespace, str) or len(namespace) > 63 or not _DNS1123_LABEL.match(namespace):
+        return [
+            Problem(
+                field,
+                f"{namespace!r} is not a DNS-1123 label: at most 63 lower-case letters, digits and "
+                "'-', starting and ending with a letter or digit",
+                "use a valid namespace name",
+            )
+        ]
+    return []
+
+
+def check_label_value(value: str | None, field: str) -> list[Problem]:
+    """Problems of a value the operator writes into a Kubernetes label."""
+    if value is None or (len(value) <= 63 and _LABEL_VALUE.match(value)):
+        return []
+    return [
+        Problem(
+            field,
+            f"{value!r} is written into a label, and a label value is at most 63 characters of "
+            "letters, digits, '-', '_' and '.', starting and ending with a letter or digit",
+            "use a shorter name of those characters",
+        )
+    ]
+
+
+def check_metadata(meta: Any) -> list[Problem]:
+    """Problems of a job's metadata: its name (or generateName) and namespace."""
+    if not isinstance(meta, dict):
+        return [Problem("metadata", "required field is missing", "add metadata: {name: my-job}")]
+    problems: list[Problem] = []
+    name, generate = meta.get("name"), meta.get("generateName")
+    if not name and isinstance(generate, str) and generate:
+        # the API server appends 5 characters; the result must still be a valid name
+        problems += check_name(
+            generate + "a" * GENERATE_NAME_SUFFIX,
+            "metadata.generateName",
+            MAX_NAME_LENGTH,
+        )
+    else:
+        problems += check_name(name)
+    return problems + check_namespace(meta.get("namespace"))
+
+
 def check_spec(spec: PPOJobSpec) -> list[Problem]:
     """Every semantic problem of a spec, cluster half and training half."""
     problems = check_training_half(spec, prefix="spec")
     sched = spec.scheduling
+    problems += check_label_value(sched.queue, "spec.scheduling.queue")
+    problems += check_label_value(sched.priority_class_name, "spec.scheduling.priorityClassName")
     if sched.gang_scheduler == "kueue" and not sched.queue:
         problems.append(
             Problem(
@@ -337,26 +435,53 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
         )
     if head:
         raise SpecError(head, source)
-    body = {k: v for k, v in doc.items() if k != "status"}
+    body = prune_nulls({k: v for k, v in doc.items() if k != "status"})
+    meta_problems = check_metadata(body.get("metadata"))
     try:
         job = PPOJob.model_validate(body)
     except Exception as exc:  # pydantic.ValidationError
-        raise SpecError(pydantic_problems(exc), source) from None
-    problems = check_spec(job.spec)
+        raise SpecError(meta_problems + pydantic_problems(exc), source) from None
+    problems = meta_problems + check_spec(job.spec)
     if problems:
         raise SpecError(problems, source)
     return job
 
 
+@functools.cache
+def _schema() -> dict[str, Any]:
+    from ppojob_operator.crd import openapi_schema  # crd imports this module
+
+    return openapi_schema()
+
+
+def prune_nulls(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without the nulls the API server drops: a null in a field that is not `nullable` is
+    removed before defaulting (and then takes its default). Nulls of nullable fields (where null
+    means "off", like `valueClip: null`) are kept."""
+
+    def walk(node: Any, schema: dict[str, Any] | None) -> Any:
+        if schema is None:
+            return node
+        if isinstance(node, dict):
+            props = schema.get("properties") or {}
+            extra = schema.get("additionalProperties")
+            out = {}
+            for key, value in node.items():
+                sub = props.get(key, extra if isinstance(extra, dict) else None)
+                if value is None and sub is not None and not sub.get("nullable"):
+                    continue
+                out[key] = walk(value, sub)
+            return out
+        if isinstance(node, list):
+            return [walk(v, schema.get("items")) for v in node]
+        return node
+
+    return walk(doc, _schema())
+
+
 def load_manifests(text: str, source: str = "") -> list[PPOJob]:
     """Parse a YAML stream of PPOJobs; raise SpecError listing every problem of every document."""
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
-        raise SpecError(
-            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
-        ) from None
-    docs = [d for d in docs if d is not None] or [None]
+    docs = [d for d in load_yaml_documents(text, source) if d is not None] or [None]
     jobs, problems = [], []
     for i, doc in enumerate(docs):
         try:
@@ -406,6 +531,10 @@ __all__ = [
     "Progress",
     "Scheduling",
     "SpecError",
+    "check_label_value",
+    "check_metadata",
+    "check_name",
+    "check_namespace",
     "check_spec",
     "load_manifests",
     "total_gpus",

@@ -131,9 +131,13 @@ def _meta(name: str, namespace: str, job_name: str, uid: str | None) -> dict[str
 # ConfigMap, ServiceAccount, Role, RoleBinding
 # ---------------------------------------------------------------------------------------------
 def trainer_config_yaml(job: PPOJob) -> str:
-    """The trainer's config file: the training half of the spec."""
+    """The trainer's config file: the training half of the spec, every field written out.
+
+    Nulls are kept: `valueClip: null` means "off", and dropping it would give the trainer the
+    default (0.2). `ppojob run FILE` and `ppojob-train --config` of this file build the same
+    config."""
     cfg = trainer_config_from_spec(job.spec, job.metadata.name)
-    data = cfg.model_dump(by_alias=True, exclude_none=True, mode="json")
+    data = cfg.model_dump(by_alias=True, mode="json")
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 

@@ -37,10 +37,18 @@ class _Model(BaseModel):
         extra="forbid",
         use_attribute_docstrings=True,
         validate_assignment=True,
+        # Types as the API server checks them: `steps: true` or `"3"` is not an integer, `1` not
+        # a boolean; NaN and infinities are never numbers.
+        strict=True,
+        allow_inf_nan=False,
     )
 
     def explicit(self, name: str) -> bool:
-        """Whether the user wrote this field (as opposed to it taking its default)."""
+        """Whether this field was given (as opposed to taking its default).
+
+        Never use it to *validate*: the API server fills in the CRD's defaults before the operator
+        reads a job, so a check based on presence gives a stored job another verdict than the
+        manifest as written. Checks judge values (see `check_training_half`)."""
         return name in self.model_fields_set
 
 
@@ -534,6 +542,85 @@ def _fix_for(err: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Strict YAML
+# ---------------------------------------------------------------------------------------------
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """PyYAML's safe loader, reading `1e-5` as a number (as kubectl and YAML 1.2 do)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _duplicate_keys(node: yaml.Node, path: str, out: list[Problem]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = key_node.value
+            here = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                out.append(
+                    Problem(
+                        here,
+                        f"duplicate key (line {line}; first at line {seen[key]}): YAML keeps only "
+                        "one of them",
+                        "write each key once; merge the two blocks",
+                    )
+                )
+            else:
+                seen[key] = line
+            _duplicate_keys(value_node, here, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _duplicate_keys(item, f"{path}[{i}]", out)
+
+
+def load_yaml_documents(text: str, source: str = "") -> list[Any]:
+    """Every document of a YAML stream, read strictly: a duplicate key is an error (naming its
+    path and lines) instead of the last one silently winning; `1e-5` is a number. Raises
+    SpecError."""
+    loader = _Loader(text)
+    docs: list[Any] = []
+    problems: list[Problem] = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            dup: list[Problem] = []
+            _duplicate_keys(node, "", dup)
+            problems += [Problem(f"{len(docs) + 1}\0{d.path}", d.message, d.fix) for d in dup]
+            docs.append(loader.construct_document(node))
+    except yaml.YAMLError as exc:
+        raise SpecError(
+            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
+        ) from None
+    finally:
+        loader.dispose()
+    if problems:
+        many = len([d for d in docs if d is not None]) > 1
+        shown = []
+        for pr in problems:
+            index, _, where = pr.path.partition("\0")
+            shown.append(
+                Problem(f"document {index}: {where}" if many else where, pr.message, pr.fix)
+            )
+        raise SpecError(shown, source)
+    return docs
+
+
+def load_yaml(text: str, source: str = "") -> Any:
+    """The single document of a YAML text, read as strictly as `load_yaml_documents`."""
+    docs = load_yaml_documents(text, source)
+    return docs[0] if docs else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Critic overrides
 # ---------------------------------------------------------------------------------------------
 def _norm(key: str) -> str:
@@ -680,6 +767,13 @@ def parse_critic_override_file(text: str, source: str = "critic config") -> dict
 # ---------------------------------------------------------------------------------------------
 # Semantic validation of the training half
 # ---------------------------------------------------------------------------------------------
+# Rules judge values, never whether a field was written: the API server stores a job with the
+# CRD's defaults filled in, and a manifest and its stored form must get the same verdict.
+def _default(model: type[BaseModel], field: str) -> Any:
+    """The default of a model field (what the API server fills in when it is omitted)."""
+    return model.model_fields[field].get_default(call_default_factory=True)
+
+
 def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """Every semantic problem of the training half, with field paths under `prefix`."""
     p: list[Problem] = []
@@ -700,8 +794,18 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
             ("value_clip", "valueClip"),
             ("lam", "lambda"),
         ):
-            if algo.explicit(field):
-                p.append(Problem(f"{prefix}.algorithm.{alias}", why, "remove it or use gae"))
+            # judged by value: the API server stores every default, so presence means nothing
+            value = getattr(algo, field)
+            if value != _default(Algorithm, field) and not (
+                field == "value_clip" and value is None
+            ):
+                p.append(
+                    Problem(
+                        f"{prefix}.algorithm.{alias}",
+                        f"{why}, so {alias}: {value} has no effect",
+                        "remove it or use gae",
+                    )
+                )
 
     # --- colocation: a colocated role runs on the actor's pods and counts no GPU of its own
     actor = roles.actor
@@ -715,10 +819,10 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
             ("node_selector", "nodeSelector"),
             ("tolerations", "tolerations"),
         ):
-            if not spec.explicit(field):
-                continue
+            # judged by value: the default (what the API server stores when it is omitted) or
+            # the actor's own value are both fine; anything else would count GPUs twice
             mine, theirs = getattr(spec, field), getattr(actor, field)
-            if mine != theirs:
+            if mine != theirs and mine != _default(type(spec), field):
                 p.append(
                     Problem(
                         f"{path}.{name}.{alias}",
@@ -849,7 +953,9 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                 "set kl.mode: loss (with k3 or low_var_kl)",
             )
         )
-    if kl.coefficient == 0 and (kl.explicit("estimator") or kl.explicit("mode")):
+    if kl.coefficient == 0 and (
+        kl.estimator != _default(KLSpec, "estimator") or kl.mode != _default(KLSpec, "mode")
+    ):
         p.append(
             Problem(
                 f"{kpath}.coefficient",
@@ -957,10 +1063,7 @@ def _check_batches(
 def load_trainer_config(path: str | Path) -> TrainerConfig:
     """Read a trainer config file (the ConfigMap's YAML) and validate it completely."""
     text = Path(path).read_text()
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise SpecError([Problem(str(path), f"not valid YAML: {exc}")]) from None
+    doc = load_yaml(text, str(path)) or {}
     if not isinstance(doc, dict):
         raise SpecError([Problem(str(path), "expected a mapping")])
     try:

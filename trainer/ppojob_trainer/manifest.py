@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from ppojob_trainer.config import Problem, SpecError, TrainerConfig
+from ppojob_trainer.config import Problem, SpecError, TrainerConfig, load_yaml_documents
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -127,12 +127,7 @@ def read_manifest_doc(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError([Problem(source, f"cannot read: {exc}", "check the path")]) from None
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise SpecError(
-            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
-        ) from None
+    docs = [d for d in load_yaml_documents(text, source) if d is not None]
     if len(docs) != 1:
         raise SpecError(
             [

@@ -1,0 +1,297 @@
+"""One API rule: a manifest as written and the same manifest as the API server stores it (the CRD's
+schema defaults filled in) get the same verdict from `ppojob validate` and from the operator; and
+`ppojob run FILE` and the trainer started from the operator's rendered ConfigMap build the same
+effective configuration, over every example and every valid manifest of the test suite.
+
+`apply_schema_defaults` is written here, independently of the product, from the API server's rules
+(k8s.io/apiextensions-apiserver, pkg/apiserver/schema/defaulting): first every null of a field that
+is neither `nullable` nor defaulted is removed; then, walking down, each absent property with a
+`default` gets a deep copy of it (a null of a non-nullable field counts as absent), and defaulting
+recurses into every property present afterwards, into array items and into map values. A nullable
+field's null is kept and never defaulted. It reads the committed CRD, the real artefact.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ppojob_operator import builders, handlers
+from ppojob_operator.api import SpecError, validate_manifest
+from ppojob_trainer.cli import main as ppojob
+from ppojob_trainer.config import load_trainer_config
+from ppojob_trainer.manifest import load_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = yaml.safe_load((ROOT / "crds" / "ppojob.io_ppojobs.yaml").read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+sys.path.insert(0, str(ROOT / "tests" / "operator"))
+sys.path.insert(0, str(ROOT / "tests" / "api"))
+from ophelpers import base_manifest  # noqa: E402
+from test_builders import LAYOUTS, SCHEDULING  # noqa: E402
+from test_validation import GPU_JOB, GRPO_INVALID, INVALID, _grpo_base, _set  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# The API server's structural defaulting, written from its rules
+# ---------------------------------------------------------------------------------------------
+def _field_schema(schema: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    if schema is None:
+        return None
+    if key in (schema.get("properties") or {}):
+        return schema["properties"][key]
+    extra = schema.get("additionalProperties")
+    return extra if isinstance(extra, dict) else None
+
+
+def _prune_nulls(x: Any, schema: dict[str, Any] | None) -> None:
+    if isinstance(x, dict):
+        for key in list(x):
+            sub = _field_schema(schema, key)
+            if (
+                x[key] is None
+                and sub is not None
+                and not sub.get("nullable")
+                and "default" not in sub
+            ):
+                del x[key]
+            else:
+                _prune_nulls(x[key], sub)
+    elif isinstance(x, list) and schema is not None:
+        for item in x:
+            _prune_nulls(item, schema.get("items"))
+
+
+def _default(x: Any, schema: dict[str, Any] | None) -> None:
+    if schema is None:
+        return
+    if isinstance(x, dict):
+        for key, prop in (schema.get("properties") or {}).items():
+            if "default" not in prop:
+                continue
+            if key not in x or (x[key] is None and not prop.get("nullable")):
+                x[key] = copy.deepcopy(prop["default"])
+        for key, value in x.items():
+            _default(value, _field_schema(schema, key))
+    elif isinstance(x, list):
+        for item in x:
+            _default(item, schema.get("items"))
+
+
+def apply_schema_defaults(doc: dict[str, Any]) -> dict[str, Any]:
+    """The object as the API server stores it."""
+    out = copy.deepcopy(doc)
+    _prune_nulls(out, SCHEMA)
+    _default(out, SCHEMA)
+    return out
+
+
+def test_the_defaulter_follows_the_api_server_rules() -> None:
+    doc = base_manifest(
+        algorithm={"valueClip": None, "kl": {"coefficient": 0.1}, "gamma": None},
+        roles={"rollout": {"colocateWithActor": True, "replicas": None}},
+    )
+    stored = apply_schema_defaults(doc)
+    algo = stored["spec"]["algorithm"]
+    assert algo["valueClip"] is None  # nullable: kept, not defaulted
+    assert algo["gamma"] == 1.0  # non-nullable null with a default: defaulted
+    assert algo["kl"] == {"coefficient": 0.1, "estimator": "k1", "mode": "reward", "horizon": 10000}
+    assert algo["lambda"] == 0.95 and algo["criticWarmupSteps"] == 0
+    assert stored["spec"]["roles"]["rollout"]["replicas"] == 1
+    assert "actor" not in stored["spec"]["roles"]  # absent objects have no default
+    assert "training" not in stored["spec"]
+    assert (
+        doc["spec"]["algorithm"]["valueClip"] is None and "lambda" not in doc["spec"]["algorithm"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Every valid manifest of the suite
+# ---------------------------------------------------------------------------------------------
+def _examples() -> dict[str, dict[str, Any]]:
+    return {
+        f"example:{p.name}": yaml.safe_load(p.read_text())
+        for p in sorted((ROOT / "examples").glob("*.yaml"))
+    }
+
+
+def _layouts() -> dict[str, dict[str, Any]]:
+    out = {}
+    for layout, spec in LAYOUTS.items():
+        for sched, scheduling in SCHEDULING.items():
+            body = json.loads(json.dumps(spec))
+            if scheduling:
+                body["scheduling"] = scheduling
+            out[f"builders:{layout}:{sched}"] = base_manifest(**body)
+    return out
+
+
+TINY = yaml.safe_load((ROOT / "examples" / "ppojob-tiny.yaml").read_text())
+VALID: dict[str, dict[str, Any]] = {
+    **_examples(),
+    "validation:GPU_JOB": GPU_JOB,
+    "validation:grpo": _grpo_base(),
+    **_layouts(),
+    "builders:deadlines": base_manifest(
+        activeDeadlineSeconds=3600, backoffLimit=2, ttlSecondsAfterFinished=60
+    ),
+    "builders:k8sjob-suspended": base_manifest(submissionMode="K8sJobMode", suspend=True),
+    "builders:checkpoint-volume": base_manifest(
+        checkpointVolume={"persistentVolumeClaim": {"claimName": "ckpt"}},
+        training={"checkpointDir": "/checkpoints"},
+    ),
+    "status:steps-suspend": base_manifest(training={"steps": 5}, suspend=True),
+    "run:tiny-grpo": _set(TINY, "spec.algorithm.advantageEstimator", "grpo"),
+    # nulls that mean "off" must survive storing and rendering
+    "nulls:value-and-grad-clip-off": _set(
+        _set(TINY, "spec.algorithm.valueClip", None), "spec.training.gradClip", None
+    ),
+    "grpo:colocated-rollout-2-actors": base_manifest(
+        algorithm={"advantageEstimator": "grpo", "kl": {"coefficient": 0}},
+        roles={"actor": {"replicas": 2}, "rollout": {"colocateWithActor": True}},
+    ),
+    "gae:colocated-critic-and-rollout-2-actors": base_manifest(
+        roles={
+            "actor": {"replicas": 2, "resources": {"gpus": 2}},
+            "critic": {"colocateWithActor": True},
+            "rollout": {"colocateWithActor": True},
+        },
+        training={"miniBatchSize": 32},
+    ),
+    "grpo:kl-off-written-out": base_manifest(
+        algorithm={"advantageEstimator": "grpo", "kl": {"coefficient": 0}, "dualClip": 3}
+    ),
+}
+
+
+def _invalid() -> dict[str, dict[str, Any]]:
+    out = {f"invalid:{why}": _set(GPU_JOB, path, value) for why, path, value, _ in INVALID}
+    out |= {
+        f"invalid-grpo:{why}": _set(_grpo_base(), path, value)
+        for why, path, value, _ in GRPO_INVALID
+    }
+    return out
+
+
+def _operator_verdict(doc: dict[str, Any]) -> list[str]:
+    """The operator's verdict on a stored object: the problems' paths ([] = valid)."""
+    body = copy.deepcopy(doc)
+    body.setdefault("metadata", {}).setdefault("namespace", "default")
+    handlers._PARSED.clear()
+    job, problems = handlers._parse(body)
+    assert (job is None) == bool(problems)
+    return sorted({p.path for p in problems})
+
+
+def _cli_verdict(tmp_path: Path, doc: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> int:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rc = ppojob(["validate", str(path)])
+    capsys.readouterr()
+    return rc
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_valid_manifest_and_its_stored_form_are_valid_everywhere(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = VALID[name]
+    stored = apply_schema_defaults(doc)
+    for form in (doc, stored):
+        assert _cli_verdict(tmp_path, form, capsys) == 0, validate_manifest(form)
+        assert _operator_verdict(form) == []
+
+
+@pytest.mark.parametrize("name", list(_invalid()))
+def test_invalid_manifest_and_its_stored_form_get_the_same_verdict(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _invalid()[name]
+    stored = apply_schema_defaults(doc)
+    verdicts = {_operator_verdict(form).__repr__() for form in (doc, stored)}
+    assert len(verdicts) == 1 and verdicts != {"[]"}, verdicts
+    assert _cli_verdict(tmp_path, doc, capsys) == 1
+    assert _cli_verdict(tmp_path, stored, capsys) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster runs what the laptop runs
+# ---------------------------------------------------------------------------------------------
+def _full_dump(cfg: Any) -> dict[str, Any]:
+    return cfg.model_dump(by_alias=True, mode="json")
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_ppojob_run_and_the_rendered_trainer_config_are_the_same(name: str, tmp_path: Path) -> None:
+    doc = VALID[name]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    _, local = load_manifest(path)
+    for form in (doc, apply_schema_defaults(doc)):
+        job = validate_manifest(form)  # what the operator parses from the stored object
+        cm = builders.config_map(job, namespace="default")
+        rendered = tmp_path / "trainer.yaml"
+        rendered.write_text(cm["data"][builders.CONFIG_KEY])
+        cluster = load_trainer_config(rendered)  # what `ppojob-train --config` reads
+        assert _full_dump(cluster) == _full_dump(local)
+        assert cluster.critic_training() == local.critic_training()
+
+
+def test_nulls_that_mean_off_reach_the_trainer(tmp_path: Path) -> None:
+    doc = VALID["nulls:value-and-grad-clip-off"]
+    job = validate_manifest(apply_schema_defaults(doc))
+    rendered = tmp_path / "trainer.yaml"
+    rendered.write_text(builders.trainer_config_yaml(job))
+    cfg = load_trainer_config(rendered)
+    assert cfg.algorithm.value_clip is None and cfg.training.grad_clip is None
+
+
+def test_the_trainer_entrypoint_accepts_every_rendered_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ppojob-train --config` gets past reading and checking the config (exit 1 = bad config)."""
+    from ppojob_trainer import entrypoint, loop
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(cfg: Any, out_dir: Path, reporter: Any) -> Any:
+        raise Stop
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr("ppojob_trainer.runtime.connect_ray", lambda: None)
+    for name, doc in VALID.items():
+        job = validate_manifest(apply_schema_defaults(doc))
+        rendered = tmp_path / f"{job.metadata.name}.yaml"
+        rendered.write_text(builders.trainer_config_yaml(job))
+        rc = entrypoint.main(["--config", str(rendered), "--out", str(tmp_path / "o")])
+        assert rc == 2, name  # reached training (the fake raises), not refused as a bad config
+
+
+def test_validation_judges_values_not_presence() -> None:
+    """Writing a default out by hand is the same as leaving it out."""
+    grpo = base_manifest(
+        algorithm={
+            "advantageEstimator": "grpo",
+            "lambda": 0.95,
+            "valueClip": 0.2,
+            "criticWarmupSteps": 0,
+            "criticUpdatesPerStep": 1,
+            "kl": {"coefficient": 0, "estimator": "k1", "mode": "reward"},
+        },
+        roles={"actor": {"replicas": 2}, "rollout": {"colocateWithActor": True, "replicas": 1}},
+    )
+    validate_manifest(grpo)
+    # and a value that differs from the default is still refused, naming the field
+    with pytest.raises(SpecError) as info:
+        validate_manifest(_set(grpo, "spec.algorithm.lambda", 0.9))
+    assert [p.path for p in info.value.problems] == ["spec.algorithm.lambda"]
+    with pytest.raises(SpecError) as info:
+        validate_manifest(_set(grpo, "spec.roles.rollout.replicas", 3))
+    assert [p.path for p in info.value.problems] == ["spec.roles.rollout.replicas"]
