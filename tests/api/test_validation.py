@@ -228,6 +228,79 @@ INVALID: list[tuple[str, str, Any, str]] = [
     ),
 ]
 
+# Realistic mistakes that passed before (issue 15): names Kubernetes or KubeRay refuse, types the
+# API server refuses, numbers that are not numbers, label values too long, impossible sizes.
+INVALID += [
+    ("name with upper case and '_'", "metadata.name", "Bad_Name", "metadata.name"),
+    ("name with dots", "metadata.name", "tiny.count.up", "metadata.name"),
+    ("name of 70 characters", "metadata.name", "a" * 70, "metadata.name"),
+    ("name of 48 characters", "metadata.name", "qwen-" + "x" * 43, "metadata.name"),
+    ("missing name", "metadata.name", _DELETE, "metadata.name"),
+    ("name starting with a digit", "metadata.name", "7b-ppo", "metadata.name"),
+    ("name ending with '-'", "metadata.name", "qwen-7b-", "metadata.name"),
+    ("non-ASCII name", "metadata.name", "qwen-7b-\u00e9t\u00e9", "metadata.name"),
+    (
+        "generateName too long",
+        "metadata",
+        {"generateName": "g" * 43 + "-"},
+        "metadata.generateName",
+    ),
+    ("namespace with upper case", "metadata.namespace", "ML-Team", "metadata.namespace"),
+    ("namespace with '_'", "metadata.namespace", "ml_team", "metadata.namespace"),
+    ("steps: true", "spec.training.steps", True, "spec.training.steps"),
+    ("steps as a quoted number", "spec.training.steps", "500", "spec.training.steps"),
+    ("replicas: true", "spec.roles.actor.replicas", True, "spec.roles.actor.replicas"),
+    (
+        "gpus as a quoted number",
+        "spec.roles.actor.resources.gpus",
+        "8",
+        "spec.roles.actor.resources.gpus",
+    ),
+    (
+        "cpus as a quoted number",
+        "spec.roles.actor.resources.cpus",
+        "64",
+        "spec.roles.actor.resources.cpus",
+    ),
+    (
+        "timeoutSeconds as a string",
+        "spec.scheduling.timeoutSeconds",
+        "600",
+        "spec.scheduling.timeoutSeconds",
+    ),
+    ("resume: 'yes' as a string", "spec.training.resume", "yes", "spec.training.resume"),
+    ("suspend: 1", "spec.suspend", 1, "spec.suspend"),
+    ("shuffle: 'false' as a string", "spec.data.shuffle", "false", "spec.data.shuffle"),
+    (
+        "infinite entropy coefficient",
+        "spec.algorithm.entropyCoefficient",
+        float("inf"),
+        "spec.algorithm.entropyCoefficient",
+    ),
+    (
+        "infinite KL coefficient",
+        "spec.algorithm.kl.coefficient",
+        float("inf"),
+        "spec.algorithm.kl.coefficient",
+    ),
+    ("NaN weight decay", "spec.training.weightDecay", float("nan"), "spec.training.weightDecay"),
+    ("infinite adamEps", "spec.training.adamEps", float("inf"), "spec.training.adamEps"),
+    ("NaN value clip", "spec.algorithm.valueClip", float("nan"), "spec.algorithm.valueClip"),
+    (
+        "queue name longer than a label",
+        "spec.scheduling.queue",
+        "research-" + "q" * 60,
+        "spec.scheduling.queue",
+    ),
+    ("queue name with a space", "spec.scheduling.queue", "research team", "spec.scheduling.queue"),
+    (
+        "priority class with a space",
+        "spec.scheduling.priorityClassName",
+        "high priority",
+        "spec.scheduling.priorityClassName",
+    ),
+]
+
 GRPO_INVALID: list[tuple[str, str, Any, str]] = [
     ("critic role with grpo", "spec.roles.critic", {"replicas": 1}, "spec.roles.critic"),
     (
@@ -254,6 +327,25 @@ GRPO_INVALID: list[tuple[str, str, Any, str]] = [
         "spec.algorithm",
         {"advantageEstimator": "reinforce_plus_plus_baseline", "kl": {"coefficient": 0.01}},
         "spec.algorithm.kl.mode",
+    ),
+]
+
+
+TINY: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "ppojob-tiny.yaml").read_text())
+
+# Sizes that cannot work, on the CPU example (built-in model: its context and shape are known).
+TINY_INVALID: list[tuple[str, str, Any, str]] = [
+    (
+        "response longer than the model's context",
+        "spec.data.maxResponseLength",
+        1048576,
+        "spec.data.maxResponseLength",
+    ),
+    (
+        "rollout batch whose KV cache exceeds the pod",
+        "spec.data",
+        {"rolloutBatchSize": 4096, "samplesPerPrompt": 8, "maxResponseLength": 2000},
+        "spec.roles.actor.resources.memory",
     ),
 ]
 
@@ -299,6 +391,57 @@ def test_invalid_grpo_manifest_names_the_field(
     file = _write(tmp_path, _set(_grpo_base(), path, value))
     assert main(["validate", str(file)]) == 1
     assert f"{field}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("why", "path", "value", "field"), TINY_INVALID, ids=[case[0] for case in TINY_INVALID]
+)
+def test_impossible_sizes_fail_before_start_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], why: str, path: str, value: Any, field: str
+) -> None:
+    doc = _set(TINY, path, value) if path != "spec.data" else _set_all(TINY, path, value)
+    file = _write(tmp_path, doc)
+    assert main(["validate", str(file)]) == 1
+    err = capsys.readouterr().err
+    assert f"{field}:" in err, err
+
+
+def _set_all(doc: dict[str, Any], dotted: str, values: dict[str, Any]) -> dict[str, Any]:
+    for key, value in values.items():
+        doc = _set(doc, f"{dotted}.{key}", value)
+    return doc
+
+
+DUPLICATE_KEYS = """\
+apiVersion: ppojob.io/v1alpha1
+kind: PPOJob
+metadata: {name: dup}
+spec:
+  image: x
+  training:
+    steps: 5
+  roles:
+    actor: {replicas: 1, replicas: 2}
+  training:
+    steps: 500
+"""
+
+
+def test_duplicate_keys_are_an_error_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = _write(tmp_path, DUPLICATE_KEYS)
+    assert main(["validate", str(file)]) == 1
+    err = capsys.readouterr().err
+    assert "spec.training: duplicate key (line 10; first at line 6)" in err, err
+    assert "spec.roles.actor.replicas: duplicate key" in err, err
+
+
+def test_exponent_without_a_dot_is_a_number(tmp_path: Path) -> None:
+    """`learningRate: 1e-5` is a number to kubectl; strict types must not turn it away."""
+    text = yaml.safe_dump(GPU_JOB).replace("learningRate: 1.0e-06", "learningRate: 1e-6")
+    assert "learningRate: 1e-6" in text
+    assert load_manifests(text)[0].spec.training.learning_rate == 1e-6
 
 
 @pytest.mark.parametrize(

@@ -194,3 +194,14 @@ def test_concurrent_materialisation_gives_one_complete_directory(tmp_path):
     assert models.load_causal_lm(paths[0]).num_parameters() == 133_184
     leftovers = [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == ["tiny-llama-seed5"]
+
+
+def test_size_checks_know_the_built_in_models_shapes() -> None:
+    """config.check_sizes bounds memory with these shapes; they must be the models' own."""
+    from ppojob_trainer import config, models
+
+    assert set(config.BUILTIN_SHAPES) == set(models.BUILTIN_MODELS) == set(config.BUILTIN_MODELS)
+    for name, shape in models.BUILTIN_MODELS.items():
+        assert config.BUILTIN_SHAPES[name] == (shape.hidden, shape.intermediate, shape.layers)
+        hf = models.builtin_config(name)
+        assert hf.max_position_embeddings == config.BUILTIN_CONTEXT
