@@ -78,8 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from ppojob_operator import handlers, metrics
+    from ppojob_operator import handlers, k8s, metrics
 
+    try:
+        k8s.configure()
+    except Exception as exc:  # kubernetes.config.ConfigException: neither in a pod nor kubeconfig
+        print(
+            "ppojob-operator: no Kubernetes API to talk to: not running in a pod and no usable "
+            f"kubeconfig ({exc}). Set KUBECONFIG or run it in the cluster (the Helm chart).",
+            file=sys.stderr,
+        )
+        return 2
     metrics.serve(args.metrics_port)
     handlers.run(
         namespaces=args.namespace,

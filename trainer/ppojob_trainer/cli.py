@@ -20,7 +20,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            print(f"{name}: cannot read: {exc}", file=sys.stderr)
+            print(f"{name}: cannot read: {_reason(exc)}", file=sys.stderr)
             failed += 1
             continue
         try:
@@ -34,6 +34,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return "not a UTF-8 text file (a PPOJob manifest is YAML text)"
+    return str(exc)
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     from ppojob_operator.crd import crd_yaml
 
@@ -42,18 +48,22 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from ppojob_operator.api import SpecError, load_manifests
+    from ppojob_operator.api import SpecError, check_namespace, load_manifests
 
     try:
         from ppojob_operator.builders import render_children_yaml
     except ImportError:  # pragma: no cover - the operator package is part of the distribution
         print("ppojob render needs the operator builders", file=sys.stderr)
         return 2
+    bad_ns = check_namespace(args.namespace, "--namespace")
+    if bad_ns:
+        print(f"ppojob render: {bad_ns[0]}", file=sys.stderr)
+        return 1
     path = Path(args.file)
     try:
         jobs = load_manifests(path.read_text(), source=args.file)
-    except OSError as exc:
-        print(f"{args.file}: cannot read: {exc}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"{args.file}: cannot read: {_reason(exc)}", file=sys.stderr)
         return 1
     except SpecError as exc:
         print(str(exc), file=sys.stderr)
@@ -66,6 +76,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppojob_operator.scheduling import GANG_SCHEDULERS
+
     parser = argparse.ArgumentParser(
         prog="ppojob", description="PPO training of language models as a Kubernetes-native job."
     )
@@ -79,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--namespace", default="default", help="namespace of the job (default: default)")
     p.add_argument(
-        "--gang-scheduler", default=None, help="the operator's default gang scheduler, if any"
+        "--gang-scheduler",
+        default=None,
+        choices=GANG_SCHEDULERS,
+        help="the operator's default gang scheduler, if any",
     )
     p.set_defaults(func=_cmd_render)
     try:

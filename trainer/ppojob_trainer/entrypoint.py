@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ppojob_trainer.loop import train
     except ImportError as exc:
-        print(f"ppojob-train: the training loop is not available: {exc}", file=sys.stderr)
+        from ppojob_trainer.run_cmd import missing_trainer_extra
+
+        print(f"ppojob-train: {missing_trainer_extra(exc)}", file=sys.stderr)
         return 2
     import ray
 

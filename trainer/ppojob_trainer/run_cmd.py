@@ -123,7 +123,7 @@ def train_locally(
     try:
         from ppojob_trainer.loop import train
     except ImportError as exc:
-        print(f"ppojob run: the training loop is not available: {exc}", file=sys.stderr)
+        print(f"ppojob run: {missing_trainer_extra(exc)}", file=sys.stderr)
         return 2
     from ppojob_trainer.placement import PlacementError
     from ppojob_trainer.progress import LocalProgressReporter
@@ -158,6 +158,15 @@ def train_locally(
             shutdown_ray()
     print(format_summary(cfg, result, out_dir, time.monotonic() - t0))
     return 0
+
+
+def missing_trainer_extra(exc: ImportError) -> str:
+    """One line for a trainer started without its dependencies (torch, ray, transformers)."""
+    what = getattr(exc, "name", None) or str(exc)
+    return (
+        f"training needs the trainer extra, and {what} is not importable: "
+        "pip install 'ppojob[trainer]' (from a clone: pip install -e '.[trainer]')"
+    )
 
 
 def format_summary(cfg: Any, result: Any, out_dir: Path, wall_s: float) -> str:

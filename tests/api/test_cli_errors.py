@@ -1,0 +1,107 @@
+"""Bad input to the command lines ends in one clear message and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ppojob_trainer.cli import main as ppojob
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "ppojob-tiny.yaml"
+
+
+def test_render_of_a_binary_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    assert ppojob(["render", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "not a UTF-8 text file" in err and "Traceback" not in err
+    assert ppojob(["validate", str(path)]) == 1
+    assert "not a UTF-8 text file" in capsys.readouterr().err
+
+
+def test_render_with_an_unknown_gang_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        ppojob(["render", str(TINY), "--gang-scheduler", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("namespace", ["Team_A", "ml.team", "ns-", "n" * 64, ""])
+def test_render_namespace_must_be_a_dns_1123_label(
+    namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert ppojob(["render", str(TINY), "--namespace", namespace]) == 1
+    err = capsys.readouterr().err
+    assert "--namespace" in err and "DNS-1123" in err, err
+
+
+def test_render_refuses_a_nameless_job_instead_of_emitting_dash_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = yaml.safe_load(TINY.read_text())
+    del doc["metadata"]["name"]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert ppojob(["render", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "metadata.name: required field is missing" in captured.err
+    assert "-trainer" not in captured.out
+
+
+def test_every_label_value_the_operator_writes_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Labels of every child of every example (and a 47-character name) are valid label values."""
+    import re
+
+    from ppojob_operator import builders
+    from ppojob_operator.api import load_manifests
+
+    value = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]
+    docs[0]["metadata"]["name"] = "a" * 47
+    seen = 0
+    for doc in docs:
+        for job in load_manifests(yaml.safe_dump(doc)):
+            for child in builders.build_children(job, namespace="n" * 63):
+                stack = [child]
+                while stack:
+                    node = stack.pop()
+                    if isinstance(node, dict):
+                        for key, sub in node.items():
+                            if key == "labels" and isinstance(sub, dict):
+                                for v in sub.values():
+                                    seen += 1
+                                    assert len(v) <= 63 and value.match(v), (child["kind"], v)
+                            else:
+                                stack.append(sub)
+                    elif isinstance(node, list):
+                        stack.extend(node)
+    assert seen > 10
+
+
+def test_operator_without_a_kubeconfig(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ppojob_operator import __main__ as operator_main
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert operator_main.main(["--metrics-port", "0", "--health-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ppojob-operator: no Kubernetes API") and "KUBECONFIG" in err
+    assert "Traceback" not in err
+
+
+def test_run_without_the_trainer_extra_says_which_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "ppojob_trainer.loop", None)  # as if torch/ray were missing
+    rc = ppojob(["run", str(TINY), "--steps", "1", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "pip install 'ppojob[trainer]'" in err and "Traceback" not in err
