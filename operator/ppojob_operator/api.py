@@ -193,6 +193,10 @@ class Progress(_Model):
     updated_at: str | None = None
     """When the trainer wrote this (RFC 3339)."""
 
+    error: str | None = None
+    """Why the trainer failed, when it did: one line naming the field and the cause (also the
+    message of the Failed condition)."""
+
 
 class PPOJobStatus(_Model):
     """Observed state of a PPOJob."""

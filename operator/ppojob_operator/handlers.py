@@ -173,8 +173,15 @@ async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = No
             return False  # the create handler writes the first status
         else:
             sched = effective_scheduler(job, state.config.gang_default)
+            progress = (body.get("status") or {}).get("progress") or {}
             desired = desired_status(
-                job, rj, generation=generation, previous=base, now=_now(), scheduler=sched
+                job,
+                rj,
+                generation=generation,
+                previous=base,
+                now=_now(),
+                scheduler=sched,
+                trainer_error=progress.get("error"),
             )
         patch = status_patch(base, desired)
         metrics.JOBS.set(key, desired.get("phase"))

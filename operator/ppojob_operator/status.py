@@ -140,10 +140,16 @@ def desired_status(
     previous: dict[str, Any] | None,
     now: str,
     scheduler: str = "none",
+    trainer_error: str | None = None,
 ) -> dict[str, Any]:
-    """The operator's part of a valid, started job's status, from its RayJob."""
+    """The operator's part of a valid, started job's status, from its RayJob.
+
+    ``trainer_error`` is the trainer's own account of a failure (``status.progress.error``, one
+    line naming the field and the cause); a failed job's condition carries it."""
     kueue = scheduler == "kueue"
     phase, reason, message = phase_of(rayjob, suspend=job.spec.suspend, kueue=kueue)
+    if phase == "Failed" and trainer_error:
+        reason, message = "TrainerFailed", trainer_error
     st = rayjob.get("status") or {}
     g = generation
     try:

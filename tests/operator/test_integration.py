@@ -195,3 +195,24 @@ def test_trainer_progress_patch_appears_in_status(cluster):
         set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
         wait_for(phase_is("Running"))
         assert job_status()["progress"]["step"] == 10
+
+
+def test_a_trainer_failure_reaches_the_failed_condition(cluster):
+    """The trainer's one-line failure (its progress reporter) is what `kubectl describe` shows."""
+    from kubernetes import client
+    from ppojob_trainer.k8s_progress import KubernetesProgressReporter
+
+    line = "the rollout worker could not start: data.rewardFunction: 'nope:f': cannot import"
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        cfg = client.Configuration()
+        cfg.host = cluster.url
+        api = client.CustomObjectsApi(client.ApiClient(cfg))
+        KubernetesProgressReporter("demo", "ns1", api=api).fail(line)
+        set_rayjob_status(
+            {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}
+        )
+        wait_for(phase_is("Failed"))
+        failed = next(c for c in job_status()["conditions"] if c["type"] == "Failed")
+        assert (failed["reason"], failed["message"]) == ("TrainerFailed", line)

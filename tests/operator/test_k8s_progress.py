@@ -56,3 +56,29 @@ def test_from_env(monkeypatch):
     monkeypatch.setenv("PPOJOB_NAMESPACE", "ns")
     rep = KubernetesProgressReporter.from_env()
     assert rep is not None and (rep.name, rep.namespace) == ("j", "ns")
+
+
+def test_the_loops_own_metric_names_reach_the_status():
+    """The loop sends `reward/mean`, `kl/mean`, ...; the status gets rewardMean, kl, ... (and the
+    loop's summary calls the final reward `final_reward`)."""
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=0)
+    rep.start(total_steps=2)
+    rep.report(1, {"reward/mean": 0.25, "kl/mean": 0.5, "critic/vf_loss": 2.0,
+                   "time/tokens_per_second": 99.0, "actor/pg_loss": 1.0})  # fmt: skip
+    rep.finish({"steps": 2, "final_reward": 0.75, "wall_s": 3.0})
+    p1 = api.calls[1][5]["status"]["progress"]
+    assert (p1["rewardMean"], p1["kl"], p1["valueLoss"], p1["tokensPerSecond"]) == (
+        0.25, 0.5, 2.0, 99.0)  # fmt: skip
+    p2 = api.calls[2][5]["status"]["progress"]
+    assert p2["rewardMean"] == 0.75 and p2["step"] == 2
+
+
+def test_a_failure_is_written_for_the_operator_and_cleared_by_the_next_start():
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api)
+    line = "the rollout worker could not start: data.rewardFunction: 'nope:f': cannot import"
+    rep.fail(line)
+    assert api.calls[-1][5]["status"]["progress"]["error"] == line
+    rep.start(total_steps=3)
+    assert api.calls[-1][5]["status"]["progress"]["error"] is None

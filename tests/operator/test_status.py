@@ -110,3 +110,20 @@ def test_kuberay_validation_failure_is_failed_with_its_reason():
         "ValidationFailed",
         "bad rayStartParams",
     )
+
+
+def test_the_trainers_failure_line_is_the_failed_conditions_message():
+    line = "the rollout worker could not start: data.rewardFunction: 'nope:f': cannot import"
+    rj = rayjob("Failed", "FAILED", reason="AppFailed", message="Job entrypoint command failed")
+    st = desired_status(JOB, rj, generation=1, previous=None, now="T", trainer_error=line)
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"], failed["message"]) == (
+        "True",
+        "TrainerFailed",
+        line,
+    )
+    # a stale error of an earlier attempt says nothing while the job runs
+    running = desired_status(
+        JOB, rayjob("Running", "RUNNING"), generation=1, previous=None, now="T", trainer_error=line
+    )
+    assert all(c["message"] != line for c in running["conditions"])

@@ -185,7 +185,49 @@ def test_ppojob_run_trains_and_prints_a_summary(local_ray, tmp_path, capsys) -> 
     assert [r["step"] for r in records] == [1, 2]
     assert all(set(REQUIRED_KEYS) <= set(r) for r in records)
     assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert isinstance(summary["final_reward"], float)
+
+    # The same command again: nothing to train; it says so and how to go on, and keeps the files.
+    before = (out / "summary.json").read_text(), (out / "metrics.jsonl").read_text()
+    rc = ppojob(["run", str(TINY), "--steps", "2", "--out", str(out), "--no-progress", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "is already complete: 2 of 2 steps" in captured.out
+    assert "to start fresh:    --out NEW_DIR" in captured.out and "n/a" not in captured.out
+    assert ((out / "summary.json").read_text(), (out / "metrics.jsonl").read_text()) == before
+
+    # More steps resume from the checkpoint: step 3 is appended, steps 1-2 are kept.
+    rc = ppojob(["run", str(TINY), "--steps", "3", "--out", str(out), "--no-progress", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "steps:         3 of 3" in captured.out and "final reward:  n/a" not in captured.out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["data.rewardFunction=no_such_reward_module:score"], "data.rewardFunction"),
+        (["model.path=/no/such/model"], "model.path"),
+    ],
+    ids=["reward module not importable", "model path missing"],
+)
+def test_a_worker_that_cannot_start_ends_the_run_with_one_line(
+    local_ray, tmp_path, capsys, sets, field
+) -> None:
+    argv = ["run", str(TINY), "--steps", "1", "--out", str(tmp_path), "--no-progress", *SMALL]
+    for item in sets:
+        argv += ["--set", item]
+    rc = ppojob(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ppojob run: the ") and "worker could not start: " in last, err
+    assert f": {field}: " in last, last
+    assert "Traceback" not in err and "ActorDiedError" not in err and "\x1b[" not in err
+    assert not (tmp_path / "summary.json").exists()
 
 
 @pytest.mark.slow
@@ -228,3 +270,43 @@ def test_ppojob_train_runs_the_rendered_config_with_critic_overrides(
     assert rc == 0, captured.err
     assert "steps:         1 of 1" in captured.out
     assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_a_reward_function_returning_the_wrong_count_is_one_line_naming_the_field(
+    tmp_path, monkeypatch
+) -> None:
+    """At step time the error comes back from a Ray task: the root cause is what is printed."""
+    from ppojob_trainer.errors import describe_failure
+    from ppojob_trainer.tasks import RewardScorer
+    from ray.exceptions import RayTaskError
+
+    (tmp_path / "short_rewards.py").write_text("def score(p, c, l):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scorer = RewardScorer("short_rewards:score", "data.jsonl")
+    with pytest.raises(ValueError) as info:
+        scorer(["a", "b"], ["x", "y"], [None, None])
+    assert str(info.value).startswith("data.rewardFunction: reward function short_rewards:score")
+    assert "expected 2, got 1" in str(info.value)
+    wrapped = RayTaskError(
+        "WorkerHost.generate", "Traceback (most recent call last):\n  ...", info.value
+    ).as_instanceof_cause()
+    line = describe_failure(wrapped)
+    assert line.startswith("ValueError: data.rewardFunction: ") and "\n" not in line
+
+
+def test_interrupted_is_printed_on_its_own_line(tmp_path, monkeypatch, capsys) -> None:
+    from ppojob_trainer import loop, runtime
+
+    def fake_train(cfg, out_dir, reporter):
+        reporter.start(5)
+        reporter.report(1, {"reward/mean": 0.5})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr(runtime, "start_local_ray", lambda num_cpus=None: None)
+    monkeypatch.setattr(runtime, "shutdown_ray", lambda: None)
+    rc = ppojob(["run", str(TINY), "--out", str(tmp_path)])  # with the progress bar
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert "\nppojob run: interrupted; run the same command again to resume" in err, repr(err)
+    assert not (tmp_path / "summary.json").exists()

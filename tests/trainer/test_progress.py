@@ -134,4 +134,75 @@ def test_namespaced_loop_metrics_fill_the_required_keys(tmp_path: Path) -> None:
         3.0,
         9.0,
     )
-    assert rec["tokens_per_second"] is None and rec["reward/mean"] == 0.25
+    assert rec["tokens_per_second"] is None
+    # one name per value: the loop's namespaced names are not written a second time
+    assert not {"reward/mean", "kl/mean", "critic/vf_loss", "time/elapsed"} & set(rec)
+
+
+def test_every_value_has_one_name_in_metrics_jsonl(tmp_path: Path) -> None:
+    """The same number never appears under two names (e.g. `kl` and `kl/mean`)."""
+    rep = LocalProgressReporter(tmp_path, show_bar=False)
+    rep.start(1)
+    loop_metrics = {
+        "reward/mean": 0.25, "kl/mean": 0.5, "critic/vf_loss": 3.0, "time/elapsed": 9.0,
+        "time/tokens_per_second": 77.0, "actor/pg_loss": 0.1, "response/length": 8.0,
+    }  # fmt: skip
+    rep.report(1, loop_metrics)
+    (rec,) = read_metrics(tmp_path)
+    names = [k for k in rec if k != "step"]
+    assert len(names) == len(loop_metrics) + 0  # five renamed, two kept, none doubled
+    assert set(names) == {
+        "reward_mean", "kl", "value_loss", "elapsed_seconds", "tokens_per_second",
+        "actor/pg_loss", "response/length",
+    }  # fmt: skip
+
+
+def test_a_fresh_start_keeps_the_earlier_metrics_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run(tmp_path, range(1, 4), total=3).finish({"final_reward": 0.3})
+    with caplog.at_level("WARNING", logger="ppojob_trainer.progress"):
+        run(tmp_path, range(1, 2), total=5)  # no checkpoint: starts again at step 1
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    kept = tmp_path / "metrics.jsonl.1"
+    assert [json.loads(line)["step"] for line in kept.read_text().splitlines()] == [1, 2, 3]
+    assert "kept as metrics.jsonl.1" in caplog.text
+
+
+def test_a_run_with_nothing_left_does_not_null_the_summary(tmp_path: Path) -> None:
+    run(tmp_path, range(1, 3), total=2).finish({"steps": 2, "final_reward": 0.9, "wall_s": 5.0})
+    again = LocalProgressReporter(tmp_path, show_bar=False)
+    again.start(2, 2)  # resumed at its last step: no step runs
+    again.finish({"steps": 2, "final_reward": None, "wall_s": 0.1})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_reward"] == 0.9 and summary["steps"] == 2
+
+
+def test_the_bar_line_ends_before_a_failure_or_interrupt_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rep = LocalProgressReporter(tmp_path, show_bar=True)
+    rep.start(5)
+    rep.report(1, metrics(1))
+    capsys.readouterr()
+    rep.fail("interrupted")
+    err = capsys.readouterr().err
+    assert err.endswith("\n"), repr(err)  # what is printed next starts on its own line
+
+
+def test_the_curve_labels_its_axes_with_units(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    labels: list[str] = []
+    real = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        for ax in self.axes:
+            labels.extend([ax.get_xlabel(), ax.get_ylabel()])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    run(tmp_path, range(1, 4), total=3).finish({})
+    assert "mean reward (reward function units)" in labels
+    assert "KL to reference (nats per sequence)" in labels
+    assert "training step (one rollout batch each)" in labels

@@ -153,22 +153,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import PlacementError
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
 
     owns_ray = not ray.is_initialized()
     t0 = time.monotonic()
+    reporter: Any = None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         reporter = _reporters(out_dir, show_bar=not args.no_progress)
         connect_ray()
         result = train(cfg, out_dir, reporter)
     except PlacementError as exc:
+        if reporter is not None:
+            reporter.fail(describe_failure(exc))
         print(f"ppojob-train: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        log.exception("training failed")
-        print(f"ppojob-train: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        log.debug("training failed", exc_info=True)
+        message = describe_failure(exc)
+        if not isinstance(exc, StartupError):
+            message = f"training failed: {message}"
+        if reporter is not None:
+            reporter.fail(message)  # reaches the PPOJob's Failed condition on a cluster
+        print(f"ppojob-train: {message}", file=sys.stderr)
         return 2
     finally:
         if owns_ray:

@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from ppojob_trainer.progress import ProgressReporter
+from ppojob_trainer.progress import ProgressReporter, canonical_metrics
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class KubernetesProgressReporter(ProgressReporter):
 
     def start(self, total_steps: int, start_step: int = 0) -> None:
         self._total = total_steps
-        self._patch({"step": start_step, "totalSteps": total_steps})
+        # (a null clears the error an earlier attempt of the job may have left)
+        self._patch({"step": start_step, "totalSteps": total_steps, "error": None})
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         now = self._clock()
@@ -108,8 +109,9 @@ class KubernetesProgressReporter(ProgressReporter):
         progress: dict[str, Any] = {"step": int(step)}
         if self._total is not None:
             progress["totalSteps"] = self._total
+        plain = canonical_metrics(metrics)  # the loop sends `reward/mean`, ...
         for key, out in _METRIC_KEYS.items():
-            value = _number(metrics.get(key))
+            value = _number(plain.get(key))
             if value is not None:
                 progress[out] = value
         self._patch(progress)
@@ -121,8 +123,16 @@ class KubernetesProgressReporter(ProgressReporter):
             progress["step"] = step
         if self._total is not None:
             progress["totalSteps"] = self._total
+        plain = canonical_metrics(summary)
+        if plain.get("reward_mean") is None:
+            plain["reward_mean"] = summary.get("final_reward")
         for key, out in _METRIC_KEYS.items():
-            value = _number(summary.get(key))
+            value = _number(plain.get(key))
             if value is not None:
                 progress[out] = value
         self._patch(progress)
+
+    def fail(self, message: str) -> None:
+        """Write why the run failed into ``status.progress.error``; the operator puts it into the
+        PPOJob's Failed condition."""
+        self._patch({"error": message})

@@ -153,6 +153,12 @@ class PPOTrainer:
                     self.hosts[r].append(handle)
                 all_hosts.append(handle)
         self.identities = ray.get([h.ready.remote() for h in all_hosts])
+        failed = [i for i in self.identities if "error" in i]
+        if failed:
+            from .errors import StartupError
+
+            roles_ = " and ".join(failed[0]["roles"])
+            raise StartupError(f"the {roles_} worker could not start: {failed[0]['error']}")
         self.actor_ranges = _ranges(n, len(self.hosts["actor"]))
         self.critic_ranges = _ranges(n, len(self.hosts["critic"])) if self.has_critic else None
         self.data_rng = random.Random(cfg.training.seed)

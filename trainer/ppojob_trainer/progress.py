@@ -26,7 +26,8 @@ CURVE_FILE = "reward_curve.png"
 SUMMARY_FILE = "summary.json"
 REQUIRED_KEYS = ("step", "elapsed_seconds", "reward_mean", "kl", "value_loss", "tokens_per_second")
 
-# The loop's namespaced metric names that stand for the required keys, when it sends no plain one.
+# The loop's namespaced names of the headline values. Reporters rename them to the plain key, so
+# metrics.jsonl and the PPOJob status carry each value under one name (docs/trainer-guide.md).
 ALIASES = {
     "elapsed_seconds": ("time/elapsed",),
     "reward_mean": ("reward/mean",),
@@ -34,6 +35,19 @@ ALIASES = {
     "value_loss": ("critic/vf_loss", "critic/value_loss"),
     "tokens_per_second": ("throughput/tokens_per_second", "time/tokens_per_second"),
 }
+
+
+def canonical_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` with each headline value under its plain name only (`reward/mean` becomes
+    `reward_mean`, and so on); every other metric as sent."""
+    out = dict(metrics)
+    for key, aliases in ALIASES.items():
+        for alias in aliases:
+            if alias in out:
+                value = out.pop(alias)
+                if out.get(key) is None:
+                    out[key] = value
+    return out
 
 
 class ProgressReporter:
@@ -47,6 +61,9 @@ class ProgressReporter:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Training ended (successfully or not); `summary` holds final figures."""
+
+    def fail(self, message: str) -> None:
+        """The run failed or was interrupted; `message` is one line naming the cause."""
 
 
 class CompositeReporter(ProgressReporter):
@@ -66,6 +83,10 @@ class CompositeReporter(ProgressReporter):
     def finish(self, summary: dict[str, Any]) -> None:
         for r in self.reporters:
             r.finish(summary)
+
+    def fail(self, message: str) -> None:
+        for r in self.reporters:
+            r.fail(message)
 
 
 def _json_value(value: Any) -> Any:
@@ -145,9 +166,24 @@ class LocalProgressReporter(ProgressReporter):
             )
 
     def _begin(self, first_step: int) -> None:
-        """Keep the lines of steps before `first_step` (deduplicated, in order); drop the rest."""
+        """Keep the lines of steps before `first_step` (deduplicated, in order); drop the rest.
+
+        A fresh start (step 1) over the metrics of an earlier run keeps that file, renamed, and
+        says so: nothing a user recorded disappears silently."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        by_step = {r["step"]: r for r in read_metrics(self.out_dir) if r["step"] < first_step}
+        old = read_metrics(self.out_dir)
+        if first_step <= 1 and old:
+            kept_as = _free_name(self.metrics_path)
+            os.replace(self.metrics_path, kept_as)
+            log.warning(
+                "starting fresh in %s: the earlier run's %s (%d steps) is kept as %s",
+                self.out_dir,
+                METRICS_FILE,
+                len(old),
+                kept_as.name,
+            )
+            old = []
+        by_step = {r["step"]: r for r in old if r["step"] < first_step}
         kept = [by_step[s] for s in sorted(by_step)]
         tmp = self.metrics_path.with_name(METRICS_FILE + ".tmp")
         with open(tmp, "w") as f:
@@ -172,12 +208,8 @@ class LocalProgressReporter(ProgressReporter):
             )
             return
         record: dict[str, Any] = {"step": int(step)}
-        record.update({k: _json_value(v) for k, v in metrics.items() if k != "step"})
-        for key, aliases in ALIASES.items():
-            if record.get(key) is None:
-                found = [record[a] for a in aliases if record.get(a) is not None]
-                if found:
-                    record[key] = found[0]
+        plain = canonical_metrics(metrics)
+        record.update({k: _json_value(v) for k, v in plain.items() if k != "step"})
         elapsed = record.get("elapsed_seconds")
         if not isinstance(elapsed, int | float):
             elapsed = time.monotonic() - self._t0
@@ -193,17 +225,46 @@ class LocalProgressReporter(ProgressReporter):
             self._bar.set_postfix_str(_postfix(record), refresh=False)
             self._bar.update(advanced)
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def close(self) -> None:
+        """End the progress bar's line (so what is printed next starts on its own line)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def fail(self, message: str) -> None:
+        self.close()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.close()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         plain = {k: _json_value(v) for k, v in summary.items()}
+        # A run that had nothing left to do (resumed at its last step) knows no final figures:
+        # keep the ones the earlier run wrote instead of overwriting them with nulls.
+        for key, value in read_summary(self.out_dir).items():
+            if plain.get(key) is None and value is not None:
+                plain[key] = value
         (self.out_dir / SUMMARY_FILE).write_text(json.dumps(plain, indent=1, sort_keys=True))
         try:
             plot_reward_curve(self.out_dir)
         except Exception as exc:  # a plot must never fail the run
             log.warning("could not draw %s: %s", CURVE_FILE, exc)
+
+
+def read_summary(out_dir: Path) -> dict[str, Any]:
+    """`out_dir/summary.json` as a dict ({} when absent or unreadable)."""
+    try:
+        doc = json.loads((Path(out_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _free_name(path: Path) -> Path:
+    """`metrics.jsonl` -> the first free `metrics.jsonl.1`, `.2`, ..."""
+    i = 1
+    while path.with_name(f"{path.name}.{i}").exists():
+        i += 1
+    return path.with_name(f"{path.name}.{i}")
 
 
 def _postfix(rec: dict[str, Any]) -> str:
@@ -234,17 +295,17 @@ def plot_reward_curve(out_dir: Path) -> Path | None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(2 if kls else 1, 1, 1)
     ax.plot(steps, [r["reward_mean"] for r in records], marker="." if len(steps) < 50 else None)
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward (reward function units)")
     ax.grid(alpha=0.3)
     ax.set_title(f"reward per step ({len(steps)} steps)")
     if kls:
         ax2 = fig.add_subplot(2, 1, 2, sharex=ax)
         ax2.plot([s for s, _ in kls], [k for _, k in kls], color="tab:orange")
-        ax2.set_ylabel("KL")
+        ax2.set_ylabel("KL to reference (nats per sequence)")
         ax2.grid(alpha=0.3)
-        ax2.set_xlabel("step")
+        ax2.set_xlabel("training step (one rollout batch each)")
     else:
-        ax.set_xlabel("step")
+        ax.set_xlabel("training step (one rollout batch each)")
     fig.tight_layout()
     path = Path(out_dir) / CURVE_FILE
     fig.savefig(path)

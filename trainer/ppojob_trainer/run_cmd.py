@@ -125,10 +125,15 @@ def train_locally(
     except ImportError as exc:
         print(f"ppojob run: {missing_trainer_extra(exc)}", file=sys.stderr)
         return 2
+    from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import PlacementError
     from ppojob_trainer.progress import LocalProgressReporter
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
+    done = completed_run(cfg, out_dir)
+    if done is not None:
+        print(done)
+        return 0
     t0 = time.monotonic()
     reporter = LocalProgressReporter(out_dir, show_bar=show_bar)
     print(
@@ -142,7 +147,16 @@ def train_locally(
     try:
         start_local_ray(num_cpus=num_cpus)
         result = train(cfg, out_dir, reporter)
+    except KeyboardInterrupt:
+        reporter.fail("interrupted")  # ends the progress bar's line first
+        print(
+            "ppojob run: interrupted; run the same command again to resume from the newest "
+            "checkpoint",
+            file=sys.stderr,
+        )
+        return 130
     except PlacementError as exc:
+        reporter.fail(str(exc))
         print(
             f"ppojob run: cannot place the job on the local Ray: {exc}\n  locally: --num-cpus N "
             "gives the local Ray N logical CPUs (default: this machine's count)",
@@ -151,13 +165,45 @@ def train_locally(
         return 2
     except Exception as exc:
         log.debug("training failed", exc_info=True)
-        print(f"ppojob run: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        message = describe_failure(exc)
+        reporter.fail(message)
+        head = "" if isinstance(exc, StartupError) else "training failed: "
+        print(f"ppojob run: {head}{message}", file=sys.stderr)
         return 2
     finally:
         if owns_ray:
             shutdown_ray()
     print(format_summary(cfg, result, out_dir, time.monotonic() - t0))
     return 0
+
+
+def completed_run(cfg: Any, out_dir: Path) -> str | None:
+    """What to print instead of training when `out_dir` already holds a run that completed all
+    of `cfg.training.steps` (and resume is on); None when there is something to train."""
+    from ppojob_trainer.checkpoint import latest_checkpoint, read_manifest
+    from ppojob_trainer.progress import read_summary
+
+    if not cfg.training.resume:
+        return None
+    ckpt_dir = Path(cfg.training.checkpoint_dir)
+    if not ckpt_dir.is_absolute():
+        ckpt_dir = out_dir / ckpt_dir
+    path = latest_checkpoint(ckpt_dir)
+    manifest = read_manifest(path) if path is not None else None
+    step = (manifest or {}).get("step")
+    if not isinstance(step, int) or step < cfg.training.steps:
+        return None
+    final = read_summary(out_dir).get("final_reward")
+    reward = f"{final:.4f}" if isinstance(final, int | float) and math.isfinite(final) else "n/a"
+    return "\n".join(
+        [
+            f"ppojob run: {cfg.job_name or 'job'} is already complete: {step} of "
+            f"{cfg.training.steps} steps in {out_dir} (checkpoint {path})",
+            f"  final reward:  {reward}",
+            f"  to train further:  --steps N with N > {step} (resumes from step {step})",
+            f"  to start fresh:    --out NEW_DIR, or delete {out_dir}",
+        ]
+    )
 
 
 def missing_trainer_extra(exc: ImportError) -> str:
@@ -171,11 +217,15 @@ def missing_trainer_extra(exc: ImportError) -> str:
 
 def format_summary(cfg: Any, result: Any, out_dir: Path, wall_s: float) -> str:
     """Human summary of a TrainResult (tolerates the field names of either loop version)."""
+    from ppojob_trainer.progress import read_summary
+
     steps = _first(result, "steps_completed", "steps")
     final = _first(result, "final_reward")
     metrics = _first(result, "final_metrics") or {}
     if final is None and isinstance(metrics, dict):
         final = metrics.get("reward_mean", metrics.get("reward/mean"))
+    if final is None:  # nothing left to train this time: the earlier run's figure
+        final = read_summary(out_dir).get("final_reward")
     reward = f"{final:.4f}" if isinstance(final, int | float) and math.isfinite(final) else "n/a"
     files = [f for f in ("metrics.jsonl", "reward_curve.png") if (out_dir / f).exists()]
     ckpt = _first(result, "checkpoint")

@@ -238,6 +238,9 @@ class RewardScorer:
             values = self.fn(list(prompts), list(completions), list(labels))
         except Exception as exc:
             raise ValueError(
-                f"reward function {self.name} raised {type(exc).__name__}: {exc}"
+                f"data.rewardFunction: {self.name} raised {type(exc).__name__}: {exc}"
             ) from exc
-        return validate_rewards(values, len(prompts), self.name).tolist()
+        try:
+            return validate_rewards(values, len(prompts), self.name).tolist()
+        except ValueError as exc:  # name the field, as every other start-up or reward error does
+            raise ValueError(f"data.rewardFunction: {exc}") from None

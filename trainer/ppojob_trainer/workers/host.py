@@ -34,6 +34,26 @@ class WorkerHost:
         device: str = "cpu",
         cache_dir: str | None = None,
     ) -> None:
+        # A failure to start is not raised here (Ray would print the actor's traceback and the
+        # driver get an ActorDiedError): ready() reports it as one line naming the field.
+        self._start_error: str | None = None
+        self.roles = dict(roles)
+        try:
+            self._init(cfg_json, roles, rendezvous, threads, device, cache_dir)
+        except Exception as exc:
+            from ..errors import one_line
+
+            self._start_error = one_line(exc)
+
+    def _init(
+        self,
+        cfg_json: str,
+        roles: dict[str, tuple[int, int]],
+        rendezvous: tuple[str, int] | None,
+        threads: int,
+        device: str,
+        cache_dir: str | None,
+    ) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _undo_worker_niceness()
         if cache_dir:  # where built-in models are materialised, as the driver sees it
@@ -71,7 +91,10 @@ class WorkerHost:
                                        groups.get("critic"))  # fmt: skip
 
     def ready(self) -> dict[str, Any]:
-        """Shard identities of the hosted roles (as plain dicts) and the pid."""
+        """Shard identities of the hosted roles (as plain dicts) and the pid; or, when the worker
+        could not start, ``{"error": one line naming the field and the cause, "roles": [...]}``."""
+        if self._start_error is not None:
+            return {"error": self._start_error, "roles": sorted(self.roles)}
         out: dict[str, Any] = {"pid": os.getpid(), "threads": torch.get_num_threads()}
         for name in ("rollout", "actor", "critic"):
             role = getattr(self, name)
