@@ -459,9 +459,11 @@ def _schema() -> dict[str, Any]:
 
 
 def prune_nulls(doc: dict[str, Any]) -> dict[str, Any]:
-    """`doc` without the nulls the API server drops: a null in a field that is not `nullable` is
-    removed before defaulting (and then takes its default). Nulls of nullable fields (where null
-    means "off", like `valueClip: null`) are kept."""
+    """`doc` as the API server reads it, so `ppojob validate` and the operator judge the same
+    object: a null in a field that is not `nullable` is dropped before defaulting (and then takes
+    its default), while nulls of nullable fields (where null means "off", like `valueClip: null`)
+    are kept; a whole number written as a float (`steps: 100.0`, `1e3`) is an integer, as kubectl
+    sends it."""
 
     def walk(node: Any, schema: dict[str, Any] | None) -> Any:
         if schema is None:
@@ -478,6 +480,8 @@ def prune_nulls(doc: dict[str, Any]) -> dict[str, Any]:
             return out
         if isinstance(node, list):
             return [walk(v, schema.get("items")) for v in node]
+        if schema.get("type") == "integer" and isinstance(node, float) and node.is_integer():
+            return int(node)
         return node
 
     return walk(doc, _schema())

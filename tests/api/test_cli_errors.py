@@ -53,36 +53,6 @@ def test_render_refuses_a_nameless_job_instead_of_emitting_dash_trainer(
     assert "-trainer" not in captured.out
 
 
-def test_every_label_value_the_operator_writes_fits(capsys: pytest.CaptureFixture[str]) -> None:
-    """Labels of every child of every example (and a 47-character name) are valid label values."""
-    import re
-
-    from ppojob_operator import builders
-    from ppojob_operator.api import load_manifests
-
-    value = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-    docs = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]
-    docs[0]["metadata"]["name"] = "a" * 47
-    seen = 0
-    for doc in docs:
-        for job in load_manifests(yaml.safe_dump(doc)):
-            for child in builders.build_children(job, namespace="n" * 63):
-                stack = [child]
-                while stack:
-                    node = stack.pop()
-                    if isinstance(node, dict):
-                        for key, sub in node.items():
-                            if key == "labels" and isinstance(sub, dict):
-                                for v in sub.values():
-                                    seen += 1
-                                    assert len(v) <= 63 and value.match(v), (child["kind"], v)
-                            else:
-                                stack.append(sub)
-                    elif isinstance(node, list):
-                        stack.extend(node)
-    assert seen > 10
-
-
 def test_operator_without_a_kubeconfig(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

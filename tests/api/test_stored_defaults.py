@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,29 @@ def test_validation_judges_values_not_presence() -> None:
     with pytest.raises(SpecError) as info:
         validate_manifest(_set(grpo, "spec.roles.rollout.replicas", 3))
     assert [p.path for p in info.value.problems] == ["spec.roles.rollout.replicas"]
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_every_label_value_the_operator_writes_fits(name: str) -> None:
+    """With the longest name and namespace validation allows, every label value of every child
+    (all layouts and gang schedulers) is a valid Kubernetes label value."""
+    value = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+    doc = copy.deepcopy(VALID[name])
+    doc["metadata"]["name"] = "a" * 47
+    job = validate_manifest(apply_schema_defaults(doc))
+    seen = 0
+    for child in builders.build_children(job, namespace="n" * 63):
+        stack: list[Any] = [child]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for key, sub in node.items():
+                    if key == "labels" and isinstance(sub, dict):
+                        for v in sub.values():
+                            seen += 1
+                            assert len(v) <= 63 and value.match(v), (child["kind"], key, v)
+                    else:
+                        stack.append(sub)
+            elif isinstance(node, list):
+                stack.extend(node)
+    assert seen >= 5

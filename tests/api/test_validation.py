@@ -437,6 +437,15 @@ def test_duplicate_keys_are_an_error_naming_the_path(
     assert "spec.roles.actor.replicas: duplicate key" in err, err
 
 
+def test_a_whole_float_is_an_integer_as_kubectl_sends_it() -> None:
+    """kubectl sends `steps: 500.0` as 500 and the API server accepts it: so does validation;
+    `steps: 500.5` stays an error."""
+    assert validate_manifest(_set(GPU_JOB, "spec.training.steps", 500.0)).spec.training.steps == 500
+    with pytest.raises(SpecError) as info:
+        validate_manifest(_set(GPU_JOB, "spec.training.steps", 500.5))
+    assert [p.path for p in info.value.problems] == ["spec.training.steps"]
+
+
 def test_exponent_without_a_dot_is_a_number(tmp_path: Path) -> None:
     """`learningRate: 1e-5` is a number to kubectl; strict types must not turn it away."""
     text = yaml.safe_dump(GPU_JOB).replace("learningRate: 1.0e-06", "learningRate: 1e-6")

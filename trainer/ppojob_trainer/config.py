@@ -962,13 +962,17 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                 "set kl.mode: loss (with k3 or low_var_kl)",
             )
         )
-    if kl.coefficient == 0 and (
-        kl.estimator != _default(KLSpec, "estimator") or kl.mode != _default(KLSpec, "mode")
-    ):
+    changed = [
+        f"{alias}: {getattr(kl, field)}"
+        for field, alias in (("estimator", "estimator"), ("mode", "mode"))
+        if getattr(kl, field) != _default(KLSpec, field)
+    ]
+    if kl.coefficient == 0 and changed:
         p.append(
             Problem(
                 f"{kpath}.coefficient",
-                "KL settings are given but the coefficient is 0, so KL is off",
+                f"KL settings are given ({', '.join(changed)}) but the coefficient is 0, "
+                "so KL is off",
                 "set kl.coefficient > 0 or remove kl",
             )
         )
