@@ -437,6 +437,22 @@ def test_duplicate_keys_are_an_error_naming_the_path(
     assert "spec.roles.actor.replicas: duplicate key" in err, err
 
 
+@pytest.mark.parametrize(
+    ("path", "value", "fix"),
+    [
+        ("spec.training.steps", True, "write a whole number, without quotes"),
+        ("spec.suspend", "yes", "write true or false, without quotes"),
+        ("spec.training.weightDecay", float("inf"), "write a finite number"),
+        ("spec.roles.actor.resources.cpus", "64", "write a number, without quotes"),
+    ],
+)
+def test_type_errors_say_how_to_write_the_value(path: str, value: Any, fix: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_manifest(_set(GPU_JOB, path, value))
+    (problem,) = info.value.problems
+    assert problem.path == path and problem.fix.startswith(fix), problem
+
+
 def test_a_whole_float_is_an_integer_as_kubectl_sends_it() -> None:
     """kubectl sends `steps: 500.0` as 500 and the API server accepts it: so does validation;
     `steps: 500.5` stays an error."""

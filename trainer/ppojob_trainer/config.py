@@ -534,7 +534,22 @@ def pydantic_problems(exc: Exception, prefix: str = "") -> list[Problem]:
     return problems
 
 
+_TYPE_FIXES = {
+    "int_type": "write a whole number, without quotes",
+    "int_from_float": "write a whole number",
+    "bool_type": "write true or false, without quotes",
+    "float_type": "write a number, without quotes",
+    "finite_number": "write a finite number (.nan and .inf are not numbers)",
+    "string_type": "write a string (quote it)",
+    "dict_type": "write a mapping (key: value)",
+    "list_type": "write a list",
+    "model_type": "write a mapping of this object's fields",
+}
+
+
 def _fix_for(err: dict[str, Any]) -> str:
+    if err.get("type") in _TYPE_FIXES:
+        return _TYPE_FIXES[err["type"]]
     ctx = err.get("ctx") or {}
     if "expected" in ctx:
         return f"use one of {ctx['expected']}"
