@@ -310,3 +310,11 @@ def test_interrupted_is_printed_on_its_own_line(tmp_path, monkeypatch, capsys) -
     assert rc == 130
     assert "\nppojob run: interrupted; run the same command again to resume" in err, repr(err)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_critic_override_file_reads_1e_5_as_a_number() -> None:
+    """Strict types must not turn away `learningRate: 1e-5` (a string to YAML 1.1)."""
+    from ppojob_trainer.config import parse_critic_override_file
+
+    text = "critic:\n- name: default\n  overrides:\n    learningRate: 1e-5\n"
+    assert parse_critic_override_file(text) == {"learningRate": 1e-5}

@@ -750,10 +750,7 @@ def parse_critic_override_file(text: str, source: str = "critic config") -> dict
     Returns the overrides mapping, validated with the same rules as spec.roles.critic.overrides.
     """
     fmt = "critic: [{name: default, overrides: {learningRate: 1e-5}}]"
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError([Problem(source, f"not valid YAML: {exc}", f"write {fmt}")]) from None
+    doc = load_yaml(text, source)  # strict: duplicate keys are errors, 1e-5 is a number
     if not isinstance(doc, dict) or set(doc) != {"critic"}:
         got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise SpecError(
