@@ -75,3 +75,17 @@ def test_run_without_the_trainer_extra_says_which_extra(
     assert rc == 2
     err = capsys.readouterr().err
     assert "pip install 'ppojob[trainer]'" in err and "Traceback" not in err
+
+
+def test_render_needs_a_name_not_a_generate_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = yaml.safe_load(TINY.read_text())
+    doc["metadata"] = {"generateName": "tiny-"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert ppojob(["validate", str(path)]) == 0  # kubectl create accepts it
+    capsys.readouterr()
+    assert ppojob(["render", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "metadata.name: required to render" in captured.err and captured.out == ""

@@ -68,6 +68,14 @@ def _cmd_render(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    unnamed = [i + 1 for i, job in enumerate(jobs) if not job.metadata.name]
+    if unnamed:
+        print(
+            f"{args.file}: metadata.name: required to render (document {unnamed[0]} has only "
+            "generateName, which the API server resolves) (fix: set metadata.name)",
+            file=sys.stderr,
+        )
+        return 1
     for job in jobs:
         sys.stdout.write(
             render_children_yaml(job, namespace=args.namespace, gang_default=args.gang_scheduler)
