@@ -46,12 +46,13 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY operator/ operator/
 COPY trainer/ trainer/
 # torch first (from the CPU index when asked; pinned by constraints.txt), then the trainer with
-# its extras (versions bounded by pyproject.toml).
+# its extras (versions bounded by pyproject.toml; torch and ray pinned by constraints.txt, so the
+# image's Ray is the spec.rayVersion default).
 # hadolint ignore=DL3013
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
       pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c constraints.txt torch; \
     fi \
- && pip install --no-cache-dir ".[${EXTRAS}]" \
+ && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
  && python -c "import torch, ray, ppojob_trainer; print('torch', torch.__version__, 'ray', ray.__version__)" \
  && ppojob-train --help > /dev/null
 

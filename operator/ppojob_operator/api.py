@@ -22,7 +22,13 @@ from ppojob_trainer.config import (
     load_yaml_documents,
     pydantic_problems,
 )
+from ppojob_trainer.config import Toleration
 from pydantic import Field
+
+RAY_VERSION = "2.60.0"
+"""The Ray release in the trainer image: the one source of truth. `constraints.txt` pins
+`ray==RAY_VERSION`, the trainer image installs with it, and `spec.rayVersion` defaults to it (a test
+checks all three agree)."""
 
 GROUP = "ppojob.io"
 VERSION = "v1alpha1"
@@ -38,21 +44,25 @@ PHASES = ("Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspende
 class Scheduling(_Model):
     """Gang scheduling: all pods of the job (head and every worker) start together or not at all."""
 
-    gang_scheduler: Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "none"] = "none"
-    """Which gang scheduler admits the job. KubeRay must be configured for it (see the
-    gang-scheduling guide); `none` relies on the default scheduler (no all-or-nothing
-    guarantee)."""
+    gang_scheduler: Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "none"] | None = (
+        None
+    )
+    """Which gang scheduler admits the job. Unset: the operator's default (its
+    `--gang-scheduler` flag, chart value `gangScheduler.default`; `none` when that is unset).
+    KubeRay must be configured for it (see the gang-scheduling guide); `none` relies on the
+    default scheduler (no all-or-nothing guarantee)."""
 
     queue: str | None = Field(None, min_length=1)
     """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue). Required
     for kueue."""
 
     priority_class_name: str | None = Field(None, min_length=1)
-    """PriorityClass of the job's pods."""
+    """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
-    """How long the job may wait for all its resources: the PodGroup's schedule timeout and the
-    trainer's placement-group wait."""
+    """How long the job may wait for all its resources: the PodGroup's schedule timeout, YuniKorn's
+    placeholder timeout, and the trainer's wait for every role's pods to join and for its
+    placement group."""
 
 
 class SecretRef(_Model):
@@ -102,6 +112,16 @@ class HeadSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the head pod must match."""
 
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations of the head pod (on a cluster whose every node is tainted, the head needs
+    them too)."""
+
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """A Kubernetes `affinity` (nodeAffinity, podAffinity, podAntiAffinity) for the head pod,
+    copied into its pod spec as written."""
+
 
 class PPOJobSpec(TrainingHalf):
     """Desired state of a PPOJob: the cluster half (image, scheduling, lifecycle) and the training
@@ -127,7 +147,9 @@ class PPOJobSpec(TrainingHalf):
 
     submission_mode: Literal["SidecarMode", "K8sJobMode"] = "SidecarMode"
     """How KubeRay submits the trainer: `SidecarMode` (a container in the head pod, inside the
-    gang; KubeRay >= 1.3) or `K8sJobMode` (a separate submitter pod, for older KubeRay)."""
+    gang; KubeRay >= 1.5.0: older releases accept the field and never submit, and the operator
+    refuses such a job) or `K8sJobMode` (a separate submitter pod outside the gang; any
+    KubeRay)."""
 
     suspend: bool = False
     """Suspend the job: its pods are deleted; setting it back to false starts it again (resuming
@@ -140,11 +162,14 @@ class PPOJobSpec(TrainingHalf):
     """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest
     checkpoint."""
 
-    ttl_seconds_after_finished: int = Field(3600, ge=0)
-    """Seconds after the job finishes before its Ray cluster is deleted."""
+    ttl_seconds_after_finished: int = Field(60, ge=0)
+    """Seconds after the job finishes before its Ray cluster (every pod, every GPU) is deleted.
+    The final progress stays in the PPOJob's status; checkpoints and the trainer's output stay on
+    the checkpoint volume. Raise it to keep the pods (and their GPUs) for debugging."""
 
-    ray_version: str = Field("2.60.0", min_length=1)
-    """Ray version inside the trainer image (KubeRay uses it for compatibility)."""
+    ray_version: str = Field(RAY_VERSION, min_length=1)
+    """Ray version inside the trainer image (KubeRay uses it for compatibility). The default is
+    the Ray of the ppojob trainer image; set it only for an image with another Ray."""
 
 
 class Condition(_Model):
@@ -365,15 +390,44 @@ def check_spec(spec: PPOJobSpec) -> list[Problem]:
                 "set spec.scheduling.queue",
             )
         )
-    if sched.gang_scheduler == "none" and (sched.queue or sched.priority_class_name):
-        field = "queue" if sched.queue else "priorityClassName"
+    if sched.gang_scheduler == "none" and sched.queue:
         problems.append(
             Problem(
-                f"spec.scheduling.{field}",
+                "spec.scheduling.queue",
                 "has no effect without a gang scheduler",
                 "set spec.scheduling.gangScheduler",
             )
         )
+    for name in ("critic", "rollout"):
+        role = getattr(spec.roles, name)
+        if role is not None and role.colocate_with_actor and role.capabilities:
+            problems.append(
+                Problem(
+                    f"spec.roles.{name}.capabilities",
+                    f"a colocated {name} runs in the actor's pods, which have their own",
+                    "set spec.roles.actor.capabilities instead",
+                )
+            )
+    for name in ("actor", "critic", "rollout"):
+        role = getattr(spec.roles, name)
+        for res, qty in (role.resources.extra if role is not None else {}).items():
+            if res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.match(res):
+                problems.append(
+                    Problem(
+                        f"spec.roles.{name}.resources.extra.{res}",
+                        "is not an extended resource name (domain/name; cpu, memory and GPUs "
+                        "have fields of their own)",
+                        "use a name such as rdma/ib or rdma/hca_shared_devices_a",
+                    )
+                )
+            elif qty < 1:
+                problems.append(
+                    Problem(
+                        f"spec.roles.{name}.resources.extra.{res}",
+                        f"is {qty}; an extended resource is requested in whole units >= 1",
+                        "set 1 or more, or remove it",
+                    )
+                )
     vol = spec.checkpoint_volume
     if vol is not None:
         sources = [s for s in (vol.persistent_volume_claim, vol.nfs) if s is not None]
@@ -407,6 +461,9 @@ def check_spec(spec: PPOJobSpec) -> list[Problem]:
             )
         )
     return problems
+
+
+_EXTENDED = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 def validate_manifest(doc: Any, source: str = "") -> PPOJob:

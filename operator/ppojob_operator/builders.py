@@ -209,10 +209,14 @@ def _cpu(cpus: float) -> str:
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
-def _resources(cpus: float, memory: str, gpus: int) -> dict[str, dict[str, str]]:
+def _resources(
+    cpus: float, memory: str, gpus: int, extra: dict[str, int] | None = None
+) -> dict[str, dict[str, str]]:
     res = {"cpu": _cpu(cpus), "memory": memory}
     if gpus:
         res["nvidia.com/gpu"] = str(gpus)
+    for name, qty in sorted((extra or {}).items()):
+        res[name] = str(qty)
     return {"requests": dict(res), "limits": dict(res)}
 
 
@@ -265,6 +269,8 @@ def _pod_template(
     tolerations: list[Any],
     env: list[Any],
     gang: scheduling.GangPlan,
+    capabilities: list[str] | None = None,
+    affinity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name or ""
@@ -289,7 +295,10 @@ def _pod_template(
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "runAsNonRoot": True,
-                    "capabilities": {"drop": ["ALL"]},
+                    "capabilities": {
+                        "drop": ["ALL"],
+                        **({"add": list(capabilities)} if capabilities else {}),
+                    },
                 },
             }
         ],
@@ -301,22 +310,46 @@ def _pod_template(
         pod["nodeSelector"] = dict(node_selector)
     if tolerations:
         pod["tolerations"] = [dump(t) for t in tolerations]
+    if affinity:
+        pod["affinity"] = dict(affinity)
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
     if gang.scheduler_name:
         pod["schedulerName"] = gang.scheduler_name
     labels = {JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
-    return {"metadata": {"labels": labels}, "spec": pod}
+    meta: dict[str, Any] = {"labels": labels}
+    if gang.pod_annotations:
+        meta["annotations"] = dict(gang.pod_annotations)
+    return {"metadata": meta, "spec": pod}
 
 
 def _ray_resources(values: dict[str, int]) -> str:
-    # rayStartParams values are passed verbatim to `ray start --resources=...`: quoted JSON.
-    return json.dumps(json.dumps(values, separators=(",", ":")))
+    """``rayStartParams.resources`` as KubeRay expects it: JSON in single quotes.
+
+    KubeRay (v1.5 ``controllers/ray/common/pod.go``) puts every rayStartParams value verbatim
+    into the shell command ``ray start ... --resources=<value>``, and reads this one itself
+    (``getResourcesMap``: trims surrounding quotes, then ``json.Unmarshal`` into a map of
+    floats) to merge accelerator resources; its own writes use ``'<json>'``. JSON with escaped
+    quotes fails that unmarshal (KubeRay then skips adding ``num-gpus``)."""
+    return "'" + json.dumps(values, separators=(",", ":")) + "'"
 
 
 SIDECAR_SUBMITTER_REQUESTS = {"cpu": 0.5, "memory": 200 * 2**20}
 """Requests of the ``ray-job-submitter`` container KubeRay adds to the head pod in SidecarMode
 (its ``GetDefaultSubmitterContainer``: 500m CPU, 200Mi memory)."""
+
+
+def output_dir(job: PPOJob) -> str:
+    """Where the trainer writes its log, metrics and summary: on the checkpoint volume when the
+    job has one (so they outlive the pods, which are deleted ``ttlSecondsAfterFinished`` after
+    the job ends), else in the head pod."""
+    if job.spec.checkpoint_volume is not None:
+        return job.spec.training.checkpoint_dir.rstrip("/") + "/output"
+    return OUTPUT_DIR
+
+
+def default_entrypoint(job: PPOJob) -> str:
+    return f"ppojob-train --config {CONFIG_DIR}/{CONFIG_KEY} --out {output_dir(job)}"
 
 
 def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
@@ -333,7 +366,7 @@ def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
         res = r.resources
         members.append(
             scheduling.GangMember(
-                r.replicas, _resources(res.cpus, res.memory, res.gpus)["requests"]
+                r.replicas, _resources(res.cpus, res.memory, res.gpus, res.extra)["requests"]
             )
         )
     return members
@@ -362,9 +395,10 @@ def ray_job(
             container="ray-head",
             resources=_resources(head.cpus, head.memory, 0),
             node_selector=head.node_selector,
-            tolerations=[],
+            tolerations=head.tolerations,
             env=[],
             gang=gang,
+            affinity=head.affinity,
         ),
     }
     workers = []
@@ -385,11 +419,12 @@ def ray_job(
                     job,
                     group_role=role_name,
                     container="ray-worker",
-                    resources=_resources(res.cpus, res.memory, res.gpus),
+                    resources=_resources(res.cpus, res.memory, res.gpus, res.extra),
                     node_selector=r.node_selector,
                     tolerations=r.tolerations,
                     env=r.env,
                     gang=gang,
+                    capabilities=r.capabilities,
                 ),
             }
         )
@@ -397,7 +432,7 @@ def ray_job(
     meta["labels"].update(gang.rayjob_labels)
     meta["annotations"] = {APPLIED_SPEC_ANNOTATION: json.dumps(applied_spec(job), sort_keys=True)}
     body: dict[str, Any] = {
-        "entrypoint": entrypoint or DEFAULT_ENTRYPOINT,
+        "entrypoint": entrypoint or default_entrypoint(job),
         "submissionMode": spec.submission_mode,
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
@@ -424,8 +459,10 @@ def build_children(
     uid: str | None = None,
     gang_default: str | None = None,
     entrypoint: str | None = None,
+    attempt: int = 0,
 ) -> list[dict[str, Any]]:
-    """Every child of a valid PPOJob, in creation order (the RayJob last)."""
+    """Every child of a valid PPOJob, in creation order (the RayJob last). ``attempt`` counts
+    the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each)."""
     name = job.metadata.name or ""
     scheduler = scheduling.effective_scheduler(job, gang_default)
     owner_refs = [owner_reference(name, uid)] if uid else None
@@ -436,6 +473,8 @@ def build_children(
         scheduler=scheduler,
         members=gang_members(job),
         owner_refs=owner_refs,
+        uid=uid,
+        attempt=attempt,
     )
     return [
         config_map(job, namespace, uid),

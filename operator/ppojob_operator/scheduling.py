@@ -19,10 +19,17 @@ What each scheduler needs in the cluster (the KubeRay operator's settings and th
     Volcano must be installed, with the queue existing and open.
 ``yunikorn``
     KubeRay operator started with ``batchScheduler.name=yunikorn`` (``--batch-scheduler=yunikorn``,
-    KubeRay >= 1.2). We set ``yunikorn.apache.org/app-id``, ``yunikorn.apache.org/queue`` (when
-    set) and ``ray.io/gang-scheduling-enabled: "true"``; KubeRay writes the task groups
-    (gang members) into the pod annotations and sets ``schedulerName: yunikorn``. YuniKorn must be
-    installed with the queue in its queue configuration.
+    KubeRay >= 1.2). We set ``yunikorn.apache.org/app-id`` (``ppojob-<name>-<hash>``: at most 63
+    characters, the hash covering namespace, name, uid and attempt, so two jobs never share one
+    however long their names, and every attempt gets a fresh application),
+    ``yunikorn.apache.org/queue`` (when set) and ``ray.io/gang-scheduling-enabled: "true"``;
+    KubeRay writes the task groups (gang members) into the pod annotations and sets
+    ``schedulerName: yunikorn``. Every pod template also carries
+    ``yunikorn.apache.org/schedulingPolicyParameters: "placeholderTimeoutInSeconds=<timeout>
+    gangSchedulingStyle=Hard"``: when the placeholders cannot all be placed within
+    ``spec.scheduling.timeoutSeconds`` the application fails instead of YuniKorn's default
+    ``Soft`` style silently scheduling the pods one by one. YuniKorn must be installed with the
+    queue in its queue configuration.
 ``kueue``
     No KubeRay setting. Kueue must be installed with the RayJob integration enabled
     (``integrations.frameworks`` includes ``ray.io/rayjob`` in Kueue's configuration) and a
@@ -43,9 +50,27 @@ What each scheduler needs in the cluster (the KubeRay operator's settings and th
     Nothing is needed; pods are scheduled one by one by the default scheduler (no all-or-nothing
     guarantee; the trainer's placement group still waits for the whole job).
 
-The operator's ``--gang-scheduler`` flag is a cluster default used only for jobs whose stored
-spec does not name a gang scheduler (``spec.scheduling`` omitted); an explicit ``none`` stays
-``none``.
+The operator's ``--gang-scheduler`` flag is a cluster default used only for jobs whose spec does
+not name a gang scheduler (the CRD has no default for the field, so "unset" survives storage); an
+explicit ``none`` stays ``none``.
+
+KubeRay's ``batchScheduler`` is one setting per KubeRay installation, applied to every RayJob it
+reconciles (KubeRay v1.5 ``batchscheduler/schedulermanager.go``: one scheduler for the operator;
+``volcano`` makes a PodGroup for every RayJob and sets ``schedulerName: volcano`` on every pod;
+``scheduler-plugins`` and ``kai-scheduler`` answer every RayJob with "currently only RayCluster is
+supported", so no RayJob ever starts). The operator is told that setting (``--kuberay-batch-scheduler``,
+chart value ``kuberay.batchScheduler``) and :func:`kuberay_disagreement` refuses a job whose gang
+scheduler cannot work with it:
+
+====================  ==========================================================
+KubeRay batchScheduler  jobs that work (gangScheduler)
+====================  ==========================================================
+unset                 kueue, scheduler-plugins, none
+volcano               volcano
+yunikorn              yunikorn
+scheduler-plugins     none (KubeRay fails every RayJob)
+kai-scheduler         none (KubeRay fails every RayJob)
+====================  ==========================================================
 """
 
 from __future__ import annotations
@@ -56,12 +81,15 @@ from typing import Any
 from ppojob_operator.api import PPOJob
 
 GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
+KUBERAY_BATCH_SCHEDULERS = ("", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler")
+"""Values of KubeRay's ``batchScheduler.name`` ("" = unset) the operator can be told."""
 
 GANG_LABEL = "ray.io/gang-scheduling-enabled"
 VOLCANO_QUEUE_LABEL = "volcano.sh/queue-name"
 PRIORITY_LABEL = "ray.io/priority-class-name"
 YUNIKORN_APP_LABEL = "yunikorn.apache.org/app-id"
 YUNIKORN_QUEUE_LABEL = "yunikorn.apache.org/queue"
+YUNIKORN_POLICY_ANNOTATION = "yunikorn.apache.org/schedulingPolicyParameters"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 SP_POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 SP_SCHEDULER_NAME = "scheduler-plugins-scheduler"
@@ -82,20 +110,65 @@ class GangPlan:
     scheduler: str
     rayjob_labels: dict[str, str] = field(default_factory=dict)
     pod_labels: dict[str, str] = field(default_factory=dict)
+    pod_annotations: dict[str, str] = field(default_factory=dict)
     scheduler_name: str | None = None
     create_suspended: bool = False
     objects: list[dict[str, Any]] = field(default_factory=list)
 
 
 def effective_scheduler(job: PPOJob, default: str | None) -> str:
-    """The job's gang scheduler: the spec's, or the operator default when the spec names none."""
-    spec = job.spec
-    named = spec.explicit("scheduling") and spec.scheduling.explicit("gang_scheduler")
-    if not named and default:
+    """The job's gang scheduler: the spec's, else the operator default, else ``none``. Judged on
+    the value (unset is ``None``), so a manifest and its stored form give the same answer."""
+    named = job.spec.scheduling.gang_scheduler
+    if named is not None:
+        return named
+    if default:
         if default not in GANG_SCHEDULERS:
             raise ValueError(f"unknown gang scheduler {default!r}; one of {GANG_SCHEDULERS}")
         return default
-    return spec.scheduling.gang_scheduler
+    return "none"
+
+
+def kuberay_disagreement(scheduler: str, kuberay_batch_scheduler: str | None) -> str | None:
+    """Why a job with gang scheduler ``scheduler`` cannot run under KubeRay's installation-wide
+    ``batchScheduler`` (None when it can, or when the operator was not told KubeRay's setting)."""
+    if kuberay_batch_scheduler is None:
+        return None
+    b = kuberay_batch_scheduler
+    if b in ("scheduler-plugins", "kai-scheduler"):
+        return (
+            f"KubeRay runs with batchScheduler {b}, which supports RayCluster only: KubeRay "
+            'fails every RayJob ("currently only RayCluster is supported"), so no PPOJob can '
+            "start. Unset KubeRay's batchScheduler (ppojob creates scheduler-plugins PodGroups "
+            "itself) and set the ppojob operator's kuberay.batchScheduler to match"
+        )
+    if b in ("volcano", "yunikorn"):
+        if scheduler == b:
+            return None
+        return (
+            f"spec.scheduling.gangScheduler is {scheduler}, but KubeRay runs with batchScheduler "
+            f"{b}, which it applies to every RayJob (the pods would go to {b}, not {scheduler}). "
+            f"Set spec.scheduling.gangScheduler: {b}, or run a KubeRay without a batchScheduler"
+        )
+    if scheduler in ("volcano", "yunikorn"):
+        return (
+            f"spec.scheduling.gangScheduler is {scheduler}, but KubeRay runs without a "
+            f"batchScheduler, so nothing would create the {scheduler} gang. Start KubeRay with "
+            f"batchScheduler.name={scheduler} (and tell the ppojob operator: "
+            f"kuberay.batchScheduler={scheduler}), or choose kueue, scheduler-plugins or none"
+        )
+    return None
+
+
+def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int = 0) -> str:
+    """A YuniKorn application id unique per job object and attempt, at most 63 characters (a
+    label value). The readable prefix may be cut; the hash is of the whole identity."""
+    import hashlib
+
+    ident = f"{namespace}/{name}/{uid or ''}/{attempt}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:10]
+    head = f"ppojob-{name}"[: 63 - 1 - len(digest)].rstrip("-.")
+    return f"{head}-{digest}"
 
 
 def _parse_quantity(value: str) -> float:
@@ -148,8 +221,10 @@ def plan(
     scheduler: str,
     members: list[GangMember],
     owner_refs: list[dict[str, Any]] | None = None,
+    uid: str | None = None,
+    attempt: int = 0,
 ) -> GangPlan:
-    """The gang plan of one job for one scheduler."""
+    """The gang plan of one job for one scheduler (``attempt``: see :func:`yunikorn_app_id`)."""
     sched = job.spec.scheduling
     out = GangPlan(scheduler=scheduler)
     if scheduler == "volcano":
@@ -160,9 +235,12 @@ def plan(
             out.rayjob_labels[PRIORITY_LABEL] = sched.priority_class_name
     elif scheduler == "yunikorn":
         out.rayjob_labels[GANG_LABEL] = "true"
-        out.rayjob_labels[YUNIKORN_APP_LABEL] = f"ppojob-{namespace}-{name}"[:63].rstrip("-.")
+        out.rayjob_labels[YUNIKORN_APP_LABEL] = yunikorn_app_id(namespace, name, uid, attempt)
         if sched.queue:
             out.rayjob_labels[YUNIKORN_QUEUE_LABEL] = sched.queue
+        out.pod_annotations[YUNIKORN_POLICY_ANNOTATION] = (
+            f"placeholderTimeoutInSeconds={sched.timeout_seconds} gangSchedulingStyle=Hard"
+        )
     elif scheduler == "kueue":
         if sched.queue:
             out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue

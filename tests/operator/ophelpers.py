@@ -51,3 +51,29 @@ def crd_validator(filename: str, version: str) -> jsonschema.Draft7Validator:
             schema = _strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
             return jsonschema.Draft7Validator(schema)
     raise LookupError(f"{filename} has no version {version}")
+
+
+def kuberay_resources_map(value: str) -> dict[str, float]:
+    """How KubeRay v1.5 reads ``rayStartParams.resources`` (``getResourcesMap`` in
+    ray-operator/controllers/ray/common/pod.go): Go's ``strings.Trim(value, "'\\"` ")`` (Python's
+    ``str.strip`` has the same cut-set semantics), then ``json.Unmarshal`` into a
+    ``map[string]float64`` (any non-number value is an error)."""
+    import json
+
+    obj = json.loads(value.strip("'\"` "))
+    if not isinstance(obj, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in obj.values()
+    ):
+        raise ValueError(f"not a map of numbers: {value!r}")
+    return {str(k): float(v) for k, v in obj.items()}
+
+
+def ray_start_resources(value: str) -> dict[str, float]:
+    """What ``ray start`` receives: KubeRay writes ``--resources=<value>`` verbatim into the
+    container's shell command (``convertParamMap``); the shell removes the quoting and Ray
+    ``json.loads`` the argument."""
+    import json
+    import shlex
+
+    args = shlex.split(f"ray start --resources={value}")
+    return json.loads(args[2].removeprefix("--resources="))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from ophelpers import REPO, base_manifest
+from ophelpers import REPO, base_manifest, kuberay_resources_map, ray_start_resources
 from ppojob_operator import builders, scheduling
 from ppojob_operator.api import total_gpus, validate_manifest
 
@@ -85,7 +85,7 @@ def test_children_validate_strictly(layout, sched, validate_child):
     assert [g["groupName"] for g in groups] == EXPECTED_GROUPS[layout]
     for g in groups:
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] >= 1
-        res = json.loads(json.loads(g["rayStartParams"]["resources"]))
+        res = kuberay_resources_map(g["rayStartParams"]["resources"])
         assert list(res) == [f"ppojob-{g['groupName']}"]
 
 
@@ -100,7 +100,7 @@ def test_gpu_resources_and_role_marks():
         == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
     )
     assert groups["rollout"]["replicas"] == 3
-    assert json.loads(json.loads(groups["actor"]["rayStartParams"]["resources"])) == {
+    assert kuberay_resources_map(groups["actor"]["rayStartParams"]["resources"]) == {
         "ppojob-actor": 2
     }
     assert total_gpus(job.spec) == 12
@@ -116,7 +116,7 @@ def test_rayjob_lifecycle_fields_and_pod_security():
     assert spec["activeDeadlineSeconds"] == 3600
     assert spec["backoffLimit"] == 2
     assert spec["suspend"] is False
-    assert spec["entrypoint"] == builders.DEFAULT_ENTRYPOINT
+    assert spec["entrypoint"] == builders.default_entrypoint(job)
     templates = [spec["rayClusterSpec"]["headGroupSpec"]["template"]] + [
         g["template"] for g in spec["rayClusterSpec"]["workerGroupSpecs"]
     ]
@@ -246,6 +246,196 @@ def test_operator_default_scheduler_applies_only_when_spec_names_none():
     assert scheduling.effective_scheduler(make(), None) == "none"
 
 
+def test_unset_gang_scheduler_survives_storage_and_takes_the_operator_default():
+    """Item 8: the CRD has no default for gangScheduler, so the stored form of
+    `scheduling: {queue: q}` still means "the operator's default"."""
+    from ppojob_operator.crd import build_crd
+
+    crd = build_crd()
+    sched = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]["scheduling"]["properties"]["gangScheduler"]
+    assert "default" not in sched
+    job = validate_manifest(base_manifest(scheduling={"queue": "q"}))
+    # stored: the scheduling object as the API server fills it in from the CRD's defaults
+    stored_sched = builders.dump(job.spec.scheduling)
+    assert "gangScheduler" not in stored_sched
+    stored = validate_manifest(base_manifest(scheduling=stored_sched))
+    for j in (job, stored):
+        assert scheduling.effective_scheduler(j, "kueue") == "kueue"
+        assert scheduling.effective_scheduler(j, "volcano") == "volcano"
+    rj = builders.build_children(stored, namespace="ns1", gang_default="kueue")[-1]
+    assert rj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+    assert rj["spec"]["suspend"] is True
+
+
+def test_ray_start_resources_are_what_kuberay_parses():
+    """Also: rayStartParams.resources is single-quoted JSON, which KubeRay's getResourcesMap
+    reads (it trims quotes and json-unmarshals) and the shell hands to `ray start` intact."""
+    job = make("gae-separate-all")
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    groups = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]
+    for g, want in [(head, {"ppojob-head": 1.0})] + [
+        (g, {f"ppojob-{g['groupName']}": 2.0}) for g in groups
+    ]:
+        value = g["rayStartParams"]["resources"]
+        assert (
+            value
+            == "'" + json.dumps({k: int(v) for k, v in want.items()}, separators=(",", ":")) + "'"
+        )
+        assert kuberay_resources_map(value) == want
+        assert ray_start_resources(value) == want
+    # the old form (JSON-in-a-JSON-string) is what KubeRay could not read
+    with pytest.raises(ValueError):
+        kuberay_resources_map(json.dumps(json.dumps({"ppojob-actor": 8})))
+
+
+def test_yunikorn_hard_gang_fresh_app_ids_and_no_truncation_collisions():
+    """Item 9."""
+    job = make(
+        "gae-separate-all", "yunikorn", scheduling={**SCHEDULING["yunikorn"], "timeoutSeconds": 321}
+    )
+    rj = builders.build_children(job, namespace="ns1", uid="u1")[-1]
+    cluster = rj["spec"]["rayClusterSpec"]
+    for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        ann = g["template"]["metadata"]["annotations"]
+        assert ann["yunikorn.apache.org/schedulingPolicyParameters"] == (
+            "placeholderTimeoutInSeconds=321 gangSchedulingStyle=Hard"
+        )
+    app = rj["metadata"]["labels"]["yunikorn.apache.org/app-id"]
+    again = builders.build_children(job, namespace="ns1", uid="u1", attempt=1)[-1]
+    assert again["metadata"]["labels"]["yunikorn.apache.org/app-id"] != app
+    # two long names that agree on their first 63 characters, in one namespace
+    a = "a" * 40 + "-x"
+    b = "a" * 40 + "-y"
+    ids = {
+        scheduling.yunikorn_app_id("n" * 63, a, "u"),
+        scheduling.yunikorn_app_id("n" * 63, b, "u"),
+        scheduling.yunikorn_app_id("n" * 63, a, "u2"),
+        scheduling.yunikorn_app_id("n" * 62, a, "u"),
+    }
+    assert len(ids) == 4 and all(len(i) <= 63 and i[-1].isalnum() for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("kuberay", "ok"),
+    [
+        (None, {"volcano", "yunikorn", "kueue", "scheduler-plugins", "none"}),
+        ("", {"kueue", "scheduler-plugins", "none"}),
+        ("volcano", {"volcano"}),
+        ("yunikorn", {"yunikorn"}),
+        ("scheduler-plugins", set()),
+        ("kai-scheduler", set()),
+    ],
+)
+def test_kuberay_batch_scheduler_matrix(kuberay, ok):
+    """Item 7: which gang schedulers work with KubeRay's installation-wide batchScheduler."""
+    for sched in scheduling.GANG_SCHEDULERS:
+        why = scheduling.kuberay_disagreement(sched, kuberay)
+        assert (why is None) == (sched in ok), (sched, kuberay, why)
+        if why:
+            assert "batchScheduler" in why
+
+
+def test_head_placement_extra_resources_and_capabilities(validate_child):
+    """Also: head tolerations/affinity; per-role extended resources and IPC_LOCK; the
+    priorityClassName works without a gang scheduler."""
+    taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}
+                ]
+            }
+        }
+    }
+    job = make(
+        "gae-separate-all",
+        head={"tolerations": taint, "affinity": affinity, "nodeSelector": {"pool": "cpu"}},
+        scheduling={"priorityClassName": "high"},
+        roles={
+            "actor": {
+                "resources": {**GPU, "extra": {"rdma/ib": 1}},
+                "capabilities": ["IPC_LOCK"],
+                "tolerations": taint,
+            },
+            "critic": {"colocateWithActor": True},
+            "rollout": {"colocateWithActor": True},
+        },
+    )
+    children = builders.build_children(job, namespace="ns1", uid="u")
+    for c in children:
+        validate_child(c)
+    cluster = children[-1]["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert head["tolerations"] == taint and head["affinity"] == affinity
+    assert head["priorityClassName"] == "high"
+    actor = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    c = actor["containers"][0]
+    assert c["resources"]["limits"]["rdma/ib"] == "1" == c["resources"]["requests"]["rdma/ib"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert actor["priorityClassName"] == "high"
+    assert "capabilities" not in head["containers"][0]["securityContext"] or head["containers"][0][
+        "securityContext"
+    ]["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize(
+    ("roles", "path"),
+    [
+        (
+            {"critic": {"colocateWithActor": True, "capabilities": ["IPC_LOCK"]}},
+            "spec.roles.critic.capabilities",
+        ),
+        ({"actor": {"resources": {"extra": {"cpu": 1}}}}, "spec.roles.actor.resources.extra.cpu"),
+        ({"actor": {"resources": {"extra": {"ib": 1}}}}, "spec.roles.actor.resources.extra.ib"),
+        (
+            {"actor": {"resources": {"extra": {"rdma/ib": 0}}}},
+            "spec.roles.actor.resources.extra.rdma/ib",
+        ),
+    ],
+)
+def test_extra_resources_and_capabilities_are_checked(roles, path):
+    from ppojob_operator.api import SpecError
+
+    with pytest.raises(SpecError) as exc:
+        validate_manifest(base_manifest(roles=roles))
+    assert path in [p.path for p in exc.value.problems]
+
+
+def test_ray_version_has_one_source_of_truth():
+    """Also: spec.rayVersion defaults to the Ray the trainer image installs (constraints.txt,
+    used by images/trainer.Dockerfile) and the one installed here."""
+    import ray
+    from ppojob_operator.api import RAY_VERSION
+
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    assert pins["ray"] == RAY_VERSION == ray.__version__
+    assert make().spec.ray_version == RAY_VERSION
+    dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
+    assert '-c constraints.txt ".[${EXTRAS}]"' in dockerfile
+
+
+def test_finished_jobs_free_their_gpus_within_a_minute_and_keep_their_output():
+    """Item 11: the RayCluster goes 60 s after the end by default; with a checkpoint volume the
+    trainer's output goes onto it."""
+    job = make()
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    assert rj["spec"]["ttlSecondsAfterFinished"] == 60 and rj["spec"]["shutdownAfterJobFinishes"]
+    vol = make(
+        checkpointVolume={"persistentVolumeClaim": {"claimName": "ckpt"}},
+        training={"checkpointDir": "/ckpt"},
+    )
+    rj = builders.build_children(vol, namespace="ns1")[-1]
+    assert rj["spec"]["entrypoint"].endswith("--out /ckpt/output")
+
+
 def test_strict_validation_catches_unknown_fields(validate_child):
     rj = builders.build_children(make(), namespace="ns1")[-1]
     rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
@@ -288,7 +478,7 @@ def _advertised(group: dict) -> dict[str, float]:
 
     params = group["rayStartParams"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    out = {k: float(v) for k, v in json.loads(json.loads(params["resources"])).items()}
+    out = ray_start_resources(params["resources"])
     if "num-cpus" in params:
         out["CPU"] = float(params["num-cpus"])
     else:

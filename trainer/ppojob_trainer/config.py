@@ -96,6 +96,10 @@ class Resources(_Model):
     memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
     """Memory per replica, as a Kubernetes quantity such as `64Gi`."""
 
+    extra: dict[str, int] = Field(default_factory=dict)
+    """Extended resources per replica (requested and limited), e.g. `{rdma/ib: 1}` for NCCL over
+    InfiniBand through an RDMA device plugin."""
+
 
 class Toleration(_Model):
     """A Kubernetes toleration for the role's pods."""
@@ -160,6 +164,13 @@ class _Role(_Model):
 
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables of the role's containers."""
+
+    capabilities: list[Literal["IPC_LOCK", "SYS_RESOURCE", "SYS_NICE"]] = Field(
+        default_factory=list
+    )
+    """Linux capabilities added to the role's containers (all others stay dropped), e.g.
+    `IPC_LOCK` for RDMA memory registration (see the gang-scheduling guide, "NCCL over
+    RDMA")."""
 
     parallelism: Parallelism = Field(default_factory=Parallelism)
     """Tensor, pipeline and context parallelism; data parallelism is derived."""
