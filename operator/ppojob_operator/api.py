@@ -15,6 +15,7 @@ from typing import Any, Literal
 from ppojob_trainer.config import (
     Problem,
     SpecError,
+    Toleration,
     TrainerConfig,
     TrainingHalf,
     _Model,
@@ -22,7 +23,6 @@ from ppojob_trainer.config import (
     load_yaml_documents,
     pydantic_problems,
 )
-from ppojob_trainer.config import Toleration
 from pydantic import Field
 
 RAY_VERSION = "2.60.0"

@@ -58,7 +58,8 @@ KubeRay's ``batchScheduler`` is one setting per KubeRay installation, applied to
 reconciles (KubeRay v1.5 ``batchscheduler/schedulermanager.go``: one scheduler for the operator;
 ``volcano`` makes a PodGroup for every RayJob and sets ``schedulerName: volcano`` on every pod;
 ``scheduler-plugins`` and ``kai-scheduler`` answer every RayJob with "currently only RayCluster is
-supported", so no RayJob ever starts). The operator is told that setting (``--kuberay-batch-scheduler``,
+supported", so no RayJob ever starts). The operator is told that setting
+(``--kuberay-batch-scheduler``,
 chart value ``kuberay.batchScheduler``) and :func:`kuberay_disagreement` refuses a job whose gang
 scheduler cannot work with it:
 
