@@ -27,6 +27,7 @@ job changed in anything but ``suspend``), ``Running``, ``Succeeded``, ``Failed``
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ppojob_operator.api import PPOJob, Problem, total_gpus
@@ -46,13 +47,25 @@ OPERATOR_KEYS = (
 )
 
 
+TRAINER_REASONS = ("GangIncomplete",)
+"""Reasons the trainer itself names (``<Reason>: ...`` in ``status.progress.error``, and
+``ppojob-train: <Reason>: ...`` in its last log line, which Ray keeps in the job's message)."""
+_TRAINER_REASON = re.compile(r"(?:^|ppojob-train: )(" + "|".join(TRAINER_REASONS) + r"): ")
+
+
+def trainer_reason(message: str) -> str | None:
+    """The reason the trainer gave for failing, if it named one of :data:`TRAINER_REASONS`."""
+    m = _TRAINER_REASON.search(message or "")
+    return m.group(1) if m else None
+
+
 def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str, str, str]:
     """(phase, reason, message) of a job from its RayJob."""
     st = rayjob.get("status") or {}
     dep = st.get("jobDeploymentStatus") or ""
     js = st.get("jobStatus") or ""
-    reason = st.get("reason") or ""
     message = st.get("message") or ""
+    reason = trainer_reason(message) or st.get("reason") or ""
     if dep == "Complete":
         if js == "SUCCEEDED":
             return "Succeeded", "RayJobSucceeded", message or "the Ray job succeeded"
@@ -149,7 +162,7 @@ def desired_status(
     kueue = scheduler == "kueue"
     phase, reason, message = phase_of(rayjob, suspend=job.spec.suspend, kueue=kueue)
     if phase == "Failed" and trainer_error:
-        reason, message = "TrainerFailed", trainer_error
+        reason, message = trainer_reason(trainer_error) or "TrainerFailed", trainer_error
     st = rayjob.get("status") or {}
     g = generation
     try:
@@ -211,6 +224,52 @@ def desired_status(
             out[dst] = st[src]
     if phase in ("Succeeded", "Failed") and st.get("endTime"):
         out["completionTime"] = st["endTime"]
+    return out
+
+
+def applied_job(rayjob: dict[str, Any], name: str | None) -> PPOJob | None:
+    """The job as its RayJob was built (the spec in the RayJob's applied-spec annotation)."""
+    from ppojob_operator.api import PPOJobSpec
+
+    try:
+        spec = json.loads(rayjob["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION])
+        return PPOJob(metadata={"name": name}, spec=PPOJobSpec.model_validate(spec))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def invalid_edit_status(
+    rayjob: dict[str, Any],
+    problems: list[Problem],
+    *,
+    name: str | None,
+    suspend: bool,
+    generation: int | None,
+    previous: dict[str, Any] | None,
+    now: str,
+    scheduler: str = "none",
+) -> dict[str, Any] | None:
+    """Status of a started job whose spec was edited into an invalid one: the RayJob runs on
+    unchanged, so phase, rayJobName, dashboardURL, gpus and times still follow it; only
+    ``SpecApplied`` turns False (reason ``InvalidSpec``). None if the RayJob's applied spec is
+    unreadable."""
+    job = applied_job(rayjob, name)
+    if job is None:
+        return None
+    job.spec.suspend = suspend
+    out = desired_status(
+        job, rayjob, generation=generation, previous=previous, now=now, scheduler=scheduler
+    )
+    msg = "the new spec is invalid; the running RayJob is unchanged: " + "; ".join(
+        str(p) for p in problems
+    )
+    conds = [
+        _cond("SpecApplied", False, "InvalidSpec", msg, generation)
+        if c["type"] == "SpecApplied"
+        else c
+        for c in out["conditions"]
+    ]
+    out["conditions"] = _with_times(conds, (previous or {}).get("conditions", []), now)
     return out
 
 

@@ -127,3 +127,60 @@ def test_the_trainers_failure_line_is_the_failed_conditions_message():
         JOB, rayjob("Running", "RUNNING"), generation=1, previous=None, now="T", trainer_error=line
     )
     assert all(c["message"] != line for c in running["conditions"])
+
+
+def test_invalid_edit_of_a_running_job_keeps_its_running_status():
+    """Item 10: only SpecApplied turns False; phase, rayJobName, dashboardURL, gpus and
+    startTime still follow the RayJob."""
+    from ppojob_operator.status import invalid_edit_status
+
+    rj = rayjob(
+        "Running",
+        "RUNNING",
+        dashboardURL="demo-head-svc:8265",
+        startTime="2026-01-01T00:00:00Z",
+        rayClusterName="demo-abcde",
+    )
+    running = desired_status(JOB, rj, generation=1, previous=None, now="t0")
+    problems = [Problem("spec.roles.actor.replicas", "must be >= 1", "set 1 or more")]
+    out = invalid_edit_status(
+        rj, problems, name="demo", suspend=False, generation=2, previous=running, now="t1"
+    )
+    for key in ("phase", "rayJobName", "dashboardURL", "gpus", "startTime", "rayClusterName"):
+        assert out[key] == running[key], key
+    assert out["phase"] == "Running"
+    conds = {c["type"]: c for c in out["conditions"]}
+    assert conds["SpecApplied"]["status"] == "False"
+    assert conds["SpecApplied"]["reason"] == "InvalidSpec"
+    assert "spec.roles.actor.replicas" in conds["SpecApplied"]["message"]
+    assert conds["Valid"]["status"] == "True" and conds["Running"]["status"] == "True"
+    assert conds["Running"]["lastTransitionTime"] == "t0"
+    # and when the run ends meanwhile, the phase still follows the RayJob
+    rj["status"].update(jobDeploymentStatus="Complete", jobStatus="SUCCEEDED")
+    out = invalid_edit_status(
+        rj, problems, name="demo", suspend=False, generation=2, previous=out, now="t2"
+    )
+    assert out["phase"] == "Succeeded"
+
+
+def test_gang_timeout_reason_reaches_the_failed_condition():
+    """Item 2: the trainer's `ppojob-train: GangIncomplete: ...` line, kept by Ray in the job's
+    message, becomes the PPOJob's Failed reason."""
+    msg = (
+        "Job entrypoint command failed with exit code 2, last available logs:\n"
+        "ppojob-train: GangIncomplete: not every pod of the job joined the Ray cluster within "
+        "600s (spec.scheduling.timeoutSeconds): ppojob-actor: 2 of 4 GPUs joined (1 of 2 pods)"
+    )
+    rj = rayjob("Complete", "FAILED", message=msg)
+    st = desired_status(JOB, rj, generation=1, previous=None, now="t")
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert st["phase"] == "Failed"
+    assert failed["reason"] == "GangIncomplete"
+    assert "ppojob-actor: 2 of 4 GPUs joined" in failed["message"]
+    # the same reason through the trainer's status.progress.error
+    err = "GangIncomplete: not every pod of the job joined the Ray cluster within 600s"
+    st = desired_status(
+        JOB, rayjob("Failed", "FAILED"), generation=1, previous=None, now="t", trainer_error=err
+    )
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert (failed["reason"], failed["message"]) == ("GangIncomplete", err)

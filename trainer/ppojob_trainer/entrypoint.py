@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from ppojob_trainer.errors import StartupError, describe_failure
-    from ppojob_trainer.placement import PlacementError
+    from ppojob_trainer.placement import GangIncompleteError, PlacementError
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
 
     owns_ray = not ray.is_initialized()
@@ -165,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         reporter = _reporters(out_dir, show_bar=not args.no_progress)
         connect_ray()
         result = train(cfg, out_dir, reporter)
+    except GangIncompleteError as exc:
+        # `<Reason>: ...` reaches the PPOJob (status.progress.error, and the RayJob's message,
+        # where Ray keeps the entrypoint's last log lines); the operator makes it the Failed
+        # condition's reason.
+        if reporter is not None:
+            reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
+        return 2
     except PlacementError as exc:
         if reporter is not None:
             reporter.fail(describe_failure(exc))

@@ -76,16 +76,19 @@ class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, threads: dict[str, int] | None = None) -> None:
         import ray
 
-        from .placement import cluster_pins_roles, plan_placement, reserve_placement
+        from .placement import cluster_pins_roles, plan_placement, reserve_placement, wait_for_gang
 
         self.cfg = cfg
         algo, roles = cfg.algorithm, cfg.roles
         critic = roles.effective_critic(algo.needs_critic)
         self.has_critic = critic is not None
-        # On an operator-made cluster every pod advertises its role (`ppojob-actor`, ...): pin
-        # each role's bundles to its own pods. A local Ray has no such resources.
+        # On an operator-made cluster every pod advertises its role (`ppojob-actor`, ...): wait
+        # for all of them (KubeRay submits before the workers join), then pin each role's
+        # bundles to its own pods. A local Ray has no such resources. One timeout for both.
+        budget = float(cfg.placement_timeout_seconds)
+        waited = wait_for_gang(cfg, budget)
         plan = plan_placement(cfg, pin_roles=cluster_pins_roles(ray.cluster_resources()))
-        self.placement = reserve_placement(plan, cfg.placement_timeout_seconds)
+        self.placement = reserve_placement(plan, max(budget - waited, 1.0))
         self.all_hosts: list[Any] = []
         try:
             self._start(cfg, critic, threads)

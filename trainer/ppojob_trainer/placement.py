@@ -22,6 +22,15 @@ rollout and critic colocated) is one `{"CPU": 2}` bundle, each of the three role
 `[{"CPU": 1}, {"CPU": 1}]`. Both fit a 2-core laptop; on a 1-core machine `--num-cpus 2`
 oversubscribes instead of failing.
 
+`wait_for_gang` comes first on an operator-made cluster (one whose head advertises `ppojob-head`):
+KubeRay's SidecarMode submits the trainer as soon as the head's dashboard is up, before the
+workers have joined. The trainer waits, bounded by `spec.scheduling.timeoutSeconds`, until every
+role's pods have joined (each advertises `ppojob-<role>`: its GPUs, or 1), logging what is
+missing per role, and only then plans placement, so role pinning is never decided on a partial
+cluster. On timeout it raises `GangIncompleteError`; the entrypoint prints
+`ppojob-train: GangIncomplete: ...`, which reaches the RayJob's message and the PPOJob's
+`Failed` condition (reason `GangIncomplete`).
+
 `reserve_placement` first compares the request with the cluster (totals, and that each bundle fits
 some node) and fails at once naming what is missing; then it waits for the group at most
 `timeout_s`, logging while it waits; on timeout (or any error, or Ctrl-C) it removes the group and
@@ -115,10 +124,116 @@ def role_resource(role: str) -> str:
     return f"ppojob-{role}"
 
 
+HEAD_RESOURCE = "ppojob-head"
+"""The custom resource the operator puts on the head pod (one unit), marking its clusters."""
+
+
 def cluster_pins_roles(totals: dict[str, float]) -> bool:
     """Whether the Ray cluster marks its pods by role (an operator-made cluster does; a local Ray
-    does not)."""
-    return role_resource("actor") in totals
+    does not). Decided by the head's mark, so a cluster whose workers have not joined yet is
+    still recognised."""
+    return HEAD_RESOURCE in totals or role_resource("actor") in totals
+
+
+class GangIncompleteError(RuntimeError):
+    """Not every role's pods joined the Ray cluster within the timeout."""
+
+    reason = "GangIncomplete"
+
+
+@dataclass(frozen=True)
+class GangNeed:
+    """What one role's pods add to the Ray cluster when they have all joined."""
+
+    role: str
+    pods: int
+    per_pod: int
+    """Units of `ppojob-<role>` each pod advertises: its GPUs, or 1 on a CPU pod."""
+    gpus: bool
+
+    @property
+    def units(self) -> int:
+        return self.pods * self.per_pod
+
+
+def gang_needs(cfg: TrainerConfig) -> list[GangNeed]:
+    """Every role that has pods of its own (colocated roles have none), as the operator builds
+    them: `replicas` pods each advertising `ppojob-<role>: max(gpus, 1)`."""
+    roles = cfg.roles
+    specs = [("actor", roles.actor)]
+    critic = roles.effective_critic(cfg.algorithm.needs_critic)
+    if critic is not None and not critic.colocate_with_actor:
+        specs.append(("critic", critic))
+    if not roles.rollout.colocate_with_actor:
+        specs.append(("rollout", roles.rollout))
+    return [
+        GangNeed(role, spec.replicas, max(spec.resources.gpus, 1), spec.resources.gpus > 0)
+        for role, spec in specs
+    ]
+
+
+def gang_missing(needs: list[GangNeed], totals: dict[str, float]) -> list[str]:
+    """One line per role whose pods have not all joined (pure), e.g.
+    `ppojob-actor: 2 of 4 GPUs joined (1 of 2 pods)`."""
+    out = []
+    for need in needs:
+        have = int(totals.get(role_resource(need.role), 0.0) + 1e-6)
+        if have >= need.units:
+            continue
+        what = "GPUs" if need.gpus else "worker slots"
+        out.append(
+            f"{role_resource(need.role)}: {have} of {need.units} {what} joined "
+            f"({have // need.per_pod} of {need.pods} pods)"
+        )
+    return out
+
+
+def wait_for_gang(
+    cfg: TrainerConfig,
+    timeout_s: float,
+    log: Callable[[str], None] | None = None,
+    log_every_s: float = 5.0,
+    poll_s: float = 0.5,
+    totals: Callable[[], dict[str, float]] | None = None,
+) -> float:
+    """Wait until every role's pods have joined an operator-made Ray cluster; return the seconds
+    waited. A cluster without the head's mark (a local Ray) is not waited for.
+
+    Raises GangIncompleteError after `timeout_s`, naming per role what is still missing."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 (spec.scheduling.timeoutSeconds), got {timeout_s}")
+    if totals is None:
+        import ray
+
+        totals = ray.cluster_resources
+    say = log or _default_log
+    if not cluster_pins_roles(totals()):
+        return 0.0
+    needs = gang_needs(cfg)
+    start = time.monotonic()
+    next_log = start
+    while True:
+        missing = gang_missing(needs, totals())
+        waited = time.monotonic() - start
+        if not missing:
+            if waited > 0.0 and next_log > start:
+                say(f"every role's pods joined after {waited:.1f}s")
+            return waited
+        if waited >= timeout_s:
+            raise GangIncompleteError(
+                f"not every pod of the job joined the Ray cluster within {timeout_s:g}s "
+                f"(spec.scheduling.timeoutSeconds): {'; '.join(missing)}. The missing pods are "
+                "Pending or crashing: see `kubectl get pods -l ppojob.io/job=<name>` and their "
+                "events.\n  fix: free or add the resources they need (or use a gang scheduler), "
+                "or raise spec.scheduling.timeoutSeconds"
+            )
+        if time.monotonic() >= next_log:
+            say(
+                f"waiting for the job's pods to join ({waited:.0f}s of {timeout_s:g}s): "
+                + "; ".join(missing)
+            )
+            next_log = time.monotonic() + log_every_s
+        time.sleep(min(poll_s, max(timeout_s - waited, 0.01)))
 
 
 def plan_placement(
