@@ -8,6 +8,13 @@ Flags (the Helm chart passes exactly these):
 --health-port 8081    liveness probe at http://:PORT/healthz (kopf's liveness endpoint; 0 disables)
 --gang-scheduler S    cluster default gang scheduler, used only for jobs whose spec omits
                       `spec.scheduling.gangScheduler` (an explicit `none` in the spec stays `none`)
+--kuberay-batch-scheduler B
+                      KubeRay's batchScheduler.name (none, volcano, yunikorn, scheduler-plugins,
+                      kai-scheduler): jobs whose gang scheduler cannot work with it are refused
+                      (reason BatchSchedulerMismatch); unset: not checked
+--kuberay-sidecar-mode auto|supported|unsupported
+                      whether KubeRay supports submissionMode SidecarMode (>= 1.5.0); auto (the
+                      default) reads the installed RayJob CRD at start-up
 --log-level LEVEL     DEBUG, INFO, WARNING, ERROR
 --trainer-entrypoint  override the trainer command run in the head pod
 """
@@ -54,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="default gang scheduler for jobs whose spec omits gangScheduler",
     )
     p.add_argument(
+        "--kuberay-batch-scheduler",
+        choices=["none", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler"],
+        default=None,
+        help="KubeRay's batchScheduler.name (none: unset); jobs that cannot work with it are "
+        "refused. Omitted: not checked",
+    )
+    p.add_argument(
+        "--kuberay-sidecar-mode",
+        choices=["auto", "supported", "unsupported"],
+        default="auto",
+        help="whether KubeRay supports submissionMode SidecarMode (KubeRay >= 1.5.0); auto reads "
+        "the installed RayJob CRD",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -94,7 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=args.namespace,
         clusterwide=not args.namespace,
         config=handlers.OperatorConfig(
-            gang_default=args.gang_scheduler, entrypoint=args.trainer_entrypoint
+            gang_default=args.gang_scheduler,
+            entrypoint=args.trainer_entrypoint,
+            kuberay_batch_scheduler=(
+                None
+                if args.kuberay_batch_scheduler is None
+                else ""
+                if args.kuberay_batch_scheduler == "none"
+                else args.kuberay_batch_scheduler
+            ),
+            sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
+                args.kuberay_sidecar_mode
+            ],
         ),
         health_port=args.health_port,
     )

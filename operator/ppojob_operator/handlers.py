@@ -1,10 +1,21 @@
 """Thin kopf handlers: read, call a pure function (builders, status), apply through ``k8s``.
 
 - ``on.create`` PPOJob: validate; invalid -> Warning event + ``Invalid`` status, no children;
+  refused by this installation (``capabilities.refusal``: KubeRay too old for SidecarMode, a
+  gang scheduler KubeRay's batchScheduler defeats) -> ``Failed`` with that reason, no children;
   valid -> create-or-get every child (idempotent), then write the status once.
-- ``on.update`` of ``spec``: a job without children yet (it was invalid) is reconciled like a new
-  one; for a started job ``spec.suspend`` is applied to the RayJob and any other change is
-  refused (Warning event; the ``SpecApplied`` condition stays False until the change is reverted).
+- A child's name still held by an object on its way out (being deleted, or owned by an earlier
+  PPOJob of the same name) -> ``Pending``/``WaitingForOldChildren`` and a retry with backoff
+  (1 s doubling to 60 s); an object we do not own -> ``Pending``/``ChildConflict`` with a Warning
+  event, retried the same way, never adopted.
+- ``on.update`` of ``spec``: a job without a RayJob yet (invalid, refused, waiting, held) is
+  reconciled like a new one; for a started job ``spec.suspend`` is applied (to the RayJob; under
+  Kueue to its Workload's ``spec.active``, since Kueue owns ``RayJob.spec.suspend``) and any other
+  change is refused (Warning event; ``SpecApplied`` stays False until the change is reverted).
+  An edit that makes the spec invalid leaves the running status alone but for ``SpecApplied``.
+- Self-healing: a child deleted by hand (DELETE watch events of every child kind, and a check at
+  operator start) is recreated. A RayJob deleted after its run started is not re-run: the PPOJob
+  turns ``Failed`` with reason ``RayJobDeleted`` (delete and recreate the PPOJob to run again).
 - ``on.event`` PPOJob and RayJob: level-triggered status sync. The operator's status keys are
   recomputed from the PPOJob and its RayJob (``status.desired_status``) and patched only when they
   differ from what is stored (or what we last wrote), so a quiet job costs no writes.
@@ -24,12 +35,19 @@ from typing import Any
 
 import kopf
 
-from ppojob_operator import k8s, metrics
+from ppojob_operator import capabilities, k8s, metrics
 from ppojob_operator.api import GROUP, PLURAL, VERSION, PPOJob, Problem, SpecError
 from ppojob_operator.api import validate_manifest as _validate
-from ppojob_operator.builders import JOB_LABEL, build_children, check_job
-from ppojob_operator.scheduling import effective_scheduler
-from ppojob_operator.status import changed_fields, desired_status, invalid_status, status_patch
+from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
+from ppojob_operator.scheduling import YUNIKORN_APP_LABEL, effective_scheduler, yunikorn_app_id
+from ppojob_operator.status import (
+    changed_fields,
+    desired_status,
+    invalid_edit_status,
+    invalid_status,
+    note_status,
+    status_patch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +59,11 @@ class OperatorConfig:
     gang_default: str | None = None
     entrypoint: str | None = None
     max_workers: int = 16
+    kuberay_batch_scheduler: str | None = None
+    """KubeRay's batchScheduler ("" none); None: not told, no agreement check."""
+    sidecar_supported: bool | None = None
+    """Whether KubeRay supports SidecarMode; None: read the RayJob CRD at start-up."""
+    retry_max_s: float = 60.0
 
 
 Key = tuple[str, str]
@@ -56,6 +79,11 @@ class State:
         self.rayjobs: dict[Key, dict[str, Any]] = {}
         self.written: dict[Key, dict[str, Any]] = {}
         self.posted: dict[tuple[Key, str], str] = {}  # (job, reason) -> last message posted
+        # why a valid job has no RayJob to follow: (phase, reason, message)
+        self.notes: dict[Key, tuple[str, str, str]] = {}
+        self.retries: dict[Key, asyncio.Task] = {}
+        self.backoff: dict[Key, int] = {}  # retries in a row
+        self.attempts: dict[Key, int] = {}  # YuniKorn applications made (resumes, retries)
         # The handlers are async and run in kopf's event loop (one thread): plain dicts suffice;
         # the per-job lock only orders the status writes of one job across awaits.
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -70,6 +98,12 @@ class State:
         self.jobs.pop(key, None)
         self.written.pop(key, None)
         self._locks.pop(key, None)
+        self.notes.pop(key, None)
+        self.attempts.pop(key, None)
+        self.backoff.pop(key, None)
+        task = self.retries.pop(key, None)
+        if task is not None:
+            task.cancel()
         for k in [k for k in self.posted if k[0] == key]:
             self.posted.pop(k, None)
         metrics.JOBS.set(key, None)
@@ -144,6 +178,51 @@ def _parse(body: dict[str, Any]) -> tuple[PPOJob | None, list[Problem]]:
     return (None, problems) if problems else (job, [])
 
 
+CHILD_KINDS = (
+    ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+)
+"""Children besides the RayJob, watched for deletion (self-healing)."""
+CHILD_RESOURCES = [(g, p) for g, _, p in CHILD_KINDS] + [("ray.io", "rayjobs")]
+
+
+async def heal(state: State, key: Key) -> None:
+    """A child of a live PPOJob was deleted: reconcile the job (recreates it, or fails the job
+    when its RayJob went after the run started). The PPOJob is read fresh: a child deleted by
+    the garbage collector after its PPOJob went must not be recreated."""
+    if key not in state.jobs:
+        return
+    fresh = await k8s.aget(f"{GROUP}/{VERSION}", "PPOJob", key[0], key[1])
+    if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+        return
+    known = state.jobs.get(key) or {}
+    if known.get("metadata", {}).get("uid") not in (None, fresh["metadata"].get("uid")):
+        return
+    body = _plain(fresh)
+    state.jobs[key] = body
+    await reconcile_children(state, body)
+
+
+async def refresh_yunikorn_app(state: State, key: Key, rayjob: dict[str, Any]) -> None:
+    """KubeRay retries a failed run with a new RayCluster that copies the RayJob's labels; give
+    the retry a fresh YuniKorn application id while KubeRay tears the old cluster down (it stays
+    in ``Retrying`` until every old pod is gone)."""
+    st = rayjob.get("status") or {}
+    labels = (rayjob.get("metadata") or {}).get("labels") or {}
+    if st.get("jobDeploymentStatus") != "Retrying" or YUNIKORN_APP_LABEL not in labels:
+        return
+    body = state.jobs.get(key) or {}
+    uid = (body.get("metadata") or {}).get("uid")
+    want = yunikorn_app_id(key[0], key[1], uid, f"retry-{st.get('failed') or 0}")
+    if labels[YUNIKORN_APP_LABEL] == want:
+        return
+    patch = {"metadata": {"labels": {YUNIKORN_APP_LABEL: want}}}
+    await k8s.apatch("ray.io/v1", "RayJob", key[0], rayjob["metadata"]["name"], patch)
+
+
 def _owner_key(rayjob: dict[str, Any]) -> Key | None:
     meta = rayjob.get("metadata") or {}
     for ref in meta.get("ownerReferences") or []:
@@ -167,10 +246,30 @@ async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = No
         job, problems = parse(body)
         rj = rayjob if rayjob is not None else state.rayjobs.get(key)
         base = state.written.get(key) or body.get("status") or {}
-        if problems:
+        note = state.notes.get(key)
+        desired = None
+        if problems and rj is not None:  # a started job edited into an invalid spec
+            raw_suspend = (body.get("spec") or {}).get("suspend")
+            desired = invalid_edit_status(
+                rj,
+                problems,
+                name=meta.get("name"),
+                suspend=raw_suspend is True,
+                generation=generation,
+                previous=base,
+                now=_now(),
+                scheduler=_scheduler_of_rayjob(rj),
+            )
+        if desired is not None:
+            pass
+        elif problems:
             desired = invalid_status(problems, generation=generation, previous=base, now=_now())
-        elif rj is None or job is None:
-            return False  # the create handler writes the first status
+        elif job is None:
+            return False
+        elif rj is None:
+            if note is None:
+                return False  # the create handler writes the first status
+            desired = note_status(job, *note, generation=generation, previous=base, now=_now())
         else:
             sched = effective_scheduler(job, state.config.gang_default)
             progress = (body.get("status") or {}).get("progress") or {}
@@ -193,8 +292,37 @@ async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = No
         return True
 
 
+def _scheduler_of_rayjob(rayjob: dict[str, Any]) -> str:
+    labels = (rayjob.get("metadata") or {}).get("labels") or {}
+    return "kueue" if "kueue.x-k8s.io/queue-name" in labels else "none"
+
+
+def _run_started(status: dict[str, Any]) -> bool:
+    return bool(status.get("startTime")) or status.get("phase") == "Running"
+
+
+def _retry_later(state: State, key: Key, why: str) -> None:
+    """Reconcile the job again after a backoff (1 s, doubling, at most ``retry_max_s``)."""
+    if key in state.retries and not state.retries[key].done():
+        return
+    n = state.backoff.get(key, 0)
+    delay = min(2.0**n, state.config.retry_max_s)
+    state.backoff[key] = n + 1
+    log.info("%s/%s: %s; retrying in %.0fs", key[0], key[1], why, delay)
+
+    async def _again() -> None:
+        await asyncio.sleep(delay)
+        state.retries.pop(key, None)
+        body = state.jobs.get(key)
+        if body is not None:
+            await reconcile_children(state, body)
+
+    state.retries[key] = asyncio.get_running_loop().create_task(_again())
+
+
 async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Create (or find) every child of a PPOJob, then write its status. Idempotent.
+    """Create (or find) every child of a PPOJob, then write its status. Idempotent, and the one
+    level-triggered path for new jobs, spec fixes, retries and self-healing.
 
     The children the RayJob's pods need are created concurrently, the RayJob after them."""
     meta = body["metadata"]
@@ -202,34 +330,186 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     state.jobs.setdefault(key, body)
     job, problems = parse(body)
     if job is None:
+        if (body.get("status") or {}).get("rayJobName") and key in state.rayjobs:
+            await sync_status(state, key)  # a started job edited into an invalid spec
+            return []
         msg = "; ".join(str(p) for p in problems)
         await _event_once(state, body, "Warning", "InvalidSpec", msg)
         await sync_status(state, key)
         return []
+    cfg = state.config
+    refused = capabilities.refusal(
+        job,
+        gang_default=cfg.gang_default,
+        kuberay_batch_scheduler=cfg.kuberay_batch_scheduler,
+        sidecar=cfg.sidecar_supported,
+    )
+    status = body.get("status") or {}
+    if refused is not None and not status.get("rayJobName"):
+        state.notes[key] = ("Failed", *refused)
+        await _event_once(state, body, "Warning", refused[0], refused[1])
+        await sync_status(state, key)
+        return []
+    scheduler = effective_scheduler(job, cfg.gang_default)
+    rayjob_name = meta["name"]
+    existing_rj = state.rayjobs.get(key)
+    recreate = False
+    if existing_rj is None and status.get("rayJobName"):
+        existing_rj = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
+        if existing_rj is None:  # made before and deleted since
+            if status.get("phase") in ("Succeeded", "Failed"):
+                return []  # finished: nothing to heal
+            if _run_started(status):
+                msg = (
+                    f"RayJob {key[0]}/{rayjob_name} was deleted after the run started; the "
+                    "operator does not re-run it. Delete and recreate the PPOJob to run again "
+                    "(it resumes from the newest checkpoint on the checkpoint volume)"
+                )
+                state.notes[key] = ("Failed", "RayJobDeleted", msg)
+                await _event_once(state, body, "Warning", "RayJobDeleted", msg)
+                await sync_status(state, key)
+                return []
+            recreate = True
+    # a recreated RayJob is a new attempt: a fresh YuniKorn application id (any unused token)
+    attempt = int(time.time()) if recreate else 0
     children = build_children(
         job,
         namespace=key[0],
         uid=meta.get("uid"),
-        gang_default=state.config.gang_default,
-        entrypoint=state.config.entrypoint,
+        gang_default=cfg.gang_default,
+        entrypoint=cfg.entrypoint,
+        attempt=attempt,
     )
+    # Under Kueue, a job created (or still) suspended gets no RayJob until resumed: Kueue would
+    # admit and unsuspend it (it owns RayJob.spec.suspend).
+    hold = scheduler == "kueue" and job.spec.suspend and existing_rj is None
+    wanted = children[:-1] if hold else children
     try:
-        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, children[:-1]))]
-        made.append((await k8s.acreate_or_get(children[-1]))[0])
+        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, wanted[:-1]))]
+        if not hold:
+            made.append((await k8s.acreate_or_get(wanted[-1]))[0])
+    except k8s.ChildWaiting as exc:
+        state.notes[key] = ("Pending", "WaitingForOldChildren", str(exc))
+        await sync_status(state, key)
+        _retry_later(state, key, str(exc))
+        return []
     except k8s.ChildConflict as exc:
-        await k8s.apost_event(body, "Warning", "ChildConflict", str(exc))
-        raise kopf.PermanentError(str(exc)) from None
+        state.notes[key] = ("Pending", "ChildConflict", str(exc))
+        await _event_once(state, body, "Warning", "ChildConflict", str(exc))
+        await sync_status(state, key)
+        _retry_later(state, key, str(exc))
+        return []
+    state.backoff.pop(key, None)
+    if hold:
+        state.notes[key] = (
+            "Suspended",
+            "SuspendedBeforeAdmission",
+            "the job is suspended (spec.suspend); its RayJob is created, and queued in Kueue, "
+            "when spec.suspend is set to false",
+        )
+        await sync_status(state, key)
+        return made
+    state.notes.pop(key, None)
     rayjob = made[-1]
     if not rayjob.get("metadata", {}).get("annotations"):
         rayjob = children[-1]  # an emulator/server that dropped fields: fall back to ours
+    state.rayjobs[key] = rayjob
     await sync_status(state, key, rayjob=rayjob)
     return made
+
+
+WORKLOAD_VERSIONS = ("kueue.x-k8s.io/v1beta1", "kueue.x-k8s.io/v1beta2")
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+
+
+async def find_workload(rayjob: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The Kueue Workload of a RayJob: Kueue labels it ``kueue.x-k8s.io/job-uid: <RayJob uid>``
+    and makes the RayJob its controller owner. Returns (apiVersion, workload)."""
+    meta = rayjob.get("metadata") or {}
+    uid, name, ns = meta.get("uid"), meta.get("name"), meta.get("namespace")
+    for version in WORKLOAD_VERSIONS:
+        selector = f"{KUEUE_JOB_UID_LABEL}={uid}" if uid else None
+        items = await k8s.alist(version, "Workload", ns, selector)
+        if items is None:
+            continue
+        for wl in items:
+            for ref in (wl.get("metadata") or {}).get("ownerReferences") or []:
+                same_uid = not uid or ref.get("uid") in (None, uid)
+                if ref.get("kind") == "RayJob" and ref.get("name") == name and same_uid:
+                    return version, wl
+        return None
+    return None
+
+
+async def apply_suspend(
+    state: State, body: dict[str, Any], job: PPOJob, key: Key, rayjob_name: str
+) -> None:
+    """Make the RayJob's run follow ``spec.suspend``. Under Kueue through the Workload's
+    ``spec.active`` (Kueue evicts and suspends the RayJob, and unsuspends it on readmission);
+    otherwise through ``RayJob.spec.suspend``."""
+    suspend = job.spec.suspend
+    rj = state.rayjobs.get(key)
+    scheduler = effective_scheduler(job, state.config.gang_default)
+    if scheduler == "kueue":
+        if rj is None:
+            rj = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
+        if rj is None:
+            return
+        found = await find_workload(rj)
+        if found is None:
+            if suspend:  # Kueue has not made the Workload yet: try again shortly
+                _retry_later(state, key, "waiting for Kueue's Workload to suspend it")
+            return
+        version, wl = found
+        active = (wl.get("spec") or {}).get("active", True) is not False
+        if active == (not suspend):
+            return
+        wl_meta = wl["metadata"]
+        if (
+            await k8s.apatch(
+                version,
+                "Workload",
+                key[0],
+                wl_meta["name"],
+                {"spec": {"active": not suspend}},
+            )
+            is not None
+        ):
+            await _event_once(
+                state,
+                body,
+                "Normal",
+                "SuspendChanged",
+                f"Kueue Workload {wl_meta['name']} "
+                + ("deactivated (job suspended)" if suspend else "reactivated (job queued)"),
+            )
+        return
+    differs = rj is None or bool((rj.get("spec") or {}).get("suspend")) != suspend
+    if not differs:
+        return
+    patch: dict[str, Any] = {"spec": {"suspend": suspend}}
+    if not suspend and scheduler == "yunikorn":
+        # a fresh YuniKorn application for the new Ray cluster
+        n = state.attempts[key] = state.attempts.get(key, 0) + 1
+        app = yunikorn_app_id(key[0], key[1], body["metadata"].get("uid"), n)
+        patch["metadata"] = {"labels": {YUNIKORN_APP_LABEL: app}}
+    if await k8s.apatch("ray.io/v1", "RayJob", key[0], rayjob_name, patch) is not None:
+        if rj is not None:
+            rj.setdefault("spec", {})["suspend"] = suspend
+        await _event_once(
+            state,
+            body,
+            "Normal",
+            "SuspendChanged",
+            f"RayJob {rayjob_name} " + ("suspended" if suspend else "resumed"),
+        )
 
 
 async def apply_spec_change(
     state: State, body: dict[str, Any], old: dict[str, Any] | None, new: dict[str, Any] | None
 ) -> None:
-    """A spec change: suspend/resume the RayJob; refuse (visibly) anything else."""
+    """A spec change: suspend/resume; refuse (visibly) anything else. Never unsuspends a job
+    Kueue holds: under Kueue only the Workload's ``spec.active`` is touched."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     state.jobs[key] = body
@@ -249,25 +529,7 @@ async def apply_spec_change(
         )
         await sync_status(state, key)
         return
-    suspend = job.spec.suspend
-    rj = state.rayjobs.get(key)
-    differs = rj is None or bool((rj.get("spec") or {}).get("suspend")) != suspend
-    if (
-        differs
-        and await k8s.apatch(
-            "ray.io/v1", "RayJob", key[0], status["rayJobName"], {"spec": {"suspend": suspend}}
-        )
-        is not None
-    ):
-        if rj is not None:
-            rj.setdefault("spec", {})["suspend"] = suspend
-        await _event_once(
-            state,
-            body,
-            "Normal",
-            "SuspendChanged",
-            f"RayJob {status['rayJobName']} " + ("suspended" if suspend else "resumed"),
-        )
+    await apply_suspend(state, body, job, key, status["rayJobName"])
     refused = changed_fields(_normalized(old or {}), _normalized(new or {}))
     if refused:
         await _event_once(
@@ -298,6 +560,29 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
         # Handler progress in annotations only: kopf's default also keeps it in status.kopf,
         # which our CRD does not declare, and deep-copies the body once more per event to do so.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
+        # Children are watched server-side filtered: only the objects this operator made.
+        for group, plural in CHILD_RESOURCES:
+            settings.watching.label_selectors[group, plural] = (
+                f"app.kubernetes.io/managed-by={MANAGED_BY}"
+            )
+
+    @kopf.on.startup(registry=registry)
+    async def _detect_kuberay(**_: Any) -> None:
+        if state.config.sidecar_supported is not None:
+            return
+        try:
+            crd = await k8s.aget(
+                "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "rayjobs.ray.io"
+            )
+        except Exception as exc:  # RBAC or network: do not refuse jobs on a guess
+            log.warning("cannot read the RayJob CRD (%s); SidecarMode support not checked", exc)
+            return
+        state.config.sidecar_supported = capabilities.sidecar_supported(crd)
+        if state.config.sidecar_supported is False:
+            log.warning(
+                "the installed RayJob CRD predates KubeRay 1.5.0: jobs with submissionMode "
+                "SidecarMode are refused (reason KubeRayTooOld)"
+            )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("ppojob_event")
@@ -319,9 +604,40 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
             return
         if type == "DELETED":
             state.rayjobs.pop(key, None)
+            await heal(state, key)
             return
         state.rayjobs[key] = plain
+        await refresh_yunikorn_app(state, key, plain)
         await sync_status(state, key)
+
+    for group, version, plural in CHILD_KINDS:
+
+        @kopf.on.event(
+            group,
+            version,
+            plural,
+            id=f"heal-{plural}",
+            labels={JOB_LABEL: kopf.PRESENT},
+            registry=registry,
+        )
+        async def _child_event(type: str | None, body: Any, **_: Any) -> None:
+            if type != "DELETED":
+                return
+            key = _owner_key(_plain(body))
+            if key is not None:
+                await heal(state, key)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    async def _resume(body: Any, **_: Any) -> None:
+        plain = _plain(body)
+        st = plain["status"]
+        if st.get("phase") in ("Succeeded", "Invalid") or (
+            st.get("phase") == "Failed" and st.get("rayJobName")
+        ):
+            return
+        key = (plain["metadata"].get("namespace") or "", plain["metadata"].get("name"))
+        state.jobs.setdefault(key, plain)
+        await reconcile_children(state, plain)
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("create")

@@ -3,8 +3,11 @@
 Objects are plain dicts (what the builders make); requests go through the client's REST layer
 with JSON bodies, skipping its model (de)serialisation, which costs more CPU than the request.
 Every call is idempotent or made so: :func:`acreate_or_get` treats 409 AlreadyExists as success
-(after checking that the existing object is ours), so re-running a handler never makes a
-second child.
+after checking that the existing object is ours (its controller ownerReference has this PPOJob's
+uid), so re-running a handler never makes a second child. An existing object that is not ours is
+never adopted: one being deleted, or still owned by an earlier PPOJob of the same name that the
+garbage collector has not reached yet, raises :class:`ChildWaiting` (the caller retries with
+backoff); anything else (unowned, or another owner) raises :class:`ChildConflict`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ KINDS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
+    ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 
@@ -46,7 +52,13 @@ class ApiError(Exception):
 
 
 class ChildConflict(Exception):
-    """A child's name is taken by an object that another owner controls."""
+    """A child's name is taken by an object that is not this PPOJob's (unowned, or controlled
+    by another owner): never adopted; the user must remove or rename it."""
+
+
+class ChildWaiting(Exception):
+    """A child's name is still held by an object on its way out (being deleted, or owned by an
+    earlier PPOJob of the same name awaiting garbage collection): retry later."""
 
 
 @dataclass
@@ -137,21 +149,38 @@ def get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any
         raise
 
 
-def _controller_uid(obj: dict[str, Any]) -> str | None:
+def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
     for ref in obj.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):
-            return ref.get("uid")
+            return ref
     return None
 
 
-def _check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
-    want, have = _controller_uid(obj), _controller_uid(existing)
-    if want and have and want != have:
-        meta = obj["metadata"]
+def check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
+    """Raise unless ``existing`` (same name as ``obj``) is controlled by ``obj``'s owner."""
+    want, have = _controller(obj), _controller(existing)
+    if want is None:
+        return  # no owner to compare (ppojob render, tests without uids)
+    meta = obj["metadata"]
+    what = f"{obj['kind']} {meta.get('namespace')}/{meta['name']}"
+    if have is not None and have.get("uid") == want.get("uid"):
+        return
+    if existing.get("metadata", {}).get("deletionTimestamp"):
+        raise ChildWaiting(f"{what} is being deleted; waiting to create this job's own")
+    if have is None:
         raise ChildConflict(
-            f"{obj['kind']} {meta.get('namespace')}/{meta['name']} exists and is controlled by "
-            f"another owner (uid {have})"
+            f"{what} exists and has no owner, so it is not this PPOJob's and is not adopted. "
+            "Delete or rename it; the operator retries"
         )
+    if have.get("kind") == want.get("kind") and have.get("name") == want.get("name"):
+        raise ChildWaiting(
+            f"{what} still belongs to an earlier PPOJob named {want.get('name')} (uid "
+            f"{have.get('uid')}) that was deleted; waiting for the garbage collector"
+        )
+    raise ChildConflict(
+        f"{what} exists and is controlled by {have.get('kind')} {have.get('name')} (uid "
+        f"{have.get('uid')}), so it is not adopted. Delete or rename it; the operator retries"
+    )
 
 
 def patch(
@@ -293,8 +322,23 @@ async def acreate_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     existing = await aget(obj["apiVersion"], obj["kind"], ns, name)
     if existing is None:  # deleted between our create and get: create again
         return await arequest("POST", collection, obj), True
-    _check_owner(obj, existing)
+    check_owner(obj, existing)
     return existing, False
+
+
+async def alist(
+    api_version: str, kind: str, namespace: str, label_selector: str | None = None
+) -> list[dict[str, Any]] | None:
+    """Items of a collection (None when the API is not served: 404)."""
+    path = path_for(api_version, kind, namespace)
+    if label_selector:
+        path += "?labelSelector=" + quote(label_selector)
+    try:
+        return (await arequest("GET", path)).get("items") or []
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 async def apatch(

@@ -6,12 +6,17 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   lives in annotations, hence ``patch`` on the object), and the operator writes ``status``.
 - ``ppojobs/status`` get+patch: the operator writes status, and it must itself hold these
   verbs to create the per-job Role that grants them to the trainer (RBAC escalation rule).
-- RayJobs: created, read, watched (status mirroring) and patched (suspend/resume).
-- ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get).
-- PodGroups of scheduler-plugins: created and read. Volcano's PodGroups are KubeRay's; the
-  operator never reads them, so it gets no access to them.
+- RayJobs: created, read, watched (status mirroring, self-healing) and patched (suspend/resume,
+  a fresh YuniKorn application id per attempt).
+- ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get), listed and
+  watched (only those labelled ``app.kubernetes.io/managed-by=ppojob-operator``, filtered
+  server-side) so that one deleted by hand is recreated.
+- PodGroups of scheduler-plugins: the same. Volcano's PodGroups are KubeRay's; the operator
+  never reads them, so it gets no access to them.
+- Kueue Workloads: read, listed and patched (``spec.active``: suspend and resume under Kueue).
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
-- CRDs list/watch: kopf's resource scanning. Namespaces list/watch: cluster-wide mode.
+- CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
+  (SidecarMode support). Namespaces list/watch: cluster-wide mode.
 The operator runs kopf in standalone mode (no peering), so no KopfPeering rules.
 """
 
@@ -43,17 +48,22 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": [""],
         "resources": ["configmaps", "serviceaccounts"],
-        "verbs": ["get", "create"],
+        "verbs": ["get", "list", "watch", "create"],
     },
     {
         "apiGroups": ["rbac.authorization.k8s.io"],
         "resources": ["roles", "rolebindings"],
-        "verbs": ["get", "create"],
+        "verbs": ["get", "list", "watch", "create"],
     },
     {
         "apiGroups": ["scheduling.x-k8s.io"],
         "resources": ["podgroups"],
-        "verbs": ["get", "create"],
+        "verbs": ["get", "list", "watch", "create"],
+    },
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads"],
+        "verbs": ["get", "list", "patch"],
     },
     {
         "apiGroups": [""],
@@ -63,7 +73,7 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["apiextensions.k8s.io"],
         "resources": ["customresourcedefinitions"],
-        "verbs": ["list", "watch"],
+        "verbs": ["get", "list", "watch"],
     },
     {
         "apiGroups": [""],

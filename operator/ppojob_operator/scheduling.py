@@ -161,7 +161,7 @@ def kuberay_disagreement(scheduler: str, kuberay_batch_scheduler: str | None) ->
     return None
 
 
-def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int = 0) -> str:
+def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int | str = 0) -> str:
     """A YuniKorn application id unique per job object and attempt, at most 63 characters (a
     label value). The readable prefix may be cut; the hash is of the whole identity."""
     import hashlib

@@ -273,6 +273,59 @@ def invalid_edit_status(
     return out
 
 
+KEPT_ON_NOTE = ("rayJobName", "rayClusterName", "dashboardURL", "startTime", "completionTime")
+
+
+def note_status(
+    job: PPOJob,
+    phase: str,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    previous: dict[str, Any] | None,
+    now: str,
+) -> dict[str, Any]:
+    """Status of a valid job that has no RayJob to follow: refused by this installation
+    (``Failed``), waiting for a child's name (``Pending``), held before Kueue admission
+    (``Suspended``), or whose RayJob was deleted mid-run (``Failed``). The child names and times
+    already known are kept."""
+    g = generation
+    conds = [
+        _cond("Valid", True, "SpecValid", "the spec is valid", g),
+        _cond("SpecApplied", False, reason, message, g),
+        _cond("Running", False, phase, "", g),
+        _cond("Succeeded", False, phase, "", g),
+        _cond(
+            "Failed",
+            phase == "Failed",
+            reason if phase == "Failed" else phase,
+            message if phase == "Failed" else "",
+            g,
+        ),
+        _cond(
+            "Suspended",
+            phase == "Suspended",
+            reason if phase == "Suspended" else phase,
+            message if phase == "Suspended" else "",
+            g,
+        ),
+    ]
+    prev = previous or {}
+    out: dict[str, Any] = {
+        "phase": phase,
+        "conditions": _with_times(conds, prev.get("conditions", []), now),
+        "observedGeneration": generation,
+        "gpus": total_gpus(job.spec),
+    }
+    for key in KEPT_ON_NOTE:
+        if prev.get(key):
+            out[key] = prev[key]
+    if phase == "Failed" and not out.get("completionTime"):
+        out["completionTime"] = now
+    return out
+
+
 def status_patch(current: dict[str, Any] | None, desired: dict[str, Any]) -> dict[str, Any]:
     """Merge patch turning the operator's keys of ``current`` into ``desired`` ({} if equal)."""
     current = current or {}

@@ -26,6 +26,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
     "volcano-debug-extra": {
         "defaultGangScheduler": "volcano",
+        "kuberay": {"batchScheduler": "volcano", "sidecarMode": "supported"},
         "logLevel": "DEBUG",
         "extraArgs": ["--trainer-entrypoint=ppojob-train"],
         "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
@@ -144,12 +145,23 @@ def test_defaults_render_the_expected_objects(render) -> None:
         "notAValue=1",
         "watchNamespaces[0]=Not_A_Namespace",
         "image.pullPolicy=Sometimes",
+        "kuberay.batchScheduler=slurm",
+        "kuberay.sidecarMode=maybe",
     ],
 )
 def test_values_schema_rejects(helm: Path, bad: str) -> None:
     out = run_helm(helm, "template", "x", str(CHART), "--set", bad, check=False)
     assert out.returncode != 0, f"--set {bad} should be rejected by values.schema.json"
     assert "values don't meet the specifications" in out.stderr or "schema" in out.stderr.lower()
+
+
+def test_default_gang_scheduler_must_agree_with_kuberay(helm: Path) -> None:
+    """Issue 10, item 7: a volcano default on a KubeRay told to have no batchScheduler is a
+    chart error, not a cluster of refused jobs."""
+    out = run_helm(
+        helm, "template", "x", str(CHART), "--set", "defaultGangScheduler=volcano", check=False
+    )
+    assert out.returncode != 0 and "kuberay.batchScheduler" in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +288,9 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     metrics_on = VALUE_SETS[name].get("metrics", {}).get("enabled", True)
     assert parsed.metrics_port == (8080 if metrics_on else 0)
     assert parsed.gang_scheduler == (VALUE_SETS[name].get("defaultGangScheduler") or None)
+    kuberay = VALUE_SETS[name].get("kuberay", {})
+    assert parsed.kuberay_batch_scheduler == (kuberay.get("batchScheduler") or "none")
+    assert parsed.kuberay_sidecar_mode == kuberay.get("sidecarMode", "auto")
     assert parsed.log_level == VALUE_SETS[name].get("logLevel", "INFO")
 
 

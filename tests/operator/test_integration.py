@@ -216,3 +216,209 @@ def test_a_trainer_failure_reaches_the_failed_condition(cluster):
         wait_for(phase_is("Failed"))
         failed = next(c for c in job_status()["conditions"] if c["type"] == "Failed")
         assert (failed["reason"], failed["message"]) == ("TrainerFailed", line)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 10: self-healing, recreate races, Kueue, invalid edits, installation refusals
+# ---------------------------------------------------------------------------------------------
+def cond(type_, name="demo"):
+    return next((c for c in job_status(name).get("conditions", []) if c["type"] == type_), {})
+
+
+def delete(api_version, kind, name, ns="ns1"):
+    k8s.request("DELETE", k8s.path_for(api_version, kind, ns, name))
+
+
+def test_children_deleted_by_hand_are_recreated_until_the_run_starts(cluster):
+    """Item 5: ConfigMap/ServiceAccount/Role/RoleBinding/RayJob come back; a RayJob deleted after
+    its run started turns the job Failed (RayJobDeleted) and is not re-run."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        for api_version, kind, name in CHILD_KINDS:
+            delete(api_version, kind, name)
+            wait_for(lambda a=api_version, k=kind, n=name: k8s.get(a, k, "ns1", n), timeout=20)
+            owner = k8s.get(api_version, kind, "ns1", name)["metadata"]["ownerReferences"][0]
+            assert owner["uid"] == "uid-demo", kind
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "startTime": "2026-01-01T00:00:00Z",
+            }
+        )
+        wait_for(lambda: job_status().get("startTime"))
+        n_created = len(creates(cluster, "rayjobs"))
+        delete(*RJ, "demo")
+        wait_for(phase_is("Failed"), timeout=20)
+        failed = cond("Failed")
+        assert failed["reason"] == "RayJobDeleted" and "recreate the PPOJob" in failed["message"]
+        assert job_status()["rayJobName"] == "demo"  # the names stay for the record
+        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert len(creates(cluster, "rayjobs")) == n_created
+
+
+def _stale_config_map(owner_uid):
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-trainer", "namespace": "ns1", "labels": {}},
+        "data": {"trainer.yaml": "old"},
+    }
+    if owner_uid:
+        cm["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": "ppojob.io/v1alpha1",
+                "kind": "PPOJob",
+                "name": "demo",
+                "uid": owner_uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    k8s.request("POST", k8s.path_for("v1", "ConfigMap", "ns1"), cm)
+
+
+def test_recreated_job_waits_for_the_old_jobs_children_with_backoff(cluster):
+    """Item 6: a name held by an earlier PPOJob's child (not yet garbage-collected) makes the new
+    job wait and retry, with its status saying so, instead of a permanent error."""
+    _stale_config_map("uid-old")
+    with Operator(cluster.url, ["ns1"], retry_max_s=1.0):
+        create_job()
+        wait_for(lambda: cond("SpecApplied").get("reason") == "WaitingForOldChildren")
+        assert job_status()["phase"] == "Pending"
+        assert "garbage collector" in cond("SpecApplied")["message"]
+        assert k8s.get(*RJ, "ns1", "demo") is None
+        delete("v1", "ConfigMap", "demo-trainer")  # the garbage collector gets there
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"), timeout=20)
+        wait_for(lambda: cond("SpecApplied").get("reason") == "SpecApplied")
+        cm = k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+        assert cm["data"]["trainer.yaml"] != "old"
+
+
+def test_an_unowned_object_is_never_adopted(cluster):
+    """Item 6: an object with a child's name and no owner is not taken over."""
+    _stale_config_map(None)
+    with Operator(cluster.url, ["ns1"], retry_max_s=1.0):
+        create_job()
+        wait_for(lambda: cond("SpecApplied").get("reason") == "ChildConflict")
+        assert "not adopted" in cond("SpecApplied")["message"]
+        wait_for(lambda: any(e["reason"] == "ChildConflict" for e in events()))
+        assert k8s.get(*RJ, "ns1", "demo") is None
+        cm = k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")
+        assert "ownerReferences" not in cm["metadata"] and cm["data"]["trainer.yaml"] == "old"
+
+
+WL = ("kueue.x-k8s.io/v1beta1", "Workload")
+KUEUE = {"gangScheduler": "kueue", "queue": "lq"}
+
+
+def _kueue_makes_workload(name="demo"):
+    wl = {
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "Workload",
+        "metadata": {
+            "name": f"rayjob-{name}-abc12",
+            "namespace": "ns1",
+            "ownerReferences": [
+                {"apiVersion": "ray.io/v1", "kind": "RayJob", "name": name, "controller": True}
+            ],
+        },
+        "spec": {"queueName": "lq", "active": True},
+    }
+    k8s.request("POST", k8s.path_for(*WL, "ns1"), wl)
+    return wl["metadata"]["name"]
+
+
+def test_kueue_suspend_and_resume_go_through_the_workload(cluster):
+    """Item 4: Kueue owns RayJob.spec.suspend; the operator suspends and resumes through the
+    Workload's spec.active, and no spec edit ever unsuspends a job Kueue is holding."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling=KUEUE)
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        wl = _kueue_makes_workload()
+        wait_for(lambda: cond("Running").get("reason") == "Pending")
+        # a refused edit while Kueue holds the job leaves it held
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
+        wait_for(lambda: cond("SpecApplied").get("reason") == "SpecChangeRefused")
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 100}}})
+        wait_for(lambda: cond("SpecApplied").get("reason") == "SpecApplied")
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        # Kueue admits: it unsuspends the RayJob
+        k8s.patch(*RJ, "ns1", "demo", {"spec": {"suspend": False}})
+        set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+        wait_for(phase_is("Running"))
+        # the user suspends: the Workload is deactivated, RayJob.spec.suspend is Kueue's
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is False)
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False
+        # Kueue evicts: suspends the RayJob; the job shows Suspended
+        k8s.patch(*RJ, "ns1", "demo", {"spec": {"suspend": True}})
+        set_rayjob_status({"jobDeploymentStatus": "Suspended"})
+        wait_for(phase_is("Suspended"))
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is True)
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # Kueue readmits it
+        wait_for(lambda: job_status().get("phase") == "Pending")  # waiting for admission
+
+
+def test_kueue_job_created_suspended_stays_suspended(cluster):
+    """Item 4: created with suspend: true under Kueue, the job gets no RayJob (Kueue would admit
+    and unsuspend it) until it is resumed."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling=KUEUE, suspend=True)
+        wait_for(phase_is("Suspended"))
+        assert cond("Suspended")["reason"] == "SuspendedBeforeAdmission"
+        assert k8s.get("v1", "ConfigMap", "ns1", "demo-trainer") is not None
+        assert k8s.get(*RJ, "ns1", "demo") is None
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        rj = k8s.get(*RJ, "ns1", "demo")
+        assert rj["spec"]["suspend"] is True  # queued in Kueue
+        assert rj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "lq"
+        wait_for(lambda: cond("Running").get("reason") == "Pending")
+
+
+def test_invalid_edit_of_a_running_job_keeps_its_status(cluster):
+    """Item 10."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "dashboardURL": "demo-head-svc:8265",
+                "startTime": "2026-01-01T00:00:00Z",
+            }
+        )
+        wait_for(phase_is("Running"))
+        before = job_status()
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"roles": {"actor": {"replicas": 0}}}})
+        wait_for(lambda: cond("SpecApplied").get("reason") == "InvalidSpec")
+        after = job_status()
+        for key in ("phase", "rayJobName", "dashboardURL", "gpus", "startTime"):
+            assert after[key] == before[key], key
+        assert "spec.roles.actor.replicas" in cond("SpecApplied")["message"]
+        assert cond("Valid")["status"] == "True" and cond("Running")["status"] == "True"
+
+
+def test_jobs_this_installation_cannot_run_are_refused_clearly(cluster):
+    """Items 3 and 7: KubeRay too old for SidecarMode; a gang scheduler KubeRay's batchScheduler
+    defeats. No children; Failed with the reason; fixing the spec starts the job."""
+    with Operator(cluster.url, ["ns1"], kuberay_batch_scheduler="", sidecar_supported=False):
+        create_job(name="old", uid="uid-old")
+        wait_for(phase_is("Failed", "old"))
+        assert cond("Failed", "old")["reason"] == "KubeRayTooOld"
+        assert "1.5.0" in cond("Failed", "old")["message"]
+        create_job(name="vol", uid="uid-vol", scheduling={"gangScheduler": "volcano"})
+        wait_for(phase_is("Failed", "vol"))
+        assert cond("Failed", "vol")["reason"] == "BatchSchedulerMismatch"
+        assert k8s.get(*RJ, "ns1", "old") is None and k8s.get(*RJ, "ns1", "vol") is None
+        assert k8s.get("v1", "ConfigMap", "ns1", "old-trainer") is None
+        k8s.patch(*PPO, "ns1", "old", {"spec": {"submissionMode": "K8sJobMode"}})
+        wait_for(phase_is("Pending", "old"))
+        assert k8s.get(*RJ, "ns1", "old")["spec"]["submissionMode"] == "K8sJobMode"

@@ -1,0 +1,81 @@
+"""Pure: what this cluster's KubeRay can run, and which jobs the operator must refuse for it.
+
+Two facts about the KubeRay installation decide whether a valid PPOJob can run at all:
+
+- **SidecarMode.** ``submissionMode: SidecarMode`` exists since KubeRay 1.5.0; a 1.3/1.4
+  controller accepts the field (the CRD has no enum for it) and never submits, holding every
+  pod. The operator reads the installed RayJob CRD at start-up: KubeRay 1.5.0 replaced
+  ``spec.deletionPolicy`` with ``spec.deletionStrategy`` in the same release that added
+  SidecarMode (``ray-operator/apis/ray/v1/rayjob_types.go`` at v1.4.2 and v1.5.0), so a CRD
+  without ``spec.deletionStrategy`` is older than 1.5.0. (A CRD newer than its controller cannot
+  be told apart; keep them from one release, as KubeRay's chart does.) Such a job is refused with
+  reason ``KubeRayTooOld``; ``submissionMode: K8sJobMode`` works with any KubeRay.
+- **batchScheduler.** One per KubeRay installation; see
+  :func:`ppojob_operator.scheduling.kuberay_disagreement` (reason ``BatchSchedulerMismatch``).
+
+A job whose gang scheduler is the operator's default (``gangScheduler`` unset) is also checked
+against that default here (``kueue`` needs ``spec.scheduling.queue``; ``none`` takes no queue):
+``ppojob validate`` cannot know the default, so it judges only the spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ppojob_operator.api import PPOJob
+from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
+
+SIDECAR_MARKER = "deletionStrategy"
+"""A ``RayJob.spec`` property present in KubeRay's CRD from 1.5.0 on (the SidecarMode release)."""
+
+
+def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
+    """Whether the installed RayJob CRD is from KubeRay >= 1.5.0 (None: no CRD / unreadable)."""
+    if not rayjob_crd:
+        return None
+    for version in (rayjob_crd.get("spec") or {}).get("versions") or []:
+        if version.get("name") != "v1":
+            continue
+        try:
+            props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        except (KeyError, TypeError):
+            return None
+        return SIDECAR_MARKER in props
+    return None
+
+
+def refusal(
+    job: PPOJob,
+    *,
+    gang_default: str | None,
+    kuberay_batch_scheduler: str | None,
+    sidecar: bool | None,
+) -> tuple[str, str] | None:
+    """(reason, message) when this installation cannot run the job; None when it can."""
+    sched = job.spec.scheduling
+    scheduler = effective_scheduler(job, gang_default)
+    if sched.gang_scheduler is None:
+        if scheduler == "kueue" and not sched.queue:
+            return (
+                "QueueRequired",
+                "the operator's default gang scheduler is kueue, which needs a LocalQueue: set "
+                "spec.scheduling.queue (or spec.scheduling.gangScheduler)",
+            )
+        if scheduler == "none" and sched.queue:
+            return (
+                "NoGangScheduler",
+                "spec.scheduling.queue is set but the operator has no default gang scheduler: "
+                "set spec.scheduling.gangScheduler",
+            )
+    why = kuberay_disagreement(scheduler, kuberay_batch_scheduler)
+    if why:
+        return "BatchSchedulerMismatch", why
+    if job.spec.submission_mode == "SidecarMode" and sidecar is False:
+        return (
+            "KubeRayTooOld",
+            "submissionMode SidecarMode needs KubeRay >= 1.5.0, but the installed RayJob CRD is "
+            "older (no spec.deletionStrategy): KubeRay would accept the RayJob and never submit "
+            "the trainer. Upgrade KubeRay to 1.5.0 or newer, or set spec.submissionMode: "
+            "K8sJobMode",
+        )
+    return None
