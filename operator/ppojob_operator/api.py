@@ -156,7 +156,9 @@ class PPOJobSpec(TrainingHalf):
     from the newest checkpoint)."""
 
     active_deadline_seconds: int | None = Field(None, ge=1)
-    """Fail the job if it runs longer than this."""
+    """Fail the job if one attempt runs longer than this many seconds. KubeRay counts from the
+    start of each attempt (it resets the RayJob's startTime for every retry and every resume), so
+    with retries the whole job can run up to (backoffLimit + 1) times this."""
 
     backoff_limit: int = Field(0, ge=0, le=100)
     """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest

@@ -298,7 +298,9 @@ def _scheduler_of_rayjob(rayjob: dict[str, Any]) -> str:
 
 
 def _run_started(status: dict[str, Any]) -> bool:
-    return bool(status.get("startTime")) or status.get("phase") == "Running"
+    """Whether the trainer ran: the job was Running, or the trainer reported progress. (KubeRay's
+    ``startTime`` is set when it begins creating the cluster, before anything ran.)"""
+    return status.get("phase") == "Running" or bool(status.get("progress"))
 
 
 def _retry_later(state: State, key: Key, why: str) -> None:
