@@ -422,3 +422,50 @@ def test_jobs_this_installation_cannot_run_are_refused_clearly(cluster):
         k8s.patch(*PPO, "ns1", "old", {"spec": {"submissionMode": "K8sJobMode"}})
         wait_for(phase_is("Pending", "old"))
         assert k8s.get(*RJ, "ns1", "old")["spec"]["submissionMode"] == "K8sJobMode"
+
+
+def test_operator_reads_kuberay_version_from_the_rayjob_crd_at_start(cluster):
+    """Item 3: with a pre-1.5 RayJob CRD installed, a SidecarMode job is refused (never a job
+    that silently never starts); K8sJobMode still runs."""
+    from test_capabilities import RAYJOB_CRD, pre_1_5
+
+    crd = pre_1_5(RAYJOB_CRD)
+    crd["metadata"] = {"name": "rayjobs.ray.io"}
+    crd.pop("status", None)
+    k8s.request(
+        "POST", k8s.path_for("apiextensions.k8s.io/v1", "CustomResourceDefinition", None), crd
+    )
+    with Operator(cluster.url, ["ns1"]):
+        create_job(name="side", uid="uid-side")
+        create_job(name="k8sjob", uid="uid-k8sjob", submissionMode="K8sJobMode")
+        wait_for(phase_is("Failed", "side"))
+        assert cond("Failed", "side")["reason"] == "KubeRayTooOld"
+        wait_for(phase_is("Pending", "k8sjob"))
+        assert k8s.get(*RJ, "ns1", "side") is None
+
+
+def test_yunikorn_gets_a_fresh_application_per_attempt(cluster):
+    """Item 9: KubeRay copies the RayJob's labels to every new RayCluster; the operator changes
+    the app id while KubeRay retries (Retrying lasts until the old pods are gone) and on resume."""
+    app = "yunikorn.apache.org/app-id"
+
+    def app_id():
+        return k8s.get(*RJ, "ns1", "demo")["metadata"]["labels"][app]
+
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling={"gangScheduler": "yunikorn"})
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        first = app_id()
+        set_rayjob_status({"jobDeploymentStatus": "Retrying", "failed": 1})
+        wait_for(lambda: app_id() != first)
+        second = app_id()
+        set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "failed": 1})
+        wait_for(phase_is("Running"))
+        assert app_id() == second
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True)
+        assert app_id() == second
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
+        assert app_id() not in (first, second)
+        assert len(app_id()) <= 63

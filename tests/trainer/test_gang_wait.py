@@ -135,3 +135,23 @@ def test_times_out_naming_what_is_missing(ray_cluster) -> None:
     assert "within 1s (spec.scheduling.timeoutSeconds)" in msg
     assert "ppojob-rollout: 0 of 3 worker slots joined (0 of 3 pods)" in msg
     assert exc.value.reason == "GangIncomplete"
+
+
+def test_entrypoint_prints_the_reason_the_operator_reads(tmp_path, monkeypatch, capsys) -> None:
+    """`ppojob-train: GangIncomplete: ...` is the line the operator maps to the PPOJob's Failed
+    reason (tests/operator/test_status.py)."""
+    import ppojob_trainer.loop as loop
+    import ppojob_trainer.runtime as runtime
+    from ppojob_trainer import entrypoint
+
+    def fail(*_a, **_k):
+        raise GangIncompleteError("not every pod of the job joined: ppojob-actor: 0 of 2")
+
+    monkeypatch.setattr(loop, "train", fail)
+    monkeypatch.setattr(runtime, "connect_ray", lambda: None)
+    cfg_file = tmp_path / "trainer.yaml"
+    cfg_file.write_text("training: {steps: 1}\n")
+    code = entrypoint.main(["--config", str(cfg_file), "--out", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "ppojob-train: GangIncomplete: not every pod of the job joined" in err

@@ -135,7 +135,7 @@ def cluster_pins_roles(totals: dict[str, float]) -> bool:
     return HEAD_RESOURCE in totals or role_resource("actor") in totals
 
 
-class GangIncompleteError(RuntimeError):
+class GangIncompleteError(PlacementError):
     """Not every role's pods joined the Ray cluster within the timeout."""
 
     reason = "GangIncomplete"
