@@ -41,6 +41,7 @@ from ppojob_operator.api import validate_manifest as _validate
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import YUNIKORN_APP_LABEL, effective_scheduler, yunikorn_app_id
 from ppojob_operator.status import (
+    applied_job,
     changed_fields,
     desired_status,
     invalid_edit_status,
@@ -303,8 +304,9 @@ def _run_started(status: dict[str, Any]) -> bool:
     return status.get("phase") == "Running" or bool(status.get("progress"))
 
 
-def _retry_later(state: State, key: Key, why: str) -> None:
-    """Reconcile the job again after a backoff (1 s, doubling, at most ``retry_max_s``)."""
+def _retry_later(state: State, key: Key, why: str, action: Any = None) -> None:
+    """Run ``action(state, body)`` (default: reconcile the job) again after a backoff (1 s,
+    doubling, at most ``retry_max_s``)."""
     if key in state.retries and not state.retries[key].done():
         return
     n = state.backoff.get(key, 0)
@@ -317,7 +319,7 @@ def _retry_later(state: State, key: Key, why: str) -> None:
         state.retries.pop(key, None)
         body = state.jobs.get(key)
         if body is not None:
-            await reconcile_children(state, body)
+            await (action or reconcile_children)(state, body)
 
     state.retries[key] = asyncio.get_running_loop().create_task(_again())
 
@@ -374,8 +376,17 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
             recreate = True
     # a recreated RayJob is a new attempt: a fresh YuniKorn application id (any unused token)
     attempt = int(time.time()) if recreate else 0
+    # A started job's children are rebuilt from the spec its RayJob runs (a refused edit must
+    # not reach a recreated ConfigMap), with the current suspend.
+    build_job = job
+    if existing_rj is not None:
+        applied = applied_job(existing_rj, meta["name"])
+        if applied is not None:
+            applied.metadata = job.metadata
+            applied.spec.suspend = job.spec.suspend
+            build_job = applied
     children = build_children(
-        job,
+        build_job,
         namespace=key[0],
         uid=meta.get("uid"),
         gang_default=cfg.gang_default,
@@ -460,7 +471,9 @@ async def apply_suspend(
         found = await find_workload(rj)
         if found is None:
             if suspend:  # Kueue has not made the Workload yet: try again shortly
-                _retry_later(state, key, "waiting for Kueue's Workload to suspend it")
+                _retry_later(
+                    state, key, "waiting for Kueue's Workload to suspend it", _suspend_again
+                )
             return
         version, wl = found
         active = (wl.get("spec") or {}).get("active", True) is not False
@@ -505,6 +518,16 @@ async def apply_suspend(
             "SuspendChanged",
             f"RayJob {rayjob_name} " + ("suspended" if suspend else "resumed"),
         )
+
+
+async def _suspend_again(state: State, body: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    job, _ = parse(body)
+    name = (body.get("status") or {}).get("rayJobName")
+    if job is not None and name:
+        await apply_suspend(state, body, job, key, name)
+        await sync_status(state, key)
 
 
 async def apply_spec_change(

@@ -240,6 +240,13 @@ def test_children_deleted_by_hand_are_recreated_until_the_run_starts(cluster):
             wait_for(lambda a=api_version, k=kind, n=name: k8s.get(a, k, "ns1", n), timeout=20)
             owner = k8s.get(api_version, kind, "ns1", name)["metadata"]["ownerReferences"][0]
             assert owner["uid"] == "uid-demo", kind
+        # a refused edit does not reach a recreated child: it is rebuilt from the applied spec
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
+        wait_for(lambda: cond("SpecApplied").get("reason") == "SpecChangeRefused")
+        delete("v1", "ConfigMap", "demo-trainer")
+        wait_for(lambda: k8s.get("v1", "ConfigMap", "ns1", "demo-trainer"), timeout=20)
+        text = k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")["data"]["trainer.yaml"]
+        assert "steps: 100" in text and "steps: 5\n" not in text
         set_rayjob_status(
             {
                 "jobDeploymentStatus": "Running",
@@ -469,3 +476,23 @@ def test_yunikorn_gets_a_fresh_application_per_attempt(cluster):
         wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
         assert app_id() not in (first, second)
         assert len(app_id()) <= 63
+
+
+def test_kueue_suspend_before_the_workload_exists_is_retried(cluster):
+    """Item 4: a suspend that arrives before Kueue made the Workload is applied once it exists
+    (retried with backoff), never by writing RayJob.spec.suspend."""
+    with Operator(cluster.url, ["ns1"], retry_max_s=0.5):
+        create_job(scheduling=KUEUE)
+        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        wait_for(lambda: job_status().get("rayJobName"))
+        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        # the operator looked for the Workload and found none
+        wait_for(
+            lambda: any(
+                r.method.value == "GET" and r.url.path.endswith("/workloads")
+                for r in cluster.requests()
+            )
+        )
+        wl = _kueue_makes_workload()
+        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is False, timeout=20)
+        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # as created, Kueue's
