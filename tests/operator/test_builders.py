@@ -377,9 +377,14 @@ def test_head_placement_extra_resources_and_capabilities(validate_child):
     assert c["resources"]["limits"]["rdma/ib"] == "1" == c["resources"]["requests"]["rdma/ib"]
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert actor["priorityClassName"] == "high"
-    assert "capabilities" not in head["containers"][0]["securityContext"] or head["containers"][0][
-        "securityContext"
-    ]["capabilities"] == {"drop": ["ALL"]}
+    assert head["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # an explicit gangScheduler: none keeps the priority class (it was rejected before)
+    none = validate_manifest(
+        base_manifest(scheduling={"gangScheduler": "none", "priorityClassName": "high"})
+    )
+    rj = builders.build_children(none, namespace="ns1")[-1]
+    head_spec = rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head_spec["priorityClassName"] == "high"
 
 
 @pytest.mark.parametrize(
