@@ -48,7 +48,7 @@ class Scheduling(_Model):
         None
     )
     """Which gang scheduler admits the job. Unset: the operator's default (its
-    `--gang-scheduler` flag, chart value `gangScheduler.default`; `none` when that is unset).
+    `--gang-scheduler` flag, chart value `defaultGangScheduler`; `none` when that is unset).
     KubeRay must be configured for it (see the gang-scheduling guide); `none` relies on the
     default scheduler (no all-or-nothing guarantee)."""
 
