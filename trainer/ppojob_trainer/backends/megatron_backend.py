@@ -1,47 +1,752 @@
-"""Megatron-core training backend (GPU; tensor, pipeline and context parallel).
+"""Megatron-core training backend: tensor and pipeline parallel actor and critic.
 
 Imported only when ``spec.roles.actor.backend`` or ``spec.roles.critic.backend`` is
-``megatron``. The role logic in ``workers/`` is shared with the torch backend; this module must
-provide :class:`~.base.PolicyTrainer` and :class:`~.base.ValueTrainer` on megatron-core models
-(HF checkpoint conversion, ``parallel_state`` initialisation from the worker's
-:class:`~.base.ShardIdentity`, distributed optimizer). That work needs GPUs to develop and test;
-until it lands, constructing either trainer fails with a clear error rather than half-working.
+``megatron``; megatron-core itself is imported inside the functions that need it.
+
+Each worker holds one tensor/pipeline-parallel shard of a megatron-core ``GPTModel`` converted
+from the Hugging Face checkpoint (:mod:`.megatron_convert`); the actor's log-probs come from the
+vocabulary-parallel logits without gathering the vocabulary; the critic is the same model with a
+value head instead of the output layer. Forward and backward go through megatron-core's pipeline
+schedule (``get_forward_backward_func``: no pipelining at pipeline 1, 1F1B above). The loss
+functions are the shared ones (``ppojob_trainer.algorithms``), weighted per micro-batch exactly as
+the torch backend weighs them, so both backends make the same update.
+
+Two optimizer paths:
+
+- CPU (verified by the tests): fp32 weights, ``torch.optim.AdamW`` over the local shard, the
+  gradient average over the data-parallel group with one flat all-reduce, gradient clipping on
+  the global norm (tensor-parallel shards counted once each, replicated weights once).
+- GPU (written for GPUs, not runnable on a CPU machine): megatron-core's
+  ``DistributedDataParallel`` and distributed optimizer (bf16 weights with fp32 master weights and
+  gradient reduction in fp32), Transformer Engine's layer spec when it is installed.
+
+Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
+which gives each token the position the Hugging Face model gives it under left padding and needs
+only the causal mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import missing_backend
+import torch
+
+from ..config import TrainingSettings
+from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, ValueTrainer
+from .megatron_convert import ModelShape, hf_to_megatron, megatron_to_hf, parallel_problems
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _import_megatron() -> Any:
-    try:
-        import megatron.core as mcore
-    except ImportError:
-        raise missing_backend("megatron", "megatron-core", "spec.roles.actor.backend") from None
-    return mcore
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+def left_aligned(batch: Mapping[str, torch.Tensor], pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], index [B, T]): each row's prompt + response moved to start at position 0,
+    and the position of the logits (or value) that predicts response token t of row i.
+
+    ``L`` is rounded up to a multiple of ``pad_to`` (sequence parallelism splits it)."""
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].long()
+    ids = torch.cat([prompt_ids, batch["response_ids"]], dim=1)
+    b, p = prompt_ids.shape
+    t = batch["response_ids"].shape[1]
+    length = p + t
+    shift = p - prompt_mask.sum(1)  # left padding of each row
+    cols = torch.arange(length)[None, :] + shift[:, None]
+    out = ids.gather(1, cols.clamp(max=length - 1))
+    out = out.masked_fill(cols >= length, 0)
+    total = -(-length // pad_to) * pad_to
+    if total > length:
+        out = torch.cat([out, out.new_zeros(b, total - length)], 1)
+    index = (p - shift - 1)[:, None] + torch.arange(t)[None, :]
+    return out, index
 
 
-def _not_ready(role: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"the megatron {role} trainer is not implemented in this release; set "
-        f"spec.roles.{role}.backend: torch (data parallel on GPUs) for now"
+def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, length, device=device).triu(1).bool()[None, None]
+
+
+def _split(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# One role's sharded model, optimizer and schedule
+# ---------------------------------------------------------------------------------------------
+class _Sharded:
+    """A megatron-core model shard (actor or critic), its optimizer and its checkpoint state."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype_name: str,
+        shard: ShardIdentity,
+        settings: TrainingSettings,
+        *,
+        total_updates: int,
+        value: bool,
+        device: str,
+        seed: int,
+        sequence_parallel: bool = False,
+        frozen_copy: bool = False,
+    ) -> None:
+        from transformers import AutoConfig
+
+        from ..models import torch_dtype
+        from .megatron_parallel import build_model, init_parallel, transformer_config
+
+        self.shard = shard
+        self.settings = settings
+        self.total_updates = max(1, total_updates)
+        self.value = value
+        self.device = torch.device(device)
+        self.gpu = self.device.type == "cuda"
+        field = f"spec.roles.{shard.role}"
+        self.shape = ModelShape.from_hf_config(
+            AutoConfig.from_pretrained(str(model_dir)), field="spec.model.path"
+        )
+        problems = parallel_problems(self.shape, shard.tp_size, shard.pp_size)
+        if problems:
+            what, fix = problems[0]
+            raise ValueError(f"{field}.parallelism: {what}; {fix}")
+        if shard.cp_size > 1 and not self.gpu:
+            raise ValueError(f"{field}.parallelism.context: context parallelism needs GPUs; set 1")
+        dtype = torch_dtype(dtype_name)
+        if not self.gpu and dtype != torch.float32:
+            raise ValueError(f"spec.model.dtype: the megatron backend on CPU runs float32; set it")
+        init_parallel(shard, device, seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.first = ps.is_pipeline_first_stage()
+        self.last = ps.is_pipeline_last_stage()
+        self.sequence_parallel = sequence_parallel and shard.tp_size > 1
+        self.config = transformer_config(
+            self.shape, dtype, device=device, tp=shard.tp_size, pp=shard.pp_size,
+            cp=shard.cp_size, sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
+        self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
+        self.config.variable_seq_lengths = True  # micro-batches may differ in size
+
+        hf = self._load_hf(model_dir, seed)
+        self.model = self._new_model(build_model, hf)
+        self.reference = None
+        if frozen_copy:
+            self.reference = self._new_model(build_model, hf).eval()
+            self.reference.requires_grad_(False)
+        del hf
+        self.updates = 0
+        self.ddp = None
+        if self.gpu:
+            self._gpu_optimizer()
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(
+                self.params,
+                lr=settings.learning_rate,
+                betas=(settings.adam_beta1, settings.adam_beta2),
+                eps=settings.adam_eps,
+                weight_decay=settings.weight_decay,
+            )
+
+    # -- construction --------------------------------------------------------------------------
+    def _load_hf(self, model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+        """The HF state dict (critic: backbone + a value head initialised as the torch
+        backend's, so both backends start from the same critic)."""
+        from ..models import load_causal_lm, load_value_model
+
+        if not self.value:
+            return load_causal_lm(model_dir, "float32").state_dict()
+        vm = load_value_model(model_dir, "float32", seed=seed)
+        sd = {("model." + k[len("backbone.") :]): v for k, v in vm.state_dict().items()
+              if k.startswith("backbone.")}  # fmt: skip
+        sd["value_head.weight"] = vm.value_head.weight.detach()
+        sd["value_head.bias"] = vm.value_head.bias.detach()
+        return sd
+
+    def _new_model(self, build_model: Callable[..., Any], hf: Mapping[str, torch.Tensor]) -> Any:
+        model = build_model(self.shape, self.config, pre_process=self.first,
+                            post_process=self.last, value=self.value)  # fmt: skip
+        self._load_local(model, self._local_from_hf(hf))
+        return model.to(self.device)
+
+    def _local_from_hf(self, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        s = self.shard
+        head = None
+        if self.value:
+            head = {"weight": hf["value_head.weight"], "bias": hf["value_head.bias"]}
+        return hf_to_megatron(hf, self.shape, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size,
+                              value_head=head)  # fmt: skip
+
+    @staticmethod
+    def _load_local(model: Any, local: Mapping[str, torch.Tensor]) -> None:
+        params = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                  if not k.endswith("_extra_state")}  # fmt: skip
+        if set(params) != set(local):
+            raise RuntimeError(
+                f"megatron conversion: model keys {sorted(set(params) ^ set(local))[:6]} do not "
+                f"match the converted checkpoint"
+            )
+        with torch.no_grad():
+            for k, p in params.items():
+                if p.shape != local[k].shape:
+                    raise RuntimeError(f"megatron conversion: {k} {tuple(local[k].shape)} does "
+                                       f"not fit {tuple(p.shape)}")  # fmt: skip
+                p.copy_(local[k])
+
+    def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
+        """megatron-core DDP + distributed optimizer (bf16 weights, fp32 main weights)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        s = self.settings
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
+        self.ddp = DistributedDataParallel(
+            config=self.config, ddp_config=ddp_config, module=self.model
+        )
+        self.config.no_sync_func = self.ddp.no_sync
+        # The loss functions already weigh each micro-batch by its share of the mini-batch's
+        # tokens; megatron must not divide the gradients by a token count again.
+        self.config.finalize_model_grads_func = lambda models, _n=None, *a, **k: (
+            finalize_model_grads(models, None, *a, **k)
+        )
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=s.learning_rate,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+            adam_eps=s.adam_eps,
+            clip_grad=s.grad_clip or 0.0,
+            bf16=self.config.bf16,
+            fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=True,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+
+    @property
+    def _train_module(self) -> Any:
+        return self.ddp if self.ddp is not None else self.model
+
+    # -- forward and backward ------------------------------------------------------------------
+    def run(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        micro: int,
+        head: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
+        *,
+        forward_only: bool,
+        reference: bool = False,
+    ) -> list[Any]:
+        """Run ``batch`` in micro-batches of ``micro`` rows through megatron-core's schedule.
+
+        ``head(output, micro_batch)`` runs on the last stage and returns ``(loss, payload)``;
+        the payloads of the micro-batches come back (on the last stage; [] elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model = self.reference if reference else self._train_module
+        pad_to = self.shard.tp_size if self.sequence_parallel else 1
+        ids, index = left_aligned(batch, pad_to)
+        n, length = ids.shape
+        mask = None if self.gpu else _causal_mask(length, self.device)
+        micros = []
+        for sl in _split(n, micro):
+            mb = {k: v[sl] for k, v in batch.items()}
+            mb["_ids"], mb["_index"] = ids[sl].to(self.device), index[sl].to(self.device)
+            micros.append(mb)
+
+        def step(data: Iterator[dict[str, torch.Tensor]], module: Any) -> tuple[Any, Any]:
+            mb = next(data)
+            out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                loss, payload = head(output, mb)
+                return loss, torch.tensor(1, dtype=torch.int), payload
+
+            return out, loss_func
+
+        if not self.gpu:
+            return self._cpu_schedule(model, micros, step, forward_only=forward_only)
+        return get_forward_backward_func()(  # pragma: no cover - needs CUDA
+            forward_step_func=step,
+            data_iterator=iter(micros),
+            model=[model],
+            num_microbatches=len(micros),
+            seq_length=length,
+            micro_batch_size=micro,
+            forward_only=forward_only,
+        )
+
+    def _cpu_schedule(
+        self, model: Any, micros: list[dict[str, torch.Tensor]], step: Callable[..., Any], *,
+        forward_only: bool,
+    ) -> list[Any]:  # fmt: skip
+        """Forward (and backward) of each micro-batch through the pipeline stages in turn.
+
+        megatron-core 0.16's schedules cannot run without CUDA: ``forward_backward_no_pipelining``
+        and ``forward_backward_pipelining_without_interleaving`` allocate their token counter
+        with ``torch.zeros([], dtype=torch.int, device="cuda")`` (schedules.py lines 596 and
+        2138). On the CPU this schedule does what they do for one micro-batch at a time: the
+        stage's input from the previous stage (``set_input_tensor``), forward, the loss on the
+        last stage, and the gradients back through the stages (point-to-point over gloo)."""
+        import torch.distributed as dist
+
+        ps, pp = self.ps, self.shard.pp_size
+        group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
+        next_rank = ps.get_pipeline_model_parallel_next_rank() if pp > 1 else None
+        results = []
+        for mb in micros:
+            b, length = mb["_ids"].shape
+            inp = None
+            if not self.first:
+                inp = torch.empty(length, b, self.shape.hidden, dtype=self.config.params_dtype)
+                dist.recv(inp, src=prev_rank, group=group)
+                inp.requires_grad_(not forward_only)
+                model.set_input_tensor(inp)
+            out, loss_func = step(iter([mb]), model)
+            if self.last:
+                loss, _, payload = loss_func(out)
+                results.append(payload)
+                if not forward_only:
+                    loss.backward()
+            else:
+                dist.send(out.detach().contiguous(), dst=next_rank, group=group)
+                if not forward_only:
+                    grad = torch.empty_like(out)
+                    dist.recv(grad, src=next_rank, group=group)
+                    torch.autograd.backward(out, grad)
+            if inp is not None and not forward_only:
+                dist.send(inp.grad.contiguous(), dst=prev_rank, group=group)
+        return results
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of the last pipeline stage, on every stage."""
+        if self.shard.pp_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        group = self.ps.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, self.shard.pp_size - 1)
+        box = [obj if self.last else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    # -- one update ----------------------------------------------------------------------------
+    def update(
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        micro: int,
+        agg: str,
+        micro_loss: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+    ) -> dict[str, float]:
+        """One optimizer update over ``minibatch`` (the weights of the micro-batches as in the
+        torch backend: each micro-batch's loss times its share of the mini-batch's tokens)."""
+        from ..algorithms import aggregation_count
+        from .torch_backend import accumulation_weights
+
+        n = minibatch["response_ids"].shape[0]
+        slices = _split(n, micro)
+        mask = minibatch.get("response_mask")
+        counts = (
+            [float(sl.stop - sl.start) for sl in slices]
+            if mask is None
+            else [float(aggregation_count(mask[sl], agg)) for sl in slices]
+        )
+        weights = accumulation_weights(counts, self._dp_sum(sum(counts)), self.shard.dp_size)
+        state = {"i": 0}
+
+        def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+            i = state["i"]
+            state["i"] += 1
+            loss, metrics = micro_loss(output, mb)
+            rows = (slices[i].stop - slices[i].start) / n
+            return loss * weights[i], (rows, metrics)
+
+        self.model.train()
+        if self.ddp is not None:  # pragma: no cover - needs CUDA
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        parts = self.run(minibatch, micro, head, forward_only=False)
+        out: dict[str, float] = {}
+        for rows, metrics in parts:
+            for k, v in metrics.items():
+                out[k] = out.get(k, 0.0) + rows * float(v)
+        out = self.from_last_stage(out)
+        out.update(self._step())
+        return out
+
+    def _dp_sum(self, local: float) -> float:
+        if self.shard.dp_size == 1:
+            return float(local)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(local)], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return float(t.item())
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device
+
+    def _lr(self) -> float:
+        from .torch_backend import lr_factor
+
+        return self.settings.learning_rate * lr_factor(
+            self.updates, self.settings, self.total_updates
+        )
+
+    def _step(self) -> dict[str, float]:
+        lr = self._lr()
+        if self.ddp is not None:  # pragma: no cover - needs CUDA
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            ok, norm, _ = self.optimizer.step()
+            self.updates += 1
+            return {"grad_norm": float(norm or 0.0), "lr": lr, "skipped": float(not ok)}
+        import torch.distributed as dist
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.shard.dp_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            dist.all_reduce(flat, group=self.ps.get_data_parallel_group())
+            flat /= self.shard.dp_size
+            offset = 0
+            for p in self.params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        norm = self._global_grad_norm()
+        clip = self.settings.grad_clip
+        if clip:
+            coef = min(1.0, clip / (norm + 1e-6))
+            if coef < 1.0:
+                for p in self.params:
+                    p.grad.mul_(coef)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return {"grad_norm": norm, "lr": lr}
+
+    def _global_grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient: tensor-parallel shards summed over the
+        model-parallel group, weights replicated over tensor-parallel ranks counted once."""
+        import torch.distributed as dist
+
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if getattr(p, "tensor_model_parallel", False) or self.shard.tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        if self.shard.tp_size * self.shard.pp_size > 1:
+            dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    # -- gathering and checkpoints -------------------------------------------------------------
+    def _gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """HF-named full tensors from every model-parallel rank's ``local`` megatron-named
+        tensors, on model-parallel rank 0 (None elsewhere). Collective over that group."""
+        import torch.distributed as dist
+
+        local = {k: v.detach().to("cpu") for k, v in local.items()}
+        s = self.shard
+        if s.tp_size * s.pp_size == 1:
+            pieces = [local]
+        else:
+            group = self.ps.get_model_parallel_group()
+            dst = dist.get_global_rank(group, 0)
+            rank = dist.get_rank(group)
+            pieces = [None] * dist.get_world_size(group) if rank == 0 else None
+            dist.gather_object((s.pp_rank, s.tp_rank, local), pieces, dst=dst, group=group)
+            if rank != 0:
+                return None
+            grid: list[list[Any]] = [[None] * s.tp_size for _ in range(s.pp_size)]
+            for pp, tp, sd in pieces:
+                grid[pp][tp] = sd
+            return megatron_to_hf(grid, self.shape, value=self.value)
+        return megatron_to_hf([pieces], self.shape, value=self.value)
+
+    def _local_weights(self, model: Any) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def gathered_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named weights on the role's leader ({} elsewhere). Every worker calls it."""
+        if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
+            return {}
+        return self._gather(self._local_weights(self.model)) or {}
+
+    def state_dict(self) -> dict[str, object]:
+        """Gathered HF-named weights and Adam moments (resumable under any parallel layout);
+        on the role's leader ({} elsewhere). Every worker calls it."""
+        if self.ddp is not None:  # pragma: no cover - needs CUDA
+            # The distributed optimizer's moments stay sharded; checkpoints keep the weights
+            # and the schedule (a resume restarts the Adam moments; see the trainer guide).
+            return {"model": self.gathered_weights(), "updates": self.updates}
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KEYS}
+        steps = []
+        for p in self.params:
+            st = self.optimizer.state.get(p, {})
+            for k in ADAM_KEYS:
+                moments[k][names[id(p)]] = st[k] if k in st else torch.zeros_like(p)
+            steps.append(float(st["step"]) if "step" in st else 0.0)
+        if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
+            return {}
+        model = self._gather(self._local_weights(self.model))
+        adam = {k: self._gather(moments[k]) for k in ADAM_KEYS}
+        if model is None:
+            return {}
+        return {"model": model, "adam": adam, "adam_step": max(steps, default=0.0),
+                "updates": self.updates}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (each worker cuts its own shard)."""
+        self._load_local(self.model, self._local_from_hf(state["model"]))
+        self.updates = int(state["updates"])
+        if self.ddp is not None or "adam" not in state:  # pragma: no cover - needs CUDA
+            return
+        params = dict(self.model.named_parameters())
+        local = {k: self._local_from_hf(_with_frozen(state["adam"][k], state["model"]))
+                 for k in ADAM_KEYS}  # fmt: skip
+        step = torch.tensor(float(state["adam_step"]))
+        self.optimizer.state.clear()
+        for name, p in params.items():
+            if p.requires_grad:
+                self.optimizer.state[p] = {
+                    "step": step.clone(),
+                    **{k: local[k][name].clone().to(p.dtype) for k in ADAM_KEYS},
+                }
+
+
+def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict:
+    """``moments`` completed with the model's entries it lacks (tied weights), for the
+    conversion, which expects every HF name."""
+    return {**{k: torch.zeros_like(v) for k, v in model.items()}, **moments}
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs and entropy from vocabulary-parallel logits
+# ---------------------------------------------------------------------------------------------
+def _select(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of ``output`` [b, L, ...] at positions ``index`` [b, T]."""
+    idx = index.view(*index.shape, *([1] * (output.dim() - 2))).expand(
+        *index.shape, *output.shape[2:]
     )
+    return output.gather(1, idx)
 
 
-class MegatronPolicyTrainer:
-    """Placeholder seam for the megatron actor (see the module docstring)."""
+def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] with ``logits`` split over the tensor-parallel vocabulary."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    def __init__(self, cfg: Any, model_dir: Path, shard: Any, *, need_reference: bool) -> None:
-        _import_megatron()
-        raise _not_ready("actor")
+    # megatron-core's cross entropy overwrites its input (max subtracted, exponentiated in
+    # place): hand it a copy so the caller's logits (entropy) stay intact.
+    x = logits.clone() if logits.dtype == torch.float32 else logits.float()
+    return -vocab_parallel_cross_entropy(x, tokens)
 
 
-class MegatronValueTrainer:
-    """Placeholder seam for the megatron critic (see the module docstring)."""
+def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, ``logits`` split over the vocabulary."""
+    from megatron.core import parallel_state as ps
 
-    def __init__(self, cfg: Any, model_dir: Path, shard: Any) -> None:
-        _import_megatron()
-        raise _not_ready("critic")
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        logp = torch.log_softmax(logits.float(), -1)
+        return -(logp.exp() * logp).sum(-1)
+    if grad:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        full = gather_from_tensor_model_parallel_region(logits.float())
+        logp = torch.log_softmax(full, -1)
+        return -(logp.exp() * logp).sum(-1)
+    import torch.distributed as dist
+
+    group = ps.get_tensor_model_parallel_group()
+    x = logits.detach().float()
+    m = x.max(-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = (x - m[..., None]).exp()
+    z = e.sum(-1)
+    ex = (e * x).sum(-1)
+    dist.all_reduce(z, group=group)
+    dist.all_reduce(ex, group=group)
+    return m + z.log() - ex / z
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainers
+# ---------------------------------------------------------------------------------------------
+class MegatronPolicyTrainer(PolicyTrainer):
+    """The actor on megatron-core (reference model: a frozen shard of the same layout)."""
+
+    collective_export = True
+
+    def __init__(
+        self,
+        cfg: Any,
+        model_dir: Path,
+        shard: ShardIdentity,
+        *,
+        need_reference: bool,
+        total_updates: int = 1,
+        device: str = "cpu",
+        need_entropy: bool = True,
+    ) -> None:
+        self.temperature = float(cfg.data.temperature)
+        self.need_entropy = need_entropy
+        self.entropy_grad = cfg.algorithm.entropy_coefficient > 0
+        self.m = _Sharded(
+            Path(model_dir), cfg.model.dtype, shard, cfg.training, total_updates=total_updates,
+            value=False, device=device, seed=cfg.training.seed,
+            sequence_parallel=getattr(cfg.roles.actor.parallelism, "sequence_parallel", False),
+            frozen_copy=need_reference,
+        )  # fmt: skip
+        self.micro = cfg.training.micro_batch_size
+
+    def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        logits = _select(output, mb["_index"]) / self.temperature
+        return vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
+
+    @torch.no_grad()
+    def logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, reference: bool = False
+    ) -> torch.Tensor:
+        if reference and self.m.reference is None:
+            raise ValueError("logprobs(reference=True) needs a reference model (KL is off)")
+        model = self.m.reference if reference else self.m.model
+        n = batch["response_ids"].shape[0]
+
+        def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+            logp = self._token_logprobs(output, mb).cpu()
+            return output.new_zeros(()), logp
+
+        with _eval_mode(model):
+            parts = self.m.run(batch, self.micro or n, head, forward_only=True, reference=reference)
+        out = torch.cat(parts, 0) if parts else None
+        return self.m.from_last_stage(out)
+
+    def update(
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: PolicyLossFn,
+        micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:
+        def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+            logits = _select(output, mb["_index"]) / self.temperature
+            logp = vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
+            ent = None
+            if self.need_entropy:
+                if self.entropy_grad:
+                    ent = vocab_parallel_entropy(logits, grad=True)
+                else:
+                    with torch.no_grad():
+                        ent = vocab_parallel_entropy(logits, grad=False)
+            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
+            return loss_fn(logp, ent, cpu)
+
+        return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named weights, on the role's leader ({} on every other worker). A collective:
+        every worker of the role calls it (``collective_export``)."""
+        return self.m.gathered_weights()
+
+    def state_dict(self) -> dict[str, object]:
+        return self.m.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.m.load_state_dict(state)
+
+
+class MegatronValueTrainer(ValueTrainer):
+    """The critic on megatron-core: the policy's architecture with a value head."""
+
+    collective_export = True
+
+    def __init__(
+        self,
+        cfg: Any,
+        model_dir: Path,
+        shard: ShardIdentity,
+        *,
+        total_updates: int = 1,
+        device: str = "cpu",
+    ) -> None:
+        critic = cfg.roles.effective_critic(True)
+        settings = cfg.critic_training()
+        self.m = _Sharded(
+            Path(model_dir), cfg.model.dtype, shard, settings, total_updates=total_updates,
+            value=True, device=device, seed=cfg.training.seed,
+            sequence_parallel=getattr(critic.parallelism, "sequence_parallel", False),
+        )  # fmt: skip
+        self.micro = settings.micro_batch_size
+
+    @staticmethod
+    def _values(output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _select(output.squeeze(-1), mb["_index"]).float()
+
+    @torch.no_grad()
+    def values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        n = batch["response_ids"].shape[0]
+
+        def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+            return output.new_zeros(()), self._values(output, mb).cpu()
+
+        with _eval_mode(self.m.model):
+            parts = self.m.run(batch, self.micro or n, head, forward_only=True)
+        return self.m.from_last_stage(torch.cat(parts, 0) if parts else None)
+
+    def update(
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: ValueLossFn,
+        micro_batch_size: int,
+        agg: str = "token-mean",
+    ) -> dict[str, float]:
+        def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+            values = self._values(output, mb)
+            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
+            return loss_fn(values, cpu)
+
+        return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The critic's HF-named weights (backbone, ``value_head.*``) on its leader."""
+        return self.m.gathered_weights()
+
+    def state_dict(self) -> dict[str, object]:
+        return self.m.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.m.load_state_dict(state)
+
+
+@contextmanager
+def _eval_mode(module: Any) -> Iterator[None]:
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+__all__ = [
+    "MegatronPolicyTrainer",
+    "MegatronValueTrainer",
+    "left_aligned",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logprobs",
+]

@@ -70,6 +70,18 @@ def init_role_groups(
     return {role: dist.new_group(ranks=list(range(world)), backend=backend) for role in roles}
 
 
-def identity(role: str, rank: int, world: int) -> ShardIdentity:
-    """Shard identity of a data-parallel-only worker (the torch backend)."""
-    return ShardIdentity(role=role, dp_rank=rank, dp_size=world)
+def identity(
+    role: str, rank: int, world: int, tensor: int = 1, pipeline: int = 1, context: int = 1
+) -> ShardIdentity:
+    """Shard identity of worker ``rank`` of ``world`` under tensor x pipeline x context model
+    parallelism (data parallel over the rest), in megatron-core's rank order ``tp-cp-dp-pp``:
+    ``rank = tp + T * (cp + C * (dp + D * pp))``. With no model parallelism: data parallel only."""
+    mp = tensor * pipeline * context
+    if world % mp:
+        raise ValueError(f"{role}: {world} workers do not split into model-parallel groups of {mp}")
+    dp = world // mp
+    tp_rank, rest = rank % tensor, rank // tensor
+    cp_rank, rest = rest % context, rest // context
+    dp_rank, pp_rank = rest % dp, rest // dp
+    return ShardIdentity(role=role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tensor,
+                         pp_rank=pp_rank, pp_size=pipeline, cp_rank=cp_rank, cp_size=context)  # fmt: skip

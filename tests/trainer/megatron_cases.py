@@ -1,0 +1,236 @@
+"""Parity cases of the megatron backend against Hugging Face and the torch backend, on CPU.
+
+Run as a script (``python megatron_cases.py MODEL_DIR OUT.json``): it starts 2 processes in one
+gloo world and, for each layout (tensor 2; pipeline 2; data 2), builds the megatron actor and
+critic from ``MODEL_DIR`` and measures, against a single-process torch backend on the same weights
+and batch: full-vocabulary logits vs the HF model, log-probs and reference log-probs, values, the
+weights after one actor and one critic update (gathered to HF names), the HF -> megatron -> HF
+round trip through the distributed gather, and a checkpoint state round trip. Rank 0 writes the
+max abs differences (and exactness flags) as JSON. ``tests/trainer/test_megatron.py`` asserts on
+them; a separate process keeps megatron-core's process-global state out of pytest's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def _cfg(tp: int, pp: int, micro: int | None) -> object:
+    from ppojob_trainer.config import TrainerConfig
+
+    par = {"tensor": tp, "pipeline": pp}
+    return TrainerConfig.model_validate(
+        {
+            "roles": {
+                "actor": {"replicas": 2, "backend": "megatron", "parallelism": par},
+                "critic": {"colocateWithActor": True, "backend": "megatron", "parallelism": par},
+            },
+            "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
+            "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
+            "training": {"learningRate": 1e-2, "microBatchSize": micro, "gradClip": 0.5, "adamEps": 1e-6,
+                         "seed": 3},
+        }
+    )  # fmt: skip
+
+
+def _batch(n: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p, t = 5, 6
+    prompt_ids = torch.randint(4, 14, (n, p), generator=g)
+    plen = torch.randint(2, p + 1, (n,), generator=g)
+    prompt_mask = torch.arange(p)[None, :] >= (p - plen)[:, None]
+    prompt_ids = prompt_ids.masked_fill(~prompt_mask, 0)
+    response_ids = torch.randint(0, 14, (n, t), generator=g)
+    rlen = torch.randint(1, t + 1, (n,), generator=g)
+    response_mask = torch.arange(t)[None, :] < rlen[:, None]
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids.masked_fill(~response_mask, 0),
+        "response_mask": response_mask,
+        "old_logprobs": -torch.rand(n, t, generator=g) * 3,
+        "advantages": torch.randn(n, t, generator=g),
+        "old_values": torch.randn(n, t, generator=g) * 0.1,
+        "returns": torch.randn(n, t, generator=g),
+    }
+
+
+def _policy_loss(cfg):  # type: ignore[no-untyped-def]
+    from ppojob_trainer import algorithms as A
+
+    algo = cfg.algorithm
+
+    def loss_fn(logp, ent, mb):  # type: ignore[no-untyped-def]
+        loss, m = A.policy_loss(
+            logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], 0.2, 0.2, None,
+            agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
+        )  # fmt: skip
+        return loss, {"pg_loss": float(loss.detach()), "entropy": float(m["entropy"])}
+
+    return loss_fn
+
+
+def _value_loss(values, mb):  # type: ignore[no-untyped-def]
+    from ppojob_trainer import algorithms as A
+
+    loss, _ = A.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], 0.2)
+    return loss, {"vf_loss": float(loss.detach())}
+
+
+def _maxdiff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _layout(rank: int, tp: int, pp: int, world: int) -> object:
+    from ppojob_trainer.workers.group import identity
+
+    return identity("actor", rank, world, tp, pp, 1)
+
+
+def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict[str, object]:
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from ppojob_trainer.backends.megatron_backend import (
+        MegatronPolicyTrainer,
+        MegatronValueTrainer,
+        _select,
+    )
+    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.models import load_causal_lm
+
+    micro = 2
+    cfg = _cfg(tp, pp, micro)
+    shard = _layout(rank, tp, pp, world)
+    out: dict[str, object] = {}
+    n = 8
+    batch = _batch(n, seed=11)
+    lo, hi = (shard.dp_rank * n // shard.dp_size, (shard.dp_rank + 1) * n // shard.dp_size)
+    mine = {k: v[lo:hi] for k, v in batch.items()}
+
+    actor = MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=True, total_updates=4)
+    hf = load_causal_lm(model_dir).eval()
+    hf_sd = {k: v.clone() for k, v in hf.state_dict().items()}
+
+    # HF -> megatron -> HF through the distributed gather: bit-identical.
+    exported = actor.export_weights()
+    if exported:
+        out["roundtrip_exact"] = set(exported) == set(hf_sd) and all(
+            torch.equal(exported[k], hf_sd[k]) for k in hf_sd
+        )
+
+    # Full-vocabulary logits against the HF model (unpadded rows).
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    full = {"prompt_ids": batch["prompt_ids"][:, 3:], "response_ids": batch["response_ids"]}
+    full["prompt_mask"] = torch.ones_like(full["prompt_ids"], dtype=torch.bool)
+
+    def logits_head(output, mb):  # type: ignore[no-untyped-def]
+        return output.new_zeros(()), gather_from_tensor_model_parallel_region(output).cpu()
+
+    with torch.no_grad():
+        parts = actor.m.run(full, n, logits_head, forward_only=True)
+        logits = actor.m.from_last_stage(torch.cat(parts) if parts else None)
+        ids = torch.cat([full["prompt_ids"], full["response_ids"]], 1)
+        ref = hf(input_ids=ids).logits
+    out["logits_max_abs"] = float((logits - ref).abs().max())
+    del _select
+
+    # Log-probs (policy and reference) against the torch backend, left-padded prompts.
+    settings = cfg.training
+    torch_actor = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=4, temperature=0.8, need_reference=True,
+        entropy_grad=True,
+    )  # fmt: skip
+    lp_m = actor.logprobs(mine)
+    lp_t = torch_actor.logprobs(mine)
+    mask = mine["response_mask"]
+    out["logprobs_max_abs"] = float((lp_m - lp_t)[mask].abs().max())
+    out["ref_logprobs_max_abs"] = float(
+        (actor.logprobs(mine, reference=True) - torch_actor.logprobs(mine, reference=True))[mask]
+        .abs()
+        .max()
+    )
+
+    # One actor update (the torch backend sees the whole mini-batch in one process).
+    loss_fn = _policy_loss(cfg)
+    m_metrics = actor.update(mine, loss_fn, micro)
+    t_metrics = torch_actor.update(batch, loss_fn, micro)
+    after = actor.export_weights()
+    if after:
+        out["update_weights_max_abs"] = _maxdiff(after, torch_actor.model.state_dict())
+        out["update_changed"] = _maxdiff(after, hf_sd)
+        out["grad_norm"] = [m_metrics["grad_norm"], t_metrics["grad_norm"]]
+    if shard.dp_size == 1:
+        out["pg_loss"] = [m_metrics["pg_loss"], t_metrics["pg_loss"]]
+
+    # Checkpoint state round trip (gathered weights and Adam moments) into a fresh actor.
+    state = actor.state_dict()
+    states = [None] * world
+    torch.distributed.all_gather_object(states, state)
+    state = states[0]
+    fresh = MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False, total_updates=4)
+    fresh.load_state_dict(state)
+    actor.update(mine, loss_fn, micro)
+    fresh.update(mine, loss_fn, micro)
+    a, b = actor.export_weights(), fresh.export_weights()
+    if a:
+        out["resume_max_abs"] = _maxdiff(a, b)
+
+    # Critic: values and one update against the torch backend's value model.
+    critic = MegatronValueTrainer(cfg, model_dir, dataclasses.replace(shard, role="critic"),
+                                  total_updates=4)  # fmt: skip
+    torch_critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=4, seed=3)
+    out["values_max_abs"] = float((critic.values(mine) - torch_critic.values(mine))[mask].abs().max())
+    critic.update(mine, _value_loss, micro)
+    torch_critic.update(batch, _value_loss, micro)
+    after = critic.export_weights()
+    if after:
+        ref_sd = {
+            ("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v
+            for k, v in torch_critic.model.state_dict().items()
+        }
+        out["critic_update_max_abs"] = _maxdiff(after, ref_sd)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    results = {}
+    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1)):
+        res = run_layout(rank, world, Path(model_dir), tp, pp)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        merged: dict[str, object] = {}
+        for r in gathered:
+            merged.update(r)
+        results[name] = merged
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+    from ppojob_trainer.workers.group import free_port
+
+    model_dir, out_path = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(2, free_port(), model_dir, out_path), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()

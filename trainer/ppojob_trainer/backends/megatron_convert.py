@@ -1,0 +1,281 @@
+"""Hugging Face <-> megatron-core weight conversion for the Llama and Qwen2 families.
+
+Pure tensor code (no megatron import, no process group): :func:`hf_to_megatron` cuts a Hugging
+Face state dict into the state dict of one tensor/pipeline-parallel rank of a megatron-core
+``GPTModel`` built with the local (non-Transformer-Engine) layer spec; :func:`megatron_to_hf`
+puts the shards of every rank back together under the HF names. Both are exact: a round trip
+returns bit-identical tensors.
+
+Layout facts (megatron-core 0.16, local spec):
+
+- ``linear_qkv`` holds, per key/value group, that group's query heads then its key head then its
+  value head (rows); tensor parallelism splits whole groups, so ``tensor`` must divide the number
+  of key/value heads.
+- ``linear_fc1`` of a gated MLP (SwiGLU) holds ``[gate; up]`` *per rank*: rank r's shard is its
+  slice of ``gate_proj`` stacked on its slice of ``up_proj``.
+- ``linear_proj`` and ``linear_fc2`` are row parallel (split along the input dimension); the
+  embedding and the output layer are split along the vocabulary.
+- Layer ``i`` of pipeline stage ``s`` is HF layer ``s * layers / pipeline + i``.
+
+A critic is the same model with a value head instead of the output layer: HF-side names
+``value_head.weight`` [1, hidden] and ``value_head.bias`` [1]; megatron-side ``output_layer.weight``
+and ``output_layer.bias``, replicated on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the conversion and the megatron config need from a HF ``config.json``."""
+
+    family: str  # "llama" or "qwen2"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    tied: bool
+    max_positions: int
+    pad_id: int | None = None  # HF's embedding ``padding_idx``: that row gets no gradient
+
+    @classmethod
+    def from_hf_config(cls, config: Any, field: str = "spec.model.path") -> ModelShape:
+        """The shape of a ``transformers`` config (or its ``to_dict()``); a clear error for an
+        architecture or a feature the conversion does not cover."""
+        c = config if isinstance(config, Mapping) else config.to_dict()
+        archs = c.get("architectures") or [MODEL_TYPES.get(c.get("model_type", ""), "")]
+        arch = archs[0] if archs else ""
+        family = SUPPORTED_ARCHITECTURES.get(arch)
+        if family is None:
+            raise ValueError(
+                f"{field}: architecture {arch or c.get('model_type')!r} is not supported by the "
+                f"megatron backend (supported: {sorted(SUPPORTED_ARCHITECTURES)}); use backend "
+                f"torch for this model"
+            )
+        scaling = c.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(
+                f"{field}: rope_scaling {scaling!r} is not supported by the megatron backend's "
+                f"conversion; use backend torch for this model"
+            )
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        return cls(
+            family=family,
+            hidden=hidden,
+            intermediate=int(c["intermediate_size"]),
+            layers=int(c["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            vocab=int(c["vocab_size"]),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(
+                c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            ),
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+            tied=bool(c.get("tie_word_embeddings", False)),
+            max_positions=int(c.get("max_position_embeddings", 4096)),
+            pad_id=None if c.get("pad_token_id") is None else int(c["pad_token_id"]),
+        )
+
+
+def parallel_problems(shape: ModelShape, tensor: int, pipeline: int) -> list[tuple[str, str]]:
+    """(what, fix) for every way ``tensor`` x ``pipeline`` cannot split ``shape``."""
+    out = []
+    for name, n in (
+        ("attention heads", shape.heads),
+        ("key/value heads", shape.kv_heads),
+        ("hidden size", shape.hidden),
+        ("intermediate size", shape.intermediate),
+        ("vocabulary size", shape.vocab),
+    ):
+        if n % tensor:
+            out.append(
+                (
+                    f"tensor {tensor} does not divide the model's {n} {name}",
+                    f"use a tensor size that divides {n}",
+                )
+            )
+    if shape.layers % pipeline:
+        out.append(
+            (
+                f"pipeline {pipeline} does not divide the model's {shape.layers} layers",
+                f"use a pipeline size that divides {shape.layers}",
+            )
+        )
+    if shape.tied and pipeline > 1:
+        out.append(
+            (
+                "the model ties its input embedding and output layer, which the megatron backend "
+                "supports with pipeline 1 only",
+                "set pipeline: 1",
+            )
+        )
+    return out
+
+
+def _chunk(t: torch.Tensor, n: int, rank: int, dim: int) -> torch.Tensor:
+    return t.chunk(n, dim=dim)[rank].clone()
+
+
+def _qkv_rows(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Interleave q, k, v (rows, or bias entries) into megatron's per-group layout."""
+    g, d = shape.kv_heads, shape.head_dim
+    per = shape.heads // g
+    tail = q.shape[1:]
+    qg = q.reshape(g, per * d, *tail)
+    kg = k.reshape(g, d, *tail)
+    vg = v.reshape(g, d, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(g * (per + 2) * d, *tail)
+
+
+def _split_qkv(shape: ModelShape, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    g, d = shape.kv_heads, shape.head_dim
+    per = shape.heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per + 2) * d, *tail)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return (
+        q.reshape(g * per * d, *tail).clone(),
+        k.reshape(g * d, *tail).clone(),
+        v.reshape(g * d, *tail).clone(),
+    )
+
+
+def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int) -> range:
+    """HF layer indices held by pipeline stage ``pp_rank``."""
+    per = shape.layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    *,
+    value_head: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The megatron state dict of rank (``tp_rank``, ``pp_rank``) from a HF state dict.
+
+    ``hf`` uses the ``AutoModelForCausalLM`` names (``model.layers.0...``, ``lm_head.weight``).
+    With ``value_head`` (``{"weight", "bias"}``) the last stage gets a value head instead of the
+    output layer (the critic).
+    """
+    tp, r = tp_size, tp_rank
+    out: dict[str, torch.Tensor] = {}
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    if first:
+        out["embedding.word_embeddings.weight"] = _chunk(hf["model.embed_tokens.weight"], tp, r, 0)
+    for local, i in enumerate(stage_layers(shape, pp_rank, pp_size)):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
+        attn = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
+        qkv = _qkv_rows(
+            shape, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]
+        )
+        out[dst + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, r, 0)
+        if shape.qkv_bias:
+            bias = _qkv_rows(
+                shape, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]
+            )
+            out[dst + "self_attention.linear_qkv.bias"] = _chunk(bias, tp, r, 0)
+        out[dst + "self_attention.linear_proj.weight"] = _chunk(hf[attn + "o_proj.weight"], tp, r, 1)
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
+        gate = hf[src + "mlp.gate_proj.weight"].chunk(tp, 0)[r]
+        up = hf[src + "mlp.up_proj.weight"].chunk(tp, 0)[r]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+        out[dst + "mlp.linear_fc2.weight"] = _chunk(hf[src + "mlp.down_proj.weight"], tp, r, 1)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if value_head is not None:
+            out["output_layer.weight"] = value_head["weight"].clone()
+            out["output_layer.bias"] = value_head["bias"].clone()
+        elif not shape.tied:
+            out["output_layer.weight"] = _chunk(hf["lm_head.weight"], tp, r, 0)
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape: ModelShape, *, value: bool = False
+) -> dict[str, torch.Tensor]:
+    """The HF state dict from ``shards[pp_rank][tp_rank]`` (every rank's megatron state dict).
+
+    A critic's shards give its backbone under HF names plus ``value_head.weight`` and
+    ``value_head.bias``; a tied model gives ``lm_head.weight`` equal to the embedding, as
+    ``transformers`` reports it.
+    """
+    pp_size = len(shards)
+    out: dict[str, torch.Tensor] = {}
+
+    def cat(stage: Sequence[Mapping[str, torch.Tensor]], key: str, dim: int) -> torch.Tensor:
+        return torch.cat([s[key] for s in stage], dim)
+
+    out["model.embed_tokens.weight"] = cat(shards[0], "embedding.word_embeddings.weight", 0)
+    for pp_rank, stage in enumerate(shards):
+        for local, i in enumerate(stage_layers(shape, pp_rank, pp_size)):
+            src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
+            out[dst + "input_layernorm.weight"] = stage[0][src + "input_layernorm.weight"].clone()
+            # Each rank holds whole groups: split per rank, then concatenate q, k, v over ranks.
+            parts = [_split_qkv_local(shape, s[src + "self_attention.linear_qkv.weight"], len(stage))
+                     for s in stage]  # fmt: skip
+            for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[dst + f"self_attn.{name}.weight"] = torch.cat([p[j] for p in parts], 0)
+            if shape.qkv_bias:
+                parts = [_split_qkv_local(shape, s[src + "self_attention.linear_qkv.bias"],
+                                          len(stage)) for s in stage]  # fmt: skip
+                for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                    out[dst + f"self_attn.{name}.bias"] = torch.cat([p[j] for p in parts], 0)
+            out[dst + "self_attn.o_proj.weight"] = cat(stage, src + "self_attention.linear_proj.weight", 1)
+            out[dst + "post_attention_layernorm.weight"] = stage[0][
+                src + "pre_mlp_layernorm.weight"
+            ].clone()
+            halves = [s[src + "mlp.linear_fc1.weight"].chunk(2, 0) for s in stage]
+            out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves], 0)
+            out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves], 0)
+            out[dst + "mlp.down_proj.weight"] = cat(stage, src + "mlp.linear_fc2.weight", 1)
+    last = shards[-1]
+    out["model.norm.weight"] = last[0]["decoder.final_layernorm.weight"].clone()
+    if value:
+        out["value_head.weight"] = last[0]["output_layer.weight"].clone()
+        out["value_head.bias"] = last[0]["output_layer.bias"].clone()
+    elif shape.tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    else:
+        out["lm_head.weight"] = cat(last, "output_layer.weight", 0)
+    return out
+
+
+def _split_qkv_local(shape: ModelShape, qkv: torch.Tensor, tp: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v rows of one rank's ``linear_qkv`` shard (``kv_heads / tp`` groups)."""
+    local = ModelShape(**{**shape.__dict__, "heads": shape.heads // tp,
+                          "kv_heads": shape.kv_heads // tp})  # fmt: skip
+    return _split_qkv(local, qkv)
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelShape",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "parallel_problems",
+    "stage_layers",
+]

@@ -1,0 +1,317 @@
+"""megatron-core's parallel state from a worker's :class:`~.base.ShardIdentity`, and the model.
+
+Rank layout: megatron-core's default order ``tp-cp-ep-dp-pp`` over the world of the worker's role
+set (the processes :func:`~ppojob_trainer.workers.group.init_role_groups` joined): rank
+``tp + T*(cp + C*(dp + D*pp))``. :func:`~ppojob_trainer.workers.group.identity` computes the same
+layout, so the shard identity a worker is given and megatron's groups agree (checked here).
+
+megatron-core keeps its groups in module globals, one layout per process: a colocated actor and
+critic on the megatron backend must share their parallelism (validation says so).
+
+CPU: the process groups are gloo; two megatron-core pieces that assume CUDA are replaced by CPU
+equivalents (the RNG-state tracker its tensor-parallel layers fork for dropout and
+initialisation, and the global memory buffer). Context parallelism needs GPUs (its attention
+kernels are Transformer Engine's) and is rejected before this module runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .base import ShardIdentity
+from .megatron_convert import ModelShape
+
+
+def _import() -> Any:
+    from . import missing_backend
+
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        raise missing_backend("megatron", "megatron-core", "spec.roles.actor.backend") from None
+    return parallel_state
+
+
+class _CpuRngTracker:
+    """megatron-core's ``CudaRNGStatesTracker`` on the CPU generator: named seeded states that
+    ``fork()`` swaps in for the block and saves back after."""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.states_ = {}
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self.states_[name] = torch.Generator().manual_seed(int(seed)).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"RNG state {name!r} was never added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+class _CpuMemoryBuffer:
+    """megatron-core's ``GlobalMemoryBuffer`` allocating on the CPU."""
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, **_: Any) -> Any:
+        n = 1
+        for s in tensor_shape:
+            n *= int(s)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(*tensor_shape)
+
+
+def _install_cpu_shims(seed: int, tp_rank: int) -> None:
+    from megatron.core import parallel_state
+
+    if not torch.cuda.is_available():
+        # megatron-core allocates buffers (RoPE frequencies, all-gather outputs, pipeline
+        # messages) on ``torch.cuda.current_device()``; in a process without CUDA that device is
+        # the CPU. Nothing else in such a process can ask CUDA for a device.
+        torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _CpuRngTracker()
+    # The seeds megatron-core's model_parallel_cuda_manual_seed uses, on the CPU generator.
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+
+
+def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
+    """Initialise megatron-core's groups for ``shard``'s layout (once per process).
+
+    The process's ``torch.distributed`` world is its role set's (one process: a one-rank gloo
+    world is started here). A second call with the same layout (a colocated critic) is a no-op;
+    another layout is an error.
+    """
+    import torch.distributed as dist
+
+    ps = _import()
+    sizes = (shard.tp_size, shard.pp_size, shard.cp_size, shard.dp_size)
+    world = shard.tp_size * shard.pp_size * shard.cp_size * shard.dp_size
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError(
+                f"megatron backend: {world} workers expected in a process group, none was joined"
+            )
+        from ..workers.group import free_port
+
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
+    if dist.get_world_size() != world:
+        raise RuntimeError(
+            f"megatron backend: the {shard.role} layout tensor x pipeline x context x data = "
+            f"{' x '.join(map(str, sizes))} needs {world} workers in its process group, which "
+            f"has {dist.get_world_size()}"
+        )
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+            ps.get_data_parallel_world_size(),
+        )
+        if have != sizes:
+            raise RuntimeError(
+                f"spec.roles.{shard.role}.parallelism: megatron-core holds one layout per process "
+                f"and this process already has tensor x pipeline x context x data = {have}; give "
+                f"a colocated actor and critic the same parallelism"
+            )
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.cuda.current_device())
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=shard.tp_size,
+        pipeline_model_parallel_size=shard.pp_size,
+        context_parallel_size=shard.cp_size,
+        create_gloo_process_groups=not device.startswith("cuda"),
+    )
+    got = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_context_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+    want = (shard.tp_rank, shard.pp_rank, shard.cp_rank, shard.dp_rank)
+    if got != want:
+        raise RuntimeError(f"megatron backend: rank layout {got} differs from the worker's {want}")
+    if device.startswith("cuda"):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        _install_cpu_shims(seed, shard.tp_rank)
+
+
+def transformer_config(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    *,
+    device: str,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+) -> Any:
+    """megatron-core ``TransformerConfig`` of a Llama/Qwen2 model (RMSNorm, SwiGLU, RoPE, GQA,
+    no linear biases but Qwen2's q/k/v bias, no dropout: the HF models' own inference setup)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    gpu = device.startswith("cuda")
+    return TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not gpu,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def layer_spec(config: Any) -> Any:
+    """Transformer Engine's layer spec where it is installed (GPU), else megatron-core's local
+    one (plain torch modules; what runs on the CPU)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if config.use_cpu_initialization is False:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: hidden [s, b, h] -> values [s, b, 1], replicated over
+    tensor-parallel ranks (called like megatron's output layer: returns ``(values, None)``)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, **_: Any) -> tuple[Any, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def build_model(
+    shape: ModelShape, config: Any, *, pre_process: bool, post_process: bool, value: bool
+) -> Any:
+    """A megatron-core ``GPTModel`` for one pipeline stage (a value head on the last stage of a
+    critic), with uninitialised weights (the caller loads converted ones)."""
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.max_positions,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tied and not value,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    if value and post_process:
+        model.output_layer = ValueHead(shape.hidden, config.params_dtype, config.sequence_parallel)
+    _mark_tensor_parallel(model)
+    if pre_process and shape.pad_id is not None:
+        _freeze_pad_row(model.embedding.word_embeddings, shape.pad_id)
+    return model
+
+
+def _mark_tensor_parallel(model: Any) -> None:
+    """Tag the split weights as megatron-core's initialisers would (``tensor_model_parallel``,
+    ``partition_dim``): with ``perform_initialization=False`` (the weights are loaded) its
+    layers leave them untagged, and gradient-norm code would count them as replicated."""
+    from megatron.core import tensor_parallel as tp
+
+    dims = ((tp.ColumnParallelLinear, 0), (tp.RowParallelLinear, 1), (tp.VocabParallelEmbedding, 0))
+    for module in model.modules():
+        for cls, dim in dims:
+            weight = getattr(module, "weight", None)
+            if isinstance(module, cls) and weight is not None:
+                if not getattr(weight, "tensor_model_parallel", False):
+                    tp.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+def _freeze_pad_row(embedding: Any, pad_id: int) -> None:
+    """The HF models' ``nn.Embedding(padding_idx=pad_id)``: the pad token's row gets no
+    gradient (megatron-core's embedding has no ``padding_idx``)."""
+    start, end = embedding.vocab_start_index, embedding.vocab_end_index
+    if not start <= pad_id < end:
+        return
+    row = torch.tensor([pad_id - start])
+    embedding.weight.register_hook(lambda g: g.index_fill(0, row.to(g.device), 0.0))
