@@ -189,7 +189,7 @@ INVALID: list[tuple[str, str, Any, str]] = [
         "slurm",
         "spec.scheduling.gangScheduler",
     ),
-    ("megatron without GPUs", "spec.roles.actor.resources.gpus", 0, "spec.roles.actor.backend"),
+    ("megatron on CPU in bfloat16", "spec.roles.actor.resources.gpus", 0, "spec.model.dtype"),
     (
         "colocated rollout with its own replicas",
         "spec.roles.rollout",

@@ -1,13 +1,17 @@
 """Parity cases of the megatron backend against Hugging Face and the torch backend, on CPU.
 
-Run as a script (``python megatron_cases.py MODEL_DIR OUT.json``): it starts 2 processes in one
-gloo world and, for each layout (tensor 2; pipeline 2; data 2), builds the megatron actor and
-critic from ``MODEL_DIR`` and measures, against a single-process torch backend on the same weights
-and batch: full-vocabulary logits vs the HF model, log-probs and reference log-probs, values, the
-weights after one actor and one critic update (gathered to HF names), the HF -> megatron -> HF
-round trip through the distributed gather, and a checkpoint state round trip. Rank 0 writes the
-max abs differences (and exactness flags) as JSON. ``tests/trainer/test_megatron.py`` asserts on
+Run as a script (``python megatron_cases.py OUT.json MODEL_DIR [MODEL_DIR...]``): it starts 2
+processes in one gloo world and, for each layout (tensor 2, pipeline 2 and data 2 for the first
+model; tensor 2 for the others), builds the megatron actor and critic from the model directory
+and measures, against a single-process torch backend on the same weights and batch:
+full-vocabulary logits vs the HF model, log-probs and reference log-probs, values, the weights
+after one actor and one critic update (gathered to HF names), the HF -> megatron -> HF round
+trip through the distributed gather, and a checkpoint state round trip. Rank 0 writes the max
+abs differences (and exactness flags) as JSON. ``tests/trainer/test_megatron.py`` asserts on
 them; a separate process keeps megatron-core's process-global state out of pytest's.
+
+Adam's epsilon is 1e-6 here: with 1e-8, its first step maps float rounding noise (~1e-10) on
+near-zero gradients to steps of lr x noise / eps, far above 1e-5 for either backend alike.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def _cfg(tp: int, pp: int, micro: int | None) -> object:
             },
             "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
             "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
-            "training": {"learningRate": 1e-2, "microBatchSize": micro, "gradClip": 0.5, "adamEps": 1e-6,
+            "training": {"learningRate": 1e-2, "microBatchSize": micro, "gradClip": 0.5,
+                         "adamEps": 1e-6,
                          "seed": 3},
         }
     )  # fmt: skip
@@ -188,7 +193,9 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     critic = MegatronValueTrainer(cfg, model_dir, dataclasses.replace(shard, role="critic"),
                                   total_updates=4)  # fmt: skip
     torch_critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=4, seed=3)
-    out["values_max_abs"] = float((critic.values(mine) - torch_critic.values(mine))[mask].abs().max())
+    out["values_max_abs"] = float(
+        (critic.values(mine) - torch_critic.values(mine))[mask].abs().max()
+    )
     critic.update(mine, _value_loss, micro)
     torch_critic.update(batch, _value_loss, micro)
     after = critic.export_weights()
@@ -202,7 +209,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     return out
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: str) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
@@ -210,14 +217,20 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
     results = {}
-    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1)):
+    cases = [
+        (model_dirs[0], "tp2", 2, 1),
+        (model_dirs[0], "pp2", 1, 2),
+        (model_dirs[0], "dp2", 1, 1),
+    ]
+    cases += [(d, "tp2", 2, 1) for d in model_dirs[1:]]  # further models: tensor parallel 2
+    for model_dir, name, tp, pp in cases:
         res = run_layout(rank, world, Path(model_dir), tp, pp)
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         merged: dict[str, object] = {}
         for r in gathered:
             merged.update(r)
-        results[name] = merged
+        results[f"{Path(model_dir).name}/{name}"] = merged
     if rank == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
@@ -227,9 +240,9 @@ def main() -> None:
     import torch.multiprocessing as mp
     from ppojob_trainer.workers.group import free_port
 
-    model_dir, out_path = sys.argv[1], sys.argv[2]
+    out_path, model_dirs = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, free_port(), model_dir, out_path), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), model_dirs, out_path), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ class ActorRole(_Role):
 
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend: `torch` (Hugging Face models, CPU or GPU, data parallel) or `megatron`
-    (megatron-core, GPU, tensor/pipeline/context parallel)."""
+    (megatron-core, Llama and Qwen2 architectures: tensor and pipeline parallel on CPU in float32
+    or on GPUs; context parallel on GPUs only)."""
 
 
 class CriticRole(_Role):
@@ -872,7 +873,7 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
         rpath = f"{path}.{name}"
         gpu_owner = actor if getattr(spec, "colocate_with_actor", False) else spec
         gpus = gpu_owner.resources.gpus
-        if spec.backend in ("megatron", "sglang") and gpus == 0:
+        if spec.backend == "sglang" and gpus == 0:
             p.append(
                 Problem(
                     f"{rpath}.backend",
@@ -916,6 +917,8 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                     "use tensor <= resources.gpus",
                 )
             )
+
+    p += check_megatron(half, prefix)
 
     # --- batch sizes
     n = data.samples_per_step
@@ -1132,6 +1135,68 @@ def check_sizes(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
     return problems
+
+
+# What the megatron backend splits in the built-in models (models.BUILTIN_MODELS, which needs
+# torch): family, hidden, intermediate, layers, heads, key/value heads, vocabulary. A trainer test
+# checks they agree with the models.
+BUILTIN_MEGATRON_SHAPES = {
+    "tiny-llama": ("llama", 64, 256, 2, 4, 4, 14),
+    "tiny-qwen2": ("qwen2", 64, 256, 2, 4, 4, 14),
+    "small-llama": ("llama", 128, 512, 5, 4, 4, 14),
+}
+
+
+def check_megatron(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """Problems of the roles on the megatron backend: context parallelism without GPUs, a CPU
+    run in half precision, a colocated actor and critic with different layouts, and (for the
+    built-in models, whose shapes are known here) tensor or pipeline sizes that do not split the
+    model. A model directory's architecture and shape are checked when the trainer loads it,
+    with the same messages (``backends/megatron_convert.py``)."""
+    p: list[Problem] = []
+    roles = half.roles
+    critic = roles.effective_critic(half.algorithm.needs_critic)
+    on = [(n, s) for n, s in (("actor", roles.actor), ("critic", critic))
+          if s is not None and s.backend == "megatron"]  # fmt: skip
+    for name, spec in on:
+        rpath = f"{prefix}.roles.{name}"
+        owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
+        mp = spec.parallelism
+        if owner.resources.gpus == 0 and mp.context > 1:
+            p.append(Problem(f"{rpath}.parallelism.context",
+                             "context parallelism needs GPUs (megatron-core runs it with "
+                             "Transformer Engine's attention), but resources.gpus is 0",
+                             "set context: 1, or give the role GPUs"))  # fmt: skip
+        if owner.resources.gpus == 0 and half.model.dtype != "float32":
+            p.append(Problem(f"{prefix}.model.dtype",
+                             f"the megatron backend on CPU ({rpath}) trains in float32",
+                             "set model.dtype: float32, or give the role GPUs"))  # fmt: skip
+        path = half.model.critic_path if name == "critic" and half.model.critic_path else None
+        path = path or half.model.path
+        shape = BUILTIN_MEGATRON_SHAPES.get(path.removeprefix("builtin:")) if path.startswith(
+            "builtin:") else None  # fmt: skip
+        if shape is None:
+            continue
+        _, hidden, inter, layers, heads, kv, vocab = shape
+        for what, n in (("attention heads", heads), ("key/value heads", kv),
+                        ("hidden size", hidden), ("intermediate size", inter),
+                        ("vocabulary size", vocab)):  # fmt: skip
+            if n % mp.tensor:
+                p.append(Problem(f"{rpath}.parallelism.tensor",
+                                 f"tensor {mp.tensor} does not divide the {n} {what} of {path}",
+                                 f"use a tensor size that divides {n}"))  # fmt: skip
+                break
+        if layers % mp.pipeline:
+            p.append(Problem(f"{rpath}.parallelism.pipeline",
+                             f"pipeline {mp.pipeline} does not divide the {layers} layers of "
+                             f"{path}", f"use a pipeline size that divides {layers}"))  # fmt: skip
+    if (len(on) == 2 and critic is not None and critic.colocate_with_actor
+            and critic.parallelism != roles.actor.parallelism):  # fmt: skip
+        p.append(Problem(f"{prefix}.roles.critic.parallelism",
+                         "a colocated critic shares the actor's processes, and megatron-core "
+                         "holds one parallel layout per process",
+                         "give the critic the actor's parallelism"))  # fmt: skip
+    return p
 
 
 def _check_batches(

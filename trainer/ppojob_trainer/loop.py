@@ -66,6 +66,17 @@ def _ranges(n: int, size: int) -> list[tuple[int, int]]:
     return [shard_range(n, size, r) for r in range(size)]
 
 
+def _dp_leaders(shards: list[dict[str, int]]) -> list[int]:
+    """Index of the worker that speaks for each data-parallel rank (tensor, pipeline and
+    context rank 0), in data-parallel order."""
+    leaders = {
+        s["dp_rank"]: i
+        for i, s in enumerate(shards)
+        if s["tp_rank"] == 0 and s["pp_rank"] == 0 and s["cp_rank"] == 0
+    }
+    return [leaders[d] for d in range(len(leaders))]
+
+
 def _step_seed(seed: int, step: int, engine: int) -> int:
     return (seed * 1_000_003 + step * 7919 + engine) % (2**63 - 1)
 
@@ -162,8 +173,16 @@ class PPOTrainer:
 
             roles_ = " and ".join(failed[0]["roles"])
             raise StartupError(f"the {roles_} worker could not start: {failed[0]['error']}")
-        self.actor_ranges = _ranges(n, len(self.hosts["actor"]))
-        self.critic_ranges = _ranges(n, len(self.hosts["critic"])) if self.has_critic else None
+        # Model-parallel workers (megatron) of one data-parallel rank share its samples: ranges
+        # are per data-parallel rank, and one worker per rank (its leader) speaks for it.
+        by_handle = {id(h): ident for h, ident in zip(all_hosts, self.identities, strict=True)}
+        self.leaders = {
+            role: _dp_leaders([by_handle[id(h)][role] for h in self.hosts[role]])
+            for role in ("actor", "critic")
+            if self.hosts[role]
+        }
+        self.actor_ranges = _ranges(n, len(self.leaders["actor"]))
+        self.critic_ranges = _ranges(n, len(self.leaders["critic"])) if self.has_critic else None
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
         from .tasks import make_task
@@ -210,10 +229,12 @@ class PPOTrainer:
             ]
 
         # 3. old/ref log-probs, advantages and returns on the actor workers.
+        value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
         prepared = [
             a.prepare.remote(ranges, self.critic_ranges, self.kl_ctl.value, *gens, *value_lists)
             for a in self.hosts["actor"]
         ]
+        prepared_leaders = [prepared[i] for i in self.leaders["actor"]]
 
         # 4. critic updates, 5. actor update (after warm-up).
         plan = plan_step(step, has_critic=self.has_critic,
@@ -222,7 +243,9 @@ class PPOTrainer:
         critic_done = []
         if self.has_critic and plan.critic_updates:
             critic_done = [
-                c.train_critic.remote(step, self.actor_ranges, plan.critic_updates, *prepared)
+                c.train_critic.remote(
+                    step, self.actor_ranges, plan.critic_updates, *prepared_leaders
+                )
                 for c in self.hosts["critic"]
             ]
         actor_done = []
@@ -241,6 +264,7 @@ class PPOTrainer:
             out.append(flat[pos : pos + len(group)])
             pos += len(group)
         gens, prep, critic_m, actor_out, sync_s = out
+        prep = [prep[i] for i in self.leaders["actor"]]
         actor_m = [m for m, _ in actor_out]
         metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
         if algo.kl.coefficient > 0:
@@ -283,21 +307,30 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------
     def state(self, step: int) -> dict[str, Any]:
         """Checkpoint state: trainer states of the actor (and critic) leaders and driver state."""
-        import ray
-
         from .checkpoint import config_fingerprint
 
         state: dict[str, Any] = {
             "step": step,
             "fingerprint": config_fingerprint(self.cfg),
-            "actor": ray.get(self.hosts["actor"][0].get_state.remote("actor")),
+            "actor": self._leader_state("actor"),
             "data_rng": self.data_rng.getstate(),
             "kl_coef": self.kl_ctl.value,
         }
         if self.has_critic:
-            state["critic"] = ray.get(self.hosts["critic"][0].get_state.remote("critic"))
+            state["critic"] = self._leader_state("critic")
         state["task"] = self.task.state()
         return state
+
+    def _leader_state(self, role: str) -> Any:
+        """The trainer state of ``role``'s first worker; on the megatron backend every worker
+        joins the gather of the shards (the others return nothing)."""
+        import ray
+
+        hosts = self.hosts[role]
+        spec = self.cfg.roles.actor if role == "actor" else self.cfg.roles.effective_critic(True)
+        if spec.backend == "megatron":
+            return ray.get([h.get_state.remote(role) for h in hosts])[0]
+        return ray.get(hosts[0].get_state.remote(role))
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load a checkpoint into every worker; returns the number of steps already done."""
@@ -307,8 +340,10 @@ class PPOTrainer:
         if self.has_critic and "critic" in state:
             waits += [h.set_state.remote("critic", state["critic"]) for h in self.hosts["critic"]]
         ray.get(waits)
-        exported = self.hosts["actor"][0].export_weights.remote()
-        ray.get([r.update_weights.remote(exported) for r in self.hosts["rollout"]])
+        # Every actor worker exports (a collective on the megatron backend); the first leads.
+        exported = [h.export_weights.remote() for h in self.hosts["actor"]]
+        ray.get([r.update_weights.remote(exported[0]) for r in self.hosts["rollout"]])
+        ray.get(exported)
         self.data_rng.setstate(_as_rng_state(state["data_rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
         self.task.load_state(state.get("task", {}))

@@ -44,7 +44,9 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-def left_aligned(batch: Mapping[str, torch.Tensor], pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def left_aligned(
+    batch: Mapping[str, torch.Tensor], pad_to: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, L], index [B, T]): each row's prompt + response moved to start at position 0,
     and the position of the logits (or value) that predicts response token t of row i.
 
@@ -116,7 +118,7 @@ class _Sharded:
             raise ValueError(f"{field}.parallelism.context: context parallelism needs GPUs; set 1")
         dtype = torch_dtype(dtype_name)
         if not self.gpu and dtype != torch.float32:
-            raise ValueError(f"spec.model.dtype: the megatron backend on CPU runs float32; set it")
+            raise ValueError("spec.model.dtype: the megatron backend on CPU runs float32; set it")
         init_parallel(shard, device, seed)
         from megatron.core import parallel_state as ps
 

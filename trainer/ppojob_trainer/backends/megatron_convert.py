@@ -190,7 +190,10 @@ def hf_to_megatron(
         attn = src + "self_attn."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
         qkv = _qkv_rows(
-            shape, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]
+            shape,
+            hf[attn + "q_proj.weight"],
+            hf[attn + "k_proj.weight"],
+            hf[attn + "v_proj.weight"],
         )
         out[dst + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, r, 0)
         if shape.qkv_bias:
@@ -198,7 +201,9 @@ def hf_to_megatron(
                 shape, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]
             )
             out[dst + "self_attention.linear_qkv.bias"] = _chunk(bias, tp, r, 0)
-        out[dst + "self_attention.linear_proj.weight"] = _chunk(hf[attn + "o_proj.weight"], tp, r, 1)
+        out[dst + "self_attention.linear_proj.weight"] = _chunk(
+            hf[attn + "o_proj.weight"], tp, r, 1
+        )
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
         gate = hf[src + "mlp.gate_proj.weight"].chunk(tp, 0)[r]
         up = hf[src + "mlp.up_proj.weight"].chunk(tp, 0)[r]
@@ -215,7 +220,10 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], shape: ModelShape, *, value: bool = False
+    shards: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+    shape: ModelShape,
+    *,
+    value: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The HF state dict from ``shards[pp_rank][tp_rank]`` (every rank's megatron state dict).
 
@@ -235,8 +243,8 @@ def megatron_to_hf(
             src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
             out[dst + "input_layernorm.weight"] = stage[0][src + "input_layernorm.weight"].clone()
             # Each rank holds whole groups: split per rank, then concatenate q, k, v over ranks.
-            parts = [_split_qkv_local(shape, s[src + "self_attention.linear_qkv.weight"], len(stage))
-                     for s in stage]  # fmt: skip
+            qkv = src + "self_attention.linear_qkv."
+            parts = [_split_qkv_local(shape, s[qkv + "weight"], len(stage)) for s in stage]
             for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
                 out[dst + f"self_attn.{name}.weight"] = torch.cat([p[j] for p in parts], 0)
             if shape.qkv_bias:
@@ -244,7 +252,9 @@ def megatron_to_hf(
                                           len(stage)) for s in stage]  # fmt: skip
                 for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
                     out[dst + f"self_attn.{name}.bias"] = torch.cat([p[j] for p in parts], 0)
-            out[dst + "self_attn.o_proj.weight"] = cat(stage, src + "self_attention.linear_proj.weight", 1)
+            out[dst + "self_attn.o_proj.weight"] = cat(
+                stage, src + "self_attention.linear_proj.weight", 1
+            )
             out[dst + "post_attention_layernorm.weight"] = stage[0][
                 src + "pre_mlp_layernorm.weight"
             ].clone()

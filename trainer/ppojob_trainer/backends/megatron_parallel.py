@@ -302,9 +302,9 @@ def _mark_tensor_parallel(model: Any) -> None:
     for module in model.modules():
         for cls, dim in dims:
             weight = getattr(module, "weight", None)
-            if isinstance(module, cls) and weight is not None:
-                if not getattr(weight, "tensor_model_parallel", False):
-                    tp.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+            tagged = getattr(weight, "tensor_model_parallel", False)
+            if isinstance(module, cls) and weight is not None and not tagged:
+                tp.set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def _freeze_pad_row(embedding: Any, pad_id: int) -> None:

@@ -64,7 +64,8 @@ def make_policy_trainer(
     if cfg.roles.actor.backend == "megatron":
         from ..backends.megatron_backend import MegatronPolicyTrainer
 
-        return MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=need_ref)
+        return MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=need_ref,
+                                     total_updates=total_updates, device=device)  # fmt: skip
     from ..backends.torch_backend import TorchPolicyTrainer
 
     return TorchPolicyTrainer(
@@ -310,6 +311,9 @@ class ActorWorker:
 
     def export_weights(self) -> Any:
         """ObjectRef of the policy weights (data-parallel leader only; None elsewhere)."""
+        if getattr(self.trainer, "collective_export", False):
+            weights = self.trainer.export_weights()  # every worker joins the gather
+            return ray.put(pack_weights(weights)) if self.shard.is_dp_leader else None
         if not self.shard.is_dp_leader:
             return None
         return ray.put(pack_weights(self.trainer.export_weights()))

@@ -26,7 +26,8 @@ def make_value_trainer(
     if critic is not None and critic.backend == "megatron":
         from ..backends.megatron_backend import MegatronValueTrainer
 
-        return MegatronValueTrainer(cfg, model_dir, shard)
+        return MegatronValueTrainer(cfg, model_dir, shard, device=device,
+                                    total_updates=planned_updates(cfg, "critic"))  # fmt: skip
     from ..backends.torch_backend import TorchValueTrainer
 
     total = planned_updates(cfg, "critic")

@@ -83,5 +83,52 @@ def identity(
     tp_rank, rest = rank % tensor, rank // tensor
     cp_rank, rest = rest % context, rest // context
     dp_rank, pp_rank = rest % dp, rest // dp
-    return ShardIdentity(role=role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tensor,
-                         pp_rank=pp_rank, pp_size=pipeline, cp_rank=cp_rank, cp_size=context)  # fmt: skip
+    return ShardIdentity(
+        role=role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tensor,
+        pp_rank=pp_rank, pp_size=pipeline, cp_rank=cp_rank, cp_size=context,
+    )  # fmt: skip
+
+
+def model_parallel_identity(cfg: Any, role: str, rank: int, world: int) -> ShardIdentity:
+    """Shard identity of a worker of ``role`` ("actor" or "critic"): its tensor, pipeline and
+    context parallelism on the megatron backend, data parallel only on the torch backend."""
+    spec = cfg.roles.actor if role == "actor" else cfg.roles.effective_critic(True)
+    if spec.backend != "megatron":
+        return identity(role, rank, world)
+    p = spec.parallelism
+    return identity(role, rank, world, p.tensor, p.pipeline, p.context)
+
+
+def data_parallel_group(group: Any, shard: ShardIdentity) -> Any:
+    """The group of the workers that hold the same model shard as ``shard`` (its data-parallel
+    replicas), for statistics over the role's samples: the role's group itself without model
+    parallelism, else a subgroup of it (None when ``shard`` has no replica). Every worker of the
+    role calls this in the same order (``new_group`` is collective)."""
+    model_parallel = shard.tp_size * shard.pp_size * shard.cp_size
+    if group is None or model_parallel == 1:
+        return group
+    if shard.dp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    mine = None
+    world = model_parallel * shard.dp_size
+    for first in range(world):
+        coords = identity(shard.role, first, world, shard.tp_size, shard.pp_size, shard.cp_size)
+        if coords.dp_rank != 0:
+            continue
+        ranks = [
+            dist.get_global_rank(group, r)
+            for r in range(world)
+            if _same_shard(
+                identity(shard.role, r, world, shard.tp_size, shard.pp_size, shard.cp_size), coords
+            )
+        ]
+        sub = dist.new_group(ranks=ranks)
+        if _same_shard(coords, shard):
+            mine = sub
+    return mine
+
+
+def _same_shard(a: ShardIdentity, b: ShardIdentity) -> bool:
+    return (a.tp_rank, a.pp_rank, a.cp_rank) == (b.tp_rank, b.pp_rank, b.cp_rank)

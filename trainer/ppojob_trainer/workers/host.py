@@ -18,7 +18,12 @@ import torch
 
 from ..config import TrainerConfig
 from ..models import resolve_model_path
-from .group import identity, init_role_groups
+from .group import (
+    data_parallel_group,
+    identity,
+    init_role_groups,
+    model_parallel_identity,
+)
 from .rollout import unpack_weights
 
 
@@ -81,14 +86,16 @@ class WorkerHost:
             from .actor import ActorWorker
 
             path = resolve_model_path(cfg.model.path, seed)
-            self.actor = ActorWorker(cfg, identity("actor", *roles["actor"]), path, device,
-                                     groups.get("actor"))  # fmt: skip
+            shard = model_parallel_identity(cfg, "actor", *roles["actor"])
+            group = data_parallel_group(groups.get("actor"), shard)
+            self.actor = ActorWorker(cfg, shard, path, device, group)
         if "critic" in roles:
             from .critic import CriticWorker
 
             path = resolve_model_path(cfg.model.critic_path or cfg.model.path, seed)
-            self.critic = CriticWorker(cfg, identity("critic", *roles["critic"]), path, device,
-                                       groups.get("critic"))  # fmt: skip
+            shard = model_parallel_identity(cfg, "critic", *roles["critic"])
+            group = data_parallel_group(groups.get("critic"), shard)
+            self.critic = CriticWorker(cfg, shard, path, device, group)
 
     def ready(self) -> dict[str, Any]:
         """Shard identities of the hosted roles (as plain dicts) and the pid; or, when the worker

@@ -1,0 +1,205 @@
+"""The megatron backend on CPU: conversion, rank layout, parity with HF and the torch backend,
+validation of megatron settings.
+
+The parity test runs ``megatron_cases.py`` in a fresh process (2 gloo workers): megatron-core
+keeps its parallel state in process globals, which must not leak into pytest's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ppojob_trainer import models
+from ppojob_trainer.backends.megatron_backend import left_aligned
+from ppojob_trainer.backends.megatron_convert import (
+    ModelShape,
+    hf_to_megatron,
+    megatron_to_hf,
+    parallel_problems,
+)
+from ppojob_trainer.config import BUILTIN_MEGATRON_SHAPES, TrainerConfig, check_training_half
+from ppojob_trainer.loop import _dp_leaders
+from ppojob_trainer.workers.group import identity
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _hf_model(family: str, *, kv_heads: int, tied: bool, layers: int = 4):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if family == "llama" else Qwen2Config
+    config = cls(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                 pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+MODELS = [("llama", 4, False), ("qwen2", 2, False), ("qwen2", 2, True), ("llama", 1, False)]
+
+
+@pytest.mark.parametrize(("family", "kv_heads", "tied"), MODELS)
+def test_hf_megatron_hf_round_trip_is_bit_identical(family: str, kv_heads: int, tied: bool) -> None:
+    model = _hf_model(family, kv_heads=kv_heads, tied=tied)
+    hf = model.state_dict()
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.qkv_bias == (family == "qwen2") and shape.tied == tied
+    tried = 0
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            if parallel_problems(shape, tp, pp):
+                continue
+            tried += 1
+            shards = [[hf_to_megatron(hf, shape, t, tp, p, pp) for t in range(tp)]
+                      for p in range(pp)]  # fmt: skip
+            # Each rank holds 1/tp of the split weights and 1/pp of the layers.
+            qkv = shards[0][0]["decoder.layers.0.self_attention.linear_qkv.weight"]
+            assert qkv.shape[0] == (4 + 2 * kv_heads) * 8 // tp
+            assert sum(k.endswith("linear_fc2.weight") for k in shards[0][0]) == 4 // pp
+            back = megatron_to_hf(shards, shape)
+            assert set(back) == set(hf), (tp, pp, sorted(set(back) ^ set(hf)))
+            for k, v in hf.items():
+                assert torch.equal(back[k], v), (tp, pp, k)
+    assert tried >= 2  # tied: pipeline 1 only
+
+
+def test_critic_value_head_round_trip() -> None:
+    model = _hf_model("qwen2", kv_heads=2, tied=True)
+    shape = ModelShape.from_hf_config(model.config)
+    hf = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    head = {"weight": torch.randn(1, 32), "bias": torch.randn(1)}
+    shards = [[hf_to_megatron(hf, shape, t, 2, p, 1, value_head=head) for t in range(2)]
+              for p in range(1)]  # fmt: skip
+    assert torch.equal(shards[0][1]["output_layer.weight"], head["weight"])  # replicated
+    back = megatron_to_hf(shards, shape, value=True)
+    assert torch.equal(back["value_head.weight"], head["weight"])
+    assert torch.equal(back["value_head.bias"], head["bias"])
+    assert all(torch.equal(back[k], v) for k, v in hf.items())
+
+
+def test_unsupported_architecture_and_layouts_are_named() -> None:
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"spec.model.path: architecture .*GPT2LMHeadModel"):
+        ModelShape.from_hf_config({**GPT2Config().to_dict(), "architectures": ["GPT2LMHeadModel"]})
+    shape = ModelShape.from_hf_config(_hf_model("qwen2", kv_heads=2, tied=True).config)
+    problems = " | ".join(w for w, _ in parallel_problems(shape, 4, 3))
+    assert "tensor 4 does not divide the model's 2 key/value heads" in problems
+    assert "pipeline 3 does not divide the model's 4 layers" in problems
+    assert "ties its input embedding" in problems
+
+
+def test_builtin_shapes_table_matches_the_models() -> None:
+    for name, (family, hidden, inter, layers, heads, kv, vocab) in BUILTIN_MEGATRON_SHAPES.items():
+        shape = ModelShape.from_hf_config(models.builtin_config(name))
+        got = (shape.family, shape.hidden, shape.intermediate, shape.layers, shape.heads,
+               shape.kv_heads, shape.vocab)  # fmt: skip
+        assert got == (family, hidden, inter, layers, heads, kv, vocab), name
+    assert set(BUILTIN_MEGATRON_SHAPES) == set(models.BUILTIN_MODELS)
+
+
+def test_identity_follows_megatron_rank_order() -> None:
+    # rank = tp + T * (cp + C * (dp + D * pp)), here T=2, C=1, D=2, P=2.
+    got = [identity("actor", r, 8, tensor=2, pipeline=2) for r in range(8)]
+    assert [(s.tp_rank, s.dp_rank, s.pp_rank) for s in got] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),
+    ]  # fmt: skip
+    assert all(s.dp_size == 2 and s.tp_size == 2 and s.pp_size == 2 for s in got)
+    assert [i for i, s in enumerate(got) if s.is_dp_leader] == [0]
+    assert _dp_leaders([s.__dict__ for s in got]) == [0, 2]
+    plain = identity("critic", 3, 4)
+    assert (plain.dp_rank, plain.dp_size, plain.tp_size) == (3, 4, 1)
+
+
+def test_left_aligned_gives_hf_positions() -> None:
+    batch = {
+        "prompt_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]]),
+        "prompt_mask": torch.tensor([[False, False, True, True], [True, True, True, True]]),
+        "response_ids": torch.tensor([[10, 11, 0], [12, 13, 1]]),
+    }
+    ids, index = left_aligned(batch)
+    assert ids.tolist() == [[5, 6, 10, 11, 0, 0, 0], [7, 8, 9, 4, 12, 13, 1]]
+    assert index.tolist() == [[1, 2, 3], [3, 4, 5]]  # the logits that predict each response token
+    ids4, _ = left_aligned(batch, pad_to=4)
+    assert ids4.shape == (2, 8)
+
+
+@pytest.mark.slow
+def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> None:
+    """TP 2, PP 2 and DP 2 (2 gloo processes) against HF and the torch backend, fp32."""
+    dirs = [str(models.materialize_builtin(n, 5, tmp_path / "cache"))
+            for n in ("tiny-llama", "tiny-qwen2")]  # fmt: skip
+    out = tmp_path / "parity.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")]),
+    }
+    cmd = [sys.executable, str(HERE / "megatron_cases.py"), str(out), *dirs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"tiny-llama-seed5/tp2", "tiny-llama-seed5/pp2",
+                            "tiny-llama-seed5/dp2", "tiny-qwen2-seed5/tp2"}  # fmt: skip
+    for name, r in results.items():
+        assert r["roundtrip_exact"] is True, name
+        assert r["logits_max_abs"] < 1e-5, (name, r)
+        assert r["logprobs_max_abs"] < 1e-5 and r["ref_logprobs_max_abs"] < 1e-5, (name, r)
+        assert r["values_max_abs"] < 1e-5, (name, r)
+        # The update moved the weights (by ~lr) and both backends moved them alike.
+        assert r["update_changed"] > 1e-3, (name, r)
+        assert r["update_weights_max_abs"] < 1e-5, (name, r)
+        assert r["critic_update_max_abs"] < 1e-5, (name, r)
+        m_norm, t_norm = r["grad_norm"]
+        assert abs(m_norm - t_norm) < 1e-5 * t_norm, (name, r)
+        assert r["resume_max_abs"] == 0.0, (name, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of megatron settings
+# ---------------------------------------------------------------------------------------------
+def _tiny(actor: dict, critic: dict | None = None, **model: str) -> TrainerConfig:
+    doc = {"model": {"path": "builtin:tiny-llama", **model}, "roles": {"actor": actor},
+           "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2}}  # fmt: skip
+    if critic is not None:
+        doc["roles"]["critic"] = critic
+    return TrainerConfig.model_validate(doc)
+
+
+def _paths(cfg: TrainerConfig) -> dict[str, str]:
+    return {p.path: f"{p.message} (fix: {p.fix})" for p in check_training_half(cfg)}
+
+
+MEG = {"replicas": 2, "backend": "megatron", "parallelism": {"tensor": 2}}
+COLOCATED = {"colocateWithActor": True, "backend": "megatron", "parallelism": {"tensor": 2}}
+
+
+def test_megatron_tensor_parallel_on_cpu_is_valid() -> None:
+    assert _paths(_tiny(MEG, COLOCATED)) == {}
+
+
+@pytest.mark.parametrize(
+    ("actor", "critic", "model", "path", "words"),
+    [
+        ({**MEG, "parallelism": {"context": 2}}, None, {}, "spec.roles.actor.parallelism.context",
+         "context parallelism needs GPUs"),
+        (MEG, None, {"dtype": "bfloat16"}, "spec.model.dtype", "set model.dtype: float32"),
+        ({**MEG, "replicas": 3, "parallelism": {"tensor": 3}}, None, {},
+         "spec.roles.actor.parallelism.tensor", "tensor 3 does not divide the 4 attention heads"),
+        ({**MEG, "parallelism": {"pipeline": 2}, "replicas": 4}, None,
+         {"path": "builtin:small-llama"}, "spec.roles.actor.parallelism.pipeline",
+         "pipeline 2 does not divide the 5 layers"),
+        (MEG, {**COLOCATED, "parallelism": {"tensor": 1}}, {}, "spec.roles.critic.parallelism",
+         "give the critic the actor's parallelism"),
+    ],
+)  # fmt: skip
+def test_megatron_settings_that_cannot_run_are_named(actor, critic, model, path, words) -> None:  # type: ignore[no-untyped-def]
+    problems = _paths(_tiny(actor, critic, **model))
+    assert path in problems, problems
+    assert words in problems[path]
