@@ -197,6 +197,10 @@ def test_megatron_tensor_parallel_on_cpu_is_valid() -> None:
          "pipeline 2 does not divide the 5 layers"),
         (MEG, {**COLOCATED, "parallelism": {"tensor": 1}}, {}, "spec.roles.critic.parallelism",
          "give the critic the actor's parallelism"),
+        ({**MEG, "parallelism": {"tensor": 2, "sequenceParallel": True}}, None, {},
+         "spec.roles.actor.parallelism.sequenceParallel", "use GPUs with tensor > 1"),
+        ({"parallelism": {"sequenceParallel": True}}, None, {},
+         "spec.roles.actor.parallelism.sequenceParallel", "torch backend has no sequence"),
     ],
 )  # fmt: skip
 def test_megatron_settings_that_cannot_run_are_named(actor, critic, model, path, words) -> None:  # type: ignore[no-untyped-def]

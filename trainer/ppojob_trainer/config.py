@@ -143,6 +143,11 @@ class Parallelism(_Model):
     context: int = Field(1, ge=1, le=64)
     """Context-parallel size (megatron backend)."""
 
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: split the activations outside the tensor-parallel layers
+    along the sequence over the tensor-parallel ranks (megatron backend on GPUs with Transformer
+    Engine installed; needs tensor > 1)."""
+
     @property
     def model_parallel(self) -> int:
         return self.tensor * self.pipeline * self.context
@@ -919,6 +924,13 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
             )
 
     p += check_megatron(half, prefix)
+    for name in ("actor", "critic", "rollout"):
+        spec = getattr(roles, name)
+        if spec is not None and spec.backend != "megatron" and spec.parallelism.sequence_parallel:
+            p.append(Problem(f"{path}.{name}.parallelism.sequenceParallel",
+                             f"the {spec.backend} backend has no sequence parallelism "
+                             "(only megatron has)",
+                             "remove it"))  # fmt: skip
 
     # --- batch sizes
     n = data.samples_per_step
@@ -1167,6 +1179,11 @@ def check_megatron(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                              "context parallelism needs GPUs (megatron-core runs it with "
                              "Transformer Engine's attention), but resources.gpus is 0",
                              "set context: 1, or give the role GPUs"))  # fmt: skip
+        if mp.sequence_parallel and (owner.resources.gpus == 0 or mp.tensor == 1):
+            p.append(Problem(f"{rpath}.parallelism.sequenceParallel",
+                             "sequence parallelism splits activations over tensor-parallel GPUs "
+                             f"(here tensor {mp.tensor}, {owner.resources.gpus} GPU(s) per pod)",
+                             "remove it, or use GPUs with tensor > 1"))  # fmt: skip
         if owner.resources.gpus == 0 and half.model.dtype != "float32":
             p.append(Problem(f"{prefix}.model.dtype",
                              f"the megatron backend on CPU ({rpath}) trains in float32",

@@ -39,6 +39,23 @@ from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, Value
 from .megatron_convert import ModelShape, hf_to_megatron, megatron_to_hf, parallel_problems
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+# Transformer Engine's layer spec fuses the norms into the following linear layers.
+TE_NORMS = [
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+]
+
+
+def _rename(sd: Mapping[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict:
+    """``sd`` with every key ending in a pair's first suffix ending in its second instead."""
+    out = {}
+    for k, v in sd.items():
+        for old, new in pairs:
+            if k.endswith(old):
+                k = k[: -len(old)] + new
+                break
+        out[k] = v
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +188,8 @@ class _Sharded:
 
     def _new_model(self, build_model: Callable[..., Any], hf: Mapping[str, torch.Tensor]) -> Any:
         model = build_model(self.shape, self.config, pre_process=self.first,
-                            post_process=self.last, value=self.value)  # fmt: skip
+                            post_process=self.last, value=self.value,
+                            role=self.shard.role)  # fmt: skip
         self._load_local(model, self._local_from_hf(hf))
         return model.to(self.device)
 
@@ -187,6 +205,8 @@ class _Sharded:
     def _load_local(model: Any, local: Mapping[str, torch.Tensor]) -> None:
         params = {k: v for k, v in model.state_dict(keep_vars=True).items()
                   if not k.endswith("_extra_state")}  # fmt: skip
+        if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
+            local = _rename(local, TE_NORMS)
         if set(params) != set(local):
             raise RuntimeError(
                 f"megatron conversion: model keys {sorted(set(params) ^ set(local))[:6]} do not "
@@ -235,6 +255,7 @@ class _Sharded:
             use_distributed_optimizer=True,
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
 
     @property
     def _train_module(self) -> Any:
@@ -481,7 +502,9 @@ class _Sharded:
         return megatron_to_hf([pieces], self.shape, value=self.value)
 
     def _local_weights(self, model: Any) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        """The shard's weights under the local layer spec's names."""
+        out = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        return _rename(out, [(b, a) for a, b in TE_NORMS])
 
     def gathered_weights(self) -> dict[str, torch.Tensor]:
         """HF-named weights on the role's leader ({} elsewhere). Every worker calls it."""
@@ -611,7 +634,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         self.m = _Sharded(
             Path(model_dir), cfg.model.dtype, shard, cfg.training, total_updates=total_updates,
             value=False, device=device, seed=cfg.training.seed,
-            sequence_parallel=getattr(cfg.roles.actor.parallelism, "sequence_parallel", False),
+            sequence_parallel=cfg.roles.actor.parallelism.sequence_parallel,
             frozen_copy=need_reference,
         )  # fmt: skip
         self.micro = cfg.training.micro_batch_size
@@ -691,7 +714,7 @@ class MegatronValueTrainer(ValueTrainer):
         self.m = _Sharded(
             Path(model_dir), cfg.model.dtype, shard, settings, total_updates=total_updates,
             value=True, device=device, seed=cfg.training.seed,
-            sequence_parallel=getattr(critic.parallelism, "sequence_parallel", False),
+            sequence_parallel=critic.parallelism.sequence_parallel,
         )  # fmt: skip
         self.micro = settings.micro_batch_size
 

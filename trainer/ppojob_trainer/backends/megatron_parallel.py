@@ -232,9 +232,10 @@ def transformer_config(
     )
 
 
-def layer_spec(config: Any) -> Any:
+def layer_spec(config: Any, role: str = "actor") -> Any:
     """Transformer Engine's layer spec where it is installed (GPU), else megatron-core's local
-    one (plain torch modules; what runs on the CPU)."""
+    one (plain torch modules; what runs on the CPU). Sequence parallelism needs Transformer
+    Engine (the local spec's torch norms refuse it)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if config.use_cpu_initialization is False:
@@ -244,6 +245,11 @@ def layer_spec(config: Any) -> Any:
             return specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
+    if config.sequence_parallel:
+        raise ValueError(
+            f"spec.roles.{role}.parallelism.sequenceParallel: needs Transformer Engine, which is "
+            f"not installed in this image; remove it or use an image with transformer-engine"
+        )
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
@@ -266,15 +272,16 @@ class ValueHead(torch.nn.Module):
 
 
 def build_model(
-    shape: ModelShape, config: Any, *, pre_process: bool, post_process: bool, value: bool
-) -> Any:
+    shape: ModelShape, config: Any, *, pre_process: bool, post_process: bool, value: bool,
+    role: str = "actor",
+) -> Any:  # fmt: skip
     """A megatron-core ``GPTModel`` for one pipeline stage (a value head on the last stage of a
     critic), with uninitialised weights (the caller loads converted ones)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, role),
         vocab_size=shape.vocab,
         max_sequence_length=shape.max_positions,
         pre_process=pre_process,
