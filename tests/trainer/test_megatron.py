@@ -96,6 +96,38 @@ def test_unsupported_architecture_and_layouts_are_named() -> None:
     assert "ties its input embedding" in problems
 
 
+def test_missing_megatron_core_names_the_field_and_the_extra(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ppojob_trainer.backends.megatron_parallel import _import
+
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"spec.roles.critic.backend: .*ppojob\[megatron\]"):
+        _import("critic")
+
+
+def test_rope_of_hf_and_megatron_agree_with_llama3_scaling() -> None:
+    """Llama 3.1/3.2's RoPE scaling maps onto megatron-core's ``rope_scaling``; others refused."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=16384,
+                         rope_scaling=rope, rope_theta=500000.0)  # fmt: skip
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.rope_scaling_factor, shape.rope_theta) == (32.0, 500000.0)
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0,
+                           rotary_base=int(shape.rope_theta), rope_scaling=True,
+                           rope_scaling_factor=shape.rope_scaling_factor,
+                           use_cpu_initialization=True).inv_freq  # fmt: skip
+    torch.testing.assert_close(ours, hf_inv.float(), rtol=1e-6, atol=0)
+    assert ModelShape.from_hf_config(LlamaConfig()).rope_scaling_factor is None
+    linear = LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"spec\.model\.path: RoPE scaling"):
+        ModelShape.from_hf_config(linear)
+
+
 def test_builtin_shapes_table_matches_the_models() -> None:
     for name, (family, hidden, inter, layers, heads, kv, vocab) in BUILTIN_MEGATRON_SHAPES.items():
         shape = ModelShape.from_hf_config(models.builtin_config(name))

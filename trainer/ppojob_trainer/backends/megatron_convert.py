@@ -32,6 +32,9 @@ import torch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# (low_freq_factor, high_freq_factor, original_max_position_embeddings) of the llama3 RoPE scaling
+# megatron-core 0.16 implements (RotaryEmbedding._apply_scaling's fixed values).
+LLAMA3_ROPE = (1.0, 4.0, 8192)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ModelShape:
     tied: bool
     max_positions: int
     pad_id: int | None = None  # HF's embedding ``padding_idx``: that row gets no gradient
+    rope_scaling_factor: float | None = None  # llama3-type RoPE scaling (megatron's rope_scaling)
 
     @classmethod
     def from_hf_config(cls, config: Any, field: str = "spec.model.path") -> ModelShape:
@@ -67,11 +71,25 @@ class ModelShape:
                 f"megatron backend (supported: {sorted(SUPPORTED_ARCHITECTURES)}); use backend "
                 f"torch for this model"
             )
-        scaling = c.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        # transformers >= 5 says rope_parameters; config.json files of older ones rope_scaling.
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        factor = None
+        if rope_type == "llama3" and (
+            float(rope.get("low_freq_factor", 0)), float(rope.get("high_freq_factor", 0)),
+            int(rope.get("original_max_position_embeddings", 0)),
+        ) == LLAMA3_ROPE:  # fmt: skip
+            factor = float(rope["factor"])  # megatron-core's rope_scaling (Llama 3.1 / 3.2)
+        elif rope_type != "default":
             raise ValueError(
-                f"{field}: rope_scaling {scaling!r} is not supported by the megatron backend's "
-                f"conversion; use backend torch for this model"
+                f"{field}: RoPE scaling {rope!r} is not supported by the megatron backend (it "
+                f"supports none, and llama3 with low/high frequency factors 1 and 4 over 8192 "
+                f"positions); use backend torch for this model"
+            )
+        if c.get("use_sliding_window"):
+            raise ValueError(
+                f"{field}: sliding-window attention is not supported by the megatron backend; "
+                f"use backend torch for this model"
             )
         heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
@@ -85,9 +103,8 @@ class ModelShape:
             head_dim=int(c.get("head_dim") or hidden // heads),
             vocab=int(c["vocab_size"]),
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(
-                c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
+            rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling_factor=factor,
             qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
             tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=int(c.get("max_position_embeddings", 4096)),

@@ -26,13 +26,16 @@ from .base import ShardIdentity
 from .megatron_convert import ModelShape
 
 
-def _import() -> Any:
-    from . import missing_backend
-
+def _import(role: str) -> Any:
     try:
         from megatron.core import parallel_state
     except ImportError:
-        raise missing_backend("megatron", "megatron-core", "spec.roles.actor.backend") from None
+        raise ImportError(
+            f"spec.roles.{role}.backend: backend 'megatron' needs the 'megatron-core' package, "
+            f"which is not installed in this image; install it (pip install "
+            f"'ppojob[megatron]', CPU or GPU; the trainer image built with the gpu extra has "
+            f"it), or set the backend to torch"
+        ) from None
     return parallel_state
 
 
@@ -120,7 +123,7 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
     """
     import torch.distributed as dist
 
-    ps = _import()
+    ps = _import(shard.role)
     sizes = (shard.tp_size, shard.pp_size, shard.cp_size, shard.dp_size)
     world = shard.tp_size * shard.pp_size * shard.cp_size * shard.dp_size
     if not dist.is_initialized():
@@ -290,6 +293,8 @@ def build_model(
         share_embeddings_and_output_weights=shape.tied and not value,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
     )
     if value and post_process:
         model.output_layer = ValueHead(shape.hidden, config.params_dtype, config.sequence_parallel)
