@@ -7,7 +7,10 @@ step whose mean reward reached the threshold, the training time until then (`ela
 Ray start-up, placement, megatron-core start-up and model conversion included), the set-up
 time and the whole process's wall time.
 
+``--backend torch`` runs the same 2-worker layout on the torch backend (data parallel 2).
+
 Usage: python bench/megatron_tiny.py [--seeds 1] [--threshold 0.9] [--steps 500]
+       [--backend megatron|torch]
 """
 
 from __future__ import annotations
@@ -22,17 +25,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppojob-tiny.yaml"
-MEGATRON = [
-    "roles.actor={replicas: 2, backend: megatron, parallelism: {tensor: 2},"
-    " resources: {cpus: 1, memory: 2Gi}}",
-    "roles.critic={colocateWithActor: true, backend: megatron, parallelism: {tensor: 2}}",
-]
+LAYOUTS = {
+    # 2 workers, tensor parallel 2 (data parallel 1), megatron actor and critic.
+    "megatron": [
+        "roles.actor={replicas: 2, backend: megatron, parallelism: {tensor: 2},"
+        " resources: {cpus: 1, memory: 2Gi}}",
+        "roles.critic={colocateWithActor: true, backend: megatron, parallelism: {tensor: 2}}",
+    ],
+    # The same 2 workers on the torch backend (data parallel 2), for comparison.
+    "torch": ["roles.actor={replicas: 2, resources: {cpus: 1, memory: 2Gi}}"],
+}
 
 
-def run_one(seed: int, steps: int, threshold: float, out: Path) -> dict[str, float | None]:
+def run_one(
+    seed: int, steps: int, threshold: float, out: Path, backend: str = "megatron"
+) -> dict[str, float | None]:
     cmd = [sys.executable, "-m", "ppojob_trainer.cli", "run", str(EXAMPLE), "--out", str(out),
            "--seed", str(seed), "--steps", str(steps), "--no-progress"]  # fmt: skip
-    for s in MEGATRON:
+    for s in LAYOUTS[backend]:
         cmd += ["--set", s]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -58,14 +68,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--backend", choices=sorted(LAYOUTS), default="megatron",
+                        help="torch: the same 2 workers, data parallel")  # fmt: skip
     args = parser.parse_args()
-    print(f"megatron TP2 actor + critic, time to mean reward >= {args.threshold} "
+    what = "megatron TP2" if args.backend == "megatron" else "torch DP2"
+    print(f"{what} actor + critic, time to mean reward >= {args.threshold} "
           f"({EXAMPLE.name}, {args.steps} steps max)")  # fmt: skip
     print(f"{'seed':>4} {'first':>6} {'step':>5} {'seconds':>8} {'setup s':>8} {'s/step':>7} "
           f"{'final':>6} {'wall s':>7}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            r = run_one(seed, args.steps, args.threshold, Path(tmp) / f"seed-{seed}")
+            r = run_one(seed, args.steps, args.threshold, Path(tmp) / f"seed-{seed}", args.backend)
             secs = r["seconds"]
             shown = f"{secs:8.1f}" if secs is not None else "   never"
             print(f"{seed:>4} {r['first']:6.3f} {r['step'] or '-':>5} {shown} {r['setup']:8.1f} "

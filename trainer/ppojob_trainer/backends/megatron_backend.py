@@ -150,7 +150,7 @@ class _Sharded:
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
 
-        hf = self._load_hf(model_dir, seed)
+        hf = self._load_hf(model_dir, seed, dtype_name)
         self.model = self._new_model(build_model, hf)
         self.reference = None
         if frozen_copy:
@@ -172,14 +172,14 @@ class _Sharded:
             )
 
     # -- construction --------------------------------------------------------------------------
-    def _load_hf(self, model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-        """The HF state dict (critic: backbone + a value head initialised as the torch
-        backend's, so both backends start from the same critic)."""
+    def _load_hf(self, model_dir: Path, seed: int, dtype: str) -> dict[str, torch.Tensor]:
+        """The HF state dict in the training dtype, on the CPU (critic: backbone + a value head
+        initialised as the torch backend's, so both backends start from the same critic)."""
         from ..models import load_causal_lm, load_value_model
 
         if not self.value:
-            return load_causal_lm(model_dir, "float32").state_dict()
-        vm = load_value_model(model_dir, "float32", seed=seed)
+            return load_causal_lm(model_dir, dtype).state_dict()
+        vm = load_value_model(model_dir, dtype, seed=seed)
         sd = {("model." + k[len("backbone.") :]): v for k, v in vm.state_dict().items()
               if k.startswith("backbone.")}  # fmt: skip
         sd["value_head.weight"] = vm.value_head.weight.detach()
