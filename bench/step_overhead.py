@@ -146,7 +146,7 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
         batch["advantages"], batch["returns"] = A.compute_advantages(
             "gae", token_rewards=rewards, scores=batch["scores"], values=batch["values"],
             mask=batch["response_mask"], group_ids=batch["group_ids"], gamma=algo.gamma,
-            lam=algo.lam, whiten=algo.normalize_advantages,
+            lam=algo.lam, whiten=algo.whitens_advantages,
         )  # fmt: skip
         lap("prepare")
         for _ in range(algo.critic_updates_per_step * cfg.critic_training().ppo_epochs):

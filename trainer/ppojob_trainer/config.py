@@ -35,6 +35,8 @@ them; a test keeps the two in step)."""
 BUILTIN_TASKS = ("count-up", "reverse")
 ESTIMATORS_WITHOUT_CRITIC = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 GROUP_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline", "rloo")
+# Estimators whose advantages are whitened over the step's tokens when normalizeAdvantages is unset
+WHITENING_BY_DEFAULT = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class _Model(BaseModel):
@@ -320,11 +322,13 @@ class Algorithm(_Model):
     entropy_coefficient: float = Field(0.0, ge=0)
     """Weight of the entropy bonus in the policy loss."""
 
-    normalize_advantages: bool = True
-    """Whiten the final advantages over the whole step's response tokens (across data-parallel
-    workers) before the update, for every estimator and for a customAdvantageFunction;
-    estimators whose definition already whitens (gae, reinforce_plus_plus,
-    reinforce_plus_plus_baseline) do it once, not twice. false: no whitening at all."""
+    normalize_advantages: bool | None = None
+    """Whiten the final advantages over the whole step's response tokens (every data-parallel
+    worker's) before the update. Unset: on for `gae`, `reinforce_plus_plus` and
+    `reinforce_plus_plus_baseline` (their definitions whiten), off for `grpo` and `rloo` (already
+    normalised within each prompt group; whitening again over tokens can flip signs and undoes
+    grpoNormByStd: false) and for a customAdvantageFunction. true or false is honoured for every
+    estimator; whitening happens once, never twice."""
 
     grpo_norm_by_std: bool = True
     """For `grpo`: divide by the group's reward standard deviation (false gives Dr. GRPO)."""
@@ -347,6 +351,15 @@ class Algorithm(_Model):
     @property
     def needs_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def whitens_advantages(self) -> bool:
+        """normalizeAdvantages as set, or its estimator-dependent default when unset."""
+        if self.normalize_advantages is not None:
+            return self.normalize_advantages
+        if self.custom_advantage_function is not None:
+            return False
+        return self.advantage_estimator in WHITENING_BY_DEFAULT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """User hooks: load ``module:function`` paths, run a custom advantage function, check rewards.
 
-Custom advantage functions receive one tensor per sample, covering that sample's *response
-span*: from its first to its last response position (mask nonzero), both included, so
+A custom advantage function is called once per step with *every* sample of the step, in sample
+order, so each prompt's group is whole (as for the built-in group estimators), whatever the
+number of data-parallel workers; each worker keeps its own rows of the result. It receives one
+tensor per sample, covering that sample's *response span*: from its first to its last response
+position (mask nonzero), both included, so
 ``L_i = last - first + 1``. Masked-out positions inside the span (rare) are included and marked
 0 in ``response_masks[i]``; a sample with no response token gets empty tensors (``L_i = 0``).
 The function is called with keyword arguments::

@@ -9,7 +9,7 @@ again as ObjectRefs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 from .. import algorithms as A
 from ..backends.base import PolicyTrainer, ShardIdentity
-from ..config import TrainerConfig
+from ..config import Algorithm, TrainerConfig
 from .group import overlap, shard_range
 from .rollout import cat_batches, pack_weights, slice_batch
 
@@ -120,6 +120,72 @@ def planned_updates(cfg: TrainerConfig, role: str) -> int:
     return total
 
 
+def step_advantages(
+    algo: Algorithm, custom: Callable[..., Any] | None, *, token_rewards: torch.Tensor,
+    values: torch.Tensor | None, mask: torch.Tensor, scores: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Advantages and returns of a whole step ([N, T] inputs, every sample of the step).
+
+    The custom function (``customAdvantageFunction``) or the estimator sees every sample, so
+    prompt groups are whole; whitening (``normalizeAdvantages``, resolved per estimator by
+    :attr:`Algorithm.whitens_advantages`) is done once, over the step's response tokens.
+    """
+    common = dict(token_rewards=token_rewards, scores=scores, values=values, mask=mask,
+                  group_ids=group_ids, gamma=algo.gamma, lam=algo.lam)  # fmt: skip
+    whiten = algo.whitens_advantages
+    if custom is not None:
+        adv, ret = A.run_custom_advantage(custom, **common)
+        return (A.masked_whiten(adv, mask.bool()) if whiten else adv), ret
+    name = algo.advantage_estimator
+    options: dict[str, Any] = {}
+    if name == "grpo":
+        options["norm_by_std"] = algo.grpo_norm_by_std
+    # Estimators whose definition whitens take the switch; the others are whitened here.
+    own_switch = WHITENING_ESTIMATORS.get(name)
+    if own_switch is not None:
+        options[own_switch] = whiten
+    adv, ret = A.compute_advantages(name, **common, **options)
+    if own_switch is None and whiten:
+        adv = A.masked_whiten(adv, mask.bool())
+    return adv, ret
+
+
+def gather_rows(local: torch.Tensor, width: int, group: Any) -> torch.Tensor:
+    """The rows of every data-parallel worker of ``group``, in rank order (rank r holds the
+    samples ``shard_range(N, dp, r)``), each padded with zeros to ``width`` columns."""
+    local = torch.nn.functional.pad(local.cpu(), (0, width - local.shape[1]))
+    if group is None:
+        return local
+    import torch.distributed as dist
+
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, local, group=group)
+    return torch.cat(pieces, 0)
+
+
+def shard_advantages(
+    algo: Algorithm, custom: Callable[..., Any] | None, full: Mapping[str, torch.Tensor],
+    lo: int, hi: int, token_rewards: torch.Tensor, values: torch.Tensor | None, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """This worker's rows ``lo:hi`` of the whole step's advantages and returns.
+
+    ``full``: the step's ``response_mask``, ``scores`` and ``group_ids`` (all samples);
+    ``token_rewards`` and ``values``: this worker's rows (its own KL term is in its token
+    rewards). Every worker of ``group`` calls this in the same phase: the per-token inputs are
+    gathered, each worker computes the whole step's advantages and keeps its rows, so the result
+    does not depend on the data-parallel size.
+    """
+    mask = full["response_mask"]
+    width = mask.shape[1]
+    tr = gather_rows(token_rewards, width, group)
+    vals = None if values is None else gather_rows(values, width, group)
+    adv, ret = step_advantages(algo, custom, token_rewards=tr, values=vals, mask=mask,
+                               scores=full["scores"], group_ids=full["group_ids"])  # fmt: skip
+    local_width = token_rewards.shape[1]
+    return adv[lo:hi, :local_width], ret[lo:hi, :local_width]
+
+
 class ActorWorker:
     """Role logic of one actor (policy) worker."""
 
@@ -175,26 +241,12 @@ class ActorWorker:
         token_rewards = A.shape_token_rewards(
             batch["scores"], mask, reward_kl, kl_coef if reward_kl is not None else 0.0
         )
-        common = dict(gamma=algo.gamma, lam=algo.lam)
-        # normalizeAdvantages: whiten the final advantages over the whole step's response tokens
-        # (every data-parallel worker's), exactly once. GAE and the REINFORCE++ estimators whiten
-        # that way themselves when asked (``whiten``); the outcome estimators run over the whole
-        # step (see _outcome_advantages); a custom function's output is whitened here.
-        if self.custom is not None:
-            adv, ret = A.run_custom_advantage(
-                self.custom, token_rewards=token_rewards, scores=batch["scores"], values=values,
-                mask=mask, group_ids=batch["group_ids"], **common,
-            )  # fmt: skip
-            if algo.normalize_advantages:
-                adv = self._whiten_over_dp(adv, mask.bool())
-        elif algo.advantage_estimator == "gae":
-            adv, ret = A.compute_advantages(
-                "gae", token_rewards=token_rewards, scores=batch["scores"], values=values,
-                mask=mask, group_ids=batch["group_ids"], whiten=algo.normalize_advantages,
-                whiten_group=self.group, **common,
-            )  # fmt: skip
-        else:
-            adv, ret = self._outcome_advantages(parts, batch, token_rewards)
+        # Advantages over the whole step: every worker sees whole prompt groups and the same
+        # numbers, whatever the data-parallel size (shard_advantages gathers the token rewards).
+        n = self.cfg.data.samples_per_step
+        full = batch if (lo, hi) == (0, n) else fetch_range(parts, 0, n)
+        adv, ret = shard_advantages(algo, self.custom, full, lo, hi, token_rewards, values,
+                                    self.group)  # fmt: skip
         batch["advantages"], batch["returns"] = adv, ret
         self.batch = batch
         metrics["adv_abs_sum"] = float((adv.abs() * mask).sum())
@@ -227,45 +279,6 @@ class ActorWorker:
         values = torch.cat(pieces, 0)
         self.received_values = values
         return values
-
-    def _outcome_advantages(
-        self, parts: Sequence[Part], batch: dict[str, torch.Tensor], token_rewards: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outcome estimators compare samples of a prompt group: run them over the whole step
-        (scores and masks only) and keep this worker's rows."""
-        algo = self.cfg.algorithm
-        name = algo.advantage_estimator
-        n = self.cfg.data.samples_per_step
-        lo, hi = self.range
-        if (lo, hi) == (0, n):
-            full, tr = batch, token_rewards
-        else:
-            full = fetch_range(parts, 0, n)
-            tr = A.shape_token_rewards(full["scores"], full["response_mask"])
-            tr[lo:hi] = token_rewards
-        mask = full["response_mask"]
-        options: dict[str, Any] = {}
-        if name == "grpo":
-            options["norm_by_std"] = algo.grpo_norm_by_std
-        # Estimators whose definition whitens take the switch (and whiten once, over this whole
-        # step); the others are whitened here, over the whole step too, when it is on.
-        self_whitening = WHITENING_ESTIMATORS.get(name)
-        if self_whitening is not None:
-            options[self_whitening] = algo.normalize_advantages
-        adv, ret = A.compute_advantages(
-            name, token_rewards=tr, scores=full["scores"], values=None, mask=mask,
-            group_ids=full["group_ids"], gamma=algo.gamma, lam=algo.lam, **options,
-        )  # fmt: skip
-        if self_whitening is None and algo.normalize_advantages:
-            adv = A.masked_whiten(adv, mask.bool())
-        return adv[lo:hi], ret[lo:hi]
-
-    def _whiten_over_dp(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Whiten this worker's advantages with the statistics of every data-parallel worker's
-        (all of them call this in the same phase)."""
-        if self.group is None:
-            return A.masked_whiten(adv, mask)
-        return A.distributed_masked_whiten(adv, mask, group=self.group)
 
     # -- step phase 2: PPO updates -------------------------------------------------------------
     def train(self, step: int) -> dict[str, float]:
