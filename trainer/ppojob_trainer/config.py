@@ -344,6 +344,13 @@ class Algorithm(_Model):
     critic_updates_per_step: int = Field(1, ge=1, le=100)
     """Critic training passes per step."""
 
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: weigh each token's policy loss by min(pi_old / pi_rollout,
+    tisCap), where pi_rollout is the engine's sampling log-prob and pi_old the actor's
+    recomputed one, to correct for rollout engines whose numerics differ from the trainer's
+    (as verl and slime offer; 2 is a common cap). Unset: no correction. Every step reports the
+    mismatch as rollout/logprob_diff_mean and rollout/logprob_diff_max either way."""
+
     custom_advantage_function: str | None = Field(None, pattern=HOOK_PATTERN)
     """`module:function` computing advantages and returns instead of the estimator; loaded in the
     trainer only. See the trainer guide for its arguments."""
@@ -398,7 +405,8 @@ class DataSpec(_Model):
     """Sampling temperature."""
 
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold. Below 1 the policy (pi_old, the trained policy and the
+    reference) is the top-p truncated distribution the engines sample from."""
 
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by spec.training.seed)."""

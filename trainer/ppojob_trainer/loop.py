@@ -294,6 +294,11 @@ class PPOTrainer:
             out["kl/mean"] = sum(p[1].get("kl_sum", 0.0) for p in prep) / n
         tokens = sum(p[1]["tokens"] for p in prep)
         out["advantage/abs_mean"] = sum(p[1]["adv_abs_sum"] for p in prep) / max(tokens, 1.0)
+        # |engine sampling log-prob - actor recomputed log-prob| on the same tokens
+        out["rollout/logprob_diff_mean"] = sum(p[1]["logprob_diff_sum"] for p in prep) / max(
+            tokens, 1.0
+        )
+        out["rollout/logprob_diff_max"] = max(p[1]["logprob_diff_max"] for p in prep)
         for group in (critic_m, actor_m):
             if group:
                 for key in group[0]:

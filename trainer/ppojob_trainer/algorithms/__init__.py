@@ -24,6 +24,7 @@ from .losses import (
     policy_loss,
     value_loss,
 )
+from .sampling import nucleus_mask, rollout_is_weights, sampling_logprobs
 from .schedule import StepPlan, plan_step
 from .stats import distributed_masked_whiten, masked_mean, masked_var, masked_whiten
 
@@ -49,10 +50,13 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "nucleus_mask",
     "plan_step",
     "policy_loss",
     "register_advantage_estimator",
+    "rollout_is_weights",
     "run_custom_advantage",
+    "sampling_logprobs",
     "shape_token_rewards",
     "validate_rewards",
     "value_loss",

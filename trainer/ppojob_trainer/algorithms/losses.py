@@ -109,6 +109,7 @@ def policy_loss(
     *,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (to minimise), with asymmetric and dual clipping.
 
@@ -124,6 +125,9 @@ def policy_loss(
     was selected, i.e. strictly larger), ``dual_clip_frac`` (share where the dual clip bound
     was applied), ``approx_kl`` (mean of ``old_logprobs - logprobs``, the k1 estimate of
     KL(old || new)) and, with an entropy, ``entropy``.
+    ``weights`` [B, T] (no gradient), when given, multiply each token's loss ``l`` before
+    aggregation (truncated importance sampling, see :func:`~.sampling.rollout_is_weights`);
+    metric ``is_weight_mean``: their mean over response tokens.
     Raises ``ValueError`` on mismatched shapes, an empty mask, negative clips or ``clip_low >=
     1``, ``dual_clip <= 1`` or an unknown ``agg``.
     """
@@ -139,6 +143,8 @@ def policy_loss(
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
     if entropy is not None:
         tensors["entropy"] = entropy
+    if weights is not None:
+        tensors["weights"] = weights
     m = _check_same(fn, mask, **tensors)
 
     log_ratio = _zero(logprobs - old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -156,6 +162,10 @@ def policy_loss(
     else:
         metrics["dual_clip_frac"] = torch.zeros((), dtype=torch.float32)
     metrics["approx_kl"] = (_zero(-log_ratio, m).sum() / m.sum()).detach().to(torch.float32)
+    if weights is not None:
+        w = _zero(weights.detach(), m)
+        loss_mat = loss_mat * w
+        metrics["is_weight_mean"] = (w.sum() / m.sum()).to(torch.float32)
     loss = _agg(loss_mat, m, agg)
     if entropy is not None:
         ent = _agg(entropy, m, agg)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..algorithms.sampling import sampling_logprobs
 from ..config import TrainingSettings
 from ..models import load_causal_lm, load_value_model
 from .base import (
@@ -48,10 +49,13 @@ def full_inputs(
     return ids, attn, pos, prompt_ids.shape[1]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probs of ``tokens`` under ``softmax(logits / temperature)``, in float32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
+    """Log-probs of ``tokens`` under the sampling distribution: ``softmax(logits / temperature)``
+    truncated to the ``top_p`` nucleus (:func:`~ppojob_trainer.algorithms.sampling_logprobs`),
+    in float32."""
+    return sampling_logprobs(logits, tokens, temperature, top_p)
 
 
 def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -305,7 +309,9 @@ class TorchGenerationEngine(GenerationEngine):
             tok = torch.where(alive, tok, self.pad_id)
             tokens[:, t] = tok
             mask[:, t] = alive
-            logps[:, t] = torch.where(alive, logp_all.gather(1, tok[:, None]).squeeze(1), 0.0)
+            # the log-prob under the distribution sampled from (top-p truncated): pi_old's
+            logp_tok = sampling_logprobs(logits, tok, temperature, top_p)
+            logps[:, t] = torch.where(alive, logp_tok, 0.0)
             done = done | torch.isin(tok, self.stop_ids)
             if t == max_new_tokens - 1 or bool(done.all()):
                 break
@@ -363,6 +369,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         *,
         total_updates: int,
         temperature: float,
+        top_p: float = 1.0,
         need_reference: bool,
         need_entropy: bool = True,
         entropy_grad: bool = False,
@@ -381,6 +388,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             self.reference = load_causal_lm(model_dir, dtype).to(self.device).eval()
             self.reference.requires_grad_(False)
         self.temperature = temperature
+        self.top_p = top_p  # pi_old and pi_theta are the top-p truncated sampling distribution
         self.need_entropy = need_entropy
         self.entropy_grad = entropy_grad
         self.opt = _Optimised(self.model, settings, total_updates, group, dp_size)
@@ -406,7 +414,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         with _eval_mode(model):  # old/ref log-probs without dropout; training uses train mode
             logits = self._forward(model, batch)
         tokens = batch["response_ids"].to(self.device)
-        return token_logprobs(logits, tokens, self.temperature).cpu()
+        return token_logprobs(logits, tokens, self.temperature, self.top_p).cpu()
 
     def update(
         self,
@@ -418,7 +426,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             logits = self._forward(self.model, micro)
             tokens = micro["response_ids"].to(self.device)
-            logp = token_logprobs(logits, tokens, self.temperature)
+            logp = token_logprobs(logits, tokens, self.temperature, self.top_p)
             ent = None
             if self.need_entropy and self.entropy_grad:
                 ent = entropy(logits, self.temperature)

@@ -74,6 +74,7 @@ def make_policy_trainer(
         cfg.training,
         total_updates=total_updates,
         temperature=cfg.data.temperature,
+        top_p=cfg.data.top_p,
         need_reference=need_ref,
         need_entropy=True,
         entropy_grad=cfg.algorithm.entropy_coefficient > 0,
@@ -164,6 +165,16 @@ def gather_rows(local: torch.Tensor, width: int, group: Any) -> torch.Tensor:
     return torch.cat(pieces, 0)
 
 
+def logprob_mismatch(
+    rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """|engine sampling log-prob - actor recomputed log-prob| on the response tokens, as a sum
+    and a max (the loop reports ``rollout/logprob_diff_mean`` and ``_max`` over the step)."""
+    m = mask.bool()
+    diff = torch.where(m, (rollout_logprobs.float() - old_logprobs.float()).abs(), 0.0)
+    return {"logprob_diff_sum": float(diff.sum()), "logprob_diff_max": float(diff.max())}
+
+
 def shard_advantages(
     algo: Algorithm, custom: Callable[..., Any] | None, full: Mapping[str, torch.Tensor],
     lo: int, hi: int, token_rewards: torch.Tensor, values: torch.Tensor | None, group: Any,
@@ -226,7 +237,7 @@ class ActorWorker:
         batch = fetch_range(parts, lo, hi)
         mask = batch["response_mask"]
         batch["old_logprobs"] = self.trainer.logprobs(batch)
-        metrics: dict[str, float] = {}
+        metrics = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
         kl = None
         if algo.kl.coefficient > 0:
             batch["ref_logprobs"] = self.trainer.logprobs(batch, reference=True)
@@ -293,14 +304,20 @@ class ActorWorker:
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
         micro = tr.micro_batch_size or mini
         kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"
+        tis_cap = algo.tis_cap
 
         def loss_fn(
             logp: torch.Tensor, ent: torch.Tensor | None, mb: Mapping[str, torch.Tensor]
         ) -> tuple[torch.Tensor, dict[str, float]]:
+            weights = None
+            if tis_cap is not None:  # truncated importance sampling: pi_old / pi_rollout
+                weights = A.rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],
+                                               tis_cap).to(logp.device)  # fmt: skip
             loss, m = A.policy_loss(
                 logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
                 algo.clip_range_low, algo.clip_range_high, algo.dual_clip,
                 agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
+                weights=weights,
             )  # fmt: skip
             metrics = {f"actor/{k}": float(v) for k, v in m.items()}
             metrics["actor/pg_loss"] = float(loss.detach())
