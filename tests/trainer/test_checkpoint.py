@@ -142,6 +142,9 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
         def __init__(self, cfg):
             self.cfg, self.restored = cfg, None
 
+        def fingerprint(self):
+            return config_fingerprint(self.cfg)
+
         def restore(self, state):
             self.restored = state
             return int(state["step"])
@@ -159,3 +162,41 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
     assert "spec.data.rolloutBatchSize: 4 in the checkpoint, 8 now" in msg
     assert "spec.model.path" not in msg and "checkpointDir" in msg and "resume: false" in msg
     assert other.restored is None
+
+
+def test_a_changed_dataset_is_detected_on_resume(tmp_path: Path) -> None:
+    """Same settings, same file name, other prompts: the checkpoint's data order is meaningless
+    for them, so resuming fails naming the prompt source."""
+    from ppojob_trainer.checkpoint import config_fingerprint
+    from ppojob_trainer.loop import _resume
+    from ppojob_trainer.tasks import make_task
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    cfg = _cfg()
+    cfg.data.prompts, cfg.data.reward_function = str(data), "m:f"
+
+    class Trainer:
+        def __init__(self, cfg):
+            self.cfg, self.task = cfg, make_task(cfg.data.prompts)
+
+        def fingerprint(self):
+            return config_fingerprint(self.cfg, self.task.digest())
+
+        def restore(self, state):
+            return int(state["step"])
+
+    ckpts = tmp_path / "ckpt"
+    save_checkpoint(ckpts, 2, {"step": 2, "fingerprint": Trainer(cfg).fingerprint()}, 2)
+    assert _resume(Trainer(cfg), ckpts) == 2  # unchanged data resumes
+
+    data.write_text('{"prompt": "a"}\n{"prompt": "c"}\n')
+    with pytest.raises(CheckpointError, match=r"spec\.data\.prompts \(content sha256\)"):
+        _resume(Trainer(cfg), ckpts)
+
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    moved = _cfg()
+    moved.data.prompts, moved.data.reward_function = str(other), "m:f"
+    with pytest.raises(CheckpointError, match=r"spec\.data\.prompts: '"):
+        _resume(Trainer(moved), ckpts)

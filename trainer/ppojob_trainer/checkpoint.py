@@ -187,13 +187,17 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int)
 # ---------------------------------------------------------------------------------------------
 # What must not change across a resume
 # ---------------------------------------------------------------------------------------------
-def config_fingerprint(cfg: Any) -> dict[str, Any]:
+def config_fingerprint(cfg: Any, prompts_digest: str | None = None) -> dict[str, Any]:
     """The settings a checkpoint is only valid under (a ``TrainerConfig``), by spec path: the
-    model, every role's worker count, the data batch sizes, the seed and the estimator. Stored in
-    each checkpoint as ``fingerprint`` and compared on resume (:func:`check_fingerprint`)."""
+    model, every role's worker count, the prompt source (and ``prompts_digest``, a digest of the
+    prompts it holds: :meth:`Task.digest`), the data batch sizes, the seed and the estimator.
+    Stored in each checkpoint as ``fingerprint`` and compared on resume
+    (:func:`check_fingerprint`)."""
     roles, data, algo = cfg.roles, cfg.data, cfg.algorithm
     has_critic = roles.effective_critic(algo.needs_critic) is not None
     return {
+        "spec.data.prompts": data.prompts,
+        "spec.data.prompts (content sha256)": prompts_digest,
         "spec.model.path": cfg.model.path,
         "spec.model.criticPath": cfg.model.critic_path,
         "spec.roles.actor (workers)": roles.workers_of("actor"),

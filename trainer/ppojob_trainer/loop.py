@@ -312,14 +312,16 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------
     def state(self, step: int) -> dict[str, Any]:
         """Checkpoint state: trainer states of the actor (and critic) leaders and driver state."""
-        from .checkpoint import config_fingerprint
+        import ray
 
         state: dict[str, Any] = {
             "step": step,
-            "fingerprint": config_fingerprint(self.cfg),
+            "fingerprint": self.fingerprint(),
             "actor": self._leader_state("actor"),
             "data_rng": self.data_rng.getstate(),
             "kl_coef": self.kl_ctl.value,
+            # every worker process's generators (dropout, sampling helpers), in host order
+            "rng": ray.get([h.rng_state.remote() for h in self.all_hosts]),
         }
         if self.has_critic:
             state["critic"] = self._leader_state("critic")
@@ -337,6 +339,12 @@ class PPOTrainer:
             return ray.get([h.get_state.remote(role) for h in hosts])[0]
         return ray.get(hosts[0].get_state.remote(role))
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings and the prompt data a checkpoint of this run depends on."""
+        from .checkpoint import config_fingerprint
+
+        return config_fingerprint(self.cfg, self.task.digest())
+
     def restore(self, state: dict[str, Any]) -> int:
         """Load a checkpoint into every worker; returns the number of steps already done."""
         import ray
@@ -344,6 +352,12 @@ class PPOTrainer:
         waits = [h.set_state.remote("actor", state["actor"]) for h in self.hosts["actor"]]
         if self.has_critic and "critic" in state:
             waits += [h.set_state.remote("critic", state["critic"]) for h in self.hosts["critic"]]
+        rng = state.get("rng")
+        if rng is not None and len(rng) == len(self.all_hosts):
+            waits += [h.set_rng_state.remote(r) for h, r in zip(self.all_hosts, rng, strict=True)]
+        else:
+            log.warning("checkpoint holds no RNG state for these %d worker processes; "
+                        "resuming with fresh generators", len(self.all_hosts))  # fmt: skip
         ray.get(waits)
         # Every actor worker exports (a collective on the megatron backend); the first leads.
         exported = [h.export_weights.remote() for h in self.hosts["actor"]]
@@ -443,19 +457,14 @@ def _save(trainer: PPOTrainer, ckpt_dir: Path, step: int, keep: int) -> str | No
 
 
 def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
-    from .checkpoint import (
-        check_fingerprint,
-        config_fingerprint,
-        latest_checkpoint,
-        load_checkpoint,
-    )
+    from .checkpoint import check_fingerprint, latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         return 0
     log.info("resuming from %s", path)
     state = load_checkpoint(path)
-    check_fingerprint(state.get("fingerprint"), config_fingerprint(trainer.cfg), path)
+    check_fingerprint(state.get("fingerprint"), trainer.fingerprint(), path)
     return trainer.restore(state)
 
 

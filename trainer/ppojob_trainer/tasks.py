@@ -18,6 +18,7 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -85,6 +86,11 @@ class Task:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned."""
 
+    def digest(self) -> str:
+        """Identifies the prompts (a checkpoint's data position is only valid for the same
+        ones): built-in tasks by name, datasets by a digest of their examples."""
+        return f"builtin:{self.name}"
+
 
 class CountUpTask(Task):
     name = "count-up"
@@ -121,6 +127,7 @@ class DatasetTask(Task):
         self.name = name
         self._order: list[int] = []
         self._pos = 0
+        self._digest: str | None = None
 
     def sample(self, n: int, rng: random.Random) -> list[Example]:
         out = []
@@ -136,6 +143,15 @@ class DatasetTask(Task):
 
     def state(self) -> dict[str, Any]:
         return {"order": list(self._order), "pos": self._pos}
+
+    def digest(self) -> str:
+        if self._digest is None:
+            h = hashlib.sha256()
+            for e in self.examples:
+                h.update(json.dumps([e.prompt, e.label], sort_keys=True, default=str).encode())
+                h.update(b"\n")
+            self._digest = h.hexdigest()
+        return self._digest
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._order, self._pos = list(state.get("order", [])), int(state.get("pos", 0))

@@ -181,6 +181,17 @@ class WorkerHost:
     def set_state(self, role: str, state: dict[str, Any]) -> None:
         getattr(self, role).trainer.load_state_dict(state)
 
+    def rng_state(self) -> dict[str, Any]:
+        """This process's Python, numpy and torch (CPU and CUDA) generator states."""
+        from ..checkpoint import capture_rng_state
+
+        return capture_rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        from ..checkpoint import restore_rng_state
+
+        restore_rng_state(state)
+
     def received_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample indices, values) the actor received at the last step (tests only)."""
         return self.actor.batch["sample_idx"], self.actor.received_values
