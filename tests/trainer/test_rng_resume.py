@@ -41,6 +41,7 @@ def _other_state(seed: int) -> dict:
     return capture_rng_state()
 
 
+@pytest.mark.slow
 def test_checkpoint_saves_and_restores_every_workers_rng_states():
     cfg = TrainerConfig.model_validate({
         "algorithm": {"advantageEstimator": "grpo"},

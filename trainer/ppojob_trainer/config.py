@@ -376,8 +376,9 @@ class DataSpec(_Model):
     """Prompts, reward and sampling."""
 
     prompts: str = Field("builtin:count-up", min_length=1)
-    """Prompt dataset: a `.jsonl`, `.json` or `.parquet` file (path or URI), or `builtin:<task>`
-    (`builtin:count-up`, `builtin:reverse`)."""
+    """Prompt dataset: a `.jsonl`, `.json` (a list of objects) or `.parquet` file, a directory
+    written by `datasets`' `save_to_disk` (a DatasetDict's `train` split is used), all as paths
+    the trainer's pods can read, or `builtin:<task>` (`builtin:count-up`, `builtin:reverse`)."""
 
     prompt_key: str = Field("prompt", min_length=1)
     """Column holding the prompt text in a dataset file."""
@@ -1066,12 +1067,15 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                     f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}",
                 )
             )
-    elif not re.search(r"\.(jsonl|json|parquet)$", data.prompts) and not data.prompts.endswith("/"):
+    elif "." in data.prompts.rstrip("/").rsplit("/", 1)[-1] and not re.search(
+        r"\.(jsonl|json|parquet)/?$", data.prompts
+    ):  # a name with another extension; a name without one is a save_to_disk directory
         p.append(
             Problem(
                 f"{prefix}.data.prompts",
-                "expected a .jsonl, .json or .parquet file",
-                "point it at a dataset file or use builtin:<task>",
+                "expected a .jsonl, .json or .parquet file or a directory saved with "
+                "`datasets`' save_to_disk",
+                "point it at such a dataset or use builtin:<task>",
             )
         )
     elif data.reward_function is None:

@@ -197,6 +197,37 @@ def load_tokenizer(model_dir: Path | str) -> Any:
     return tok
 
 
+def tokenizer_difference(actor: Any, critic: Any) -> str | None:
+    """What differs between two tokenizers that must map text to the same ids (vocabulary,
+    BOS/EOS/pad ids), or None when they agree."""
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        a, c = getattr(actor, name, None), getattr(critic, name, None)
+        if a != c:
+            return f"{name} is {a!r} for the actor and {c!r} for the critic"
+    va, vc = actor.get_vocab(), critic.get_vocab()
+    if va != vc:
+        only_a = sorted(set(va) - set(vc))[:3]
+        only_c = sorted(set(vc) - set(va))[:3]
+        moved = sorted(t for t in set(va) & set(vc) if va[t] != vc[t])[:3]
+        return (
+            f"vocabularies differ ({len(va)} vs {len(vc)} tokens; only the actor's: {only_a}, "
+            f"only the critic's: {only_c}, other ids: {moved})"
+        )
+    return None
+
+
+def check_critic_tokenizer(actor_dir: Path | str, critic_dir: Path | str) -> None:
+    """The critic reads the actor's token ids, so a critic at ``model.criticPath`` must use the
+    actor's tokenizer; ``ValueError`` naming the field and the difference otherwise."""
+    problem = tokenizer_difference(load_tokenizer(actor_dir), load_tokenizer(critic_dir))
+    if problem is not None:
+        raise ValueError(
+            f"model.criticPath: {str(critic_dir)!r} has a different tokenizer than model.path "
+            f"{str(actor_dir)!r}: {problem}. The critic scores the actor's token ids, so use a "
+            "critic model trained with the actor's tokenizer, or unset criticPath"
+        )
+
+
 def load_causal_lm(model_dir: Path | str, dtype: str = "float32") -> Any:
     """The policy: ``AutoModelForCausalLM`` from a directory, in ``dtype``."""
     from transformers import AutoModelForCausalLM

@@ -163,7 +163,38 @@ BUILTIN_TASKS: dict[str, tuple[type[Task], RewardFn]] = {
 }
 
 
+def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
+    """Rows of a directory written by ``datasets``' ``Dataset.save_to_disk`` (a
+    ``DatasetDict``'s: its ``train`` split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"data.prompts: reading the saved dataset {path} needs the `datasets` package; "
+            "install it in the trainer image (pip install datasets) or export the dataset "
+            "to .jsonl"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(
+            f"data.prompts: {path} is a directory but not a dataset saved with "
+            f"`datasets`' save_to_disk ({exc}); give a .jsonl, .json or .parquet file or such "
+            "a directory"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise ValueError(
+                f"data.prompts: {path} holds the splits {sorted(loaded)} but no 'train' split; "
+                f"point data.prompts at one split's directory, e.g. {path / sorted(loaded)[0]}"
+            )
+        loaded = loaded["train"]
+    return loaded.to_list()
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
+    if path.is_dir():
+        return _read_saved_dataset(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         records = []
@@ -190,16 +221,20 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
                 "or convert the dataset to .jsonl"
             ) from None
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"data.prompts: {path} is not a .jsonl, .json or .parquet file")
+    raise ValueError(
+        f"data.prompts: {path} is not a .jsonl, .json or .parquet file nor a directory saved "
+        "with `datasets`' save_to_disk"
+    )
 
 
 def load_dataset(
     path: str | Path, prompt_key: str = "prompt", label_key: str = "label"
 ) -> list[Example]:
-    """Examples of a dataset file; every record needs a string ``prompt_key``."""
+    """Examples of a dataset (a .jsonl, .json or .parquet file, or a ``save_to_disk``
+    directory); every record needs a string ``prompt_key``."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"data.prompts: dataset file {path} does not exist")
+        raise ValueError(f"data.prompts: dataset {path} does not exist")
     examples = []
     for i, rec in enumerate(_read_records(path)):
         if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
@@ -213,7 +248,7 @@ def load_dataset(
 
 def make_task(prompts: str, prompt_key: str = "prompt", label_key: str = "label",
               shuffle: bool = True) -> Task:  # fmt: skip
-    """The task of ``data.prompts``: a built-in task or a dataset file."""
+    """The task of ``data.prompts``: a built-in task or a dataset (file or saved directory)."""
     if prompts.startswith(BUILTIN_PREFIX):
         name = prompts[len(BUILTIN_PREFIX) :]
         if name not in BUILTIN_TASKS:

@@ -93,6 +93,10 @@ class WorkerHost:
             from .critic import CriticWorker
 
             path = resolve_model_path(cfg.model.critic_path or cfg.model.path, seed)
+            if cfg.model.critic_path is not None:
+                from ..models import check_critic_tokenizer
+
+                check_critic_tokenizer(resolve_model_path(cfg.model.path, seed), path)
             shard = model_parallel_identity(cfg, "critic", *roles["critic"])
             group = data_parallel_group(groups.get("critic"), shard)
             self.critic = CriticWorker(cfg, shard, path, device, group)

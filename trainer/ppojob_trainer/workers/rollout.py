@@ -47,6 +47,16 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def truncate_left(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
+    """The last ``max_len`` tokens of ``ids``; a leading BOS token stays first (the model was
+    trained with it there)."""
+    if len(ids) <= max_len:
+        return list(ids)
+    if bos_id is not None and ids and ids[0] == bos_id and max_len > 1:
+        return [ids[0], *ids[len(ids) - (max_len - 1) :]]
+    return list(ids[len(ids) - max_len :])
+
+
 class RolloutWorker:
     """Role logic of one generation engine."""
 
@@ -56,21 +66,26 @@ class RolloutWorker:
         self.cfg = cfg
         self.shard = shard
         self.tokenizer = load_tokenizer(model_dir)
-        # maxPromptLength keeps a prompt's end, next to where the answer starts
-        self.tokenizer.truncation_side = "left"
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device)
         self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
 
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tokenizer(
-            prompts,
-            padding=True,
-            truncation=True,
-            max_length=self.cfg.data.max_prompt_length,
-            return_tensors="pt",
-        )
-        return enc["input_ids"], enc["attention_mask"].bool()
+        """Token ids and mask, left-padded; a prompt longer than maxPromptLength keeps its end
+        (and its BOS token, when the tokenizer adds one)."""
+        tok = self.tokenizer
+        rows = [
+            truncate_left(ids, self.cfg.data.max_prompt_length, tok.bos_token_id)
+            for ids in tok(prompts)["input_ids"]
+        ]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r) :] = True
+        return ids, mask
 
     def completions(self, response_ids: torch.Tensor) -> list[str]:
         """Decoded responses, each cut at its first special token."""
