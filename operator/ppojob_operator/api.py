@@ -217,6 +217,9 @@ class Progress(_Model):
     tokens_per_second: float | None = None
     """Throughput of the last step (generated tokens per second)."""
 
+    eval_reward_mean: float | None = None
+    """Mean reward of the last evaluation on spec.data.evalPrompts (greedy decoding)."""
+
     updated_at: str | None = None
     """When the trainer wrote this (RFC 3339)."""
 

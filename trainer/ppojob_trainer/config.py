@@ -412,6 +412,12 @@ class DataSpec(_Model):
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by spec.training.seed)."""
 
+    eval_prompts: str | None = Field(None, min_length=1)
+    """Held-out prompts to evaluate on, in the formats of `prompts` (`builtin:<task>`: a fixed
+    set of 64 of that task's prompts). Every spec.training.evalInterval steps and after the last
+    step, each prompt gets one greedy completion, scored by the reward function, reported as
+    eval/reward_mean. Unset: no evaluation."""
+
     @property
     def samples_per_step(self) -> int:
         return self.rollout_batch_size * self.samples_per_prompt
@@ -478,6 +484,9 @@ class Training(TrainingSettings):
 
     checkpoint_interval: int = Field(0, ge=0)
     """Save every this many steps (and at the end). 0 saves only at the end."""
+
+    eval_interval: int = Field(10, ge=1)
+    """Evaluate on spec.data.evalPrompts every this many steps (and after the last step)."""
 
     resume: bool = True
     """Continue from the newest complete checkpoint in checkpointDir, if there is one."""
@@ -1086,6 +1095,15 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                 "set rewardFunction: package.module:function",
             )
         )
+    ev = data.eval_prompts
+    if ev is not None and ev.startswith("builtin:") and ev[8:] not in BUILTIN_TASKS:
+        p.append(Problem(f"{prefix}.data.evalPrompts", f"unknown built-in task {ev!r}",
+                         f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}"))  # fmt: skip
+    elif ev is not None and not ev.startswith("builtin:") and data.reward_function is None:
+        missing = Problem(f"{prefix}.data.rewardFunction", "a dataset needs a reward function",
+                          "set rewardFunction: package.module:function")  # fmt: skip
+        if missing not in p:
+            p.append(missing)
     for field, value in (
         ("model.path", half.model.path),
         ("model.criticPath", half.model.critic_path),

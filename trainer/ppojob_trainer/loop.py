@@ -40,6 +40,8 @@ class TrainResult:
     """Mean reward of the last step."""
     checkpoint: str | None = None
     """The last checkpoint written."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on data.evalPrompts (None without one)."""
 
     def time_to_reward(self, threshold: float) -> float | None:
         """Wall seconds from the run's start until a step's mean reward first reached
@@ -189,6 +191,11 @@ class PPOTrainer:
 
         self.task = make_task(cfg.data.prompts, cfg.data.prompt_key, cfg.data.label_key,
                               cfg.data.shuffle)  # fmt: skip
+        self.eval_examples = (
+            make_task(cfg.data.eval_prompts, cfg.data.prompt_key, cfg.data.label_key,
+                      shuffle=False).eval_set()
+            if cfg.data.eval_prompts else []
+        )  # fmt: skip
         kl = algo.kl
         self.kl_ctl = (
             AdaptiveKLController(kl.coefficient, kl.target, kl.horizon)
@@ -309,6 +316,22 @@ class PPOTrainer:
             out["time/weight_sync"] = max(sync_s)
         return out
 
+    def eval_due(self, done: int, total: int) -> bool:
+        """Whether to evaluate after ``done`` steps of ``total`` (evalInterval, and the end)."""
+        every = self.cfg.training.eval_interval
+        return bool(self.eval_examples) and (done % every == 0 or done == total)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts, split over the engines, scored."""
+        import ray
+
+        engines, examples = self.hosts["rollout"], self.eval_examples
+        refs = [engines[e].evaluate.remote(examples[lo:hi])
+                for e, (lo, hi) in enumerate(_ranges(len(examples), len(engines)))
+                if hi > lo]  # fmt: skip
+        outs = ray.get(refs)
+        return {"eval/reward_mean": sum(o["reward_sum"] for o in outs) / len(examples)}
+
     # ------------------------------------------------------------------------------------------
     def state(self, step: int) -> dict[str, Any]:
         """Checkpoint state: trainer states of the actor (and critic) leaders and driver state."""
@@ -423,6 +446,9 @@ def train(
         last_ckpt_step = first
         for step in range(first, total):
             metrics = trainer.step(step)
+            if trainer.eval_due(step + 1, total):
+                metrics.update(trainer.evaluate())
+                result.eval_reward = metrics["eval/reward_mean"]
             metrics["time/elapsed"] = time.perf_counter() - t_start
             result.history.append(metrics)
             result.steps = step + 1
@@ -436,10 +462,15 @@ def train(
         if result.history:
             result.final_reward = result.history[-1]["reward/mean"]
         result.wall_s = time.perf_counter() - t_start
-        reporter.finish(
-            {"steps": result.steps, "final_reward": result.final_reward,
-             "wall_s": result.wall_s, "time_to_0.9_s": result.time_to_reward(0.9)}
-        )  # fmt: skip
+        summary = {
+            "steps": result.steps,
+            "final_reward": result.final_reward,
+            "wall_s": result.wall_s,
+            "time_to_0.9_s": result.time_to_reward(0.9),
+        }
+        if result.eval_reward is not None:
+            summary["eval/reward_mean"] = result.eval_reward
+        reporter.finish(summary)
     finally:
         trainer.shutdown()
     return result

@@ -271,6 +271,7 @@ def _postfix(rec: dict[str, Any]) -> str:
     parts = []
     for key, label, fmt in (
         ("reward_mean", "reward", ".3f"),
+        ("eval/reward_mean", "eval", ".3f"),
         ("kl", "kl", ".4f"),
         ("value_loss", "vloss", ".4f"),
         ("tokens_per_second", "tok/s", ".0f"),

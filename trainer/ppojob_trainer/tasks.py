@@ -31,6 +31,7 @@ from .algorithms.hooks import load_function, validate_rewards
 BUILTIN_PREFIX = "builtin:"
 COUNT_UP_LENGTH = 8
 REVERSE_LENGTH = 5
+EVAL_BUILTIN_SIZE, EVAL_BUILTIN_SEED = 64, 20_250_101  # the fixed eval set of a built-in task
 
 RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
 
@@ -85,6 +86,11 @@ class Task:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned."""
+
+    def eval_set(self) -> list[Example]:
+        """The held-out evaluation examples when this task is ``data.evalPrompts``: a fixed
+        set (the same every evaluation and every run)."""
+        return self.sample(EVAL_BUILTIN_SIZE, random.Random(EVAL_BUILTIN_SEED))
 
     def digest(self) -> str:
         """Identifies the prompts (a checkpoint's data position is only valid for the same
@@ -143,6 +149,9 @@ class DatasetTask(Task):
 
     def state(self) -> dict[str, Any]:
         return {"order": list(self._order), "pos": self._pos}
+
+    def eval_set(self) -> list[Example]:
+        return list(self.examples)
 
     def digest(self) -> str:
         if self._digest is None:

@@ -78,7 +78,8 @@ class GenerationEngine(ABC):
         top_p: float,
         seed: int,
     ) -> Generation:
-        """Sample one completion per prompt row (repeat rows for several samples per prompt)."""
+        """Sample one completion per prompt row (repeat rows for several samples per prompt).
+        ``temperature == 0`` asks for greedy decoding (the most likely token at every step)."""
 
     @abstractmethod
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:

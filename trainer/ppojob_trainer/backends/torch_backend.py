@@ -299,12 +299,16 @@ class TorchGenerationEngine(GenerationEngine):
         mask = torch.zeros(bsz, max_new_tokens, dtype=torch.bool, device=dev)
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
         logits = out.logits[:, -1, :]
+        greedy = temperature <= 0  # evaluation: the most likely token
+        temperature = 1.0 if greedy else temperature
         for t in range(max_new_tokens):
-            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-            probs = logp_all.exp()
-            if top_p < 1.0:
-                probs = top_p_filter(probs, top_p)
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            if greedy:
+                tok = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                if top_p < 1.0:
+                    probs = top_p_filter(probs, top_p)
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             alive = ~done
             tok = torch.where(alive, tok, self.pad_id)
             tokens[:, t] = tok

@@ -120,6 +120,9 @@ class WorkerHost:
         metrics["time/generate"] = time.perf_counter() - t0
         return {"batch": ray.put(batch), "metrics": metrics}
 
+    def evaluate(self, examples: list[Any]) -> dict[str, float]:
+        return self.rollout.evaluate(examples)
+
     # Results of earlier phases arrive as top-level arguments, which Ray resolves before the call
     # (the driver inlines these small dicts of refs); only the tensors they name are fetched here.
     def compute_values(

@@ -69,6 +69,10 @@ class RolloutWorker:
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device)
         self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
+        self.eval_scorer = (
+            RewardScorer(cfg.data.reward_function, cfg.data.eval_prompts)
+            if cfg.data.eval_prompts else self.scorer
+        )  # fmt: skip
 
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and mask, left-padded; a prompt longer than maxPromptLength keeps its end
@@ -135,6 +139,16 @@ class RolloutWorker:
             "n": float(len(prompts)),
         }
         return batch, metrics
+
+    def evaluate(self, examples: list[Example]) -> dict[str, float]:
+        """One greedy completion of each held-out example, scored; returns sums."""
+        prompts = [e.prompt for e in examples]
+        ids, mask = self.encode(prompts)
+        gen = self.engine.generate(ids, mask, max_new_tokens=self.cfg.data.max_response_length,
+                                   temperature=0.0, top_p=1.0, seed=0)  # fmt: skip
+        scores = self.eval_scorer(prompts, self.completions(gen.response_ids),
+                                  [e.label for e in examples])  # fmt: skip
+        return {"reward_sum": float(sum(scores)), "n": float(len(prompts))}
 
     def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.update_weights(weights)
