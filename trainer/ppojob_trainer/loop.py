@@ -462,15 +462,11 @@ def train(
         if result.history:
             result.final_reward = result.history[-1]["reward/mean"]
         result.wall_s = time.perf_counter() - t_start
-        summary = {
-            "steps": result.steps,
-            "final_reward": result.final_reward,
-            "wall_s": result.wall_s,
-            "time_to_0.9_s": result.time_to_reward(0.9),
-        }
-        if result.eval_reward is not None:
-            summary["eval/reward_mean"] = result.eval_reward
-        reporter.finish(summary)
+        evaluated = {} if result.eval_reward is None else {"eval/reward_mean": result.eval_reward}
+        reporter.finish(
+            {"steps": result.steps, "final_reward": result.final_reward,
+             "wall_s": result.wall_s, "time_to_0.9_s": result.time_to_reward(0.9), **evaluated}
+        )  # fmt: skip
     finally:
         trainer.shutdown()
     return result
