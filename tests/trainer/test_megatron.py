@@ -241,6 +241,17 @@ def test_megatron_settings_that_cannot_run_are_named(actor, critic, model, path,
     assert words in problems[path]
 
 
+def test_top_p_below_one_is_refused_for_a_megatron_actor() -> None:
+    """pi_old must be the sampling policy: the megatron actor's log-probs are not truncated to
+    the top-p nucleus, so a megatron actor with topP < 1 is refused (the torch actor accepts it)."""
+    doc = {"model": {"path": "builtin:tiny-llama"}, "roles": {"actor": MEG},
+           "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2, "topP": 0.9}}  # fmt: skip
+    problems = _paths(TrainerConfig.model_validate(doc))
+    assert "set data.topP: 1.0" in problems.get("spec.data.topP", ""), problems
+    doc["roles"]["actor"] = {"replicas": 2}
+    assert "spec.data.topP" not in _paths(TrainerConfig.model_validate(doc))
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop with actor and critic on megatron (tensor parallel 2, 2 Ray workers)
 # ---------------------------------------------------------------------------------------------

@@ -1213,6 +1213,12 @@ def check_megatron(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     critic = roles.effective_critic(half.algorithm.needs_critic)
     on = [(n, s) for n, s in (("actor", roles.actor), ("critic", critic))
           if s is not None and s.backend == "megatron"]  # fmt: skip
+    if roles.actor.backend == "megatron" and half.data.top_p < 1.0:
+        p.append(Problem(f"{prefix}.data.topP",
+                         "the megatron actor computes pi_old and pi_theta over the full "
+                         "tensor-parallel vocabulary, so top-p sampling would make the rollout "
+                         "policy differ from pi_old",
+                         "set data.topP: 1.0, or use backend: torch for the actor"))  # fmt: skip
     for name, spec in on:
         rpath = f"{prefix}.roles.{name}"
         owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
