@@ -145,7 +145,7 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
         def fingerprint(self):
             return config_fingerprint(self.cfg)
 
-        def restore(self, state):
+        def restore(self, state, path=None):
             self.restored = state
             return int(state["step"])
 

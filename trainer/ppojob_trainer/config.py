@@ -79,7 +79,10 @@ class ModelSpec(_Model):
     estimators that use a critic (`gae`)."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the models. Use `bfloat16` on GPUs, `float32` on CPU."""
+    """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with
+    float32 master weights and optimizer state and computes in this dtype (autocast); the frozen
+    reference and the rollout engines hold their weights in it. `float16` has no loss scaling in
+    the torch backend and is rejected there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +471,19 @@ class TrainingSettings(_Model):
     """Samples per forward/backward pass on one worker (gradient accumulation). Defaults to the
     worker's whole share of a mini-batch."""
 
+    forward_micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward pass without gradient on one worker (old and reference log-probs,
+    values). Defaults to microBatchSize, else the worker's whole share of the step."""
+
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (less memory, about a third more compute). Torch backend."""
+
+    sharding: Literal["none", "fsdp"] = "none"
+    """Torch backend across a role's data-parallel workers: `none` keeps a full replica (model,
+    gradients, Adam state) on every worker; `fsdp` shards them with FSDP2 (`fully_shard`, one
+    unit per transformer block), the actor's reference model too."""
+
 
 class Training(TrainingSettings):
     """How long to train, optimisation and checkpointing."""
@@ -493,6 +509,14 @@ class Training(TrainingSettings):
 
     keep_checkpoints: int = Field(2, ge=1)
     """How many complete checkpoints to keep."""
+
+    offload_reference: bool = False
+    """Keep the frozen reference model in CPU memory and copy it to the GPU for its forwards
+    (torch backend; with `sharding: fsdp` its shards are offloaded)."""
+
+    export_hugging_face: bool = True
+    """At the end of training, write the actor (and the critic, with its value head) as Hugging
+    Face model directories with their tokenizer under `<checkpointDir>/hf/step-NNNNNN/`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -962,6 +986,22 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                              f"the {spec.backend} backend has no sequence parallelism "
                              "(only megatron has)",
                              "remove it"))  # fmt: skip
+
+    # --- precision of the torch trainers
+    if half.model.dtype == "float16":
+        for name, spec in (
+            ("actor", roles.actor),
+            ("critic", roles.effective_critic(needs_critic)),
+        ):
+            if spec is not None and spec.backend == "torch":
+                p.append(
+                    Problem(
+                        f"{prefix}.model.dtype",
+                        f"float16 needs loss scaling, which the torch backend ({name}) does not do",
+                        "use bfloat16 (or float32)",
+                    )
+                )
+                break
 
     # --- batch sizes
     n = data.samples_per_step

@@ -42,6 +42,8 @@ class TrainResult:
     """The last checkpoint written."""
     eval_reward: float | None = None
     """Mean reward of the last evaluation on data.evalPrompts (None without one)."""
+    export: str | None = None
+    """Where the Hugging Face export of the final models was written."""
 
     def time_to_reward(self, threshold: float) -> float | None:
         """Wall seconds from the run's start until a step's mean reward first reached
@@ -333,34 +335,31 @@ class PPOTrainer:
         return {"eval/reward_mean": sum(o["reward_sum"] for o in outs) / len(examples)}
 
     # ------------------------------------------------------------------------------------------
-    def state(self, step: int) -> dict[str, Any]:
-        """Checkpoint state: trainer states of the actor (and critic) leaders and driver state."""
+    def trained_roles(self) -> list[str]:
+        return ["actor", "critic"] if self.has_critic else ["actor"]
+
+    def save_workers(self, directory: Path) -> None:
+        """Every actor (and critic) worker writes its own shard into ``directory/<role>``; the
+        driver passes the path and waits, no tensor comes through it."""
         import ray
 
-        state: dict[str, Any] = {
+        ray.get([h.save_checkpoint.remote(role, str(directory / role))
+                 for role in self.trained_roles() for h in self.hosts[role]])  # fmt: skip
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The driver's own (small) checkpoint state: step, data order, KL coefficient, task,
+        and every worker process's generators."""
+        import ray
+
+        return {
             "step": step,
             "fingerprint": self.fingerprint(),
-            "actor": self._leader_state("actor"),
             "data_rng": self.data_rng.getstate(),
             "kl_coef": self.kl_ctl.value,
+            "task": self.task.state(),
             # every worker process's generators (dropout, sampling helpers), in host order
             "rng": ray.get([h.rng_state.remote() for h in self.all_hosts]),
         }
-        if self.has_critic:
-            state["critic"] = self._leader_state("critic")
-        state["task"] = self.task.state()
-        return state
-
-    def _leader_state(self, role: str) -> Any:
-        """The trainer state of ``role``'s first worker; on the megatron backend every worker
-        joins the gather of the shards (the others return nothing)."""
-        import ray
-
-        hosts = self.hosts[role]
-        spec = self.cfg.roles.actor if role == "actor" else self.cfg.roles.effective_critic(True)
-        if spec.backend == "megatron":
-            return ray.get([h.get_state.remote(role) for h in hosts])[0]
-        return ray.get(hosts[0].get_state.remote(role))
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings and the prompt data a checkpoint of this run depends on."""
@@ -368,13 +367,18 @@ class PPOTrainer:
 
         return config_fingerprint(self.cfg, self.task.digest())
 
-    def restore(self, state: dict[str, Any]) -> int:
-        """Load a checkpoint into every worker; returns the number of steps already done."""
+    def restore(self, state: dict[str, Any], path: Path | None = None) -> int:
+        """Load a checkpoint into every worker (each reads its shard under ``path``); returns
+        the number of steps already done."""
         import ray
 
-        waits = [h.set_state.remote("actor", state["actor"]) for h in self.hosts["actor"]]
-        if self.has_critic and "critic" in state:
-            waits += [h.set_state.remote("critic", state["critic"]) for h in self.hosts["critic"]]
+        waits = []
+        for role in self.trained_roles():
+            if path is not None and (path / role).is_dir():
+                waits += [h.load_checkpoint.remote(role, str(path / role))
+                          for h in self.hosts[role]]  # fmt: skip
+            elif role in state:  # a checkpoint written before per-worker shards
+                waits += [h.set_state.remote(role, state[role]) for h in self.hosts[role]]
         rng = state.get("rng")
         if rng is not None and len(rng) == len(self.all_hosts):
             waits += [h.set_rng_state.remote(r) for h, r in zip(self.all_hosts, rng, strict=True)]
@@ -382,7 +386,7 @@ class PPOTrainer:
             log.warning("checkpoint holds no RNG state for these %d worker processes; "
                         "resuming with fresh generators", len(self.all_hosts))  # fmt: skip
         ray.get(waits)
-        # Every actor worker exports (a collective on the megatron backend); the first leads.
+        # Every actor worker exports (a collective on sharded backends); the first leads.
         exported = [h.export_weights.remote() for h in self.hosts["actor"]]
         ray.get([r.update_weights.remote(exported[0]) for r in self.hosts["rollout"]])
         ray.get(exported)
@@ -390,6 +394,25 @@ class PPOTrainer:
         self.kl_ctl.value = float(state["kl_coef"])
         self.task.load_state(state.get("task", {}))
         return int(state["step"])
+
+    def export_pretrained(self, directory: Path) -> Path:
+        """Write the actor (``directory/actor``) and the critic (``directory/critic``, with its
+        value head) as Hugging Face model directories with the tokenizer; on request at any
+        time between steps, and at the end of :func:`train` (``exportHuggingFace``)."""
+        import ray
+
+        roles = []
+        for role in self.trained_roles():
+            spec = (
+                self.cfg.roles.actor if role == "actor" else self.cfg.roles.effective_critic(True)
+            )
+            if spec is not None and spec.backend != "torch":
+                log.warning("no Hugging Face export of the %s: backend %s", role, spec.backend)
+            else:
+                roles.append(role)
+        ray.get([h.export_pretrained.remote(role, str(directory / role))
+                 for role in roles for h in self.hosts[role]])  # fmt: skip
+        return directory
 
     def shutdown(self) -> None:
         """Kill every worker started and release the placement group (safe to call twice)."""
@@ -458,6 +481,8 @@ def train(
                 last_ckpt_step = step + 1
         if result.steps and result.steps != last_ckpt_step:
             result.checkpoint = _save(trainer, ckpt_dir, result.steps, tr.keep_checkpoints)
+        if tr.export_hugging_face and result.steps > first:
+            result.export = str(_export(trainer, ckpt_dir, result.steps))
         result.steps = max(result.steps, first)
         if result.history:
             result.final_reward = result.history[-1]["reward/mean"]
@@ -477,10 +502,22 @@ def _default_cache(out_dir: Path) -> Path:
 
 
 def _save(trainer: PPOTrainer, ckpt_dir: Path, step: int, keep: int) -> str | None:
-    from .checkpoint import save_checkpoint
+    """A checkpoint: the workers write their shards, then the driver its small state; the
+    directory becomes complete (atomically) only after both."""
+    from .checkpoint import checkpoint_writer, step_dir_name
 
-    path = save_checkpoint(ckpt_dir, step, trainer.state(step), keep)
-    return str(path)
+    with checkpoint_writer(ckpt_dir, step, keep) as writer:
+        trainer.save_workers(writer.path)
+        for key, value in trainer.state(step).items():
+            writer.save(key, value)
+    return str(ckpt_dir / step_dir_name(step))
+
+
+def _export(trainer: PPOTrainer, ckpt_dir: Path, step: int) -> Path:
+    """Hugging Face export of the actor (and critic) under ``<checkpointDir>/hf/step-N/``."""
+    from .checkpoint import step_dir_name
+
+    return trainer.export_pretrained(ckpt_dir / "hf" / step_dir_name(step))
 
 
 def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
@@ -492,7 +529,7 @@ def _resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
     log.info("resuming from %s", path)
     state = load_checkpoint(path)
     check_fingerprint(state.get("fingerprint"), trainer.fingerprint(), path)
-    return trainer.restore(state)
+    return trainer.restore(state, path)
 
 
 __all__ = ["PPOTrainer", "TrainResult", "train"]

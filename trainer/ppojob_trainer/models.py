@@ -270,13 +270,23 @@ class ValueModel(nn.Module):
         return self.value_head(out.last_hidden_state).squeeze(-1).float()
 
 
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
 def load_value_model(model_dir: Path | str, dtype: str = "float32", seed: int = 0) -> ValueModel:
-    """The critic from a causal-LM directory: its backbone (``AutoModel``) and a new value head."""
+    """The critic from a causal-LM directory: its backbone (``AutoModel``) and a value head, new
+    (from ``seed``) or, in a critic exported by the trainer, the saved ``value_head.safetensors``.
+    """
     from transformers import AutoModel
 
     quiet_transformers()
     backbone = AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
     model = ValueModel(backbone, backbone.config.hidden_size, seed)
+    head = Path(model_dir) / VALUE_HEAD_FILE
+    if head.is_file():
+        from safetensors.torch import load_file
+
+        model.value_head.load_state_dict(load_file(str(head)))
     return model.to(torch_dtype(dtype))
 
 

@@ -49,7 +49,8 @@ def _check_same(fn: str, mask: torch.Tensor, **tensors: torch.Tensor) -> torch.T
                 f"{fn}: {name} shape {tuple(t.shape)} must equal mask shape {tuple(mask.shape)}"
             )
     m = mask.bool()
-    if not bool(m.any()):
+    # (a `meta` tensor has a shape and no values: nothing to check)
+    if not m.is_meta and not bool(m.any()):
         raise ValueError(f"{fn}: mask has no response token (empty batch or all rows masked)")
     return m
 

@@ -11,7 +11,9 @@ the GPU backends (``megatron`` for training, ``sglang`` for generation):
 
 Tensors cross these seams on the CPU, shaped ``[B, P]`` (prompts, left-padded) and ``[B, T]``
 (responses, right-padded; ``response_mask`` is 1 on generated tokens up to and including the
-first stop token). The loss functions are the backend-agnostic part: the role logic builds them
+first stop token). A backend moves what it needs to its device itself; the metrics a loss
+function returns may be floats or scalar tensors (read once per update). The loss functions are
+the backend-agnostic part: the role logic builds them
 from ``ppojob_trainer.algorithms``; a backend only runs forward, backward, the gradient
 all-reduce of its data-parallel group and the optimizer.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -122,6 +125,24 @@ class PolicyTrainer(ABC):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights for the generation engines, HF names, CPU tensors."""
 
+    export_is_collective: bool = False
+    """True when :meth:`export_weights` (and :meth:`export_pretrained`) gather shards, so every
+    worker of the role must call it; otherwise only the data-parallel leader does."""
+
+    def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Write this worker's part of the training state under ``directory`` (every worker of
+        the role calls it with the same shared directory). Default: the leader saves
+        :meth:`state_dict`."""
+        _save_leader_state(self, directory, shard)
+
+    def load_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        _load_leader_state(self, directory)
+
+    def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Write the policy as a Hugging Face model directory (``save_pretrained`` + tokenizer)."""
+        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face export")
+
     @abstractmethod
     def state_dict(self) -> dict[str, object]:
         """Everything needed to resume: model, optimizer and schedule state."""
@@ -152,3 +173,30 @@ class ValueTrainer(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore from :meth:`state_dict`."""
+
+    def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """As :meth:`PolicyTrainer.save_checkpoint`."""
+        _save_leader_state(self, directory, shard)
+
+    def load_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """As :meth:`PolicyTrainer.load_checkpoint`."""
+        _load_leader_state(self, directory)
+
+    def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Write the value model: backbone with ``save_pretrained`` plus its value head."""
+        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face export")
+
+
+_STATE_FILE = "state.pt"
+
+
+def _save_leader_state(trainer: PolicyTrainer | ValueTrainer, directory: Path | str,
+                       shard: ShardIdentity) -> None:  # fmt: skip
+    state = trainer.state_dict()  # on every worker: a sharded backend gathers here
+    if shard.is_dp_leader:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(directory) / _STATE_FILE)
+
+
+def _load_leader_state(trainer: PolicyTrainer | ValueTrainer, directory: Path | str) -> None:
+    trainer.load_state_dict(torch.load(Path(directory) / _STATE_FILE, weights_only=True))

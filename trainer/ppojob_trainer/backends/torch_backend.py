@@ -2,9 +2,23 @@
 
 Generation is a tight sampling loop over the whole batch with the model's KV cache
 (``past_key_values``): one forward over the prompts, then one single-token forward per step until
-every row has produced a stop token. Training is data parallel: each worker holds a full replica
-and gradients are averaged with one flat ``all_reduce`` over the role's ``torch.distributed``
-group (gloo on CPU, nccl on GPU).
+every row has produced a stop token.
+
+Training is data parallel over the role's ``torch.distributed`` group (gloo on CPU, nccl on GPU):
+- device: tensors cross the backend seam on the CPU; :func:`to_device` is the one place a
+  micro-batch moves to the worker's device (model inputs go through :func:`_device_inputs`);
+- precision: float32 master weights and AdamW state; ``model.dtype`` bfloat16 computes under
+  ``torch.autocast`` (float16 is rejected by validation: no loss scaling); the frozen reference
+  and the generation engines hold their weights in ``model.dtype``;
+- memory: forwards without gradient run ``forwardMicroBatchSize`` rows at a time; every
+  (micro-)batch is padded to its own longest prompt and response (:func:`trim_padding`);
+  log-probs and entropy come from the hidden states ``LOGITS_CHUNK_TOKENS`` positions at a time
+  (:func:`chunked_logprobs`); ``gradientCheckpointing`` recomputes block activations;
+- sharding: ``sharding: none`` keeps a replica per worker and averages gradients with one flat
+  ``all_reduce``; ``sharding: fsdp`` shards parameters, gradients and optimizer state with
+  FSDP2 (``fully_shard``, one unit per transformer block), the reference model too (optionally
+  offloaded to CPU memory);
+- checkpoints: every worker writes its own shard with ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -12,7 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +35,19 @@ from torch import nn
 
 from ..algorithms.sampling import sampling_logprobs
 from ..config import TrainingSettings
-from ..models import load_causal_lm, load_value_model
+from ..models import (
+    VALUE_HEAD_FILE,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_model,
+    torch_dtype,
+)
 from .base import (
     Generation,
     GenerationEngine,
     PolicyLossFn,
     PolicyTrainer,
+    ShardIdentity,
     ValueLossFn,
     ValueTrainer,
 )
@@ -101,6 +122,171 @@ def _split(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+# ---------------------------------------------------------------------------------------------
+# Devices, precision and bounded memory
+# ---------------------------------------------------------------------------------------------
+LOGITS_CHUNK_TOKENS = 1024
+"""Positions whose vocabulary logits exist at once in :func:`chunked_logprobs`."""
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``batch`` on ``device``: the one place a micro-batch crosses from the CPU
+    seam to the worker's device, so a loss never mixes devices."""
+    nb = device.type == "cuda"
+    return {k: v.to(device, non_blocking=nb) for k, v in batch.items()}
+
+
+def trim_padding(batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """``batch`` padded to its own longest prompt and response, not the step's maximum.
+
+    Drops the response columns after the last response token of any row (every ``[b, T]``
+    tensor) and the prompt columns before the first prompt token of any row (prompts are
+    left-padded). Returns the trimmed batch and the original response width ``T``.
+    """
+    width = batch["response_ids"].shape[1]
+    keep = width
+    mask = batch.get("response_mask")
+    if mask is not None and width:
+        used = mask.bool().any(0).nonzero()
+        keep = int(used[-1]) + 1 if used.numel() else 1
+    first = 0
+    pmask = batch.get("prompt_mask")
+    if pmask is not None and pmask.shape[1] > 1:
+        used = pmask.bool().any(0).nonzero()
+        first = min(int(used[0]) if used.numel() else 0, pmask.shape[1] - 1)
+    out = {}
+    for k, v in batch.items():
+        if k in ("prompt_ids", "prompt_mask"):
+            out[k] = v[:, first:]
+        elif v.dim() >= 2 and v.shape[1] == width and keep < width:
+            out[k] = v[:, :keep]
+        else:
+            out[k] = v
+    return out, width
+
+
+def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] >= width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])], 1)
+
+
+def scalar(x: Any) -> float:
+    """A metric as a Python float (a sharded DTensor is gathered; a tensor on the ``meta``
+    device, where only shapes exist, is NaN)."""
+    if not isinstance(x, torch.Tensor):
+        return float(x)
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    if x.is_meta:
+        return float("nan")
+    return float(x.detach())
+
+
+def _chunk_stats(
+    head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+    want_entropy: bool, entropy_grad: bool, softcap: float | None, top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    logits = head(hidden).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if top_p < 1.0:  # the sampling distribution: the top-p nucleus, renormalised
+        logp = sampling_logprobs(logits, tokens, temperature, top_p)
+        logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+    else:
+        logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, logp.new_zeros(0)
+    if entropy_grad:
+        return logp, lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    with torch.no_grad():
+        d = logits.detach()
+        return logp, lse.detach() - (torch.softmax(d, -1) * d).sum(-1)
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    tokens: torch.Tensor,
+    temperature: float,
+    *,
+    want_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int = LOGITS_CHUNK_TOKENS,
+    softcap: float | None = None,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``tokens`` [b, T] (and the entropy) from the last hidden states [b, T, H].
+
+    The vocabulary projection ``head`` runs ``chunk_tokens`` positions at a time and each
+    chunk's logits are reduced (float32 log-sum-exp, gather) before the next exists. With
+    gradients and more than one chunk, each chunk is recomputed in backward
+    (``torch.utils.checkpoint``) instead of keeping its logits: memory holds one chunk of
+    ``[chunk_tokens, V]`` logits, never ``[b, T, V]``.
+    """
+    b, t, h = hidden.shape
+    flat, toks = hidden.reshape(b * t, h), tokens.reshape(b * t)
+    n = b * t
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and n > chunk_tokens
+    lps, ents = [], []
+    for s in range(0, max(n, 1), chunk_tokens):
+        args = (head, flat[s : s + chunk_tokens], toks[s : s + chunk_tokens], temperature,
+                want_entropy, entropy_grad, softcap, top_p)  # fmt: skip
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(lps).view(b, t)
+    return logp, (torch.cat(ents).view(b, t) if want_entropy else None)
+
+
+def shard_module(
+    module: nn.Module, group: Any, device: torch.device, *, offload: bool = False
+) -> nn.Module:
+    """FSDP2 (``fully_shard``) over the data-parallel ``group``: each transformer block is one
+    unit (gathered for its forward and backward, resharded after), the root holds the rest.
+    Parameters, gradients and optimizer state then exist as 1/dp shards (``DTensor``).
+    ``offload``: shards live in CPU memory, copied to the device per unit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    kw: dict[str, Any] = {"mesh": mesh}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in transformer_blocks(module):
+        fully_shard(block, **kw)
+    fully_shard(module, **kw)
+    return module
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a HF model: the first ``ModuleList`` named ``layers``/``h``/
+    ``blocks`` (Llama, Qwen, Mistral, GPT-2, ...), else none."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            return list(sub)
+    return []
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` as whole CPU tensors (FSDP shards gathered: every worker of the
+    group must call this, in the same order)."""
+    out = {}
+    for k, v in module.state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        out[k] = v.detach().to("cpu")
+    return out
+
+
 def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: int) -> list[float]:
     """Weights of the micro-batch losses of one mini-batch under gradient accumulation.
 
@@ -132,7 +318,9 @@ def _micro_weights(
 
 
 class _Optimised:
-    """A module, its AdamW optimizer, the LR schedule and the data-parallel gradient average."""
+    """A module on its device, float32 master weights, its AdamW optimizer, the LR schedule, the
+    data-parallel gradient average (one flat all-reduce, or FSDP2's reduce-scatter when
+    ``settings.sharding`` is ``fsdp``) and the compute dtype (autocast)."""
 
     def __init__(
         self,
@@ -141,7 +329,16 @@ class _Optimised:
         total_updates: int,
         group: Any | None,
         dp_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.sharded = settings.sharding == "fsdp" and dp_size > 1 and group is not None
+        module.to(device=self.device, dtype=torch.float32)
+        if self.sharded:
+            shard_module(module, group, self.device)
         self.module = module
         self.settings = settings
         self.total_updates = max(1, total_updates)
@@ -157,6 +354,25 @@ class _Optimised:
         )
         self.updates = 0
 
+    def autocast(self) -> AbstractContextManager[Any]:
+        """Compute in ``compute_dtype`` (bfloat16 matmuls over the float32 master weights)."""
+        if self.compute_dtype == torch.float32 or self.device.type not in ("cpu", "cuda"):
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def forward_chunks(
+        self, batch: Mapping[str, torch.Tensor], forward: Callable[[dict], torch.Tensor]
+    ) -> torch.Tensor:
+        """A no-grad forward over ``batch`` in ``forwardMicroBatchSize`` rows at a time, each
+        padded to its own longest sequence; the [B, T] result on the CPU."""
+        n = batch["response_ids"].shape[0]
+        size = self.settings.forward_micro_batch_size or self.settings.micro_batch_size or n
+        outs = []
+        for sl in _split(n, max(1, size)):
+            micro, width = trim_padding({k: v[sl] for k, v in batch.items()})
+            outs.append(_pad_columns(forward(micro).float().cpu(), width))
+        return torch.cat(outs, 0)
+
     def global_count(self, local: float) -> float:
         """Sum of ``local`` over the data-parallel group."""
         if self.dp_size <= 1:
@@ -170,17 +386,23 @@ class _Optimised:
         minibatch: Mapping[str, torch.Tensor],
         micro_batch_size: int,
         agg: str,
-        micro_loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]],
+        micro_loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]],
     ) -> dict[str, float]:
         """One optimizer update over ``minibatch``: backward each micro-batch's loss with its
-        :func:`accumulation_weights` weight, then step. Returns the row-weighted mean of the
-        micro-batches' metrics plus the step's."""
+        :func:`accumulation_weights` weight, then step. Each micro-batch is padded to its own
+        longest sequence (``micro_loss`` gets it on the CPU; the trainers move it to the device
+        with :func:`to_device`). Returns the row-weighted mean of the micro-batches' metrics
+        (floats or tensors; one device sync at the end) plus the step's."""
         n = minibatch["response_ids"].shape[0]
         self.module.train()
         slices = _split(n, micro_batch_size)
         parts = []
-        for sl, scale in zip(slices, _micro_weights(minibatch, slices, agg, self), strict=True):
-            loss, metrics = micro_loss({k: v[sl] for k, v in minibatch.items()})
+        weights = _micro_weights(minibatch, slices, agg, self)
+        for i, (sl, scale) in enumerate(zip(slices, weights, strict=True)):
+            if self.sharded:  # reduce-scatter the gradients once, after the last micro-batch
+                self.module.set_requires_gradient_sync(i == len(slices) - 1)
+            micro, _ = trim_padding({k: v[sl] for k, v in minibatch.items()})
+            loss, metrics = micro_loss(micro)
             (loss * scale).backward()
             parts.append(((sl.stop - sl.start) / n, metrics))
         out = _mean_metrics(parts)
@@ -188,7 +410,7 @@ class _Optimised:
         return out
 
     def step(self) -> dict[str, float]:
-        if self.dp_size > 1:
+        if self.dp_size > 1 and not self.sharded:
             import torch.distributed as dist
 
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -210,27 +432,66 @@ class _Optimised:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": scalar(norm), "lr": lr}
 
     def state_dict(self) -> dict[str, object]:
-        return {
-            "model": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-        }
+        """Whole model and optimizer state (in memory; gathered under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=self.sharded, cpu_offload=self.sharded)
+        model, optim = get_state_dict(self.module, self.optimizer, options=opts)
+        return {"model": model, "optimizer": optim, "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        opts = StateDictOptions(full_state_dict=self.sharded, broadcast_from_rank0=False)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=opts)  # fmt: skip
         self.updates = int(state["updates"])
 
+    def save_checkpoint(self, directory: Path | str) -> None:
+        """This worker's shard of the model and optimizer state into ``directory``
+        (``torch.distributed.checkpoint``: one file per worker plus ``.metadata``; a replica
+        that is the same on every worker is written once)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-def _mean_metrics(parts: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    out: dict[str, float] = {}
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        model, optim = get_state_dict(self.module, self.optimizer)
+        state = {"model": model, "optimizer": optim, "updates": torch.tensor(self.updates)}
+        dcp.save(state, checkpoint_id=str(directory), process_group=self.group,
+                 no_dist=self.group is None)  # fmt: skip
+        self._forget_unstepped_state()
+
+    def load_checkpoint(self, directory: Path | str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (each worker reads its own shard)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        state = {"model": model, "optimizer": optim, "updates": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=str(directory), process_group=self.group,
+                 no_dist=self.group is None)  # fmt: skip
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])  # fmt: skip
+        self.updates = int(state["updates"])
+        self._forget_unstepped_state()
+
+    def _forget_unstepped_state(self) -> None:
+        """``get_state_dict`` fills an optimizer that never stepped with zero state (step 1);
+        drop it, so saving or resuming before the first update changes nothing."""
+        if self.updates == 0:
+            self.optimizer.state.clear()
+
+
+def _mean_metrics(parts: Sequence[tuple[float, Mapping[str, Any]]]) -> dict[str, float]:
+    out: dict[str, Any] = {}
     for weight, metrics in parts:
         for k, v in metrics.items():
-            out[k] = out.get(k, 0.0) + weight * float(v)
-    return out
+            v = v.detach() if isinstance(v, torch.Tensor) else float(v)
+            out[k] = out.get(k, 0.0) + weight * v
+    return {k: scalar(v) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +591,11 @@ class TorchGenerationEngine(GenerationEngine):
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1, :]
+        width = t + 1  # columns actually sampled: pad to the longest response, not the max
         return Generation(
-            response_ids=tokens.cpu(),
-            response_mask=mask.cpu(),
-            logprobs=logps.cpu(),
+            response_ids=tokens[:, :width].cpu(),
+            response_mask=mask[:, :width].cpu(),
+            logprobs=logps[:, :width].cpu(),
             lengths=mask.sum(1).cpu(),
         )
 
@@ -361,9 +623,63 @@ class _OptimisedState:
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.opt.load_state_dict(state)
 
+    def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Every worker of the role writes its own shard (torch.distributed.checkpoint)."""
+        self.opt.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        self.opt.load_checkpoint(directory)
+
+
+class CausalLMLogprobs(nn.Module):
+    """A causal LM that returns the log-probs (and entropy) of given response tokens.
+
+    The decoder runs once; the vocabulary projection runs over :data:`LOGITS_CHUNK_TOKENS`
+    positions at a time (:func:`chunked_logprobs`), so no [B, T, V] logits tensor exists.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.softcap = getattr(lm.config, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        inputs: Mapping[str, torch.Tensor | None],
+        tokens: torch.Tensor,
+        prompt_len: int,
+        temperature: float,
+        want_entropy: bool = False,
+        entropy_grad: bool = False,
+        chunk_tokens: int = 1024,
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.lm.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        tlen = tokens.shape[1]
+        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
+        return chunked_logprobs(
+            hidden, self.lm.get_output_embeddings(), tokens, temperature,
+            want_entropy=want_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens,
+            softcap=self.softcap, top_p=top_p,
+        )  # fmt: skip
+
+
+def _device_inputs(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor | None], int]:
+    """Model inputs of a CPU batch (decided on the CPU: padding is data-dependent), moved."""
+    ids, attn, pos, plen = full_inputs(batch)
+    inputs = {"input_ids": ids, "attention_mask": attn, "position_ids": pos}
+    nb = device.type == "cuda"
+    return {
+        k: None if v is None else v.to(device, non_blocking=nb) for k, v in inputs.items()
+    }, plen
+
 
 class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
-    """The actor: HF causal LM, frozen reference copy when KL is on, AdamW."""
+    """The actor: HF causal LM (float32 master weights, ``dtype`` compute), frozen reference
+    copy in ``dtype`` when KL is on, AdamW; optionally FSDP2-sharded over the data-parallel
+    group (``settings.sharding``)."""
 
     def __init__(
         self,
@@ -380,33 +696,46 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         group: Any | None = None,
         dp_size: int = 1,
         device: str = "cpu",
+        offload_reference: bool = False,
+        logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS,
     ) -> None:
         """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
         graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
         metric computed under ``no_grad`` (no [B, T, V] activations kept for backward)."""
         self.device = torch.device(device)
-        self.model = load_causal_lm(model_dir, dtype).to(self.device)
+        self.model_dir = Path(model_dir)
+        self.dtype = torch_dtype(dtype)
+        self.settings = settings
+        lm = load_causal_lm(model_dir, "float32")  # master weights in float32
+        if settings.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = CausalLMLogprobs(lm)
+        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
+                              device=self.device, compute_dtype=self.dtype)  # fmt: skip
         self.model.train()
-        self.reference = None
+        self.reference: nn.Module | None = None
+        self.reference_device = self.device
         if need_reference:
-            self.reference = load_causal_lm(model_dir, dtype).to(self.device).eval()
-            self.reference.requires_grad_(False)
+            ref = CausalLMLogprobs(load_causal_lm(model_dir, dtype)).eval()
+            ref.requires_grad_(False)
+            offload = offload_reference and self.device.type != "cpu"
+            if self.opt.sharded:
+                ref = shard_module(ref.to(self.device), group, self.device, offload=offload)
+            elif offload:  # kept on the CPU, brought to the device for its forwards
+                self.reference_device = torch.device("cpu")
+            else:
+                ref = ref.to(self.device)
+            self.reference = ref
         self.temperature = temperature
         self.top_p = top_p  # pi_old and pi_theta are the top-p truncated sampling distribution
         self.need_entropy = need_entropy
         self.entropy_grad = entropy_grad
-        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size)
+        self.chunk_tokens = int(logits_chunk_tokens)
 
-    def _forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        ids, attn, pos, plen = full_inputs(batch)
-        tlen = batch["response_ids"].shape[1]
-        logits = model(
-            input_ids=ids.to(self.device),
-            attention_mask=None if attn is None else attn.to(self.device),
-            position_ids=None if pos is None else pos.to(self.device),
-            use_cache=False,
-        ).logits
-        return logits[:, plen - 1 : plen - 1 + tlen]
+    @property
+    def lm(self) -> nn.Module:
+        """The Hugging Face model being trained."""
+        return self.model.lm
 
     @torch.no_grad()
     def logprobs(
@@ -415,10 +744,26 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("logprobs(reference=True) needs a reference model (KL is off)")
-        with _eval_mode(model):  # old/ref log-probs without dropout; training uses train mode
-            logits = self._forward(model, batch)
-        tokens = batch["response_ids"].to(self.device)
-        return token_logprobs(logits, tokens, self.temperature, self.top_p).cpu()
+        moved = reference and self.reference_device != self.device
+        if moved:
+            model.to(self.device)
+        try:
+            with _eval_mode(model):  # old/ref log-probs without dropout; training: train mode
+                return self.opt.forward_chunks(batch, lambda mb: self._logp(model, mb)[0])
+        finally:
+            if moved:
+                model.to(self.reference_device)
+
+    def _logp(
+        self, model: nn.Module, micro: Mapping[str, torch.Tensor], *, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inputs, plen = _device_inputs(micro, self.device)
+        tokens = micro["response_ids"].to(self.device)
+        with self.opt.autocast():
+            return model(
+                inputs, tokens, plen, self.temperature, want_entropy=entropy,
+                entropy_grad=self.entropy_grad, chunk_tokens=self.chunk_tokens, top_p=self.top_p,
+            )  # fmt: skip
 
     def update(
         self,
@@ -427,27 +772,30 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         micro_batch_size: int,
         agg: str = "token-mean",
     ) -> dict[str, float]:
-        def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            logits = self._forward(self.model, micro)
-            tokens = micro["response_ids"].to(self.device)
-            logp = token_logprobs(logits, tokens, self.temperature, self.top_p)
-            ent = None
-            if self.need_entropy and self.entropy_grad:
-                ent = entropy(logits, self.temperature)
-            elif self.need_entropy:
-                with torch.no_grad():
-                    ent = entropy(logits.detach(), self.temperature)
-            return loss_fn(logp, ent, micro)
+        def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            logp, ent = self._logp(self.model, micro, entropy=self.need_entropy)
+            return loss_fn(logp, ent, to_device(micro, self.device))
 
         return self.opt.accumulate(minibatch, micro_batch_size, agg, micro_loss)
 
+    export_is_collective = property(lambda self: self.opt.sharded)
+
     def export_weights(self) -> dict[str, torch.Tensor]:
-        # No copy on CPU: the caller serialises them (ray.put) before the next update.
-        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        """HF-named CPU tensors in the compute dtype (float32 masters cast once here). Under
+        FSDP every worker of the group must call it (the shards are gathered)."""
+        return {k: v.to(dtype=self.dtype) if v.is_floating_point() else v
+                for k, v in full_state_dict(self.lm).items()}  # fmt: skip
+
+    def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer."""
+        weights = self.export_weights()  # collective under FSDP
+        if shard.is_dp_leader:
+            save_pretrained(self.lm, weights, directory, self.model_dir)
 
 
 class TorchValueTrainer(_OptimisedState, ValueTrainer):
-    """The critic: HF backbone with a scalar value head, AdamW."""
+    """The critic: HF backbone with a scalar value head (float32 master weights, ``dtype``
+    compute), AdamW; optionally FSDP2-sharded like the actor."""
 
     def __init__(
         self,
@@ -462,24 +810,28 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         device: str = "cpu",
     ) -> None:
         self.device = torch.device(device)
-        self.model = load_value_model(model_dir, dtype, seed=seed).to(self.device)
+        self.model_dir = Path(model_dir)
+        self.dtype = torch_dtype(dtype)
+        self.model = load_value_model(model_dir, "float32", seed=seed)
+        if settings.gradient_checkpointing:
+            self.model.backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
+                              device=self.device, compute_dtype=self.dtype)  # fmt: skip
         self.model.train()
-        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size)
 
-    def _forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        ids, attn, pos, plen = full_inputs(batch)
-        tlen = batch["response_ids"].shape[1]
-        values = self.model(
-            ids.to(self.device),
-            None if attn is None else attn.to(self.device),
-            None if pos is None else pos.to(self.device),
-        )
-        return values[:, plen - 1 : plen - 1 + tlen]
+    def _forward(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        inputs, plen = _device_inputs(micro, self.device)
+        tlen = micro["response_ids"].shape[1]
+        with self.opt.autocast():
+            values = self.model(**inputs)
+        return values[:, plen - 1 : plen - 1 + tlen].float()
 
     @torch.no_grad()
     def values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         with _eval_mode(self.model):  # values for the advantages without dropout
-            return self._forward(batch).cpu()
+            return self.opt.forward_chunks(batch, self._forward)
 
     def update(
         self,
@@ -488,19 +840,61 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         micro_batch_size: int,
         agg: str = "token-mean",
     ) -> dict[str, float]:
-        return self.opt.accumulate(
-            minibatch, micro_batch_size, agg, lambda micro: loss_fn(self._forward(micro), micro)
-        )
+        def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            return loss_fn(self._forward(micro), to_device(micro, self.device))
+
+        return self.opt.accumulate(minibatch, micro_batch_size, agg, micro_loss)
+
+    def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """The backbone with ``save_pretrained`` plus ``value_head.safetensors`` (and the
+        tokenizer); :func:`ppojob_trainer.models.load_value_model` loads both back."""
+        full = full_state_dict(self.model)  # collective under FSDP
+        if not shard.is_dp_leader:
+            return
+        backbone = {k.removeprefix("backbone."): v for k, v in full.items()
+                    if k.startswith("backbone.")}  # fmt: skip
+        save_pretrained(self.model.backbone, backbone, directory, self.model_dir)
+        from safetensors.torch import save_file
+
+        head = {k.removeprefix("value_head."): v.contiguous() for k, v in full.items()
+                if k.startswith("value_head.")}  # fmt: skip
+        save_file(head, str(Path(directory) / VALUE_HEAD_FILE))
+
+
+def save_pretrained(
+    model: nn.Module, weights: Mapping[str, torch.Tensor], directory: Path | str,
+    tokenizer_dir: Path | str | None,
+) -> None:  # fmt: skip
+    """``model.save_pretrained`` with the given (gathered) weights, and the tokenizer saved
+    with ``tokenizer_dir``'s model if it has one."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+    if len(dtypes) == 1:
+        model.config.dtype = next(iter(dtypes))
+    model.save_pretrained(str(out), state_dict=dict(weights))
+    if tokenizer_dir is not None:
+        try:
+            tok = load_tokenizer(tokenizer_dir)
+        except (OSError, ValueError):  # a model directory without a tokenizer
+            return
+        tok.save_pretrained(str(out))
 
 
 __all__ = [
+    "CausalLMLogprobs",
     "TorchGenerationEngine",
     "TorchPolicyTrainer",
     "TorchValueTrainer",
     "accumulation_weights",
+    "chunked_logprobs",
     "entropy",
     "full_inputs",
     "lr_factor",
+    "save_pretrained",
+    "shard_module",
+    "to_device",
     "token_logprobs",
     "top_p_filter",
+    "trim_padding",
 ]

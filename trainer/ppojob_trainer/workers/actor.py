@@ -81,6 +81,7 @@ def make_policy_trainer(
         group=group,
         dp_size=shard.dp_size,
         device=device,
+        offload_reference=cfg.training.offload_reference,
     )
 
 
@@ -308,7 +309,7 @@ class ActorWorker:
 
         def loss_fn(
             logp: torch.Tensor, ent: torch.Tensor | None, mb: Mapping[str, torch.Tensor]
-        ) -> tuple[torch.Tensor, dict[str, float]]:
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             weights = None
             if tis_cap is not None:  # truncated importance sampling: pi_old / pi_rollout
                 weights = A.rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],
@@ -319,13 +320,14 @@ class ActorWorker:
                 agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
                 weights=weights,
             )  # fmt: skip
-            metrics = {f"actor/{k}": float(v) for k, v in m.items()}
-            metrics["actor/pg_loss"] = float(loss.detach())
+            # metrics stay tensors on the device: the backend reads them once per update
+            metrics = {f"actor/{k}": v for k, v in m.items()}
+            metrics["actor/pg_loss"] = loss.detach()
             if kl_loss_on:
                 kll = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"],
                                 algo.kl.estimator, algo.loss_aggregation)  # fmt: skip
                 loss = loss + algo.kl.coefficient * kll
-                metrics["actor/kl_loss"] = float(kll.detach())
+                metrics["actor/kl_loss"] = kll.detach()
             return loss, metrics
 
         parts: list[dict[str, float]] = []
@@ -340,8 +342,9 @@ class ActorWorker:
         return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
 
     def export_weights(self) -> Any:
-        """ObjectRef of the policy weights (data-parallel leader only; None elsewhere)."""
-        if getattr(self.trainer, "collective_export", False):
+        """ObjectRef of the policy weights (data-parallel leader only; None elsewhere). Every
+        worker calls this: a sharded trainer's export gathers over the whole group."""
+        if self.trainer.export_is_collective or getattr(self.trainer, "collective_export", False):
             weights = self.trainer.export_weights()  # every worker joins the gather
             return ray.put(pack_weights(weights)) if self.shard.is_dp_leader else None
         if not self.shard.is_dp_leader:

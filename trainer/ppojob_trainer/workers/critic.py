@@ -110,12 +110,12 @@ class CriticWorker:
 
         def loss_fn(
             values: torch.Tensor, mb: Mapping[str, torch.Tensor]
-        ) -> tuple[torch.Tensor, dict[str, float]]:
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             loss, m = A.value_loss(
                 values, mb["old_values"], mb["returns"], mb["response_mask"], clip, agg=agg
             )
-            out = {f"critic/{k}": float(v) for k, v in m.items()}
-            out["critic/vf_loss"] = float(loss.detach())
+            out = {f"critic/{k}": v for k, v in m.items()}  # read once per update
+            out["critic/vf_loss"] = loss.detach()
             return loss, out
 
         gen = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_033 + step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -198,6 +199,22 @@ class WorkerHost:
         from ..checkpoint import restore_rng_state
 
         restore_rng_state(state)
+
+    def save_checkpoint(self, role: str, directory: str) -> None:
+        """Write this worker's shard of ``role``'s training state into ``directory`` (shared by
+        the role's workers; the driver only passes the path)."""
+        worker = getattr(self, role)
+        worker.trainer.save_checkpoint(Path(directory), worker.shard)
+
+    def load_checkpoint(self, role: str, directory: str) -> None:
+        worker = getattr(self, role)
+        worker.trainer.load_checkpoint(Path(directory), worker.shard)
+
+    def export_pretrained(self, role: str, directory: str) -> None:
+        """Hugging Face export of ``role``'s model (the leader writes; every worker of a sharded
+        role takes part in the gather)."""
+        worker = getattr(self, role)
+        worker.trainer.export_pretrained(Path(directory), worker.shard)
 
     def received_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample indices, values) the actor received at the last step (tests only)."""
