@@ -183,9 +183,9 @@ def test_gradient_checkpointing_gives_the_same_update(model_dir):
     batch = _batch()
     results = []
     for ckpt in (False, True):
-        policy = TorchPolicyTrainer(model_dir, "float32",
-                                    TrainingSettings(learning_rate=1e-3, gradient_checkpointing=ckpt),
-                                    total_updates=1, temperature=1.0, need_reference=False)  # fmt: skip
+        settings = TrainingSettings(learning_rate=1e-3, gradient_checkpointing=ckpt)
+        policy = TorchPolicyTrainer(model_dir, "float32", settings, total_updates=1,
+                                    temperature=1.0, need_reference=False)  # fmt: skip
         policy.update(batch, lambda logp, ent, mb: (-(logp * mb["response_mask"]).sum(), {}), 4)
         results.append(policy.export_weights())
     for k, v in results[0].items():

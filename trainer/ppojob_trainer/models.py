@@ -267,7 +267,8 @@ class ValueModel(nn.Module):
             position_ids=position_ids,
             use_cache=False,
         )
-        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+        # a fresh tensor, not a view: an FSDP root's outputs carry its backward hooks
+        return self.value_head(out.last_hidden_state).squeeze(-1).float().clone()
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"

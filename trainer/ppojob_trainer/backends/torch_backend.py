@@ -243,22 +243,31 @@ def chunked_logprobs(
             lp, ent = _chunk_stats(*args)
         lps.append(lp)
         ents.append(ent)
-    logp = torch.cat(lps).view(b, t)
-    return logp, (torch.cat(ents).view(b, t) if want_entropy else None)
+    # (fresh tensors, not views: an FSDP root's outputs carry its backward hooks)
+    logp = torch.cat(lps).view(b, t).clone()
+    return logp, (torch.cat(ents).view(b, t).clone() if want_entropy else None)
 
 
 def shard_module(
-    module: nn.Module, group: Any, device: torch.device, *, offload: bool = False
-) -> nn.Module:
+    module: nn.Module, group: Any, device: torch.device, *, offload: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:  # fmt: skip
     """FSDP2 (``fully_shard``) over the data-parallel ``group``: each transformer block is one
     unit (gathered for its forward and backward, resharded after), the root holds the rest.
     Parameters, gradients and optimizer state then exist as 1/dp shards (``DTensor``).
-    ``offload``: shards live in CPU memory, copied to the device per unit."""
+    ``compute_dtype`` (other than the parameters'): units are gathered in it and gradients
+    reduced in float32 (FSDP's mixed precision; no autocast, whose weight-cast cache would hold
+    a whole unsharded copy). ``offload``: shards live in CPU memory, copied to the device per
+    unit."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type)
     kw: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32
+        )
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in transformer_blocks(module):
@@ -338,7 +347,8 @@ class _Optimised:
         self.sharded = settings.sharding == "fsdp" and dp_size > 1 and group is not None
         module.to(device=self.device, dtype=torch.float32)
         if self.sharded:
-            shard_module(module, group, self.device)
+            mixed = compute_dtype if compute_dtype != torch.float32 else None
+            shard_module(module, group, self.device, compute_dtype=mixed)
         self.module = module
         self.settings = settings
         self.total_updates = max(1, total_updates)
@@ -355,8 +365,13 @@ class _Optimised:
         self.updates = 0
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """Compute in ``compute_dtype`` (bfloat16 matmuls over the float32 master weights)."""
-        if self.compute_dtype == torch.float32 or self.device.type not in ("cpu", "cuda"):
+        """Compute in ``compute_dtype`` (bfloat16 matmuls over the float32 master weights);
+        sharded modules cast in FSDP's mixed-precision policy instead."""
+        if (
+            self.compute_dtype == torch.float32
+            or self.sharded
+            or self.device.type not in ("cpu", "cuda")
+        ):
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
