@@ -1,0 +1,161 @@
+"""Memory plan of a PPOJob per GPU process, by part; and a check of the plan against the real peak.
+
+    python bench/memory.py examples/ppojob-7b-megatron-volcano.yaml           # the plan
+    python bench/memory.py FILE --set roles.actor.backend=torch ...           # another layout
+    python bench/memory.py --measure                                          # plan vs CPU peak
+
+The plan (``ppojob_trainer.memory_plan``) is arithmetic over the model's shape and the spec.
+``--measure`` checks it: for a few small random-init Llama models it runs one real actor (or
+critic) update through the torch backend on the CPU, in a fresh process with glibc's mmap
+threshold pinned (so freed tensors go back to the OS), and compares the peak resident memory
+added by building the trainer and updating (``VmHWM`` - RSS before) with the plan's peak of the
+same configuration. Prints both and the error; exits 1 when an error exceeds 20 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "trainer"), str(ROOT / "operator")]
+
+from ppojob_trainer.memory_plan import (  # noqa: E402
+    GiB,
+    Shape,
+    TrainedModel,
+    format_plan,
+    gpu_gib_of,
+    plan_job,
+)
+
+# (name, shape, role, micro batch, sequence length, gradient checkpointing)
+MEASURED = [
+    ("actor 21M fp32", Shape(512, 4, 8, 8, 1408, 8000), "actor", 8, 128, False),
+    ("actor 21M fp32 ckpt", Shape(512, 4, 8, 8, 1408, 8000), "actor", 8, 128, True),
+    ("actor 34M fp32 vocab 32k", Shape(384, 6, 6, 2, 1024, 32000), "actor", 4, 256, False),
+    ("critic 21M fp32", Shape(512, 4, 8, 8, 1408, 8000), "critic", 8, 128, False),
+]
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _child(spec: dict) -> None:
+    """One measurement, in this (fresh) process: peak RSS added by building + 2 updates."""
+    import torch
+    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.config import TrainingSettings
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.manual_seed(0)
+    n, t = spec["micro"], spec["seq"] // 2
+    vocab = spec["vocab"]
+    batch = {
+        "prompt_ids": torch.randint(0, vocab, (n, t)),
+        "prompt_mask": torch.ones(n, t, dtype=torch.bool),
+        "response_ids": torch.randint(0, vocab, (n, t)),
+        "response_mask": torch.ones(n, t, dtype=torch.bool),
+        "returns": torch.zeros(n, t),
+    }
+    settings = TrainingSettings(gradient_checkpointing=spec["ckpt"])
+    # code, not data: import what building the trainer imports before taking the baseline
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModel, AutoModelForCausalLM  # noqa: F401
+    from transformers.masking_utils import create_causal_mask  # noqa: F401
+
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+        f.write("5")
+    before = _rss("VmRSS")
+    if spec["role"] == "actor":
+        trainer = TorchPolicyTrainer(spec["dir"], "float32", settings, total_updates=2,
+                                     temperature=1.0, need_reference=False,
+                                     need_entropy=True)  # fmt: skip
+
+        def run() -> None:
+            trainer.update(batch, lambda lp, ent, mb: (-lp.mean(), {}), micro_batch_size=n)
+    else:
+        trainer = TorchValueTrainer(spec["dir"], "float32", settings, total_updates=2, seed=0)
+
+        def run() -> None:
+            trainer.update(batch, lambda v, mb: ((v - mb["returns"]).pow(2).mean(), {}), n)
+
+    for _ in range(2):  # the second update runs with the optimizer state in place
+        run()
+    print(json.dumps({"peak": _rss("VmHWM") - before}))
+
+
+def measure() -> int:
+    from ppojob_trainer.models import quiet_transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    quiet_transformers()
+    worst = 0.0
+    print(f"{'configuration':<28} {'plan GiB':>9} {'measured GiB':>13} {'error':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape, role, micro, seq, ckpt in MEASURED:
+            path = Path(tmp) / name.replace(" ", "_")
+            cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                              intermediate_size=shape.intermediate,
+                              num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                              num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
+                              max_position_embeddings=4096)  # fmt: skip
+            LlamaForCausalLM(cfg).save_pretrained(path)
+            spec = {"dir": str(path), "role": role, "micro": micro, "seq": seq, "ckpt": ckpt,
+                    "vocab": shape.vocab}  # fmt: skip
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
+                   "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}  # fmt: skip
+            out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                                 env=env, capture_output=True, text=True, check=True)  # fmt: skip
+            measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+            model = TrainedModel(shape, dtype="float32", micro_batch=micro, seq_len=seq,
+                                 gradient_checkpointing=ckpt, lm_head=role == "actor")  # fmt: skip
+            planned = sum(model.states().values()) + sum(model.update_transient().values())
+            err = (planned - measured) / measured
+            worst = max(worst, abs(err))
+            print(f"{name:<28} {planned / GiB:9.3f} {measured / GiB:13.3f} {err:+7.1%}")
+    print(f"worst error {worst:.1%} (limit 20%)")
+    return 0 if worst <= 0.20 else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("manifest", nargs="?", help="a PPOJob manifest")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                    help="override a spec field (as ppojob run --set)")  # fmt: skip
+    ap.add_argument("--gpu-gib", type=float, help="GPU memory; default: from the node selector")
+    ap.add_argument("--measure", action="store_true", help="check the plan against CPU peaks")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(json.loads(args.child))
+        return 0
+    if args.measure:
+        return measure()
+    if not args.manifest:
+        ap.error("give a manifest, or --measure")
+    from ppojob_trainer.manifest import load_manifest, parse_set
+
+    _, cfg = load_manifest(args.manifest, [parse_set(s) for s in args.set])
+    gib = args.gpu_gib or gpu_gib_of(cfg.roles.actor.node_selector)
+    plans = plan_job(cfg, gib)
+    if not plans:
+        print(f"unknown model shape for {cfg.model.path!r}: give a local directory with a "
+              "config.json, or add it to memory_plan.KNOWN_SHAPES")  # fmt: skip
+        return 2
+    print(f"{args.manifest}: model {cfg.model.path}, dtype {cfg.model.dtype}, GPU {gib:.0f} GiB")
+    print(format_plan(plans, gib))
+    return 0 if all(p.peak <= gib * GiB for p in plans) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

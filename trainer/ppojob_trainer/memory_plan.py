@@ -1,0 +1,357 @@
+"""Per-GPU memory plan of a PPOJob: what each worker process holds at its peak, by part.
+
+Imports neither torch nor Ray (``ppojob validate`` uses it). The plan is arithmetic over the
+model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`) and the spec:
+
+``weights``      float32 master weights (torch backend), per worker: / dp under ``sharding: fsdp``
+``grads``        float32 gradients, sharded alike
+``optimizer``    AdamW's two float32 moments, sharded alike
+``compute``      working copies in the compute dtype: autocast's bf16 weight casts (a whole model,
+                 replicated) or, under FSDP, the gathered root and two gathered blocks (prefetch)
+``activations``  what backward keeps for one micro-batch of ``microBatchSize`` x (maxPromptLength
+                 + maxResponseLength) tokens (all blocks, or under gradientCheckpointing one
+                 hidden state per block plus one block's full set)
+``logits``       one chunk of ``LOGITS_CHUNK_TOKENS`` vocabulary logits and their float32 copies
+``reference``    the frozen reference in the compute dtype (0 when offloaded; / dp under FSDP)
+``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
+                 (sglang without offload)
+
+A process's peak is its persistent parts plus its largest phase (actor update, critic update,
+generation). The Megatron figures assume its usual layout (bf16 parameters, float32 gradients
+and a distributed optimizer over the data-parallel group, activations split over tensor
+parallelism) and are marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+LOGITS_CHUNK_TOKENS = 1024  # as ppojob_trainer.backends.torch_backend.LOGITS_CHUNK_TOKENS
+DEFAULT_GPU_GIB = 80.0
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer (Llama/Qwen/Mistral family)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
+
+    @property
+    def block_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        attn = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0)
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, final norm and (untied) LM head: what FSDP's root unit holds."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.root_params
+
+
+def _qwen(h: int, n: int, heads: int, kv: int, i: int, v: int, tied: bool) -> Shape:
+    return Shape(h, n, heads, kv, i, v, tied=tied, qkv_bias=True)
+
+
+KNOWN_SHAPES: dict[str, Shape] = {
+    "Qwen/Qwen2.5-0.5B": _qwen(896, 24, 14, 2, 4864, 151936, True),
+    "Qwen/Qwen2.5-1.5B": _qwen(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen/Qwen2.5-3B": _qwen(2048, 36, 16, 2, 11008, 151936, True),
+    "Qwen/Qwen2.5-7B": _qwen(3584, 28, 28, 4, 18944, 152064, False),
+    "meta-llama/Llama-3.2-1B": Shape(2048, 16, 32, 8, 8192, 128256, tied=True),
+    "meta-llama/Llama-3.1-8B": Shape(4096, 32, 32, 8, 14336, 128256),
+    "builtin:tiny-llama": Shape(64, 2, 4, 4, 256, 14),
+    "builtin:tiny-qwen2": Shape(64, 2, 4, 4, 256, 14, qkv_bias=True),
+    "builtin:small-llama": Shape(128, 5, 4, 4, 512, 14),
+}
+"""Shapes of common models by hub id (``-Instruct`` variants share them)."""
+
+
+def shape_from_config(cfg: dict[str, Any]) -> Shape:
+    """The shape of a Hugging Face ``config.json``."""
+    heads = int(cfg["num_attention_heads"])
+    return Shape(
+        hidden=int(cfg["hidden_size"]),
+        layers=int(cfg["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        intermediate=int(cfg["intermediate_size"]),
+        vocab=int(cfg["vocab_size"]),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+    )
+
+
+def resolve_shape(path: str) -> Shape | None:
+    """The shape of ``model.path``: a local directory's config.json, a built-in, a known hub id
+    (an ``-Instruct`` suffix ignored); None when unknown."""
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return shape_from_config(json.loads(local.read_text()))
+    return KNOWN_SHAPES.get(path) or KNOWN_SHAPES.get(re.sub(r"-Instruct$", "", path))
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """One trained model (actor or critic) on one worker and how it is run."""
+
+    shape: Shape
+    dtype: str = "bfloat16"
+    backend: str = "torch"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sharding: str = "none"
+    micro_batch: int = 1
+    seq_len: int = 1024
+    gradient_checkpointing: bool = False
+    lm_head: bool = True  # the actor projects to the vocabulary; the critic has a value head
+
+    @property
+    def compute_bytes(self) -> int:
+        return _BYTES[self.dtype]
+
+    @property
+    def fsdp(self) -> bool:
+        return self.backend == "torch" and self.sharding == "fsdp" and self.dp > 1
+
+    def states(self) -> dict[str, float]:
+        """Persistent bytes: weights, gradients, optimizer state."""
+        p = self.shape.params
+        if self.backend == "megatron":  # bf16 params, fp32 grads, distributed fp32 optimizer
+            mp = self.tp * self.pp
+            return {
+                "weights": 2 * p / mp,
+                "grads": 4 * p / mp,
+                "optimizer": 12 * p / (mp * self.dp),
+            }
+        s = self.dp if self.fsdp else 1
+        return {"weights": 4 * p / s, "grads": 4 * p / s, "optimizer": 8 * p / s}
+
+    def update_transient(self) -> dict[str, float]:
+        """Bytes that exist only during an update: working copies, activations, logits."""
+        sh, c = self.shape, self.compute_bytes
+        out: dict[str, float] = {}
+        if self.backend == "torch":
+            if self.fsdp:
+                out["compute"] = c * (sh.root_params + 2 * sh.block_params)
+            elif c < 4:
+                out["compute"] = c * sh.params  # autocast's cached weight casts
+            else:
+                out["compute"] = 0.0
+        # residual stream: float32 under autocast (fp32 masters), compute dtype under FSDP's policy
+        stream = c if (self.fsdp or self.backend == "megatron") else 4
+        tokens = self.micro_batch * self.seq_len
+        per_token_block = stream * 2 * sh.hidden + c * (
+            6 * sh.hidden + 4 * sh.kv_dim + 4 * sh.intermediate
+        )
+        if self.gradient_checkpointing:
+            acts = tokens * (sh.layers * stream * sh.hidden + per_token_block)
+        else:
+            acts = tokens * sh.layers * per_token_block
+        out["activations"] = acts / self.tp
+        if self.lm_head:
+            chunk = min(tokens, LOGITS_CHUNK_TOKENS)
+            # logits (compute dtype), their float32 copy, /temperature, softmax (entropy)
+            out["logits"] = chunk * sh.vocab * (c + 3 * 4) / self.tp
+        return out
+
+
+@dataclass
+class ProcessPlan:
+    """The peak of one worker process (one GPU) and its parts."""
+
+    name: str
+    persistent: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str | None:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()), default=None)
+
+    @property
+    def peak(self) -> float:
+        top = self.peak_phase
+        return sum(self.persistent.values()) + (sum(self.phases[top].values()) if top else 0.0)
+
+    def rows(self) -> list[tuple[str, float]]:
+        """(part, bytes) at the peak, the persistent parts then the peak phase's."""
+        out = [(k, v) for k, v in self.persistent.items()]
+        top = self.peak_phase
+        if top:
+            out += [(f"{k} ({top})", v) for k, v in self.phases[top].items()]
+        return out
+
+
+def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
+    roles, data = half.roles, half.data
+    spec = roles.actor if role == "actor" else roles.effective_critic(True)
+    if role == "actor":
+        settings = half.training
+    else:
+        from .config import apply_critic_overrides
+
+        settings = apply_critic_overrides(half.training, spec.overrides)
+    workers = roles.workers_of(role)
+    mp = spec.parallelism.model_parallel
+    dp = max(workers // mp, 1)
+    micro = settings.micro_batch_size or max(
+        (settings.mini_batch_size or data.samples_per_step) // dp, 1
+    )
+    return TrainedModel(
+        shape=shape, dtype=half.model.dtype, backend=spec.backend, dp=dp,
+        tp=spec.parallelism.tensor, pp=spec.parallelism.pipeline, sharding=settings.sharding,
+        micro_batch=micro, seq_len=data.max_prompt_length + data.max_response_length,
+        gradient_checkpointing=settings.gradient_checkpointing, lm_head=role == "actor",
+    )  # fmt: skip
+
+
+def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dict, list[str]]:
+    """(persistent, generation-phase) bytes of one rollout engine GPU."""
+    roles, data = half.roles, half.data
+    ro = roles.rollout
+    c = _BYTES[half.model.dtype]
+    if ro.backend == "sglang":
+        frac = ro.gpu_memory_fraction * gpu_bytes
+        if ro.colocate_with_actor and ro.offload:
+            return {}, {"rollout (sglang, released while training)": frac}, []
+        return {"rollout (sglang memory fraction)": frac}, {}, []
+    engines = roles.workers_of("rollout")
+    rows = -(-data.rollout_batch_size // engines) * data.samples_per_prompt
+    seq = data.max_prompt_length + data.max_response_length
+    kv = rows * seq * shape.layers * 2 * shape.kv_dim * c
+    logits = rows * shape.vocab * 4 * 3
+    return {"rollout weights": c * shape.params}, {"rollout KV cache": kv, "sampling": logits}, []
+
+
+def plan_job(
+    half: Any, gpu_gib: float = DEFAULT_GPU_GIB, shape: Shape | None = None
+) -> list[ProcessPlan]:
+    """Per-process plans of a spec's training half (a ``TrainingHalf``); empty when the model's
+    shape is unknown."""
+    shape = shape or resolve_shape(half.model.path)
+    if shape is None:
+        return []
+    roles, algo = half.roles, half.algorithm
+    critic_spec = roles.effective_critic(algo.needs_critic)
+    critic_shape = shape
+    if half.model.critic_path:
+        critic_shape = resolve_shape(half.model.critic_path) or shape
+    gpu_bytes = gpu_gib * GiB
+    plans: list[ProcessPlan] = []
+
+    actor = _model(half, "actor", shape)
+    p = ProcessPlan("actor")
+    p.persistent.update({f"actor {k}": v for k, v in actor.states().items()})
+    p.phases["actor update"] = {f"actor {k}": v for k, v in actor.update_transient().items()}
+    if algo.kl.coefficient > 0 and not half.training.offload_reference:
+        mp = actor.tp * actor.pp
+        p.persistent["reference"] = (
+            actor.compute_bytes * shape.params / (mp * (actor.dp if actor.fsdp else 1))
+        )
+    if actor.backend == "megatron":
+        p.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
+    critic = None
+    if critic_spec is not None:
+        critic = _model(half, "critic", critic_shape)
+        c_states = {f"critic {k}": v for k, v in critic.states().items()}
+        c_phase = {f"critic {k}": v for k, v in critic.update_transient().items()}
+        if critic_spec.colocate_with_actor:
+            p.persistent.update(c_states)
+            p.phases["critic update"] = c_phase
+        else:
+            cp = ProcessPlan("critic", persistent=c_states, phases={"critic update": c_phase})
+            if critic.backend == "megatron":
+                cp.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
+            plans.append(cp)
+    persistent, generation, notes = _rollout_parts(half, shape, gpu_bytes)
+    if roles.rollout.colocate_with_actor:
+        p.persistent.update(persistent)
+        if generation:
+            p.phases["generation"] = generation
+    else:
+        plans.append(ProcessPlan("rollout", persistent=persistent,
+                                 phases={"generation": generation} if generation else {},
+                                 notes=notes))  # fmt: skip
+    plans.insert(0, p)
+    return plans
+
+
+def gpu_gib_of(node_selector: dict[str, str]) -> float:
+    """GPU memory (GiB) named by a node selector's GPU product label (``...-80GB-...``), else
+    :data:`DEFAULT_GPU_GIB`."""
+    for key, value in node_selector.items():
+        if "gpu" in key.lower():
+            m = re.search(r"(\d+)\s*GB", value, re.IGNORECASE)
+            if m:
+                return float(m.group(1)) * 1e9 / GiB
+    return DEFAULT_GPU_GIB
+
+
+def plan_warnings(half: Any) -> list[str]:
+    """One warning per GPU process whose plan exceeds its GPU (roles with GPUs only)."""
+    roles = half.roles
+    gib = gpu_gib_of(roles.actor.node_selector)
+    out = []
+    for plan in plan_job(half, gib):
+        spec = getattr(roles, plan.name) or roles.actor
+        owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
+        if owner.resources.gpus == 0:
+            continue
+        if plan.peak > gib * GiB:
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in plan.rows() if v)
+            out.append(
+                f"spec.roles.{plan.name}: the memory plan needs {plan.peak / GiB:.1f} GiB per GPU, "
+                f"more than its {gib:.0f} GiB ({parts} GiB); consider training.sharding: fsdp, "
+                "gradientCheckpointing, a smaller microBatchSize or offloadReference "
+                "(bench/memory.py prints the plan)"
+            )
+    return out
+
+
+def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
+    """The plans as a table: one block per process, GiB per part, the peak and the verdict."""
+    lines = []
+    for plan in plans:
+        lines.append(f"{plan.name}: peak {plan.peak / GiB:.2f} GiB of {gpu_gib:.0f} GiB "
+                     f"({'fits' if plan.peak <= gpu_gib * GiB else 'DOES NOT FIT'}; "
+                     f"peak phase: {plan.peak_phase or '-'})")  # fmt: skip
+        for name, value in plan.rows():
+            lines.append(f"    {name:<52} {value / GiB:9.3f} GiB")
+        lines += [f"    note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "KNOWN_SHAPES",
+    "ProcessPlan",
+    "Shape",
+    "TrainedModel",
+    "format_plan",
+    "gpu_gib_of",
+    "plan_job",
+    "plan_warnings",
+    "resolve_shape",
+    "shape_from_config",
+]
