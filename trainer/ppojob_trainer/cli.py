@@ -31,6 +31,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             continue
         names = ", ".join(j.metadata.name or "<unnamed>" for j in jobs)
         print(f"{name}: valid ({names})")
+        _memory_warnings(name, jobs)
     return 1 if failed else 0
 
 
@@ -38,6 +39,15 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, UnicodeDecodeError):
         return "not a UTF-8 text file (a PPOJob manifest is YAML text)"
     return str(exc)
+
+
+def _memory_warnings(name: str, jobs: list) -> None:
+    """Warn (without failing) where a job's memory plan exceeds its GPUs."""
+    from ppojob_trainer.memory_plan import plan_warnings
+
+    for job in jobs:
+        for warning in plan_warnings(job.spec):
+            print(f"{name}: warning: {warning}", file=sys.stderr)
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:

@@ -1,0 +1,61 @@
+"""The memory plan: parameter counts, the examples' verdicts, and `ppojob validate` warnings.
+(The plan against measured CPU peaks is `bench/memory.py --measure`.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ppojob_trainer import memory_plan as M
+from ppojob_trainer.manifest import load_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+SEVEN_B = ROOT / "examples" / "ppojob-7b-megatron-volcano.yaml"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "small-llama"])
+def test_shapes_count_the_parameters_of_the_real_models(name):
+    from ppojob_trainer.models import build_builtin_model, count_parameters
+
+    model = build_builtin_model(name, 0)
+    shape = M.shape_from_config(model.config.to_dict())
+    assert shape == M.KNOWN_SHAPES[f"builtin:{name}"]
+    assert shape.params == count_parameters(model)
+
+
+def test_the_7b_example_fits_80gb_gpus_and_so_does_a_torch_fsdp_layout():
+    _, cfg = load_manifest(SEVEN_B)
+    plans = M.plan_job(cfg, M.gpu_gib_of(cfg.roles.actor.node_selector))
+    assert [p.name for p in plans] == ["actor", "critic", "rollout"]
+    assert M.KNOWN_SHAPES["Qwen/Qwen2.5-7B"].params == pytest.approx(7.62e9, rel=0.01)
+    assert all(p.peak < 80e9 for p in plans)
+    torch_fsdp = [
+        ("roles.actor.backend", "torch"),
+        ("roles.actor.parallelism.tensor", 1),
+        ("roles.critic.backend", "torch"),
+        ("roles.critic.parallelism.tensor", 1),
+        ("training.sharding", "fsdp"),
+        ("training.gradientCheckpointing", True),
+    ]
+    _, cfg = load_manifest(SEVEN_B, torch_fsdp)
+    actor = M.plan_job(cfg)[0]
+    assert actor.persistent["actor optimizer"] == pytest.approx(8 * 7.62e9 / 16, rel=0.01)
+    assert actor.peak < 80e9 and not M.plan_warnings(cfg)
+
+
+def test_validate_warns_when_a_plan_cannot_fit(tmp_path, capsys):
+    from ppojob_trainer.cli import main
+
+    doc = yaml.safe_load(SEVEN_B.read_text())
+    actor = doc["spec"]["roles"]["actor"]
+    actor.update(backend="torch", parallelism={"tensor": 1})  # a 7B replica per GPU, no sharding
+    doc["spec"]["roles"]["critic"].update(backend="torch", parallelism={"tensor": 1})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(path)]) == 0  # a warning, not an error
+    err = capsys.readouterr().err
+    assert "warning: spec.roles.actor: the memory plan needs" in err
+    assert "training.sharding: fsdp" in err
+    assert main(["validate", str(SEVEN_B)]) == 0
+    assert "warning" not in capsys.readouterr().err
