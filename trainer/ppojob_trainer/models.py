@@ -157,12 +157,24 @@ def materialize_builtin(name: str, seed: int, root: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
             quiet_transformers()
-            build_builtin_model(name, seed).save_pretrained(tmp)
+            save_pretrained_here(build_builtin_model(name, seed), tmp)
             build_char_tokenizer().save_pretrained(tmp)
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def save_pretrained_here(model: Any, directory: Path | str, **kwargs: Any) -> None:
+    """``model.save_pretrained`` written by this process, whatever its ``torch.distributed``
+    rank: transformers >= 5 silently writes nothing (no config, no weights) on ranks other than
+    0, and the trainer decides itself which worker writes (a built-in model's first worker, a
+    role's data-parallel leader)."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # this instance only
+    try:
+        model.save_pretrained(str(directory), **kwargs)
+    finally:
+        del model.should_save_on_this_rank
 
 
 def resolve_model_path(path: str, seed: int, root: Path | None = None) -> Path:

@@ -40,6 +40,7 @@ from ..models import (
     load_causal_lm,
     load_tokenizer,
     load_value_model,
+    save_pretrained_here,
     torch_dtype,
 )
 from .base import (
@@ -887,7 +888,7 @@ def save_pretrained(
     dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
     if len(dtypes) == 1:
         model.config.dtype = next(iter(dtypes))
-    model.save_pretrained(str(out), state_dict=dict(weights))
+    save_pretrained_here(model, out, state_dict=dict(weights))
     if tokenizer_dir is not None:
         try:
             tok = load_tokenizer(tokenizer_dir)
