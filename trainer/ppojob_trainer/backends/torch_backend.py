@@ -456,6 +456,7 @@ class _Optimised:
 
         opts = StateDictOptions(full_state_dict=self.sharded, cpu_offload=self.sharded)
         model, optim = get_state_dict(self.module, self.optimizer, options=opts)
+        self._forget_unstepped_state()
         return {"model": model, "optimizer": optim, "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
