@@ -346,10 +346,12 @@ class _Optimised:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.sharded = settings.sharding == "fsdp" and dp_size > 1 and group is not None
-        module.to(device=self.device, dtype=torch.float32)
-        if self.sharded:
+        module.to(dtype=torch.float32)
+        if self.sharded:  # fully_shard moves each unit to the device as it shards it
             mixed = compute_dtype if compute_dtype != torch.float32 else None
             shard_module(module, group, self.device, compute_dtype=mixed)
+        else:
+            module.to(device=self.device)
         self.module = module
         self.settings = settings
         self.total_updates = max(1, total_updates)
@@ -737,7 +739,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             ref.requires_grad_(False)
             offload = offload_reference and self.device.type != "cpu"
             if self.opt.sharded:
-                ref = shard_module(ref.to(self.device), group, self.device, offload=offload)
+                ref = shard_module(ref, group, self.device, offload=offload)
             elif offload:  # kept on the CPU, brought to the device for its forwards
                 self.reference_device = torch.device("cpu")
             else:
