@@ -40,6 +40,8 @@ MEASURED = [
     ("actor 21M fp32 ckpt", Shape(512, 4, 8, 8, 1408, 8000), "actor", 8, 128, True),
     ("actor 34M fp32 vocab 32k", Shape(384, 6, 6, 2, 1024, 32000), "actor", 4, 256, False),
     ("critic 21M fp32", Shape(512, 4, 8, 8, 1408, 8000), "critic", 8, 128, False),
+    # not used to choose the plan's coefficients: a held-out shape (GQA, longer sequences)
+    ("held-out actor 45M GQA", Shape(768, 4, 12, 4, 2048, 16000), "actor", 2, 512, False),
 ]
 
 

@@ -135,9 +135,17 @@ class TrainedModel:
     def fsdp(self) -> bool:
         return self.backend == "torch" and self.sharding == "fsdp" and self.dp > 1
 
+    @property
+    def params(self) -> int:
+        """The actor's parameters; the critic has a value head instead of the LM head."""
+        sh = self.shape
+        if self.lm_head or sh.tied:
+            return sh.params if self.lm_head else sh.params + sh.hidden + 1
+        return sh.params - sh.vocab * sh.hidden + sh.hidden + 1
+
     def states(self) -> dict[str, float]:
         """Persistent bytes: weights, gradients, optimizer state."""
-        p = self.shape.params
+        p = self.params
         if self.backend == "megatron":  # bf16 params, fp32 grads, distributed fp32 optimizer
             mp = self.tp * self.pp
             return {
@@ -156,14 +164,17 @@ class TrainedModel:
             if self.fsdp:
                 out["compute"] = c * (sh.root_params + 2 * sh.block_params)
             elif c < 4:
-                out["compute"] = c * sh.params  # autocast's cached weight casts
+                out["compute"] = c * self.params  # autocast's cached weight casts
             else:
                 out["compute"] = 0.0
         # residual stream: float32 under autocast (fp32 masters), compute dtype under FSDP's policy
         stream = c if (self.fsdp or self.backend == "megatron") else 4
         tokens = self.micro_batch * self.seq_len
+        # kept per token and block: the two residual inputs (stream dtype) and, in the compute
+        # dtype, the norm outputs, q/k/v, the attention output and the MLP's intermediates
+        # (coefficients checked against measured peaks: bench/memory.py --measure)
         per_token_block = stream * 2 * sh.hidden + c * (
-            6 * sh.hidden + 4 * sh.kv_dim + 4 * sh.intermediate
+            4 * sh.hidden + 2 * sh.kv_dim + 3 * sh.intermediate
         )
         if self.gradient_checkpointing:
             acts = tokens * (sh.layers * stream * sh.hidden + per_token_block)
@@ -172,8 +183,9 @@ class TrainedModel:
         out["activations"] = acts / self.tp
         if self.lm_head:
             chunk = min(tokens, LOGITS_CHUNK_TOKENS)
-            # logits (compute dtype), their float32 copy, /temperature, softmax (entropy)
-            out["logits"] = chunk * sh.vocab * (c + 3 * 4) / self.tp
+            # float32 logits / temperature (kept for backward), the softmax of the entropy and
+            # its product (or, in backward, the gradient), plus the compute-dtype logits
+            out["logits"] = chunk * sh.vocab * (3 * 4 + (c if c < 4 else 0)) / self.tp
         return out
 
 
