@@ -277,6 +277,16 @@ def shard_module(
     return module
 
 
+def activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant checkpointing; the HF
+    method's name in transformers >= 5, else its older one)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a HF model: the first ``ModuleList`` named ``layers``/``h``/
     ``blocks`` (Llama, Qwen, Mistral, GPT-2, ...), else none."""
@@ -727,7 +737,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         self.settings = settings
         lm = load_causal_lm(model_dir, "float32")  # master weights in float32
         if settings.gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing(lm)
         self.model = CausalLMLogprobs(lm)
         self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
                               device=self.device, compute_dtype=self.dtype)  # fmt: skip
@@ -833,9 +843,7 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.dtype = torch_dtype(dtype)
         self.model = load_value_model(model_dir, "float32", seed=seed)
         if settings.gradient_checkpointing:
-            self.model.backbone.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            activation_checkpointing(self.model.backbone)
         self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
                               device=self.device, compute_dtype=self.dtype)  # fmt: skip
         self.model.train()
