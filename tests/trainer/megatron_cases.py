@@ -170,7 +170,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     t_metrics = torch_actor.update(batch, loss_fn, micro)
     after = actor.export_weights()
     if after:
-        out["update_weights_max_abs"] = _maxdiff(after, torch_actor.model.state_dict())
+        out["update_weights_max_abs"] = _maxdiff(after, torch_actor.lm.state_dict())
         out["update_changed"] = _maxdiff(after, hf_sd)
         out["grad_norm"] = [m_metrics["grad_norm"], t_metrics["grad_norm"]]
     if shard.dp_size == 1:

@@ -286,7 +286,11 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     first = train(cfg, tmp_path / "run", _Quiet(), max_steps=2)
     assert first.steps == 2 and "critic/vf_loss" in first.history[-1]
     assert all(m["reward/mean"] >= 0 and m["actor/grad_norm"] > 0 for m in first.history)
-    state = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    state = load_checkpoint(ckpt)  # the driver's small state; each role's under <role>/
+    assert "actor" not in state
+    for role in ("actor", "critic"):
+        state[role] = torch.load(ckpt / role / "state.pt", weights_only=True)
     hf_keys = set(models.load_causal_lm(model_dir).state_dict())
     assert set(state["actor"]["model"]) == hf_keys
     assert set(state["actor"]["adam"]["exp_avg"]) == hf_keys
