@@ -183,7 +183,7 @@ def test_a_changed_dataset_is_detected_on_resume(tmp_path: Path) -> None:
         def fingerprint(self):
             return config_fingerprint(self.cfg, self.task.digest())
 
-        def restore(self, state):
+        def restore(self, state, path=None):
             return int(state["step"])
 
     ckpts = tmp_path / "ckpt"
