@@ -19,11 +19,11 @@ def ray_session(local_ray, tmp_path_factory):
     mp.undo()
 
 
-def _cfg(roles: dict, prompts: int, bucket_mb: float = 512.0) -> TrainerConfig:
+def _cfg(roles: dict, prompts: int, bucket_mb: float = 512.0, **algo) -> TrainerConfig:
     roles["rollout"]["weightSyncBucketMb"] = bucket_mb
     return TrainerConfig.model_validate({
         "roles": roles,
-        "algorithm": {"advantageEstimator": "grpo", "kl": {"coefficient": 0.0}},
+        "algorithm": {"advantageEstimator": "grpo", **algo},
         "data": {"rolloutBatchSize": prompts, "samplesPerPrompt": 2, "maxResponseLength": 6},
         "training": {"steps": 3, "learningRate": 1e-2, "seed": 5},
     })  # fmt: skip
@@ -35,13 +35,16 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 @pytest.mark.slow
 def test_colocated_engines_sleep_before_training_and_wake_before_new_weights():
-    """Two actor workers, each with a colocated engine; one prompt, so the second engine gets
-    none and sits the step out (fewer prompts than engines used to raise IndexError)."""
+    """Two actor workers, each with a colocated engine and critic (gae); one prompt, so the
+    second engine gets none and sits the step out (fewer prompts than engines used to raise
+    IndexError). Step 0 is a critic warm-up step: the actor does not train, yet the woken
+    engines take the weights again (their memory was released)."""
     roles = {
         "actor": {"replicas": 2, "resources": {"cpus": 1}},
         "rollout": {"colocateWithActor": True, "offload": True},
     }
-    trainer = PPOTrainer(_cfg(roles, prompts=1))
+    cfg = _cfg(roles, prompts=1, advantageEstimator="gae", criticWarmupSteps=1)
+    trainer = PPOTrainer(cfg)
     try:
         assert len(trainer.hosts["rollout"]) == 2 and trainer.engine_groups == [
             [h] for h in trainer.hosts["actor"]
@@ -51,19 +54,24 @@ def test_colocated_engines_sleep_before_training_and_wake_before_new_weights():
             metrics = trainer.step(s)
             assert metrics["time/weight_sync"] >= 0
         first, second = ray.get([h.calls.remote() for h in trainer.hosts["actor"]])
-        # every step, on the engine's process: generate -> release -> log-probs and training
-        # -> resume -> new weights (one bucket here), and the next generation after that
-        one_step = [
-            "engine.generate",
-            "engine.release_memory",
-            "actor.prepare",
-            "actor.train",
-            "engine.resume_memory",
-            "engine.update_weights_from_tensor",
-        ]
-        assert first == one_step * steps
+
+        # every step, on the engine's process: generate -> release -> values, log-probs and
+        # training -> resume -> the weights (one bucket here); the next generation after that
+        def step_calls(actor_trains: bool, generates: bool = True) -> list[str]:
+            return [
+                *(["engine.generate"] if generates else []),
+                "engine.release_memory",
+                "critic.values",
+                "actor.prepare",
+                "critic.train",
+                *(["actor.train"] if actor_trains else []),
+                "engine.resume_memory",
+                "engine.update_weights_from_tensor",
+            ]
+
+        assert first == step_calls(False) + step_calls(True) * (steps - 1)
         # the engine without prompts generates nothing but still sleeps, wakes and syncs
-        assert second == [c for c in one_step if c != "engine.generate"] * steps
+        assert second == step_calls(False, False) + step_calls(True, False) * (steps - 1)
         a0, r0, r1 = ray.get([
             trainer.hosts["actor"][0].actor_weights.remote(),
             trainer.hosts["rollout"][0].rollout_weights.remote(),

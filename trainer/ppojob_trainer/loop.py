@@ -1,7 +1,8 @@
 """The PPO loop: one step written out like a training script (see :meth:`PPOTrainer.step`).
 
-    generate -> reward -> values (refs) -> old/ref log-probs -> advantages -> critic updates
-    -> actor update (after warm-up) -> weight sync -> metrics -> checkpoint
+    generate -> reward -> [colocated engines sleep] -> values (refs) -> old/ref log-probs
+    -> advantages -> critic updates -> actor update (after warm-up) -> [engines wake]
+    -> weight sync -> metrics -> checkpoint
 
 The driver (this module) holds no model and never pulls a tensor: it samples prompts, hands the
 workers ObjectRefs and sample ranges, and reads back float metrics. Critic values travel from the
@@ -325,12 +326,13 @@ class PPOTrainer:
             actor_done = [a.train_actor.remote(step) for a in self.hosts["actor"]]
 
         # 6. colocated engines wake once training is done on all their GPUs; then every engine
-        #    takes the new weights (in order, on the engine's process).
+        #    takes the new weights (in order, on the engine's process). A woken engine's weights
+        #    were released, so it takes them even when the actor did not train.
         woken = []
         if self.offload:
             after = [*prepared, *critic_done, *actor_done]
             woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
-        synced = self._sync_weights() if plan.actor_trains else []
+        synced = self._sync_weights() if plan.actor_trains or self.offload else []
 
         # 7. metrics (floats only; the driver never fetches a tensor).
         groups = [gens, prepared, critic_done, actor_done, woken, synced]
