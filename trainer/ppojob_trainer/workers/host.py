@@ -263,7 +263,8 @@ class WorkerHost:
 
     def close(self) -> None:
         """Stop the engine's own processes (SGLang's scheduler and detokenizer)."""
-        inner = getattr(self.rollout.engine, "inner", None) if self.rollout else None
+        rollout = getattr(self, "rollout", None)  # None too when the host failed to start
+        inner = getattr(rollout.engine, "inner", None) if rollout is not None else None
         if inner is not None and hasattr(inner, "shutdown"):
             inner.shutdown()
 
