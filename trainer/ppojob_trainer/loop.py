@@ -147,6 +147,14 @@ class PPOTrainer:
                 hosted["rollout"] = (rank // tp, engines)
             return hosted
 
+        # Built-in models are written once, here, before the workers of this machine load them
+        # (workers writing the same one at once have been seen to remove each other's copy).
+        from .models import BUILTIN_PREFIX, materialize_builtin
+
+        for path in {cfg.model.path, cfg.model.critic_path or cfg.model.path}:
+            if path.startswith(BUILTIN_PREFIX):
+                materialize_builtin(path[len(BUILTIN_PREFIX) :], cfg.training.seed)
+
         self.hosts: dict[str, list[Any]] = {"actor": [], "critic": [], "rollout": []}
         all_hosts = self.all_hosts
         specs = {"actor": roles.actor, "critic": critic, "rollout": roles.rollout}
