@@ -37,7 +37,8 @@ def _pods(rayjob: dict) -> list[dict[str, float]]:
     nodes = []
     for group in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        custom = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        # JSON quoted for the shell of `ray start --resources=...`, as KubeRay reads it back
+        custom = json.loads(group["rayStartParams"]["resources"].strip("'\""))
         node = {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
         nodes += [{**node, **custom} for _ in range(group["replicas"])]
     return nodes
