@@ -930,12 +930,13 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                     f"make replicas x resources.gpus a multiple of {mp.model_parallel}",
                 )
             )
-        if name == "rollout" and spec.colocate_with_actor and actor.backend == "megatron":
+        if (name == "rollout" and spec.colocate_with_actor and actor.backend == "megatron"
+                and spec.backend == "sglang"):  # fmt: skip
             p.append(
                 Problem(
                     f"{rpath}.colocateWithActor",
-                    "a megatron actor gathers its weights on one worker, but a colocated engine "
-                    "takes them from the actor workers on its own GPUs",
+                    "a megatron actor gathers its weights on one worker, but a colocated sglang "
+                    "engine takes them from the actor workers on its own GPUs",
                     "give the rollout its own pods (colocateWithActor: false)",
                 )
             )

@@ -263,8 +263,15 @@ class PPOTrainer:
         """Start a weight sync; refs of its durations (seconds). Colocated: each engine loads
         the buckets its GPUs' actor workers stage; disaggregated: the actor's leader
         broadcasts bucket by bucket to every engine."""
+        import ray
+
         self.syncs += 1
         if self.colocated:
+            if self.cfg.roles.actor.backend == "megatron":  # weights gathered on the leader
+                refs = ray.get([h.export_ref.remote(self.syncs) for h in self.hosts["actor"]])
+                (gathered,) = [r for r in refs if r]
+                return [g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
+                        for g in self.engine_groups]  # fmt: skip
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export

@@ -235,12 +235,23 @@ class WorkerHost:
         """Forget the exported weights and the last staged bucket (the sync is over)."""
         self._weights = self._staged = None
 
-    def sync_colocated(self, sync_id: int, peers: list[Any]) -> float:
+    def export_ref(self, sync_id: int) -> list[Any] | None:
+        """[ref of this worker's exported weights] when it has them (a collective export: the
+        leader's), else None; every actor worker calls it, so a collective completes."""
+        weights, _ = self._exported(sync_id)
+        return [ray.put(weights)] if weights else None
+
+    def sync_colocated(self, sync_id: int, peers: list[Any], gathered: Any = None) -> float:
         """Colocated sync, on the engine's process: bucket by bucket, this process and its
         ``peers`` (the other processes on the engine's GPUs, in tensor-parallel rank order) each
         stage the bucket on their GPU and the engine loads all of them at once."""
         t0 = time.perf_counter()
         weights, plan = self._exported(sync_id)
+        if not weights and gathered:  # gathered on the leader: fetch its copy once
+            weights = ray.get(gathered[0])
+            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+            plan = plan_weight_buckets(weights, limit)
+            self._weights = (sync_id, weights, plan)
         if not weights:
             raise RuntimeError(
                 "colocated weight sync: this actor worker exported no weights (a backend that "
