@@ -49,7 +49,7 @@ def test_the_rollout_worker_scores_greedy_completions_of_the_eval_set(model_dir)
     assert examples == make_task("builtin:count-up").eval_set() and len(examples) == 64
     out = worker.evaluate(examples)
     prompts = [e.prompt for e in examples]
-    ids, mask = worker.encode(prompts)
+    _, ids, mask = worker.encode(prompts)
     gen = worker.engine.generate(ids, mask, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=9)
     expected = count_up_reward(prompts, worker.completions(gen.response_ids), [None] * 64)
     assert out == {"reward_sum": pytest.approx(sum(expected)), "n": 64.0}

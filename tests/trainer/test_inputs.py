@@ -48,7 +48,7 @@ def test_long_prompts_keep_their_bos_token(model_dir):
     cfg = TrainerConfig.model_validate({"data": {"maxPromptLength": 4}})
     worker = RolloutWorker(cfg, ShardIdentity("rollout"), model_dir, "cpu")
     tok = worker.tokenizer
-    ids, mask = worker.encode(["1234567890", "12"])
+    _, ids, mask = worker.encode(["1234567890", "12"])
     full = tok("1234567890")["input_ids"]
     assert full[0] == tok.bos_token_id and len(full) > 4
     kept = ids[0][mask[0]].tolist()

@@ -104,7 +104,7 @@ def test_datasets(tmp_path):
         assert got[0].label == "3" and got[1].label is None
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match="no string 'prompt' field"):
+    with pytest.raises(ValueError, match="no 'prompt' field holding a string or chat messages"):
         tasks.make_task(str(bad))
     with pytest.raises(ValueError, match="does not exist"):
         tasks.make_task(str(tmp_path / "missing.jsonl"))

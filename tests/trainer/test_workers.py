@@ -333,7 +333,7 @@ def test_long_prompts_are_truncated_from_the_left():
     worker = RolloutWorker(cfg, ShardIdentity("rollout"), path, "cpu")
     tok = worker.tokenizer
     long_prompt, short = "1234567890", "12"
-    ids, mask = worker.encode([long_prompt, short])
+    _, ids, mask = worker.encode([long_prompt, short])
     assert ids.shape[1] == 4
     full = tok(long_prompt)["input_ids"]
     assert len(full) > 4

@@ -70,13 +70,20 @@ class ModelSpec(_Model):
     """The policy (actor) and value (critic) models."""
 
     path: str = Field("builtin:tiny-llama", min_length=1)
-    """Hugging Face model directory or URI of the actor (and reference) model, or `builtin:<name>`
-    for the tiny randomly initialised CPU models (`builtin:tiny-llama`, `builtin:tiny-qwen2`,
-    `builtin:small-llama`)."""
+    """The actor (and reference) model: a Hugging Face model directory in the trainer image or a
+    volume (absolute, or relative to the working directory), a Hugging Face hub id such as
+    `Qwen/Qwen2.5-7B-Instruct` (downloaded through huggingface_hub into its cache, HF_HOME;
+    offline with HF_HUB_OFFLINE=1), or `builtin:<name>` for the tiny randomly initialised CPU
+    models (`builtin:tiny-llama`, `builtin:tiny-qwen2`, `builtin:small-llama`). An existing
+    directory wins over a hub id of the same name."""
 
     critic_path: str | None = Field(None, min_length=1)
-    """Model directory or URI the critic's backbone starts from. Defaults to `path`. Only for
-    estimators that use a critic (`gae`)."""
+    """The model the critic's backbone starts from, in the same forms as `path`. Defaults to
+    `path`. Only for estimators that use a critic (`gae`)."""
+
+    trust_remote_code: bool = False
+    """Allow the model's own Python code (`auto_map` in its config) to run when loading the
+    model and tokenizer, in every backend. Only for models you trust."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with
@@ -236,6 +243,10 @@ class RolloutRole(_Role):
 
     gpu_memory_fraction: float = Field(0.85, gt=0, le=1)
     """Fraction of GPU memory an sglang engine may use for weights and KV cache."""
+
+    weight_sync_bucket_mb: float = Field(512.0, gt=0, le=65536)
+    """Weight sync moves the actor's weights to the engines in buckets of at most this many
+    MiB (a larger tensor goes alone): the extra memory a sync needs on each side."""
 
 
 class Roles(_Model):
@@ -420,6 +431,10 @@ class DataSpec(_Model):
     set of 64 of that task's prompts). Every spec.training.evalInterval steps and after the last
     step, each prompt gets one greedy completion, scored by the reward function, reported as
     eval/reward_mean. Unset: no evaluation."""
+    apply_chat_template: bool | None = None
+    """Render each prompt with the tokenizer's chat template (a plain string becomes one user
+    message; a prompt given as chat messages `[{role, content}, ...]` needs the template).
+    Unset: on exactly when the tokenizer has a chat template."""
 
     @property
     def samples_per_step(self) -> int:
@@ -969,12 +984,25 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                     f"make replicas x resources.gpus a multiple of {mp.model_parallel}",
                 )
             )
-        if name == "rollout" and mp.tensor > max(gpus, 1):
+        if (name == "rollout" and spec.colocate_with_actor and actor.backend == "megatron"
+                and spec.backend == "sglang"):  # fmt: skip
+            p.append(
+                Problem(
+                    f"{rpath}.colocateWithActor",
+                    "a megatron actor gathers its weights on one worker, but a colocated sglang "
+                    "engine takes them from the actor workers on its own GPUs",
+                    "give the rollout its own pods (colocateWithActor: false)",
+                )
+            )
+        # an engine spans `tensor` GPUs of one pod (one node): they must tile the pod's GPUs
+        if name == "rollout" and gpus > 0 and gpus % mp.tensor:
+            owner = "the actor's pod" if spec.colocate_with_actor else "its pod"
             p.append(
                 Problem(
                     f"{rpath}.parallelism.tensor",
-                    f"an engine's tensor-parallel size {mp.tensor} exceeds its pod's {gpus} GPU(s)",
-                    "use tensor <= resources.gpus",
+                    f"an engine spans {mp.tensor} GPUs of one pod, which does not fit "
+                    f"{owner}'s {gpus} GPU(s) ({gpus} is not a multiple of {mp.tensor})",
+                    "use a tensor size that divides resources.gpus",
                 )
             )
 
@@ -1148,14 +1176,12 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
         ("model.path", half.model.path),
         ("model.criticPath", half.model.critic_path),
     ):
-        if value and value.startswith("builtin:") and value[8:] not in BUILTIN_MODELS:
-            p.append(
-                Problem(
-                    f"{prefix}.{field}",
-                    f"unknown built-in model {value!r}",
-                    f"use one of {[f'builtin:{m}' for m in BUILTIN_MODELS]}",
-                )
-            )
+        if value is not None:
+            try:
+                model_path_kind(value)
+            except ValueError as exc:
+                why, _, fix = str(exc).partition("; ")
+                p.append(Problem(f"{prefix}.{field}", why, fix))
     p += check_sizes(half, prefix)
     return p
 
@@ -1303,6 +1329,38 @@ def check_megatron(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                          "holds one parallel layout per process",
                          "give the critic the actor's parallelism"))  # fmt: skip
     return p
+
+
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+"""A Hugging Face hub repo id (`org/name` or `name`); no `--` or `..` (huggingface_hub's
+rule)."""
+
+
+def model_path_kind(path: str) -> Literal["builtin", "local", "hub"]:
+    """How `model.path` is resolved (the trainer and `ppojob validate` share this rule):
+    `builtin:<name>`, a local directory (absolute, `./`, `../` or `~`), or a string that may be a
+    hub id, which the trainer loads from a local directory of that name when one exists and
+    from the hub otherwise. Raises ValueError("why; fix") for anything else."""
+    if path.startswith("builtin:"):
+        if path[8:] not in BUILTIN_MODELS:
+            raise ValueError(
+                f"unknown built-in model {path!r}; "
+                f"use one of {[f'builtin:{m}' for m in BUILTIN_MODELS]}"
+            )
+        return "builtin"
+    if path.startswith(("/", "./", "../", "~")):
+        return "local"
+    if "://" in path:
+        raise ValueError(
+            f"{path!r}: URIs are not loaded by the trainer; copy the model into the image or a "
+            "volume and give its directory, or give a Hugging Face hub id (org/name)"
+        )
+    if HUB_ID.match(path) and "--" not in path and ".." not in path:
+        return "hub"
+    raise ValueError(
+        f"{path!r} is neither a directory path nor a Hugging Face hub id; give an absolute "
+        "directory, ./relative/dir, org/name, or builtin:<name>"
+    )
 
 
 def _check_batches(

@@ -1,7 +1,8 @@
 """The PPO loop: one step written out like a training script (see :meth:`PPOTrainer.step`).
 
-    generate -> reward -> values (refs) -> old/ref log-probs -> advantages -> critic updates
-    -> actor update (after warm-up) -> weight sync -> metrics -> checkpoint
+    generate -> reward -> [colocated engines sleep] -> values (refs) -> old/ref log-probs
+    -> advantages -> critic updates -> actor update (after warm-up) -> [engines wake]
+    -> weight sync -> metrics -> checkpoint
 
 The driver (this module) holds no model and never pulls a tensor: it samples prompts, hands the
 workers ObjectRefs and sample ranges, and reads back float metrics. Critic values travel from the
@@ -81,6 +82,10 @@ def _dp_leaders(shards: list[dict[str, int]]) -> list[int]:
     return [leaders[d] for d in range(len(leaders))]
 
 
+WEIGHT_GROUP = "ppojob-weights"
+"""Name of the weight-update process group of disaggregated engines."""
+
+
 def _step_seed(seed: int, step: int, engine: int) -> int:
     return (seed * 1_000_003 + step * 7919 + engine) % (2**63 - 1)
 
@@ -105,6 +110,7 @@ class PPOTrainer:
         plan = plan_placement(cfg, pin_roles=cluster_pins_roles(ray.cluster_resources()))
         self.placement = reserve_placement(plan, max(budget - waited, 1.0))
         self.all_hosts: list[Any] = []
+        self.syncs = 0
         try:
             self._start(cfg, critic, threads)
         except BaseException:
@@ -117,30 +123,48 @@ class PPOTrainer:
         import ray
 
         from .models import cache_root
+        from .placement import engine_count, engine_tensor_size
         from .workers.host import RemoteWorkerHost
 
         algo, roles = cfg.algorithm, cfg.roles
         n = cfg.data.samples_per_step
         cfg_json = cfg.model_dump_json(by_alias=True)
 
-        # Which roles share a process: colocated ones live with the actor worker of their rank.
+        # Which roles share a process: colocated ones live with the actor worker of their rank;
+        # a colocated engine, spanning `tp` actor GPUs, with the first actor worker of them.
+        tp, engines = engine_tensor_size(cfg), engine_count(cfg)
         a_world = roles.workers_of("actor")
-        with_actor = ["actor"]
-        if critic is not None and critic.colocate_with_actor:
-            with_actor.append("critic")
-        if roles.rollout.colocate_with_actor:
-            with_actor.append("rollout")
-        layout: list[tuple[str, list[str], int]] = [("actor", with_actor, a_world)]
-        if critic is not None and "critic" not in with_actor:
-            layout.append(("critic", ["critic"], roles.workers_of("critic")))
-        if "rollout" not in with_actor:
-            layout.append(("rollout", ["rollout"], roles.workers_of("rollout")))
+        critic_with_actor = critic is not None and critic.colocate_with_actor
+        self.colocated = roles.rollout.colocate_with_actor
+        self.offload = self.colocated and roles.rollout.offload
+        layout: list[tuple[str, int]] = [("actor", a_world)]
+        if critic is not None and not critic_with_actor:
+            layout.append(("critic", roles.workers_of("critic")))
+        if not self.colocated:
+            layout.append(("rollout", engines))
+
+        def hosted_roles(owner: str, rank: int, world: int) -> dict[str, tuple[int, int]]:
+            hosted = {owner: (rank, world)}
+            if owner == "actor" and critic_with_actor:
+                hosted["critic"] = (rank, world)
+            if owner == "actor" and self.colocated and rank % tp == 0:
+                hosted["rollout"] = (rank // tp, engines)
+            return hosted
+
+        # Built-in models are written once, here, before the workers of this machine load them
+        # (workers writing the same one at once have been seen to remove each other's copy).
+        from .models import BUILTIN_PREFIX, materialize_builtin
+
+        for path in {cfg.model.path, cfg.model.critic_path or cfg.model.path}:
+            if path.startswith(BUILTIN_PREFIX):
+                materialize_builtin(path[len(BUILTIN_PREFIX) :], cfg.training.seed)
 
         self.hosts: dict[str, list[Any]] = {"actor": [], "critic": [], "rollout": []}
         all_hosts = self.all_hosts
         specs = {"actor": roles.actor, "critic": critic, "rollout": roles.rollout}
-        for owner, hosted, world in layout:
-            # One GPU per worker when the role has GPUs (Ray sets CUDA_VISIBLE_DEVICES).
+        for owner, world in layout:
+            # Ray sets CUDA_VISIBLE_DEVICES to the GPUs a process holds: one per trained worker,
+            # an engine's `tp` for a rollout process.
             device = "cuda" if specs[owner].resources.gpus > 0 else "cpu"
             # The rendezvous of the role's process group is on the node of its rank 0.
             rendezvous = None
@@ -150,9 +174,9 @@ class PPOTrainer:
                 address = ray.remote(_rendezvous_address).options(**opts0).remote()
                 rendezvous = tuple(ray.get(address))
             for rank in range(world):
-                opts = self.placement.scheduling_options(owner, rank)
-                cpus = sum(self.placement.bundle_for(r, rank)[1].get("CPU", 0.0) for r in hosted)
-                opts["num_cpus"] = cpus
+                hosted = hosted_roles(owner, rank, world)
+                opts = self.placement.host_options(owner, rank)
+                cpus = opts["num_cpus"]
                 # Idle OpenMP threads must not spin: they would starve Ray's own threads of the
                 # few cores between two tasks (measured: +100 ms per step on 2 cores).
                 opts["runtime_env"] = {
@@ -161,7 +185,7 @@ class PPOTrainer:
                 nthreads = (threads or {}).get(owner) or max(1, round(cpus))
                 handle = RemoteWorkerHost.options(**opts).remote(
                     cfg_json,
-                    {r: (rank, world) for r in hosted},
+                    hosted,
                     rendezvous,
                     nthreads,
                     device,
@@ -187,6 +211,26 @@ class PPOTrainer:
         }
         self.actor_ranges = _ranges(n, len(self.leaders["actor"]))
         self.critic_ranges = _ranges(n, len(self.leaders["critic"])) if self.has_critic else None
+        # The processes on each engine's GPUs, its own first: colocated, the `tp` actor workers
+        # of its bundle; otherwise the engine's own process.
+        if self.colocated:
+            actors = self.hosts["actor"]
+            self.engine_groups = [actors[e * tp : (e + 1) * tp] for e in range(engines)]
+        else:
+            self.engine_groups = [[h] for h in self.hosts["rollout"]]
+        gpus = {id(h): ident["gpus"] for h, ident in zip(all_hosts, self.identities, strict=True)}
+
+        def visible(group: list[Any]) -> list[str] | None:
+            return [g for h in group for g in gpus[id(h)]] if len(group) > 1 else None
+
+        errors = ray.get([g[0].start_rollout.remote(visible(g)) for g in self.engine_groups])
+        if any(errors):
+            from .errors import StartupError
+
+            error = next(e for e in errors if e)
+            raise StartupError(f"the rollout worker could not start: {error}")
+        if not self.colocated:
+            self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
         from .tasks import make_task
@@ -205,6 +249,44 @@ class PPOTrainer:
             else FixedKLController(kl.coefficient)
         )
 
+    def _init_weight_group(self, tp: int) -> None:
+        """Disaggregated engines: one weight-update group of the actor's leader (rank 0) and
+        every engine's tensor-parallel ranks (engine ``e`` from rank ``1 + e * tp``)."""
+        import ray
+
+        leader, engines = self.hosts["actor"][0], self.hosts["rollout"]
+        host, port = ray.get(leader.rendezvous_address.remote())
+        world = 1 + len(engines) * tp
+        gpu = self.cfg.roles.actor.resources.gpus > 0 and self.cfg.roles.rollout.resources.gpus > 0
+        backend = "nccl" if gpu else "gloo"
+        ray.get(
+            [leader.init_weight_sender.remote(host, port, world, WEIGHT_GROUP, backend)]
+            + [
+                e.init_weights_update_group.remote(host, port, 1 + i * tp, world, WEIGHT_GROUP,
+                                                   backend)
+                for i, e in enumerate(engines)
+            ]
+        )  # fmt: skip
+
+    def _sync_weights(self) -> list[Any]:
+        """Start a weight sync; refs of its durations (seconds). Colocated: each engine loads
+        the buckets its GPUs' actor workers stage; disaggregated: the actor's leader
+        broadcasts bucket by bucket to every engine."""
+        import ray
+
+        self.syncs += 1
+        if self.colocated:
+            if self.cfg.roles.actor.backend == "megatron":  # weights gathered on the leader only
+                refs = ray.get([h.export_ref.remote(self.syncs) for h in self.hosts["actor"]])
+                (gathered,) = [r for r in refs if r]
+                return [g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
+                        for g in self.engine_groups]  # fmt: skip
+            return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
+        leader, *others = self.hosts["actor"]
+        joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export
+        sent = leader.broadcast_weights.remote(self.syncs, self.hosts["rollout"], WEIGHT_GROUP)
+        return [sent, *joined]
+
     # ------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
         """One PPO step; returns its metrics (floats only)."""
@@ -218,9 +300,12 @@ class PPOTrainer:
         k = cfg.data.samples_per_prompt
         examples = self.task.sample(n_prompts, self.data_rng)
 
-        # 1. generate + reward: each engine samples a contiguous range of prompts.
+        # 1. generate + reward: each engine samples a contiguous range of prompts (an engine
+        #    left without prompts sits this step out).
         parts = []
         for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
+            if p_lo == p_hi:
+                continue
             ref = self.hosts["rollout"][e].generate.remote(
                 examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
             )
@@ -228,6 +313,9 @@ class PPOTrainer:
 
         ranges = [(lo, hi) for lo, hi, _ in parts]
         gens = [ref for _, _, ref in parts]
+        # Engines sharing the actor's GPUs free their weights and KV cache for training.
+        if self.offload:
+            ray.get([r.release_memory.remote() for r in self.hosts["rollout"]])
 
         # 2. values: each critic worker puts one object per actor worker; we keep only refs.
         value_lists = []
@@ -260,21 +348,25 @@ class PPOTrainer:
         actor_done = []
         if plan.actor_trains:
             actor_done = [a.train_actor.remote(step) for a in self.hosts["actor"]]
-            # 6. weight sync: the leader puts its weights once; each engine fetches one copy.
-            synced = [r.update_weights.remote(actor_done[0]) for r in self.hosts["rollout"]]
-        else:
-            synced = []
+
+        # 6. colocated engines wake once training is done on all their GPUs; then every engine
+        #    takes the new weights (in order, on the engine's process). A woken engine's weights
+        #    were released, so it takes them even when the actor did not train.
+        woken = []
+        if self.offload:
+            after = [*prepared, *critic_done, *actor_done]
+            woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
+        synced = self._sync_weights() if plan.actor_trains or self.offload else []
 
         # 7. metrics (floats only; the driver never fetches a tensor).
-        groups = [gens, prepared, critic_done, actor_done, synced]
+        groups = [gens, prepared, critic_done, actor_done, woken, synced]
         flat = ray.get([ref for group in groups for ref in group])  # one round trip
         out, pos = [], 0
         for group in groups:
             out.append(flat[pos : pos + len(group)])
             pos += len(group)
-        gens, prep, critic_m, actor_out, sync_s = out
+        gens, prep, critic_m, actor_m, _, sync_s = out
         prep = [prep[i] for i in self.leaders["actor"]]
-        actor_m = [m for m, _ in actor_out]
         metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
         if algo.kl.coefficient > 0:
             self.kl_ctl.update(metrics.get("kl/mean", 0.0), cfg.data.samples_per_step)
@@ -386,10 +478,7 @@ class PPOTrainer:
             log.warning("checkpoint holds no RNG state for these %d worker processes; "
                         "resuming with fresh generators", len(self.all_hosts))  # fmt: skip
         ray.get(waits)
-        # Every actor worker exports (a collective on sharded backends); the first leads.
-        exported = [h.export_weights.remote() for h in self.hosts["actor"]]
-        ray.get([r.update_weights.remote(exported[0]) for r in self.hosts["rollout"]])
-        ray.get(exported)
+        ray.get(self._sync_weights())
         self.data_rng.setstate(_as_rng_state(state["data_rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
         self.task.load_state(state.get("task", {}))
@@ -419,6 +508,11 @@ class PPOTrainer:
         import ray
 
         hosts, self.all_hosts = list(getattr(self, "all_hosts", [])), []
+        engines = list(getattr(self, "hosts", {}).get("rollout", []))
+        try:  # engines own processes of their own (sglang): stop them before their host
+            ray.get([h.close.remote() for h in engines], timeout=60)
+        except Exception:  # a dead or stuck host: killing it below is all that is left
+            log.debug("could not close every engine", exc_info=True)
         for h in hosts:
             try:
                 ray.kill(h)

@@ -178,16 +178,64 @@ def save_pretrained_here(model: Any, directory: Path | str, **kwargs: Any) -> No
 
 
 def resolve_model_path(path: str, seed: int, root: Path | None = None) -> Path:
-    """A loadable model directory for ``model.path``: built-ins are materialised first."""
+    """A loadable model directory for ``model.path`` (the rule of
+    :func:`ppojob_trainer.config.model_path_kind`): built-ins are materialised, an existing
+    directory is used as it is, a hub id is fetched through ``huggingface_hub`` into its cache
+    (``HF_HOME`` / ``HF_HUB_CACHE``; with ``HF_HUB_OFFLINE=1`` only the cache is read)."""
+    from .config import model_path_kind
+
     if path.startswith(BUILTIN_PREFIX):
         return materialize_builtin(path[len(BUILTIN_PREFIX) :], seed, root)
-    local = Path(path)
-    if not local.exists():
+    try:
+        kind = model_path_kind(path)
+    except ValueError as exc:
+        raise ValueError(f"model.path: {exc}") from None
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if kind == "local":
         raise ValueError(
-            f"model.path: {path!r} does not exist; give a local Hugging Face model directory "
-            f"or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]}"
+            f"model.path: directory {path!r} does not exist; give a Hugging Face model directory "
+            f"present in the trainer image or a volume, a hub id, or one of "
+            f"{[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]}"
         )
-    return local
+    return download_hub_model(path)
+
+
+def download_hub_model(repo_id: str) -> Path:
+    """The local snapshot of hub model ``repo_id`` (downloaded once into the hub cache; every
+    worker on a node shares it, huggingface_hub locks concurrent downloads)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id))
+    except LocalEntryNotFoundError as exc:
+        raise ValueError(
+            f"model.path: hub model {repo_id!r} is not in the Hugging Face cache and could not "
+            f"be downloaded ({exc.__class__.__name__}); allow the trainer to reach the hub, or "
+            "pre-populate HF_HOME / HF_HUB_CACHE (a volume), or give a local directory"
+        ) from None
+    except HfHubHTTPError as exc:
+        raise ValueError(
+            f"model.path: cannot download hub model {repo_id!r}: {exc}; check the id, and "
+            "set HF_TOKEN in the role's env for a gated or private model"
+        ) from None
+
+
+_TRUST_REMOTE_CODE = False
+
+
+def set_trust_remote_code(allowed: bool) -> None:
+    """``model.trustRemoteCode`` for every model and tokenizer this process loads (each worker
+    process serves one job, so the setting is process-wide)."""
+    global _TRUST_REMOTE_CODE
+    _TRUST_REMOTE_CODE = bool(allowed)
+
+
+def trust_remote_code() -> bool:
+    """The process's ``model.trustRemoteCode``."""
+    return _TRUST_REMOTE_CODE
 
 
 def quiet_transformers() -> None:
@@ -202,7 +250,7 @@ def load_tokenizer(model_dir: Path | str) -> Any:
     """The tokenizer saved with a model, left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=_TRUST_REMOTE_CODE)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -245,7 +293,9 @@ def load_causal_lm(model_dir: Path | str, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch_dtype(dtype), trust_remote_code=_TRUST_REMOTE_CODE
+    )
     model.config.use_cache = True
     return model
 
@@ -293,7 +343,9 @@ def load_value_model(model_dir: Path | str, dtype: str = "float32", seed: int = 
     from transformers import AutoModel
 
     quiet_transformers()
-    backbone = AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    backbone = AutoModel.from_pretrained(
+        str(model_dir), dtype=torch_dtype(dtype), trust_remote_code=_TRUST_REMOTE_CODE
+    )
     model = ValueModel(backbone, backbone.config.hidden_size, seed)
     head = Path(model_dir) / VALUE_HEAD_FILE
     if head.is_file():

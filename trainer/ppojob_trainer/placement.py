@@ -4,13 +4,21 @@ Separate groups per role can each reserve part of the cluster and wait forever f
 one group reserves everything at once or nothing.
 
 Layout (`plan_placement`, pure): the roles that own bundles come in the order actor, critic,
-rollout, each with a contiguous range `[offset, offset + count)`, one bundle per worker. A
-colocated critic or rollout owns no bundles: it uses the actor's range, and every role on a bundle
-requests an equal fractional share of it (actor + colocated critic on a GPU bundle: `{"GPU": 0.5}`
-each; with a colocated rollout too: a third each).
+rollout, each with a contiguous range of bundles. A colocated critic or rollout owns no bundles:
+it uses the actor's range, and every role on a bundle requests an equal fractional share of each
+worker's slice of it (actor + colocated critic on a GPU bundle: `{"GPU": 0.5}` each; with a
+colocated rollout too: a third each). The process hosting a worker requests the whole slice
+(`ReservedPlacement.host_options`): colocated roles live in that one process.
 
 Bundle shapes:
-- GPU role (`resources.gpus = g > 0`): one bundle per GPU, `{"GPU": 1, "CPU": cpus / g}`.
+- GPU role (`resources.gpus = g > 0`): one bundle per GPU, `{"GPU": 1, "CPU": cpus / g}`, one
+  worker each.
+- SGLang rollout (`backend: sglang`, `parallelism.tensor = t`): one bundle per *engine*,
+  `{"GPU": t, "CPU": t * cpus / g}`, since an engine spans t GPUs of one node (a bundle always
+  lies on one node). Engines = rollout GPUs / t; `ppojob validate` requires t to divide g.
+  Colocated with the actor, the actor's bundles take that shape instead (t actor workers of
+  one GPU each per bundle; the engine lives in the process of the bundle's first worker and
+  spans the bundle's t GPUs).
 - CPU role (`gpus = 0`): one worker per replica whose bundle `{"CPU": cpus}` stands in for the
   GPU, with `cpus` the replica's `resources.cpus` (default 1).
 Memory is not reserved (Ray's logical memory does not match pod limits); pods enforce it.
@@ -69,11 +77,13 @@ class RoleSlot:
     offset: int
     """Index of the role's first bundle."""
     count: int
-    """Number of workers (= bundles used) of the role."""
+    """Number of workers of the role (engines, for the rollout)."""
     share: dict[str, float]
     """Resources each worker requests from its bundle (a fraction when roles share a bundle)."""
     owner: str
     """The role whose bundles these are (`actor` for colocated roles)."""
+    per_bundle: int = 1
+    """Workers of the role in each bundle (t actor workers share an engine's t-GPU bundle)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,8 @@ class PlacementPlan:
         """One line per role, for logs."""
         parts = []
         for role, slot in self.roles.items():
-            where = f"bundles {slot.offset}..{slot.offset + slot.count - 1}"
+            last = slot.offset + (slot.count - 1) // slot.per_bundle
+            where = f"bundles {slot.offset}..{last}"
             if slot.owner != role:
                 where += f" (shared with {slot.owner})"
             parts.append(f"{role}: {slot.count} worker(s) on {where}, each {slot.share}")
@@ -108,13 +119,27 @@ def _floor_share(value: float, n: int) -> float:
     return math.floor(value / n * SHARE_PRECISION) / SHARE_PRECISION
 
 
-def _bundles_of(spec: Any) -> list[dict[str, float]]:
+def engine_tensor_size(cfg: TrainerConfig) -> int:
+    """GPUs one rollout engine spans: `parallelism.tensor` for sglang, else 1."""
+    rollout = cfg.roles.rollout
+    if rollout.backend != "sglang":
+        return 1
+    return rollout.parallelism.tensor
+
+
+def engine_count(cfg: TrainerConfig) -> int:
+    """Rollout engines: the rollout's GPUs (the actor's when colocated) / tensor size."""
+    return cfg.roles.workers_of("rollout") // engine_tensor_size(cfg)
+
+
+def _bundles_of(spec: Any, size: int = 1) -> list[dict[str, float]]:
+    """The bundles of a role owning its own; `size` GPUs per bundle (an engine's tensor size)."""
     res = spec.resources
     if res.gpus > 0:
-        one = {"GPU": 1.0, "CPU": _floor_share(res.cpus, res.gpus)}
+        one = {"GPU": float(size), "CPU": _floor_share(res.cpus * size, res.gpus)}
         if one["CPU"] <= 0:
             del one["CPU"]
-        return [dict(one) for _ in range(spec.replicas * res.gpus)]
+        return [dict(one) for _ in range(spec.replicas * res.gpus // size)]
     return [{"CPU": float(res.cpus)} for _ in range(spec.replicas)]
 
 
@@ -258,8 +283,10 @@ def plan_placement(
         "critic": roles.effective_critic(cfg.algorithm.needs_critic),
         "rollout": roles.rollout,
     }
+    tp = engine_tensor_size(cfg)
+    colocated_rollout = roles.rollout.colocate_with_actor
     bundles: list[dict[str, float]] = []
-    owned: dict[str, tuple[int, int]] = {}
+    owned: dict[str, tuple[int, int, int]] = {}  # role -> (offset, bundles, workers per bundle)
     sharers: dict[str, list[str]] = {"actor": ["actor"]}
     for role in ROLES:
         spec = specs[role]
@@ -268,20 +295,30 @@ def plan_placement(
         if role != "actor" and getattr(spec, "colocate_with_actor", False):
             sharers["actor"].append(role)
             continue
-        own = _bundles_of(spec)
+        # GPUs per bundle: an engine's tensor size for the rollout, and for the actor when the
+        # engines live on its GPUs; one elsewhere.
+        gpu_role = spec.resources.gpus > 0
+        engine_bundles = role == "rollout" or (role == "actor" and colocated_rollout)
+        size = tp if gpu_role and engine_bundles else 1
+        own = _bundles_of(spec, size)
         if pin_roles:
             for bundle in own:
-                bundle[role_resource(role)] = 1.0
-        owned[role] = (len(bundles), len(own))
+                bundle[role_resource(role)] = float(size if gpu_role else 1)
+        per_bundle = size if role != "rollout" else 1
+        owned[role] = (len(bundles), len(own), per_bundle)
         sharers.setdefault(role, [role])
         bundles.extend(own)
     slots: dict[str, RoleSlot] = {}
     for owner, members in sharers.items():
-        offset, count = owned[owner]
+        offset, count, per_bundle = owned[owner]
         shape = bundles[offset]
-        share = {k: _floor_share(v, len(members)) for k, v in shape.items()}
+        # each worker's slice of its bundle, split equally between the roles sharing it
+        share = {k: _floor_share(v, per_bundle * len(members)) for k, v in shape.items()}
         for role in members:
-            slots[role] = RoleSlot(offset=offset, count=count, share=share, owner=owner)
+            if role == "rollout":  # one engine per bundle, in its first worker's process
+                slots[role] = RoleSlot(offset, count, share, owner, per_bundle=1)
+            else:
+                slots[role] = RoleSlot(offset, count * per_bundle, share, owner, per_bundle)
     ordered = {role: slots[role] for role in ROLES if role in slots}
     job = name or f"ppojob-{cfg.job_name or 'local'}"
     return PlacementPlan(bundles=bundles, roles=ordered, strategy=strategy, name=job)
@@ -371,7 +408,28 @@ class ReservedPlacement:
                 f"{role} worker index {worker_index} out of range: the role has {slot.count} "
                 "worker(s)"
             )
-        return slot.offset + worker_index, dict(slot.share)
+        return slot.offset + worker_index // slot.per_bundle, dict(slot.share)
+
+    def worker_slice(self, owner: str) -> dict[str, float]:
+        """One worker's whole slice of an `owner` bundle: what the process hosting that worker
+        (and every role colocated with it) requests."""
+        slot = self.plan.roles[owner]
+        shape = self.plan.bundles[slot.offset]
+        per = slot.per_bundle if owner != "rollout" else 1
+        return {k: (v / per if k == "GPU" else _floor_share(v, per)) for k, v in shape.items()}
+
+    def host_options(self, owner: str, worker_index: int) -> dict[str, Any]:
+        """`ActorClass.options(...)` for the process of worker `worker_index` of `owner`: the
+        worker's whole slice of its bundle (one GPU of an actor bundle, all t GPUs of an engine
+        bundle), so Ray gives every process its own GPUs."""
+        opts = self.scheduling_options(owner, worker_index)
+        whole = self.worker_slice(owner)
+        opts["num_cpus"] = whole.get("CPU", 0)
+        opts["num_gpus"] = whole.get("GPU", 0)
+        custom = {k: v for k, v in whole.items() if k not in ("CPU", "GPU")}
+        if custom:
+            opts["resources"] = custom
+        return opts
 
     def scheduling_options(self, role: str, worker_index: int) -> dict[str, Any]:
         """Keyword arguments for `ActorClass.options(...)` placing the worker in its bundle."""

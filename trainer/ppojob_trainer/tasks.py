@@ -34,14 +34,34 @@ REVERSE_LENGTH = 5
 EVAL_BUILTIN_SIZE, EVAL_BUILTIN_SEED = 64, 20_250_101  # the fixed eval set of a built-in task
 
 RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
+Prompt = str | list[dict[str, str]]
+"""A prompt: plain text, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
 
 
 @dataclass(frozen=True)
 class Example:
     """One prompt and its reference answer (None when the dataset has no label)."""
 
-    prompt: str
+    prompt: Prompt
     label: Any = None
+
+
+def as_prompt(value: Any) -> Prompt | None:
+    """A dataset field as a prompt: a string, or a non-empty list of chat messages (objects
+    with string ``role`` and ``content``); None when it is neither."""
+    if isinstance(value, str):
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    ):  # fmt: skip
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    return None
 
 
 def _positional_score(completion: str, label: str) -> float:
@@ -246,12 +266,14 @@ def load_dataset(
         raise ValueError(f"data.prompts: dataset {path} does not exist")
     examples = []
     for i, rec in enumerate(_read_records(path)):
-        if not isinstance(rec, dict) or not isinstance(rec.get(prompt_key), str):
+        prompt = as_prompt(rec.get(prompt_key)) if isinstance(rec, dict) else None
+        if prompt is None:
             raise ValueError(
-                f"data.prompts: record {i} of {path} has no string {prompt_key!r} field "
-                f"(set data.promptKey to the column holding the prompt)"
+                f"data.prompts: record {i} of {path} has no {prompt_key!r} field holding a "
+                f"string or chat messages ([{{role, content}}, ...]) (set data.promptKey to "
+                f"the column holding the prompt)"
             )
-        examples.append(Example(rec[prompt_key], rec.get(label_key)))
+        examples.append(Example(prompt, rec.get(label_key)))
     return examples
 
 

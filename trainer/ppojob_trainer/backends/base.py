@@ -21,9 +21,10 @@ all-reduce of its data-parallel group and the optimizer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,17 +87,65 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Replace the engine's weights with the actor's (names as in the HF state dict).
+        """Replace the engine's weights with the actor's, all at once (names as in the HF state
+        dict). The sync methods below default to collecting buckets and calling this."""
 
-        The torch backend copies CPU tensors it received through the object store; sglang maps
-        this onto ``update_weights_from_tensor`` (or a broadcast group on multi-node layouts).
-        """
+    # ---- weight sync: SGLang's method names; the torch engine uses these defaults ----------
+    def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
+        """Colocated sync: one bucket of the actor's weights, from the processes owning them on
+        the engine's GPUs. ``payloads[i]`` is tensor-parallel rank ``i``'s bucket: here a
+        :class:`~.weight_sync.FlatBucket` of this very process (the torch engine spans one
+        worker); for sglang a serialized CUDA IPC handle. ``flush_cache`` marks the update's
+        last bucket."""
+        (bucket,) = payloads
+        self._pending_weights().update(bucket.tensors())
+        if flush_cache:
+            self._apply_pending()
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str = "gloo",
+    ) -> None:  # fmt: skip
+        """Disaggregated sync: join the weight-update group (rank 0 is the actor's leader)."""
+        from .weight_sync import init_custom_group
+
+        groups = self.__dict__.setdefault("_weight_groups", {})
+        groups[group_name] = (
+            init_custom_group(backend, master_address, master_port, world_size, rank_offset,
+                              group_name),
+            backend,
+        )  # fmt: skip
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+        group_name: str, flush_cache: bool,
+    ) -> None:  # fmt: skip
+        """Disaggregated sync: receive one bucket broadcast by rank 0, tensor by tensor in
+        ``names`` order."""
+        import torch.distributed as dist
+
+        group, backend = self.__dict__["_weight_groups"][group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        pending = self._pending_weights()
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(list(shape), dtype=getattr(torch, dtype), device=device)
+            dist.broadcast(t, src=0, group=group)
+            pending[name] = t
+        if flush_cache:
+            self._apply_pending()
+
+    def _pending_weights(self) -> dict[str, torch.Tensor]:
+        return self.__dict__.setdefault("_pending", {})
+
+    def _apply_pending(self) -> None:
+        pending, self.__dict__["_pending"] = self._pending_weights(), {}
+        self.update_weights(pending)
 
     def release_memory(self) -> None:  # noqa: B027 - optional hook
         """Free weights and KV cache while the actor trains (colocated engines with offload)."""
 
     def resume_memory(self) -> None:  # noqa: B027 - optional hook
-        """Take the memory back before the next generation."""
+        """Take the memory back before the next weight update and generation."""
 
 
 class PolicyTrainer(ABC):

@@ -615,7 +615,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
 class MegatronPolicyTrainer(PolicyTrainer):
     """The actor on megatron-core (reference model: a frozen shard of the same layout)."""
 
-    collective_export = True
+    export_is_collective = True
 
     def __init__(
         self,
@@ -685,7 +685,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """HF-named weights, on the role's leader ({} on every other worker). A collective:
-        every worker of the role calls it (``collective_export``)."""
+        every worker of the role calls it (``export_is_collective``)."""
         return self.m.gathered_weights()
 
     def state_dict(self) -> dict[str, object]:
@@ -698,7 +698,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
 class MegatronValueTrainer(ValueTrainer):
     """The critic on megatron-core: the policy's architecture with a value head."""
 
-    collective_export = True
+    export_is_collective = True
 
     def __init__(
         self,

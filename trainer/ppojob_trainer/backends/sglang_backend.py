@@ -1,15 +1,33 @@
 """SGLang generation engine (GPU). Imported only when ``spec.roles.rollout.backend: sglang``.
 
-Generation goes through SGLang's offline ``Engine.generate`` with ``input_ids`` and
-``return_logprob``; weight sync maps :meth:`update_weights` onto the engine's
-``update_weights_from_tensor`` (same node, tensors handed over by CUDA IPC). Multi-node layouts
-would instead set up ``init_weights_update_group`` once and call
-``update_weights_from_distributed`` per update. Not testable on CPU.
+One engine spans ``parallelism.tensor`` GPUs of one node: an offline ``sglang.Engine`` with
+``tp_size = tensor`` started by one Ray process, which sees exactly those GPUs (its own bundle's
+when the rollout has its own pods; the t GPUs of its actor bundle when colocated).
+
+- Generation: ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)``; the
+  sampled tokens and their log-probs come from ``meta_info.output_token_logprobs``
+  (``(logprob, token_id, text)`` per token).
+- Colocated sleep/wake (``offload``): ``release_memory_occupation`` before the actor trains,
+  ``resume_memory_occupation`` before the weight update and the next generation.
+- Colocated weight sync: ``update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
+  per bucket one payload per tensor-parallel rank, each the ``MultiprocessingSerializer``
+  serialization of ``{"flattened_tensor", "metadata"}`` made by the process that owns that GPU
+  (a CUDA IPC handle; SGLang's rank ``i`` deserializes only payload ``i``).
+- Disaggregated weight sync: ``init_weights_update_group`` once (rank 0 the actor's leader),
+  then ``update_weights_from_distributed`` per bucket while the leader broadcasts its tensors.
+
+Every SGLang name used here is in :data:`ENGINE_CALLS`, :data:`RUNTIME_IMPORTS`,
+:func:`engine_args`, :func:`sampling_params` and :data:`OUTPUT_FIELDS`;
+``tests/trainer/test_sglang_contract.py`` checks them against the source of the SGLang release
+pinned in the ``gpu`` extra (:data:`SGLANG_VERSION`), without importing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,32 +35,131 @@ import torch
 
 from . import missing_backend
 from .base import Generation, GenerationEngine
+from .weight_sync import FlatBucket
+
+SGLANG_VERSION = "0.5.23"
+"""The release the adapter is checked against (``pyproject.toml``: ``gpu`` extra)."""
+
+RUNTIME_IMPORTS: dict[str, tuple[str, str]] = {
+    "Engine": ("sglang", "Engine"),
+    "MultiprocessingSerializer": ("sglang.srt.utils.common", "MultiprocessingSerializer"),
+    "monkey_patch_torch_reductions": (
+        "sglang.srt.utils.patch_torch",
+        "monkey_patch_torch_reductions",
+    ),
+    "FlattenedTensorMetadata": ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+}
+"""(module, name) of every SGLang object the adapter loads."""
+
+OUTPUT_FIELDS = ("meta_info", "output_token_logprobs")
+"""Where a generate result holds the sampled tokens: ``out[meta_info][output_token_logprobs]``."""
+
+FLATTENED_BUCKET = "flattened_bucket"
+BUCKET_KEYS = ("flattened_tensor", "metadata")
+"""The keys of one flattened-bucket payload, as SGLang's weight updater reads them."""
 
 
-def _import_sglang() -> Any:
+def sglang_object(name: str) -> Any:
+    """An SGLang object of :data:`RUNTIME_IMPORTS`, with a clear error when SGLang is absent."""
+    module, attr = RUNTIME_IMPORTS[name]
     try:
-        import sglang
+        return getattr(importlib.import_module(module), attr)
     except ImportError:
         raise missing_backend("sglang", "sglang", "spec.roles.rollout.backend") from None
-    return sglang
+
+
+def engine_args(cfg: Any, model_dir: Path) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job."""
+    rollout = cfg.roles.rollout
+    return {
+        "model_path": str(model_dir),
+        "dtype": cfg.model.dtype,
+        "tp_size": rollout.parallelism.tensor,
+        "base_gpu_id": 0,  # the process sees exactly its engine's GPUs
+        "mem_fraction_static": rollout.gpu_memory_fraction,
+        "random_seed": cfg.training.seed,
+        "trust_remote_code": cfg.model.trust_remote_code,
+        # sleep/wake needs SGLang's memory saver (torch_memory_saver)
+        "enable_memory_saver": rollout.colocate_with_actor and rollout.offload,
+    }
+
+
+def sampling_params(
+    max_new_tokens: int, temperature: float, top_p: float, stop_ids: Sequence[int], seed: int
+) -> dict[str, Any]:
+    """``sampling_params`` of ``Engine.generate`` (``SamplingParams`` fields)."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stop_token_ids": list(stop_ids),
+        "sampling_seed": seed,
+    }
+
+
+@contextmanager
+def _visible_devices(devices: Sequence[str] | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` for the engine's subprocesses while it starts (colocated: the
+    bundle's t GPUs, this process's own first, so device 0 stays this process's GPU)."""
+    if not devices:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def serialize_bucket(bucket: FlatBucket) -> bytes:
+    """One tensor-parallel rank's payload of a colocated bucket: a CUDA IPC handle of the flat
+    tensor (this process keeps it alive until the engine has loaded it) and its metadata as
+    SGLang's ``FlattenedTensorMetadata``."""
+    sglang_object("monkey_patch_torch_reductions")()  # devices travel as UUIDs, not indices
+    meta_cls = sglang_object("FlattenedTensorMetadata")
+    metadata = [
+        meta_cls(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start_idx,
+                 end_idx=m.end_idx, numel=m.numel)
+        for m in bucket.metadata
+    ]  # fmt: skip
+    payload = dict(zip(BUCKET_KEYS, (bucket.flattened_tensor, metadata), strict=True))
+    return sglang_object("MultiprocessingSerializer").serialize(payload)
+
+
+ENGINE_CALLS = (
+    "generate",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "update_weights_from_tensor",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "shutdown",
+)
+"""The ``sglang.Engine`` methods called below (the contract tests also read the calls and their
+keywords from this module's source)."""
 
 
 class SGLangGenerationEngine(GenerationEngine):
-    """One SGLang engine per rollout worker (tensor parallel inside it)."""
+    """One SGLang engine (tensor parallel inside it) per rollout engine slot."""
 
-    def __init__(self, cfg: Any, model_dir: Path, tokenizer: Any) -> None:
-        sglang = _import_sglang()
-        rollout = cfg.roles.rollout
-        self.engine = sglang.Engine(
-            model_path=str(model_dir),
-            dtype=cfg.model.dtype,
-            tp_size=rollout.parallelism.tensor,
-            mem_fraction_static=rollout.gpu_memory_fraction,
-            random_seed=cfg.training.seed,
-            enable_memory_saver=rollout.colocate_with_actor and rollout.offload,
-        )
+    def __init__(
+        self,
+        cfg: Any,
+        model_dir: Path,
+        tokenizer: Any,
+        stop_ids: Sequence[int],
+        visible_devices: Sequence[str] | None = None,
+    ) -> None:
+        engine_cls = sglang_object("Engine")
+        with _visible_devices(visible_devices):
+            self.engine = engine_cls(**engine_args(cfg, model_dir))
         self.pad_id = int(tokenizer.pad_token_id)
-        self.stop_ids = sorted(set(tokenizer.all_special_ids))
+        self.stop_ids = sorted(set(stop_ids))
+        rollout = cfg.roles.rollout
         self.offload = rollout.colocate_with_actor and rollout.offload
 
     def generate(
@@ -50,30 +167,38 @@ class SGLangGenerationEngine(GenerationEngine):
         temperature: float, top_p: float, seed: int,
     ) -> Generation:  # fmt: skip
         prompts = [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask.bool(), strict=True)]
-        params = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "stop_token_ids": self.stop_ids,
-            "sampling_seed": seed,
-        }
+        params = sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, seed)
         outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        bsz = len(prompts)
-        ids = torch.full((bsz, max_new_tokens), self.pad_id, dtype=torch.long)
-        logps = torch.zeros(bsz, max_new_tokens)
-        for i, out in enumerate(outs):
-            # output_token_logprobs: [(logprob, token_id, text), ...]
-            toks = out["meta_info"]["output_token_logprobs"][:max_new_tokens]
-            for t, (lp, tok, _text) in enumerate(toks):
-                ids[i, t] = int(tok)
-                logps[i, t] = float(lp)
-        lengths = torch.tensor([min(len(o["meta_info"]["output_token_logprobs"]), max_new_tokens)
-                                for o in outs])  # fmt: skip
-        mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
-        return Generation(ids, mask, logps, lengths)
+        return generation_from_outputs(outs, max_new_tokens, self.pad_id)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        self.engine.update_weights_from_tensor(named_tensors=list(named_tensors.items()))
+        """All weights at once, from this process (a single-GPU engine in this process)."""
+        self.engine.update_weights_from_tensor(
+            named_tensors=list(named_tensors.items()), flush_cache=True
+        )
+
+    def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
+        self.engine.update_weights_from_tensor(
+            named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
+        )
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str = "nccl",
+    ) -> None:  # fmt: skip
+        _check(self.engine.init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        ), "init_weights_update_group")  # fmt: skip
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+        group_name: str, flush_cache: bool,
+    ) -> None:  # fmt: skip
+        _check(self.engine.update_weights_from_distributed(
+            names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes],
+            group_name=group_name, flush_cache=flush_cache,
+        ), "update_weights_from_distributed")  # fmt: skip
 
     def release_memory(self) -> None:
         if self.offload:
@@ -82,3 +207,32 @@ class SGLangGenerationEngine(GenerationEngine):
     def resume_memory(self) -> None:
         if self.offload:
             self.engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _check(result: Any, what: str) -> None:
+    """SGLang's control calls return ``(success, message)``; fail loudly on ``False``."""
+    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+        raise RuntimeError(f"sglang {what} failed: {result[1]}")
+
+
+def generation_from_outputs(
+    outs: Sequence[Mapping[str, Any]], max_new_tokens: int, pad_id: int
+) -> Generation:
+    """A :class:`Generation` from ``Engine.generate`` results (``meta_info`` ->
+    ``output_token_logprobs``: ``[(logprob, token_id, text), ...]`` per prompt)."""
+    meta, field = OUTPUT_FIELDS
+    bsz = len(outs)
+    ids = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long)
+    logps = torch.zeros(bsz, max_new_tokens)
+    lengths = torch.zeros(bsz, dtype=torch.long)
+    for i, out in enumerate(outs):
+        toks = out[meta][field][:max_new_tokens]
+        for t, (lp, tok, _text) in enumerate(toks):
+            ids[i, t] = int(tok)
+            logps[i, t] = float(lp)
+        lengths[i] = len(toks)
+    mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
+    return Generation(ids, mask, logps, lengths)

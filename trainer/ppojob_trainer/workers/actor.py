@@ -20,7 +20,7 @@ from .. import algorithms as A
 from ..backends.base import PolicyTrainer, ShardIdentity
 from ..config import Algorithm, TrainerConfig
 from .group import overlap, shard_range
-from .rollout import cat_batches, pack_weights, slice_batch
+from .rollout import cat_batches, slice_batch
 
 Part = tuple[int, int, Any]  # (start, end, ObjectRef of a rollout batch)
 
@@ -340,13 +340,3 @@ class ActorWorker:
                 out = self.trainer.update(mb, loss_fn, micro, agg=algo.loss_aggregation)
                 parts.append(role_metrics(out, "actor"))
         return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
-
-    def export_weights(self) -> Any:
-        """ObjectRef of the policy weights (data-parallel leader only; None elsewhere). Every
-        worker calls this: a sharded trainer's export gathers over the whole group."""
-        if self.trainer.export_is_collective or getattr(self.trainer, "collective_export", False):
-            weights = self.trainer.export_weights()  # every worker joins the gather
-            return ray.put(pack_weights(weights)) if self.shard.is_dp_leader else None
-        if not self.shard.is_dp_leader:
-            return None
-        return ray.put(pack_weights(self.trainer.export_weights()))

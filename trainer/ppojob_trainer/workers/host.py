@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
+from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets
 from ..config import TrainerConfig
-from ..models import resolve_model_path
+from ..models import resolve_model_path, set_trust_remote_code
 from .group import (
     data_parallel_group,
     identity,
     init_role_groups,
     model_parallel_identity,
 )
-from .rollout import unpack_weights
 
 
 class WorkerHost:
@@ -77,12 +78,11 @@ class WorkerHost:
             addr, port = rendezvous if rendezvous else ("127.0.0.1", 0)
             backend = "nccl" if device.startswith("cuda") else "gloo"
             groups = init_role_groups(trained, rank, world, addr, port, backend)
+        set_trust_remote_code(cfg.model.trust_remote_code)
+        self.device = device
+        self.events: deque[str] = deque(maxlen=4096)
+        """The role and engine calls this process ran, in order (see :meth:`calls`)."""
         self.rollout = self.actor = self.critic = None
-        if "rollout" in roles:
-            from .rollout import RolloutWorker
-
-            path = resolve_model_path(cfg.model.path, seed)
-            self.rollout = RolloutWorker(cfg, identity("rollout", *roles["rollout"]), path, device)
         if "actor" in roles:
             from .actor import ActorWorker
 
@@ -101,6 +101,34 @@ class WorkerHost:
             shard = model_parallel_identity(cfg, "critic", *roles["critic"])
             group = data_parallel_group(groups.get("critic"), shard)
             self.critic = CriticWorker(cfg, shard, path, device, group)
+        self._weights: tuple[int, dict[str, torch.Tensor], list[list[str]]] | None = None
+        self._staged: Any = None  # the bucket an engine may still be reading (CUDA IPC)
+        self._weight_group: tuple[Any, str] | None = None
+
+    def start_rollout(self, visible_devices: list[str] | None = None) -> str | None:
+        """Start the generation engine of the hosted rollout slot (after :meth:`ready`, so that
+        a colocated engine spanning several GPUs knows its bundle's GPUs: ``visible_devices``,
+        this process's own first). Returns None, or one line naming the field and the cause
+        when it cannot start (as :meth:`ready` does)."""
+        if "rollout" not in self.roles:
+            return None
+        from .rollout import RolloutWorker
+
+        try:
+            path = resolve_model_path(self.cfg.model.path, self.cfg.training.seed)
+            shard = identity("rollout", *self.roles["rollout"])
+            self.rollout = RolloutWorker(self.cfg, shard, path, self.device, visible_devices)
+        except Exception as exc:
+            from ..errors import one_line
+
+            return one_line(exc)
+        self.rollout.engine = RecordedEngine(self.rollout.engine, self.events)
+        return None
+
+    def calls(self) -> list[str]:
+        """The calls this process ran so far, oldest first (``engine.generate``,
+        ``engine.release_memory``, ``actor.train``...): the order of a step, checked by tests."""
+        return list(self.events)
 
     def ready(self) -> dict[str, Any]:
         """Shard identities of the hosted roles (as plain dicts) and the pid; or, when the worker
@@ -108,10 +136,12 @@ class WorkerHost:
         if self._start_error is not None:
             return {"error": self._start_error, "roles": sorted(self.roles)}
         out: dict[str, Any] = {"pid": os.getpid(), "threads": torch.get_num_threads()}
+        out["gpus"] = [str(g) for g in ray.get_gpu_ids()]
         for name in ("rollout", "actor", "critic"):
-            role = getattr(self, name)
-            if role is not None:
-                out[name] = role.shard.__dict__
+            if name in self.roles:
+                role = getattr(self, name, None)  # the rollout starts later (start_rollout)
+                shard = role.shard if role is not None else identity(name, *self.roles[name])
+                out[name] = shard.__dict__
         return out
 
     # ---- step phases -------------------------------------------------------------------------
@@ -129,6 +159,7 @@ class WorkerHost:
     def compute_values(
         self, ranges: list[tuple[int, int]], actor_ranges: list[tuple[int, int]], *gens: Any
     ) -> list[Any]:
+        self.events.append("critic.values")
         t0 = time.perf_counter()
         refs = self.critic.compute_values(_parts(ranges, gens), actor_ranges)
         self.values_s = time.perf_counter() - t0
@@ -140,6 +171,7 @@ class WorkerHost:
     ) -> tuple[list[Any] | None, dict[str, float]]:  # fmt: skip
         """``gens_then_values``: the rollout results (one per range), then each critic
         worker's list of value refs (none without a critic)."""
+        self.events.append("actor.prepare")
         t0 = time.perf_counter()
         gens, values = gens_then_values[: len(ranges)], gens_then_values[len(ranges) :]
         refs, metrics = self.actor.prepare(
@@ -151,36 +183,153 @@ class WorkerHost:
     def train_critic(
         self, step: int, actor_ranges: list[tuple[int, int]], updates: int, *prepared: Any
     ) -> dict[str, float]:
+        self.events.append("critic.train")
         t0 = time.perf_counter()
         metrics = self.critic.train(step, list(prepared), actor_ranges, updates)
         metrics["time/train_critic"] = time.perf_counter() - t0
         metrics["time/values"] = getattr(self, "values_s", 0.0)
         return metrics
 
-    def train_actor(self, step: int) -> tuple[dict[str, float], list[Any] | None]:
-        """PPO updates; the data-parallel leader then puts the new weights in the object store
-        once and returns ``(metrics, [weights ref])`` (``(metrics, None)`` elsewhere)."""
+    def train_actor(self, step: int) -> dict[str, float]:
+        self.events.append("actor.train")
         t0 = time.perf_counter()
         metrics = self.actor.train(step)
         metrics["time/train_actor"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        weights = self.export_weights()
-        metrics["time/export_weights"] = time.perf_counter() - t1
-        return metrics, weights
+        return metrics
 
-    def export_weights(self) -> list[Any] | None:
-        """[ref of the policy weights] from the actor's data-parallel leader, else None."""
-        ref = self.actor.export_weights()
-        return None if ref is None else [ref]
+    # ---- colocated engines: sleep and wake -----------------------------------------------------
+    def release_memory(self) -> None:
+        """Free the engine's weights and KV cache for training (``offload``)."""
+        self.rollout.engine.release_memory()
 
-    def update_weights(self, exported: tuple[Any, list[Any] | None] | list[Any]) -> float:
-        """Load the weights the actor leader put: ``exported`` is its :meth:`train_actor` result
-        or :meth:`export_weights` result (Ray resolves the outer ref; the inner one is fetched
-        here, one copy per engine)."""
+    def resume_memory(self, *after: Any) -> None:
+        """Take the engine's memory back; ``after``: refs of the training calls that must have
+        finished first on every GPU the engine spans (Ray resolves them before the call)."""
+        self.rollout.engine.resume_memory()
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def _exported(self, sync_id: int) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+        """The actor's weights for sync ``sync_id`` and their bucket plan (exported once)."""
+        if self._weights is None or self._weights[0] != sync_id:
+            weights = self.actor.trainer.export_weights()
+            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+            self._weights = (sync_id, weights, plan_weight_buckets(weights, limit))
+        return self._weights[1], self._weights[2]
+
+    def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
+        """Bucket ``index`` of this process's copy of the actor's weights, on its device, as the
+        engine takes it from this process: the bucket itself (an engine in this process), or a
+        serialized CUDA IPC handle for sglang. Kept alive until the next bucket."""
+        weights, plan = self._exported(sync_id)
+        self._staged = None
+        bucket = flatten(((n, weights[n]) for n in plan[index]), self.device)
+        if self.cfg.roles.rollout.backend == "sglang":
+            from ..backends.sglang_backend import serialize_bucket
+
+            self._staged = bucket
+            return serialize_bucket(bucket)
+        return bucket
+
+    def join_export(self, sync_id: int) -> float:
+        """An actor worker outside the sync joins the export when it is a collective (megatron
+        gathers the weights on the leader); returns its seconds."""
         t0 = time.perf_counter()
-        refs = exported[1] if isinstance(exported, tuple) else exported
-        self.rollout.update_weights(unpack_weights(ray.get(refs[0])))
+        if self.actor.trainer.export_is_collective:
+            self._exported(sync_id)
+            self.drop_weights()
         return time.perf_counter() - t0
+
+    def drop_weights(self) -> None:
+        """Forget the exported weights and the last staged bucket (the sync is over)."""
+        self._weights = self._staged = None
+
+    def export_ref(self, sync_id: int) -> list[Any] | None:
+        """[ref of this worker's exported weights] when it has them (a collective export: the
+        leader's), else None; every actor worker calls it, so a collective completes."""
+        weights, _ = self._exported(sync_id)
+        return [ray.put(weights)] if weights else None
+
+    def sync_colocated(self, sync_id: int, peers: list[Any], gathered: Any = None) -> float:
+        """Colocated sync, on the engine's process: bucket by bucket, this process and its
+        ``peers`` (the other processes on the engine's GPUs, in tensor-parallel rank order) each
+        stage the bucket on their GPU and the engine loads all of them at once."""
+        t0 = time.perf_counter()
+        weights, plan = self._exported(sync_id)
+        if not weights and gathered:  # gathered on the leader: fetch its copy once
+            weights = ray.get(gathered[0])
+            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+            plan = plan_weight_buckets(weights, limit)
+            self._weights = (sync_id, weights, plan)
+        if not weights:
+            raise RuntimeError(
+                "colocated weight sync: this actor worker exported no weights (a backend that "
+                "gathers them on one worker, such as megatron, needs a rollout on its own GPUs)"
+            )
+        for i in range(len(plan)):
+            refs = [p.stage_weight_bucket.remote(sync_id, i) for p in peers]
+            payloads = [self.stage_weight_bucket(sync_id, i), *ray.get(refs)]
+            self.rollout.engine.update_weights_from_tensor(payloads, flush_cache=i == len(plan) - 1)
+        ray.get([p.drop_weights.remote() for p in peers])
+        self.drop_weights()
+        return time.perf_counter() - t0
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it (for a group's rendezvous here)."""
+        from .group import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def close(self) -> None:
+        """Stop the engine's own processes (SGLang's scheduler and detokenizer)."""
+        rollout = getattr(self, "rollout", None)  # None too when the host failed to start
+        inner = getattr(rollout.engine, "inner", None) if rollout is not None else None
+        if inner is not None and hasattr(inner, "shutdown"):
+            inner.shutdown()
+
+    def init_weight_sender(
+        self, address: str, port: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Join the weight-update group as rank 0 (the actor's data-parallel leader)."""
+        group = init_custom_group(backend, address, port, world_size, 0, group_name)
+        self._weight_group = (group, backend)
+
+    def broadcast_weights(self, sync_id: int, engines: list[Any], group_name: str) -> float:
+        """Disaggregated sync, on the actor's leader: per bucket, every engine starts receiving
+        (``update_weights_from_distributed``) and this process broadcasts the bucket's tensors
+        in order."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        group, backend = self._weight_group
+        device = self.device if backend == "nccl" else "cpu"
+        weights, plan = self._exported(sync_id)
+        for i, names in enumerate(plan):
+            meta = bucket_meta(weights, names)
+            last = i == len(plan) - 1
+            refs = [e.receive_weights.remote(*meta, group_name, last) for e in engines]
+            for name in names:
+                dist.broadcast(weights[name].to(device).contiguous(), src=0, group=group)
+            ray.get(refs)
+        self.drop_weights()
+        return time.perf_counter() - t0
+
+    def init_weights_update_group(
+        self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> None:  # fmt: skip
+        """Join the weight-update group as ranks ``rank_offset ..`` (the engine's TP ranks)."""
+        self.rollout.engine.init_weights_update_group(
+            address, port, rank_offset, world_size, group_name, backend
+        )
+
+    def receive_weights(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flush_cache: bool,
+    ) -> None:  # fmt: skip
+        self.rollout.engine.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=group_name, flush_cache=flush_cache
+        )
 
     # ---- checkpoints and inspection ----------------------------------------------------------
     def get_state(self, role: str) -> dict[str, Any]:
@@ -220,6 +369,17 @@ class WorkerHost:
         """(sample indices, values) the actor received at the last step (tests only)."""
         return self.actor.batch["sample_idx"], self.actor.received_values
 
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The torch engine's current weights (tests only)."""
+        return {
+            k: v.detach().cpu().clone()
+            for k, v in self.rollout.engine.inner.model.state_dict().items()
+        }
+
+    def actor_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's current weights (tests only)."""
+        return self.actor.trainer.export_weights()
+
     def computed_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample indices, values) the critic computed at the last step (tests only)."""
         return self.critic.batch["sample_idx"], self.critic.batch["old_values"]
@@ -239,6 +399,26 @@ def _undo_worker_niceness() -> None:
 
 def _parts(ranges: list[tuple[int, int]], gens: Any) -> list[tuple[int, int, Any]]:
     return [(int(a), int(b), g["batch"]) for (a, b), g in zip(ranges, gens, strict=True)]
+
+
+class RecordedEngine:
+    """A generation engine whose calls are appended to its process's call log (``engine.<name>``)
+    before they run: the order tests check, and what a stuck job's last calls were."""
+
+    def __init__(self, engine: Any, log: deque[str]) -> None:
+        self.inner = engine
+        self.log = log
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if not callable(value) or name.startswith("_"):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.log.append(f"engine.{name}")
+            return value(*args, **kwargs)
+
+        return call
 
 
 RemoteWorkerHost = ray.remote(WorkerHost)

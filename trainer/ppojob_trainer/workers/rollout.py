@@ -16,18 +16,22 @@ import torch
 from ..backends.base import GenerationEngine, ShardIdentity
 from ..config import TrainerConfig
 from ..models import load_tokenizer
-from ..tasks import Example, RewardScorer
+from ..tasks import Example, Prompt, RewardScorer
 
 
 def make_engine(
-    cfg: TrainerConfig, model_dir: Path, tokenizer: Any, device: str
-) -> GenerationEngine:
-    """The generation engine of ``spec.roles.rollout.backend``."""
+    cfg: TrainerConfig, model_dir: Path, tokenizer: Any, device: str,
+    visible_devices: list[str] | None = None,
+) -> GenerationEngine:  # fmt: skip
+    """The generation engine of ``spec.roles.rollout.backend``. ``visible_devices``: the GPUs a
+    colocated sglang engine spans (its bundle's), this process's own first."""
     backend = cfg.roles.rollout.backend
     if backend == "sglang":
         from ..backends.sglang_backend import SGLangGenerationEngine
 
-        return SGLangGenerationEngine(cfg, model_dir, tokenizer)
+        return SGLangGenerationEngine(
+            cfg, model_dir, tokenizer, stop_token_ids(tokenizer), visible_devices
+        )
     from ..backends.torch_backend import TorchGenerationEngine
 
     return TorchGenerationEngine(
@@ -57,30 +61,63 @@ def truncate_left(ids: list[int], max_len: int, bos_id: int | None) -> list[int]
     return list(ids[len(ids) - max_len :])
 
 
+def uses_chat_template(tokenizer: Any, setting: bool | None) -> bool:
+    """``data.applyChatTemplate``: on when set, off when false, and by default on exactly when
+    the tokenizer has a chat template."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if setting is None:
+        return has
+    if setting and not has:
+        raise ValueError(
+            "data.applyChatTemplate is true but the model's tokenizer has no chat template; "
+            "set applyChatTemplate: false or use a model whose tokenizer_config.json has one"
+        )
+    return setting
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt, chat: bool) -> str:
+    """The text a prompt is tokenized from: a plain string as it is, or rendered with the
+    tokenizer's chat template (a string becomes one user message; the template adds the
+    assistant turn's header). Chat messages need the template."""
+    if not chat:
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "data.prompts: a prompt given as chat messages needs the tokenizer's chat "
+                "template, but data.applyChatTemplate is off (or the tokenizer has none)"
+            )
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 class RolloutWorker:
     """Role logic of one generation engine."""
 
     def __init__(
-        self, cfg: TrainerConfig, shard: ShardIdentity, model_dir: Path, device: str
-    ) -> None:
+        self, cfg: TrainerConfig, shard: ShardIdentity, model_dir: Path, device: str,
+        visible_devices: list[str] | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.shard = shard
         self.tokenizer = load_tokenizer(model_dir)
+        self.chat = uses_chat_template(self.tokenizer, cfg.data.apply_chat_template)
         self.special = set(stop_token_ids(self.tokenizer))
-        self.engine = make_engine(cfg, model_dir, self.tokenizer, device)
+        self.engine = make_engine(cfg, model_dir, self.tokenizer, device, visible_devices)
         self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
         self.eval_scorer = (
             RewardScorer(cfg.data.reward_function, cfg.data.eval_prompts)
             if cfg.data.eval_prompts else self.scorer
         )  # fmt: skip
 
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and mask, left-padded; a prompt longer than maxPromptLength keeps its end
-        (and its BOS token, when the tokenizer adds one)."""
+    def encode(self, prompts: list[Prompt]) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(prompt texts, ids, mask): each prompt rendered (chat template when on; a rendered
+        template already holds its special tokens), tokenized and left-padded; a prompt longer
+        than maxPromptLength keeps its end (and its BOS token, when there is one)."""
         tok = self.tokenizer
+        texts = [render_prompt(tok, p, self.chat) for p in prompts]
         rows = [
             truncate_left(ids, self.cfg.data.max_prompt_length, tok.bos_token_id)
-            for ids in tok(prompts)["input_ids"]
+            for ids in tok(texts, add_special_tokens=not self.chat)["input_ids"]
         ]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
@@ -89,7 +126,7 @@ class RolloutWorker:
             if r:
                 ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
                 mask[i, width - len(r) :] = True
-        return ids, mask
+        return texts, ids, mask
 
     def completions(self, response_ids: torch.Tensor) -> list[str]:
         """Decoded responses, each cut at its first special token."""
@@ -107,9 +144,8 @@ class RolloutWorker:
         Samples are numbered from ``first_sample``; group ids are the global prompt numbers.
         """
         k = self.cfg.data.samples_per_prompt
-        prompts = [e.prompt for e in examples for _ in range(k)]
         labels = [e.label for e in examples for _ in range(k)]
-        ids, mask = self.encode(prompts)
+        prompts, ids, mask = self.encode([e.prompt for e in examples for _ in range(k)])
         gen = self.engine.generate(
             ids,
             mask,
@@ -142,44 +178,12 @@ class RolloutWorker:
 
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
         """One greedy completion of each held-out example, scored; returns sums."""
-        prompts = [e.prompt for e in examples]
-        ids, mask = self.encode(prompts)
+        prompts, ids, mask = self.encode([e.prompt for e in examples])
         gen = self.engine.generate(ids, mask, max_new_tokens=self.cfg.data.max_response_length,
                                    temperature=0.0, top_p=1.0, seed=0)  # fmt: skip
         scores = self.eval_scorer(prompts, self.completions(gen.response_ids),
                                   [e.label for e in examples])  # fmt: skip
         return {"reward_sum": float(sum(scores)), "n": float(len(prompts))}
-
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.engine.update_weights(weights)
-
-
-# Weights cross the object store as NumPy arrays: Ray writes and reads those without a pickle
-# copy (bfloat16, which NumPy lacks, travels as its int16 bit pattern).
-def pack_weights(named: dict[str, torch.Tensor]) -> dict[str, tuple[str, Any]]:
-    """CPU tensors -> {name: (dtype name, ndarray)} for ``ray.put``."""
-    out = {}
-    for name, t in named.items():
-        t = t.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            out[name] = ("bfloat16", t.view(torch.int16).numpy())
-        else:
-            out[name] = (str(t.dtype).removeprefix("torch."), t.numpy())
-    return out
-
-
-def unpack_weights(packed: dict[str, tuple[str, Any]]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`pack_weights` (tensors may share the object store's read-only memory;
-    the engines copy them into their own parameters)."""
-    import warnings
-
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays from the object store
-        for name, (dtype, arr) in packed.items():
-            t = torch.from_numpy(arr)
-            out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
-    return out
 
 
 def cat_batches(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,115 @@
+"""Rollout engines on Ray (CPU, torch engine): prompts split across engines, colocated sleep/wake
+in order every step, weight sync in bounded buckets both ways (in-process tensor buckets when
+colocated, a gloo weight-update group when disaggregated)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ppojob_trainer.config import TrainerConfig
+from ppojob_trainer.loop import PPOTrainer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session(local_ray, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.mktemp("ppojob-cache")))
+    yield
+    mp.undo()
+
+
+def _cfg(roles: dict, prompts: int, bucket_mb: float = 512.0, **algo) -> TrainerConfig:
+    roles["rollout"]["weightSyncBucketMb"] = bucket_mb
+    return TrainerConfig.model_validate({
+        "roles": roles,
+        "algorithm": {"advantageEstimator": "grpo", **algo},
+        "data": {"rolloutBatchSize": prompts, "samplesPerPrompt": 2, "maxResponseLength": 6},
+        "training": {"steps": 3, "learningRate": 1e-2, "seed": 5},
+    })  # fmt: skip
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_colocated_engines_sleep_before_training_and_wake_before_new_weights():
+    """Two actor workers, each with a colocated engine and critic (gae); one prompt, so the
+    second engine gets none and sits the step out (fewer prompts than engines used to raise
+    IndexError). Step 0 is a critic warm-up step: the actor does not train, yet the woken
+    engines take the weights again (their memory was released)."""
+    roles = {
+        "actor": {"replicas": 2, "resources": {"cpus": 1}},
+        "rollout": {"colocateWithActor": True, "offload": True},
+    }
+    cfg = _cfg(roles, prompts=1, advantageEstimator="gae", criticWarmupSteps=1)
+    trainer = PPOTrainer(cfg)
+    try:
+        assert len(trainer.hosts["rollout"]) == 2 and trainer.engine_groups == [
+            [h] for h in trainer.hosts["actor"]
+        ]
+        steps = 3
+        for s in range(steps):
+            metrics = trainer.step(s)
+            assert metrics["time/weight_sync"] >= 0
+        first, second = ray.get([h.calls.remote() for h in trainer.hosts["actor"]])
+
+        # every step, on the engine's process: generate -> release -> values, log-probs and
+        # training -> resume -> the weights (one bucket here); the next generation after that
+        def step_calls(actor_trains: bool, generates: bool = True) -> list[str]:
+            return [
+                *(["engine.generate"] if generates else []),
+                "engine.release_memory",
+                "critic.values",
+                "actor.prepare",
+                "critic.train",
+                *(["actor.train"] if actor_trains else []),
+                "engine.resume_memory",
+                "engine.update_weights_from_tensor",
+            ]
+
+        assert first == step_calls(False) + step_calls(True) * (steps - 1)
+        # the engine without prompts generates nothing but still sleeps, wakes and syncs
+        assert second == step_calls(False, False) + step_calls(True, False) * (steps - 1)
+        a0, r0, r1 = ray.get([
+            trainer.hosts["actor"][0].actor_weights.remote(),
+            trainer.hosts["rollout"][0].rollout_weights.remote(),
+            trainer.hosts["rollout"][1].rollout_weights.remote(),
+        ])  # fmt: skip
+        assert _same_weights(a0, r0) and _same_weights(a0, r1)
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.slow
+def test_disaggregated_engines_take_the_weights_bucket_by_bucket_over_a_group():
+    """Two engines on their own workers; the actor's leader broadcasts over a gloo weight-update
+    group in buckets of at most 0.1 MiB (the tiny model is ~0.5 MiB: several buckets)."""
+    roles = {
+        "actor": {"replicas": 1, "resources": {"cpus": 1}},
+        "rollout": {"replicas": 2, "resources": {"cpus": 1}},
+    }
+    trainer = PPOTrainer(_cfg(roles, prompts=1, bucket_mb=0.1))
+    try:
+        before = ray.get(trainer.hosts["rollout"][1].rollout_weights.remote())
+        trainer.step(0)
+        actor, *engines = ray.get(
+            [trainer.hosts["actor"][0].actor_weights.remote()]
+            + [h.rollout_weights.remote() for h in trainer.hosts["rollout"]]
+        )
+        assert not _same_weights(before, actor), "the actor did not change: nothing to check"
+        assert all(_same_weights(actor, e) for e in engines)
+        sizes = sorted((t.numel() * t.element_size() for t in actor.values()), reverse=True)
+        assert sizes[0] <= 0.1 * 2**20  # every tensor fits a bucket, so the bound holds
+        calls = ray.get([h.calls.remote() for h in trainer.hosts["rollout"]])
+        buckets = [c.count("engine.update_weights_from_distributed") for c in calls]
+        assert buckets[0] == buckets[1] >= 4
+        assert calls[0][0] == "engine.init_weights_update_group"
+        # the engine without prompts never generated, and still took the weights
+        assert calls[1][:2] == [
+            "engine.init_weights_update_group",
+            "engine.update_weights_from_distributed",
+        ]
+    finally:
+        trainer.shutdown()

@@ -1,0 +1,325 @@
+"""The sglang adapter against the source of the SGLang release pinned in the `gpu` extra.
+
+SGLang cannot be installed on a CPU machine (it pins a CUDA build of torch), but its wheel can be
+downloaded without dependencies and read. These tests never import sglang: they parse its source
+with `ast` and check that what the adapter (`backends/sglang_backend.py`) calls, sets and reads
+exists there. What the adapter uses is read from the adapter itself (its source, and the tables
+and functions it calls at run time), so a new call in the adapter is checked without editing
+this file, and a renamed keyword in a new SGLang release fails here instead of on a cluster.
+
+The wheel is cached in `$PPOJOB_SGLANG_CACHE` (default `~/.cache/ppojob`) as
+`sglang-<version>/`, and downloaded with `pip download --no-deps` when absent.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from ppojob_trainer.backends import sglang_backend as adapter
+from ppojob_trainer.backends.weight_sync import TensorMeta
+from ppojob_trainer.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pinned_version() -> str:
+    """The `sglang==X` pin of the `gpu` extra in pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    gpu = re.search(r"^gpu = \[(.*?)^\]", text, flags=re.S | re.M)
+    assert gpu, "pyproject.toml has no gpu extra"
+    pin = re.search(r'"sglang==([^"]+)"', gpu.group(1))
+    assert pin, "the gpu extra must pin sglang exactly (sglang==X.Y.Z)"
+    return pin.group(1)
+
+
+class Source:
+    """Files of the downloaded wheel, parsed on demand."""
+
+    def __init__(self, wheel: Path) -> None:
+        self.zip = zipfile.ZipFile(wheel)
+        self.names = set(self.zip.namelist())
+        self._trees: dict[str, ast.Module] = {}
+
+    def tree(self, path: str) -> ast.Module:
+        if path not in self._trees:
+            self._trees[path] = ast.parse(self.zip.read(path).decode())
+        return self._trees[path]
+
+    def module_file(self, module: str) -> str:
+        base = module.replace(".", "/")
+        for path in (f"{base}.py", f"{base}/__init__.py"):
+            if path in self.names:
+                return path
+        raise AssertionError(f"module {module} is not in the sglang wheel")
+
+    def classes(self, path: str) -> dict[str, ast.ClassDef]:
+        return {n.name: n for n in self.tree(path).body if isinstance(n, ast.ClassDef)}
+
+
+@pytest.fixture(scope="module")
+def sglang() -> Source:
+    version = pinned_version()
+    cache = Path(os.environ.get("PPOJOB_SGLANG_CACHE", Path.home() / ".cache" / "ppojob"))
+    folder = cache / f"sglang-{version}"
+    wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
+    if not wheels:
+        folder.mkdir(parents=True, exist_ok=True)
+        # the Linux x86-64 CPython 3.11 wheel, whatever machine this runs on
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+             "-d", str(folder), f"sglang=={version}"],
+            check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+        wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
+    assert wheels, f"pip download left no sglang {version} wheel in {folder}"
+    return Source(wheels[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# What the adapter uses, read from the adapter
+# ---------------------------------------------------------------------------------------------
+def adapter_engine_calls() -> dict[str, list[tuple[set[str], int]]]:
+    """Every `self.engine.<method>(...)` call in the adapter: method -> [(keywords, #args)]."""
+    tree = ast.parse(inspect.getsource(adapter))
+    calls: dict[str, list[tuple[set[str], int]]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        if (
+            isinstance(owner, ast.Attribute)
+            and owner.attr == "engine"
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id == "self"
+        ):
+            kws = {k.arg for k in node.keywords}
+            assert None not in kws, f"self.engine.{node.func.attr}(**...) cannot be checked"
+            calls.setdefault(node.func.attr, []).append((kws, len(node.args)))
+    return calls
+
+
+def tiny_cfg(**rollout) -> TrainerConfig:
+    return TrainerConfig.model_validate({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16",
+                  "trustRemoteCode": True},
+        "roles": {"actor": {"resources": {"gpus": 2}},
+                  "rollout": {"backend": "sglang", "colocateWithActor": True,
+                              "parallelism": {"tensor": 2}, **rollout}},
+        "algorithm": {"advantageEstimator": "grpo"},
+        "data": {"samplesPerPrompt": 2},
+    })  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers reading sglang's source
+# ---------------------------------------------------------------------------------------------
+def _params(fn: ast.FunctionDef) -> tuple[set[str], bool, int]:
+    """(keyword-passable names, has **kwargs, positional slots after self)."""
+    a = fn.args
+    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs} - {"self"}
+    positional = len([x for x in a.posonlyargs + a.args if x.arg != "self"])
+    return names, a.kwarg is not None, positional
+
+
+def engine_methods(src: Source) -> dict[str, ast.FunctionDef]:
+    """Methods of `sglang.Engine`, its own and those of its bases defined in sglang."""
+    path = src.module_file("sglang.srt.entrypoints.engine")
+    todo = [(path, "Engine")]
+    out: dict[str, ast.FunctionDef] = {}
+    seen = set()
+    while todo:
+        file, name = todo.pop(0)
+        if (file, name) in seen:
+            continue
+        seen.add((file, name))
+        cls = src.classes(file).get(name)
+        if cls is None:  # a base imported into `file` from elsewhere in sglang
+            origin = next((n.module for n in src.tree(file).body if isinstance(n, ast.ImportFrom)
+                           and n.module and n.module.startswith("sglang")
+                           and name in {a.name for a in n.names}), None)  # fmt: skip
+            if origin is None:
+                continue
+            file = src.module_file(origin)
+            cls = src.classes(file).get(name)
+            if cls is None:
+                continue
+        for node in cls.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                out.setdefault(node.name, node)
+        todo += [(file, b.id) for b in cls.bases if isinstance(b, ast.Name)]
+    return out
+
+
+def annotated_fields(cls: ast.ClassDef) -> set[str]:
+    return {
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+
+
+def server_args_fields(src: Source) -> set[str]:
+    """`ServerArgs` fields: its own annotations plus, in releases that declare them by
+    namespace (`arg_groups/fields/*.py`, classes with `_NS_PATH`), those namespaces' fields."""
+    path = src.module_file("sglang.srt.server_args")
+    found = annotated_fields(src.classes(path)["ServerArgs"])
+    for name in sorted(src.names):
+        if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
+            for cls in src.classes(name).values():
+                assigns = {t.id for n in cls.body if isinstance(n, ast.Assign)
+                           for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+                if "_NS_PATH" in assigns | annotated_fields(cls):
+                    found |= annotated_fields(cls)
+    return found
+
+
+def function(src: Source, path: str, name: str) -> ast.FunctionDef:
+    for node in ast.walk(src.tree(path)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def strings_in(node: ast.AST) -> set[str]:
+    return {
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract
+# ---------------------------------------------------------------------------------------------
+def test_the_adapter_is_checked_against_the_pinned_release(sglang):
+    assert pinned_version() == adapter.SGLANG_VERSION
+    assert f"sglang-{pinned_version()}.dist-info/METADATA" in sglang.names
+
+
+def test_every_engine_call_exists_with_every_keyword_the_adapter_passes(sglang):
+    calls = adapter_engine_calls()
+    # the declared table and the code agree, so neither can drift from the other
+    assert set(calls) == set(adapter.ENGINE_CALLS)
+    methods = engine_methods(sglang)
+    for method, uses in sorted(calls.items()):
+        assert method in methods, f"sglang.Engine has no method {method}"
+        names, kwargs, positional = _params(methods[method])
+        for kws, n_pos in uses:
+            assert n_pos <= positional, f"Engine.{method} takes {positional} positional args"
+            missing = kws - names
+            assert kwargs or not missing, f"Engine.{method} has no keyword(s) {sorted(missing)}"
+
+
+def test_engine_is_exported_and_every_server_arg_the_adapter_sets_exists(sglang):
+    init = sglang.tree(sglang.module_file("sglang"))
+    assert "Engine" in {t.id for n in ast.walk(init) if isinstance(n, ast.Assign)
+                        for t in n.targets if isinstance(t, ast.Name)} | {
+        a.asname or a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    }  # fmt: skip
+    known = server_args_fields(sglang)
+    assert {"model_path", "tp_size"} <= known, "ServerArgs fields not found: parser broken"
+    for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2})):
+        args = adapter.engine_args(cfg, Path("/models/m"))
+        assert set(args) <= known, f"unknown ServerArgs fields {sorted(set(args) - known)}"
+    assert args["tp_size"] == 2 and args["trust_remote_code"] is True
+
+
+def test_every_sampling_param_the_adapter_sends_exists(sglang):
+    path = sglang.module_file("sglang.srt.sampling.sampling_params")
+    cls = sglang.classes(path)["SamplingParams"]
+    known = annotated_fields(cls)
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"),
+                None)  # fmt: skip
+    if init is not None:
+        known |= _params(init)[0]
+    sent = adapter.sampling_params(8, 1.0, 0.9, [2], 7)
+    assert set(sent) <= known, f"unknown sampling params {sorted(set(sent) - known)}"
+
+
+def test_the_output_fields_the_adapter_reads_are_produced(sglang):
+    meta, field = adapter.OUTPUT_FIELDS
+    path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
+    written = {
+        (t.value.id, t.slice.value)
+        for n in ast.walk(sglang.tree(path)) if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+        and isinstance(t.slice, ast.Constant)
+    }  # fmt: skip
+    assert (meta, field) in written, f"{meta}[{field!r}] is never written"
+    # each entry is (logprob, token_id, text): the tuples detokenize_logprob_tokens builds
+    fn = function(sglang, path, "detokenize_logprob_tokens")
+    widths = {len(n.elts) for n in ast.walk(fn) if isinstance(n, ast.Tuple)}
+    zips = {len(n.args) for n in ast.walk(fn) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name) and n.func.id == "zip"}  # fmt: skip
+    assert 3 in widths and 3 in zips
+
+
+def test_every_runtime_import_exists(sglang):
+    for module, name in adapter.RUNTIME_IMPORTS.values():
+        tree = sglang.tree(sglang.module_file(module))
+        defined = set()
+        for n in tree.body:
+            if isinstance(n, ast.ClassDef | ast.FunctionDef):
+                defined.add(n.name)
+            elif isinstance(n, ast.Assign):
+                defined |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+            elif isinstance(n, ast.ImportFrom):
+                defined |= {a.asname or a.name for a in n.names}
+        assert name in defined, f"{module} defines no {name}"
+
+
+def test_colocated_bucket_payloads_are_what_sglangs_weight_updater_reads(sglang):
+    updater = sglang.module_file("sglang.srt.model_executor.model_runner_components.weight_updater")
+    # update_weights_from_tensor dispatches on load_format == "flattened_bucket" ...
+    assert adapter.FLATTENED_BUCKET in strings_in(
+        function(sglang, updater, "update_weights_from_tensor")
+    )
+    # ... and reads the bucket's two keys
+    reader = function(sglang, updater, "_update_weights_from_flattened_bucket")
+    assert set(adapter.BUCKET_KEYS) <= strings_in(reader)
+    # the metadata class: the fields the adapter fills, which mirror TensorMeta's
+    module, name = adapter.RUNTIME_IMPORTS["FlattenedTensorMetadata"]
+    meta = sglang.classes(sglang.module_file(module))[name]
+    assert annotated_fields(meta) == {f.name for f in fields(TensorMeta)}
+    call = next(n for n in ast.walk(ast.parse(inspect.getsource(adapter.serialize_bucket)))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "meta_cls")  # fmt: skip
+    assert {k.arg for k in call.keywords} == annotated_fields(meta)
+    # SGLang unpickles payloads with an allow-list: the metadata class must be on it
+    common = sglang.module_file("sglang.srt.utils.common")
+    unpickler = sglang.classes(common)["SafeUnpickler"]
+    allowed = {
+        (e.elts[0].value, e.elts[1].value)
+        for n in ast.walk(unpickler) if isinstance(n, ast.Set)
+        for e in n.elts if isinstance(e, ast.Tuple) and len(e.elts) == 2
+    }  # fmt: skip
+    assert (module, name) in allowed
+
+
+def test_the_weight_update_group_is_formed_and_fed_as_the_adapter_expects(sglang):
+    """The actor's side (`weight_sync.init_custom_group`, one broadcast from rank 0 per tensor
+    in order) must meet SGLang's side: a TCP rendezvous whose store is prefixed with the group
+    name, and per tensor a broadcast from src 0."""
+    common = sglang.module_file("sglang.srt.utils.common")
+    group = function(sglang, common, "init_custom_process_group")
+    prefix = [n for n in ast.walk(group) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", "") == "PrefixStore"]  # fmt: skip
+    assert prefix and [getattr(a, "id", None) for a in prefix[0].args] == ["group_name", "store"]
+    updater = sglang.module_file("sglang.srt.model_executor.model_runner_components.weight_updater")
+    receives = [
+        n for n in ast.walk(sglang.tree(updater)) if isinstance(n, ast.Call)
+        and getattr(n.func, "attr", "") == "broadcast"
+    ]  # fmt: skip
+    srcs = {k.value.value for n in receives for k in n.keywords if k.arg == "src"}
+    assert srcs == {0}
+    init = function(sglang, updater, "init_weights_update_group")
+    assert "rank_offset" in {a.arg for a in init.args.args}

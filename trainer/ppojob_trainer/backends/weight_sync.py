@@ -1,0 +1,149 @@
+"""Weight sync in buckets of bounded size: plan them, flatten a bucket into one byte tensor,
+rebuild its tensors.
+
+The actor's weights reach the generation engines one bucket at a time, so the extra memory a
+sync needs is one bucket, not a second copy of the model. A bucket holds whole tensors in the
+order the actor exported them; a tensor larger than the bound gets a bucket of its own.
+
+The flattened layout is SGLang's ``flattened_bucket`` format (``FlattenedTensorBucket``): every
+tensor viewed as bytes (``uint8``) and concatenated; per tensor its name, shape, dtype and byte
+range ``[start_idx, end_idx)`` with ``numel`` = its byte count. ``TensorMeta`` carries exactly
+those fields, so the sglang adapter converts it field by field (the contract tests check the
+field names against SGLang's source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGN = 16
+"""Byte alignment of each tensor's start in a flat bucket (the readers slice by start_idx and
+end_idx, so padding between tensors is invisible to them)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lies in a flattened bucket (SGLang's ``FlattenedTensorMetadata``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int  # bytes
+
+
+@dataclass
+class FlatBucket:
+    """One bucket: its tensors' bytes in one ``uint8`` tensor, and where each tensor lies."""
+
+    flattened_tensor: torch.Tensor
+    metadata: list[TensorMeta]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors (views into the flat tensor), in order."""
+        flat = self.flattened_tensor
+        return [
+            (m.name, flat[m.start_idx : m.end_idx].view(m.dtype).view(m.shape))
+            for m in self.metadata
+        ]
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metadata]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_buckets(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Names grouped into consecutive buckets of at most ``max_bytes`` (one oversized tensor
+    makes a bucket alone). ``sizes``: (name, bytes) in sync order."""
+    if max_bytes <= 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {max_bytes}")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes:
+        if current and used + size > max_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def plan_weight_buckets(weights: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """:func:`plan_buckets` over a state dict, in its order."""
+    return plan_buckets(((k, nbytes(v)) for k, v in weights.items()), max_bytes)
+
+
+def flatten(named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device) -> FlatBucket:
+    """One bucket of ``named`` tensors, flattened into a byte tensor on ``device``."""
+    parts, metas, pos = [], [], 0
+    for name, t in named:
+        pad = -pos % ALIGN  # every tensor starts aligned, so its bytes view back as its dtype
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+            pos += pad
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        metas.append(TensorMeta(name, tuple(t.shape), t.dtype, pos, pos + raw.numel(), raw.numel()))
+        parts.append(raw)
+        pos += raw.numel()
+    if not parts:
+        raise ValueError("cannot flatten an empty bucket")
+    flat = torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0].to(device)
+    return FlatBucket(flat, metas)
+
+
+def bucket_meta(
+    weights: Mapping[str, torch.Tensor], names: list[str]
+) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtype names, shapes) of a bucket, as ``update_weights_from_distributed`` takes
+    them (dtypes as ``torch`` attribute names: ``bfloat16``, ``float32``...)."""
+    dtypes = [str(weights[n].dtype).removeprefix("torch.") for n in names]
+    shapes = [list(weights[n].shape) for n in names]
+    return list(names), dtypes, shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight-update process group (disaggregated engines)
+# ---------------------------------------------------------------------------------------------
+def init_custom_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float = 600.0,
+) -> Any:
+    """Join a process group *beside* the process's default one (if any): rank 0 is the actor's
+    leader, ranks ``rank_offset + tp_rank`` the engines' tensor-parallel ranks.
+
+    It is formed the way SGLang's engines form theirs in ``init_weights_update_group`` (a TCP
+    rendezvous at ``master_address:master_port``, the store prefixed with ``group_name``), so the
+    actor's side and an SGLang engine's side meet in one group.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+        timeout=timeout,
+    )  # fmt: skip
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
