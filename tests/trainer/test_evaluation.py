@@ -33,7 +33,7 @@ def test_temperature_zero_is_greedy_decoding(model_dir):
                                  temperature=1.0, need_reference=False)  # fmt: skip
     batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": a.response_ids}
     with torch.no_grad():
-        logits = trainer._forward(trainer.model, batch)
+        logits = _response_logits(trainer, batch)
     assert torch.equal(logits.argmax(-1), a.response_ids)  # the most likely token every time
 
 
@@ -109,3 +109,13 @@ def test_training_evaluates_every_interval_and_at_the_end(local_ray, tmp_path: P
     evals = {r["step"]: r.get("eval/reward_mean") for r in records}
     assert evals[1] is None and evals[2] is not None and evals[3] is not None
     assert 0.0 <= evals[3] <= 1.0 and result.eval_reward == evals[3]
+
+
+def _response_logits(trainer, batch):
+    """Full-vocabulary logits at the response positions, from the policy's HF model on the
+    backend's own inputs (the backend itself never materialises them)."""
+    from ppojob_trainer.backends.torch_backend import full_inputs
+
+    ids, attn, pos, plen = full_inputs(batch)
+    out = trainer.lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    return out[:, plen - 1 : plen - 1 + batch["response_ids"].shape[1]].float()

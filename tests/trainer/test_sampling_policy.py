@@ -72,7 +72,7 @@ def test_rollout_and_old_logprobs_are_the_sampling_policy_under_top_p(model_dir,
     )  # fmt: skip
     batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": gen.response_ids}
     with torch.no_grad():
-        logits = trainer._forward(trainer.model, batch)
+        logits = _response_logits(trainer, batch)
     m = gen.response_mask
     exp = _reference_truncated(logits, gen.response_ids, 0.9, top_p).float()
     full = torch.log_softmax(logits / 0.9, -1).gather(-1, gen.response_ids[..., None])[..., 0]
@@ -146,3 +146,13 @@ def test_actor_reports_the_mismatch_and_weighs_the_loss_by_capped_ratios(ray_ses
     assert abs(plain) > 1e-4
     assert out["actor/pg_loss"] == pytest.approx(1.5 * plain, rel=1e-4)
     assert out["actor/is_weight_mean"] == pytest.approx(1.5)
+
+
+def _response_logits(trainer, batch):
+    """Full-vocabulary logits at the response positions, from the policy's HF model on the
+    backend's own inputs (the backend itself never materialises them)."""
+    from ppojob_trainer.backends.torch_backend import full_inputs
+
+    ids, attn, pos, plen = full_inputs(batch)
+    out = trainer.lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    return out[:, plen - 1 : plen - 1 + batch["response_ids"].shape[1]].float()
