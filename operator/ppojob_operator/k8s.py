@@ -282,7 +282,10 @@ async def arequest(
     session = await _session()
     cfg = _state.config
     headers = {"Accept": "application/json"}
-    token = cfg.get_api_key_with_prefix("authorization")  # runs the token refresh hook
+    # Recent kubernetes clients key the token as "BearerToken" (the kubeconfig loader does);
+    # "authorization" is the older key and ours in configure(host, token=...). This call also
+    # runs the loader's token refresh hook.
+    token = cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
     if token:
         headers["Authorization"] = token
     data = None
