@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -110,6 +111,9 @@ def chart_rbac(cp: ControlPlane) -> list[dict[str, Any]]:
 def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane"))
     atexit.register(plane.stop)  # also when pytest is interrupted
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # a terminated pytest (a CI timeout) still stops every component it started
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     plane.start()
     _current["cp"] = plane
     print(f"\ncontrol plane started in {plane.start_seconds:.1f}s", file=sys.stderr)

@@ -540,6 +540,15 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--authorization-mode=RBAC",
                 "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                # no node-lifecycle controller runs to lift the not-ready taint this plugin
+                # puts on new nodes; KWOK marks the fake nodes Ready itself
+                "--disable-admission-plugins=TaintNodesByCondition",
+                # the front-proxy CA, so the components' authentication does not log errors
+                f"--requestheader-client-ca-file={p['ca.crt']}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 "--profiling=false",

@@ -131,7 +131,7 @@ class FaultProxy:
             headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
             body = await request.read()
             up = await session.request(
-                request.method, self.upstream + request.path_qs, headers=headers, data=body
+                request.method, self.upstream + request.path_qs, headers=headers, data=body or None
             )
             try:
                 if kind == "after":

@@ -130,3 +130,17 @@ def running(pod: dict[str, Any]) -> bool:
 
 def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in st.get("conditions") or [] if c["type"] == type_), {})
+
+
+def table(text: str) -> list[dict[str, str]]:
+    """Rows of kubectl's table output, cut at the header's column starts (empty cells stay
+    empty: kubectl prints nothing for a printer column whose path is absent)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    header = lines[0]
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    names = header.split()
+    rows = []
+    for ln in lines[1:]:
+        cells = [ln[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+        rows.append(dict(zip(names, cells, strict=True)))
+    return rows

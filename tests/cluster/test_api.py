@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from controlplane import ROOT, wait_until
-from jobs import PPOJOB, condition, gpu_job, status
+from jobs import PPOJOB, condition, gpu_job, status, table
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -65,12 +65,20 @@ def test_get_ppojobs_shows_the_printer_columns(cp, operator, ns):
         "patch", PPOJOB, "cols", "-n", ns, "--subresource=status", "--type=merge",
         "-p", json.dumps({"status": {"progress": progress}}),
     )  # fmt: skip
-    lines = cp.kubectl("get", "ppojobs", "-n", ns).stdout.splitlines()
-    assert lines[0].split() == ["NAME", "PHASE", "STEP", "STEPS", "REWARD", "GPUS", "AGE"]
-    lines = cp.kubectl("get", "ppojobs", "-n", ns, "-o", "wide").stdout.splitlines()
-    header = lines[0].split()
+    plain = cp.kubectl("get", "ppojobs", "-n", ns).stdout
+    assert plain.split("\n")[0].split() == [
+        "NAME",
+        "PHASE",
+        "STEP",
+        "STEPS",
+        "REWARD",
+        "GPUS",
+        "AGE",
+    ]
+    wide = cp.kubectl("get", "ppojobs", "-n", ns, "-o", "wide").stdout
+    header = wide.split("\n")[0].split()
     assert header == ["NAME", "PHASE", "STEP", "STEPS", "REWARD", "KL", "GPUS", "RAYJOB", "AGE"]
-    row = dict(zip(header, lines[1].split(), strict=True))
+    (row,) = table(wide)
     assert row["NAME"] == "cols" and row["STEP"] == "3" and row["STEPS"] == "10"
     assert row["REWARD"] == "0.25" and row["KL"] == "0.01"
     assert row["GPUS"] == "4" and row["RAYJOB"] == "cols"
