@@ -633,6 +633,13 @@ class ControlPlane:
                 f"--authorization-kubeconfig={kc}",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={sp_port}",
+                # Pods of a gang that Coscheduling rejected at Permit (a sibling did not fit)
+                # wait in the unschedulable pool with only Coscheduling as their rejector, and
+                # Coscheduling v0.34 re-queues only on Pod add and PodGroup add/update: a new
+                # node does not wake them (QueueingHints, always on in 1.34). The scheduler's
+                # periodic flush is what retries them, after 5 min by default; 20 s here keeps
+                # "capacity arrives -> gang bound" inside the tests' timeouts.
+                "--pod-max-in-unschedulable-pods-duration=20s",
                 "--v=1",
             ],
         )
