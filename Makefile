@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test lint format crd docs images e2e clean
+.PHONY: install demo test lint format crd docs images e2e clean control-plane
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo
 
+## The real control plane of tests/cluster/ (etcd, kube-apiserver, controller manager, schedulers,
+## KubeRay, KWOK), built from Go modules at hack/control-plane/versions.env and cached outside the
+## clone (~/.cache/ppojob/control-plane); a warm run takes a second. Needs Go >= 1.26.
+control-plane:
+	bash hack/control-plane/build.sh >/dev/null
+
 ## The test suite (what CI runs). pytest exits 5 when it collects no test: that fails too.
-test: $(STAMP)
+test: $(STAMP) control-plane
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q

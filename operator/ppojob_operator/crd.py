@@ -144,9 +144,12 @@ def openapi_schema() -> dict[str, Any]:
     raw = PPOJob.model_json_schema(by_alias=True, mode="validation")
     schema = structural_schema(raw)
     schema["required"] = ["spec"]
+    # The API server refuses a CRD whose root `metadata` schema holds anything but `type: object`
+    # (a description included): "must not specify anything other than name and generateName".
     schema["properties"]["metadata"] = {"type": "object"}
     for name, text in _TOP_DESCRIPTIONS.items():
-        schema["properties"][name]["description"] = text
+        if name != "metadata":
+            schema["properties"][name]["description"] = text
     schema["description"] = _one_line(PPOJob.__doc__ or "")
     # apiVersion and kind are checked by the API server itself; no enum/default there.
     for name in ("apiVersion", "kind"):

@@ -397,8 +397,13 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     # admit and unsuspend it (it owns RayJob.spec.suspend).
     hold = scheduler == "kueue" and job.spec.suspend and existing_rj is None
     wanted = children[:-1] if hold else children
+    # The API server checks a RoleBinding against its Role (the RBAC escalation check): a
+    # RoleBinding posted before its Role exists is refused with 404. Bindings go second.
+    first = [c for c in wanted[:-1] if c["kind"] != "RoleBinding"]
+    bindings = [c for c in wanted[:-1] if c["kind"] == "RoleBinding"]
     try:
-        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, wanted[:-1]))]
+        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, first))]
+        made += [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, bindings))]
         if not hold:
             made.append((await k8s.acreate_or_get(wanted[-1]))[0])
     except k8s.ChildWaiting as exc:
@@ -686,7 +691,14 @@ def build_registry(state: State, host: str | None = None) -> kopf.OperatorRegist
         def _login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=host, insecure=True)
     else:
-        registry = kopf.SmartOperatorRegistry()
+        # kopf does not export SmartOperatorRegistry (it crashed the operator at start-up):
+        # log in as kopf's own fallbacks do, in-cluster first, then from the kubeconfig.
+        registry = kopf.OperatorRegistry()
+
+        @kopf.on.login(registry=registry)
+        def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+            return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
     return register(registry, state)
 
 

@@ -12,6 +12,7 @@ backoff); anything else (unowned, or another owner) raises :class:`ChildConflict
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -251,8 +252,6 @@ def _ssl_context(cfg: Any) -> Any:
 
 
 async def _session() -> Any:
-    import asyncio
-
     import aiohttp
 
     loop = asyncio.get_running_loop()
@@ -278,22 +277,79 @@ async def aclose() -> None:
 async def arequest(
     method: str, path: str, body: Any = None, content_type: str = "application/json"
 ) -> dict[str, Any]:
-    """Async :func:`request`."""
+    """Async :func:`request`; transient failures (429 with its Retry-After, 5xx, a reset
+    connection, a 409 Conflict on a patch) are retried a few times within seconds."""
+    import aiohttp
+
     session = await _session()
     cfg = _state.config
     headers = {"Accept": "application/json"}
-    token = cfg.get_api_key_with_prefix("authorization")  # runs the token refresh hook
+    # Recent kubernetes clients key the token as "BearerToken" (the kubeconfig loader does);
+    # "authorization" is the older key and ours in configure(host, token=...). This call also
+    # runs the loader's token refresh hook.
+    token = cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
     if token:
         headers["Authorization"] = token
     data = None
     if body is not None:
         headers["Content-Type"] = content_type
         data = json.dumps(body, separators=(",", ":"))
-    async with session.request(method, cfg.host + path, data=data, headers=headers) as resp:
-        raw = await resp.read()
-        if not 200 <= resp.status < 300:
-            raise ApiError(resp.status, str(resp.reason), raw.decode("utf-8", "replace"))
-    return json.loads(raw) if raw else {}
+    for attempt in range(TRANSIENT_ATTEMPTS):
+        last = attempt == TRANSIENT_ATTEMPTS - 1
+        try:
+            async with session.request(method, cfg.host + path, data=data, headers=headers) as resp:
+                raw = await resp.read()
+                if 200 <= resp.status < 300:
+                    return json.loads(raw) if raw else {}
+                error = ApiError(resp.status, str(resp.reason), raw.decode("utf-8", "replace"))
+                wait = _transient_wait(method, resp.status, raw, resp.headers, attempt)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            # reset before or after the server acted: a create is re-sent and answered 409
+            # AlreadyExists (acreate_or_get checks the owner), a patch or delete re-applied
+            if last:
+                raise
+            wait = _backoff(attempt)
+            log.debug("%s %s: %s; retrying in %.1fs", method, path, exc, wait)
+        else:
+            if wait is None or last:
+                raise error
+            log.debug("%s %s: HTTP %s; retrying in %.1fs", method, path, resp.status, wait)
+        await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+# Transient answers are retried inside the request (a few times, within seconds) instead of
+# failing the handler, which kopf would retry only after its 60 s default backoff.
+TRANSIENT_ATTEMPTS = 6
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.2 * 2**attempt, 5.0)
+
+
+def _transient_wait(
+    method: str, status: int, raw: bytes, headers: Any, attempt: int
+) -> float | None:
+    """Seconds to wait before re-sending, or None when the answer is final. 429 honours
+    Retry-After; a 409 Conflict on a PATCH (ours carry no resourceVersion, so the server gave up
+    on its own retries) is retried; a 409 AlreadyExists on a create is an answer, not a fault."""
+    if status == 409:
+        if method != "PATCH":
+            return None
+        try:
+            reason = json.loads(raw).get("reason")
+        except ValueError:
+            reason = None
+        return _backoff(attempt) if reason == "Conflict" else None
+    if status not in TRANSIENT_STATUSES:
+        return None
+    if status == 429:
+        try:
+            return min(max(float(headers.get("Retry-After", "")), 0.0), 30.0)
+        except ValueError:
+            pass
+    return _backoff(attempt)
 
 
 async def aget(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

@@ -78,7 +78,8 @@ def test_every_property_is_described() -> None:
     missing = [p for p, n in _walk(_schema()) if p and not n.get("description")]
     # the elements of lists and maps are described by their parent
     missing = [p for p in missing if not p.endswith(("[]", "{}"))]
-    assert missing == []
+    # the API server refuses a description on the root `metadata` (tests/cluster installs it)
+    assert missing == [".metadata"]
 
 
 def test_defaults_enums_and_bounds_are_present() -> None:

@@ -1,0 +1,156 @@
+"""PPOJob -> children -> the real KubeRay -> RayCluster and pods; deletion, suspension, repair."""
+
+from __future__ import annotations
+
+import pytest
+from controlplane import wait_until
+from jobs import (
+    CHILDREN,
+    JOB_LABEL,
+    PPOJOB,
+    condition,
+    controller_uid,
+    gpu_job,
+    job,
+    pods,
+    running,
+    status,
+    wait_children,
+)
+
+ROLES = ("actor", "critic", "rollout")
+
+
+def test_children_then_kuberay_makes_the_cluster_and_pods(cp, operator, ns):
+    cp.apply(gpu_job("demo", ns, actor=2, critic=1, rollout=1))
+    children = wait_children(cp, "demo", ns)
+    uid = job(cp, "demo", ns)["metadata"]["uid"]
+    for obj in children.values():
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == uid and ref["kind"] == "PPOJob" and ref["controller"] is True
+    rj = children["rayjob.ray.io"]
+    assert rj["spec"]["submissionMode"] == "SidecarMode"
+    assert "trainer.yaml" in children["configmap"]["data"]
+
+    # the real KubeRay: a RayCluster with one worker group per role, then the pods
+    def cluster():
+        name = ((cp.get("rayjob.ray.io", "demo", ns) or {}).get("status") or {}).get(
+            "rayClusterName"
+        )
+        return cp.get("raycluster.ray.io", name, ns) if name else None
+
+    rc = wait_until(cluster, 60, "KubeRay's RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == set(ROLES)
+    assert {g: groups[g]["replicas"] for g in ROLES} == {"actor": 2, "critic": 1, "rollout": 1}
+
+    want = 1 + 2 + 1 + 1
+    made = wait_until(
+        lambda: (p := pods(cp, "demo", ns)) and len(p) == want and all(map(running, p)) and p,
+        90,
+        f"{want} pods Running (KubeRay + kube-scheduler + KWOK)",
+    )
+    heads = [p for p in made if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
+    assert len(heads) == 1
+    containers = [c["name"] for c in heads[0]["spec"]["containers"]]
+    assert "ray-job-submitter" in containers, containers
+    per_group: dict[str, int] = {}
+    for p in made:
+        if p is heads[0]:
+            continue
+        g = p["metadata"]["labels"]["ray.io/group"]
+        per_group[g] = per_group.get(g, 0) + 1
+        gpus = p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        assert str(gpus) == "1", p["metadata"]["name"]
+    assert per_group == {"actor": 2, "critic": 1, "rollout": 1}
+    # the PPOJob follows the RayJob out of Pending
+    wait_until(
+        lambda: status(cp, "demo", ns).get("phase") in ("Initializing", "Running"),
+        60,
+        "PPOJob phase Initializing/Running",
+    )
+
+
+def test_deleting_the_ppojob_garbage_collects_every_child(cp, operator, ns):
+    cp.apply(gpu_job("gc", ns))
+    wait_children(cp, "gc", ns)
+    wait_until(lambda: pods(cp, "gc", ns), 60, "the job's pods")
+    cp.kubectl("delete", PPOJOB, "gc", "-n", ns, "--wait=false")
+
+    def gone() -> bool:
+        left = [r for r, s in CHILDREN if cp.get(r, "gc" + s, ns) is not None]
+        left += [p["metadata"]["name"] for p in cp.get("pods", namespace=ns)["items"]]
+        left += [c["metadata"]["name"] for c in cp.get("rayclusters.ray.io", namespace=ns)["items"]]
+        return not left
+
+    wait_until(gone, 120, "every child, the RayCluster and the pods garbage-collected")
+
+
+def test_suspend_and_resume(cp, operator, ns):
+    cp.apply(gpu_job("sus", ns))
+    wait_children(cp, "sus", ns)
+    wait_until(lambda: len(pods(cp, "sus", ns)) == 5, 60, "the job's 5 pods")
+    cp.kubectl("patch", PPOJOB, "sus", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_until(
+        lambda: cp.get("rayjob.ray.io", "sus", ns)["spec"].get("suspend") is True,
+        30,
+        "RayJob suspended",
+    )
+    wait_until(lambda: not cp.get("pods", namespace=ns)["items"], 90, "KubeRay deleting the pods")
+    wait_until(lambda: status(cp, "sus", ns).get("phase") == "Suspended", 60, "phase Suspended")
+    assert condition(status(cp, "sus", ns), "Suspended").get("status") == "True"
+    cp.kubectl("patch", PPOJOB, "sus", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    wait_until(
+        lambda: len([p for p in pods(cp, "sus", ns) if running(p)]) == 5,
+        90,
+        "the 5 pods back after resume",
+    )
+    wait_until(
+        lambda: status(cp, "sus", ns).get("phase") in ("Initializing", "Running"),
+        60,
+        "phase after resume",
+    )
+
+
+@pytest.mark.parametrize(
+    "resource,suffix",
+    [
+        ("rayjob.ray.io", ""),
+        ("configmap", "-trainer"),
+        ("role.rbac.authorization.k8s.io", "-trainer"),
+    ],
+    ids=["rayjob", "configmap", "role"],
+)
+def test_a_child_deleted_by_hand_is_recreated(cp, operator, ns, resource, suffix):
+    cp.apply(gpu_job("fix", ns))
+    before = wait_children(cp, "fix", ns)[resource]["metadata"]["uid"]
+    cp.kubectl("delete", resource, "fix" + suffix, "-n", ns)
+
+    def recreated() -> bool:
+        obj = cp.get(resource, "fix" + suffix, ns)
+        return bool(obj) and obj["metadata"]["uid"] != before
+
+    wait_until(recreated, 60, f"{resource} fix{suffix} recreated by the operator")
+    owner = job(cp, "fix", ns)["metadata"]["uid"]
+    assert controller_uid(cp.get(resource, "fix" + suffix, ns)) == owner
+
+
+def test_delete_and_recreate_the_same_name_gets_children_and_status(cp, operator, ns):
+    cp.apply(gpu_job("again", ns))
+    old = wait_children(cp, "again", ns)
+    old_uid = controller_uid(old["rayjob.ray.io"])
+    # delete and apply at once: the old children are still there, owned by the old uid
+    cp.kubectl("delete", PPOJOB, "again", "-n", ns, "--wait=false")
+    cp.apply(gpu_job("again", ns))
+    new_uid = job(cp, "again", ns)["metadata"]["uid"]
+    assert new_uid != old_uid
+    # once the garbage collector removed the old children, the new job gets its own
+    wait_children(cp, "again", ns, timeout=120)
+    st = wait_until(
+        lambda: status(cp, "again", ns).get("phase") and status(cp, "again", ns),
+        60,
+        "a status on the new job",
+    )
+    assert st["rayJobName"] == "again"
+    labelled = cp.get("rayjobs.ray.io", namespace=ns)["items"]
+    assert [r["metadata"]["labels"].get(JOB_LABEL) for r in labelled] == ["again"]

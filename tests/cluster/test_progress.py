@@ -1,0 +1,114 @@
+"""Live progress: `ppojob-train` with the job's ServiceAccount token as its only credential.
+
+The trainer runs here as a local process on a local (loopback) Ray, with the trainer config the
+operator rendered into the job's ConfigMap. It patches ``status.progress`` of its PPOJob through
+the API server; `kubectl get ppojobs` shows Step and Reward move. The Ray dashboard KubeRay asks
+for the Ray job's state does not exist on KWOK's fake pods, so the test itself writes the
+terminal RayJob status KubeRay would write, and checks the PPOJob turns Succeeded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from controlplane import ROOT, wait_until
+from jobs import PPOJOB, gpu_job, status, table, wait_children
+
+
+def tiny_job(name: str, ns: str, steps: int) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "ppojob-tiny.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": ns}
+    doc["spec"]["training"]["steps"] = steps
+    return doc
+
+
+def columns(cp, name: str, ns: str) -> dict[str, str]:
+    """The job's row of `kubectl get ppojobs -o wide`."""
+    return table(cp.kubectl("get", "ppojobs", name, "-n", ns, "-o", "wide").stdout)[0]
+
+
+@pytest.mark.slow
+def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
+    cp.apply(tiny_job("prog", ns, steps=6))
+    cp.apply(gpu_job("other", ns))
+    children = wait_children(cp, "prog", ns)
+    wait_children(cp, "other", ns)
+    config = tmp_path / "trainer.yaml"
+    config.write_text(children["configmap"]["data"]["trainer.yaml"])
+    kubeconfig = cp.token_kubeconfig(tmp_path / "trainer.kubeconfig", ns, "prog-trainer")
+
+    def as_trainer(*args: str) -> subprocess.CompletedProcess:
+        return cp.kubectl(*args, kubeconfig=kubeconfig, check=False)
+
+    # the token is good for its own job's status and for nothing else
+    ok = as_trainer(
+        "patch", PPOJOB, "prog", "-n", ns, "--subresource=status", "--type=merge",
+        "-p", '{"status":{"progress":{"step":0}}}',
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    for args in [
+        ("patch", PPOJOB, "other", "-n", ns, "--subresource=status", "--type=merge",
+         "-p", '{"status":{"progress":{"step":1}}}'),
+        ("patch", PPOJOB, "prog", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'),
+        ("get", "configmaps", "-n", ns),
+        ("get", "pods", "-n", ns),
+        ("get", "rayjobs.ray.io", "-n", ns),
+        ("get", PPOJOB, "-n", ns),
+        ("get", "secrets", "-n", ns),
+    ]:  # fmt: skip
+        denied = as_trainer(*args)
+        assert denied.returncode != 0 and "Forbidden" in denied.stderr, (args, denied.stderr)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    env.pop("RAY_ADDRESS", None)
+    env.update(
+        KUBECONFIG=str(kubeconfig),
+        PPOJOB_NAME="prog",
+        PPOJOB_NAMESPACE=ns,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer")]),
+    )
+    log = (tmp_path / "trainer.log").open("w")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "ppojob_trainer.entrypoint", "--config", str(config),
+         "--out", str(tmp_path / "out"), "--no-progress"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    seen: list[tuple[str, str]] = []
+    deadline = time.monotonic() + 240
+    try:
+        while trainer.poll() is None and time.monotonic() < deadline:
+            row = columns(cp, "prog", ns)
+            if row["STEP"] not in ("", "0") and (
+                not seen or seen[-1] != (row["STEP"], row.get("REWARD", ""))
+            ):
+                seen.append((row["STEP"], row.get("REWARD", "")))
+            time.sleep(0.2)  # polling interval of the observer, not a synchronisation
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait(10)
+        log.close()
+    out = (tmp_path / "trainer.log").read_text()
+    assert trainer.returncode == 0, out[-4000:]
+    final = columns(cp, "prog", ns)
+    seen.append((final["STEP"], final["REWARD"]))
+    steps = [int(s) for s, _ in seen]
+    assert steps[-1] == 6 and final["STEPS"] == "6", (seen, out[-2000:])
+    assert len(set(steps)) >= 2, seen  # Step moved while training ran
+    assert all(r for _, r in seen), seen  # Reward shown with every Step
+    progress = status(cp, "prog", ns)["progress"]
+    assert progress["step"] == 6 and isinstance(progress["rewardMean"], float)
+
+    # KubeRay's verdict (it cannot reach a dashboard on fake pods): the job succeeded
+    cp.kubectl(
+        "patch", "rayjob.ray.io", "prog", "-n", ns, "--subresource=status", "--type=merge",
+        "-p", '{"status":{"jobDeploymentStatus":"Complete","jobStatus":"SUCCEEDED"}}',
+    )  # fmt: skip
+    wait_until(lambda: columns(cp, "prog", ns)["PHASE"] == "Succeeded", 60, "phase Succeeded")
+    assert status(cp, "prog", ns)["progress"]["step"] == 6

@@ -1,0 +1,101 @@
+"""Restarts: the operator killed (SIGKILL) in the middle of a burst of 50 jobs, then restarted.
+
+The burst's jobs are created suspended: the operator's work is the same (every child, the
+RayJob suspended, a status), and KubeRay makes no pods, so 50 jobs stay cheap on two cores.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from controlplane import wait_until
+from jobs import CHILDREN, JOB_LABEL, PPOJOB, gpu_job
+
+KINDS = [r for r, _ in CHILDREN]
+
+
+def burst(ns: str, n: int, prefix: str) -> list[dict]:
+    docs = []
+    for i in range(n):
+        doc = gpu_job(f"{prefix}{i:03d}", ns)
+        doc["spec"]["suspend"] = True
+        docs.append(doc)
+    return docs
+
+
+def children_per_job(cp, ns: str) -> dict[str, Counter]:
+    """kind -> Counter(job name -> number of children of that kind labelled with the job)."""
+    out = {}
+    for kind in KINDS:
+        items = cp.get(kind, namespace=ns, selector=JOB_LABEL)["items"]
+        out[kind] = Counter(i["metadata"]["labels"][JOB_LABEL] for i in items)
+    return out
+
+
+def converged(cp, ns: str, names: list[str], phase: str) -> bool:
+    items = cp.get(PPOJOB, namespace=ns)["items"]
+    done = {
+        i["metadata"]["name"]
+        for i in items
+        if (i.get("status") or {}).get("phase") == phase
+        and i["status"].get("observedGeneration") == i["metadata"]["generation"]
+        and i["status"].get("rayJobName") == i["metadata"]["name"]
+    }
+    return done >= set(names)
+
+
+def assert_exactly_one_child_each(cp, ns: str, names: list[str]) -> None:
+    counts = children_per_job(cp, ns)
+    for kind, per_job in counts.items():
+        assert set(per_job) == set(names), (kind, sorted(set(names) - set(per_job)))
+        assert set(per_job.values()) == {1}, (kind, {k: v for k, v in per_job.items() if v != 1})
+
+
+def test_operator_killed_during_a_burst_of_50(cp, operator, ns):
+    docs = burst(ns, 50, "b")
+    names = [d["metadata"]["name"] for d in docs]
+    cp.apply(docs)
+    # kill it once it has started on the burst, before it has finished
+    wait_until(lambda: len(children_per_job(cp, ns)["rayjob.ray.io"]) >= 3, 60, "the first RayJobs")
+    operator.kill()
+    done_at_kill = len(children_per_job(cp, ns)["rayjob.ray.io"])
+    operator.start()
+    wait_until(lambda: converged(cp, ns, names, "Suspended"), 240, "50 statuses converged")
+    assert_exactly_one_child_each(cp, ns, names)
+    rayjobs = cp.get("rayjobs.ray.io", namespace=ns)["items"]
+    assert [r["metadata"]["name"] for r in rayjobs if not r["spec"].get("suspend")] == []
+    print(f"RayJobs when the operator was killed: {done_at_kill}/50")
+
+
+def test_fault_injecting_proxy_across_100_jobs(cp, operator, ns, tmp_path):
+    """5xx, 429 with Retry-After, 409 on updates, connections reset before and after the server
+    acted, watches dropped every few seconds: 0 lost jobs, 0 duplicate children, all converge."""
+    from controlplane import write_kubeconfig
+    from faultproxy import FaultProxy
+
+    token = yaml_token(operator.kubeconfig)
+    proxy = FaultProxy(cp.server, cp.pki["ca.crt"], seed=7).start()
+    kubeconfig = write_kubeconfig(
+        tmp_path / "proxied.kubeconfig", proxy.url, cp.pki["ca.crt"], token=token
+    )
+    operator.stop()
+    try:
+        operator.start(kubeconfig)
+        docs = burst(ns, 100, "f")
+        names = [d["metadata"]["name"] for d in docs]
+        cp.apply(docs)
+        wait_until(lambda: converged(cp, ns, names, "Suspended"), 300, "100 statuses converged")
+        assert_exactly_one_child_each(cp, ns, names)
+    finally:
+        operator.stop()
+        proxy.stop()
+        operator.start()
+    print(f"faults injected: {dict(proxy.injected)}")
+    for kind in ("p500", "p429", "p409", "before", "after", "watch-dropped"):
+        assert proxy.injected[kind] > 0, (kind, dict(proxy.injected))
+
+
+def yaml_token(kubeconfig) -> str:
+    import yaml
+
+    return yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
