@@ -110,6 +110,15 @@ def _cond(type_: str, ok: bool, reason: str, message: str, gen: int | None) -> d
     return out
 
 
+def _phase_cond(
+    type_: str, phase: str, reason: str, message: str, gen: int | None
+) -> dict[str, Any]:
+    """Condition ``type_`` of a job in ``phase``: True with the reason and message when the
+    phase is ``type_``, otherwise False with the phase as its reason."""
+    on = phase == type_
+    return _cond(type_, on, reason if on else phase, message if on else "", gen)
+
+
 def _with_times(conds: list[dict[str, Any]], previous: list[dict[str, Any]], now: str) -> list:
     prev = {c.get("type"): c for c in previous or []}
     for c in conds:
@@ -186,27 +195,9 @@ def desired_status(
         _cond("Valid", True, "SpecValid", "the spec is valid", g),
         spec_cond,
         _cond("Running", phase == "Running", reason if phase == "Running" else phase, "", g),
-        _cond(
-            "Succeeded",
-            phase == "Succeeded",
-            reason if phase == "Succeeded" else phase,
-            message if phase == "Succeeded" else "",
-            g,
-        ),
-        _cond(
-            "Failed",
-            phase == "Failed",
-            reason if phase == "Failed" else phase,
-            message if phase == "Failed" else "",
-            g,
-        ),
-        _cond(
-            "Suspended",
-            phase == "Suspended",
-            reason if phase == "Suspended" else phase,
-            message if phase == "Suspended" else "",
-            g,
-        ),
+        _phase_cond("Succeeded", phase, reason, message, g),
+        _phase_cond("Failed", phase, reason, message, g),
+        _phase_cond("Suspended", phase, reason, message, g),
     ]
     out: dict[str, Any] = {
         "phase": phase,
@@ -296,20 +287,8 @@ def note_status(
         _cond("SpecApplied", False, reason, message, g),
         _cond("Running", False, phase, "", g),
         _cond("Succeeded", False, phase, "", g),
-        _cond(
-            "Failed",
-            phase == "Failed",
-            reason if phase == "Failed" else phase,
-            message if phase == "Failed" else "",
-            g,
-        ),
-        _cond(
-            "Suspended",
-            phase == "Suspended",
-            reason if phase == "Suspended" else phase,
-            message if phase == "Suspended" else "",
-            g,
-        ),
+        _phase_cond("Failed", phase, reason, message, g),
+        _phase_cond("Suspended", phase, reason, message, g),
     ]
     prev = previous or {}
     out: dict[str, Any] = {
