@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -73,33 +72,50 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer")]),
     )
-    log = (tmp_path / "trainer.log").open("w")
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "ppojob_trainer.entrypoint", "--config", str(config),
-         "--out", str(tmp_path / "out"), "--no-progress"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    # Every write of the job is seen through a watch (`kubectl get -w` prints a line per event),
+    # so a short run whose steps come faster than any poll still shows each status patch.
+    line = '{.status.progress.step}{" "}{.status.progress.rewardMean}{"\\n"}'
+    watch_out = (tmp_path / "watch.txt").open("w")
+    watch = subprocess.Popen(
+        [str(cp.kubectl_bin), f"--kubeconfig={cp.admin_kubeconfig}", "get", "ppojobs", "prog",
+         "-n", ns, f"-o=jsonpath={line}", "--watch"],
+        stdout=watch_out, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    seen: list[tuple[str, str]] = []
-    deadline = time.monotonic() + 240
+    log = (tmp_path / "trainer.log").open("w")
+    trainer = None
     try:
-        while trainer.poll() is None and time.monotonic() < deadline:
-            row = columns(cp, "prog", ns)
-            if row["STEP"] not in ("", "0") and (
-                not seen or seen[-1] != (row["STEP"], row.get("REWARD", ""))
-            ):
-                seen.append((row["STEP"], row.get("REWARD", "")))
-            time.sleep(0.2)  # polling interval of the observer, not a synchronisation
-    finally:
-        if trainer.poll() is None:
+        # the watch is established once it has printed the job's current row
+        wait_until(lambda: len((tmp_path / "watch.txt").read_text().splitlines()) >= 1, 30,
+                   "kubectl get --watch printing the job's row")  # fmt: skip
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "ppojob_trainer.entrypoint", "--config", str(config),
+             "--out", str(tmp_path / "out"), "--no-progress"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            trainer.wait(240)
+        except subprocess.TimeoutExpired:
             trainer.kill()
-        trainer.wait(10)
+            trainer.wait(10)
+        # the final patch precedes the trainer's exit; the watch shows it once it has the row
+        wait_until(lambda: any(ln.split(" ")[0] == "6" for ln in
+                               (tmp_path / "watch.txt").read_text().splitlines()), 30,
+                   "the watch showing step 6")  # fmt: skip
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+        watch.terminate()
+        watch.wait(10)
+        watch_out.close()
         log.close()
+    events = [ln.split(" ") for ln in (tmp_path / "watch.txt").read_text().splitlines()]
+    seen = [(e[0], e[1] if len(e) > 1 else "") for e in events if e[0] not in ("", "0")]
     out = (tmp_path / "trainer.log").read_text()
     assert trainer.returncode == 0, out[-4000:]
     final = columns(cp, "prog", ns)
-    seen.append((final["STEP"], final["REWARD"]))
     steps = [int(s) for s, _ in seen]
-    assert steps[-1] == 6 and final["STEPS"] == "6", (seen, out[-2000:])
+    assert steps[-1] == 6 and final["STEPS"] == "6" and final["REWARD"], (seen, final)
     assert len(set(steps)) >= 2, seen  # Step moved while training ran
     assert all(r for _, r in seen), seen  # Reward shown with every Step
     progress = status(cp, "prog", ns)["progress"]

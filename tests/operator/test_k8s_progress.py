@@ -35,9 +35,10 @@ def test_throttles_and_writes_on_finish():
         )
     rep.finish({"step": 100, "reward_mean": 1.0})
     steps = [c[5]["status"]["progress"].get("step") for c in api.calls]
-    assert steps == [0, 5, 100]
+    # start, the first report (even within min_interval of the start), then one per 5 s, finish
+    assert steps == [0, 1, 6, 100]
     p = api.calls[1][5]["status"]["progress"]
-    assert p["rewardMean"] == 0.5 and p["totalSteps"] == 100 and p["updatedAt"]
+    assert p["rewardMean"] == 0.1 and p["totalSteps"] == 100 and p["updatedAt"]
     assert api.calls[0][:5] == ("ppojob.io", "v1alpha1", "ns", "ppojobs", "j")
 
 

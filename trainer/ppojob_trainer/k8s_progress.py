@@ -58,6 +58,7 @@ class KubernetesProgressReporter(ProgressReporter):
         self.namespace = namespace or os.environ.get("PPOJOB_NAMESPACE", "")
         self._api = api
         self.min_interval = min_interval
+        self._reported = False
         self._clock = clock
         self._last_write: float | None = None
         self._total: int | None = None
@@ -107,8 +108,9 @@ class KubernetesProgressReporter(ProgressReporter):
         now = self._clock()
         evaluated = _number(metrics.get("eval/reward_mean")) is not None  # rare: always written
         recent = self._last_write is not None and now - self._last_write < self.min_interval
-        if recent and not evaluated:
+        if recent and not evaluated and self._reported:
             return
+        self._reported = True  # the first report is always written, even right after start
         progress: dict[str, Any] = {"step": int(step)}
         if self._total is not None:
             progress["totalSteps"] = self._total
