@@ -1,5 +1,5 @@
-# Every target creates (or reuses) its own virtualenv in $(VENV); torch is pinned to the CPU
-# wheel through constraints.txt so nothing can pull a CUDA build.
+# Every target creates (or reuses) its own virtualenv in $(VENV); torch is pinned to 2.13.0
+# through constraints.txt so no other package can upgrade it.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
