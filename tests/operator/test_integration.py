@@ -185,7 +185,7 @@ def test_trainer_progress_patch_appears_in_status(cluster):
                 "value_loss": 0.2,
                 "tokens_per_second": 1234.0,
             },
-        )  # throttled: not written
+        )  # the first report: written (later ones within min_interval are not)
         rep.finish({"step": 10, "reward_mean": 0.9})
         wait_for(lambda: (job_status().get("progress") or {}).get("step") == 10)
         prog = job_status()["progress"]

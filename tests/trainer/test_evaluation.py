@@ -74,10 +74,10 @@ def test_eval_reward_reaches_the_bar_and_the_status():
     t = [0.0]
     rep = KubernetesProgressReporter("j", "ns", api=Api(), min_interval=60, clock=lambda: t[0])
     rep.start(10)
-    rep.report(1, {"reward_mean": 0.1})  # throttled (the start was just written)
+    rep.report(1, {"reward_mean": 0.1})  # the first report: always written
     rep.report(2, {"reward_mean": 0.2})  # throttled
     rep.report(3, {"reward_mean": 0.3, "eval/reward_mean": 0.4})  # an evaluation: written
-    assert [c.get("step") for c in Api.calls] == [0, 3]
+    assert [c.get("step") for c in Api.calls] == [0, 1, 3]
     assert Api.calls[-1]["evalRewardMean"] == 0.4
     rep.finish({"step": 10, "eval/reward_mean": 0.6})
     assert Api.calls[-1]["evalRewardMean"] == 0.6
