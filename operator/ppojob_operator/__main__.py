@@ -6,6 +6,8 @@ Flags (the Helm chart passes exactly these):
 --all-namespaces      watch every namespace (cluster-wide)
 --metrics-port 8080   Prometheus metrics at http://:PORT/metrics (0 disables)
 --health-port 8081    liveness probe at http://:PORT/healthz (kopf's liveness endpoint; 0 disables)
+--listen-address A    address both endpoints bind (default 0.0.0.0 for the pod's probes and
+                      scrapes; 127.0.0.1 when run outside a cluster, as tests/cluster does)
 --gang-scheduler S    cluster default gang scheduler, used only for jobs whose spec omits
                       `spec.scheduling.gangScheduler` (an explicit `none` in the spec stays `none`)
 --kuberay-batch-scheduler B
@@ -53,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8081,
         help="port of the /healthz liveness endpoint (0 disables)",
+    )
+    p.add_argument(
+        "--listen-address",
+        default="0.0.0.0",
+        help="address the metrics and health endpoints bind: 0.0.0.0 in a pod (probes and "
+        "scrapes come to the pod's IP), 127.0.0.1 when run outside a cluster",
     )
     p.add_argument(
         "--gang-scheduler",
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    metrics.serve(args.metrics_port)
+    metrics.serve(args.metrics_port, args.listen_address)
     handlers.run(
         namespaces=args.namespace,
         clusterwide=not args.namespace,
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         ),
         health_port=args.health_port,
+        listen_address=args.listen_address,
     )
     return 0
 

@@ -709,6 +709,7 @@ def run(
     config: OperatorConfig | None = None,
     host: str | None = None,
     health_port: int = 0,
+    listen_address: str = "0.0.0.0",
     stop_flag: Any = None,
     ready_flag: Any = None,
     post_events: bool = True,
@@ -719,7 +720,7 @@ def run(
     registry = build_registry(state, host)
     settings = kopf.OperatorSettings()
     settings.posting.enabled = post_events
-    liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
+    liveness = f"http://{listen_address}:{health_port}/healthz" if health_port else None
 
     async def main() -> None:
         try:

@@ -99,7 +99,7 @@ def instrumented(handler: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return deco
 
 
-def serve(port: int) -> None:
-    """Serve /metrics on ``port`` (0: do nothing)."""
+def serve(port: int, address: str = "0.0.0.0") -> None:
+    """Serve /metrics on ``address:port`` (port 0: do nothing)."""
     if port:
-        start_http_server(port)
+        start_http_server(port, addr=address)

@@ -64,6 +64,7 @@ class OperatorProcess:
                 "--all-namespaces",
                 "--metrics-port=0",
                 f"--health-port={free_port()}",
+                "--listen-address=127.0.0.1",
                 "--log-level=INFO",
                 *self.extra_args,
             ],
