@@ -214,7 +214,10 @@ def test_a_trainer_failure_reaches_the_failed_condition(cluster):
             {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}
         )
         wait_for(phase_is("Failed"))
-        failed = next(c for c in job_status()["conditions"] if c["type"] == "Failed")
+        # The RayJob's event and the trainer's status patch may reach the operator in either
+        # order: the condition converges to the trainer's line once both have.
+        wait_for(lambda: cond("Failed").get("reason") == "TrainerFailed")
+        failed = cond("Failed")
         assert (failed["reason"], failed["message"]) == ("TrainerFailed", line)
 
 
