@@ -108,13 +108,19 @@ def chart_rbac(cp: ControlPlane) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") in kinds]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane"))
     atexit.register(plane.stop)  # also when pytest is interrupted
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        # a terminated pytest (a CI timeout) still stops every component it started
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        # A terminated pytest (a CI timeout, `kill`) still stops every component it started:
+        # pytest ends the session on KeyboardInterrupt and runs the fixtures' teardown (a
+        # SystemExit raised in a test only fails that test and the session went on).
+        signal.signal(signal.SIGTERM, _interrupt)
     plane.start()
     _current["cp"] = plane
     print(f"\ncontrol plane started in {plane.start_seconds:.1f}s", file=sys.stderr)

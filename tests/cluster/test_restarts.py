@@ -65,3 +65,40 @@ def test_operator_killed_during_a_burst_of_50(cp, operator, ns):
     rayjobs = cp.get("rayjobs.ray.io", namespace=ns)["items"]
     assert [r["metadata"]["name"] for r in rayjobs if not r["spec"].get("suspend")] == []
     print(f"RayJobs when the operator was killed: {done_at_kill}/50")
+
+
+def test_fault_injecting_proxy_across_100_jobs(cp, operator, ns, tmp_path):
+    """5xx, 429 with Retry-After, 409 on updates, connections reset before and after the server
+    acted, watches dropped every few seconds: 0 lost jobs, 0 duplicate children, all converge."""
+    from controlplane import write_kubeconfig
+    from faultproxy import FaultProxy
+
+    token = yaml_token(operator.kubeconfig)
+    proxy = FaultProxy(cp.server, cp.pki["ca.crt"], seed=7).start()
+    kubeconfig = write_kubeconfig(
+        tmp_path / "proxied.kubeconfig", proxy.url, cp.pki["ca.crt"], token=token
+    )
+    operator.stop()
+    docs = burst(ns, 100, "f")
+    names = [d["metadata"]["name"] for d in docs]
+    # half before the operator starts (its first list of them is over 128 KiB, so the API server
+    # gzips it), half while it runs (watch events)
+    cp.apply(docs[:50])
+    try:
+        operator.start(kubeconfig)
+        cp.apply(docs[50:])
+        wait_until(lambda: converged(cp, ns, names, "Suspended"), 300, "100 statuses converged")
+        assert_exactly_one_child_each(cp, ns, names)
+    finally:
+        operator.stop()
+        proxy.stop()
+        operator.start()
+    print(f"faults injected: {dict(proxy.injected)}")
+    for kind in ("p500", "p429", "p409", "before", "after", "watch-dropped", "gzip-passed"):
+        assert proxy.injected[kind] > 0, (kind, dict(proxy.injected))
+
+
+def yaml_token(kubeconfig) -> str:
+    import yaml
+
+    return yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
