@@ -652,6 +652,12 @@ class ControlPlane:
                 f"--metrics-addr=127.0.0.1:{ray_metrics}",
                 f"--health-probe-bind-address=127.0.0.1:{ray_probe}",
                 "--enable-leader-election=false",
+                # KubeRay polls each RayJob's Ray dashboard. Directly, that is an HTTP call to
+                # <head-svc>.<ns>.svc.cluster.local, a DNS query to the machine's resolver (not
+                # on loopback). Through the API server's service proxy instead, the call goes to
+                # 127.0.0.1 and ends there: no endpoints controller runs, so the head Service
+                # has no Endpoints and the API server answers 503 without connecting anywhere.
+                "--use-kubernetes-proxy",
             ],
             env=env,
         )
