@@ -30,13 +30,7 @@ class Recorder:
         self.summary = summary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session(local_ray, tmp_path_factory):
-    """The shared loopback Ray (conftest) and a private cache for built-in models."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.mktemp("ppojob-cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
 
 
 def _manifest(**changes) -> dict:

@@ -12,13 +12,7 @@ from ppojob_trainer.checkpoint import capture_rng_state
 from ppojob_trainer.config import TrainerConfig
 from ppojob_trainer.loop import PPOTrainer
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session(local_ray, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.mktemp("ppojob-cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
 
 
 def _same(a, b) -> bool:

@@ -100,12 +100,6 @@ def test_truncated_importance_sampling_weights_and_loss():
 
 
 # --- the actor reports the mismatch and applies the correction ------------------------------
-@pytest.fixture(scope="module")
-def ray_session(local_ray, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.mktemp("ppojob-cache")))
-    yield
-    mp.undo()
 
 
 def _cfg(**algo) -> TrainerConfig:

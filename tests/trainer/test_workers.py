@@ -18,14 +18,7 @@ from ppojob_trainer.workers.actor import ActorWorker
 from ppojob_trainer.workers.group import overlap, shard_range
 from ppojob_trainer.workers.rollout import RolloutWorker, cat_batches
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session(local_ray, tmp_path_factory):
-    """The shared loopback Ray (conftest) and a private cache for built-in models."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPOJOB_CACHE_DIR", str(tmp_path_factory.mktemp("ppojob-cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
 
 
 def _cfg(actor_dp: int = 1, critic_dp: int | None = None, **algo) -> TrainerConfig:
