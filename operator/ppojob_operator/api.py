@@ -293,6 +293,9 @@ RayJob's name, which is the PPOJob's; it refuses RayJob names longer than 47 cha
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 GENERATE_NAME_SUFFIX = 5  # characters the API server appends to metadata.generateName
 
 
@@ -363,6 +366,21 @@ def check_label_value(value: str | None, field: str) -> list[Problem]:
     ]
 
 
+def check_kueue_queue(queue: str | None) -> list[Problem]:
+    """Kueue's webhook refuses a RayJob whose ``kueue.x-k8s.io/queue-name`` is not a DNS-1123
+    subdomain (a LocalQueue's name; Kueue v0.17 ``jobframework.ValidateQueueName``)."""
+    if not queue or _DNS1123_SUBDOMAIN.match(queue):
+        return []
+    return [
+        Problem(
+            "spec.scheduling.queue",
+            f"{queue!r} cannot name a Kueue LocalQueue (Kueue refuses the RayJob): it must be "
+            "lower-case letters, digits, '-' and '.', starting and ending with a letter or digit",
+            "use the LocalQueue's name, e.g. team-a",
+        )
+    ]
+
+
 def check_metadata(meta: Any) -> list[Problem]:
     """Problems of a job's metadata: its name (or generateName) and namespace."""
     if not isinstance(meta, dict):
@@ -395,6 +413,8 @@ def check_spec(spec: PPOJobSpec) -> list[Problem]:
                 "set spec.scheduling.queue",
             )
         )
+    if sched.gang_scheduler == "kueue":
+        problems += check_kueue_queue(sched.queue)
     if sched.gang_scheduler == "none" and sched.queue:
         problems.append(
             Problem(

@@ -14,7 +14,8 @@ Two facts about the KubeRay installation decide whether a valid PPOJob can run a
   :func:`ppojob_operator.scheduling.kuberay_disagreement` (reason ``BatchSchedulerMismatch``).
 
 A job whose gang scheduler is the operator's default (``gangScheduler`` unset) is also checked
-against that default here (``kueue`` needs ``spec.scheduling.queue``; ``none`` takes no queue):
+against that default here (``kueue`` needs ``spec.scheduling.queue``, a LocalQueue name;
+``none`` takes no queue):
 ``ppojob validate`` cannot know the default, so it judges only the spec.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppojob_operator.api import PPOJob
+from ppojob_operator.api import PPOJob, check_kueue_queue
 from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
 
 SIDECAR_MARKER = "deletionStrategy"
@@ -61,6 +62,9 @@ def refusal(
                 "the operator's default gang scheduler is kueue, which needs a LocalQueue: set "
                 "spec.scheduling.queue (or spec.scheduling.gangScheduler)",
             )
+        bad_queue = check_kueue_queue(sched.queue) if scheduler == "kueue" else []
+        if bad_queue:
+            return "InvalidQueue", f"the operator's default gang scheduler is kueue: {bad_queue[0]}"
         if scheduler == "none" and sched.queue:
             return (
                 "NoGangScheduler",

@@ -294,6 +294,13 @@ INVALID += [
     ),
     ("queue name with a space", "spec.scheduling.queue", "research team", "spec.scheduling.queue"),
     (
+        # a label value, but Kueue's webhook refuses it: not a LocalQueue name
+        "kueue queue with upper case and '_'",
+        "spec.scheduling",
+        {"gangScheduler": "kueue", "queue": "Team_A"},
+        "spec.scheduling.queue",
+    ),
+    (
         "priority class with a space",
         "spec.scheduling.priorityClassName",
         "high priority",

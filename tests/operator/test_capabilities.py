@@ -65,6 +65,8 @@ def job(**spec):
             None,
         ),
         ({}, {"gang_default": "kueue"}, "QueueRequired"),
+        ({"scheduling": {"queue": "Team_A"}}, {"gang_default": "kueue"}, "InvalidQueue"),
+        ({"scheduling": {"queue": "team-a"}}, {"gang_default": "kueue"}, None),
         ({"scheduling": {"queue": "q"}}, {}, "NoGangScheduler"),
         (
             {"scheduling": {"queue": "q"}},
