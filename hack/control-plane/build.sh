@@ -1,161 +1,251 @@
 #!/usr/bin/env bash
 # Build the real control plane the cluster tests run on, from Go modules, at the versions pinned
 # in versions.env: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the
-# scheduler-plugins scheduler (Coscheduling gang plugin), the KubeRay operator and KWOK.
+# scheduler-plugins scheduler (Coscheduling gang plugin), the KubeRay operator, KWOK and Kueue.
 #
-# Binaries and the upstream CRDs land in
-#   ${PPOJOB_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ppojob/control-plane}/<key>/
-# where <key> is a hash of versions.env, so a warm run (everything present) only
-# hashes two files. Prints that directory on stdout as its last line.
+# Each component is cached on its own, under
+#   $root/components/<component>-<key>/
+# where $root is ${PPOJOB_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ppojob/control-plane}
+# and <key> hashes only the versions that component is built from and the text of its build
+# function: adding or bumping one component rebuilds that one alone. The tests read one directory,
+#   $root/<key of all component keys>/   (bin/, crds/, kwok-stages.yaml, kueue/)
+# made of symbolic links into the component directories. A warm run (everything present) only
+# hashes a few strings. Prints that directory on stdout as its last line.
 #
-# Needs Go >= 1.26 and the Go module proxy (first run downloads ~1 GiB of modules).
+# Usage: build.sh [component...]   (components: etcd kubernetes scheduler-plugins kuberay kwok
+# kueue; none = all, then the combined directory is assembled too)
+#
+# Needs Go >= 1.26 and the Go module proxy (first run downloads ~1.5 GiB of modules).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-key="$(sha256sum <"$here/versions.env" | cut -c1-16)"
 root="${PPOJOB_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ppojob/control-plane}"
-out="$root/$key"
-bin="$out/bin"
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kube-scheduler-plugins
-  kuberay-operator kwok)
+all=(etcd kubernetes scheduler-plugins kuberay kwok kueue)
 
-complete() {
-  local b
-  for b in "${binaries[@]}"; do [ -x "$bin/$b" ] || return 1; done
-  [ -s "$out/kwok-stages.yaml" ] && [ -s "$out/crds/kuberay/ray.io_rayjobs.yaml" ] &&
-    [ -s "$out/crds/scheduler-plugins/scheduling.x-k8s.io_podgroups.yaml" ]
+# The versions.env variables each component is built from.
+versions_of() {
+  case "$1" in
+  etcd) echo "$ETCD_MODULE $ETCD_VERSION" ;;
+  kubernetes) echo "$KUBERNETES_VERSION $KUBERNETES_STAGING_VERSION" ;;
+  scheduler-plugins) echo "$KUBERNETES_VERSION $KUBERNETES_STAGING_VERSION $SCHEDULER_PLUGINS_VERSION" ;;
+  kuberay) echo "$KUBERAY_VERSION" ;;
+  kwok) echo "$KWOK_VERSION" ;;
+  kueue) echo "$KUEUE_VERSION" ;;
+  *) return 1 ;;
+  esac
 }
+
+# What each component leaves in its directory (checked before it is marked complete).
+products_of() {
+  case "$1" in
+  etcd) echo bin/etcd ;;
+  kubernetes) echo bin/kube-apiserver bin/kube-controller-manager bin/kube-scheduler ;;
+  scheduler-plugins)
+    echo bin/kube-scheduler-plugins crds/scheduler-plugins/scheduling.x-k8s.io_podgroups.yaml
+    ;;
+  kuberay) echo bin/kuberay-operator crds/kuberay/ray.io_rayjobs.yaml ;;
+  kwok) echo bin/kwok kwok-stages.yaml ;;
+  kueue)
+    echo bin/kueue kueue/crds/kueue.x-k8s.io_workloads.yaml kueue/webhooks.yaml \
+      kueue/crd-conversion
+    ;;
+  esac
+}
+
+# A component's key: its versions and the text of the functions that build it.
+key_of() {
+  local fns=("build_${1//-/_}" wrapper moddir copy_into)
+  case "$1" in kubernetes | scheduler-plugins) fns+=(kube_wrapper kube_ldflags) ;; esac
+  { versions_of "$1" && declare -f "${fns[@]}"; } | sha256sum | cut -c1-16
+}
+
+all_done() {
+  local c
+  for c in "${all[@]}"; do done_of "$c" || return 1; done
+}
+dir_of() { echo "$root/components/$1-$(key_of "$1")"; }
+done_of() { [ -f "$(dir_of "$1")/.complete" ]; }
 
 log() { echo "[control-plane $(date +%H:%M:%S)] $*" >&2; }
 
 export GOFLAGS="-mod=mod"
 export CGO_ENABLED=0
-# Two cores: at most two compiles at a time.
+# Two cores: at most two compiles at a time (GO_BUILD_PARALLEL=1 beside other heavy work).
 buildflags=(-p "${GO_BUILD_PARALLEL:-2}" -trimpath)
 
-# A fresh wrapper module in $out/src/$1; the caller adds requirements and replacements.
+# A fresh wrapper module in $2/src; the caller adds requirements and replacements.
 wrapper() {
-  local dir="$out/src/$1"
+  local dir="$2/src"
   rm -rf "$dir"
   mkdir -p "$dir"
   (cd "$dir" && go mod init "ppojob.local/control-plane/$1" >/dev/null 2>&1 && go mod edit -go=1.26.0)
   echo "$dir"
 }
 
-# Where the module cache holds MODULE@VERSION (downloading it if needed).
-moddir() { go mod download -json "$1@$2" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p'; }
-
-build_etcd() {
-  [ -x "$bin/etcd" ] && return 0
-  log "etcd $ETCD_VERSION"
-  local dir
-  dir="$(wrapper etcd)"
-  (cd "$dir" && go mod edit -require="$ETCD_MODULE@$ETCD_VERSION" &&
-    go build "${buildflags[@]}" -ldflags "-s -w" -o "$bin/etcd" "$ETCD_MODULE")
-}
-
-build_kube() {
-  if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kube-controller-manager" ] &&
-    [ -x "$bin/kube-scheduler" ] && [ -x "$bin/kube-scheduler-plugins" ]; then
-    crds_scheduler_plugins
-    return 0
-  fi
-  log "k8s.io/kubernetes $KUBERNETES_VERSION + scheduler-plugins $SCHEDULER_PLUGINS_VERSION"
-  local dir kmod
-  dir="$(wrapper kube)"
+# A wrapper module for binaries of k8s.io/kubernetes: it requires $KUBERNETES_VERSION and
+# replaces every staging module k8s.io/kubernetes points at ./staging/src/k8s.io/<name> with the
+# matching $KUBERNETES_STAGING_VERSION release. Prints the module's directory.
+kube_wrapper() {
+  local dir kmod m
+  dir="$(wrapper "$1" "$2")"
   kmod="$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p')"
-  # scheduler-plugins requires a later k8s.io/kubernetes patch release than the module proxy
-  # serves whole; the replacement pins the one in versions.env (same minor, same APIs).
   local edits=(-require="k8s.io/kubernetes@$KUBERNETES_VERSION"
-    -replace="k8s.io/kubernetes=k8s.io/kubernetes@$KUBERNETES_VERSION"
-    -require="sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION")
-  # Every staging module k8s.io/kubernetes replaces with ./staging/src/k8s.io/<name>.
-  local m
+    -replace="k8s.io/kubernetes=k8s.io/kubernetes@$KUBERNETES_VERSION")
   for m in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => ./staging/src/.*#\1#p' "$kmod"); do
     edits+=(-replace="$m=$m@$KUBERNETES_STAGING_VERSION")
   done
   (cd "$dir" && go mod edit "${edits[@]}")
+  echo "$dir"
+}
+
+# -ldflags of the Kubernetes binaries (their version, as `--version` and /version report it).
+kube_ldflags() {
   local minor="${KUBERNETES_VERSION#v1.}"
   minor="${minor%%.*}"
   local ld="-s -w -X k8s.io/component-base/version.gitVersion=$KUBERNETES_VERSION"
   ld+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
   ld+=" -X k8s.io/component-base/version.gitTreeState=clean"
   ld+=" -X k8s.io/client-go/pkg/version.gitVersion=$KUBERNETES_VERSION"
-  local c
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do
-    [ -x "$bin/$c" ] && continue
-    log "  $c"
-    (cd "$dir" && go build "${buildflags[@]}" -ldflags "$ld" -o "$bin/$c" "k8s.io/kubernetes/cmd/$c")
-  done
-  if [ ! -x "$bin/kube-scheduler-plugins" ]; then
-    log "  scheduler-plugins scheduler"
-    (cd "$dir" && go build "${buildflags[@]}" -ldflags "$ld" -o "$bin/kube-scheduler-plugins" \
-      sigs.k8s.io/scheduler-plugins/cmd/scheduler)
-  fi
-  crds_scheduler_plugins
+  echo "$ld"
 }
 
-# The PodGroup CRD of the Coscheduling plugin, from the same module.
-crds_scheduler_plugins() {
-  local f="$out/crds/scheduler-plugins/scheduling.x-k8s.io_podgroups.yaml"
-  [ -s "$f" ] && return 0
-  mkdir -p "$(dirname "$f")"
-  cp "$(moddir sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION")/config/crd/bases/$(basename "$f")" "$f.tmp"
-  chmod u+w "$f.tmp"
-  mv "$f.tmp" "$f"
+# Where the module cache holds MODULE@VERSION (downloading it if needed).
+moddir() { go mod download -json "$1@$2" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p'; }
+
+# Copy FILE... into DIR (module-cache files are read-only; ours must be writable).
+copy_into() {
+  local dir="$1"
+  shift
+  mkdir -p "$dir"
+  cp "$@" "$dir/"
+  chmod -R u+w "$dir"
+}
+
+# Each build_<component> DIR builds into DIR (bin/ and its other products).
+build_etcd() {
+  local src
+  src="$(wrapper etcd "$1")"
+  (cd "$src" && go mod edit -require="$ETCD_MODULE@$ETCD_VERSION" &&
+    go build "${buildflags[@]}" -ldflags "-s -w" -o "$1/bin/etcd" "$ETCD_MODULE")
+}
+
+build_kubernetes() {
+  local src c
+  src="$(kube_wrapper kubernetes "$1")"
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+    log "  $c"
+    (cd "$src" && go build "${buildflags[@]}" -ldflags "$(kube_ldflags)" -o "$1/bin/$c" \
+      "k8s.io/kubernetes/cmd/$c")
+  done
+}
+
+build_scheduler_plugins() {
+  local src
+  src="$(kube_wrapper scheduler-plugins "$1")"
+  # scheduler-plugins requires a later k8s.io/kubernetes patch release than the module proxy
+  # serves whole; the wrapper's replacement pins the one in versions.env (same minor, same APIs).
+  (cd "$src" && go mod edit -require="sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION" &&
+    go build "${buildflags[@]}" -ldflags "$(kube_ldflags)" -o "$1/bin/kube-scheduler-plugins" \
+      sigs.k8s.io/scheduler-plugins/cmd/scheduler)
+  # the PodGroup CRD of the Coscheduling plugin, from the same module
+  copy_into "$1/crds/scheduler-plugins" "$(moddir sigs.k8s.io/scheduler-plugins \
+    "$SCHEDULER_PLUGINS_VERSION")/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
 }
 
 build_kuberay() {
-  if [ -x "$bin/kuberay-operator" ]; then
-    crds_kuberay
-    return 0
-  fi
-  log "KubeRay ray-operator $KUBERAY_VERSION"
-  local dir mod=github.com/ray-project/kuberay/ray-operator
-  dir="$(wrapper kuberay)"
-  (cd "$dir" && go mod edit -require="$mod@$KUBERAY_VERSION" &&
-    go build "${buildflags[@]}" -ldflags "-s -w" -o "$bin/kuberay-operator" "$mod")
-  crds_kuberay
-}
-
-# KubeRay's CRDs (RayCluster, RayJob, RayService) from the same module.
-crds_kuberay() {
-  [ -s "$out/crds/kuberay/ray.io_rayjobs.yaml" ] && return 0
-  local src
-  src="$(moddir github.com/ray-project/kuberay/ray-operator "$KUBERAY_VERSION")"
-  mkdir -p "$out/crds/kuberay.tmp"
-  cp "$src"/config/crd/bases/*.yaml "$out/crds/kuberay.tmp/"
-  chmod u+w "$out/crds/kuberay.tmp/"*
-  rm -rf "$out/crds/kuberay"
-  mv "$out/crds/kuberay.tmp" "$out/crds/kuberay"
+  local src mod=github.com/ray-project/kuberay/ray-operator
+  src="$(wrapper kuberay "$1")"
+  (cd "$src" && go mod edit -require="$mod@$KUBERAY_VERSION" &&
+    go build "${buildflags[@]}" -ldflags "-s -w" -o "$1/bin/kuberay-operator" "$mod")
+  # KubeRay's CRDs (RayCluster, RayJob, RayService) from the same module
+  copy_into "$1/crds/kuberay" "$(moddir "$mod" "$KUBERAY_VERSION")"/config/crd/bases/*.yaml
 }
 
 build_kwok() {
-  [ -x "$bin/kwok" ] && [ -s "$out/kwok-stages.yaml" ] && return 0
-  log "KWOK $KWOK_VERSION"
-  local dir src
-  if [ ! -x "$bin/kwok" ]; then
-    dir="$(wrapper kwok)"
-    (cd "$dir" && go mod edit -require="sigs.k8s.io/kwok@$KWOK_VERSION" &&
-      go build "${buildflags[@]}" -ldflags "-s -w" -o "$bin/kwok" sigs.k8s.io/kwok/cmd/kwok)
-  fi
+  local src f
+  src="$(wrapper kwok "$1")"
+  (cd "$src" && go mod edit -require="sigs.k8s.io/kwok@$KWOK_VERSION" &&
+    go build "${buildflags[@]}" -ldflags "-s -w" -o "$1/bin/kwok" sigs.k8s.io/kwok/cmd/kwok)
   # KWOK's own "fast" stages: nodes become Ready and keep a heartbeat; pods bound to a node become
   # Running/Ready at once, complete when owned by a Job, and go away when deleted (no kubelet).
   src="$(moddir sigs.k8s.io/kwok "$KWOK_VERSION")/kustomize/stage"
-  local f
   for f in node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml \
     pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
     echo "---"
     cat "$src/$f"
-  done >"$out/kwok-stages.yaml.tmp"
-  mv "$out/kwok-stages.yaml.tmp" "$out/kwok-stages.yaml"
+  done >"$1/kwok-stages.yaml"
+}
+
+build_kueue() {
+  local src mod
+  src="$(wrapper kueue "$1")"
+  (cd "$src" && go mod edit -require="sigs.k8s.io/kueue@$KUEUE_VERSION" &&
+    go build "${buildflags[@]}" \
+      -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
+      -o "$1/bin/kueue" sigs.k8s.io/kueue/cmd/kueue)
+  mod="$(moddir sigs.k8s.io/kueue "$KUEUE_VERSION")/config/components"
+  # The CRDs, the webhook configurations (Services as clientConfig: the tests rewrite them to
+  # URLs on 127.0.0.1) and the conversion-webhook patches that Kueue's own kustomization applies
+  # to its CRDs (those not commented out in crd/kustomization.yaml).
+  copy_into "$1/kueue/crds" "$mod"/crd/bases/*.yaml
+  cp "$mod/webhook/manifests.yaml" "$1/kueue/webhooks.yaml"
+  mkdir -p "$1/kueue/crd-conversion"
+  local p
+  for p in $(sed -n 's#^- path: \(patches/webhook_in_.*\.yaml\)$#\1#p' "$mod/crd/kustomization.yaml"); do
+    cp "$mod/crd/$p" "$1/kueue/crd-conversion/"
+  done
+  chmod -R u+w "$1/kueue"
+}
+
+build_one() {
+  local c="$1" dir p
+  dir="$(dir_of "$c")"
+  done_of "$c" && return 0
+  log "$c $(versions_of "$c") -> $dir"
+  rm -rf "$dir"
+  mkdir -p "$dir/bin"
+  "build_${c//-/_}" "$dir"
+  for p in $(products_of "$c"); do
+    [ -s "$dir/$p" ] || [ -d "$dir/$p" ] || {
+      echo "build.sh: $c built no $p" >&2
+      return 1
+    }
+  done
+  rm -rf "$dir/src" # the wrapper module: go.sum only; the Go caches keep what matters
+  touch "$dir/.complete"
+}
+
+# The directory the tests read: symbolic links to every component's products.
+combined_dir() {
+  local c keys=""
+  for c in "${all[@]}"; do keys+="$c=$(key_of "$c") "; done
+  echo "$root/$(echo "$keys" | sha256sum | cut -c1-16)"
+}
+
+assemble() {
+  local out="$1" tmp c f rel
+  tmp="$out.tmp.$$"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  for c in "${all[@]}"; do
+    (cd "$(dir_of "$c")" && find . -type f ! -name .complete ! -path './src/*') | while read -r f; do
+      rel="${f#./}"
+      mkdir -p "$tmp/$(dirname "$rel")"
+      ln -s "$(dir_of "$c")/$rel" "$tmp/$rel"
+    done
+  done
+  touch "$tmp/.complete"
+  rm -rf "$out"
+  mv "$tmp" "$out"
 }
 
 main() {
-  if complete; then
+  local out c
+  out="$(combined_dir)"
+  if [ $# -eq 0 ] && [ -f "$out/.complete" ] && all_done; then
     echo "$out"
     return 0
   fi
@@ -163,14 +253,17 @@ main() {
     echo "build.sh: Go (>= 1.26) is needed to build the control plane" >&2
     return 1
   }
-  mkdir -p "$bin" "$out/src" "$out/crds"
-  local components=("$@") c
-  [ ${#components[@]} -gt 0 ] || components=(etcd kube kuberay kwok)
-  for c in "${components[@]}"; do "build_$c"; done
-  if [ $# -eq 0 ] && ! complete; then
-    echo "build.sh: something is missing in $out after the build" >&2
-    return 1
-  fi
+  local components=("$@")
+  [ ${#components[@]} -gt 0 ] || components=("${all[@]}")
+  for c in "${components[@]}"; do
+    versions_of "$c" >/dev/null || {
+      echo "build.sh: unknown component $c (one of ${all[*]})" >&2
+      return 1
+    }
+    build_one "$c"
+  done
+  all_done || return 0 # a partial build: nothing to assemble
+  assemble "$out"
   log "done: $out"
   echo "$out"
 }
