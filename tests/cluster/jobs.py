@@ -29,6 +29,8 @@ def gpu_job(
     gpus: int = 1,
     pool: str | None = None,
     steps: int = 10,
+    queue: str | None = None,
+    suspend: bool = False,
 ) -> dict[str, Any]:
     """A PPO job with one worker group per role (actor, critic, rollout), ``gpus`` per pod."""
     selector = {"pool": pool} if pool else {}
@@ -58,6 +60,10 @@ def gpu_job(
         "training": {"steps": steps, "miniBatchSize": 16},
         "scheduling": {"gangScheduler": scheduler, "timeoutSeconds": 600},
     }
+    if queue:
+        spec["scheduling"]["queue"] = queue
+    if suspend:
+        spec["suspend"] = True
     return {
         "apiVersion": "ppojob.io/v1alpha1",
         "kind": "PPOJob",

@@ -1,0 +1,255 @@
+"""``gangScheduler: kueue`` on the real Kueue (v0.17, RayJob integration, its real webhooks), the
+real KubeRay and our operator with the chart's RBAC.
+
+Each test makes its own ClusterQueue (quota for cpu, memory and ``nvidia.com/gpu`` in one
+ResourceFlavor) and a LocalQueue ``lq`` in its namespace. The job: a head (no GPU) and four
+1-GPU workers (actor x2, critic, rollout), 4 GPUs in all; Kueue makes one Workload with a podset
+per group and admits all of it or none of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from controlplane import KUEUE_API, ControlPlane, wait_until
+from jobs import PPOJOB, condition, gpu_job, pods, running, status, wait_children
+
+FLAVOR = "default-flavor"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GROUPS = {"head": 1, "actor": 2, "critic": 1, "rollout": 1}
+
+
+def make_queue(cp: ControlPlane, ns: str, gpus: int) -> str:
+    """A ClusterQueue with ``gpus`` GPUs of quota and LocalQueue ``lq`` in ``ns`` pointing at it;
+    returns the ClusterQueue's name once Kueue reports it active."""
+    cq = f"cq-{ns}"
+    quota = [
+        {"name": "cpu", "nominalQuota": "100"},
+        {"name": "memory", "nominalQuota": "1Ti"},
+        {"name": "nvidia.com/gpu", "nominalQuota": str(gpus)},
+    ]
+    cp.apply(
+        [
+            {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR}},
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ClusterQueue",
+                "metadata": {"name": cq},
+                "spec": {
+                    "namespaceSelector": {},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": [q["name"] for q in quota],
+                            "flavors": [{"name": FLAVOR, "resources": quota}],
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "LocalQueue",
+                "metadata": {"name": "lq", "namespace": ns},
+                "spec": {"clusterQueue": cq},
+            },
+        ]
+    )
+
+    def active(obj: dict[str, Any] | None) -> bool:
+        return condition((obj or {}).get("status") or {}, "Active").get("status") == "True"
+
+    wait_until(
+        lambda: (
+            active(cp.get("clusterqueue.kueue.x-k8s.io", cq))
+            and active(cp.get("localqueue.kueue.x-k8s.io", "lq", ns))
+        ),
+        60,
+        f"ClusterQueue {cq} and LocalQueue {ns}/lq active",
+    )
+    return cq
+
+
+def workload(cp: ControlPlane, name: str, ns: str) -> dict[str, Any] | None:
+    """Kueue's Workload of the job's RayJob (labelled with the RayJob's uid)."""
+    rj = cp.get("rayjob.ray.io", name, ns)
+    if rj is None:
+        return None
+    uid = rj["metadata"]["uid"]
+    items = cp.get(
+        "workload.kueue.x-k8s.io", namespace=ns, selector=f"kueue.x-k8s.io/job-uid={uid}"
+    )
+    return items["items"][0] if items and items["items"] else None
+
+
+def wl_cond(wl: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    return condition((wl or {}).get("status") or {}, type_)
+
+
+def admitted(cp: ControlPlane, name: str, ns: str) -> dict[str, Any] | None:
+    wl = workload(cp, name, ns)
+    return wl if wl_cond(wl, "Admitted").get("status") == "True" else None
+
+
+def rayjob_suspended(cp: ControlPlane, name: str, ns: str) -> bool | None:
+    rj = cp.get("rayjob.ray.io", name, ns)
+    return None if rj is None else bool(rj["spec"].get("suspend"))
+
+
+def all_running(cp: ControlPlane, name: str, ns: str) -> list[dict[str, Any]] | None:
+    p = pods(cp, name, ns)
+    want = sum(GROUPS.values())
+    return p if len(p) == want and all(map(running, p)) else None
+
+
+def phase(cp: ControlPlane, name: str, ns: str) -> str | None:
+    return status(cp, name, ns).get("phase")
+
+
+def job(name: str, ns: str, **kw: Any) -> dict[str, Any]:
+    return gpu_job(name, ns, scheduler="kueue", queue="lq", gpus=1, **kw)
+
+
+def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, kueue, ns):
+    """(a) a job that fits is admitted whole: one Workload, a podset per group, its RayJob
+    unsuspended by Kueue, KubeRay's cluster and pods. (b) a second job that does not fit the
+    remaining quota stays queued (RayJob suspended, no pods, Pending/WaitingForAdmission) until
+    the first is deleted."""
+    cq = make_queue(cp, ns, gpus=6)
+    cp.apply(job("first", ns))
+    children = wait_children(cp, "first", ns)
+    assert children["rayjob.ray.io"]["metadata"]["labels"][QUEUE_LABEL] == "lq"
+
+    wl = wait_until(lambda: admitted(cp, "first", ns), 60, "Kueue admitting the first job")
+    assert {p["name"]: p["count"] for p in wl["spec"]["podSets"]} == GROUPS
+    assert wl["status"]["admission"]["clusterQueue"] == cq
+    wait_until(lambda: rayjob_suspended(cp, "first", ns) is False, 30, "Kueue unsuspending it")
+    made = wait_until(lambda: all_running(cp, "first", ns), 90, "the first job's pods Running")
+    gpus = [p["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for p in made]
+    assert sorted(g for g in gpus if g) == ["1"] * 4
+    wait_until(
+        lambda: phase(cp, "first", ns) in ("Initializing", "Running"),
+        60,
+        "the first PPOJob out of Pending",
+    )
+
+    # 4 of 6 GPUs are taken: the second 4-GPU job waits, whole
+    cp.apply(job("second", ns))
+    wait_children(cp, "second", ns)
+    wl2 = wait_until(
+        lambda: (
+            (w := workload(cp, "second", ns))
+            and wl_cond(w, "QuotaReserved").get("status") == "False"
+            and "insufficient" in wl_cond(w, "QuotaReserved").get("message", "").lower()
+            and w
+        ),
+        60,
+        "Kueue refusing quota to the second job",
+    )
+    assert wl_cond(wl2, "Admitted").get("status") != "True"
+    assert rayjob_suspended(cp, "second", ns) is True
+    assert pods(cp, "second", ns) == []
+    st = wait_until(
+        lambda: (s := status(cp, "second", ns)).get("phase") == "Pending" and s,
+        30,
+        "the second PPOJob Pending",
+    )
+    assert condition(st, "Running")["reason"] == "Pending"
+    assert condition(st, "Suspended")["status"] == "False"
+
+    # the first job goes: its quota comes back and the second is admitted
+    cp.kubectl("delete", PPOJOB, "first", "-n", ns, "--wait=false")
+    wait_until(lambda: admitted(cp, "second", ns), 90, "Kueue admitting the second job")
+    wait_until(lambda: rayjob_suspended(cp, "second", ns) is False, 30, "second RayJob resumed")
+    wait_until(lambda: all_running(cp, "second", ns), 90, "the second job's pods Running")
+    wait_until(
+        lambda: phase(cp, "second", ns) in ("Initializing", "Running"),
+        60,
+        "the second PPOJob out of Pending",
+    )
+
+
+def test_suspend_and_resume_go_through_kueue(cp, operator, kueue, ns):
+    """(c) spec.suspend on an admitted job deactivates its Workload; Kueue evicts it and
+    suspends the RayJob, KubeRay deletes the pods, the job is Suspended; resuming reactivates the
+    Workload and Kueue admits it again."""
+    make_queue(cp, ns, gpus=4)
+    cp.apply(job("sus", ns))
+    wait_children(cp, "sus", ns)
+    wait_until(lambda: all_running(cp, "sus", ns), 120, "the job's pods Running")
+
+    patch = '{"spec":{"suspend":%s}}'
+    cp.kubectl("patch", PPOJOB, "sus", "-n", ns, "--type=merge", "-p", patch % "true")
+    wait_until(
+        lambda: (workload(cp, "sus", ns) or {}).get("spec", {}).get("active") is False,
+        30,
+        "the Workload deactivated",
+    )
+    wait_until(lambda: rayjob_suspended(cp, "sus", ns) is True, 60, "Kueue suspending the RayJob")
+    wait_until(
+        lambda: not cp.get("pods", namespace=ns, selector="ppojob.io/job=sus")["items"],
+        90,
+        "the job's pods gone",
+    )
+    wait_until(lambda: phase(cp, "sus", ns) == "Suspended", 60, "PPOJob Suspended")
+    assert wl_cond(workload(cp, "sus", ns), "Admitted").get("status") != "True"
+
+    cp.kubectl("patch", PPOJOB, "sus", "-n", ns, "--type=merge", "-p", patch % "false")
+    wait_until(lambda: admitted(cp, "sus", ns), 60, "Kueue admitting the job again")
+    wait_until(lambda: rayjob_suspended(cp, "sus", ns) is False, 30, "RayJob unsuspended")
+    wait_until(lambda: all_running(cp, "sus", ns), 120, "the job's pods Running again")
+    wait_until(
+        lambda: phase(cp, "sus", ns) in ("Initializing", "Running"),
+        60,
+        "PPOJob out of Suspended",
+    )
+
+
+def test_job_created_suspended_gets_no_rayjob_until_resumed(cp, operator, kueue, ns):
+    """(d) under Kueue a job created suspended gets its other children but no RayJob (Kueue
+    would admit and unsuspend it); resumed, its RayJob is created, queued and admitted."""
+    make_queue(cp, ns, gpus=4)
+    cp.apply(job("held", ns, suspend=True))
+    st = wait_until(
+        lambda: (s := status(cp, "held", ns)).get("phase") == "Suspended" and s,
+        60,
+        "PPOJob Suspended",
+    )
+    assert condition(st, "Suspended")["reason"] == "SuspendedBeforeAdmission"
+    assert cp.get("configmap", "held-trainer", ns) is not None
+    assert cp.get("rayjob.ray.io", "held", ns) is None
+    assert not cp.get("workload.kueue.x-k8s.io", namespace=ns)["items"]
+
+    cp.kubectl(
+        "patch", PPOJOB, "held", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    wait_children(cp, "held", ns)
+    wait_until(lambda: admitted(cp, "held", ns), 60, "Kueue admitting the resumed job")
+    wait_until(lambda: all_running(cp, "held", ns), 120, "the job's pods Running")
+    wait_until(
+        lambda: phase(cp, "held", ns) in ("Initializing", "Running"),
+        60,
+        "PPOJob out of Suspended",
+    )
+
+
+def test_kueue_webhook_refuses_a_queue_name_that_is_no_localqueue_name(cp, kueue, ns):
+    """Kueue's RayJob webhook refuses a ``queue-name`` that is a valid label value but no
+    DNS-1123 subdomain; our validation refuses such a ``spec.scheduling.queue`` for kueue."""
+    from ppojob_operator.api import SpecError, validate_manifest
+    from ppojob_operator.builders import build_children
+
+    manifest = job("badq", ns)
+    rayjob = build_children(validate_manifest(manifest), namespace=ns)[-1]
+    proc = cp.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob),
+                      check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr  # what we build passes Kueue's webhook
+
+    rayjob["metadata"]["labels"][QUEUE_LABEL] = "Team_A"
+    proc = cp.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob),
+                      check=False)  # fmt: skip
+    assert proc.returncode != 0 and QUEUE_LABEL in proc.stderr, proc.stderr
+    manifest["spec"]["scheduling"]["queue"] = "Team_A"
+    with pytest.raises(SpecError) as err:
+        validate_manifest(manifest)
+    assert [p.path for p in err.value.problems] == ["spec.scheduling.queue"]
