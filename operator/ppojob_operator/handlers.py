@@ -436,9 +436,10 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     return made
 
 
-# Newest first: Kueue >= 0.15 stores v1beta2 and converts v1beta1 through its webhook, and a
-# v1beta1 write to an admitted Workload fails there (Kueue v0.17: the v1beta1 schema's CEL rule
-# on priorityClassSource, a field v1beta2 dropped, finds "no such key": HTTP 422).
+# Newest first: Kueue serves v1beta2 from 0.15 and stores it from 0.16 (v1beta1 converted by its
+# webhook, to be dropped), and a v1beta1 write to an admitted Workload fails there (Kueue v0.17:
+# the v1beta1 schema's CEL rule on priorityClassSource, a field v1beta2 dropped, finds "no such
+# key": HTTP 422). Kueue before 0.15 serves only v1beta1.
 WORKLOAD_VERSIONS = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 

@@ -119,6 +119,18 @@ def _phase_cond(
     return _cond(type_, on, reason if on else phase, message if on else "", gen)
 
 
+def _running_cond(phase: str, reason: str, message: str, gen: int | None) -> dict[str, Any]:
+    """``Running``: True with the reason while running. Pending and Initializing have no
+    condition of their own, so on the way there ``Running`` is False with *their* reason and
+    message (``WaitingForAdmission``, ``RayJobCreated``, ``RayJobInitializing``, ``Submitting``,
+    ...); otherwise False with the phase as its reason."""
+    if phase == "Running":
+        return _cond("Running", True, reason, message, gen)
+    if phase in ("Pending", "Initializing"):
+        return _cond("Running", False, reason, message, gen)
+    return _cond("Running", False, phase, "", gen)
+
+
 def _with_times(conds: list[dict[str, Any]], previous: list[dict[str, Any]], now: str) -> list:
     prev = {c.get("type"): c for c in previous or []}
     for c in conds:
@@ -194,7 +206,7 @@ def desired_status(
     conds = [
         _cond("Valid", True, "SpecValid", "the spec is valid", g),
         spec_cond,
-        _cond("Running", phase == "Running", reason if phase == "Running" else phase, "", g),
+        _running_cond(phase, reason, message, g),
         _phase_cond("Succeeded", phase, reason, message, g),
         _phase_cond("Failed", phase, reason, message, g),
         _phase_cond("Suspended", phase, reason, message, g),

@@ -154,8 +154,22 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
         30,
         "the second PPOJob Pending",
     )
-    assert condition(st, "Running")["reason"] == "Pending"
+    assert condition(st, "Running")["reason"] == "WaitingForAdmission"
     assert condition(st, "Suspended")["status"] == "False"
+    # a spec edit the operator refuses leaves the queued job held by Kueue
+    cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
+               "-p", '{"spec":{"training":{"steps":5}}}')  # fmt: skip
+    wait_until(
+        lambda: (
+            condition(status(cp, "second", ns), "SpecApplied").get("reason") == "SpecChangeRefused"
+        ),
+        30,
+        "the edit refused",
+    )
+    assert rayjob_suspended(cp, "second", ns) is True
+    assert pods(cp, "second", ns) == []
+    cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
+               "-p", '{"spec":{"training":{"steps":10}}}')  # fmt: skip
 
     # the first job goes: its quota comes back and the second is admitted
     cp.kubectl("delete", PPOJOB, "first", "-n", ns, "--wait=false")

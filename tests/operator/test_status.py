@@ -46,6 +46,30 @@ def test_kueue_waiting_is_pending():
     assert phase_of(rayjob("Suspended"), suspend=True, kueue=True)[0] == "Suspended"
 
 
+@pytest.mark.parametrize(
+    ("dep", "js", "kueue", "reason"),
+    [
+        ("Suspended", "", True, "WaitingForAdmission"),
+        ("", "", True, "WaitingForAdmission"),
+        ("", "", False, "RayJobCreated"),
+        ("Initializing", "", False, "RayJobInitializing"),
+        ("Running", "PENDING", False, "Submitting"),
+    ],
+)
+def test_pending_and_initializing_reasons_show_on_the_running_condition(dep, js, kueue, reason):
+    """Pending and Initializing have no condition of their own: their reason and message are on
+    ``Running`` (False), where ``kubectl describe`` shows them."""
+    st = desired_status(
+        JOB, rayjob(dep, js), generation=1, previous=None, now="T",
+        scheduler="kueue" if kueue else "none",
+    )  # fmt: skip
+    running = next(c for c in st["conditions"] if c["type"] == "Running")
+    assert running["status"] == "False" and running["reason"] == reason
+    assert running["message"]
+    others = [c for c in st["conditions"] if c["type"] in ("Succeeded", "Failed", "Suspended")]
+    assert {c["reason"] for c in others} == {st["phase"]}
+
+
 def test_failure_carries_rayjob_reason_and_message():
     rj = rayjob(
         "Failed",
