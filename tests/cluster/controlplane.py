@@ -846,12 +846,7 @@ class Kueue:
         certs.mkdir(parents=True, exist_ok=True)
         for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
             shutil.copyfile(self.cp.pki[src], certs / dst)
-        # the overlay's upper layer: /etc/kueue/metrics/certs inside Kueue's mount namespace
-        metrics = self.work / "etc-upper" / "kueue" / "metrics" / "certs"
-        metrics.mkdir(parents=True, exist_ok=True)
-        for f in ("tls.crt", "tls.key"):
-            shutil.copyfile(certs / f, metrics / f)
-        (self.work / "etc-work").mkdir(exist_ok=True)
+        (self.work / "etc-layer").mkdir(exist_ok=True)  # a tmpfs inside Kueue's namespace
         doc = {
             "apiVersion": "config.kueue.x-k8s.io/v1beta2",
             "kind": "Configuration",
@@ -872,13 +867,20 @@ class Kueue:
     def _argv(self, config: Path) -> list[str]:
         unshare = shutil.which("unshare")
         if unshare is None:
-            raise ControlPlaneError("Kueue needs `unshare` (util-linux) to run here; see Kueue")
+            raise ControlPlaneError(
+                "the Kueue tests need `unshare` (util-linux): Kueue v0.17 reads its metrics "
+                "certificate from /etc/kueue/metrics/certs, provided in a private mount namespace"
+            )
         ns = [unshare, "--mount", "--propagation", "private"]
         if os.geteuid() != 0:
             ns[1:1] = ["--user", "--map-root-user"]
-        upper, work = self.work / "etc-upper", self.work / "etc-work"
+        # In the new mount namespace only: a tmpfs (an overlay's upper layer must not be on an
+        # overlayfs, as /tmp is in many containers) holding kueue/metrics/certs, laid over /etc.
+        layer, certs = self.work / "etc-layer", self.work / "serving-certs"
         script = (
-            f'mount -t overlay overlay -o "lowerdir=/etc,upperdir={upper},workdir={work}" /etc'
+            f'L="{layer}" && mount -t tmpfs tmpfs "$L" && mkdir -p "$L/u/kueue/metrics" "$L/w"'
+            f' && cp -r "{certs}" "$L/u/kueue/metrics/certs"'
+            ' && mount -t overlay overlay -o "lowerdir=/etc,upperdir=$L/u,workdir=$L/w" /etc'
             ' && exec "$0" "$@"'
         )
         return [*ns, "sh", "-c", script, str(self.cp.bin / "kueue"), f"--config={config}"]

@@ -127,6 +127,12 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     made = wait_until(lambda: all_running(cp, "first", ns), 90, "the first job's pods Running")
     gpus = [p["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for p in made]
     assert sorted(g for g in gpus if g) == ["1"] * 4
+    # SidecarMode: KubeRay adds the submitter to the head pod, outside Kueue's head podset (so
+    # Kueue counts 500m CPU and 200Mi less than the pod asks for; docs/gang-scheduling.md)
+    head_ps = next(p for p in wl["spec"]["podSets"] if p["name"] == "head")
+    head_pod = next(p for p in made if p["metadata"]["labels"].get("ray.io/node-type") == "head")
+    assert [c["name"] for c in head_ps["template"]["spec"]["containers"]] == ["ray-head"]
+    assert "ray-job-submitter" in [c["name"] for c in head_pod["spec"]["containers"]]
     wait_until(
         lambda: phase(cp, "first", ns) in ("Initializing", "Running"),
         60,
