@@ -24,8 +24,9 @@ demo: $(STAMP)
 	$(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo
 
 ## The real control plane of tests/cluster/ (etcd, kube-apiserver, controller manager, schedulers,
-## KubeRay, KWOK), built from Go modules at hack/control-plane/versions.env and cached outside the
-## clone (~/.cache/ppojob/control-plane); a warm run takes a second. Needs Go >= 1.26.
+## KubeRay, KWOK, Kueue), built from Go modules at hack/control-plane/versions.env, each component
+## cached on its own outside the clone (~/.cache/ppojob/control-plane); a warm run takes a
+## second. Needs Go >= 1.26.
 control-plane:
 	bash hack/control-plane/build.sh >/dev/null
 

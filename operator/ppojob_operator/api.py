@@ -54,7 +54,7 @@ class Scheduling(_Model):
 
     queue: str | None = Field(None, min_length=1)
     """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue). Required
-    for kueue."""
+    for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g. `team-a`)."""
 
     priority_class_name: str | None = Field(None, min_length=1)
     """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
