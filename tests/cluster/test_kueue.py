@@ -102,6 +102,11 @@ def all_running(cp: ControlPlane, name: str, ns: str) -> list[dict[str, Any]] | 
     return p if len(p) == want and all(map(running, p)) else None
 
 
+def job_pods(cp: ControlPlane, name: str, ns: str) -> list[dict[str, Any]]:
+    """Every pod of the job, by its label (whatever RayCluster made it)."""
+    return cp.get("pods", namespace=ns, selector=f"ppojob.io/job={name}")["items"]
+
+
 def phase(cp: ControlPlane, name: str, ns: str) -> str | None:
     return status(cp, name, ns).get("phase")
 
@@ -154,7 +159,7 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     )
     assert wl_cond(wl2, "Admitted").get("status") != "True"
     assert rayjob_suspended(cp, "second", ns) is True
-    assert pods(cp, "second", ns) == []
+    assert job_pods(cp, "second", ns) == []
     st = wait_until(
         lambda: (s := status(cp, "second", ns)).get("phase") == "Pending" and s,
         30,
@@ -173,7 +178,7 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
         "the edit refused",
     )
     assert rayjob_suspended(cp, "second", ns) is True
-    assert pods(cp, "second", ns) == []
+    assert job_pods(cp, "second", ns) == []
     cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
                "-p", '{"spec":{"training":{"steps":10}}}')  # fmt: skip
 
@@ -207,7 +212,7 @@ def test_suspend_and_resume_go_through_kueue(cp, operator, kueue, ns):
     )
     wait_until(lambda: rayjob_suspended(cp, "sus", ns) is True, 60, "Kueue suspending the RayJob")
     wait_until(
-        lambda: not cp.get("pods", namespace=ns, selector="ppojob.io/job=sus")["items"],
+        lambda: not job_pods(cp, "sus", ns),
         90,
         "the job's pods gone",
     )
