@@ -15,7 +15,7 @@
 # Usage: build.sh [component...]   (components: etcd kubernetes scheduler-plugins kuberay kwok
 # kueue; none = all, then the combined directory is assembled too)
 #
-# Needs Go >= 1.26 and the Go module proxy (first run downloads ~1.5 GiB of modules).
+# Needs Go >= 1.26 and the Go module proxy (the first run downloads over 1 GiB of modules).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
