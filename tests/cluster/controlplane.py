@@ -53,6 +53,7 @@ for _names, _prefix, _plural, _ns in [
     (("configmap", "configmaps"), "api/v1", "configmaps", True),
     (("serviceaccount", "serviceaccounts"), "api/v1", "serviceaccounts", True),
     (("pod", "pods"), "api/v1", "pods", True),
+    (("event", "events"), "api/v1", "events", True),
     (("node", "nodes"), "api/v1", "nodes", False),
     (("namespace", "namespaces"), "api/v1", "namespaces", False),
     (("role.rbac.authorization.k8s.io",), "apis/rbac.authorization.k8s.io/v1", "roles", True),

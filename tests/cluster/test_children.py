@@ -154,3 +154,63 @@ def test_delete_and_recreate_the_same_name_gets_children_and_status(cp, operator
     assert st["rayJobName"] == "again"
     labelled = cp.get("rayjobs.ray.io", namespace=ns)["items"]
     assert [r["metadata"]["labels"].get(JOB_LABEL) for r in labelled] == ["again"]
+
+
+def test_an_object_we_do_not_own_is_never_adopted(cp, operator, ns):
+    """A ConfigMap with a child's name and no owner: the job waits (ChildConflict, a Warning
+    event), the object is left as it is, and the job proceeds once its owner removes it."""
+    stray = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "mine-trainer", "namespace": ns},
+        "data": {"trainer.yaml": "someone else's"},
+    }
+    cp.apply([stray])
+    cp.apply(gpu_job("mine", ns))
+    wait_until(
+        lambda: condition(status(cp, "mine", ns), "SpecApplied").get("reason") == "ChildConflict",
+        60,
+        "SpecApplied reason ChildConflict",
+    )
+    st = status(cp, "mine", ns)
+    assert st["phase"] == "Pending"
+    assert "not adopted" in condition(st, "SpecApplied")["message"]
+    events = cp.get("events", namespace=ns)["items"]
+    assert any(e["reason"] == "ChildConflict" and e["type"] == "Warning" for e in events)
+    assert cp.get("rayjob.ray.io", "mine", ns) is None
+    cm = cp.get("configmap", "mine-trainer", ns)
+    assert "ownerReferences" not in cm["metadata"] and cm["data"] == stray["data"]
+    cp.kubectl("delete", "configmap", "mine-trainer", "-n", ns)
+    # retried with backoff (1 s doubling): the job gets its own children
+    children = wait_children(cp, "mine", ns, timeout=90)
+    assert "trainer.yaml" in children["configmap"]["data"]
+    assert children["configmap"]["data"] != stray["data"]
+
+
+def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns):
+    """The children a previous operator run made before it died (the first two, in creation
+    order) are kept, the rest are made: exactly one of each, all owned by the job."""
+    from ppojob_operator import builders
+    from ppojob_operator.api import validate_manifest
+
+    operator.stop()
+    try:
+        cp.apply(gpu_job("half", ns))
+        stored = job(cp, "half", ns)
+        uid = stored["metadata"]["uid"]
+        children = builders.build_children(validate_manifest(stored), namespace=ns, uid=uid)
+        made_before = children[:2]
+        cp.apply(made_before)
+        kept = {}
+        for c in made_before:
+            resource, name = c["kind"].lower(), c["metadata"]["name"]
+            kept[(resource, name)] = cp.get(resource, name, ns)["metadata"]["uid"]
+    finally:
+        operator.start()
+    wait_children(cp, "half", ns)
+    wait_until(lambda: status(cp, "half", ns).get("rayJobName") == "half", 60, "a status")
+    for (resource, name), obj_uid in kept.items():
+        assert cp.get(resource, name, ns)["metadata"]["uid"] == obj_uid, (resource, name)
+    for resource, suffix in CHILDREN:
+        names = [i["metadata"]["name"] for i in cp.get(resource, namespace=ns)["items"]]
+        assert names.count("half" + suffix) == 1, (resource, names)
