@@ -16,11 +16,15 @@ operators and as ratios ours / floor.
 
 Run: .venv/bin/python bench/operator_load.py [--burst 300] [--single 20] [--grant-bind]
 
-One job at a time, most of our latency is the API server's RBAC escalation check on the
-trainer's RoleBinding (~100 ms on kube-apiserver 1.34: the operator may not ``bind`` roles, so
-the server resolves every rule the operator holds to confirm the binding grants no more).
-``--grant-bind`` measures the operator with ``bind`` on roles, which skips that check; the chart
-does not grant it (it would let the operator bind any Role in any namespace).
+One job at a time, most of our latency is the API server's RBAC escalation checks on the
+trainer's Role and RoleBinding: the operator holds neither ``escalate`` nor ``bind`` on roles, so
+the server lists the operator's own (Cluster)RoleBindings to confirm the new object grants no
+more than it holds. That list is a consistent read from the watch cache, which waits until the
+cache has caught up with etcd (progress requested every 100 ms: k8s.io/apiserver
+pkg/storage/cacher); the RoleBinding, posted right after its Role was written, waits ~100 ms every
+time, the Role ~80 ms whenever other writes just happened (back to back jobs here). ``--grant-bind``
+measures the operator with ``bind`` on roles, which skips the RoleBinding's check; the chart does
+not grant it (it would let the operator bind any Role in any namespace).
 """
 
 from __future__ import annotations
