@@ -324,33 +324,6 @@ def _retry_later(state: State, key: Key, why: str, action: Any = None) -> None:
     state.retries[key] = asyncio.get_running_loop().create_task(_again())
 
 
-async def _create_in_order(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Create-or-get ``objs`` concurrently, each RoleBinding right after the Role it binds: the
-    API server checks a RoleBinding against its Role (the RBAC escalation check), and refuses
-    one posted before its Role exists with 404. Returns the objects in the order given."""
-    roles = {c["metadata"]["name"] for c in objs if c["kind"] == "Role"}
-
-    def binds(c: dict[str, Any]) -> str | None:
-        ref = c.get("roleRef") or {}
-        if c["kind"] == "RoleBinding" and ref.get("kind") == "Role" and ref.get("name") in roles:
-            return ref["name"]
-        return None
-
-    chains = [
-        [c] + [b for b in objs if c["kind"] == "Role" and binds(b) == c["metadata"]["name"]]
-        for c in objs
-        if binds(c) is None  # a binding rides with its Role
-    ]
-    made: dict[int, dict[str, Any]] = {}
-
-    async def run(chain: list[dict[str, Any]]) -> None:
-        for c in chain:
-            made[id(c)] = (await k8s.acreate_or_get(c))[0]
-
-    await asyncio.gather(*map(run, chains))
-    return [made[id(c)] for c in objs]
-
-
 async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Create (or find) every child of a PPOJob, then write its status. Idempotent, and the one
     level-triggered path for new jobs, spec fixes, retries and self-healing.
@@ -424,8 +397,13 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     # admit and unsuspend it (it owns RayJob.spec.suspend).
     hold = scheduler == "kueue" and job.spec.suspend and existing_rj is None
     wanted = children[:-1] if hold else children
+    # The API server checks a RoleBinding against its Role (the RBAC escalation check): a
+    # RoleBinding posted before its Role exists is refused with 404. Bindings go second.
+    first = [c for c in wanted[:-1] if c["kind"] != "RoleBinding"]
+    bindings = [c for c in wanted[:-1] if c["kind"] == "RoleBinding"]
     try:
-        made = await _create_in_order(wanted[:-1])
+        made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, first))]
+        made += [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, bindings))]
         if not hold:
             made.append((await k8s.acreate_or_get(wanted[-1]))[0])
     except k8s.ChildWaiting as exc:
