@@ -644,14 +644,19 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
         await refresh_yunikorn_app(state, key, plain)
         await sync_status(state, key)
 
-    for group, version, plural in CHILD_KINDS:
+    def _deleted(type: str | None, **_: Any) -> bool:
+        return type == "DELETED"
 
+    for group, version, plural in CHILD_KINDS:
+        # Only deletions matter; filtered before kopf invokes (and logs) the handler, since
+        # every child's creation is an event here too (four per job).
         @kopf.on.event(
             group,
             version,
             plural,
             id=f"heal-{plural}",
             labels={JOB_LABEL: kopf.PRESENT},
+            when=_deleted,
             registry=registry,
         )
         async def _child_event(type: str | None, body: Any, **_: Any) -> None:

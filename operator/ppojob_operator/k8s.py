@@ -68,6 +68,7 @@ class _State:
     config: Any = None
     session: Any = None  # aiohttp session of the async path, bound to one event loop
     loop: Any = None
+    auth: tuple[float, str | None, str] | None = None  # (monotonic time, header, host)
 
 
 _state = _State()
@@ -93,6 +94,7 @@ def configure(host: str | None = None, *, token: str | None = None, pool_size: i
     with _lock:
         _state.client = client.ApiClient(cfg)
         _state.config = cfg
+        _state.auth = None
 
 
 def _client() -> Any:
@@ -274,6 +276,33 @@ async def aclose() -> None:
         await session.close()
 
 
+AUTH_REFRESH_S = 1.0
+"""How long the Authorization header and host are reused before the client's token refresh
+hook runs again. The kubeconfig loader's hook re-applies the whole kubeconfig (and rescans the
+environment for proxies) on every call, about 1 ms of CPU per request; the tokens it refreshes
+are renewed minutes before they expire (in a pod: re-read every minute), so a second of reuse
+changes nothing but the cost."""
+
+
+_clock = time.monotonic
+
+
+def _auth_and_host() -> tuple[str | None, str]:
+    """The Authorization header (None without a token) and the server URL, refreshed at most
+    every :data:`AUTH_REFRESH_S` seconds."""
+    now = _clock()
+    cached = _state.auth
+    if cached is not None and now - cached[0] < AUTH_REFRESH_S:
+        return cached[1], cached[2]
+    cfg = _state.config
+    # Recent kubernetes clients key the token as "BearerToken" (the kubeconfig loader does);
+    # "authorization" is the older key and ours in configure(host, token=...). This call also
+    # runs the loader's token refresh hook.
+    token = cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
+    _state.auth = (now, token, cfg.host)
+    return token, cfg.host
+
+
 async def arequest(
     method: str, path: str, body: Any = None, content_type: str = "application/json"
 ) -> dict[str, Any]:
@@ -282,12 +311,8 @@ async def arequest(
     import aiohttp
 
     session = await _session()
-    cfg = _state.config
     headers = {"Accept": "application/json"}
-    # Recent kubernetes clients key the token as "BearerToken" (the kubeconfig loader does);
-    # "authorization" is the older key and ours in configure(host, token=...). This call also
-    # runs the loader's token refresh hook.
-    token = cfg.get_api_key_with_prefix("BearerToken", alias="authorization")
+    token, host = _auth_and_host()
     if token:
         headers["Authorization"] = token
     data = None
@@ -297,11 +322,13 @@ async def arequest(
     for attempt in range(TRANSIENT_ATTEMPTS):
         last = attempt == TRANSIENT_ATTEMPTS - 1
         try:
-            async with session.request(method, cfg.host + path, data=data, headers=headers) as resp:
+            async with session.request(method, host + path, data=data, headers=headers) as resp:
                 raw = await resp.read()
                 if 200 <= resp.status < 300:
                     return json.loads(raw) if raw else {}
                 error = ApiError(resp.status, str(resp.reason), raw.decode("utf-8", "replace"))
+                if resp.status == 401:
+                    _state.auth = None  # the next request asks the refresh hook again
                 wait = _transient_wait(method, resp.status, raw, resp.headers, attempt)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             # reset before or after the server acted: a create is re-sent and answered 409

@@ -190,7 +190,9 @@ def desired_status(
         applied = json.loads(rayjob["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION])
     except (KeyError, TypeError, ValueError):
         applied = None
-    diff = changed_fields(applied, applied_spec(job)) if applied is not None else []
+    current = applied_spec(job) if applied is not None else None
+    # equal dicts (the usual case, on every event of a job) need no walk field by field
+    diff = changed_fields(applied, current) if applied is not None and applied != current else []
     if diff:
         spec_cond = _cond(
             "SpecApplied",

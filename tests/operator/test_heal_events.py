@@ -1,0 +1,31 @@
+"""The self-healing handlers of the children run for deletions only: a child's creation (four
+per job) neither invokes nor logs them; a deletion does, and the child comes back."""
+
+from __future__ import annotations
+
+import logging
+
+from kmockenv import Operator, wait_for
+from ophelpers import base_manifest
+from ppojob_operator import k8s
+
+PPO = ("ppojob.io/v1alpha1", "PPOJob")
+CM = ("v1", "ConfigMap")
+
+
+def _heal_records(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "'heal-" in r.getMessage()]
+
+
+def test_heal_handlers_run_on_deletion_only(cluster, caplog):
+    caplog.set_level(logging.DEBUG, logger="kopf")
+    with Operator(cluster.url, ["ns1"]):
+        body = base_manifest(name="demo")
+        body["metadata"]["uid"] = "uid-demo"  # kmock assigns none
+        k8s.request("POST", k8s.path_for(*PPO, "ns1"), body)
+        wait_for(lambda: ((k8s.get(*PPO, "ns1", "demo") or {}).get("status") or {}).get("phase"))
+        assert k8s.get(*CM, "ns1", "demo-trainer") is not None
+        assert _heal_records(caplog) == []
+        k8s.request("DELETE", k8s.path_for(*CM, "ns1", "demo-trainer"))
+        wait_for(lambda: k8s.get(*CM, "ns1", "demo-trainer"), timeout=20)
+        assert any("heal-configmaps" in m for m in _heal_records(caplog))
