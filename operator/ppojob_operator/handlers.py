@@ -358,9 +358,14 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     rayjob_name = meta["name"]
     existing_rj = state.rayjobs.get(key)
     recreate = False
-    if existing_rj is None and status.get("rayJobName"):
+    if status.get("rayJobName"):
+        # Read, not cached: a RayJob deleted while an earlier pass ran must be seen as gone.
         existing_rj = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
-        if existing_rj is None:  # made before and deleted since
+        if existing_rj is None:  # made before and deleted since: decide on a fresh status
+            fresh = await k8s.aget(f"{GROUP}/{VERSION}", "PPOJob", key[0], key[1])
+            if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
+                return []
+            status = fresh.get("status") or {}
             if status.get("phase") in ("Succeeded", "Failed"):
                 return []  # finished: nothing to heal
             if _run_started(status):
@@ -404,8 +409,15 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     try:
         made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, first))]
         made += [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, bindings))]
-        if not hold:
-            made.append((await k8s.acreate_or_get(wanted[-1]))[0])
+        if not hold and existing_rj is not None:
+            made.append(existing_rj)  # a known RayJob is never posted again (a re-run if gone)
+        elif not hold:
+            made.append((await k8s.acreate_or_get(wanted[-1], recreate_vanished=False))[0])
+    except k8s.ChildVanished as exc:
+        # Deleted between our 409 and the read back: its DELETED event's pass decides (with a
+        # fresh status) whether the job runs again or fails.
+        log.info("%s/%s: %s; left to the deletion's own reconcile", key[0], key[1], exc)
+        return []
     except k8s.ChildWaiting as exc:
         state.notes[key] = ("Pending", "WaitingForOldChildren", str(exc))
         await sync_status(state, key)
@@ -426,6 +438,14 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
             "when spec.suspend is set to false",
         )
         await sync_status(state, key)
+        return made
+    if existing_rj is not None:
+        # Not posted. The RayJob watch keeps the cache current (the copy read at the start of
+        # this pass may be older than what it delivered since, so it only stands in for an
+        # empty cache), and a verdict reached meanwhile (RayJobDeleted) stays.
+        if (state.notes.get(key) or ("",))[0] != "Failed":
+            state.notes.pop(key, None)
+        await sync_status(state, key, rayjob=state.rayjobs.get(key) or existing_rj)
         return made
     state.notes.pop(key, None)
     rayjob = made[-1]

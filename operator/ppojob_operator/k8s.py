@@ -57,6 +57,10 @@ class ChildConflict(Exception):
     by another owner): never adopted; the user must remove or rename it."""
 
 
+class ChildVanished(Exception):
+    """The object answered 409 (it exists) and was gone when read back: deleted in between."""
+
+
 class ChildWaiting(Exception):
     """A child's name is still held by an object on its way out (being deleted, or owned by an
     earlier PPOJob of the same name awaiting garbage collection): retry later."""
@@ -389,10 +393,15 @@ async def aget(api_version: str, kind: str, namespace: str, name: str) -> dict[s
         raise
 
 
-async def acreate_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+async def acreate_or_get(
+    obj: dict[str, Any], *, recreate_vanished: bool = True
+) -> tuple[dict[str, Any], bool]:
     """Create the object; on 409 return the existing one. Returns (object, created).
 
-    Raises :class:`ChildConflict` when the existing object is controlled by another owner.
+    Raises :class:`ChildConflict` when the existing object is controlled by another owner. An
+    object deleted between the 409 and the read back is created again, or, with
+    ``recreate_vanished=False``, raises :class:`ChildVanished` (a RayJob: whoever deleted it,
+    the deletion's own reconcile decides whether it may run again).
     """
     meta = obj["metadata"]
     ns, name = meta.get("namespace"), meta["name"]
@@ -403,7 +412,9 @@ async def acreate_or_get(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if exc.status != 409:
             raise
     existing = await aget(obj["apiVersion"], obj["kind"], ns, name)
-    if existing is None:  # deleted between our create and get: create again
+    if existing is None:  # deleted between our create and get
+        if not recreate_vanished:
+            raise ChildVanished(f"{obj['kind']} {ns}/{name} was deleted while being created")
         return await arequest("POST", collection, obj), True
     check_owner(obj, existing)
     return existing, False

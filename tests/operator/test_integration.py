@@ -433,3 +433,40 @@ def test_kueue_suspend_before_the_workload_exists_is_retried(cluster):
         wl = _kueue_makes_workload()
         wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is False, timeout=20)
         assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # as created, Kueue's
+
+
+def test_a_rayjob_deleted_during_a_heal_pass_is_not_run_again(cluster, monkeypatch):
+    """A heal pass (here: for a deleted ConfigMap) of a job whose run has started, and the
+    RayJob deleted by hand just before that pass reads it: the pass must not post the RayJob
+    again (a re-run); the job turns Failed/RayJobDeleted. kmock: the deletion is injected at
+    that exact point of the pass (the operator runs in this process), which no real server
+    timing gives reliably."""
+    real_aget = k8s.aget
+    armed = {"on": False}
+
+    async def aget_deleting_first(api_version, kind, namespace, name):
+        if armed["on"] and kind == "RayJob":
+            armed["on"] = False
+            await k8s.arequest("DELETE", k8s.path_for(api_version, kind, namespace, name))
+        return await real_aget(api_version, kind, namespace, name)
+
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "startTime": "2026-01-01T00:00:00Z",
+            }
+        )
+        wait_for(phase_is("Running"))
+        n_created = len(creates(cluster, "rayjobs"))
+        monkeypatch.setattr(k8s, "aget", aget_deleting_first)
+        armed["on"] = True
+        delete("v1", "ConfigMap", "demo-trainer")
+        wait_for(phase_is("Failed"), timeout=20)
+        assert cond("Failed")["reason"] == "RayJobDeleted"
+        assert not armed["on"]  # the pass did read the RayJob after the deletion
+        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert len(creates(cluster, "rayjobs")) == n_created
