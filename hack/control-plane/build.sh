@@ -50,7 +50,7 @@ products_of() {
   kwok) echo bin/kwok kwok-stages.yaml ;;
   kueue)
     echo bin/kueue kueue/crds/kueue.x-k8s.io_workloads.yaml kueue/webhooks.yaml \
-      kueue/crd-conversion
+      kueue/crd-conversion/webhook_in_workloads.yaml
     ;;
   esac
 }

@@ -317,7 +317,7 @@ def check_name(
                 "use a shorter name",
             )
         )
-    if not _DNS1035.match(name):
+    if not _DNS1035.fullmatch(name):
         problems.append(
             Problem(
                 field,
@@ -340,7 +340,11 @@ def check_namespace(namespace: Any, field: str = "metadata.namespace") -> list[P
     """Problems of a namespace name: a DNS-1123 label (at most 63 characters)."""
     if namespace is None:
         return []
-    if not isinstance(namespace, str) or len(namespace) > 63 or not _DNS1123_LABEL.match(namespace):
+    if (
+        not isinstance(namespace, str)
+        or len(namespace) > 63
+        or not _DNS1123_LABEL.fullmatch(namespace)
+    ):
         return [
             Problem(
                 field,
@@ -354,7 +358,7 @@ def check_namespace(namespace: Any, field: str = "metadata.namespace") -> list[P
 
 def check_label_value(value: str | None, field: str) -> list[Problem]:
     """Problems of a value the operator writes into a Kubernetes label."""
-    if value is None or (len(value) <= 63 and _LABEL_VALUE.match(value)):
+    if value is None or (len(value) <= 63 and _LABEL_VALUE.fullmatch(value)):
         return []
     return [
         Problem(
@@ -369,7 +373,7 @@ def check_label_value(value: str | None, field: str) -> list[Problem]:
 def check_kueue_queue(queue: str | None) -> list[Problem]:
     """Kueue's webhook refuses a RayJob whose ``kueue.x-k8s.io/queue-name`` is not a DNS-1123
     subdomain (a LocalQueue's name; Kueue v0.17 ``jobframework.ValidateQueueName``)."""
-    if not queue or _DNS1123_SUBDOMAIN.match(queue):
+    if not queue or _DNS1123_SUBDOMAIN.fullmatch(queue):
         return []
     return [
         Problem(
@@ -436,7 +440,7 @@ def check_spec(spec: PPOJobSpec) -> list[Problem]:
     for name in ("actor", "critic", "rollout"):
         role = getattr(spec.roles, name)
         for res, qty in (role.resources.extra if role is not None else {}).items():
-            if res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.match(res):
+            if res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.fullmatch(res):
                 problems.append(
                     Problem(
                         f"spec.roles.{name}.resources.extra.{res}",

@@ -97,7 +97,7 @@ def check_job(job: PPOJob) -> list[Problem]:
                 "use a shorter name",
             )
         )
-    if name and not _DNS1035.match(name):
+    if name and not _DNS1035.fullmatch(name):
         problems.append(
             Problem(
                 "metadata.name",

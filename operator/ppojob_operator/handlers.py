@@ -85,6 +85,9 @@ class State:
         self.retries: dict[Key, asyncio.Task] = {}
         self.backoff: dict[Key, int] = {}  # retries in a row
         self.attempts: dict[Key, int] = {}  # YuniKorn applications made (resumes, retries)
+        # RayJob DELETED events seen per job: a pass that read the RayJob before one of them
+        # must not write a status from that copy
+        self.rayjob_deletions: dict[Key, int] = {}
         # The handlers are async and run in kopf's event loop (one thread): plain dicts suffice;
         # the per-job lock only orders the status writes of one job across awaits.
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -102,6 +105,7 @@ class State:
         self.notes.pop(key, None)
         self.attempts.pop(key, None)
         self.backoff.pop(key, None)
+        self.rayjobs.pop(key, None)  # a new PPOJob of the same name must not take it over
         task = self.retries.pop(key, None)
         if task is not None:
             task.cancel()
@@ -246,6 +250,7 @@ async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = No
         generation = meta.get("generation")
         job, problems = parse(body)
         rj = rayjob if rayjob is not None else state.rayjobs.get(key)
+        rj = owned_by(rj, meta.get("uid"))  # not an earlier PPOJob's of the same name
         base = state.written.get(key) or body.get("status") or {}
         note = state.notes.get(key)
         desired = None
@@ -304,6 +309,16 @@ def _run_started(status: dict[str, Any]) -> bool:
     return status.get("phase") == "Running" or bool(status.get("progress"))
 
 
+def owned_by(rayjob: dict[str, Any] | None, uid: str | None) -> dict[str, Any] | None:
+    """``rayjob`` if the PPOJob with ``uid`` controls it (or the PPOJob has no uid to compare:
+    a local render), else None (unowned, or another PPOJob's)."""
+    if rayjob is None or not uid:
+        return rayjob
+    refs = (rayjob.get("metadata") or {}).get("ownerReferences") or []
+    owner = next((r for r in refs if r.get("controller")), None)
+    return rayjob if owner is not None and owner.get("uid") == uid else None
+
+
 def _retry_later(state: State, key: Key, why: str, action: Any = None) -> None:
     """Run ``action(state, body)`` (default: reconcile the job) again after a backoff (1 s,
     doubling, at most ``retry_max_s``)."""
@@ -356,12 +371,18 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         return []
     scheduler = effective_scheduler(job, cfg.gang_default)
     rayjob_name = meta["name"]
-    existing_rj = state.rayjobs.get(key)
+    uid = meta.get("uid")
+    # Only a RayJob this PPOJob controls counts: one of an earlier PPOJob of the same name
+    # (awaiting the garbage collector, or KubeRay's finalizer) goes through create-or-get,
+    # which waits for it to go.
+    existing_rj = owned_by(state.rayjobs.get(key), uid)
+    deletions = state.rayjob_deletions.get(key, 0)
     recreate = False
     if status.get("rayJobName"):
         # Read, not cached: a RayJob deleted while an earlier pass ran must be seen as gone.
-        existing_rj = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
-        if existing_rj is None:  # made before and deleted since: decide on a fresh status
+        got = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
+        existing_rj = owned_by(got, uid)
+        if got is None:  # made before and deleted since: decide on a fresh status
             fresh = await k8s.aget(f"{GROUP}/{VERSION}", "PPOJob", key[0], key[1])
             if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
                 return []
@@ -414,9 +435,10 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         elif not hold:
             made.append((await k8s.acreate_or_get(wanted[-1], recreate_vanished=False))[0])
     except k8s.ChildVanished as exc:
-        # Deleted between our 409 and the read back: its DELETED event's pass decides (with a
-        # fresh status) whether the job runs again or fails.
-        log.info("%s/%s: %s; left to the deletion's own reconcile", key[0], key[1], exc)
+        # Deleted between our 409 and the read back: a pass on a fresh PPOJob decides whether
+        # the job runs again or fails (its DELETED event's, and this retry in case the watch
+        # never shows that event, e.g. across a relist).
+        _retry_later(state, key, str(exc), action=lambda st, _body: heal(st, key))
         return []
     except k8s.ChildWaiting as exc:
         state.notes[key] = ("Pending", "WaitingForOldChildren", str(exc))
@@ -443,6 +465,8 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         # Not posted. The RayJob watch keeps the cache current (the copy read at the start of
         # this pass may be older than what it delivered since, so it only stands in for an
         # empty cache), and a verdict reached meanwhile (RayJobDeleted) stays.
+        if state.rayjob_deletions.get(key, 0) != deletions:
+            return made  # deleted since we read it: the deletion's pass writes the status
         if (state.notes.get(key) or ("",))[0] != "Failed":
             state.notes.pop(key, None)
         await sync_status(state, key, rayjob=state.rayjobs.get(key) or existing_rj)
@@ -658,6 +682,7 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
             return
         if type == "DELETED":
             state.rayjobs.pop(key, None)
+            state.rayjob_deletions[key] = state.rayjob_deletions.get(key, 0) + 1
             await heal(state, key)
             return
         state.rayjobs[key] = plain

@@ -562,3 +562,11 @@ def test_validation_does_not_rely_on_assert(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "spec.training.miniBatchSize" in proc.stderr
+
+
+def test_names_with_a_trailing_newline_are_refused():
+    """`$` in a Python regex matches before a final newline; Kubernetes' validation does not."""
+    from ppojob_operator.api import check_kueue_queue, check_label_value
+
+    assert check_kueue_queue("team-a\n") and not check_kueue_queue("team-a")
+    assert check_label_value("abc\n", "x") and not check_label_value("abc", "x")

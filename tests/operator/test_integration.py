@@ -14,6 +14,8 @@ still:
 
 from __future__ import annotations
 
+import asyncio
+
 from kmockenv import Operator, wait_for
 from ophelpers import base_manifest
 from ppojob_operator import k8s
@@ -470,3 +472,105 @@ def test_a_rayjob_deleted_during_a_heal_pass_is_not_run_again(cluster, monkeypat
         assert not armed["on"]  # the pass did read the RayJob after the deletion
         assert k8s.get(*RJ, "ns1", "demo") is None
         assert len(creates(cluster, "rayjobs")) == n_created
+
+
+def _collect_old_children(old_uid):
+    """kmock has no garbage collector: the test removes what the old PPOJob owned."""
+    for api_version, kind, name in CHILD_KINDS:
+        obj = k8s.get(api_version, kind, "ns1", name)
+        refs = (obj or {}).get("metadata", {}).get("ownerReferences") or [{}]
+        if refs[0].get("uid") == old_uid:
+            delete(api_version, kind, name)
+
+
+def test_a_job_recreated_under_a_finished_ones_name_runs_again(cluster):
+    """Delete a finished PPOJob and create it again (what RayJobDeleted tells users to do):
+    until the old RayJob is collected the new job waits (never takes the old RayJob or its
+    verdict over), then gets a RayJob of its own. kmock: the collector's timing is the test's."""
+    with Operator(cluster.url, ["ns1"], retry_max_s=1.0):
+        create_job(uid="uid-old")
+        wait_for(phase_is("Pending"))
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Complete",
+                "jobStatus": "SUCCEEDED",
+                "startTime": "2026-01-01T00:00:00Z",
+                "endTime": "2026-01-01T01:00:00Z",
+            }
+        )
+        wait_for(phase_is("Succeeded"))
+        delete(*PPO, "demo")
+        create_job(uid="uid-new")
+        wait_for(lambda: cond("SpecApplied").get("reason") == "WaitingForOldChildren")
+        assert job_status()["phase"] == "Pending"
+        _collect_old_children("uid-old")
+
+        def new_rayjob():
+            rj = k8s.get(*RJ, "ns1", "demo")
+            return rj and rj["metadata"]["ownerReferences"][0]["uid"] == "uid-new"
+
+        wait_for(new_rayjob)
+        wait_for(lambda: cond("SpecApplied").get("reason") == "SpecApplied")
+        assert job_status()["phase"] == "Pending"
+
+
+def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluster, monkeypatch):
+    """A heal pass reads the RayJob, which is deleted right after; the deletion's own pass
+    writes Failed/RayJobDeleted first. The first pass must not then write a status from its
+    copy of the dead RayJob (the phase would flap Failed -> Running -> Failed)."""
+    from ppojob_operator import handlers
+
+    real_aget, real_cog = k8s.aget, k8s.acreate_or_get
+    real_patch, real_reconcile = k8s.apatch_job_status, handlers.reconcile_children
+    gate = {"armed": False, "hold": False}
+    phases: list = []
+    finished = []
+
+    async def aget_then_delete(api_version, kind, namespace, name):
+        obj = await real_aget(api_version, kind, namespace, name)
+        if gate["armed"] and kind == "RayJob" and obj is not None:
+            gate["armed"], gate["hold"] = False, True
+            await k8s.arequest("DELETE", k8s.path_for(api_version, kind, namespace, name))
+        return obj
+
+    async def create_after_the_verdict(obj, **kw):
+        if gate["hold"]:  # the reading pass waits until the deletion's pass wrote Failed
+            gate["hold"] = False
+            for _ in range(400):
+                job = await real_aget(*PPO, "ns1", "demo")
+                if ((job or {}).get("status") or {}).get("phase") == "Failed":
+                    break
+                await asyncio.sleep(0.05)
+        return await real_cog(obj, **kw)
+
+    async def recording_patch(namespace, name, patch):
+        phases.append((patch or {}).get("phase"))
+        return await real_patch(namespace, name, patch)
+
+    async def counted_reconcile(state, body):
+        try:
+            return await real_reconcile(state, body)
+        finally:
+            finished.append(1)
+
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "startTime": "2026-01-01T00:00:00Z",
+            }
+        )
+        wait_for(phase_is("Running"))
+        monkeypatch.setattr(k8s, "aget", aget_then_delete)
+        monkeypatch.setattr(k8s, "acreate_or_get", create_after_the_verdict)
+        monkeypatch.setattr(k8s, "apatch_job_status", recording_patch)
+        monkeypatch.setattr(handlers, "reconcile_children", counted_reconcile)
+        gate["armed"] = True
+        delete("v1", "ConfigMap", "demo-trainer")
+        wait_for(lambda: len(finished) >= 2, timeout=20)  # the reading pass and the deletion's
+        assert job_status()["phase"] == "Failed"
+        assert "Failed" in phases and "Running" not in phases[phases.index("Failed") :], phases
+        assert k8s.get(*RJ, "ns1", "demo") is None
