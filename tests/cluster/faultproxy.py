@@ -55,6 +55,9 @@ class FaultProxy:
         self.p = dict(p500=p500, p429=p429, p409=p409, before=p_reset_before, after=p_reset_after)
         self.watch_seconds = watch_seconds
         self.injected: Counter = Counter()
+        # objects the API server created (201) through the proxy, per collection (resource
+        # plural): the operator's children, counted per job by the test
+        self.created: Counter = Counter()
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -139,6 +142,9 @@ class FaultProxy:
                 request.method, self.upstream + request.path_qs, headers=headers, data=body or None
             )
             try:
+                if request.method == "POST" and up.status == 201:
+                    # what the server really created (the client may never learn it: "after")
+                    self.created[request.path.rsplit("/", 1)[-1]] += 1
                 if kind == "after":
                     await up.read()
                     assert request.transport is not None

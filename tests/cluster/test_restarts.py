@@ -89,6 +89,10 @@ def test_fault_injecting_proxy_across_100_jobs(cp, operator, ns, tmp_path):
         cp.apply(docs[50:])
         wait_until(lambda: converged(cp, ns, names, "Suspended"), 300, "100 statuses converged")
         assert_exactly_one_child_each(cp, ns, names)
+        # Names are fixed, so "one of each" could hold after a delete-and-recreate: the
+        # server's 201s say each child was created exactly once (RayJobs: never re-run).
+        for plural in ("configmaps", "serviceaccounts", "roles", "rolebindings", "rayjobs"):
+            assert proxy.created[plural] == 100, (plural, dict(proxy.created))
     finally:
         operator.stop()
         proxy.stop()
