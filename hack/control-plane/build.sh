@@ -253,6 +253,15 @@ main() {
     echo "build.sh: Go (>= 1.26) is needed to build the control plane" >&2
     return 1
   }
+  # One build at a time per cache (two `make test` at once would remove each other's
+  # half-built component directories); a waiting run then finds the other's work done.
+  mkdir -p "$root"
+  if command -v flock >/dev/null; then
+    exec 9>"$root/.build.lock"
+    flock 9
+  fi
+  # shellcheck disable=SC2064 # expanded now: $out is local to main
+  trap "rm -rf '$out.tmp.$$'" EXIT # an interrupted assemble leaves nothing behind
   local components=("$@")
   [ ${#components[@]} -gt 0 ] || components=("${all[@]}")
   for c in "${components[@]}"; do

@@ -332,7 +332,9 @@ async def arequest(
                     return json.loads(raw) if raw else {}
                 error = ApiError(resp.status, str(resp.reason), raw.decode("utf-8", "replace"))
                 if resp.status == 401:
-                    _state.auth = None  # the next request asks the refresh hook again
+                    # The next request asks the refresh hook again (with in-cluster config it
+                    # re-reads the token file only once its own 60 s cache has expired).
+                    _state.auth = None
                 wait = _transient_wait(method, resp.status, raw, resp.headers, attempt)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             # reset before or after the server acted: a create is re-sent and answered 409
