@@ -167,7 +167,9 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     )
     assert condition(st, "Running")["reason"] == "WaitingForAdmission"
     assert condition(st, "Suspended")["status"] == "False"
-    # a spec edit the operator refuses leaves the queued job held by Kueue
+    # a spec edit the operator refuses leaves the queued job held by Kueue: nobody writes the
+    # RayJob's spec (a stray unsuspend, even one Kueue reverts at once, bumps its generation)
+    generation = cp.get("rayjob.ray.io", "second", ns)["metadata"]["generation"]
     cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
                "-p", '{"spec":{"training":{"steps":5}}}')  # fmt: skip
     wait_until(
@@ -178,6 +180,7 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
         "the edit refused",
     )
     assert rayjob_suspended(cp, "second", ns) is True
+    assert cp.get("rayjob.ray.io", "second", ns)["metadata"]["generation"] == generation
     assert job_pods(cp, "second", ns) == []
     cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
                "-p", '{"spec":{"training":{"steps":10}}}')  # fmt: skip
