@@ -77,3 +77,18 @@ def ray_start_resources(value: str) -> dict[str, float]:
 
     args = shlex.split(f"ray start --resources={value}")
     return json.loads(args[2].removeprefix("--resources="))
+
+
+async def serve_on_loopback(handle: Any) -> tuple[Any, str]:
+    """An aiohttp server answering every request with ``handle`` on 127.0.0.1 (a free port);
+    returns its runner (``await runner.cleanup()`` stops it) and its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

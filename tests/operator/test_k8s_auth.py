@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 
 from aiohttp import web
+from ophelpers import serve_on_loopback
 from ppojob_operator import k8s
 
 
@@ -26,14 +27,8 @@ def _run(statuses: list[int], steps: list[float], monkeypatch) -> tuple[list[str
 
     async def main() -> None:
         nonlocal hook_calls
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        k8s.configure(f"http://127.0.0.1:{port}", token="t0")
+        runner, url = await serve_on_loopback(handle)
+        k8s.configure(url, token="t0")
         cfg = k8s._state.config
 
         def hook(c) -> None:  # like the kubeconfig loader's: sets the current token

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from aiohttp import web
+from ophelpers import serve_on_loopback
 from ppojob_operator import k8s
 
 
@@ -35,14 +36,7 @@ async def _serve(answers: list[str], seen: list[str]) -> tuple[web.AppRunner, st
             return web.Response(status=404, body=_status(404, "NotFound"))
         return web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_on_loopback(handle)
 
 
 def _run(answers: list[str], method: str, body: Any = None) -> tuple[Any, list[str]]:
