@@ -53,6 +53,15 @@ def set_rayjob_status(status, name="demo"):
     k8s.patch(*RJ, "ns1", name, {"status": status}, "status")
 
 
+def start_running_job():
+    """The job created and its RayJob reported Running (as KubeRay would), the run started."""
+    create_job()
+    wait_for(phase_is("Pending"))
+    running = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+    set_rayjob_status({**running, "startTime": "2026-01-01T00:00:00Z"})
+    wait_for(phase_is("Running"))
+
+
 def creates(em, plural):
     return [
         r for r in em.requests() if r.method.value == "POST" and r.url.path.endswith("/" + plural)
@@ -453,16 +462,7 @@ def test_a_rayjob_deleted_during_a_heal_pass_is_not_run_again(cluster, monkeypat
         return await real_aget(api_version, kind, namespace, name)
 
     with Operator(cluster.url, ["ns1"]):
-        create_job()
-        wait_for(phase_is("Pending"))
-        set_rayjob_status(
-            {
-                "jobDeploymentStatus": "Running",
-                "jobStatus": "RUNNING",
-                "startTime": "2026-01-01T00:00:00Z",
-            }
-        )
-        wait_for(phase_is("Running"))
+        start_running_job()
         n_created = len(creates(cluster, "rayjobs"))
         monkeypatch.setattr(k8s, "aget", aget_deleting_first)
         armed["on"] = True
@@ -554,16 +554,7 @@ def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluste
             finished.append(1)
 
     with Operator(cluster.url, ["ns1"]):
-        create_job()
-        wait_for(phase_is("Pending"))
-        set_rayjob_status(
-            {
-                "jobDeploymentStatus": "Running",
-                "jobStatus": "RUNNING",
-                "startTime": "2026-01-01T00:00:00Z",
-            }
-        )
-        wait_for(phase_is("Running"))
+        start_running_job()
         monkeypatch.setattr(k8s, "aget", aget_then_delete)
         monkeypatch.setattr(k8s, "acreate_or_get", create_after_the_verdict)
         monkeypatch.setattr(k8s, "apatch_job_status", recording_patch)
