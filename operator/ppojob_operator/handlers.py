@@ -230,9 +230,9 @@ async def refresh_yunikorn_app(state: State, key: Key, rayjob: dict[str, Any]) -
 
 def _owner_key(rayjob: dict[str, Any]) -> Key | None:
     meta = rayjob.get("metadata") or {}
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("kind") == "PPOJob":
-            return (meta.get("namespace") or "", ref.get("name"))
+    ref = k8s.controller_ref(rayjob)
+    if ref is not None and ref.get("kind") == "PPOJob":
+        return (meta.get("namespace") or "", ref.get("name"))
     name = (meta.get("labels") or {}).get(JOB_LABEL)
     return (meta.get("namespace") or "", name) if name else None
 
@@ -314,8 +314,7 @@ def owned_by(rayjob: dict[str, Any] | None, uid: str | None) -> dict[str, Any] |
     a local render), else None (unowned, or another PPOJob's)."""
     if rayjob is None or not uid:
         return rayjob
-    refs = (rayjob.get("metadata") or {}).get("ownerReferences") or []
-    owner = next((r for r in refs if r.get("controller")), None)
+    owner = k8s.controller_ref(rayjob)
     return rayjob if owner is not None and owner.get("uid") == uid else None
 
 

@@ -156,7 +156,8 @@ def get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any
         raise
 
 
-def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
+def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The object's controller ownerReference, if it has one."""
     for ref in obj.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):
             return ref
@@ -165,7 +166,7 @@ def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
 
 def check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
     """Raise unless ``existing`` (same name as ``obj``) is controlled by ``obj``'s owner."""
-    want, have = _controller(obj), _controller(existing)
+    want, have = controller_ref(obj), controller_ref(existing)
     if want is None:
         return  # no owner to compare (ppojob render, tests without uids)
     meta = obj["metadata"]
