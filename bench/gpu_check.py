@@ -69,14 +69,27 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         _expect(torch.cuda.is_available(), "--device cuda but torch sees no GPU")
         torch.cuda.set_device(device)
     if args.tiny:
-        shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+        shape = dict(
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
     else:  # the Llama-3.2-1B shape, 1.24B parameters
-        shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                     tie_word_embeddings=True)  # fmt: skip
-    cfg = LlamaConfig(**shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)  # fmt: skip
+        shape = dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        )
+    cfg = LlamaConfig(
+        **shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     torch.manual_seed(0)
     b, p_len, r_len = args.batch, args.prompt_len, args.response_len
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,18 +98,30 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         model.save_pretrained(tmp)
         del model
         print(f"model: random-init Llama, {n_params:,} parameters, device {device}")
-        settings = TrainingSettings(learning_rate=1e-6, micro_batch_size=args.micro_batch,
-                                    gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+        settings = TrainingSettings(
+            learning_rate=1e-6,
+            micro_batch_size=args.micro_batch,
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
         engine = TorchGenerationEngine(tmp, "bfloat16", [2], 0, device=str(device))
-        actor = TorchPolicyTrainer(tmp, "bfloat16", settings, total_updates=args.steps,
-                                   temperature=1.0, need_reference=True,
-                                   device=str(device))  # fmt: skip
-        critic = TorchValueTrainer(tmp, "bfloat16", settings, total_updates=args.steps, seed=0,
-                                   device=str(device))  # fmt: skip
-    for name, module, dtype in (("actor master weights", actor.model, torch.float32),
-                                ("critic master weights", critic.model, torch.float32),
-                                ("reference", actor.reference, torch.bfloat16),
-                                ("rollout engine", engine.model, torch.bfloat16)):  # fmt: skip
+        actor = TorchPolicyTrainer(
+            tmp,
+            "bfloat16",
+            settings,
+            total_updates=args.steps,
+            temperature=1.0,
+            need_reference=True,
+            device=str(device),
+        )
+        critic = TorchValueTrainer(
+            tmp, "bfloat16", settings, total_updates=args.steps, seed=0, device=str(device)
+        )
+    for name, module, dtype in (
+        ("actor master weights", actor.model, torch.float32),
+        ("critic master weights", critic.model, torch.float32),
+        ("reference", actor.reference, torch.bfloat16),
+        ("rollout engine", engine.model, torch.bfloat16),
+    ):
         found = {(q.device.type, q.dtype) for q in module.parameters()}
         want = {(device.type, dtype)}
         _expect(found == want, f"{name}: expected {want}, found {sorted(map(str, found))}")
@@ -121,21 +146,33 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         pmask = torch.ones(b, p_len, dtype=torch.bool)
         sync()
         t0 = time.perf_counter()
-        out = engine.generate(prompts, pmask, max_new_tokens=r_len, temperature=1.0, top_p=1.0,
-                              seed=step)  # fmt: skip
+        out = engine.generate(
+            prompts, pmask, max_new_tokens=r_len, temperature=1.0, top_p=1.0, seed=step
+        )
         sync()
         t1 = time.perf_counter()
-        batch = {"prompt_ids": prompts, "prompt_mask": pmask, "response_ids": out.response_ids,
-                 "response_mask": out.response_mask}  # fmt: skip
+        batch = {
+            "prompt_ids": prompts,
+            "prompt_mask": pmask,
+            "response_ids": out.response_ids,
+            "response_mask": out.response_mask,
+        }
         batch["old_logprobs"] = actor.logprobs(batch)
         batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
         batch["old_values"] = critic.values(batch)
         scores = torch.rand(b, generator=gen)
         rewards = A.shape_token_rewards(scores, out.response_mask)
-        adv, ret = A.compute_advantages("gae", token_rewards=rewards, scores=scores,
-                                        values=batch["old_values"], mask=out.response_mask,
-                                        group_ids=torch.arange(b), gamma=1.0, lam=0.95,
-                                        whiten=True)  # fmt: skip
+        adv, ret = A.compute_advantages(
+            "gae",
+            token_rewards=rewards,
+            scores=scores,
+            values=batch["old_values"],
+            mask=out.response_mask,
+            group_ids=torch.arange(b),
+            gamma=1.0,
+            lam=0.95,
+            whiten=True,
+        )
         batch["advantages"], batch["returns"] = adv, ret
         sync()
         t2 = time.perf_counter()
@@ -153,11 +190,22 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             _expect(math.isfinite(val), f"step {step}: metric {key} = {val}")
         tokens = int(out.response_mask.sum()) + b * p_len
         seq_tokens = b * (p_len + out.response_ids.shape[1])
-        rows.append({"generate": t1 - t0, "forward": t2 - t1, "train": t3 - t2, "sync": t4 - t3,
-                     "step": t4 - t0, "tokens": tokens, "seq_tokens": seq_tokens})  # fmt: skip
-        print(f"step {step}: {t4 - t0:7.3f} s (generate {t1 - t0:.3f}, log-probs/values "
-              f"{t2 - t1:.3f}, critic+actor update {t3 - t2:.3f}, weight sync {t4 - t3:.3f}); "
-              f"pg_loss {am['pg_loss']:.4f} vf_loss {cm['vf_loss']:.4f}")  # fmt: skip
+        rows.append(
+            {
+                "generate": t1 - t0,
+                "forward": t2 - t1,
+                "train": t3 - t2,
+                "sync": t4 - t3,
+                "step": t4 - t0,
+                "tokens": tokens,
+                "seq_tokens": seq_tokens,
+            }
+        )
+        print(
+            f"step {step}: {t4 - t0:7.3f} s (generate {t1 - t0:.3f}, log-probs/values "
+            f"{t2 - t1:.3f}, critic+actor update {t3 - t2:.3f}, weight sync {t4 - t3:.3f}); "
+            f"pg_loss {am['pg_loss']:.4f} vf_loss {cm['vf_loss']:.4f}"
+        )
 
     timed = rows[1:] or rows  # the first step includes warm-up
     step_s = sum(r["step"] for r in timed) / len(timed)
@@ -174,9 +222,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "train_mfu": mfu,
         "peak_memory_gib": _peak_memory(device),
     }
-    print(f"device {name}: step {step_s:.3f} s, {figures['tokens_per_s']:.0f} tokens/s, "
-          f"training MFU {mfu:.1%} (peak {peak} TFLOP/s), peak memory "
-          f"{figures['peak_memory_gib']:.2f} GiB")  # fmt: skip
+    print(
+        f"device {name}: step {step_s:.3f} s, {figures['tokens_per_s']:.0f} tokens/s, "
+        f"training MFU {mfu:.1%} (peak {peak} TFLOP/s), peak memory "
+        f"{figures['peak_memory_gib']:.2f} GiB"
+    )
     return figures
 
 

@@ -30,11 +30,23 @@ from pathlib import Path
 import torch
 
 SHAPES = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-}  # fmt: skip
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+}
 # Dense bf16 peak TFLOP/s by device name (tensor cores, no sparsity).
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
@@ -42,8 +54,13 @@ PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.
 def _model_dir(name: str, root: Path, dtype: torch.dtype) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[name], max_position_embeddings=4096, tie_word_embeddings=False,
-                         rope_theta=500000.0, pad_token_id=0)  # fmt: skip
+    config = LlamaConfig(
+        **SHAPES[name],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     out = root / f"llama-{name}"
@@ -109,17 +126,24 @@ def main() -> None:
         t_save = time.perf_counter() - t0
         t0 = time.perf_counter()
         trainer = MegatronPolicyTrainer(
-            cfg, model_dir, ShardIdentity("actor"), need_reference=False, total_updates=2,
+            cfg,
+            model_dir,
+            ShardIdentity("actor"),
+            need_reference=False,
+            total_updates=2,
             device=device,
-        )  # fmt: skip
+        )
         t_build = time.perf_counter() - t0
     params = sum(p.numel() for p in trainer.m.model.parameters())
     batch = _batch(args.batch, args.prompt, args.response, SHAPES[args.model]["vocab_size"])
 
     def loss_fn(logp, ent, mb):  # type: ignore[no-untyped-def]
-        loss, _ = A.policy_loss(logp, mb["old_logprobs"].to(logp.device),
-                                mb["advantages"].to(logp.device),
-                                mb["response_mask"].to(logp.device))  # fmt: skip
+        loss, _ = A.policy_loss(
+            logp,
+            mb["old_logprobs"].to(logp.device),
+            mb["advantages"].to(logp.device),
+            mb["response_mask"].to(logp.device),
+        )
         return loss, {"pg_loss": float(loss.detach())}
 
     def timed(fn):  # type: ignore[no-untyped-def]
@@ -161,9 +185,11 @@ def main() -> None:
         "logprobs_finite": bool(torch.isfinite(logp).all()),
     }
     print(json.dumps(report, indent=1))
-    print(f"megatron actor update: {report['update_s']} s, {report['tokens_per_s']} tokens/s, "
-          f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, peak memory "
-          f"{report['peak_memory_gib'] or 'n/a'} GiB on {name}")  # fmt: skip
+    print(
+        f"megatron actor update: {report['update_s']} s, {report['tokens_per_s']} tokens/s, "
+        f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, peak memory "
+        f"{report['peak_memory_gib'] or 'n/a'} GiB on {name}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,20 @@ LAYOUTS = {
 def run_one(
     seed: int, steps: int, threshold: float, out: Path, backend: str = "megatron"
 ) -> dict[str, float | None]:
-    cmd = [sys.executable, "-m", "ppojob_trainer.cli", "run", str(EXAMPLE), "--out", str(out),
-           "--seed", str(seed), "--steps", str(steps), "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppojob_trainer.cli",
+        "run",
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+        "--steps",
+        str(steps),
+        "--no-progress",
+    ]
     for s in LAYOUTS[backend]:
         cmd += ["--set", s]
     start = time.perf_counter()
@@ -68,21 +80,32 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--backend", choices=sorted(LAYOUTS), default="megatron",
-                        help="torch: the same 2 workers, data parallel")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        choices=sorted(LAYOUTS),
+        default="megatron",
+        help="torch: the same 2 workers, data parallel",
+    )
     args = parser.parse_args()
     what = "megatron TP2" if args.backend == "megatron" else "torch DP2"
-    print(f"{what} actor + critic, time to mean reward >= {args.threshold} "
-          f"({EXAMPLE.name}, {args.steps} steps max)")  # fmt: skip
-    print(f"{'seed':>4} {'first':>6} {'step':>5} {'seconds':>8} {'setup s':>8} {'s/step':>7} "
-          f"{'final':>6} {'wall s':>7}")  # fmt: skip
+    print(
+        f"{what} actor + critic, time to mean reward >= {args.threshold} "
+        f"({EXAMPLE.name}, {args.steps} steps max)"
+    )
+    print(
+        f"{'seed':>4} {'first':>6} {'step':>5} {'seconds':>8} {'setup s':>8} {'s/step':>7} "
+        f"{'final':>6} {'wall s':>7}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             r = run_one(seed, args.steps, args.threshold, Path(tmp) / f"seed-{seed}", args.backend)
             secs = r["seconds"]
             shown = f"{secs:8.1f}" if secs is not None else "   never"
-            print(f"{seed:>4} {r['first']:6.3f} {r['step'] or '-':>5} {shown} {r['setup']:8.1f} "
-                  f"{r['step_s']:7.3f} {r['final']:6.3f} {r['wall']:7.1f}", flush=True)  # fmt: skip
+            print(
+                f"{seed:>4} {r['first']:6.3f} {r['step'] or '-':>5} {shown} {r['setup']:8.1f} "
+                f"{r['step_s']:7.3f} {r['final']:6.3f} {r['wall']:7.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

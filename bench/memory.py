@@ -79,9 +79,15 @@ def _child(spec: dict) -> None:
         f.write("5")
     before = _rss("VmRSS")
     if spec["role"] == "actor":
-        trainer = TorchPolicyTrainer(spec["dir"], "float32", settings, total_updates=2,
-                                     temperature=1.0, need_reference=False,
-                                     need_entropy=True)  # fmt: skip
+        trainer = TorchPolicyTrainer(
+            spec["dir"],
+            "float32",
+            settings,
+            total_updates=2,
+            temperature=1.0,
+            need_reference=False,
+            need_entropy=True,
+        )
 
         def run() -> None:
             trainer.update(batch, lambda lp, ent, mb: (-lp.mean(), {}), micro_batch_size=n)
@@ -106,21 +112,47 @@ def measure() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape, role, micro, seq, ckpt in MEASURED:
             path = Path(tmp) / name.replace(" ", "_")
-            cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                              intermediate_size=shape.intermediate,
-                              num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                              num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
-                              max_position_embeddings=4096)  # fmt: skip
+            cfg = LlamaConfig(
+                vocab_size=shape.vocab,
+                hidden_size=shape.hidden,
+                intermediate_size=shape.intermediate,
+                num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads,
+                num_key_value_heads=shape.kv_heads,
+                tie_word_embeddings=shape.tied,
+                max_position_embeddings=4096,
+            )
             LlamaForCausalLM(cfg).save_pretrained(path)
-            spec = {"dir": str(path), "role": role, "micro": micro, "seq": seq, "ckpt": ckpt,
-                    "vocab": shape.vocab}  # fmt: skip
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
-                   "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}  # fmt: skip
-            out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                                 env=env, capture_output=True, text=True, check=True)  # fmt: skip
+            spec = {
+                "dir": str(path),
+                "role": role,
+                "micro": micro,
+                "seq": seq,
+                "ckpt": ckpt,
+                "vocab": shape.vocab,
+            }
+            env = {
+                **os.environ,
+                "MALLOC_MMAP_THRESHOLD_": "65536",
+                "MALLOC_TRIM_THRESHOLD_": "0",
+                "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}",
+            }
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
-            model = TrainedModel(shape, dtype="float32", micro_batch=micro, seq_len=seq,
-                                 gradient_checkpointing=ckpt, lm_head=role == "actor")  # fmt: skip
+            model = TrainedModel(
+                shape,
+                dtype="float32",
+                micro_batch=micro,
+                seq_len=seq,
+                gradient_checkpointing=ckpt,
+                lm_head=role == "actor",
+            )
             planned = sum(model.states().values()) + sum(model.update_transient().values())
             err = (planned - measured) / measured
             worst = max(worst, abs(err))
@@ -132,8 +164,13 @@ def measure() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("manifest", nargs="?", help="a PPOJob manifest")
-    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                    help="override a spec field (as ppojob run --set)")  # fmt: skip
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field (as ppojob run --set)",
+    )
     ap.add_argument("--gpu-gib", type=float, help="GPU memory; default: from the node selector")
     ap.add_argument("--measure", action="store_true", help="check the plan against CPU peaks")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -151,8 +188,10 @@ def main() -> int:
     gib = args.gpu_gib or gpu_gib_of(cfg.roles.actor.node_selector)
     plans = plan_job(cfg, gib)
     if not plans:
-        print(f"unknown model shape for {cfg.model.path!r}: give a local directory with a "
-              "config.json, or add it to memory_plan.KNOWN_SHAPES")  # fmt: skip
+        print(
+            f"unknown model shape for {cfg.model.path!r}: give a local directory with a "
+            "config.json, or add it to memory_plan.KNOWN_SHAPES"
+        )
         return 2
     print(f"{args.manifest}: model {cfg.model.path}, dtype {cfg.model.dtype}, GPU {gib:.0f} GiB")
     print(format_plan(plans, gib))

@@ -73,15 +73,21 @@ FLOOR_OPERATOR = textwrap.dedent("""
 """)
 
 FLOOR_RULES = [
-    {"apiGroups": ["ppojob.io"], "resources": ["ppojobs"],
-     "verbs": ["get", "list", "watch", "patch"]},
+    {
+        "apiGroups": ["ppojob.io"],
+        "resources": ["ppojobs"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
     {"apiGroups": ["ppojob.io"], "resources": ["ppojobs/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-     "verbs": ["list", "watch"]},
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-]  # fmt: skip
+]
 
 
 def cpu_s(pid: int) -> float:
@@ -180,15 +186,32 @@ def measure(
     ns = f"bench-{label}"
     sa = f"{label}-operator"
     cp.kubectl("create", "namespace", ns)
-    cp.apply([
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": sa}, "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": sa},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
-         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]},
-    ])  # fmt: skip
+    cp.apply(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": sa, "namespace": ns},
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRole",
+                "metadata": {"name": sa},
+                "rules": rules,
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": sa},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": sa,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+            },
+        ]
+    )
     kubeconfig = cp.token_kubeconfig(tmp / f"{label}.kubeconfig", ns, sa)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
     env["KUBECONFIG"] = str(kubeconfig)
@@ -279,36 +302,69 @@ def main() -> int:
         tmp = Path(d)
         audit = tmp / "audit.log"
         policy = tmp / "audit-policy.yaml"
-        policy.write_text(json.dumps({
-            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-            "rules": [{"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
-                      {"level": "None"}],
-        }))  # fmt: skip
+        policy.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "audit.k8s.io/v1",
+                    "kind": "Policy",
+                    "omitStages": ["RequestReceived"],
+                    "rules": [
+                        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                        {"level": "None"},
+                    ],
+                }
+            )
+        )
         cp = ControlPlane(
             tmp / "cp",
-            apiserver_args=[f"--audit-policy-file={policy}", f"--audit-log-path={audit}",
-                            "--audit-log-mode=blocking"],
-        )  # fmt: skip
+            apiserver_args=[
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={audit}",
+                "--audit-log-mode=blocking",
+            ],
+        )
         cp.start(controllers=False)
         try:
             res = {
                 "ppojob": measure(
-                    cp, "ppojob",
-                    lambda ns: [sys.executable, "-m", "ppojob_operator", f"--namespace={ns}",
-                                "--metrics-port=0", "--health-port=0", "--log-level=WARNING"],
-                    "rayjobs", rules, args.single, args.burst, tmp, audit,
+                    cp,
+                    "ppojob",
+                    lambda ns: [
+                        sys.executable,
+                        "-m",
+                        "ppojob_operator",
+                        f"--namespace={ns}",
+                        "--metrics-port=0",
+                        "--health-port=0",
+                        "--log-level=WARNING",
+                    ],
+                    "rayjobs",
+                    rules,
+                    args.single,
+                    args.burst,
+                    tmp,
+                    audit,
                 ),
                 "floor": measure(
-                    cp, "floor", lambda ns: [sys.executable, "-c", FLOOR_OPERATOR, ns],
-                    "configmaps", FLOOR_RULES, args.single, args.burst, tmp, audit,
+                    cp,
+                    "floor",
+                    lambda ns: [sys.executable, "-c", FLOOR_OPERATOR, ns],
+                    "configmaps",
+                    FLOOR_RULES,
+                    args.single,
+                    args.burst,
+                    tmp,
+                    audit,
                 ),
-            }  # fmt: skip
+            }
         finally:
             cp.stop()
     ours, floor = res["ppojob"], res["floor"]
     rows = [
-        ("(a) one at a time: PPOJob -> child, ms p50",
-         lambda r: statistics.median(r["single"]) * 1e3),
+        (
+            "(a) one at a time: PPOJob -> child, ms p50",
+            lambda r: statistics.median(r["single"]) * 1e3,
+        ),
         (f"(b) burst {args.burst}: total until every child, s", lambda r: r["total"]),
         ("(b) burst latency p50, s", lambda r: pct(r["lat"], 50)),
         ("(b) burst latency p99, s", lambda r: pct(r["lat"], 99)),
@@ -317,7 +373,7 @@ def main() -> int:
         ("(c) writes per job, one at a time", lambda r: sum(r["per_job"].values())),
         ("(c) writes per job, burst", lambda r: r["burst_writes"]),
         ("(d) operator peak RSS, MB", lambda r: r["rss"]),
-    ]  # fmt: skip
+    ]
     print(f"{'measure':48s} {'ppojob':>10s} {'floor':>10s} {'ratio':>8s}")
     for label, fn in rows:
         a, b = fn(ours), fn(floor)

@@ -66,10 +66,12 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
     path = resolve_model_path(cfg.model.path, seed)
     tok = load_tokenizer(path)
     engine = TorchGenerationEngine(path, "float32", stop_token_ids(tok), tok.pad_token_id)
-    actor = TorchPolicyTrainer(path, "float32", tr, total_updates=10**6,
-                               temperature=data.temperature, need_reference=kl_on)  # fmt: skip
-    critic = TorchValueTrainer(path, "float32", cfg.critic_training(), total_updates=10**6,
-                               seed=seed)  # fmt: skip
+    actor = TorchPolicyTrainer(
+        path, "float32", tr, total_updates=10**6, temperature=data.temperature, need_reference=kl_on
+    )
+    critic = TorchValueTrainer(
+        path, "float32", cfg.critic_training(), total_updates=10**6, seed=seed
+    )
     task = make_task(data.prompts)
     scorer = RewardScorer(data.reward_function, data.prompts)
     special = set(stop_token_ids(tok))
@@ -86,15 +88,29 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
         clock[0] = now
 
     def vloss(v, mb):
-        loss, _ = A.value_loss(v, mb["old_values"], mb["returns"], mb["response_mask"],
-                               algo.value_clip, agg=algo.loss_aggregation)  # fmt: skip
+        loss, _ = A.value_loss(
+            v,
+            mb["old_values"],
+            mb["returns"],
+            mb["response_mask"],
+            algo.value_clip,
+            agg=algo.loss_aggregation,
+        )
         return loss, {}
 
     def ploss(lp, ent, mb):
-        loss, _ = A.policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-                                algo.clip_range_low, algo.clip_range_high, algo.dual_clip,
-                                agg=algo.loss_aggregation, entropy=ent,
-                                entropy_coef=algo.entropy_coefficient)  # fmt: skip
+        loss, _ = A.policy_loss(
+            lp,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            algo.clip_range_low,
+            algo.clip_range_high,
+            algo.dual_clip,
+            agg=algo.loss_aggregation,
+            entropy=ent,
+            entropy_coef=algo.entropy_coefficient,
+        )
         if kl_loss_on:
             loss = loss + algo.kl.coefficient * A.kl_loss(
                 lp,
@@ -119,16 +135,27 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
         # generate + reward
         enc = tok(prompts, padding=True, return_tensors="pt")
         ids, pmask = enc["input_ids"], enc["attention_mask"].bool()
-        g = engine.generate(ids, pmask, max_new_tokens=data.max_response_length,
-                            temperature=data.temperature, top_p=data.top_p, seed=step)  # fmt: skip
+        g = engine.generate(
+            ids,
+            pmask,
+            max_new_tokens=data.max_response_length,
+            temperature=data.temperature,
+            top_p=data.top_p,
+            seed=step,
+        )
         texts = []
         for row in g.response_ids.tolist():
             cut = next((i for i, t in enumerate(row) if t in special), len(row))
             texts.append(tok.decode(row[:cut]))
         scores = torch.tensor(scorer(prompts, texts, labels))
-        batch = {"prompt_ids": ids, "prompt_mask": pmask, "response_ids": g.response_ids,
-                 "response_mask": g.response_mask, "scores": scores,
-                 "group_ids": torch.arange(n) // k}  # fmt: skip
+        batch = {
+            "prompt_ids": ids,
+            "prompt_mask": pmask,
+            "response_ids": g.response_ids,
+            "response_mask": g.response_mask,
+            "scores": scores,
+            "group_ids": torch.arange(n) // k,
+        }
         lap("generate")
         # values, old log-probs, advantages
         batch["values"] = batch["old_values"] = critic.values(batch)
@@ -140,14 +167,22 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
             kl = A.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.estimator)
             kl = torch.where(batch["response_mask"], kl, 0.0)
         rewards = A.shape_token_rewards(
-            batch["scores"], batch["response_mask"], None if kl_loss_on else kl,
+            batch["scores"],
+            batch["response_mask"],
+            None if kl_loss_on else kl,
             0.0 if kl_loss_on or kl is None else algo.kl.coefficient,
-        )  # fmt: skip
+        )
         batch["advantages"], batch["returns"] = A.compute_advantages(
-            "gae", token_rewards=rewards, scores=batch["scores"], values=batch["values"],
-            mask=batch["response_mask"], group_ids=batch["group_ids"], gamma=algo.gamma,
-            lam=algo.lam, whiten=algo.whitens_advantages,
-        )  # fmt: skip
+            "gae",
+            token_rewards=rewards,
+            scores=batch["scores"],
+            values=batch["values"],
+            mask=batch["response_mask"],
+            group_ids=batch["group_ids"],
+            gamma=algo.gamma,
+            lam=algo.lam,
+            whiten=algo.whitens_advantages,
+        )
         lap("prepare")
         for _ in range(algo.critic_updates_per_step * cfg.critic_training().ppo_epochs):
             for mb in minibatches(batch):
@@ -215,8 +250,10 @@ def main() -> int:
     from ppojob_trainer.models import count_parameters, load_causal_lm, resolve_model_path
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
-    print(f"cpus: {os.cpu_count()}, load average: {os.getloadavg()[0]:.2f}, "
-          f"steps: {args.steps} (after {args.warmup} warm-up), medians in ms")  # fmt: skip
+    print(
+        f"cpus: {os.cpu_count()}, load average: {os.getloadavg()[0]:.2f}, "
+        f"steps: {args.steps} (after {args.warmup} warm-up), medians in ms"
+    )
     start_local_ray()
     worst = 0.0
     try:
@@ -226,16 +263,22 @@ def main() -> int:
             ray_t, local_t = measure(cfg, args.steps, args.warmup, args.block)
             ratio = ray_t["step"] / local_t["step"]
             worst = max(worst, ratio)
-            print(f"\n{model} ({params:,} parameters, {cfg.data.samples_per_step} samples/step, "
-                  f"{threads_of(cfg)} torch thread(s))")  # fmt: skip
+            print(
+                f"\n{model} ({params:,} parameters, {cfg.data.samples_per_step} samples/step, "
+                f"{threads_of(cfg)} torch thread(s))"
+            )
             print(f"  {'phase':<14}{'ray':>10}{'one process':>14}")
             for key in PHASES:
                 print(f"  {key:<14}{ray_t[key] * 1e3:>10.1f}{local_t[key] * 1e3:>14.1f}")
             phases = sum(ray_t[k] for k in PHASES)
-            print(f"  {'(ray: driver, scheduling, object store)':<40}"
-                  f"{(ray_t['step'] - phases) * 1e3:>8.1f} ms")  # fmt: skip
-            print(f"  {'full step':<14}{ray_t['step'] * 1e3:>10.1f}{local_t['step'] * 1e3:>14.1f}"
-                  f"   ratio {ratio:.2f}")  # fmt: skip
+            print(
+                f"  {'(ray: driver, scheduling, object store)':<40}"
+                f"{(ray_t['step'] - phases) * 1e3:>8.1f} ms"
+            )
+            print(
+                f"  {'full step':<14}{ray_t['step'] * 1e3:>10.1f}{local_t['step'] * 1e3:>14.1f}"
+                f"   ratio {ratio:.2f}"
+            )
     finally:
         shutdown_ray()
     print(f"\nworst ratio: {worst:.2f} (goal <= 1.25)")

@@ -892,10 +892,15 @@ class Kueue:
         self.work.mkdir(parents=True, exist_ok=True)
         config = self._config()
         crds = self.crds()
-        cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
-                   input=yaml.safe_dump_all(crds))  # fmt: skip
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                   *[f"crd/{d['metadata']['name']}" for d in crds])  # fmt: skip
+        cp.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(crds)
+        )
+        cp.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            *[f"crd/{d['metadata']['name']}" for d in crds],
+        )
         cp.kubectl("create", "namespace", "kueue-system")
         env = {**os.environ, "KUBECONFIG": str(cp.admin_kubeconfig)}
         self.comp = cp._spawn("kueue", self._argv(config), env=env)
@@ -932,8 +937,9 @@ class Kueue:
                     },
                 },
             }
-            proc = cp.kubectl("create", "--dry-run=server", "-f", "-",
-                              input=yaml.safe_dump(probe), check=False)  # fmt: skip
+            proc = cp.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(probe), check=False
+            )
             return proc.returncode != 0 and "should delete the cluster" in proc.stderr
 
         wait_until(webhook_called, 60, "the API server calling Kueue's RayJob webhook")

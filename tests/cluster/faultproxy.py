@@ -119,19 +119,23 @@ class FaultProxy:
             self.injected[kind] += 1
             if kind == "p500":
                 return web.Response(
-                    status=500, body=_status(500, "InternalError", "500"),
+                    status=500,
+                    body=_status(500, "InternalError", "500"),
                     content_type="application/json",
-                )  # fmt: skip
+                )
             if kind == "p429":
                 return web.Response(
-                    status=429, headers={"Retry-After": "1"},
-                    body=_status(429, "TooManyRequests", "429"), content_type="application/json",
-                )  # fmt: skip
+                    status=429,
+                    headers={"Retry-After": "1"},
+                    body=_status(429, "TooManyRequests", "429"),
+                    content_type="application/json",
+                )
             if kind == "p409":
                 return web.Response(
-                    status=409, body=_status(409, "Conflict", "the object has been modified"),
+                    status=409,
+                    body=_status(409, "Conflict", "the object has been modified"),
                     content_type="application/json",
-                )  # fmt: skip
+                )
             if kind == "before":
                 assert request.transport is not None
                 request.transport.abort()

@@ -62,9 +62,16 @@ def test_get_ppojobs_shows_the_printer_columns(cp, operator, ns):
     wait_until(lambda: status(cp, "cols", ns).get("rayJobName"), 60, "status.rayJobName")
     progress = {"step": 3, "totalSteps": 10, "rewardMean": 0.25, "kl": 0.01}
     cp.kubectl(
-        "patch", PPOJOB, "cols", "-n", ns, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": {"progress": progress}}),
-    )  # fmt: skip
+        "patch",
+        PPOJOB,
+        "cols",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"progress": progress}}),
+    )
     plain = cp.kubectl("get", "ppojobs", "-n", ns).stdout
     assert plain.split("\n")[0].split() == [
         "NAME",

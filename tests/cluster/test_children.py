@@ -206,9 +206,11 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
         cp.apply(made_before)
         kept = {}
         for c in made_before:
-            resource = {"Role": "role.rbac.authorization.k8s.io",
-                        "RoleBinding": "rolebinding.rbac.authorization.k8s.io",
-                        "RayJob": "rayjob.ray.io"}.get(c["kind"], c["kind"].lower())  # fmt: skip
+            resource = {
+                "Role": "role.rbac.authorization.k8s.io",
+                "RoleBinding": "rolebinding.rbac.authorization.k8s.io",
+                "RayJob": "rayjob.ray.io",
+            }.get(c["kind"], c["kind"].lower())
             name = c["metadata"]["name"]
             kept[(resource, name)] = cp.get(resource, name, ns)["metadata"]["uid"]
     finally:

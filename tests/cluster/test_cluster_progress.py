@@ -46,20 +46,36 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
 
     # the token is good for its own job's status and for nothing else
     ok = as_trainer(
-        "patch", PPOJOB, "prog", "-n", ns, "--subresource=status", "--type=merge",
-        "-p", '{"status":{"progress":{"step":0}}}',
-    )  # fmt: skip
+        "patch",
+        PPOJOB,
+        "prog",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status":{"progress":{"step":0}}}',
+    )
     assert ok.returncode == 0, ok.stderr
     for args in [
-        ("patch", PPOJOB, "other", "-n", ns, "--subresource=status", "--type=merge",
-         "-p", '{"status":{"progress":{"step":1}}}'),
+        (
+            "patch",
+            PPOJOB,
+            "other",
+            "-n",
+            ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            '{"status":{"progress":{"step":1}}}',
+        ),
         ("patch", PPOJOB, "prog", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'),
         ("get", "configmaps", "-n", ns),
         ("get", "pods", "-n", ns),
         ("get", "rayjobs.ray.io", "-n", ns),
         ("get", PPOJOB, "-n", ns),
         ("get", "secrets", "-n", ns),
-    ]:  # fmt: skip
+    ]:
         denied = as_trainer(*args)
         assert denied.returncode != 0 and "Forbidden" in denied.stderr, (args, denied.stderr)
 
@@ -77,30 +93,59 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
     line = '{.status.progress.step}{" "}{.status.progress.rewardMean}{"\\n"}'
     watch_out = (tmp_path / "watch.txt").open("w")
     watch = subprocess.Popen(
-        [str(cp.kubectl_bin), f"--kubeconfig={cp.admin_kubeconfig}", "get", "ppojobs", "prog",
-         "-n", ns, f"-o=jsonpath={line}", "--watch"],
-        stdout=watch_out, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(cp.kubectl_bin),
+            f"--kubeconfig={cp.admin_kubeconfig}",
+            "get",
+            "ppojobs",
+            "prog",
+            "-n",
+            ns,
+            f"-o=jsonpath={line}",
+            "--watch",
+        ],
+        stdout=watch_out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log = (tmp_path / "trainer.log").open("w")
     trainer = None
     try:
         # the watch is established once it has printed the job's current row
-        wait_until(lambda: len((tmp_path / "watch.txt").read_text().splitlines()) >= 1, 30,
-                   "kubectl get --watch printing the job's row")  # fmt: skip
+        wait_until(
+            lambda: len((tmp_path / "watch.txt").read_text().splitlines()) >= 1,
+            30,
+            "kubectl get --watch printing the job's row",
+        )
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "ppojob_trainer.entrypoint", "--config", str(config),
-             "--out", str(tmp_path / "out"), "--no-progress"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "ppojob_trainer.entrypoint",
+                "--config",
+                str(config),
+                "--out",
+                str(tmp_path / "out"),
+                "--no-progress",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             trainer.wait(240)
         except subprocess.TimeoutExpired:
             trainer.kill()
             trainer.wait(10)
         # the final patch precedes the trainer's exit; the watch shows it once it has the row
-        wait_until(lambda: any(ln.split(" ")[0] == "6" for ln in
-                               (tmp_path / "watch.txt").read_text().splitlines()), 30,
-                   "the watch showing step 6")  # fmt: skip
+        wait_until(
+            lambda: any(
+                ln.split(" ")[0] == "6" for ln in (tmp_path / "watch.txt").read_text().splitlines()
+            ),
+            30,
+            "the watch showing step 6",
+        )
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
@@ -123,8 +168,15 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
 
     # KubeRay's verdict (it cannot reach a dashboard on fake pods): the job succeeded
     cp.kubectl(
-        "patch", "rayjob.ray.io", "prog", "-n", ns, "--subresource=status", "--type=merge",
-        "-p", '{"status":{"jobDeploymentStatus":"Complete","jobStatus":"SUCCEEDED"}}',
-    )  # fmt: skip
+        "patch",
+        "rayjob.ray.io",
+        "prog",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status":{"jobDeploymentStatus":"Complete","jobStatus":"SUCCEEDED"}}',
+    )
     wait_until(lambda: columns(cp, "prog", ns)["PHASE"] == "Succeeded", 60, "phase Succeeded")
     assert status(cp, "prog", ns)["progress"]["step"] == 6

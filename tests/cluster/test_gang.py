@@ -73,10 +73,16 @@ def test_gang_is_all_or_nothing(cp, operator, ns):
     # not even its head, which alone would fit
     cp.apply(
         gpu_job(
-            "small", ns, scheduler="scheduler-plugins", actor=1, critic=1, rollout=1,
-            gpus=2, pool=pool,
+            "small",
+            ns,
+            scheduler="scheduler-plugins",
+            actor=1,
+            critic=1,
+            rollout=1,
+            gpus=2,
+            pool=pool,
         )
-    )  # fmt: skip
+    )
     wait_children(cp, "small", ns)
     wait_until(
         lambda: (p := pods(cp, "small", ns)) and len(p) == 4 and all(map(unschedulable, p)),

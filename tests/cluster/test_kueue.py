@@ -170,8 +170,16 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     # a spec edit the operator refuses leaves the queued job held by Kueue: nobody writes the
     # RayJob's spec (a stray unsuspend, even one Kueue reverts at once, bumps its generation)
     generation = cp.get("rayjob.ray.io", "second", ns)["metadata"]["generation"]
-    cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
-               "-p", '{"spec":{"training":{"steps":5}}}')  # fmt: skip
+    cp.kubectl(
+        "patch",
+        PPOJOB,
+        "second",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"training":{"steps":5}}}',
+    )
     wait_until(
         lambda: (
             condition(status(cp, "second", ns), "SpecApplied").get("reason") == "SpecChangeRefused"
@@ -182,8 +190,16 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     assert rayjob_suspended(cp, "second", ns) is True
     assert cp.get("rayjob.ray.io", "second", ns)["metadata"]["generation"] == generation
     assert job_pods(cp, "second", ns) == []
-    cp.kubectl("patch", PPOJOB, "second", "-n", ns, "--type=merge",
-               "-p", '{"spec":{"training":{"steps":10}}}')  # fmt: skip
+    cp.kubectl(
+        "patch",
+        PPOJOB,
+        "second",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"training":{"steps":10}}}',
+    )
 
     # the first job goes: its quota comes back and the second is admitted
     cp.kubectl("delete", PPOJOB, "first", "-n", ns, "--wait=false")
@@ -269,13 +285,15 @@ def test_kueue_webhook_refuses_a_queue_name_that_is_no_localqueue_name(cp, kueue
 
     manifest = job("badq", ns)
     rayjob = build_children(validate_manifest(manifest), namespace=ns)[-1]
-    proc = cp.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob),
-                      check=False)  # fmt: skip
+    proc = cp.kubectl(
+        "create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob), check=False
+    )
     assert proc.returncode == 0, proc.stderr  # what we build passes Kueue's webhook
 
     rayjob["metadata"]["labels"][QUEUE_LABEL] = "Team_A"
-    proc = cp.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob),
-                      check=False)  # fmt: skip
+    proc = cp.kubectl(
+        "create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(rayjob), check=False
+    )
     assert proc.returncode != 0 and QUEUE_LABEL in proc.stderr, proc.stderr
     manifest["spec"]["scheduling"]["queue"] = "Team_A"
     with pytest.raises(SpecError) as err:

@@ -65,12 +65,24 @@ def test_the_loops_own_metric_names_reach_the_status():
     api = FakeApi()
     rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=0)
     rep.start(total_steps=2)
-    rep.report(1, {"reward/mean": 0.25, "kl/mean": 0.5, "critic/vf_loss": 2.0,
-                   "time/tokens_per_second": 99.0, "actor/pg_loss": 1.0})  # fmt: skip
+    rep.report(
+        1,
+        {
+            "reward/mean": 0.25,
+            "kl/mean": 0.5,
+            "critic/vf_loss": 2.0,
+            "time/tokens_per_second": 99.0,
+            "actor/pg_loss": 1.0,
+        },
+    )
     rep.finish({"steps": 2, "final_reward": 0.75, "wall_s": 3.0})
     p1 = api.calls[1][5]["status"]["progress"]
     assert (p1["rewardMean"], p1["kl"], p1["valueLoss"], p1["tokensPerSecond"]) == (
-        0.25, 0.5, 2.0, 99.0)  # fmt: skip
+        0.25,
+        0.5,
+        2.0,
+        99.0,
+    )
     p2 = api.calls[2][5]["status"]["progress"]
     assert p2["rewardMean"] == 0.75 and p2["step"] == 2
 

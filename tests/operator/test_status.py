@@ -60,9 +60,13 @@ def test_pending_and_initializing_reasons_show_on_the_running_condition(dep, js,
     """Pending and Initializing have no condition of their own: their reason and message are on
     ``Running`` (False), where ``kubectl describe`` shows them."""
     st = desired_status(
-        JOB, rayjob(dep, js), generation=1, previous=None, now="T",
+        JOB,
+        rayjob(dep, js),
+        generation=1,
+        previous=None,
+        now="T",
         scheduler="kueue" if kueue else "none",
-    )  # fmt: skip
+    )
     running = next(c for c in st["conditions"] if c["type"] == "Running")
     assert running["status"] == "False" and running["reason"] == reason
     assert running["message"]

@@ -37,11 +37,15 @@ def _cfg(tp: int, pp: int, micro: int | None) -> object:
             },
             "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
             "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
-            "training": {"learningRate": 1e-2, "microBatchSize": micro, "gradClip": 0.5,
-                         "adamEps": 1e-6,
-                         "seed": 3},
+            "training": {
+                "learningRate": 1e-2,
+                "microBatchSize": micro,
+                "gradClip": 0.5,
+                "adamEps": 1e-6,
+                "seed": 3,
+            },
         }
-    )  # fmt: skip
+    )
 
 
 def _batch(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -73,9 +77,17 @@ def _policy_loss(cfg):  # type: ignore[no-untyped-def]
 
     def loss_fn(logp, ent, mb):  # type: ignore[no-untyped-def]
         loss, m = A.policy_loss(
-            logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], 0.2, 0.2, None,
-            agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
-        )  # fmt: skip
+            logp,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            0.2,
+            0.2,
+            None,
+            agg=algo.loss_aggregation,
+            entropy=ent,
+            entropy_coef=algo.entropy_coefficient,
+        )
         return loss, {"pg_loss": float(loss.detach()), "entropy": float(m["entropy"])}
 
     return loss_fn
@@ -151,9 +163,14 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     # Log-probs (policy and reference) against the torch backend, left-padded prompts.
     settings = cfg.training
     torch_actor = TorchPolicyTrainer(
-        model_dir, "float32", settings, total_updates=4, temperature=0.8, need_reference=True,
+        model_dir,
+        "float32",
+        settings,
+        total_updates=4,
+        temperature=0.8,
+        need_reference=True,
         entropy_grad=True,
-    )  # fmt: skip
+    )
     lp_m = actor.logprobs(mine)
     lp_t = torch_actor.logprobs(mine)
     mask = mine["response_mask"]
@@ -190,8 +207,9 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         out["resume_max_abs"] = _maxdiff(a, b)
 
     # Critic: values and one update against the torch backend's value model.
-    critic = MegatronValueTrainer(cfg, model_dir, dataclasses.replace(shard, role="critic"),
-                                  total_updates=4)  # fmt: skip
+    critic = MegatronValueTrainer(
+        cfg, model_dir, dataclasses.replace(shard, role="critic"), total_updates=4
+    )
     torch_critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=4, seed=3)
     out["values_max_abs"] = float(
         (critic.values(mine) - torch_critic.values(mine))[mask].abs().max()
@@ -214,8 +232,9 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     results = {}
     cases = [
         (model_dirs[0], "tp2", 2, 1),

@@ -123,16 +123,26 @@ def test_advantages_are_the_same_for_dp_1_2_and_3(case, sharded):
     assert whole.abs().sum() > 0
     for dp in (2, 3):
         parts = [sharded[(case, dp, r)] for r in range(dp)]
-        torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=1e-6,
-                                   msg=lambda m, dp=dp: f"{case}, dp={dp}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            torch.cat(parts),
+            whole,
+            atol=1e-6,
+            rtol=1e-6,
+            msg=lambda m, dp=dp: f"{case}, dp={dp}: {m}",
+        )
 
 
 # --- normalizeAdvantages: the default depends on the estimator; an explicit value is honoured
 @pytest.mark.parametrize(
     ("estimator", "default"),
-    [("gae", True), ("reinforce_plus_plus", True), ("reinforce_plus_plus_baseline", True),
-     ("grpo", False), ("rloo", False)],
-)  # fmt: skip
+    [
+        ("gae", True),
+        ("reinforce_plus_plus", True),
+        ("reinforce_plus_plus_baseline", True),
+        ("grpo", False),
+        ("rloo", False),
+    ],
+)
 def test_normalize_advantages_default_depends_on_the_estimator(estimator, default):
     assert Algorithm(advantage_estimator=estimator).whitens_advantages is default
     for explicit in (True, False):
@@ -150,8 +160,10 @@ def test_grpo_by_default_keeps_the_sign_of_each_answer():
     group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     full = {"response_mask": mask, "scores": scores, "group_ids": group_ids}
     tr = shape_token_rewards(scores, mask)
-    for settings in ({"advantageEstimator": "grpo"},
-                     {"advantageEstimator": "grpo", "grpoNormByStd": False}):  # fmt: skip
+    for settings in (
+        {"advantageEstimator": "grpo"},
+        {"advantageEstimator": "grpo", "grpoNormByStd": False},
+    ):
         algo = Algorithm.model_validate(settings)
         adv, _ = shard_advantages(algo, None, full, 0, 8, tr, None, None)
         per_sample = adv[:, 0]
@@ -159,8 +171,16 @@ def test_grpo_by_default_keeps_the_sign_of_each_answer():
         assert torch.equal(torch.sign(per_sample), torch.sign(centred)), settings
     # Dr. GRPO (no division by the std) differs from GRPO when nothing re-whitens it
     a = shard_advantages(Algorithm(advantage_estimator="grpo"), None, full, 0, 8, tr, None, None)
-    b = shard_advantages(Algorithm(advantage_estimator="grpo", grpo_norm_by_std=False), None,
-                         full, 0, 8, tr, None, None)  # fmt: skip
+    b = shard_advantages(
+        Algorithm(advantage_estimator="grpo", grpo_norm_by_std=False),
+        None,
+        full,
+        0,
+        8,
+        tr,
+        None,
+        None,
+    )
     assert not torch.allclose(a[0], b[0])
     # explicit true whitens the group advantages over the step's tokens
     on = Algorithm(advantage_estimator="grpo", normalize_advantages=True)

@@ -66,8 +66,14 @@ def test_rollout_logprobs_match_a_full_forward_with_left_padding(model_dir, tok,
     ids, mask = _prompts(tok, ["1", "2345", "67", "890"] * 4)
     assert not mask.all()
     gen = engine.generate(ids, mask, max_new_tokens=6, temperature=temperature, top_p=1.0, seed=0)
-    trainer = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
-                                 temperature=temperature, need_reference=False)  # fmt: skip
+    trainer = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        _settings(),
+        total_updates=1,
+        temperature=temperature,
+        need_reference=False,
+    )
     batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": gen.response_ids}
     logp = trainer.logprobs(batch)
     m = gen.response_mask
@@ -85,10 +91,15 @@ def test_policy_update_and_weight_sync(model_dir, tok):
     engine = _engine(model_dir, tok)
     ids, mask = _prompts(tok, ["4"] * 32)
     gen = engine.generate(ids, mask, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
-    trainer = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=10,
-                                 temperature=1.0, need_reference=True)  # fmt: skip
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": gen.response_ids,
-             "response_mask": gen.response_mask}  # fmt: skip
+    trainer = TorchPolicyTrainer(
+        model_dir, "float32", _settings(), total_updates=10, temperature=1.0, need_reference=True
+    )
+    batch = {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": gen.response_ids,
+        "response_mask": gen.response_mask,
+    }
 
     def loss_fn(logp, ent, mb):
         return -(logp[:, 0]).mean(), {"ent": float(ent.detach().mean())}
@@ -114,8 +125,13 @@ def test_value_trainer_fits_returns(model_dir, tok):
     resp = torch.randint(4, 14, (16, 8))
     rmask = torch.ones(16, 8, dtype=torch.bool)
     critic = TorchValueTrainer(model_dir, "float32", _settings(), total_updates=50, seed=0)
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp, "response_mask": rmask,
-             "returns": torch.full((16, 8), 0.5)}  # fmt: skip
+    batch = {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": resp,
+        "response_mask": rmask,
+        "returns": torch.full((16, 8), 0.5),
+    }
 
     def loss_fn(values, mb):
         loss = ((values - mb["returns"]) ** 2).mean()
@@ -131,8 +147,9 @@ def test_value_trainer_fits_returns(model_dir, tok):
 
 
 def test_lr_schedules():
-    s = TrainingSettings(learning_rate=1.0, lr_warmup_steps=2, lr_scheduler="cosine",
-                         min_learning_rate=0.1)  # fmt: skip
+    s = TrainingSettings(
+        learning_rate=1.0, lr_warmup_steps=2, lr_scheduler="cosine", min_learning_rate=0.1
+    )
     assert [lr_factor(i, s, 12) for i in (0, 1)] == [0.5, 1.0]
     assert lr_factor(2, s, 12) == pytest.approx(1.0)
     assert lr_factor(12, s, 12) == pytest.approx(0.1)
@@ -152,19 +169,37 @@ def test_micro_batches_of_unequal_token_counts_give_the_full_batch_gradient(mode
     g = torch.Generator().manual_seed(0)
     resp = torch.randint(4, 14, (4, 6), generator=g)
     rmask = torch.arange(6)[None, :] < torch.tensor([1, 0, 6, 5])[:, None]
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp, "response_mask": rmask,
-             "old_logprobs": -torch.rand(4, 6, generator=g) * 3,
-             "advantages": torch.randn(4, 6, generator=g)}  # fmt: skip
+    batch = {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": resp,
+        "response_mask": rmask,
+        "old_logprobs": -torch.rand(4, 6, generator=g) * 3,
+        "advantages": torch.randn(4, 6, generator=g),
+    }
 
     def loss_fn(logp, ent, mb):
-        loss, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-                              agg=agg, entropy=ent, entropy_coef=0.01)  # fmt: skip
+        loss, _ = policy_loss(
+            logp,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            agg=agg,
+            entropy=ent,
+            entropy_coef=0.01,
+        )
         return loss, {}
 
     grads = []
     for micro in (4, 2):
-        trainer = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
-                                     temperature=1.0, need_reference=False)  # fmt: skip
+        trainer = TorchPolicyTrainer(
+            model_dir,
+            "float32",
+            _settings(),
+            total_updates=1,
+            temperature=1.0,
+            need_reference=False,
+        )
 
         def capture(trainer=trainer):
             grads.append([p.grad.clone() for p in trainer.opt.params])
@@ -193,14 +228,22 @@ def test_logprobs_and_values_run_in_eval_mode_and_updates_in_train_mode(model_di
     mode); the updates train in train mode."""
     ids, mask = _prompts(tok, ["5"] * 4)
     resp = torch.randint(4, 14, (4, 3))
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp,
-             "response_mask": torch.ones(4, 3, dtype=torch.bool)}  # fmt: skip
-    policy = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
-                                temperature=1.0, need_reference=True)  # fmt: skip
+    batch = {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": resp,
+        "response_mask": torch.ones(4, 3, dtype=torch.bool),
+    }
+    policy = TorchPolicyTrainer(
+        model_dir, "float32", _settings(), total_updates=1, temperature=1.0, need_reference=True
+    )
     critic = TorchValueTrainer(model_dir, "float32", _settings(), total_updates=1, seed=0)
     modes: list[tuple[str, bool]] = []
-    for name, module in (("policy", policy.model), ("ref", policy.reference),
-                         ("critic", critic.model)):  # fmt: skip
+    for name, module in (
+        ("policy", policy.model),
+        ("ref", policy.reference),
+        ("critic", critic.model),
+    ):
         module.register_forward_pre_hook(lambda m, _a, name=name: modes.append((name, m.training)))
     policy.logprobs(batch)
     policy.logprobs(batch, reference=True)
@@ -215,11 +258,21 @@ def test_logprobs_and_values_run_in_eval_mode_and_updates_in_train_mode(model_di
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_entropy_has_a_graph_only_when_the_loss_uses_it(model_dir, tok, entropy_grad):
     ids, mask = _prompts(tok, ["6"] * 2)
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": torch.randint(4, 14, (2, 3)),
-             "response_mask": torch.ones(2, 3, dtype=torch.bool)}  # fmt: skip
-    policy = TorchPolicyTrainer(model_dir, "float32", _settings(), total_updates=1,
-                                temperature=1.0, need_reference=False,
-                                entropy_grad=entropy_grad)  # fmt: skip
+    batch = {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": torch.randint(4, 14, (2, 3)),
+        "response_mask": torch.ones(2, 3, dtype=torch.bool),
+    }
+    policy = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        _settings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+        entropy_grad=entropy_grad,
+    )
     seen = []
 
     def loss_fn(logp, ent, mb):

@@ -52,12 +52,17 @@ def test_a_whole_actor_and_critic_update_with_the_models_off_the_cpu(model_dir, 
     # which a shapes-only tensor cannot answer; our batches are never packed.
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda _pos: None)
 
-    cfg = TrainerConfig.model_validate({
-        "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2},
-        "algorithm": {"advantageEstimator": "grpo", "entropyCoefficient": 0.01,
-                      "kl": {"coefficient": 0.1, "mode": "loss", "estimator": "k3"}},
-        "training": {"microBatchSize": 2},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2},
+            "algorithm": {
+                "advantageEstimator": "grpo",
+                "entropyCoefficient": 0.01,
+                "kl": {"coefficient": 0.1, "mode": "loss", "estimator": "k3"},
+            },
+            "training": {"microBatchSize": 2},
+        }
+    )
     actor = ActorWorker(cfg, ShardIdentity("actor"), model_dir, "meta", None)
     assert next(actor.trainer.model.parameters()).device.type == "meta"
     actor.batch = _batch()
@@ -68,8 +73,9 @@ def test_a_whole_actor_and_critic_update_with_the_models_off_the_cpu(model_dir, 
         s["exp_avg"].device.type == "meta" for s in actor.trainer.opt.optimizer.state.values()
     )
 
-    critic = TorchValueTrainer(model_dir, "float32", cfg.training, total_updates=1, seed=0,
-                               device="meta")  # fmt: skip
+    critic = TorchValueTrainer(
+        model_dir, "float32", cfg.training, total_updates=1, seed=0, device="meta"
+    )
     batch = {k: v for k, v in _batch().items() if k.startswith(("prompt", "response"))}
     batch["old_values"] = torch.zeros(4, 6)
     batch["returns"] = torch.ones(4, 6)
@@ -94,8 +100,9 @@ def test_bfloat16_trains_float32_masters_and_computes_in_bfloat16(model_dir):
     """lr 1e-6, three AdamW steps: with float32 master weights nearly every element moves (pure
     bfloat16 parameters round most such updates away); the matmuls run in bfloat16."""
     settings = TrainingSettings(learning_rate=1e-6, grad_clip=None)
-    policy = TorchPolicyTrainer(model_dir, "bfloat16", settings, total_updates=3,
-                                temperature=1.0, need_reference=True)  # fmt: skip
+    policy = TorchPolicyTrainer(
+        model_dir, "bfloat16", settings, total_updates=3, temperature=1.0, need_reference=True
+    )
     assert all(p.dtype == torch.float32 for p in policy.opt.params)
     assert all(p.dtype == torch.bfloat16 for p in policy.reference.parameters())
     seen = []
@@ -136,8 +143,9 @@ def test_chunked_logprobs_equal_the_full_logits_with_the_same_gradients():
     (ref_lp.sum() + ref_ent.sum()).backward()
     ref_grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad = head.weight.grad = None
-    lp, ent = chunked_logprobs(hidden, head, tokens, 0.7, want_entropy=True, entropy_grad=True,
-                               chunk_tokens=4)  # fmt: skip
+    lp, ent = chunked_logprobs(
+        hidden, head, tokens, 0.7, want_entropy=True, entropy_grad=True, chunk_tokens=4
+    )
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(ent, ref_ent)
     (lp.sum() + ent.sum()).backward()
@@ -158,10 +166,17 @@ def test_trim_padding_keeps_only_the_longest_prompt_and_response():
 
 def test_forwards_without_gradient_run_in_micro_batches_padded_to_their_longest(model_dir):
     settings = TrainingSettings(forward_micro_batch_size=2)
-    policy = TorchPolicyTrainer(model_dir, "float32", settings, total_updates=1,
-                                temperature=1.0, need_reference=False)  # fmt: skip
-    whole = TorchPolicyTrainer(model_dir, "float32", TrainingSettings(), total_updates=1,
-                               temperature=1.0, need_reference=False)  # fmt: skip
+    policy = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=1, temperature=1.0, need_reference=False
+    )
+    whole = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+    )
     critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=1, seed=0)
     shapes: list[tuple[int, ...]] = []
     for module in (policy.lm.model, critic.model.backbone):
@@ -184,8 +199,9 @@ def test_gradient_checkpointing_gives_the_same_update(model_dir):
     results = []
     for ckpt in (False, True):
         settings = TrainingSettings(learning_rate=1e-3, gradient_checkpointing=ckpt)
-        policy = TorchPolicyTrainer(model_dir, "float32", settings, total_updates=1,
-                                    temperature=1.0, need_reference=False)  # fmt: skip
+        policy = TorchPolicyTrainer(
+            model_dir, "float32", settings, total_updates=1, temperature=1.0, need_reference=False
+        )
         policy.update(batch, lambda logp, ent, mb: (-(logp * mb["response_mask"]).sum(), {}), 4)
         results.append(policy.export_weights())
     for k, v in results[0].items():
@@ -196,8 +212,9 @@ def test_hugging_face_export_of_actor_and_critic_loads_back(model_dir, tmp_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     settings = TrainingSettings(learning_rate=1e-2)
-    policy = TorchPolicyTrainer(model_dir, "float32", settings, total_updates=1,
-                                temperature=1.0, need_reference=False)  # fmt: skip
+    policy = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=1, temperature=1.0, need_reference=False
+    )
     critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=1, seed=3)
     batch = _batch()
     policy.update(batch, lambda logp, ent, mb: (-(logp * mb["response_mask"]).sum(), {}), 4)

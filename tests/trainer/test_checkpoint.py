@@ -123,12 +123,14 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
 def _cfg(**training):
     from ppojob_trainer.config import TrainerConfig
 
-    return TrainerConfig.model_validate({
-        "roles": {"actor": {"replicas": 1}, "rollout": {"replicas": 1}},
-        "algorithm": {"advantageEstimator": "grpo"},
-        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
-        "training": {"steps": 2, **training},
-    })  # fmt: skip
+    return TrainerConfig.model_validate(
+        {
+            "roles": {"actor": {"replicas": 1}, "rollout": {"replicas": 1}},
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+            "training": {"steps": 2, **training},
+        }
+    )
 
 
 def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Path) -> None:

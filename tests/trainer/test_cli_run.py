@@ -47,8 +47,20 @@ def tiny_doc() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 def test_overrides_steps_seed_and_default_out(captured, monkeypatch, tmp_path) -> None:
     monkeypatch.chdir(tmp_path)
-    rc = ppojob(["run", str(TINY), "--steps", "5", "--seed", "3", "--num-cpus", "2",
-                 "--set", "training.learningRate=1e-4"])  # fmt: skip
+    rc = ppojob(
+        [
+            "run",
+            str(TINY),
+            "--steps",
+            "5",
+            "--seed",
+            "3",
+            "--num-cpus",
+            "2",
+            "--set",
+            "training.learningRate=1e-4",
+        ]
+    )
     assert rc == 0
     (call,) = captured
     cfg = call["cfg"]
@@ -76,11 +88,13 @@ def test_grpo_from_the_same_manifest_with_one_field_changed(captured, tmp_path) 
         (["--set", "noequals"], "expected KEY=VALUE"),
         (["--set", "data.prompts.x=1"], "spec.data.prompts is a str, not a mapping"),
         (["--set", "algorithm.advantageEstimator=ppo"], "advantageEstimator"),
-        (["--set", "algorithm.advantageEstimator=grpo", "--set", "roles.critic.replicas=1"],
-         "spec.roles.critic"),
+        (
+            ["--set", "algorithm.advantageEstimator=grpo", "--set", "roles.critic.replicas=1"],
+            "spec.roles.critic",
+        ),
         (["--num-cpus", "0"], "--num-cpus must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_exits_1_with_the_field_and_no_traceback(
     captured, capsys, argv: list[str], expected: str
 ) -> None:
@@ -232,8 +246,9 @@ def test_a_worker_that_cannot_start_ends_the_run_with_one_line(
 
 @pytest.mark.slow
 def test_ppojob_run_that_cannot_be_placed_exits_2(local_ray, tmp_path, capsys) -> None:
-    rc = ppojob(["run", str(TINY), "--out", str(tmp_path), "--set",
-                 "roles.actor.resources.cpus=64"])  # fmt: skip
+    rc = ppojob(
+        ["run", str(TINY), "--out", str(tmp_path), "--set", "roles.actor.resources.cpus=64"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "cannot place the job" in err and "CPU: the job needs 64" in err

@@ -29,8 +29,14 @@ def test_temperature_zero_is_greedy_decoding(model_dir):
     a = engine.generate(ids, mask, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=1)
     b = engine.generate(ids, mask, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=2)
     assert torch.equal(a.response_ids, b.response_ids)  # no sampling: the seed does not matter
-    trainer = TorchPolicyTrainer(model_dir, "float32", TrainingSettings(), total_updates=1,
-                                 temperature=1.0, need_reference=False)  # fmt: skip
+    trainer = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+    )
     batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": a.response_ids}
     with torch.no_grad():
         logits = _response_logits(trainer, batch)
@@ -98,12 +104,18 @@ def test_training_evaluates_every_interval_and_at_the_end(local_ray, tmp_path: P
     from ppojob_trainer.loop import train
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = TrainerConfig.model_validate({
-        "algorithm": {"advantageEstimator": "grpo"},
-        "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2, "maxResponseLength": 8,
-                 "evalPrompts": "builtin:count-up"},
-        "training": {"steps": 3, "evalInterval": 2, "learningRate": 1e-3, "seed": 1},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {
+                "rolloutBatchSize": 2,
+                "samplesPerPrompt": 2,
+                "maxResponseLength": 8,
+                "evalPrompts": "builtin:count-up",
+            },
+            "training": {"steps": 3, "evalInterval": 2, "learningRate": 1e-3, "seed": 1},
+        }
+    )
     result = train(cfg, tmp_path, LocalProgressReporter(tmp_path, show_bar=False))
     records = read_metrics(tmp_path)
     evals = {r["step"]: r.get("eval/reward_mean") for r in records}

@@ -47,8 +47,9 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     from ppojob_trainer.config import TrainingSettings
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
     group = dist.new_group(list(range(WORLD)), backend="gloo")
     shard = ShardIdentity("actor", dp_rank=rank, dp_size=WORLD)
     full = _batch()
@@ -56,8 +57,14 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     mine = {k: v[rows] for k, v in full.items()}
 
     def policy_loss(logp, ent, mb):
-        loss, _ = A.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-                                entropy=ent, entropy_coef=0.01)  # fmt: skip
+        loss, _ = A.policy_loss(
+            logp,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            entropy=ent,
+            entropy_coef=0.01,
+        )
         kl = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"], "k3", "token-mean")
         return loss + 0.1 * kl, {"pg_loss": loss.detach(), "kl_loss": kl.detach()}
 
@@ -68,8 +75,9 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     def build(sharding: str):
         s = TrainingSettings(learning_rate=1e-2, sharding=sharding, grad_clip=1.0)
         kw = dict(total_updates=UPDATES, group=group, dp_size=WORLD)
-        actor = TorchPolicyTrainer(model_dir, "float32", s, temperature=1.0,
-                                   need_reference=True, entropy_grad=True, **kw)  # fmt: skip
+        actor = TorchPolicyTrainer(
+            model_dir, "float32", s, temperature=1.0, need_reference=True, entropy_grad=True, **kw
+        )
         critic = TorchValueTrainer(model_dir, "float32", s, seed=0, **kw)
         return actor, critic
 
@@ -95,11 +103,12 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
             metrics.append(update(actor, critic))
         results[sharding] = {
             "metrics": metrics,
-            "actor": actor.export_weights() if sharding == "none" else
-                     {k: v.float() for k, v in full_state_dict(actor.lm).items()},
+            "actor": actor.export_weights()
+            if sharding == "none"
+            else {k: v.float() for k, v in full_state_dict(actor.lm).items()},
             "critic": full_state_dict(critic.model),
             "logprobs": actor.logprobs(mine),
-        }  # fmt: skip
+        }
     # resume: fresh sharded trainers load the shards written before the last update
     actor, critic = build("fsdp")
     actor.load_checkpoint(Path(out) / "ckpt" / "actor", shard)
@@ -112,8 +121,16 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     # bfloat16 compute (FSDP mixed precision) over float32 sharded masters: lr 1e-6 moves
     # nearly every element in three updates
     s16 = TrainingSettings(learning_rate=1e-6, sharding="fsdp", grad_clip=None)
-    bf16 = TorchPolicyTrainer(model_dir, "bfloat16", s16, total_updates=UPDATES, temperature=1.0,
-                              need_reference=True, group=group, dp_size=WORLD)  # fmt: skip
+    bf16 = TorchPolicyTrainer(
+        model_dir,
+        "bfloat16",
+        s16,
+        total_updates=UPDATES,
+        temperature=1.0,
+        need_reference=True,
+        group=group,
+        dp_size=WORLD,
+    )
     before = full_state_dict(bf16.lm)
     batch16 = dict(mine)
     batch16["ref_logprobs"] = bf16.logprobs(batch16, reference=True)
@@ -153,11 +170,14 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
         diff_actor = _max_diff(r["none"]["actor"], r["fsdp"]["actor"])
         diff_critic = _max_diff(r["none"]["critic"], r["fsdp"]["critic"])
         losses = [m["actor/pg_loss"] for m in r["fsdp"]["metrics"]]
-        print(f"rank {rank}: max |w_fsdp - w_replica| actor {diff_actor:.2e} critic "
-              f"{diff_critic:.2e}; fsdp pg losses {losses}")  # fmt: skip
+        print(
+            f"rank {rank}: max |w_fsdp - w_replica| actor {diff_actor:.2e} critic "
+            f"{diff_critic:.2e}; fsdp pg losses {losses}"
+        )
         assert diff_actor <= 1e-5 and diff_critic <= 1e-5
-        torch.testing.assert_close(r["fsdp"]["logprobs"], r["none"]["logprobs"],
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            r["fsdp"]["logprobs"], r["none"]["logprobs"], atol=1e-5, rtol=1e-5
+        )
         # the resumed last update is the uninterrupted one, exactly
         assert r["resumed"]["metrics"][0] == r["fsdp"]["metrics"][-1]
         assert _max_diff(r["resumed"]["actor"], r["fsdp"]["actor"]) == 0.0

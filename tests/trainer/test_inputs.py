@@ -83,12 +83,14 @@ def test_the_trainer_refuses_to_start_a_critic_with_another_tokenizer(
     tok = models.load_tokenizer(other)
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(other)
-    cfg = TrainerConfig.model_validate({
-        "model": {"path": str(model_dir), "criticPath": str(other)},
-        "algorithm": {"advantageEstimator": "gae"},
-        "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2},
-        "training": {"steps": 1},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "model": {"path": str(model_dir), "criticPath": str(other)},
+            "algorithm": {"advantageEstimator": "gae"},
+            "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2},
+            "training": {"steps": 1},
+        }
+    )
     with pytest.raises(Exception, match=r"model\.criticPath"):
         PPOTrainer(cfg)
 
@@ -106,12 +108,14 @@ def _write_all(tmp_path: Path) -> dict[str, Path]:
     out["jsonl"].write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
     out["json"] = tmp_path / "p.json"
     out["json"].write_text(json.dumps(RECORDS))
-    table = pa.Table.from_pylist([{"prompt": r["prompt"], "label": r.get("label")}
-                                  for r in RECORDS])  # fmt: skip
+    table = pa.Table.from_pylist(
+        [{"prompt": r["prompt"], "label": r.get("label")} for r in RECORDS]
+    )
     out["parquet"] = tmp_path / "p.parquet"
     pq.write_table(table, out["parquet"])
-    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "label": r.get("label")}
-                                     for r in RECORDS])  # fmt: skip
+    ds = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "label": r.get("label")} for r in RECORDS]
+    )
     out["saved"] = tmp_path / "saved"
     ds.save_to_disk(str(out["saved"]))
     out["saved_dict"] = tmp_path / "saved_dict"

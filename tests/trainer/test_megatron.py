@@ -35,9 +35,16 @@ def _hf_model(family: str, *, kv_heads: int, tied: bool, layers: int = 4):  # ty
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     cls = LlamaConfig if family == "llama" else Qwen2Config
-    config = cls(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-                 pad_token_id=0)  # fmt: skip
+    config = cls(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
@@ -57,8 +64,9 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(family: str, kv_heads: int, 
             if parallel_problems(shape, tp, pp):
                 continue
             tried += 1
-            shards = [[hf_to_megatron(hf, shape, t, tp, p, pp) for t in range(tp)]
-                      for p in range(pp)]  # fmt: skip
+            shards = [
+                [hf_to_megatron(hf, shape, t, tp, p, pp) for t in range(tp)] for p in range(pp)
+            ]
             # Each rank holds 1/tp of the split weights and 1/pp of the layers.
             qkv = shards[0][0]["decoder.layers.0.self_attention.linear_qkv.weight"]
             assert qkv.shape[0] == (4 + 2 * kv_heads) * 8 // tp
@@ -75,8 +83,9 @@ def test_critic_value_head_round_trip() -> None:
     shape = ModelShape.from_hf_config(model.config)
     hf = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     head = {"weight": torch.randn(1, 32), "bias": torch.randn(1)}
-    shards = [[hf_to_megatron(hf, shape, t, 2, p, 1, value_head=head) for t in range(2)]
-              for p in range(1)]  # fmt: skip
+    shards = [
+        [hf_to_megatron(hf, shape, t, 2, p, 1, value_head=head) for t in range(2)] for p in range(1)
+    ]
     assert torch.equal(shards[0][1]["output_layer.weight"], head["weight"])  # replicated
     back = megatron_to_hf(shards, shape, value=True)
     assert torch.equal(back["value_head.weight"], head["weight"])
@@ -110,17 +119,31 @@ def test_rope_of_hf_and_megatron_agree_with_llama3_scaling() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
-    config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=16384,
-                         rope_scaling=rope, rope_theta=500000.0)  # fmt: skip
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        max_position_embeddings=16384,
+        rope_scaling=rope,
+        rope_theta=500000.0,
+    )
     shape = ModelShape.from_hf_config(config)
     assert (shape.rope_scaling_factor, shape.rope_theta) == (32.0, 500000.0)
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    ours = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0,
-                           rotary_base=int(shape.rope_theta), rope_scaling=True,
-                           rope_scaling_factor=shape.rope_scaling_factor,
-                           use_cpu_initialization=True).inv_freq  # fmt: skip
+    ours = RotaryEmbedding(
+        kv_channels=shape.head_dim,
+        rotary_percent=1.0,
+        rotary_base=int(shape.rope_theta),
+        rope_scaling=True,
+        rope_scaling_factor=shape.rope_scaling_factor,
+        use_cpu_initialization=True,
+    ).inv_freq
     torch.testing.assert_close(ours, hf_inv.float(), rtol=1e-6, atol=0)
     assert ModelShape.from_hf_config(LlamaConfig()).rope_scaling_factor is None
     linear = LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
@@ -131,8 +154,15 @@ def test_rope_of_hf_and_megatron_agree_with_llama3_scaling() -> None:
 def test_builtin_shapes_table_matches_the_models() -> None:
     for name, (family, hidden, inter, layers, heads, kv, vocab) in BUILTIN_MEGATRON_SHAPES.items():
         shape = ModelShape.from_hf_config(models.builtin_config(name))
-        got = (shape.family, shape.hidden, shape.intermediate, shape.layers, shape.heads,
-               shape.kv_heads, shape.vocab)  # fmt: skip
+        got = (
+            shape.family,
+            shape.hidden,
+            shape.intermediate,
+            shape.layers,
+            shape.heads,
+            shape.kv_heads,
+            shape.vocab,
+        )
         assert got == (family, hidden, inter, layers, heads, kv, vocab), name
     assert set(BUILTIN_MEGATRON_SHAPES) == set(models.BUILTIN_MODELS)
 
@@ -141,8 +171,15 @@ def test_identity_follows_megatron_rank_order() -> None:
     # rank = tp + T * (cp + C * (dp + D * pp)), here T=2, C=1, D=2, P=2.
     got = [identity("actor", r, 8, tensor=2, pipeline=2) for r in range(8)]
     assert [(s.tp_rank, s.dp_rank, s.pp_rank) for s in got] == [
-        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),
-    ]  # fmt: skip
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 1, 0),
+        (1, 1, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
     assert all(s.dp_size == 2 and s.tp_size == 2 and s.pp_size == 2 for s in got)
     assert [i for i, s in enumerate(got) if s.is_dp_leader] == [0]
     assert _dp_leaders([s.__dict__ for s in got]) == [0, 2]
@@ -166,8 +203,10 @@ def test_left_aligned_gives_hf_positions() -> None:
 @pytest.mark.slow
 def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> None:
     """TP 2, PP 2 and DP 2 (2 gloo processes) against HF and the torch backend, fp32."""
-    dirs = [str(models.materialize_builtin(n, 5, tmp_path / "cache"))
-            for n in ("tiny-llama", "tiny-qwen2")]  # fmt: skip
+    dirs = [
+        str(models.materialize_builtin(n, 5, tmp_path / "cache"))
+        for n in ("tiny-llama", "tiny-qwen2")
+    ]
     out = tmp_path / "parity.json"
     env = {
         **os.environ,
@@ -177,8 +216,12 @@ def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> Non
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
-    assert set(results) == {"tiny-llama-seed5/tp2", "tiny-llama-seed5/pp2",
-                            "tiny-llama-seed5/dp2", "tiny-qwen2-seed5/tp2"}  # fmt: skip
+    assert set(results) == {
+        "tiny-llama-seed5/tp2",
+        "tiny-llama-seed5/pp2",
+        "tiny-llama-seed5/dp2",
+        "tiny-qwen2-seed5/tp2",
+    }
     for name, r in results.items():
         assert r["roundtrip_exact"] is True, name
         assert r["logits_max_abs"] < 1e-5, (name, r)
@@ -197,8 +240,11 @@ def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> Non
 # Validation of megatron settings
 # ---------------------------------------------------------------------------------------------
 def _tiny(actor: dict, critic: dict | None = None, **model: str) -> TrainerConfig:
-    doc = {"model": {"path": "builtin:tiny-llama", **model}, "roles": {"actor": actor},
-           "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2}}  # fmt: skip
+    doc = {
+        "model": {"path": "builtin:tiny-llama", **model},
+        "roles": {"actor": actor},
+        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+    }
     if critic is not None:
         doc["roles"]["critic"] = critic
     return TrainerConfig.model_validate(doc)
@@ -219,22 +265,51 @@ def test_megatron_tensor_parallel_on_cpu_is_valid() -> None:
 @pytest.mark.parametrize(
     ("actor", "critic", "model", "path", "words"),
     [
-        ({**MEG, "parallelism": {"context": 2}}, None, {}, "spec.roles.actor.parallelism.context",
-         "context parallelism needs GPUs"),
+        (
+            {**MEG, "parallelism": {"context": 2}},
+            None,
+            {},
+            "spec.roles.actor.parallelism.context",
+            "context parallelism needs GPUs",
+        ),
         (MEG, None, {"dtype": "bfloat16"}, "spec.model.dtype", "set model.dtype: float32"),
-        ({**MEG, "replicas": 3, "parallelism": {"tensor": 3}}, None, {},
-         "spec.roles.actor.parallelism.tensor", "tensor 3 does not divide the 4 attention heads"),
-        ({**MEG, "parallelism": {"pipeline": 2}, "replicas": 4}, None,
-         {"path": "builtin:small-llama"}, "spec.roles.actor.parallelism.pipeline",
-         "pipeline 2 does not divide the 5 layers"),
-        (MEG, {**COLOCATED, "parallelism": {"tensor": 1}}, {}, "spec.roles.critic.parallelism",
-         "give the critic the actor's parallelism"),
-        ({**MEG, "parallelism": {"tensor": 2, "sequenceParallel": True}}, None, {},
-         "spec.roles.actor.parallelism.sequenceParallel", "use GPUs with tensor > 1"),
-        ({"parallelism": {"sequenceParallel": True}}, None, {},
-         "spec.roles.actor.parallelism.sequenceParallel", "torch backend has no sequence"),
+        (
+            {**MEG, "replicas": 3, "parallelism": {"tensor": 3}},
+            None,
+            {},
+            "spec.roles.actor.parallelism.tensor",
+            "tensor 3 does not divide the 4 attention heads",
+        ),
+        (
+            {**MEG, "parallelism": {"pipeline": 2}, "replicas": 4},
+            None,
+            {"path": "builtin:small-llama"},
+            "spec.roles.actor.parallelism.pipeline",
+            "pipeline 2 does not divide the 5 layers",
+        ),
+        (
+            MEG,
+            {**COLOCATED, "parallelism": {"tensor": 1}},
+            {},
+            "spec.roles.critic.parallelism",
+            "give the critic the actor's parallelism",
+        ),
+        (
+            {**MEG, "parallelism": {"tensor": 2, "sequenceParallel": True}},
+            None,
+            {},
+            "spec.roles.actor.parallelism.sequenceParallel",
+            "use GPUs with tensor > 1",
+        ),
+        (
+            {"parallelism": {"sequenceParallel": True}},
+            None,
+            {},
+            "spec.roles.actor.parallelism.sequenceParallel",
+            "torch backend has no sequence",
+        ),
     ],
-)  # fmt: skip
+)
 def test_megatron_settings_that_cannot_run_are_named(actor, critic, model, path, words) -> None:  # type: ignore[no-untyped-def]
     problems = _paths(_tiny(actor, critic, **model))
     assert path in problems, problems
@@ -244,8 +319,11 @@ def test_megatron_settings_that_cannot_run_are_named(actor, critic, model, path,
 def test_top_p_below_one_is_refused_for_a_megatron_actor() -> None:
     """pi_old must be the sampling policy: the megatron actor's log-probs are not truncated to
     the top-p nucleus, so a megatron actor with topP < 1 is refused (the torch actor accepts it)."""
-    doc = {"model": {"path": "builtin:tiny-llama"}, "roles": {"actor": MEG},
-           "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2, "topP": 0.9}}  # fmt: skip
+    doc = {
+        "model": {"path": "builtin:tiny-llama"},
+        "roles": {"actor": MEG},
+        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2, "topP": 0.9},
+    }
     problems = _paths(TrainerConfig.model_validate(doc))
     assert "set data.topP: 1.0" in problems.get("spec.data.topP", ""), problems
     doc["roles"]["actor"] = {"replicas": 2}

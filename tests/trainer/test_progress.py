@@ -144,17 +144,27 @@ def test_every_value_has_one_name_in_metrics_jsonl(tmp_path: Path) -> None:
     rep = LocalProgressReporter(tmp_path, show_bar=False)
     rep.start(1)
     loop_metrics = {
-        "reward/mean": 0.25, "kl/mean": 0.5, "critic/vf_loss": 3.0, "time/elapsed": 9.0,
-        "time/tokens_per_second": 77.0, "actor/pg_loss": 0.1, "response/length": 8.0,
-    }  # fmt: skip
+        "reward/mean": 0.25,
+        "kl/mean": 0.5,
+        "critic/vf_loss": 3.0,
+        "time/elapsed": 9.0,
+        "time/tokens_per_second": 77.0,
+        "actor/pg_loss": 0.1,
+        "response/length": 8.0,
+    }
     rep.report(1, loop_metrics)
     (rec,) = read_metrics(tmp_path)
     names = [k for k in rec if k != "step"]
     assert len(names) == len(loop_metrics) + 0  # five renamed, two kept, none doubled
     assert set(names) == {
-        "reward_mean", "kl", "value_loss", "elapsed_seconds", "tokens_per_second",
-        "actor/pg_loss", "response/length",
-    }  # fmt: skip
+        "reward_mean",
+        "kl",
+        "value_loss",
+        "elapsed_seconds",
+        "tokens_per_second",
+        "actor/pg_loss",
+        "response/length",
+    }
 
 
 def test_a_fresh_start_keeps_the_earlier_metrics_and_says_so(

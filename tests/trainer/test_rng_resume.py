@@ -37,11 +37,13 @@ def _other_state(seed: int) -> dict:
 
 @pytest.mark.slow
 def test_checkpoint_saves_and_restores_every_workers_rng_states():
-    cfg = TrainerConfig.model_validate({
-        "algorithm": {"advantageEstimator": "grpo"},
-        "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2, "maxResponseLength": 4},
-        "training": {"steps": 2, "learningRate": 1e-3, "seed": 3},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2, "maxResponseLength": 4},
+            "training": {"steps": 2, "learningRate": 1e-3, "seed": 3},
+        }
+    )
     first = PPOTrainer(cfg)
     try:
         first.step(0)

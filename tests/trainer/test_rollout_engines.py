@@ -15,12 +15,14 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + 
 
 def _cfg(roles: dict, prompts: int, bucket_mb: float = 512.0, **algo) -> TrainerConfig:
     roles["rollout"]["weightSyncBucketMb"] = bucket_mb
-    return TrainerConfig.model_validate({
-        "roles": roles,
-        "algorithm": {"advantageEstimator": "grpo", **algo},
-        "data": {"rolloutBatchSize": prompts, "samplesPerPrompt": 2, "maxResponseLength": 6},
-        "training": {"steps": 3, "learningRate": 1e-2, "seed": 5},
-    })  # fmt: skip
+    return TrainerConfig.model_validate(
+        {
+            "roles": roles,
+            "algorithm": {"advantageEstimator": "grpo", **algo},
+            "data": {"rolloutBatchSize": prompts, "samplesPerPrompt": 2, "maxResponseLength": 6},
+            "training": {"steps": 3, "learningRate": 1e-2, "seed": 5},
+        }
+    )
 
 
 def _same_weights(a: dict, b: dict) -> bool:
@@ -66,11 +68,13 @@ def test_colocated_engines_sleep_before_training_and_wake_before_new_weights():
         assert first == step_calls(False) + step_calls(True) * (steps - 1)
         # the engine without prompts generates nothing but still sleeps, wakes and syncs
         assert second == step_calls(False, False) + step_calls(True, False) * (steps - 1)
-        a0, r0, r1 = ray.get([
-            trainer.hosts["actor"][0].actor_weights.remote(),
-            trainer.hosts["rollout"][0].rollout_weights.remote(),
-            trainer.hosts["rollout"][1].rollout_weights.remote(),
-        ])  # fmt: skip
+        a0, r0, r1 = ray.get(
+            [
+                trainer.hosts["actor"][0].actor_weights.remote(),
+                trainer.hosts["rollout"][0].rollout_weights.remote(),
+                trainer.hosts["rollout"][1].rollout_weights.remote(),
+            ]
+        )
         assert _same_weights(a0, r0) and _same_weights(a0, r1)
     finally:
         trainer.shutdown()

@@ -67,9 +67,14 @@ def test_rollout_and_old_logprobs_are_the_sampling_policy_under_top_p(model_dir,
     engine = TorchGenerationEngine(model_dir, "float32", tok.all_special_ids, tok.pad_token_id)
     gen = engine.generate(ids, mask, max_new_tokens=6, temperature=0.9, top_p=top_p, seed=3)
     trainer = TorchPolicyTrainer(
-        model_dir, "float32", TrainingSettings(), total_updates=1, temperature=0.9,
-        top_p=top_p, need_reference=False,
-    )  # fmt: skip
+        model_dir,
+        "float32",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=0.9,
+        top_p=top_p,
+        need_reference=False,
+    )
     batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": gen.response_ids}
     with torch.no_grad():
         logits = _response_logits(trainer, batch)
@@ -103,12 +108,18 @@ def test_truncated_importance_sampling_weights_and_loss():
 
 
 def _cfg(**algo) -> TrainerConfig:
-    return TrainerConfig.model_validate({
-        "algorithm": {"advantageEstimator": "grpo", **algo},
-        "data": {"rolloutBatchSize": 3, "samplesPerPrompt": 4, "maxResponseLength": 8,
-                 "topP": 0.7},
-        "training": {"steps": 1, "learningRate": 1e-3, "seed": 3},
-    })  # fmt: skip
+    return TrainerConfig.model_validate(
+        {
+            "algorithm": {"advantageEstimator": "grpo", **algo},
+            "data": {
+                "rolloutBatchSize": 3,
+                "samplesPerPrompt": 4,
+                "maxResponseLength": 8,
+                "topP": 0.7,
+            },
+            "training": {"steps": 1, "learningRate": 1e-3, "seed": 3},
+        }
+    )
 
 
 def test_actor_reports_the_mismatch_and_weighs_the_loss_by_capped_ratios(ray_session):

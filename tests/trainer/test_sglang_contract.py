@@ -75,11 +75,25 @@ def sglang() -> Source:
         folder.mkdir(parents=True, exist_ok=True)
         # the Linux x86-64 CPython 3.11 wheel, whatever machine this runs on
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
-             "-d", str(folder), f"sglang=={version}"],
-            check=True, capture_output=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.11",
+                "--platform",
+                "manylinux_2_34_x86_64",
+                "-d",
+                str(folder),
+                f"sglang=={version}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
     assert wheels, f"pip download left no sglang {version} wheel in {folder}"
     return Source(wheels[-1])
@@ -109,15 +123,26 @@ def adapter_engine_calls() -> dict[str, list[tuple[set[str], int]]]:
 
 
 def tiny_cfg(**rollout) -> TrainerConfig:
-    return TrainerConfig.model_validate({
-        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16",
-                  "trustRemoteCode": True},
-        "roles": {"actor": {"resources": {"gpus": 2}},
-                  "rollout": {"backend": "sglang", "colocateWithActor": True,
-                              "parallelism": {"tensor": 2}, **rollout}},
-        "algorithm": {"advantageEstimator": "grpo"},
-        "data": {"samplesPerPrompt": 2},
-    })  # fmt: skip
+    return TrainerConfig.model_validate(
+        {
+            "model": {
+                "path": "Qwen/Qwen2.5-0.5B-Instruct",
+                "dtype": "bfloat16",
+                "trustRemoteCode": True,
+            },
+            "roles": {
+                "actor": {"resources": {"gpus": 2}},
+                "rollout": {
+                    "backend": "sglang",
+                    "colocateWithActor": True,
+                    "parallelism": {"tensor": 2},
+                    **rollout,
+                },
+            },
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"samplesPerPrompt": 2},
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +169,17 @@ def engine_methods(src: Source) -> dict[str, ast.FunctionDef]:
         seen.add((file, name))
         cls = src.classes(file).get(name)
         if cls is None:  # a base imported into `file` from elsewhere in sglang
-            origin = next((n.module for n in src.tree(file).body if isinstance(n, ast.ImportFrom)
-                           and n.module and n.module.startswith("sglang")
-                           and name in {a.name for a in n.names}), None)  # fmt: skip
+            origin = next(
+                (
+                    n.module
+                    for n in src.tree(file).body
+                    if isinstance(n, ast.ImportFrom)
+                    and n.module
+                    and n.module.startswith("sglang")
+                    and name in {a.name for a in n.names}
+                ),
+                None,
+            )
             if origin is None:
                 continue
             file = src.module_file(origin)
@@ -176,8 +209,13 @@ def server_args_fields(src: Source) -> set[str]:
     for name in sorted(src.names):
         if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
             for cls in src.classes(name).values():
-                assigns = {t.id for n in cls.body if isinstance(n, ast.Assign)
-                           for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+                assigns = {
+                    t.id
+                    for n in cls.body
+                    if isinstance(n, ast.Assign)
+                    for t in n.targets
+                    if isinstance(t, ast.Name)
+                }
                 if "_NS_PATH" in assigns | annotated_fields(cls):
                     found |= annotated_fields(cls)
     return found
@@ -220,11 +258,15 @@ def test_every_engine_call_exists_with_every_keyword_the_adapter_passes(sglang):
 
 def test_engine_is_exported_and_every_server_arg_the_adapter_sets_exists(sglang):
     init = sglang.tree(sglang.module_file("sglang"))
-    assert "Engine" in {t.id for n in ast.walk(init) if isinstance(n, ast.Assign)
-                        for t in n.targets if isinstance(t, ast.Name)} | {
-        a.asname or a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom)
-        for a in n.names
-    }  # fmt: skip
+    assert "Engine" in {
+        t.id
+        for n in ast.walk(init)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    } | {
+        a.asname or a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom) for a in n.names
+    }
     known = server_args_fields(sglang)
     assert {"model_path", "tp_size"} <= known, "ServerArgs fields not found: parser broken"
     for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2})):
@@ -237,8 +279,9 @@ def test_every_sampling_param_the_adapter_sends_exists(sglang):
     path = sglang.module_file("sglang.srt.sampling.sampling_params")
     cls = sglang.classes(path)["SamplingParams"]
     known = annotated_fields(cls)
-    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"),
-                None)  # fmt: skip
+    init = next(
+        (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None
+    )
     if init is not None:
         known |= _params(init)[0]
     sent = adapter.sampling_params(8, 1.0, 0.9, [2], 7)
@@ -250,17 +293,22 @@ def test_the_output_fields_the_adapter_reads_are_produced(sglang):
     path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
     written = {
         (t.value.id, t.slice.value)
-        for n in ast.walk(sglang.tree(path)) if isinstance(n, ast.Assign)
+        for n in ast.walk(sglang.tree(path))
+        if isinstance(n, ast.Assign)
         for t in n.targets
-        if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+        if isinstance(t, ast.Subscript)
+        and isinstance(t.value, ast.Name)
         and isinstance(t.slice, ast.Constant)
-    }  # fmt: skip
+    }
     assert (meta, field) in written, f"{meta}[{field!r}] is never written"
     # each entry is (logprob, token_id, text): the tuples detokenize_logprob_tokens builds
     fn = function(sglang, path, "detokenize_logprob_tokens")
     widths = {len(n.elts) for n in ast.walk(fn) if isinstance(n, ast.Tuple)}
-    zips = {len(n.args) for n in ast.walk(fn) if isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Name) and n.func.id == "zip"}  # fmt: skip
+    zips = {
+        len(n.args)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "zip"
+    }
     assert 3 in widths and 3 in zips
 
 
@@ -291,17 +339,22 @@ def test_colocated_bucket_payloads_are_what_sglangs_weight_updater_reads(sglang)
     module, name = adapter.RUNTIME_IMPORTS["FlattenedTensorMetadata"]
     meta = sglang.classes(sglang.module_file(module))[name]
     assert annotated_fields(meta) == {f.name for f in fields(TensorMeta)}
-    call = next(n for n in ast.walk(ast.parse(inspect.getsource(adapter.serialize_bucket)))
-                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "meta_cls")  # fmt: skip
+    call = next(
+        n
+        for n in ast.walk(ast.parse(inspect.getsource(adapter.serialize_bucket)))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "meta_cls"
+    )
     assert {k.arg for k in call.keywords} == annotated_fields(meta)
     # SGLang unpickles payloads with an allow-list: the metadata class must be on it
     common = sglang.module_file("sglang.srt.utils.common")
     unpickler = sglang.classes(common)["SafeUnpickler"]
     allowed = {
         (e.elts[0].value, e.elts[1].value)
-        for n in ast.walk(unpickler) if isinstance(n, ast.Set)
-        for e in n.elts if isinstance(e, ast.Tuple) and len(e.elts) == 2
-    }  # fmt: skip
+        for n in ast.walk(unpickler)
+        if isinstance(n, ast.Set)
+        for e in n.elts
+        if isinstance(e, ast.Tuple) and len(e.elts) == 2
+    }
     assert (module, name) in allowed
 
 
@@ -311,14 +364,18 @@ def test_the_weight_update_group_is_formed_and_fed_as_the_adapter_expects(sglang
     name, and per tensor a broadcast from src 0."""
     common = sglang.module_file("sglang.srt.utils.common")
     group = function(sglang, common, "init_custom_process_group")
-    prefix = [n for n in ast.walk(group) if isinstance(n, ast.Call)
-              and getattr(n.func, "id", "") == "PrefixStore"]  # fmt: skip
+    prefix = [
+        n
+        for n in ast.walk(group)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "PrefixStore"
+    ]
     assert prefix and [getattr(a, "id", None) for a in prefix[0].args] == ["group_name", "store"]
     updater = sglang.module_file("sglang.srt.model_executor.model_runner_components.weight_updater")
     receives = [
-        n for n in ast.walk(sglang.tree(updater)) if isinstance(n, ast.Call)
-        and getattr(n.func, "attr", "") == "broadcast"
-    ]  # fmt: skip
+        n
+        for n in ast.walk(sglang.tree(updater))
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "broadcast"
+    ]
     srcs = {k.value.value for n in receives for k in n.keywords if k.arg == "src"}
     assert srcs == {0}
     init = function(sglang, updater, "init_weights_update_group")

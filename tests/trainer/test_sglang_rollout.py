@@ -77,12 +77,20 @@ def test_7b_example_renders_and_plans_one_engine_per_tp_group():
 
 
 def test_colocated_engines_span_tensor_gpus_of_the_actors_bundles():
-    cfg = TrainerConfig.model_validate({
-        "roles": {"actor": {"replicas": 2, "resources": {"gpus": 4, "cpus": 8}},
-                  "rollout": {"backend": "sglang", "colocateWithActor": True,
-                              "parallelism": {"tensor": 2}}},
-        "algorithm": {"advantageEstimator": "grpo"}, "data": {"samplesPerPrompt": 2},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "roles": {
+                "actor": {"replicas": 2, "resources": {"gpus": 4, "cpus": 8}},
+                "rollout": {
+                    "backend": "sglang",
+                    "colocateWithActor": True,
+                    "parallelism": {"tensor": 2},
+                },
+            },
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"samplesPerPrompt": 2},
+        }
+    )
     plan = plan_placement(cfg)
     assert plan.bundles == [{"GPU": 2.0, "CPU": 4.0}] * 4
     actor, rollout = plan.roles["actor"], plan.roles["rollout"]
@@ -102,11 +110,16 @@ def test_colocated_engines_span_tensor_gpus_of_the_actors_bundles():
     ],
 )
 def test_a_tensor_size_that_does_not_tile_a_pods_gpus_is_rejected(rollout, ok):
-    half = TrainerConfig.model_validate({
-        "roles": {"actor": {"replicas": 1, "resources": {"gpus": 6}},
-                  "rollout": {"backend": "sglang", **rollout}},
-        "algorithm": {"advantageEstimator": "grpo"}, "data": {"samplesPerPrompt": 2},
-    })  # fmt: skip
+    half = TrainerConfig.model_validate(
+        {
+            "roles": {
+                "actor": {"replicas": 1, "resources": {"gpus": 6}},
+                "rollout": {"backend": "sglang", **rollout},
+            },
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"samplesPerPrompt": 2},
+        }
+    )
     problems = [p for p in check_training_half(half) if p.path.endswith("parallelism.tensor")]
     assert not problems if ok else "does not fit" in problems[0].message
 
@@ -161,12 +174,17 @@ def test_generate_outputs_become_a_generation():
 
 def test_engine_args_follow_the_spec():
     def cfg(**rollout):
-        return TrainerConfig.model_validate({
-            "model": {"path": "org/m", "dtype": "bfloat16"},
-            "roles": {"actor": {"resources": {"gpus": 4}},
-                      "rollout": {"backend": "sglang", "parallelism": {"tensor": 2}, **rollout}},
-            "algorithm": {"advantageEstimator": "grpo"}, "data": {"samplesPerPrompt": 2},
-        })  # fmt: skip
+        return TrainerConfig.model_validate(
+            {
+                "model": {"path": "org/m", "dtype": "bfloat16"},
+                "roles": {
+                    "actor": {"resources": {"gpus": 4}},
+                    "rollout": {"backend": "sglang", "parallelism": {"tensor": 2}, **rollout},
+                },
+                "algorithm": {"advantageEstimator": "grpo"},
+                "data": {"samplesPerPrompt": 2},
+            }
+        )
 
     colocated = engine_args(cfg(colocateWithActor=True, gpuMemoryFraction=0.4), Path("/m"))
     assert colocated["tp_size"] == 2 and colocated["mem_fraction_static"] == 0.4
@@ -292,8 +310,9 @@ def _worker(model_dir: Path, apply: bool | None):
     from ppojob_trainer.backends.base import ShardIdentity
     from ppojob_trainer.workers.rollout import RolloutWorker
 
-    cfg = TrainerConfig.model_validate({"model": {"path": str(model_dir)},
-                                        "data": {"applyChatTemplate": apply}})  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {"model": {"path": str(model_dir)}, "data": {"applyChatTemplate": apply}}
+    )
     return RolloutWorker(cfg, ShardIdentity("rollout"), model_dir, "cpu")
 
 

@@ -26,12 +26,14 @@ def _cfg(actor_dp: int = 1, critic_dp: int | None = None, **algo) -> TrainerConf
     if critic_dp is not None:
         roles["critic"] = {"replicas": critic_dp, "resources": {"cpus": 1}}
     roles["rollout"] = {"replicas": 1, "resources": {"cpus": 1}}
-    return TrainerConfig.model_validate({
-        "roles": roles,
-        "algorithm": {"advantageEstimator": "gae", **algo},
-        "data": {"rolloutBatchSize": 3, "samplesPerPrompt": 2, "maxResponseLength": 8},
-        "training": {"steps": 2, "learningRate": 1e-3, "seed": 3},
-    })  # fmt: skip
+    return TrainerConfig.model_validate(
+        {
+            "roles": roles,
+            "algorithm": {"advantageEstimator": "gae", **algo},
+            "data": {"rolloutBatchSize": 3, "samplesPerPrompt": 2, "maxResponseLength": 8},
+            "training": {"steps": 2, "learningRate": 1e-3, "seed": 3},
+        }
+    )
 
 
 def _tensors_in(obj, seen=None) -> list:
@@ -65,8 +67,9 @@ def test_values_reach_the_actor_bit_identical_and_never_touch_the_driver(
         actor_ids = sorted(
             (i["actor"]["dp_rank"], i["actor"]["dp_size"]) for i in ids if "actor" in i
         )
-        critic_ids = sorted((i["critic"]["dp_rank"], i["critic"]["dp_size"]) for i in ids
-                            if "critic" in i)  # fmt: skip
+        critic_ids = sorted(
+            (i["critic"]["dp_rank"], i["critic"]["dp_size"]) for i in ids if "critic" in i
+        )
         assert actor_ids == [(r, actor_dp) for r in range(actor_dp)]
         assert critic_ids == [(r, critic_dp) for r in range(critic_dp)]
 
@@ -143,8 +146,13 @@ def _rollout_parts(cfg):
 
 
 def test_custom_advantage_function(hooks):
-    cfg = _cfg(**{"advantageEstimator": "grpo", "customAdvantageFunction": f"{hooks}:good",
-                  "normalizeAdvantages": False})  # fmt: skip
+    cfg = _cfg(
+        **{
+            "advantageEstimator": "grpo",
+            "customAdvantageFunction": f"{hooks}:good",
+            "normalizeAdvantages": False,
+        }
+    )
     path, parts, batch = _rollout_parts(cfg)
     actor = ActorWorker(cfg, ShardIdentity("actor"), path, "cpu", None)
     refs, metrics = actor.prepare(parts, None, None, 0.0)
@@ -200,9 +208,13 @@ def test_completions_are_cut_at_the_first_special_token():
     worker = RolloutWorker(cfg, ShardIdentity("rollout"), path, "cpu")
     tok = worker.tokenizer
     d = {str(i): tok.convert_tokens_to_ids(str(i)) for i in range(10)}
-    rows = torch.tensor([[d["8"], d["9"], tok.eos_token_id, d["1"]],
-                         [d["8"], tok.bos_token_id, d["0"], d["1"]],
-                         [d["1"], d["2"], d["3"], d["4"]]])  # fmt: skip
+    rows = torch.tensor(
+        [
+            [d["8"], d["9"], tok.eos_token_id, d["1"]],
+            [d["8"], tok.bos_token_id, d["0"], d["1"]],
+            [d["1"], d["2"], d["3"], d["4"]],
+        ]
+    )
     assert worker.completions(rows) == ["89", "8", "1234"]
 
 
@@ -213,8 +225,12 @@ def test_cat_batches_pads_to_the_widest():
         "response_ids": torch.ones(1, 3, dtype=torch.long),
         "scores": torch.ones(1),
     }
-    b = {"prompt_ids": torch.ones(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1).bool(),
-         "response_ids": torch.ones(2, 1, dtype=torch.long), "scores": torch.zeros(2)}  # fmt: skip
+    b = {
+        "prompt_ids": torch.ones(2, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(2, 1).bool(),
+        "response_ids": torch.ones(2, 1, dtype=torch.long),
+        "scores": torch.zeros(2),
+    }
     out = cat_batches([a, b])
     assert out["prompt_ids"].shape == (3, 2) and out["response_ids"].shape == (3, 3)
     assert out["prompt_mask"][1:].tolist() == [[False, True], [False, True]]
@@ -281,10 +297,16 @@ def test_normalize_advantages_switches_whitening(estimator):
         out[on] = actor.batch["advantages"]
     options = {"whiten": False} if estimator == "gae" else {}
     raw, _ = compute_advantages(
-        estimator, token_rewards=shape_token_rewards(batch["scores"], mask), scores=batch["scores"],
-        values=values, mask=mask, group_ids=batch["group_ids"], gamma=cfg.algorithm.gamma,
-        lam=cfg.algorithm.lam, **options,
-    )  # fmt: skip
+        estimator,
+        token_rewards=shape_token_rewards(batch["scores"], mask),
+        scores=batch["scores"],
+        values=values,
+        mask=mask,
+        group_ids=batch["group_ids"],
+        gamma=cfg.algorithm.gamma,
+        lam=cfg.algorithm.lam,
+        **options,
+    )
     torch.testing.assert_close(out[False], raw)
     torch.testing.assert_close(out[True], masked_whiten(raw, mask.bool()))
     assert not torch.allclose(out[True], out[False])
@@ -295,23 +317,34 @@ def test_normalize_advantages_switches_whitening(estimator):
 def test_lr_schedule_length_counts_the_updates_each_role_makes():
     from ppojob_trainer.workers.actor import planned_updates
 
-    cfg = TrainerConfig.model_validate({
-        "roles": {"actor": {"replicas": 1, "resources": {"cpus": 1}},
-                  "critic": {"replicas": 1, "resources": {"cpus": 1},
-                             "overrides": {"ppoEpochs": 3, "miniBatchSize": 2}},
-                  "rollout": {"replicas": 1, "resources": {"cpus": 1}}},
-        "algorithm": {"advantageEstimator": "gae", "criticWarmupSteps": 2,
-                      "criticUpdatesPerStep": 2},
-        "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
-        "training": {"steps": 10, "ppoEpochs": 2, "miniBatchSize": 4},
-    })  # fmt: skip
+    cfg = TrainerConfig.model_validate(
+        {
+            "roles": {
+                "actor": {"replicas": 1, "resources": {"cpus": 1}},
+                "critic": {
+                    "replicas": 1,
+                    "resources": {"cpus": 1},
+                    "overrides": {"ppoEpochs": 3, "miniBatchSize": 2},
+                },
+                "rollout": {"replicas": 1, "resources": {"cpus": 1}},
+            },
+            "algorithm": {
+                "advantageEstimator": "gae",
+                "criticWarmupSteps": 2,
+                "criticUpdatesPerStep": 2,
+            },
+            "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+            "training": {"steps": 10, "ppoEpochs": 2, "miniBatchSize": 4},
+        }
+    )
     # actor: (10 - 2) steps x 2 epochs x (8 / 4) mini-batches
     assert planned_updates(cfg, "actor") == 8 * 2 * 2
     # critic: 10 steps x 2 updates per step x 3 epochs x (8 / 2) mini-batches
     assert planned_updates(cfg, "critic") == 10 * 2 * 3 * 4
     # without a critic the warm-up does not apply: the actor trains at every step
-    grpo = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
-        update={"advantage_estimator": "grpo"})})  # fmt: skip
+    grpo = cfg.model_copy(
+        update={"algorithm": cfg.algorithm.model_copy(update={"advantage_estimator": "grpo"})}
+    )
     assert grpo.roles.effective_critic(grpo.algorithm.needs_critic) is None
     assert planned_updates(grpo, "actor") == 10 * 2 * 2
 

@@ -984,8 +984,12 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
                     f"make replicas x resources.gpus a multiple of {mp.model_parallel}",
                 )
             )
-        if (name == "rollout" and spec.colocate_with_actor and actor.backend == "megatron"
-                and spec.backend == "sglang"):  # fmt: skip
+        if (
+            name == "rollout"
+            and spec.colocate_with_actor
+            and actor.backend == "megatron"
+            and spec.backend == "sglang"
+        ):
             p.append(
                 Problem(
                     f"{rpath}.colocateWithActor",
@@ -1010,10 +1014,13 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
     for name in ("actor", "critic", "rollout"):
         spec = getattr(roles, name)
         if spec is not None and spec.backend != "megatron" and spec.parallelism.sequence_parallel:
-            p.append(Problem(f"{path}.{name}.parallelism.sequenceParallel",
-                             f"the {spec.backend} backend has no sequence parallelism "
-                             "(only megatron has)",
-                             "remove it"))  # fmt: skip
+            p.append(
+                Problem(
+                    f"{path}.{name}.parallelism.sequenceParallel",
+                    f"the {spec.backend} backend has no sequence parallelism (only megatron has)",
+                    "remove it",
+                )
+            )
 
     # --- precision of the torch trainers
     if half.model.dtype == "float16":
@@ -1165,11 +1172,19 @@ def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Proble
         )
     ev = data.eval_prompts
     if ev is not None and ev.startswith("builtin:") and ev[8:] not in BUILTIN_TASKS:
-        p.append(Problem(f"{prefix}.data.evalPrompts", f"unknown built-in task {ev!r}",
-                         f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}"))  # fmt: skip
+        p.append(
+            Problem(
+                f"{prefix}.data.evalPrompts",
+                f"unknown built-in task {ev!r}",
+                f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}",
+            )
+        )
     elif ev is not None and not ev.startswith("builtin:") and data.reward_function is None:
-        missing = Problem(f"{prefix}.data.rewardFunction", "a dataset needs a reward function",
-                          "set rewardFunction: package.module:function")  # fmt: skip
+        missing = Problem(
+            f"{prefix}.data.rewardFunction",
+            "a dataset needs a reward function",
+            "set rewardFunction: package.module:function",
+        )
         if missing not in p:
             p.append(missing)
     for field, value in (
@@ -1277,57 +1292,99 @@ def check_megatron(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     p: list[Problem] = []
     roles = half.roles
     critic = roles.effective_critic(half.algorithm.needs_critic)
-    on = [(n, s) for n, s in (("actor", roles.actor), ("critic", critic))
-          if s is not None and s.backend == "megatron"]  # fmt: skip
+    on = [
+        (n, s)
+        for n, s in (("actor", roles.actor), ("critic", critic))
+        if s is not None and s.backend == "megatron"
+    ]
     if roles.actor.backend == "megatron" and half.data.top_p < 1.0:
-        p.append(Problem(f"{prefix}.data.topP",
-                         "the megatron actor computes pi_old and pi_theta over the full "
-                         "tensor-parallel vocabulary, so top-p sampling would make the rollout "
-                         "policy differ from pi_old",
-                         "set data.topP: 1.0, or use backend: torch for the actor"))  # fmt: skip
+        p.append(
+            Problem(
+                f"{prefix}.data.topP",
+                "the megatron actor computes pi_old and pi_theta over the full "
+                "tensor-parallel vocabulary, so top-p sampling would make the rollout "
+                "policy differ from pi_old",
+                "set data.topP: 1.0, or use backend: torch for the actor",
+            )
+        )
     for name, spec in on:
         rpath = f"{prefix}.roles.{name}"
         owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
         mp = spec.parallelism
         if owner.resources.gpus == 0 and mp.context > 1:
-            p.append(Problem(f"{rpath}.parallelism.context",
-                             "context parallelism needs GPUs (megatron-core runs it with "
-                             "Transformer Engine's attention), but resources.gpus is 0",
-                             "set context: 1, or give the role GPUs"))  # fmt: skip
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.context",
+                    "context parallelism needs GPUs (megatron-core runs it with "
+                    "Transformer Engine's attention), but resources.gpus is 0",
+                    "set context: 1, or give the role GPUs",
+                )
+            )
         if mp.sequence_parallel and (owner.resources.gpus == 0 or mp.tensor == 1):
-            p.append(Problem(f"{rpath}.parallelism.sequenceParallel",
-                             "sequence parallelism splits activations over tensor-parallel GPUs "
-                             f"(here tensor {mp.tensor}, {owner.resources.gpus} GPU(s) per pod)",
-                             "remove it, or use GPUs with tensor > 1"))  # fmt: skip
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.sequenceParallel",
+                    "sequence parallelism splits activations over tensor-parallel GPUs "
+                    f"(here tensor {mp.tensor}, {owner.resources.gpus} GPU(s) per pod)",
+                    "remove it, or use GPUs with tensor > 1",
+                )
+            )
         if owner.resources.gpus == 0 and half.model.dtype != "float32":
-            p.append(Problem(f"{prefix}.model.dtype",
-                             f"the megatron backend on CPU ({rpath}) trains in float32",
-                             "set model.dtype: float32, or give the role GPUs"))  # fmt: skip
+            p.append(
+                Problem(
+                    f"{prefix}.model.dtype",
+                    f"the megatron backend on CPU ({rpath}) trains in float32",
+                    "set model.dtype: float32, or give the role GPUs",
+                )
+            )
         path = half.model.critic_path if name == "critic" and half.model.critic_path else None
         path = path or half.model.path
-        shape = BUILTIN_MEGATRON_SHAPES.get(path.removeprefix("builtin:")) if path.startswith(
-            "builtin:") else None  # fmt: skip
+        shape = (
+            BUILTIN_MEGATRON_SHAPES.get(path.removeprefix("builtin:"))
+            if path.startswith("builtin:")
+            else None
+        )
         if shape is None:
             continue
         _, hidden, inter, layers, heads, kv, vocab = shape
-        for what, n in (("attention heads", heads), ("key/value heads", kv),
-                        ("hidden size", hidden), ("intermediate size", inter),
-                        ("vocabulary size", vocab)):  # fmt: skip
+        for what, n in (
+            ("attention heads", heads),
+            ("key/value heads", kv),
+            ("hidden size", hidden),
+            ("intermediate size", inter),
+            ("vocabulary size", vocab),
+        ):
             if n % mp.tensor:
-                p.append(Problem(f"{rpath}.parallelism.tensor",
-                                 f"tensor {mp.tensor} does not divide the {n} {what} of {path}",
-                                 f"use a tensor size that divides {n}"))  # fmt: skip
+                p.append(
+                    Problem(
+                        f"{rpath}.parallelism.tensor",
+                        f"tensor {mp.tensor} does not divide the {n} {what} of {path}",
+                        f"use a tensor size that divides {n}",
+                    )
+                )
                 break
         if layers % mp.pipeline:
-            p.append(Problem(f"{rpath}.parallelism.pipeline",
-                             f"pipeline {mp.pipeline} does not divide the {layers} layers of "
-                             f"{path}", f"use a pipeline size that divides {layers}"))  # fmt: skip
-    if (len(on) == 2 and critic is not None and critic.colocate_with_actor
-            and critic.parallelism != roles.actor.parallelism):  # fmt: skip
-        p.append(Problem(f"{prefix}.roles.critic.parallelism",
-                         "a colocated critic shares the actor's processes, and megatron-core "
-                         "holds one parallel layout per process",
-                         "give the critic the actor's parallelism"))  # fmt: skip
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.pipeline",
+                    f"pipeline {mp.pipeline} does not divide the {layers} layers of {path}",
+                    f"use a pipeline size that divides {layers}",
+                )
+            )
+    if (
+        len(on) == 2
+        and critic is not None
+        and critic.colocate_with_actor
+        and critic.parallelism != roles.actor.parallelism
+    ):
+        p.append(
+            Problem(
+                f"{prefix}.roles.critic.parallelism",
+                "a colocated critic shares the actor's processes, and megatron-core "
+                "holds one parallel layout per process",
+                "give the critic the actor's parallelism",
+            )
+        )
     return p
 
 

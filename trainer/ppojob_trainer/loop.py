@@ -235,13 +235,16 @@ class PPOTrainer:
         from .algorithms import AdaptiveKLController, FixedKLController
         from .tasks import make_task
 
-        self.task = make_task(cfg.data.prompts, cfg.data.prompt_key, cfg.data.label_key,
-                              cfg.data.shuffle)  # fmt: skip
+        self.task = make_task(
+            cfg.data.prompts, cfg.data.prompt_key, cfg.data.label_key, cfg.data.shuffle
+        )
         self.eval_examples = (
-            make_task(cfg.data.eval_prompts, cfg.data.prompt_key, cfg.data.label_key,
-                      shuffle=False).eval_set()
-            if cfg.data.eval_prompts else []
-        )  # fmt: skip
+            make_task(
+                cfg.data.eval_prompts, cfg.data.prompt_key, cfg.data.label_key, shuffle=False
+            ).eval_set()
+            if cfg.data.eval_prompts
+            else []
+        )
         kl = algo.kl
         self.kl_ctl = (
             AdaptiveKLController(kl.coefficient, kl.target, kl.horizon)
@@ -262,11 +265,12 @@ class PPOTrainer:
         ray.get(
             [leader.init_weight_sender.remote(host, port, world, WEIGHT_GROUP, backend)]
             + [
-                e.init_weights_update_group.remote(host, port, 1 + i * tp, world, WEIGHT_GROUP,
-                                                   backend)
+                e.init_weights_update_group.remote(
+                    host, port, 1 + i * tp, world, WEIGHT_GROUP, backend
+                )
                 for i, e in enumerate(engines)
             ]
-        )  # fmt: skip
+        )
 
     def _sync_weights(self) -> list[Any]:
         """Start a weight sync; refs of its durations (seconds). Colocated: each engine loads
@@ -279,8 +283,10 @@ class PPOTrainer:
             if self.cfg.roles.actor.backend == "megatron":  # weights gathered on the leader only
                 refs = ray.get([h.export_ref.remote(self.syncs) for h in self.hosts["actor"]])
                 (gathered,) = [r for r in refs if r]
-                return [g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
-                        for g in self.engine_groups]  # fmt: skip
+                return [
+                    g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
+                    for g in self.engine_groups
+                ]
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export
@@ -334,9 +340,12 @@ class PPOTrainer:
         prepared_leaders = [prepared[i] for i in self.leaders["actor"]]
 
         # 4. critic updates, 5. actor update (after warm-up).
-        plan = plan_step(step, has_critic=self.has_critic,
-                         critic_warmup_steps=algo.critic_warmup_steps,
-                         critic_updates_per_step=algo.critic_updates_per_step)  # fmt: skip
+        plan = plan_step(
+            step,
+            has_critic=self.has_critic,
+            critic_warmup_steps=algo.critic_warmup_steps,
+            critic_updates_per_step=algo.critic_updates_per_step,
+        )
         critic_done = []
         if self.has_critic and plan.critic_updates:
             critic_done = [
@@ -420,9 +429,11 @@ class PPOTrainer:
         import ray
 
         engines, examples = self.hosts["rollout"], self.eval_examples
-        refs = [engines[e].evaluate.remote(examples[lo:hi])
-                for e, (lo, hi) in enumerate(_ranges(len(examples), len(engines)))
-                if hi > lo]  # fmt: skip
+        refs = [
+            engines[e].evaluate.remote(examples[lo:hi])
+            for e, (lo, hi) in enumerate(_ranges(len(examples), len(engines)))
+            if hi > lo
+        ]
         outs = ray.get(refs)
         return {"eval/reward_mean": sum(o["reward_sum"] for o in outs) / len(examples)}
 
@@ -435,8 +446,13 @@ class PPOTrainer:
         driver passes the path and waits, no tensor comes through it."""
         import ray
 
-        ray.get([h.save_checkpoint.remote(role, str(directory / role))
-                 for role in self.trained_roles() for h in self.hosts[role]])  # fmt: skip
+        ray.get(
+            [
+                h.save_checkpoint.remote(role, str(directory / role))
+                for role in self.trained_roles()
+                for h in self.hosts[role]
+            ]
+        )
 
     def state(self, step: int) -> dict[str, Any]:
         """The driver's own (small) checkpoint state: step, data order, KL coefficient, task,
@@ -467,16 +483,20 @@ class PPOTrainer:
         waits = []
         for role in self.trained_roles():
             if path is not None and (path / role).is_dir():
-                waits += [h.load_checkpoint.remote(role, str(path / role))
-                          for h in self.hosts[role]]  # fmt: skip
+                waits += [
+                    h.load_checkpoint.remote(role, str(path / role)) for h in self.hosts[role]
+                ]
             elif role in state:  # a checkpoint written before per-worker shards
                 waits += [h.set_state.remote(role, state[role]) for h in self.hosts[role]]
         rng = state.get("rng")
         if rng is not None and len(rng) == len(self.all_hosts):
             waits += [h.set_rng_state.remote(r) for h, r in zip(self.all_hosts, rng, strict=True)]
         else:
-            log.warning("checkpoint holds no RNG state for these %d worker processes; "
-                        "resuming with fresh generators", len(self.all_hosts))  # fmt: skip
+            log.warning(
+                "checkpoint holds no RNG state for these %d worker processes; "
+                "resuming with fresh generators",
+                len(self.all_hosts),
+            )
         ray.get(waits)
         ray.get(self._sync_weights())
         self.data_rng.setstate(_as_rng_state(state["data_rng"]))
@@ -499,8 +519,13 @@ class PPOTrainer:
                 log.warning("no Hugging Face export of the %s: backend %s", role, spec.backend)
             else:
                 roles.append(role)
-        ray.get([h.export_pretrained.remote(role, str(directory / role))
-                 for role in roles for h in self.hosts[role]])  # fmt: skip
+        ray.get(
+            [
+                h.export_pretrained.remote(role, str(directory / role))
+                for role in roles
+                for h in self.hosts[role]
+            ]
+        )
         return directory
 
     def shutdown(self) -> None:
@@ -583,9 +608,14 @@ def train(
         result.wall_s = time.perf_counter() - t_start
         evaluated = {} if result.eval_reward is None else {"eval/reward_mean": result.eval_reward}
         reporter.finish(
-            {"steps": result.steps, "final_reward": result.final_reward,
-             "wall_s": result.wall_s, "time_to_0.9_s": result.time_to_reward(0.9), **evaluated}
-        )  # fmt: skip
+            {
+                "steps": result.steps,
+                "final_reward": result.final_reward,
+                "wall_s": result.wall_s,
+                "time_to_0.9_s": result.time_to_reward(0.9),
+                **evaluated,
+            }
+        )
     finally:
         trainer.shutdown()
     return result

@@ -232,11 +232,18 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
         (settings.mini_batch_size or data.samples_per_step) // dp, 1
     )
     return TrainedModel(
-        shape=shape, dtype=half.model.dtype, backend=spec.backend, dp=dp,
-        tp=spec.parallelism.tensor, pp=spec.parallelism.pipeline, sharding=settings.sharding,
-        micro_batch=micro, seq_len=data.max_prompt_length + data.max_response_length,
-        gradient_checkpointing=settings.gradient_checkpointing, lm_head=role == "actor",
-    )  # fmt: skip
+        shape=shape,
+        dtype=half.model.dtype,
+        backend=spec.backend,
+        dp=dp,
+        tp=spec.parallelism.tensor,
+        pp=spec.parallelism.pipeline,
+        sharding=settings.sharding,
+        micro_batch=micro,
+        seq_len=data.max_prompt_length + data.max_response_length,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        lm_head=role == "actor",
+    )
 
 
 def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dict, list[str]]:
@@ -303,9 +310,14 @@ def plan_job(
         if generation:
             p.phases["generation"] = generation
     else:
-        plans.append(ProcessPlan("rollout", persistent=persistent,
-                                 phases={"generation": generation} if generation else {},
-                                 notes=notes))  # fmt: skip
+        plans.append(
+            ProcessPlan(
+                "rollout",
+                persistent=persistent,
+                phases={"generation": generation} if generation else {},
+                notes=notes,
+            )
+        )
     plans.insert(0, p)
     return plans
 
@@ -346,9 +358,11 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
     """The plans as a table: one block per process, GiB per part, the peak and the verdict."""
     lines = []
     for plan in plans:
-        lines.append(f"{plan.name}: peak {plan.peak / GiB:.2f} GiB of {gpu_gib:.0f} GiB "
-                     f"({'fits' if plan.peak <= gpu_gib * GiB else 'DOES NOT FIT'}; "
-                     f"peak phase: {plan.peak_phase or '-'})")  # fmt: skip
+        lines.append(
+            f"{plan.name}: peak {plan.peak / GiB:.2f} GiB of {gpu_gib:.0f} GiB "
+            f"({'fits' if plan.peak <= gpu_gib * GiB else 'DOES NOT FIT'}; "
+            f"peak phase: {plan.peak_phase or '-'})"
+        )
         for name, value in plan.rows():
             lines.append(f"    {name:<52} {value / GiB:9.3f} GiB")
         lines += [f"    note: {n}" for n in plan.notes]

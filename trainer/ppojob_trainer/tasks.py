@@ -55,11 +55,12 @@ def as_prompt(value: Any) -> Prompt | None:
         isinstance(value, list)
         and value
         and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str)
             for m in value
         )
-    ):  # fmt: skip
+    ):
         return [{"role": m["role"], "content": m["content"]} for m in value]
     return None
 
@@ -277,8 +278,9 @@ def load_dataset(
     return examples
 
 
-def make_task(prompts: str, prompt_key: str = "prompt", label_key: str = "label",
-              shuffle: bool = True) -> Task:  # fmt: skip
+def make_task(
+    prompts: str, prompt_key: str = "prompt", label_key: str = "label", shuffle: bool = True
+) -> Task:
     """The task of ``data.prompts``: a built-in task or a dataset (file or saved directory)."""
     if prompts.startswith(BUILTIN_PREFIX):
         name = prompts[len(BUILTIN_PREFIX) :]

@@ -103,23 +103,34 @@ class GenerationEngine(ABC):
             self._apply_pending()
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str, backend: str = "gloo",
-    ) -> None:  # fmt: skip
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
         """Disaggregated sync: join the weight-update group (rank 0 is the actor's leader)."""
         from .weight_sync import init_custom_group
 
         groups = self.__dict__.setdefault("_weight_groups", {})
         groups[group_name] = (
-            init_custom_group(backend, master_address, master_port, world_size, rank_offset,
-                              group_name),
+            init_custom_group(
+                backend, master_address, master_port, world_size, rank_offset, group_name
+            ),
             backend,
-        )  # fmt: skip
+        )
 
     def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
-        group_name: str, flush_cache: bool,
-    ) -> None:  # fmt: skip
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        flush_cache: bool,
+    ) -> None:
         """Disaggregated sync: receive one bucket broadcast by rank 0, tensor by tensor in
         ``names`` order."""
         import torch.distributed as dist
@@ -159,9 +170,12 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: PolicyLossFn, micro_batch_size: int,
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: PolicyLossFn,
+        micro_batch_size: int,
         agg: str = "token-mean",
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """One optimizer update from this worker's share of a mini-batch (gradients averaged
         over the data-parallel group). Returns the loss metrics and ``grad_norm``, ``lr``.
 
@@ -210,9 +224,12 @@ class ValueTrainer(ABC):
 
     @abstractmethod
     def update(
-        self, minibatch: Mapping[str, torch.Tensor], loss_fn: ValueLossFn, micro_batch_size: int,
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        loss_fn: ValueLossFn,
+        micro_batch_size: int,
         agg: str = "token-mean",
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """One optimizer update, as :meth:`PolicyTrainer.update`."""
 
     @abstractmethod
@@ -239,8 +256,9 @@ class ValueTrainer(ABC):
 _STATE_FILE = "state.pt"
 
 
-def _save_leader_state(trainer: PolicyTrainer | ValueTrainer, directory: Path | str,
-                       shard: ShardIdentity) -> None:  # fmt: skip
+def _save_leader_state(
+    trainer: PolicyTrainer | ValueTrainer, directory: Path | str, shard: ShardIdentity
+) -> None:
     state = trainer.state_dict()  # on every worker: a sharded backend gathers here
     if shard.is_dp_leader:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -144,9 +144,14 @@ class _Sharded:
         self.last = ps.is_pipeline_last_stage()
         self.sequence_parallel = sequence_parallel and shard.tp_size > 1
         self.config = transformer_config(
-            self.shape, dtype, device=device, tp=shard.tp_size, pp=shard.pp_size,
-            cp=shard.cp_size, sequence_parallel=self.sequence_parallel,
-        )  # fmt: skip
+            self.shape,
+            dtype,
+            device=device,
+            tp=shard.tp_size,
+            pp=shard.pp_size,
+            cp=shard.cp_size,
+            sequence_parallel=self.sequence_parallel,
+        )
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
 
@@ -180,16 +185,24 @@ class _Sharded:
         if not self.value:
             return load_causal_lm(model_dir, dtype).state_dict()
         vm = load_value_model(model_dir, dtype, seed=seed)
-        sd = {("model." + k[len("backbone.") :]): v for k, v in vm.state_dict().items()
-              if k.startswith("backbone.")}  # fmt: skip
+        sd = {
+            ("model." + k[len("backbone.") :]): v
+            for k, v in vm.state_dict().items()
+            if k.startswith("backbone.")
+        }
         sd["value_head.weight"] = vm.value_head.weight.detach()
         sd["value_head.bias"] = vm.value_head.bias.detach()
         return sd
 
     def _new_model(self, build_model: Callable[..., Any], hf: Mapping[str, torch.Tensor]) -> Any:
-        model = build_model(self.shape, self.config, pre_process=self.first,
-                            post_process=self.last, value=self.value,
-                            role=self.shard.role)  # fmt: skip
+        model = build_model(
+            self.shape,
+            self.config,
+            pre_process=self.first,
+            post_process=self.last,
+            value=self.value,
+            role=self.shard.role,
+        )
         self._load_local(model, self._local_from_hf(hf))
         return model.to(self.device)
 
@@ -198,13 +211,17 @@ class _Sharded:
         head = None
         if self.value:
             head = {"weight": hf["value_head.weight"], "bias": hf["value_head.bias"]}
-        return hf_to_megatron(hf, self.shape, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size,
-                              value_head=head)  # fmt: skip
+        return hf_to_megatron(
+            hf, self.shape, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size, value_head=head
+        )
 
     @staticmethod
     def _load_local(model: Any, local: Mapping[str, torch.Tensor]) -> None:
-        params = {k: v for k, v in model.state_dict(keep_vars=True).items()
-                  if not k.endswith("_extra_state")}  # fmt: skip
+        params = {
+            k: v
+            for k, v in model.state_dict(keep_vars=True).items()
+            if not k.endswith("_extra_state")
+        }
         if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
             local = _rename(local, TE_NORMS)
         if set(params) != set(local):
@@ -215,8 +232,10 @@ class _Sharded:
         with torch.no_grad():
             for k, p in params.items():
                 if p.shape != local[k].shape:
-                    raise RuntimeError(f"megatron conversion: {k} {tuple(local[k].shape)} does "
-                                       f"not fit {tuple(p.shape)}")  # fmt: skip
+                    raise RuntimeError(
+                        f"megatron conversion: {k} {tuple(local[k].shape)} does "
+                        f"not fit {tuple(p.shape)}"
+                    )
                 p.copy_(local[k])
 
     def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
@@ -311,9 +330,13 @@ class _Sharded:
         )
 
     def _cpu_schedule(
-        self, model: Any, micros: list[dict[str, torch.Tensor]], step: Callable[..., Any], *,
+        self,
+        model: Any,
+        micros: list[dict[str, torch.Tensor]],
+        step: Callable[..., Any],
+        *,
         forward_only: bool,
-    ) -> list[Any]:  # fmt: skip
+    ) -> list[Any]:
         """Forward (and backward) of each micro-batch through the pipeline stages in turn.
 
         megatron-core 0.16's schedules cannot run without CUDA: ``forward_backward_no_pipelining``
@@ -533,8 +556,12 @@ class _Sharded:
         adam = {k: self._gather(moments[k]) for k in ADAM_KEYS}
         if model is None:
             return {}
-        return {"model": model, "adam": adam, "adam_step": max(steps, default=0.0),
-                "updates": self.updates}  # fmt: skip
+        return {
+            "model": model,
+            "adam": adam,
+            "adam_step": max(steps, default=0.0),
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (each worker cuts its own shard)."""
@@ -543,8 +570,10 @@ class _Sharded:
         if self.ddp is not None or "adam" not in state:  # pragma: no cover - needs CUDA
             return
         params = dict(self.model.named_parameters())
-        local = {k: self._local_from_hf(_with_frozen(state["adam"][k], state["model"]))
-                 for k in ADAM_KEYS}  # fmt: skip
+        local = {
+            k: self._local_from_hf(_with_frozen(state["adam"][k], state["model"]))
+            for k in ADAM_KEYS
+        }
         step = torch.tensor(float(state["adam_step"]))
         self.optimizer.state.clear()
         for name, p in params.items():
@@ -632,11 +661,17 @@ class MegatronPolicyTrainer(PolicyTrainer):
         self.need_entropy = need_entropy
         self.entropy_grad = cfg.algorithm.entropy_coefficient > 0
         self.m = _Sharded(
-            Path(model_dir), cfg.model.dtype, shard, cfg.training, total_updates=total_updates,
-            value=False, device=device, seed=cfg.training.seed,
+            Path(model_dir),
+            cfg.model.dtype,
+            shard,
+            cfg.training,
+            total_updates=total_updates,
+            value=False,
+            device=device,
+            seed=cfg.training.seed,
             sequence_parallel=cfg.roles.actor.parallelism.sequence_parallel,
             frozen_copy=need_reference,
-        )  # fmt: skip
+        )
         self.micro = cfg.training.micro_batch_size
 
     def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -712,10 +747,16 @@ class MegatronValueTrainer(ValueTrainer):
         critic = cfg.roles.effective_critic(True)
         settings = cfg.critic_training()
         self.m = _Sharded(
-            Path(model_dir), cfg.model.dtype, shard, settings, total_updates=total_updates,
-            value=True, device=device, seed=cfg.training.seed,
+            Path(model_dir),
+            cfg.model.dtype,
+            shard,
+            settings,
+            total_updates=total_updates,
+            value=True,
+            device=device,
+            seed=cfg.training.seed,
             sequence_parallel=critic.parallelism.sequence_parallel,
-        )  # fmt: skip
+        )
         self.micro = settings.micro_batch_size
 
     @staticmethod

@@ -75,10 +75,15 @@ class ModelShape:
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         factor = None
-        if rope_type == "llama3" and (
-            float(rope.get("low_freq_factor", 0)), float(rope.get("high_freq_factor", 0)),
-            int(rope.get("original_max_position_embeddings", 0)),
-        ) == LLAMA3_ROPE:  # fmt: skip
+        if (
+            rope_type == "llama3"
+            and (
+                float(rope.get("low_freq_factor", 0)),
+                float(rope.get("high_freq_factor", 0)),
+                int(rope.get("original_max_position_embeddings", 0)),
+            )
+            == LLAMA3_ROPE
+        ):
             factor = float(rope["factor"])  # megatron-core's rope_scaling (Llama 3.1 / 3.2)
         elif rope_type != "default":
             raise ValueError(
@@ -265,8 +270,10 @@ def megatron_to_hf(
             for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
                 out[dst + f"self_attn.{name}.weight"] = torch.cat([p[j] for p in parts], 0)
             if shape.qkv_bias:
-                parts = [_split_qkv_local(shape, s[src + "self_attention.linear_qkv.bias"],
-                                          len(stage)) for s in stage]  # fmt: skip
+                parts = [
+                    _split_qkv_local(shape, s[src + "self_attention.linear_qkv.bias"], len(stage))
+                    for s in stage
+                ]
                 for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
                     out[dst + f"self_attn.{name}.bias"] = torch.cat([p[j] for p in parts], 0)
             out[dst + "self_attn.o_proj.weight"] = cat(
@@ -293,8 +300,9 @@ def megatron_to_hf(
 
 def _split_qkv_local(shape: ModelShape, qkv: torch.Tensor, tp: int) -> tuple[torch.Tensor, ...]:
     """q, k, v rows of one rank's ``linear_qkv`` shard (``kv_heads / tp`` groups)."""
-    local = ModelShape(**{**shape.__dict__, "heads": shape.heads // tp,
-                          "kv_heads": shape.kv_heads // tp})  # fmt: skip
+    local = ModelShape(
+        **{**shape.__dict__, "heads": shape.heads // tp, "kv_heads": shape.kv_heads // tp}
+    )
     return _split_qkv(local, qkv)
 
 

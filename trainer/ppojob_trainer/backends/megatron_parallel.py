@@ -275,9 +275,14 @@ class ValueHead(torch.nn.Module):
 
 
 def build_model(
-    shape: ModelShape, config: Any, *, pre_process: bool, post_process: bool, value: bool,
+    shape: ModelShape,
+    config: Any,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    value: bool,
     role: str = "actor",
-) -> Any:  # fmt: skip
+) -> Any:
     """A megatron-core ``GPTModel`` for one pipeline stage (a value head on the last stage of a
     critic), with uninitialised weights (the caller loads converted ones)."""
     from megatron.core.models.gpt import GPTModel

@@ -122,10 +122,16 @@ def serialize_bucket(bucket: FlatBucket) -> bytes:
     sglang_object("monkey_patch_torch_reductions")()  # devices travel as UUIDs, not indices
     meta_cls = sglang_object("FlattenedTensorMetadata")
     metadata = [
-        meta_cls(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.start_idx,
-                 end_idx=m.end_idx, numel=m.numel)
+        meta_cls(
+            name=m.name,
+            shape=torch.Size(m.shape),
+            dtype=m.dtype,
+            start_idx=m.start_idx,
+            end_idx=m.end_idx,
+            numel=m.numel,
+        )
         for m in bucket.metadata
-    ]  # fmt: skip
+    ]
     payload = dict(zip(BUCKET_KEYS, (bucket.flattened_tensor, metadata), strict=True))
     return sglang_object("MultiprocessingSerializer").serialize(payload)
 
@@ -163,9 +169,15 @@ class SGLangGenerationEngine(GenerationEngine):
         self.offload = rollout.colocate_with_actor and rollout.offload
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-        temperature: float, top_p: float, seed: int,
-    ) -> Generation:  # fmt: skip
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> Generation:
         prompts = [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask.bool(), strict=True)]
         params = sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, seed)
         outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -183,22 +195,45 @@ class SGLangGenerationEngine(GenerationEngine):
         )
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str, backend: str = "nccl",
-    ) -> None:  # fmt: skip
-        _check(self.engine.init_weights_update_group(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend,
-        ), "init_weights_update_group")  # fmt: skip
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        _check(
+            self.engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            ),
+            "init_weights_update_group",
+        )
 
     def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
-        group_name: str, flush_cache: bool,
-    ) -> None:  # fmt: skip
-        _check(self.engine.update_weights_from_distributed(
-            names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes],
-            group_name=group_name, flush_cache=flush_cache,
-        ), "update_weights_from_distributed")  # fmt: skip
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        flush_cache: bool,
+    ) -> None:
+        _check(
+            self.engine.update_weights_from_distributed(
+                names=list(names),
+                dtypes=list(dtypes),
+                shapes=[list(s) for s in shapes],
+                group_name=group_name,
+                flush_cache=flush_cache,
+            ),
+            "update_weights_from_distributed",
+        )
 
     def release_memory(self) -> None:
         if self.offload:

@@ -185,9 +185,15 @@ def scalar(x: Any) -> float:
 
 
 def _chunk_stats(
-    head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
-    want_entropy: bool, entropy_grad: bool, softcap: float | None, top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    head: nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    entropy_grad: bool,
+    softcap: float | None,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -234,8 +240,16 @@ def chunked_logprobs(
     recompute = torch.is_grad_enabled() and hidden.requires_grad and n > chunk_tokens
     lps, ents = [], []
     for s in range(0, max(n, 1), chunk_tokens):
-        args = (head, flat[s : s + chunk_tokens], toks[s : s + chunk_tokens], temperature,
-                want_entropy, entropy_grad, softcap, top_p)  # fmt: skip
+        args = (
+            head,
+            flat[s : s + chunk_tokens],
+            toks[s : s + chunk_tokens],
+            temperature,
+            want_entropy,
+            entropy_grad,
+            softcap,
+            top_p,
+        )
         if recompute:
             from torch.utils.checkpoint import checkpoint
 
@@ -250,9 +264,13 @@ def chunked_logprobs(
 
 
 def shard_module(
-    module: nn.Module, group: Any, device: torch.device, *, offload: bool = False,
+    module: nn.Module,
+    group: Any,
+    device: torch.device,
+    *,
+    offload: bool = False,
     compute_dtype: torch.dtype | None = None,
-) -> nn.Module:  # fmt: skip
+) -> nn.Module:
     """FSDP2 (``fully_shard``) over the data-parallel ``group``: each transformer block is one
     unit (gathered for its forward and backward, resharded after), the root holds the rest.
     Parameters, gradients and optimizer state then exist as 1/dp shards (``DTensor``).
@@ -475,8 +493,13 @@ class _Optimised:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         opts = StateDictOptions(full_state_dict=self.sharded, broadcast_from_rank0=False)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=opts)  # fmt: skip
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=opts,
+        )
         self.updates = int(state["updates"])
 
     def save_checkpoint(self, directory: Path | str) -> None:
@@ -489,8 +512,12 @@ class _Optimised:
         Path(directory).mkdir(parents=True, exist_ok=True)
         model, optim = get_state_dict(self.module, self.optimizer)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(self.updates)}
-        dcp.save(state, checkpoint_id=str(directory), process_group=self.group,
-                 no_dist=self.group is None)  # fmt: skip
+        dcp.save(
+            state,
+            checkpoint_id=str(directory),
+            process_group=self.group,
+            no_dist=self.group is None,
+        )
         self._forget_unstepped_state()
 
     def load_checkpoint(self, directory: Path | str) -> None:
@@ -500,10 +527,18 @@ class _Optimised:
 
         model, optim = get_state_dict(self.module, self.optimizer)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=str(directory), process_group=self.group,
-                 no_dist=self.group is None)  # fmt: skip
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])  # fmt: skip
+        dcp.load(
+            state,
+            checkpoint_id=str(directory),
+            process_group=self.group,
+            no_dist=self.group is None,
+        )
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
         self.updates = int(state["updates"])
         self._forget_unstepped_state()
 
@@ -687,10 +722,16 @@ class CausalLMLogprobs(nn.Module):
         tlen = tokens.shape[1]
         hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
         return chunked_logprobs(
-            hidden, self.lm.get_output_embeddings(), tokens, temperature,
-            want_entropy=want_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens,
-            softcap=self.softcap, top_p=top_p,
-        )  # fmt: skip
+            hidden,
+            self.lm.get_output_embeddings(),
+            tokens,
+            temperature,
+            want_entropy=want_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=chunk_tokens,
+            softcap=self.softcap,
+            top_p=top_p,
+        )
 
 
 def _device_inputs(
@@ -739,8 +780,15 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         if settings.gradient_checkpointing:
             activation_checkpointing(lm)
         self.model = CausalLMLogprobs(lm)
-        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
-                              device=self.device, compute_dtype=self.dtype)  # fmt: skip
+        self.opt = _Optimised(
+            self.model,
+            settings,
+            total_updates,
+            group,
+            dp_size,
+            device=self.device,
+            compute_dtype=self.dtype,
+        )
         self.model.train()
         self.reference: nn.Module | None = None
         self.reference_device = self.device
@@ -790,9 +838,15 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         tokens = micro["response_ids"].to(self.device)
         with self.opt.autocast():
             return model(
-                inputs, tokens, plen, self.temperature, want_entropy=entropy,
-                entropy_grad=self.entropy_grad, chunk_tokens=self.chunk_tokens, top_p=self.top_p,
-            )  # fmt: skip
+                inputs,
+                tokens,
+                plen,
+                self.temperature,
+                want_entropy=entropy,
+                entropy_grad=self.entropy_grad,
+                chunk_tokens=self.chunk_tokens,
+                top_p=self.top_p,
+            )
 
     def update(
         self,
@@ -812,8 +866,10 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """HF-named CPU tensors in the compute dtype (float32 masters cast once here). Under
         FSDP every worker of the group must call it (the shards are gathered)."""
-        return {k: v.to(dtype=self.dtype) if v.is_floating_point() else v
-                for k, v in full_state_dict(self.lm).items()}  # fmt: skip
+        return {
+            k: v.to(dtype=self.dtype) if v.is_floating_point() else v
+            for k, v in full_state_dict(self.lm).items()
+        }
 
     def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
         """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer."""
@@ -844,8 +900,15 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.model = load_value_model(model_dir, "float32", seed=seed)
         if settings.gradient_checkpointing:
             activation_checkpointing(self.model.backbone)
-        self.opt = _Optimised(self.model, settings, total_updates, group, dp_size,
-                              device=self.device, compute_dtype=self.dtype)  # fmt: skip
+        self.opt = _Optimised(
+            self.model,
+            settings,
+            total_updates,
+            group,
+            dp_size,
+            device=self.device,
+            compute_dtype=self.dtype,
+        )
         self.model.train()
 
     def _forward(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -878,20 +941,26 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         full = full_state_dict(self.model)  # collective under FSDP
         if not shard.is_dp_leader:
             return
-        backbone = {k.removeprefix("backbone."): v for k, v in full.items()
-                    if k.startswith("backbone.")}  # fmt: skip
+        backbone = {
+            k.removeprefix("backbone."): v for k, v in full.items() if k.startswith("backbone.")
+        }
         save_pretrained(self.model.backbone, backbone, directory, self.model_dir)
         from safetensors.torch import save_file
 
-        head = {k.removeprefix("value_head."): v.contiguous() for k, v in full.items()
-                if k.startswith("value_head.")}  # fmt: skip
+        head = {
+            k.removeprefix("value_head."): v.contiguous()
+            for k, v in full.items()
+            if k.startswith("value_head.")
+        }
         save_file(head, str(Path(directory) / VALUE_HEAD_FILE))
 
 
 def save_pretrained(
-    model: nn.Module, weights: Mapping[str, torch.Tensor], directory: Path | str,
+    model: nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    directory: Path | str,
     tokenizer_dir: Path | str | None,
-) -> None:  # fmt: skip
+) -> None:
     """``model.save_pretrained`` with the given (gathered) weights, and the tokenizer saved
     with ``tokenizer_dir``'s model if it has one."""
     out = Path(directory)

@@ -142,8 +142,13 @@ def init_custom_group(
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
         timeout=timeout,
-    )  # fmt: skip
+    )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

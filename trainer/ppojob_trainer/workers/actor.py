@@ -56,16 +56,26 @@ def fetch_range(parts: Sequence[Part], lo: int, hi: int) -> dict[str, torch.Tens
 
 
 def make_policy_trainer(
-    cfg: TrainerConfig, model_dir: Path, group: Any, shard: ShardIdentity, device: str,
+    cfg: TrainerConfig,
+    model_dir: Path,
+    group: Any,
+    shard: ShardIdentity,
+    device: str,
     total_updates: int,
-) -> PolicyTrainer:  # fmt: skip
+) -> PolicyTrainer:
     """The policy trainer of ``spec.roles.actor.backend``."""
     need_ref = cfg.algorithm.kl.coefficient > 0
     if cfg.roles.actor.backend == "megatron":
         from ..backends.megatron_backend import MegatronPolicyTrainer
 
-        return MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=need_ref,
-                                     total_updates=total_updates, device=device)  # fmt: skip
+        return MegatronPolicyTrainer(
+            cfg,
+            model_dir,
+            shard,
+            need_reference=need_ref,
+            total_updates=total_updates,
+            device=device,
+        )
     from ..backends.torch_backend import TorchPolicyTrainer
 
     return TorchPolicyTrainer(
@@ -112,9 +122,12 @@ def planned_updates(cfg: TrainerConfig, role: str) -> int:
     per_pass = updates_per_step(n, settings.mini_batch_size, settings.ppo_epochs)
     total = 0
     for step in range(cfg.training.steps):
-        plan = A.plan_step(step, has_critic=has_critic,
-                           critic_warmup_steps=algo.critic_warmup_steps,
-                           critic_updates_per_step=algo.critic_updates_per_step)  # fmt: skip
+        plan = A.plan_step(
+            step,
+            has_critic=has_critic,
+            critic_warmup_steps=algo.critic_warmup_steps,
+            critic_updates_per_step=algo.critic_updates_per_step,
+        )
         if role == "critic":
             total += plan.critic_updates * per_pass
         elif plan.actor_trains:
@@ -123,18 +136,30 @@ def planned_updates(cfg: TrainerConfig, role: str) -> int:
 
 
 def step_advantages(
-    algo: Algorithm, custom: Callable[..., Any] | None, *, token_rewards: torch.Tensor,
-    values: torch.Tensor | None, mask: torch.Tensor, scores: torch.Tensor,
+    algo: Algorithm,
+    custom: Callable[..., Any] | None,
+    *,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    scores: torch.Tensor,
     group_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns of a whole step ([N, T] inputs, every sample of the step).
 
     The custom function (``customAdvantageFunction``) or the estimator sees every sample, so
     prompt groups are whole; whitening (``normalizeAdvantages``, resolved per estimator by
     :attr:`Algorithm.whitens_advantages`) is done once, over the step's response tokens.
     """
-    common = dict(token_rewards=token_rewards, scores=scores, values=values, mask=mask,
-                  group_ids=group_ids, gamma=algo.gamma, lam=algo.lam)  # fmt: skip
+    common = dict(
+        token_rewards=token_rewards,
+        scores=scores,
+        values=values,
+        mask=mask,
+        group_ids=group_ids,
+        gamma=algo.gamma,
+        lam=algo.lam,
+    )
     whiten = algo.whitens_advantages
     if custom is not None:
         adv, ret = A.run_custom_advantage(custom, **common)
@@ -177,9 +202,15 @@ def logprob_mismatch(
 
 
 def shard_advantages(
-    algo: Algorithm, custom: Callable[..., Any] | None, full: Mapping[str, torch.Tensor],
-    lo: int, hi: int, token_rewards: torch.Tensor, values: torch.Tensor | None, group: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    algo: Algorithm,
+    custom: Callable[..., Any] | None,
+    full: Mapping[str, torch.Tensor],
+    lo: int,
+    hi: int,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This worker's rows ``lo:hi`` of the whole step's advantages and returns.
 
     ``full``: the step's ``response_mask``, ``scores`` and ``group_ids`` (all samples);
@@ -192,8 +223,15 @@ def shard_advantages(
     width = mask.shape[1]
     tr = gather_rows(token_rewards, width, group)
     vals = None if values is None else gather_rows(values, width, group)
-    adv, ret = step_advantages(algo, custom, token_rewards=tr, values=vals, mask=mask,
-                               scores=full["scores"], group_ids=full["group_ids"])  # fmt: skip
+    adv, ret = step_advantages(
+        algo,
+        custom,
+        token_rewards=tr,
+        values=vals,
+        mask=mask,
+        scores=full["scores"],
+        group_ids=full["group_ids"],
+    )
     local_width = token_rewards.shape[1]
     return adv[lo:hi, :local_width], ret[lo:hi, :local_width]
 
@@ -212,10 +250,12 @@ class ActorWorker:
         self.trainer = make_policy_trainer(cfg, model_dir, group, shard, device, total)
         self.range = shard_range(n, shard.dp_size, shard.dp_rank)
         self.custom = (
-            A.load_function(cfg.algorithm.custom_advantage_function,
-                            "spec.algorithm.customAdvantageFunction")
-            if cfg.algorithm.custom_advantage_function else None
-        )  # fmt: skip
+            A.load_function(
+                cfg.algorithm.custom_advantage_function, "spec.algorithm.customAdvantageFunction"
+            )
+            if cfg.algorithm.custom_advantage_function
+            else None
+        )
         self.batch: dict[str, torch.Tensor] | None = None
         self.received_values: torch.Tensor | None = None
 
@@ -257,8 +297,9 @@ class ActorWorker:
         # numbers, whatever the data-parallel size (shard_advantages gathers the token rewards).
         n = self.cfg.data.samples_per_step
         full = batch if (lo, hi) == (0, n) else fetch_range(parts, 0, n)
-        adv, ret = shard_advantages(algo, self.custom, full, lo, hi, token_rewards, values,
-                                    self.group)  # fmt: skip
+        adv, ret = shard_advantages(
+            algo, self.custom, full, lo, hi, token_rewards, values, self.group
+        )
         batch["advantages"], batch["returns"] = adv, ret
         self.batch = batch
         metrics["adv_abs_sum"] = float((adv.abs() * mask).sum())
@@ -312,20 +353,33 @@ class ActorWorker:
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             weights = None
             if tis_cap is not None:  # truncated importance sampling: pi_old / pi_rollout
-                weights = A.rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],
-                                               tis_cap).to(logp.device)  # fmt: skip
+                weights = A.rollout_is_weights(
+                    mb["old_logprobs"], mb["rollout_logprobs"], tis_cap
+                ).to(logp.device)
             loss, m = A.policy_loss(
-                logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-                algo.clip_range_low, algo.clip_range_high, algo.dual_clip,
-                agg=algo.loss_aggregation, entropy=ent, entropy_coef=algo.entropy_coefficient,
+                logp,
+                mb["old_logprobs"],
+                mb["advantages"],
+                mb["response_mask"],
+                algo.clip_range_low,
+                algo.clip_range_high,
+                algo.dual_clip,
+                agg=algo.loss_aggregation,
+                entropy=ent,
+                entropy_coef=algo.entropy_coefficient,
                 weights=weights,
-            )  # fmt: skip
+            )
             # metrics stay tensors on the device: the backend reads them once per update
             metrics = {f"actor/{k}": v for k, v in m.items()}
             metrics["actor/pg_loss"] = loss.detach()
             if kl_loss_on:
-                kll = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"],
-                                algo.kl.estimator, algo.loss_aggregation)  # fmt: skip
+                kll = A.kl_loss(
+                    logp,
+                    mb["ref_logprobs"],
+                    mb["response_mask"],
+                    algo.kl.estimator,
+                    algo.loss_aggregation,
+                )
                 loss = loss + algo.kl.coefficient * kll
                 metrics["actor/kl_loss"] = kll.detach()
             return loss, metrics

@@ -26,8 +26,9 @@ def make_value_trainer(
     if critic is not None and critic.backend == "megatron":
         from ..backends.megatron_backend import MegatronValueTrainer
 
-        return MegatronValueTrainer(cfg, model_dir, shard, device=device,
-                                    total_updates=planned_updates(cfg, "critic"))  # fmt: skip
+        return MegatronValueTrainer(
+            cfg, model_dir, shard, device=device, total_updates=planned_updates(cfg, "critic")
+        )
     from ..backends.torch_backend import TorchValueTrainer
 
     total = planned_updates(cfg, "critic")
@@ -73,9 +74,12 @@ class CriticWorker:
         return refs
 
     def train(
-        self, step: int, returns_lists: Sequence[Any], actor_ranges: Sequence[tuple[int, int]],
+        self,
+        step: int,
+        returns_lists: Sequence[Any],
+        actor_ranges: Sequence[tuple[int, int]],
         updates: int,
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """``updates`` passes of value-loss training on the returns from the actor workers.
 
         ``returns_lists[j]`` is actor worker ``j``'s prepare result ``(returns refs, metrics)``,
@@ -92,9 +96,10 @@ class CriticWorker:
         width = self.batch["response_ids"].shape[1]
         pieces = [
             torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], 1)
-            if p.shape[1] < width else p[:, :width]
+            if p.shape[1] < width
+            else p[:, :width]
             for p in pieces
-        ]  # fmt: skip
+        ]
         batch = {
             k: self.batch[k]
             for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_values")

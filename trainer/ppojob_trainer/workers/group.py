@@ -84,9 +84,16 @@ def identity(
     cp_rank, rest = rest % context, rest // context
     dp_rank, pp_rank = rest % dp, rest // dp
     return ShardIdentity(
-        role=role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tensor,
-        pp_rank=pp_rank, pp_size=pipeline, cp_rank=cp_rank, cp_size=context,
-    )  # fmt: skip
+        role=role,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        tp_rank=tp_rank,
+        tp_size=tensor,
+        pp_rank=pp_rank,
+        pp_size=pipeline,
+        cp_rank=cp_rank,
+        cp_size=context,
+    )
 
 
 def model_parallel_identity(cfg: Any, role: str, rank: int, world: int) -> ShardIdentity:

@@ -166,9 +166,12 @@ class WorkerHost:
         return refs
 
     def prepare(
-        self, ranges: list[tuple[int, int]], critic_ranges: list[tuple[int, int]] | None,
-        kl_coef: float, *gens_then_values: Any,
-    ) -> tuple[list[Any] | None, dict[str, float]]:  # fmt: skip
+        self,
+        ranges: list[tuple[int, int]],
+        critic_ranges: list[tuple[int, int]] | None,
+        kl_coef: float,
+        *gens_then_values: Any,
+    ) -> tuple[list[Any] | None, dict[str, float]]:
         """``gens_then_values``: the rollout results (one per range), then each critic
         worker's list of value refs (none without a critic)."""
         self.events.append("actor.prepare")
@@ -315,18 +318,27 @@ class WorkerHost:
         return time.perf_counter() - t0
 
     def init_weights_update_group(
-        self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        address: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         backend: str,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Join the weight-update group as ranks ``rank_offset ..`` (the engine's TP ranks)."""
         self.rollout.engine.init_weights_update_group(
             address, port, rank_offset, world_size, group_name, backend
         )
 
     def receive_weights(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
         flush_cache: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rollout.engine.update_weights_from_distributed(
             names, dtypes, shapes, group_name=group_name, flush_cache=flush_cache
         )

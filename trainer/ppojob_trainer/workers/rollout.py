@@ -20,9 +20,12 @@ from ..tasks import Example, Prompt, RewardScorer
 
 
 def make_engine(
-    cfg: TrainerConfig, model_dir: Path, tokenizer: Any, device: str,
+    cfg: TrainerConfig,
+    model_dir: Path,
+    tokenizer: Any,
+    device: str,
     visible_devices: list[str] | None = None,
-) -> GenerationEngine:  # fmt: skip
+) -> GenerationEngine:
     """The generation engine of ``spec.roles.rollout.backend``. ``visible_devices``: the GPUs a
     colocated sglang engine spans (its bundle's), this process's own first."""
     backend = cfg.roles.rollout.backend
@@ -94,9 +97,13 @@ class RolloutWorker:
     """Role logic of one generation engine."""
 
     def __init__(
-        self, cfg: TrainerConfig, shard: ShardIdentity, model_dir: Path, device: str,
+        self,
+        cfg: TrainerConfig,
+        shard: ShardIdentity,
+        model_dir: Path,
+        device: str,
         visible_devices: list[str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.shard = shard
         self.tokenizer = load_tokenizer(model_dir)
@@ -106,8 +113,9 @@ class RolloutWorker:
         self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
         self.eval_scorer = (
             RewardScorer(cfg.data.reward_function, cfg.data.eval_prompts)
-            if cfg.data.eval_prompts else self.scorer
-        )  # fmt: skip
+            if cfg.data.eval_prompts
+            else self.scorer
+        )
 
     def encode(self, prompts: list[Prompt]) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(prompt texts, ids, mask): each prompt rendered (chat template when on; a rendered
@@ -179,10 +187,17 @@ class RolloutWorker:
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
         """One greedy completion of each held-out example, scored; returns sums."""
         prompts, ids, mask = self.encode([e.prompt for e in examples])
-        gen = self.engine.generate(ids, mask, max_new_tokens=self.cfg.data.max_response_length,
-                                   temperature=0.0, top_p=1.0, seed=0)  # fmt: skip
-        scores = self.eval_scorer(prompts, self.completions(gen.response_ids),
-                                  [e.label for e in examples])  # fmt: skip
+        gen = self.engine.generate(
+            ids,
+            mask,
+            max_new_tokens=self.cfg.data.max_response_length,
+            temperature=0.0,
+            top_p=1.0,
+            seed=0,
+        )
+        scores = self.eval_scorer(
+            prompts, self.completions(gen.response_ids), [e.label for e in examples]
+        )
         return {"reward_sum": float(sum(scores)), "n": float(len(prompts))}
 
 
