@@ -34,11 +34,13 @@ control-plane:
 test: $(STAMP) control-plane
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
@@ -48,7 +50,7 @@ format: $(STAMP)
 crd: $(STAMP)
 	$(VENV)/bin/ppojob crd > crds/ppojob.io_ppojobs.yaml
 	cp crds/ppojob.io_ppojobs.yaml charts/ppojob-operator/crds/ppojob.io_ppojobs.yaml
-	$(PY) -m ppojob_operator.reference > docs/reference.md
+	$(PY) -m ppojob_api.reference > docs/reference.md
 
 docs: crd
 

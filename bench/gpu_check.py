@@ -53,13 +53,13 @@ def _peak_memory(device) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, float]:
     import torch
+    from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
     from ppojob_trainer.backends.torch_backend import (
         TorchGenerationEngine,
         TorchPolicyTrainer,
         TorchValueTrainer,
     )
-    from ppojob_trainer.config import TrainingSettings
     from ppojob_trainer.models import count_parameters, quiet_transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -69,7 +69,7 @@ def _model_dir(name: str, root: Path, dtype: torch.dtype) -> Path:
 
 
 def _config(device: str, dtype: str, micro: int, batch: int) -> object:
-    from ppojob_trainer.config import TrainerConfig
+    from ppojob_api.training import TrainerConfig
 
     gpus = 1 if device == "cuda" else 0
     return TrainerConfig.model_validate(

@@ -55,8 +55,8 @@ def _rss(field: str) -> int:
 def _child(spec: dict) -> None:
     """One measurement, in this (fresh) process: peak RSS added by building + 2 updates."""
     import torch
+    from ppojob_api.training import TrainingSettings
     from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
-    from ppojob_trainer.config import TrainingSettings
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     torch.manual_seed(0)

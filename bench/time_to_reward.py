@@ -46,7 +46,7 @@ def run_one(
     cmd = [
         sys.executable,
         "-m",
-        "ppojob_trainer.cli",
+        "ppojob_cli",
         "run",
         str(EXAMPLE),
         "--out",

@@ -12,6 +12,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY api/ api/
+COPY cli/ cli/
 COPY operator/ operator/
 COPY trainer/ trainer/
 # The distribution holds both packages; the operator imports only the trainer's config model

@@ -43,6 +43,8 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
+COPY api/ api/
+COPY cli/ cli/
 COPY operator/ operator/
 COPY trainer/ trainer/
 # torch first (from the CPU index when asked; pinned by constraints.txt), then the trainer with

@@ -28,18 +28,12 @@ import re
 from typing import Any
 
 import yaml
+from ppojob_api.base import dump
+from ppojob_api.problems import Problem
+from ppojob_api.spec import API_VERSION, GROUP, KIND, PLURAL, PPOJob
+from ppojob_api.validation import trainer_config_from_spec
 
 from ppojob_operator import scheduling
-from ppojob_operator.api import (
-    API_VERSION,
-    GROUP,
-    KIND,
-    PLURAL,
-    PPOJob,
-    Problem,
-    dump,
-    trainer_config_from_spec,
-)
 
 MANAGED_BY = "ppojob-operator"
 JOB_LABEL = "ppojob.io/job"

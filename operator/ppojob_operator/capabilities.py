@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppojob_operator.api import PPOJob, check_kueue_queue
+from ppojob_api.metadata import check_kueue_queue
+from ppojob_api.spec import PPOJob
+
 from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
 
 SIDECAR_MARKER = "deletionStrategy"

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from ppojob_api.problems import Problem, SpecError
+from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
+from ppojob_api.validation import validate_manifest as _validate
 
 from ppojob_operator import capabilities, k8s, metrics
-from ppojob_operator.api import GROUP, PLURAL, VERSION, PPOJob, Problem, SpecError
-from ppojob_operator.api import validate_manifest as _validate
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import YUNIKORN_APP_LABEL, effective_scheduler, yunikorn_app_id
 from ppojob_operator.status import (
@@ -128,7 +129,8 @@ async def _event_once(
 
 def _normalized(spec: dict[str, Any]) -> dict[str, Any]:
     """A spec with its defaults filled in (as stored), or as given if it does not validate."""
-    from ppojob_operator.api import PPOJobSpec, dump
+    from ppojob_api.base import dump
+    from ppojob_api.spec import PPOJobSpec
 
     try:
         return dump(PPOJobSpec.model_validate(spec))

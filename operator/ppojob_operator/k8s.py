@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from ppojob_operator.api import GROUP, KIND, PLURAL, VERSION
+from ppojob_api.spec import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 

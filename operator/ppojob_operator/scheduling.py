@@ -79,7 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppojob_operator.api import PPOJob
+from ppojob_api.spec import PPOJob
 
 GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
 KUBERAY_BATCH_SCHEDULERS = ("", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler")

@@ -30,7 +30,9 @@ import json
 import re
 from typing import Any
 
-from ppojob_operator.api import PPOJob, Problem, total_gpus
+from ppojob_api.problems import Problem
+from ppojob_api.spec import PPOJob, total_gpus
+
 from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION, applied_spec
 
 CONDITION_TYPES = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")
@@ -234,7 +236,7 @@ def desired_status(
 
 def applied_job(rayjob: dict[str, Any], name: str | None) -> PPOJob | None:
     """The job as its RayJob was built (the spec in the RayJob's applied-spec annotation)."""
-    from ppojob_operator.api import PPOJobSpec
+    from ppojob_api.spec import PPOJobSpec
 
     try:
         spec = json.loads(rayjob["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION])

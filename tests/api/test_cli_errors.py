@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ppojob_trainer.cli import main as ppojob
+from ppojob_cli.main import main as ppojob
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "ppojob-tiny.yaml"

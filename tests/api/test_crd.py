@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 import yaml
-from ppojob_operator.crd import build_crd, crd_yaml, structural_schema
+from ppojob_api.crd import build_crd, crd_yaml, structural_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "ppojob.io_ppojobs.yaml"
@@ -35,7 +35,7 @@ def test_committed_crd_has_no_drift() -> None:
 
 def test_cli_prints_the_committed_crd() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ppojob_trainer.cli", "crd"],
+        [sys.executable, "-m", "ppojob_cli", "crd"],
         capture_output=True,
         text=True,
         check=True,

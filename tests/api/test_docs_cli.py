@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import yaml
-from ppojob_operator.api import validate_manifest
-from ppojob_trainer.cli import build_parser
+from ppojob_api.validation import validate_manifest
+from ppojob_cli.main import build_parser
 from ppojob_trainer.progress import REQUIRED_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]

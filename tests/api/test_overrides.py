@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from ppojob_trainer.config import (
-    SpecError,
-    TrainerConfig,
-    Training,
-    apply_critic_overrides,
-    parse_critic_override_file,
-)
+from ppojob_api.overrides import apply_critic_overrides, parse_critic_override_file
+from ppojob_api.problems import SpecError
+from ppojob_api.training import TrainerConfig, Training
 
 
 def test_override_file_round_trip() -> None:

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import yaml
+from ppojob_api.problems import SpecError
+from ppojob_api.validation import load_trainer_config, validate_manifest
+from ppojob_cli.main import main as ppojob
 from ppojob_operator import builders, handlers
-from ppojob_operator.api import SpecError, validate_manifest
-from ppojob_trainer.cli import main as ppojob
-from ppojob_trainer.config import load_trainer_config
 from ppojob_trainer.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]

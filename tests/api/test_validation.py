@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
-from ppojob_operator.api import SpecError, load_manifests, validate_manifest
-from ppojob_trainer.cli import main
+from ppojob_api.problems import SpecError
+from ppojob_api.validation import load_manifests, validate_manifest
+from ppojob_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -555,7 +556,7 @@ def test_validation_does_not_rely_on_assert(tmp_path: Path) -> None:
 
     file = _write(tmp_path, _set(GPU_JOB, "spec.training.miniBatchSize", 100))
     proc = subprocess.run(
-        [sys.executable, "-O", "-m", "ppojob_trainer.cli", "validate", str(file)],
+        [sys.executable, "-O", "-m", "ppojob_cli", "validate", str(file)],
         capture_output=True,
         text=True,
         check=False,
@@ -566,7 +567,7 @@ def test_validation_does_not_rely_on_assert(tmp_path: Path) -> None:
 
 def test_names_with_a_trailing_newline_are_refused():
     """`$` in a Python regex matches before a final newline; Kubernetes' validation does not."""
-    from ppojob_operator.api import check_kueue_queue, check_label_value
+    from ppojob_api.metadata import check_kueue_queue, check_label_value
 
     assert check_kueue_queue("team-a\n") and not check_kueue_queue("team-a")
     assert check_label_value("abc\n", "x") and not check_label_value("abc", "x")

@@ -13,12 +13,13 @@ from typing import Any, get_args
 
 import pytest
 import yaml
+from ppojob_api.crd import build_crd
+from ppojob_api.reference import reference_markdown, write_reference
+from ppojob_api.spec import PHASES
+from ppojob_api.training import Algorithm, KLSpec, TrainingSettings
+from ppojob_api.validation import load_manifests
 from ppojob_operator import status as status_mod
-from ppojob_operator.api import PHASES, load_manifests
-from ppojob_operator.crd import build_crd
-from ppojob_operator.reference import reference_markdown, write_reference
 from ppojob_operator.scheduling import GANG_SCHEDULERS
-from ppojob_trainer.config import Algorithm, KLSpec, TrainingSettings
 
 from .conftest import CHART, ROOT
 
@@ -69,13 +70,13 @@ def _read(name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 def test_reference_is_up_to_date() -> None:
     assert _read("reference.md") == reference_markdown(), (
-        "docs/reference.md is stale: python -m ppojob_operator.reference > docs/reference.md"
+        "docs/reference.md is stale: python -m ppojob_api.reference > docs/reference.md"
     )
 
 
 def test_reference_cli_and_writer(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ppojob_operator.reference"],
+        [sys.executable, "-m", "ppojob_api.reference"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -17,7 +17,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 def ppojob_validate(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ppojob_trainer.cli", "validate", str(path)],
+        [sys.executable, "-m", "ppojob_cli", "validate", str(path)],
         capture_output=True,
         text=True,
     )

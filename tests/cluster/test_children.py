@@ -192,8 +192,8 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
     """The children a previous operator run made before it died (the first two in creation
     order; or all of them, the RayJob too, but not the status) are kept as they are (same uid:
     not deleted and made again, a RayJob never re-run) and the rest made; then a status."""
+    from ppojob_api.validation import validate_manifest
     from ppojob_operator import builders
-    from ppojob_operator.api import validate_manifest
 
     operator.stop()
     try:

@@ -280,7 +280,8 @@ def test_job_created_suspended_gets_no_rayjob_until_resumed(cp, operator, kueue,
 def test_kueue_webhook_refuses_a_queue_name_that_is_no_localqueue_name(cp, kueue, ns):
     """Kueue's RayJob webhook refuses a ``queue-name`` that is a valid label value but no
     DNS-1123 subdomain; our validation refuses such a ``spec.scheduling.queue`` for kueue."""
-    from ppojob_operator.api import SpecError, validate_manifest
+    from ppojob_api.problems import SpecError
+    from ppojob_api.validation import validate_manifest
     from ppojob_operator.builders import build_children
 
     manifest = job("badq", ns)

@@ -12,7 +12,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-EXTERNAL_CRDS = REPO.parent / "shared" / "external-crds"
+EXTERNAL_CRDS = REPO / "tests" / "external-crds"
 
 
 def base_manifest(name: str = "demo", namespace: str = "ns1", **spec: Any) -> dict[str, Any]:

@@ -11,8 +11,9 @@ import sys
 import pytest
 import yaml
 from ophelpers import REPO, base_manifest, kuberay_resources_map, ray_start_resources
+from ppojob_api.spec import total_gpus
+from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
-from ppojob_operator.api import total_gpus, validate_manifest
 
 GPU = {"gpus": 2, "cpus": 8, "memory": "64Gi"}
 LAYOUTS = {
@@ -165,7 +166,7 @@ def test_checkpoint_volume_mounted_in_every_pod(volume, validate_child):
 
 
 def test_config_map_is_the_trainer_config():
-    from ppojob_trainer.config import TrainerConfig
+    from ppojob_api.training import TrainerConfig
 
     job = make(training={"steps": 7})
     cm = builders.build_children(job, namespace="ns1")[0]
@@ -249,7 +250,7 @@ def test_operator_default_scheduler_applies_only_when_spec_names_none():
 def test_unset_gang_scheduler_survives_storage_and_takes_the_operator_default():
     """Item 8: the CRD has no default for gangScheduler, so the stored form of
     `scheduling: {queue: q}` still means "the operator's default"."""
-    from ppojob_operator.crd import build_crd
+    from ppojob_api.crd import build_crd
 
     crd = build_crd()
     sched = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
@@ -403,7 +404,7 @@ def test_head_placement_extra_resources_and_capabilities(validate_child):
     ],
 )
 def test_extra_resources_and_capabilities_are_checked(roles, path):
-    from ppojob_operator.api import SpecError
+    from ppojob_api.problems import SpecError
 
     with pytest.raises(SpecError) as exc:
         validate_manifest(base_manifest(roles=roles))
@@ -414,7 +415,7 @@ def test_ray_version_has_one_source_of_truth():
     """Also: spec.rayVersion defaults to the Ray the trainer image installs (constraints.txt,
     used by images/trainer.Dockerfile) and the one installed here."""
     import ray
-    from ppojob_operator.api import RAY_VERSION
+    from ppojob_api.spec import RAY_VERSION
 
     pins = dict(
         line.split("==")
@@ -451,7 +452,7 @@ def test_strict_validation_catches_unknown_fields(validate_child):
 
 
 def test_job_name_limits():
-    from ppojob_operator.api import SpecError
+    from ppojob_api.problems import SpecError
 
     with pytest.raises(
         SpecError
@@ -465,7 +466,7 @@ def test_render_cli_prints_the_builders_output(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(base_manifest(scheduling=SCHEDULING["scheduler-plugins"])))
     out = subprocess.run(
-        [sys.executable, "-m", "ppojob_trainer.cli", "render", str(path)],
+        [sys.executable, "-m", "ppojob_cli", "render", str(path)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -508,7 +509,7 @@ def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
     """The trainer pins each bundle to its role's pods with one unit of `ppojob-<role>`: every
     role pod must advertise one unit per worker on it, CPUs for its bundles, and the head none
     (nor any CPU), so the trainer's placement group fits exactly and never lands on the head."""
-    from ppojob_operator.api import trainer_config_from_spec
+    from ppojob_api.validation import trainer_config_from_spec
     from ppojob_trainer.placement import plan_placement, role_resource
 
     if layout == "cpu-fractional":

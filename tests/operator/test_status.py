@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from ophelpers import base_manifest
+from ppojob_api.problems import Problem
+from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders
-from ppojob_operator.api import Problem, validate_manifest
 from ppojob_operator.status import desired_status, invalid_status, phase_of, status_patch
 
 JOB = validate_manifest(base_manifest())

@@ -26,7 +26,7 @@ import torch
 
 
 def _cfg(tp: int, pp: int, micro: int | None) -> object:
-    from ppojob_trainer.config import TrainerConfig
+    from ppojob_api.training import TrainerConfig
 
     par = {"tensor": tp, "pipeline": pp}
     return TrainerConfig.model_validate(

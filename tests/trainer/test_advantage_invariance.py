@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ppojob_api.training import Algorithm, TrainerConfig
 from ppojob_trainer.algorithms import masked_whiten, shape_token_rewards
-from ppojob_trainer.config import Algorithm, TrainerConfig
 from ppojob_trainer.workers.actor import shard_advantages
 from ppojob_trainer.workers.group import shard_range
 
@@ -191,7 +191,7 @@ def test_grpo_by_default_keeps_the_sign_of_each_answer():
 def test_unset_and_stored_manifest_mean_the_same():
     """The CRD gives normalizeAdvantages no default, so the API server stores nothing for it and
     the trainer resolves the estimator's default in both cases."""
-    from ppojob_operator.crd import build_crd
+    from ppojob_api.crd import build_crd
 
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     algo = schema["properties"]["spec"]["properties"]["algorithm"]["properties"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ppojob_api.checks import check_training_half
+from ppojob_api.training import TrainerConfig, TrainingHalf, TrainingSettings
 from ppojob_trainer import algorithms as A
 from ppojob_trainer import models
 from ppojob_trainer.backends.base import ShardIdentity
@@ -17,7 +19,6 @@ from ppojob_trainer.backends.torch_backend import (
     token_logprobs,
     trim_padding,
 )
-from ppojob_trainer.config import TrainerConfig, TrainingHalf, TrainingSettings, check_training_half
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,7 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
 
 
 def _cfg(**training):
-    from ppojob_trainer.config import TrainerConfig
+    from ppojob_api.training import TrainerConfig
 
     return TrainerConfig.model_validate(
         {

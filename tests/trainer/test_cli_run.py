@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import yaml
+from ppojob_api.problems import SpecError
+from ppojob_api.training import TrainerConfig
+from ppojob_cli.main import main as ppojob
 from ppojob_trainer import entrypoint, run_cmd
-from ppojob_trainer.cli import main as ppojob
-from ppojob_trainer.config import SpecError, TrainerConfig
 from ppojob_trainer.manifest import apply_spec_overrides, load_manifest, parse_set
 from ppojob_trainer.progress import REQUIRED_KEYS, read_metrics
 
@@ -329,7 +330,7 @@ def test_interrupted_is_printed_on_its_own_line(tmp_path, monkeypatch, capsys) -
 
 def test_critic_override_file_reads_1e_5_as_a_number() -> None:
     """Strict types must not turn away `learningRate: 1e-5` (a string to YAML 1.1)."""
-    from ppojob_trainer.config import parse_critic_override_file
+    from ppojob_api.overrides import parse_critic_override_file
 
     text = "critic:\n- name: default\n  overrides:\n    learningRate: 1e-5\n"
     assert parse_critic_override_file(text) == {"learningRate": 1e-5}

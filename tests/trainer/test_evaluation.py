@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ppojob_api.checks import check_training_half
+from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.backends.torch_backend import TorchGenerationEngine, TorchPolicyTrainer
-from ppojob_trainer.config import TrainerConfig, TrainingSettings, check_training_half
 from ppojob_trainer.k8s_progress import KubernetesProgressReporter
 from ppojob_trainer.progress import LocalProgressReporter, _postfix, read_metrics
 from ppojob_trainer.tasks import make_task
@@ -90,8 +91,8 @@ def test_eval_reward_reaches_the_bar_and_the_status():
 
 
 def test_the_status_schema_has_eval_reward_mean():
-    from ppojob_operator.api import Progress
-    from ppojob_operator.crd import build_crd
+    from ppojob_api.crd import build_crd
+    from ppojob_api.spec import Progress
 
     assert Progress.model_validate({"evalRewardMean": 0.5}).eval_reward_mean == 0.5
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

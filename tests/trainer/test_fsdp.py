@@ -37,6 +37,7 @@ def _batch(n: int = 8) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     import torch.distributed as dist
+    from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
     from ppojob_trainer.backends.base import ShardIdentity
     from ppojob_trainer.backends.torch_backend import (
@@ -44,7 +45,6 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
         TorchValueTrainer,
         full_state_dict,
     )
-    from ppojob_trainer.config import TrainingSettings
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ppojob_api.checks import check_training_half
+from ppojob_api.training import BUILTIN_MEGATRON_SHAPES, TrainerConfig
 from ppojob_trainer import models
 from ppojob_trainer.backends.megatron_backend import left_aligned
 from ppojob_trainer.backends.megatron_convert import (
@@ -23,7 +25,6 @@ from ppojob_trainer.backends.megatron_convert import (
     megatron_to_hf,
     parallel_problems,
 )
-from ppojob_trainer.config import BUILTIN_MEGATRON_SHAPES, TrainerConfig, check_training_half
 from ppojob_trainer.loop import _dp_leaders
 from ppojob_trainer.workers.group import identity
 

@@ -45,7 +45,7 @@ def test_the_7b_example_fits_80gb_gpus_and_so_does_a_torch_fsdp_layout():
 
 
 def test_validate_warns_when_a_plan_cannot_fit(tmp_path, capsys):
-    from ppojob_trainer.cli import main
+    from ppojob_cli.main import main
 
     doc = yaml.safe_load(SEVEN_B.read_text())
     actor = doc["spec"]["roles"]["actor"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import ray
 import torch
+from ppojob_api.training import TrainerConfig
 from ppojob_trainer.checkpoint import capture_rng_state
-from ppojob_trainer.config import TrainerConfig
 from ppojob_trainer.loop import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache

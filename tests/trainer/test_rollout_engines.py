@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from ppojob_trainer.config import TrainerConfig
+from ppojob_api.training import TrainerConfig
 from ppojob_trainer.loop import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache

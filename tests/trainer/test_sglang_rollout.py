@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ppojob_api.checks import check_training_half
+from ppojob_api.training import TrainerConfig, model_path_kind
+from ppojob_cli.main import main as ppojob
 from ppojob_trainer.backends.sglang_backend import engine_args, generation_from_outputs
 from ppojob_trainer.backends.weight_sync import flatten, plan_buckets, plan_weight_buckets
-from ppojob_trainer.cli import main as ppojob
-from ppojob_trainer.config import TrainerConfig, check_training_half, model_path_kind
 from ppojob_trainer.placement import engine_count, plan_placement
 
 ROOT = Path(__file__).resolve().parents[2]

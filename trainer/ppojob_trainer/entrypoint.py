@@ -22,16 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ppojob_trainer.config import (
-    CriticRole,
-    Problem,
-    SpecError,
-    TrainerConfig,
-    check_training_half,
-    load_trainer_config,
-    parse_critic_override_file,
-    pydantic_problems,
-)
+from ppojob_api.checks import check_training_half
+from ppojob_api.overrides import parse_critic_override_file
+from ppojob_api.problems import Problem, SpecError, pydantic_problems
+from ppojob_api.training import CriticRole, TrainerConfig
+from ppojob_api.validation import load_trainer_config
 
 log = logging.getLogger("ppojob_trainer.entrypoint")
 

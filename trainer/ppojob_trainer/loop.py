@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import TrainerConfig
+from ppojob_api.training import TrainerConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Reading a PPOJob manifest for `ppojob run`: validation is the operator's (`ppojob_operator.api`),
+"""Reading a PPOJob manifest for `ppojob run`: validation is the API's (`ppojob_api.validation`),
 so a manifest that `kubectl apply` accepts runs locally unchanged, cluster fields included.
 
 `--set KEY=VALUE` / `--unset KEY` change spec fields before validation (`KEY` is a dotted path
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from ppojob_trainer.config import Problem, SpecError, TrainerConfig, load_yaml_documents
+from ppojob_api.problems import Problem, SpecError
+from ppojob_api.training import TrainerConfig
+from ppojob_api.yamlio import load_yaml_documents
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -114,7 +115,7 @@ def apply_spec_overrides(
 
 def config_from_doc(doc: Any, source: str = "") -> TrainerConfig:
     """Validate a PPOJob document completely and return the trainer config of its spec."""
-    from ppojob_operator.api import trainer_config_from_spec, validate_manifest
+    from ppojob_api.validation import trainer_config_from_spec, validate_manifest
 
     job = validate_manifest(doc, source)
     return trainer_config_from_spec(job.spec, job_name=job.metadata.name)

@@ -222,7 +222,7 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
     if role == "actor":
         settings = half.training
     else:
-        from .config import apply_critic_overrides
+        from ppojob_api.overrides import apply_critic_overrides
 
         settings = apply_critic_overrides(half.training, spec.overrides)
     workers = roles.workers_of(role)

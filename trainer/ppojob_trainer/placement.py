@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppojob_trainer.config import TrainerConfig
+from ppojob_api.training import TrainerConfig
 
 ROLES = ("actor", "critic", "rollout")
 SHARE_PRECISION = 10_000  # Ray stores resources with 4 decimal places

@@ -90,7 +90,8 @@ def _positive(name: str, raw: str | None) -> int | None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run `ppojob run`; returns the exit code."""
-    from ppojob_trainer.config import SpecError
+    from ppojob_api.problems import SpecError
+
     from ppojob_trainer.manifest import load_manifest, parse_set
 
     try:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ppojob_api.training import TrainingSettings
 
-from ..config import TrainingSettings
 from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, ValueTrainer
 from .megatron_convert import ModelShape, hf_to_megatron, megatron_to_hf, parallel_problems
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ppojob_api.training import TrainingSettings
 from torch import nn
 
 from ..algorithms.sampling import sampling_logprobs
-from ..config import TrainingSettings
 from ..models import (
     VALUE_HEAD_FILE,
     load_causal_lm,

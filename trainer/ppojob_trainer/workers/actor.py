@@ -15,10 +15,10 @@ from typing import Any
 
 import ray
 import torch
+from ppojob_api.training import Algorithm, TrainerConfig
 
 from .. import algorithms as A
 from ..backends.base import PolicyTrainer, ShardIdentity
-from ..config import Algorithm, TrainerConfig
 from .group import overlap, shard_range
 from .rollout import cat_batches, slice_batch
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import ray
 import torch
+from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A
 from ..backends.base import ShardIdentity, ValueTrainer
-from ..config import TrainerConfig
 from .actor import Part, fetch_range, planned_updates, role_metrics
 from .group import overlap, shard_range
 

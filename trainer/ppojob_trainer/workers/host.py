@@ -17,9 +17,9 @@ from typing import Any
 
 import ray
 import torch
+from ppojob_api.training import TrainerConfig
 
 from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets
-from ..config import TrainerConfig
 from ..models import resolve_model_path, set_trust_remote_code
 from .group import (
     data_parallel_group,

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ppojob_api.training import TrainerConfig
 
 from ..backends.base import GenerationEngine, ShardIdentity
-from ..config import TrainerConfig
 from ..models import load_tokenizer
 from ..tasks import Example, Prompt, RewardScorer
 

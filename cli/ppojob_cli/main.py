@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from ppojob_operator.api import SpecError, load_manifests
+    from ppojob_api.problems import SpecError
+    from ppojob_api.validation import load_manifests
 
     failed = 0
     for name in args.files:
@@ -51,14 +52,16 @@ def _memory_warnings(name: str, jobs: list) -> None:
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
-    from ppojob_operator.crd import crd_yaml
+    from ppojob_api.crd import crd_yaml
 
     sys.stdout.write(crd_yaml())
     return 0
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from ppojob_operator.api import SpecError, check_namespace, load_manifests
+    from ppojob_api.metadata import check_namespace
+    from ppojob_api.problems import SpecError
+    from ppojob_api.validation import load_manifests
 
     try:
         from ppojob_operator.builders import render_children_yaml

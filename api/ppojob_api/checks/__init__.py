@@ -1,0 +1,104 @@
+"""The semantic checks a schema cannot express, one concern per function (in the manner of
+KubeRay's ``utils/validation.go``).
+
+Every check takes the spec (or its training half) and the field-path prefix of its problems, and
+returns every problem it finds, each with its field path and a fix. Checks judge values, never
+whether a field was written: the API server stores a job with the CRD's defaults filled in, and
+a manifest and its stored form must get the same verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
+from ppojob_api.checks.cluster import (
+    check_checkpoint_volume,
+    check_colocated_capabilities,
+    check_extended_resources,
+    check_gpu_precision,
+    check_scheduling,
+)
+from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
+from ppojob_api.checks.megatron import (
+    check_megatron_colocated_critic,
+    check_megatron_devices,
+    check_megatron_splits,
+    check_megatron_top_p,
+)
+from ppojob_api.checks.roles import (
+    check_backends,
+    check_colocation,
+    check_precision,
+    check_sequence_parallel,
+    check_unused_critic,
+)
+from ppojob_api.checks.sizes import check_sizes
+from ppojob_api.checks.sources import (
+    check_eval_prompts,
+    check_model_paths,
+    check_prompts,
+    check_reward_function,
+)
+from ppojob_api.problems import Problem
+from ppojob_api.spec import PPOJobSpec
+from ppojob_api.training import TrainingHalf
+
+S = TypeVar("S", bound=TrainingHalf)
+Check = Callable[[S, str], list[Problem]]
+
+TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
+    check_unused_critic,
+    check_colocation,
+    check_backends,
+    check_megatron_top_p,
+    check_megatron_devices,
+    check_megatron_splits,
+    check_megatron_colocated_critic,
+    check_sequence_parallel,
+    check_precision,
+    check_batches,
+    check_group_size,
+    check_learning_rate,
+    check_kl_target,
+    check_kl_mode,
+    check_kl_off,
+    check_reward_function,
+    check_prompts,
+    check_eval_prompts,
+    check_model_paths,
+    check_sizes,
+)
+"""The checks of the training half (what `ppojob run` and the trainer's config file get)."""
+
+CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
+    check_scheduling,
+    check_colocated_capabilities,
+    check_extended_resources,
+    check_checkpoint_volume,
+    check_gpu_precision,
+)
+"""The checks of the cluster half (what only a PPOJob has)."""
+
+
+def run_checks(checks: Iterable[Check[S]], spec: S, prefix: str) -> list[Problem]:
+    """Every problem the checks find, in order, each once (two checks may find the same one,
+    such as a dataset without a reward function)."""
+    found: list[Problem] = []
+    for check in checks:
+        found += [p for p in check(spec, prefix) if p not in found]
+    return found
+
+
+def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """Every semantic problem of the training half, with field paths under `prefix`."""
+    return run_checks(TRAINING_CHECKS, half, prefix)
+
+
+def check_spec(spec: PPOJobSpec) -> list[Problem]:
+    """Every semantic problem of a spec, training half and cluster half."""
+    return run_checks((*TRAINING_CHECKS, *CLUSTER_CHECKS), spec, "spec")
+
+
+__all__ = ["CLUSTER_CHECKS", "TRAINING_CHECKS", "check_spec", "check_training_half", "run_checks"]

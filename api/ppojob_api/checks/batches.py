@@ -1,0 +1,90 @@
+"""Checks of batch sizes and learning rates: mini- and micro-batches that split a step's samples
+over each trained role's data-parallel workers, group estimators' group size, the schedule."""
+
+from __future__ import annotations
+
+from ppojob_api.overrides import apply_critic_overrides, check_critic_overrides
+from ppojob_api.problems import Problem
+from ppojob_api.training import GROUP_ESTIMATORS, TrainingHalf, TrainingSettings
+
+
+def batch_problems(
+    settings: TrainingSettings, n: int, dp: int, path: str, role: str
+) -> list[Problem]:
+    """A role's mini-batch must divide the `n` samples of a step and split over its `dp`
+    data-parallel workers; its micro-batch must divide a worker's share of a mini-batch."""
+    mini = settings.mini_batch_size or n
+    if n % mini:
+        return [
+            Problem(
+                f"{path}.miniBatchSize",
+                f"{mini} does not divide the {n} samples of a step (rolloutBatchSize x "
+                f"samplesPerPrompt)",
+                f"use a divisor of {n}",
+            )
+        ]
+    if mini % dp:
+        return [
+            Problem(
+                f"{path}.miniBatchSize",
+                f"the {role}'s mini-batch of {mini} samples does not split over its {dp} "
+                f"data-parallel workers",
+                f"use a multiple of {dp}",
+            )
+        ]
+    if settings.micro_batch_size and (mini // dp) % settings.micro_batch_size:
+        return [
+            Problem(
+                f"{path}.microBatchSize",
+                f"{settings.micro_batch_size} does not divide the {role} worker's share of a "
+                f"mini-batch ({mini} / {dp} = {mini // dp})",
+                f"use a divisor of {mini // dp}",
+            )
+        ]
+    return []
+
+
+def check_batches(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """The actor's batch sizes, then the critic's (its overrides on top of the actor's
+    settings); a critic problem that repeats the actor's is reported once."""
+    roles, n = half.roles, half.data.samples_per_step
+    actor = roles.actor
+    dp_actor = max(roles.workers_of("actor") // actor.parallelism.model_parallel, 1)
+    p = batch_problems(half.training, n, dp_actor, f"{prefix}.training", "actor")
+    critic = roles.effective_critic(half.algorithm.needs_critic)
+    if critic is None:
+        return p
+    opath = f"{prefix}.roles.critic.overrides"
+    override_problems = check_critic_overrides(critic.overrides, opath)
+    if override_problems:
+        return p + override_problems
+    dp_critic = max(roles.workers_of("critic") // critic.parallelism.model_parallel, 1)
+    merged = apply_critic_overrides(half.training, critic.overrides)
+    return p + [q for q in batch_problems(merged, n, dp_critic, opath, "critic") if q not in p]
+
+
+def check_group_size(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """Group estimators compare samples of one prompt: they need two or more per prompt."""
+    estimator = half.algorithm.advantage_estimator
+    if estimator not in GROUP_ESTIMATORS or half.data.samples_per_prompt >= 2:
+        return []
+    return [
+        Problem(
+            f"{prefix}.data.samplesPerPrompt",
+            f"{estimator} compares samples of the same prompt and needs at least 2",
+            "set samplesPerPrompt >= 2",
+        )
+    ]
+
+
+def check_learning_rate(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """The schedule decays from learningRate to minLearningRate, never up."""
+    if half.training.min_learning_rate <= half.training.learning_rate:
+        return []
+    return [
+        Problem(
+            f"{prefix}.training.minLearningRate",
+            "exceeds learningRate",
+            "set minLearningRate <= learningRate",
+        )
+    ]

@@ -1,0 +1,121 @@
+"""Checks of the cluster half of a spec: queues and priority classes, capabilities and extended
+resources, the checkpoint volume, and precision on GPUs."""
+
+from __future__ import annotations
+
+import re
+
+from ppojob_api.metadata import check_kueue_queue, check_label_value
+from ppojob_api.problems import Problem
+from ppojob_api.spec import PPOJobSpec
+
+_EXTENDED = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def check_scheduling(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """The queue and priority class are written into labels; Kueue needs a LocalQueue name it
+    accepts; a queue without a gang scheduler does nothing."""
+    sched = spec.scheduling
+    path = f"{prefix}.scheduling"
+    p = check_label_value(sched.queue, f"{path}.queue")
+    p += check_label_value(sched.priority_class_name, f"{path}.priorityClassName")
+    if sched.gang_scheduler == "kueue":
+        if not sched.queue:
+            p.append(Problem(f"{path}.queue", "kueue needs a LocalQueue name", f"set {path}.queue"))
+        p += check_kueue_queue(sched.queue)
+    if sched.gang_scheduler == "none" and sched.queue:
+        p.append(
+            Problem(
+                f"{path}.queue",
+                "has no effect without a gang scheduler",
+                f"set {path}.gangScheduler",
+            )
+        )
+    return p
+
+
+def check_colocated_capabilities(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """A colocated role has no pods of its own, so no capabilities of its own."""
+    p: list[Problem] = []
+    for name in ("critic", "rollout"):
+        role = getattr(spec.roles, name)
+        if role is not None and role.colocate_with_actor and role.capabilities:
+            p.append(
+                Problem(
+                    f"{prefix}.roles.{name}.capabilities",
+                    f"a colocated {name} runs in the actor's pods, which have their own",
+                    "set spec.roles.actor.capabilities instead",
+                )
+            )
+    return p
+
+
+def check_extended_resources(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """`resources.extra` holds extended resources (domain/name) in whole units."""
+    p: list[Problem] = []
+    for name in ("actor", "critic", "rollout"):
+        role = getattr(spec.roles, name)
+        for res, qty in (role.resources.extra if role is not None else {}).items():
+            field = f"{prefix}.roles.{name}.resources.extra.{res}"
+            if res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.fullmatch(res):
+                p.append(
+                    Problem(
+                        field,
+                        "is not an extended resource name (domain/name; cpu, memory and GPUs "
+                        "have fields of their own)",
+                        "use a name such as rdma/ib or rdma/hca_shared_devices_a",
+                    )
+                )
+            elif qty < 1:
+                p.append(
+                    Problem(
+                        field,
+                        f"is {qty}; an extended resource is requested in whole units >= 1",
+                        "set 1 or more, or remove it",
+                    )
+                )
+    return p
+
+
+def check_checkpoint_volume(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """A checkpoint volume has one source and is mounted at an absolute checkpointDir."""
+    vol = spec.checkpoint_volume
+    if vol is None:
+        return []
+    p: list[Problem] = []
+    sources = [s for s in (vol.persistent_volume_claim, vol.nfs) if s is not None]
+    if len(sources) != 1:
+        p.append(
+            Problem(
+                f"{prefix}.checkpointVolume",
+                f"needs exactly one source, got {len(sources)}",
+                "set persistentVolumeClaim or nfs",
+            )
+        )
+    if not spec.training.checkpoint_dir.startswith("/"):
+        p.append(
+            Problem(
+                f"{prefix}.training.checkpointDir",
+                f"{spec.training.checkpoint_dir!r} is relative, but the checkpoint volume is "
+                "mounted at this path",
+                "use an absolute path such as /checkpoints",
+            )
+        )
+    return p
+
+
+def check_gpu_precision(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """Megatron on GPUs trains in bf16/fp16 mixed precision, not float32."""
+    any_gpu = any(
+        r is not None and r.resources.gpus > 0
+        for r in (spec.roles.actor, spec.roles.critic, spec.roles.rollout)
+    )
+    if any_gpu and spec.model.dtype == "float32" and spec.roles.actor.backend == "megatron":
+        return [
+            Problem(
+                f"{prefix}.model.dtype",
+                "megatron trains in bf16/fp16 mixed precision",
+                "set dtype: bfloat16",
+            )
+        ]
+    return []

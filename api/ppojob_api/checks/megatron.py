@@ -1,0 +1,138 @@
+"""Checks of the roles on the megatron backend.
+
+A model directory's architecture and shape are checked when the trainer loads it, with the same
+messages (``backends/megatron_convert.py``); here only what the spec alone shows."""
+
+from __future__ import annotations
+
+from ppojob_api.problems import Problem
+from ppojob_api.training import BUILTIN_MEGATRON_SHAPES, ActorRole, CriticRole, TrainingHalf
+
+
+def megatron_roles(half: TrainingHalf) -> list[tuple[str, ActorRole | CriticRole]]:
+    """The trained roles (actor, and the critic the trainer runs) on the megatron backend."""
+    roles = half.roles
+    critic = roles.effective_critic(half.algorithm.needs_critic)
+    return [
+        (n, s)
+        for n, s in (("actor", roles.actor), ("critic", critic))
+        if s is not None and s.backend == "megatron"
+    ]
+
+
+def check_megatron_top_p(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """A megatron actor computes log-probs over the full vocabulary: top-p sampling would make
+    the rollout policy differ from pi_old."""
+    if half.roles.actor.backend != "megatron" or half.data.top_p >= 1.0:
+        return []
+    return [
+        Problem(
+            f"{prefix}.data.topP",
+            "the megatron actor computes pi_old and pi_theta over the full "
+            "tensor-parallel vocabulary, so top-p sampling would make the rollout "
+            "policy differ from pi_old",
+            "set data.topP: 1.0, or use backend: torch for the actor",
+        )
+    ]
+
+
+def check_megatron_devices(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """What a megatron role cannot do without GPUs (context parallelism, half precision) and
+    sequence parallelism without tensor-parallel GPUs."""
+    roles = half.roles
+    p: list[Problem] = []
+    for name, spec in megatron_roles(half):
+        rpath = f"{prefix}.roles.{name}"
+        owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
+        gpus, mp = owner.resources.gpus, spec.parallelism
+        if gpus == 0 and mp.context > 1:
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.context",
+                    "context parallelism needs GPUs (megatron-core runs it with "
+                    "Transformer Engine's attention), but resources.gpus is 0",
+                    "set context: 1, or give the role GPUs",
+                )
+            )
+        if mp.sequence_parallel and (gpus == 0 or mp.tensor == 1):
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.sequenceParallel",
+                    "sequence parallelism splits activations over tensor-parallel GPUs "
+                    f"(here tensor {mp.tensor}, {gpus} GPU(s) per pod)",
+                    "remove it, or use GPUs with tensor > 1",
+                )
+            )
+        if gpus == 0 and half.model.dtype != "float32":
+            p.append(
+                Problem(
+                    f"{prefix}.model.dtype",
+                    f"the megatron backend on CPU ({rpath}) trains in float32",
+                    "set model.dtype: float32, or give the role GPUs",
+                )
+            )
+    return p
+
+
+def check_megatron_splits(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """For the built-in models (whose shapes are known here): tensor and pipeline sizes that do
+    not split the model."""
+    p: list[Problem] = []
+    for name, spec in megatron_roles(half):
+        rpath = f"{prefix}.roles.{name}"
+        mp = spec.parallelism
+        path = half.model.critic_path if name == "critic" and half.model.critic_path else None
+        path = path or half.model.path
+        shape = (
+            BUILTIN_MEGATRON_SHAPES.get(path.removeprefix("builtin:"))
+            if path.startswith("builtin:")
+            else None
+        )
+        if shape is None:
+            continue
+        _, hidden, inter, layers, heads, kv, vocab = shape
+        for what, n in (
+            ("attention heads", heads),
+            ("key/value heads", kv),
+            ("hidden size", hidden),
+            ("intermediate size", inter),
+            ("vocabulary size", vocab),
+        ):
+            if n % mp.tensor:
+                p.append(
+                    Problem(
+                        f"{rpath}.parallelism.tensor",
+                        f"tensor {mp.tensor} does not divide the {n} {what} of {path}",
+                        f"use a tensor size that divides {n}",
+                    )
+                )
+                break
+        if layers % mp.pipeline:
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.pipeline",
+                    f"pipeline {mp.pipeline} does not divide the {layers} layers of {path}",
+                    f"use a pipeline size that divides {layers}",
+                )
+            )
+    return p
+
+
+def check_megatron_colocated_critic(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """A colocated megatron critic shares the actor's processes, which hold one parallel layout."""
+    critic = half.roles.effective_critic(half.algorithm.needs_critic)
+    if (
+        len(megatron_roles(half)) == 2
+        and critic is not None
+        and critic.colocate_with_actor
+        and critic.parallelism != half.roles.actor.parallelism
+    ):
+        return [
+            Problem(
+                f"{prefix}.roles.critic.parallelism",
+                "a colocated critic shares the actor's processes, and megatron-core "
+                "holds one parallel layout per process",
+                "give the critic the actor's parallelism",
+            )
+        ]
+    return []

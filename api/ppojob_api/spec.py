@@ -1,0 +1,284 @@
+"""The PPOJob API (`ppojob.io/v1alpha1`), defined once as typed models.
+
+The CRD's schema (`crd.py`), the operator's validation, the docs' reference and the trainer's config
+all come from these models. The training half of the spec is the trainer's own config model
+(`ppojob_api.training.TrainingHalf`); this module adds the cluster half and the status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from ppojob_api.base import ApiModel
+from ppojob_api.training import Toleration, TrainingHalf
+from pydantic import Field
+
+RAY_VERSION = "2.60.0"
+"""The Ray release in the trainer image: the one source of truth. `constraints.txt` pins
+`ray==RAY_VERSION`, the trainer image installs with it, and `spec.rayVersion` defaults to it (a test
+checks all three agree)."""
+
+GROUP = "ppojob.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PPOJob"
+PLURAL = "ppojobs"
+SINGULAR = "ppojob"
+SHORT_NAMES = ["ppo"]
+
+PHASES = ("Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspended", "Invalid")
+
+
+class Scheduling(ApiModel):
+    """Gang scheduling: all pods of the job (head and every worker) start together or not at all."""
+
+    gang_scheduler: Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "none"] | None = (
+        None
+    )
+    """Which gang scheduler admits the job. Unset: the operator's default (its
+    `--gang-scheduler` flag, chart value `defaultGangScheduler`; `none` when that is unset).
+    KubeRay must be configured for it (see the gang-scheduling guide); `none` relies on the
+    default scheduler (no all-or-nothing guarantee)."""
+
+    queue: str | None = Field(None, min_length=1)
+    """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue). Required
+    for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g. `team-a`)."""
+
+    priority_class_name: str | None = Field(None, min_length=1)
+    """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
+
+    timeout_seconds: int = Field(600, ge=1, le=604800)
+    """How long the job may wait for all its resources: the PodGroup's schedule timeout, YuniKorn's
+    placeholder timeout, and the trainer's wait for every role's pods to join and for its
+    placement group."""
+
+
+class SecretRef(ApiModel):
+    """A reference to a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """Secret name."""
+
+
+class PVCSource(ApiModel):
+    """A PersistentVolumeClaim to mount."""
+
+    claim_name: str = Field(min_length=1)
+    """Name of the PersistentVolumeClaim in the job's namespace."""
+
+
+class NFSSource(ApiModel):
+    """An NFS export to mount."""
+
+    server: str = Field(min_length=1)
+    """NFS server host name or address."""
+
+    path: str = Field(min_length=1)
+    """Exported path."""
+
+
+class CheckpointVolume(ApiModel):
+    """A volume mounted at spec.training.checkpointDir in every trainer pod, so checkpoints
+    survive pod restarts, RayJob retries and suspend/resume. Set exactly one source."""
+
+    persistent_volume_claim: PVCSource | None = None
+    """Mount this PersistentVolumeClaim (ReadWriteMany when pods span nodes)."""
+
+    nfs: NFSSource | None = None
+    """Mount this NFS export."""
+
+
+class HeadSpec(ApiModel):
+    """Resources of the Ray head pod."""
+
+    cpus: float = Field(2.0, gt=0)
+    """CPU cores of the head pod."""
+
+    memory: str = Field("8Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+    """Memory of the head pod, as a Kubernetes quantity."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the head pod must match."""
+
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations of the head pod (on a cluster whose every node is tainted, the head needs
+    them too)."""
+
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """A Kubernetes `affinity` (nodeAffinity, podAffinity, podAntiAffinity) for the head pod,
+    copied into its pod spec as written."""
+
+
+class PPOJobSpec(TrainingHalf):
+    """Desired state of a PPOJob: the cluster half (image, scheduling, lifecycle) and the training
+    half (model, roles, algorithm, data, training)."""
+
+    image: str = Field(min_length=1)
+    """Trainer container image (torch, ray, megatron-core, sglang and the ppojob trainer)."""
+
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Pull policy of the trainer image."""
+
+    image_pull_secrets: list[SecretRef] = Field(default_factory=list)
+    """Secrets for pulling the trainer image."""
+
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    """The Ray head pod, which runs the PPO driver (no GPUs)."""
+
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Gang scheduling settings."""
+
+    checkpoint_volume: CheckpointVolume | None = None
+    """Volume mounted at spec.training.checkpointDir in every trainer pod."""
+
+    submission_mode: Literal["SidecarMode", "K8sJobMode"] = "SidecarMode"
+    """How KubeRay submits the trainer: `SidecarMode` (a container in the head pod, inside the
+    gang; KubeRay >= 1.5.0: older releases accept the field and never submit, and the operator
+    refuses such a job) or `K8sJobMode` (a separate submitter pod outside the gang; any
+    KubeRay)."""
+
+    suspend: bool = False
+    """Suspend the job: its pods are deleted; setting it back to false starts it again (resuming
+    from the newest checkpoint)."""
+
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    """Fail the job if one attempt runs longer than this many seconds. KubeRay counts from the
+    start of each attempt (it resets the RayJob's startTime for every retry and every resume), so
+    with retries the whole job can run up to (backoffLimit + 1) times this."""
+
+    backoff_limit: int = Field(0, ge=0, le=100)
+    """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest
+    checkpoint."""
+
+    ttl_seconds_after_finished: int = Field(60, ge=0)
+    """Seconds after the job finishes before its Ray cluster (every pod, every GPU) is deleted.
+    The final progress stays in the PPOJob's status; checkpoints and the trainer's output stay on
+    the checkpoint volume. Raise it to keep the pods (and their GPUs) for debugging."""
+
+    ray_version: str = Field(RAY_VERSION, min_length=1)
+    """Ray version inside the trainer image (KubeRay uses it for compatibility). The default is
+    the Ray of the ppojob trainer image; set it only for an image with another Ray."""
+
+
+class Condition(ApiModel):
+    """A standard Kubernetes condition."""
+
+    type: str
+    """Condition type: Valid, SpecApplied, Running, Succeeded, Failed, Suspended."""
+
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+
+    reason: str = ""
+    """CamelCase reason (see the troubleshooting guide)."""
+
+    message: str = ""
+    """Human-readable detail."""
+
+    last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
+
+    observed_generation: int | None = None
+    """The spec generation this condition was computed from."""
+
+
+class Progress(ApiModel):
+    """Live training progress, written by the trainer."""
+
+    step: int | None = None
+    """Last completed training step."""
+
+    total_steps: int | None = None
+    """Steps the job will run."""
+
+    reward_mean: float | None = None
+    """Mean reward of the last step's samples."""
+
+    kl: float | None = None
+    """Mean KL to the reference policy in the last step."""
+
+    value_loss: float | None = None
+    """Critic loss of the last step."""
+
+    tokens_per_second: float | None = None
+    """Throughput of the last step (generated tokens per second)."""
+
+    eval_reward_mean: float | None = None
+    """Mean reward of the last evaluation on spec.data.evalPrompts (greedy decoding)."""
+
+    updated_at: str | None = None
+    """When the trainer wrote this (RFC 3339)."""
+
+    error: str | None = None
+    """Why the trainer failed, when it did: one line naming the field and the cause (also the
+    message of the Failed condition)."""
+
+
+class PPOJobStatus(ApiModel):
+    """Observed state of a PPOJob."""
+
+    phase: (
+        Literal["Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspended", "Invalid"]
+        | None
+    ) = None
+    """Pending, Initializing, Running, Succeeded, Failed, Suspended or Invalid."""
+
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions with reasons and messages."""
+
+    observed_generation: int | None = None
+    """The spec generation the operator last acted on."""
+
+    ray_job_name: str | None = None
+    """Name of the RayJob running this job."""
+
+    ray_cluster_name: str | None = None
+    """Name of the current RayCluster (a new one per retry)."""
+
+    dashboard_url: str | None = Field(None, alias="dashboardURL")
+    """Ray dashboard address of the running cluster."""
+
+    gpus: int | None = None
+    """GPUs requested by all the job's pods together."""
+
+    start_time: str | None = None
+    """When the job started running (RFC 3339)."""
+
+    completion_time: str | None = None
+    """When the job finished (RFC 3339)."""
+
+    progress: Progress | None = None
+    """Live training progress written by the trainer."""
+
+
+class ObjectMeta(ApiModel):
+    """The subset of metadata the API reads."""
+
+    model_config = ApiModel.model_config | {"extra": "allow"}
+
+    name: str | None = None
+    namespace: str | None = None
+
+
+class PPOJob(ApiModel):
+    """PPO training of a language model on Ray, gang-scheduled all-or-nothing."""
+
+    api_version: Literal["ppojob.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["PPOJob"] = "PPOJob"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: PPOJobSpec
+    status: PPOJobStatus | None = None
+
+
+def total_gpus(spec: PPOJobSpec) -> int:
+    """GPUs all the job's pods request (colocated roles have no pods of their own)."""
+    roles = spec.roles
+    total = roles.actor.total_gpus()
+    critic = roles.effective_critic(spec.algorithm.needs_critic)
+    if critic is not None and not critic.colocate_with_actor:
+        total += critic.total_gpus()
+    if not roles.rollout.colocate_with_actor:
+        total += roles.rollout.total_gpus()
+    return total

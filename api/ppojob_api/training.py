@@ -1,0 +1,585 @@
+"""The training half of a PPOJob: the trainer's own configuration model.
+
+This module imports neither torch nor ray, so the operator can validate a spec with it and render it
+into the trainer's ConfigMap, and `ppojob run` can feed it to a local trainer. Every field's
+docstring becomes its description in the generated CRD (`kubectl explain`).
+
+Semantic rules that a schema cannot express live in `ppojob_api.checks`, which return *every*
+problem with its field path and a fix; `SpecError` carries them as a `ValueError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from ppojob_api.base import HOOK_PATTERN, QUANTITY_PATTERN, ApiModel
+from pydantic import Field
+
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
+BUILTIN_CONTEXT = 2048
+"""Longest sequence (prompt + response tokens) a built-in model takes (its position table)."""
+BUILTIN_SHAPES = {
+    "tiny-llama": (64, 256, 2),
+    "tiny-qwen2": (64, 256, 2),
+    "small-llama": (128, 512, 5),
+}
+"""(hidden, intermediate, layers) of each built-in model, for the size checks (`models.py` builds
+them; a test keeps the two in step)."""
+
+# What the megatron backend splits in the built-in models (models.BUILTIN_MODELS, which needs
+# torch): family, hidden, intermediate, layers, heads, key/value heads, vocabulary. A trainer test
+# checks they agree with the models.
+BUILTIN_MEGATRON_SHAPES = {
+    "tiny-llama": ("llama", 64, 256, 2, 4, 4, 14),
+    "tiny-qwen2": ("qwen2", 64, 256, 2, 4, 4, 14),
+    "small-llama": ("llama", 128, 512, 5, 4, 4, 14),
+}
+BUILTIN_TASKS = ("count-up", "reverse")
+ESTIMATORS_WITHOUT_CRITIC = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
+GROUP_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline", "rloo")
+# Estimators whose advantages are whitened over the step's tokens when normalizeAdvantages is unset
+WHITENING_BY_DEFAULT = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class ModelSpec(ApiModel):
+    """The policy (actor) and value (critic) models."""
+
+    path: str = Field("builtin:tiny-llama", min_length=1)
+    """The actor (and reference) model: a Hugging Face model directory in the trainer image or a
+    volume (absolute, or relative to the working directory), a Hugging Face hub id such as
+    `Qwen/Qwen2.5-7B-Instruct` (downloaded through huggingface_hub into its cache, HF_HOME;
+    offline with HF_HUB_OFFLINE=1), or `builtin:<name>` for the tiny randomly initialised CPU
+    models (`builtin:tiny-llama`, `builtin:tiny-qwen2`, `builtin:small-llama`). An existing
+    directory wins over a hub id of the same name."""
+
+    critic_path: str | None = Field(None, min_length=1)
+    """The model the critic's backbone starts from, in the same forms as `path`. Defaults to
+    `path`. Only for estimators that use a critic (`gae`)."""
+
+    trust_remote_code: bool = False
+    """Allow the model's own Python code (`auto_map` in its config) to run when loading the
+    model and tokenizer, in every backend. Only for models you trust."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with
+    float32 master weights and optimizer state and computes in this dtype (autocast); the frozen
+    reference and the rollout engines hold their weights in it. `float16` has no loss scaling in
+    the torch backend and is rejected there."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles
+# ---------------------------------------------------------------------------------------------
+class Resources(ApiModel):
+    """What one replica (one pod) of a role requests and is limited to."""
+
+    gpus: int = Field(0, ge=0, le=64)
+    """GPUs per replica. 0 runs the role on CPU, one worker per replica; otherwise one worker per
+    GPU."""
+
+    cpus: float = Field(1.0, gt=0, le=1024)
+    """CPU cores per replica."""
+
+    memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
+    """Memory per replica, as a Kubernetes quantity such as `64Gi`."""
+
+    extra: dict[str, int] = Field(default_factory=dict)
+    """Extended resources per replica (requested and limited), e.g. `{rdma/ib: 1}` for NCCL over
+    InfiniBand through an RDMA device plugin."""
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration for the role's pods."""
+
+    key: str | None = None
+    """Taint key the toleration applies to; empty matches all keys (with operator Exists)."""
+
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """`Equal` matches key and value; `Exists` matches any value of the key."""
+
+    value: str | None = None
+    """Taint value to match with operator Equal."""
+
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all effects."""
+
+    toleration_seconds: int | None = Field(None, ge=0)
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class EnvVar(ApiModel):
+    """An environment variable set in the role's containers."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    """Variable name."""
+
+    value: str = ""
+    """Variable value."""
+
+
+class Parallelism(ApiModel):
+    """Model parallelism of a role. Data parallelism is derived: workers / (tensor x pipeline x
+    context)."""
+
+    tensor: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size (megatron and sglang backends)."""
+
+    pipeline: int = Field(1, ge=1, le=64)
+    """Pipeline-parallel size (megatron backend)."""
+
+    context: int = Field(1, ge=1, le=64)
+    """Context-parallel size (megatron backend)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: split the activations outside the tensor-parallel layers
+    along the sequence over the tensor-parallel ranks (megatron backend on GPUs with Transformer
+    Engine installed; needs tensor > 1)."""
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+
+class _Role(ApiModel):
+    replicas: int = Field(1, ge=1, le=4096)
+    """Number of pods of this role. All of them are scheduled together with the rest of the job
+    (gang scheduling)."""
+
+    resources: Resources = Field(default_factory=Resources)
+    """Per-replica resources."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the role's pods must match, e.g. `nvidia.com/gpu.product: H100-SXM`."""
+
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations of the role's pods."""
+
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables of the role's containers."""
+
+    capabilities: list[Literal["IPC_LOCK", "SYS_RESOURCE", "SYS_NICE"]] = Field(
+        default_factory=list
+    )
+    """Linux capabilities added to the role's containers (all others stay dropped), e.g.
+    `IPC_LOCK` for RDMA memory registration (see the gang-scheduling guide, "NCCL over
+    RDMA")."""
+
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    """Tensor, pipeline and context parallelism; data parallelism is derived."""
+
+    def workers(self) -> int:
+        """Worker processes of this role: one per GPU, or one per replica on CPU."""
+        return self.replicas * max(self.resources.gpus, 1)
+
+    def total_gpus(self) -> int:
+        return self.replicas * self.resources.gpus
+
+
+class ActorRole(_Role):
+    """The policy being trained; it also computes old and reference log-probs."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: `torch` (Hugging Face models, CPU or GPU, data parallel) or `megatron`
+    (megatron-core, Llama and Qwen2 architectures: tensor and pipeline parallel on CPU in float32
+    or on GPUs; context parallel on GPUs only)."""
+
+
+class CriticRole(_Role):
+    """The value model (GAE only)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend of the critic, as for the actor."""
+
+    colocate_with_actor: bool = False
+    """Run the critic on the actor's pods and GPUs (time-shared) instead of its own pods. A
+    colocated critic takes its worker count from the actor; do not set its replicas, resources,
+    nodeSelector or tolerations."""
+
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """Training settings of the critic that differ from `spec.training` (e.g. `learningRate`,
+    `miniBatchSize`, `ppoEpochs`); every key not given inherits the actor's value. Keys that change
+    GPU allocation or node counts are rejected: size the critic with its replicas and resources."""
+
+
+class RolloutRole(_Role):
+    """The generation engines."""
+
+    backend: Literal["torch", "sglang"] = "torch"
+    """Generation backend: `torch` (Hugging Face generate with KV cache) or `sglang` (GPU)."""
+
+    colocate_with_actor: bool = False
+    """Run the engines on the actor's GPUs, time-shared with training, instead of their own pods.
+    A colocated rollout takes its worker count from the actor."""
+
+    offload: bool = True
+    """With colocateWithActor: release the engines' weights and KV cache while the actor trains."""
+
+    gpu_memory_fraction: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory an sglang engine may use for weights and KV cache."""
+
+    weight_sync_bucket_mb: float = Field(512.0, gt=0, le=65536)
+    """Weight sync moves the actor's weights to the engines in buckets of at most this many
+    MiB (a larger tensor goes alone): the extra memory a sync needs on each side."""
+
+
+class Roles(ApiModel):
+    """The three roles of PPO. Each is data parallel over its workers."""
+
+    actor: ActorRole = Field(default_factory=ActorRole)
+    """The policy being trained."""
+
+    critic: CriticRole | None = None
+    """The value model. Only for `gae`; when omitted, a critic colocated with the actor is used."""
+
+    rollout: RolloutRole = Field(default_factory=RolloutRole)
+    """The generation engines."""
+
+    def effective_critic(self, needs_critic: bool) -> CriticRole | None:
+        """The critic the trainer runs: the given one, a colocated default, or none."""
+        if not needs_critic:
+            return None
+        return self.critic or CriticRole(colocate_with_actor=True)
+
+    def workers_of(self, role: str, needs_critic: bool = True) -> int:
+        """Worker count of a role, following colocation."""
+        if role == "actor":
+            return self.actor.workers()
+        spec = self.effective_critic(needs_critic) if role == "critic" else self.rollout
+        if spec is None:
+            return 0
+        return self.actor.workers() if spec.colocate_with_actor else spec.workers()
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm
+# ---------------------------------------------------------------------------------------------
+class KLSpec(ApiModel):
+    """The KL penalty against the reference (initial) policy."""
+
+    coefficient: float = Field(0.0, ge=0)
+    """KL coefficient (the initial one when `target` is set). 0 disables the KL term and the
+    reference model."""
+
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    """Per-token KL estimator: `k1` = log p - log q, `k2` = (log p - log q)^2 / 2, `k3` = the
+    non-negative unbiased estimator, `low_var_kl` = k3 clamped. A KL loss needs k2, k3 or
+    low_var_kl."""
+
+    mode: Literal["reward", "loss"] = "reward"
+    """`reward`: subtract coefficient x KL from every token's reward; `loss`: add coefficient x KL
+    to the policy loss."""
+
+    target: float | None = Field(None, gt=0)
+    """Target KL per sequence for the adaptive controller (Ziegler et al. 2019). Unset keeps the
+    coefficient fixed. Only with mode `reward`."""
+
+    horizon: int = Field(10000, ge=1)
+    """Horizon (in samples) of the adaptive KL controller."""
+
+
+class Algorithm(ApiModel):
+    """The RL algorithm: advantage estimation, clipping, KL and critic schedule."""
+
+    advantage_estimator: Literal[
+        "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"
+    ] = "gae"
+    """How advantages are computed. `gae` trains a critic; the others use outcome rewards only."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor."""
+
+    lam: float = Field(0.95, ge=0, le=1, alias="lambda")
+    """GAE lambda."""
+
+    clip_range_low: float = Field(0.2, gt=0, lt=1)
+    """Lower PPO clip range: the ratio is clipped below at 1 - clipRangeLow."""
+
+    clip_range_high: float = Field(0.2, gt=0, le=10)
+    """Upper PPO clip range: the ratio is clipped above at 1 + clipRangeHigh ("clip higher")."""
+
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1 bounding the loss for negative advantages. Unset disables it."""
+
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip range of the value loss around the old values. Unset disables value clipping."""
+
+    kl: KLSpec = Field(default_factory=KLSpec)
+    """KL penalty settings."""
+
+    entropy_coefficient: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus in the policy loss."""
+
+    normalize_advantages: bool | None = None
+    """Whiten the final advantages over the whole step's response tokens (every data-parallel
+    worker's) before the update. Unset: on for `gae`, `reinforce_plus_plus` and
+    `reinforce_plus_plus_baseline` (their definitions whiten), off for `grpo` and `rloo` (already
+    normalised within each prompt group; whitening again over tokens can flip signs and undoes
+    grpoNormByStd: false) and for a customAdvantageFunction. true or false is honoured for every
+    estimator; whitening happens once, never twice."""
+
+    grpo_norm_by_std: bool = True
+    """For `grpo`: divide by the group's reward standard deviation (false gives Dr. GRPO)."""
+
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced to one number."""
+
+    critic_warmup_steps: int = Field(0, ge=0)
+    """Steps at the start during which only the critic trains."""
+
+    critic_updates_per_step: int = Field(1, ge=1, le=100)
+    """Critic training passes per step."""
+
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: weigh each token's policy loss by min(pi_old / pi_rollout,
+    tisCap), where pi_rollout is the engine's sampling log-prob and pi_old the actor's
+    recomputed one, to correct for rollout engines whose numerics differ from the trainer's
+    (as verl and slime offer; 2 is a common cap). Unset: no correction. Every step reports the
+    mismatch as rollout/logprob_diff_mean and rollout/logprob_diff_max either way."""
+
+    custom_advantage_function: str | None = Field(None, pattern=HOOK_PATTERN)
+    """`module:function` computing advantages and returns instead of the estimator; loaded in the
+    trainer only. See the trainer guide for its arguments."""
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def whitens_advantages(self) -> bool:
+        """normalizeAdvantages as set, or its estimator-dependent default when unset."""
+        if self.normalize_advantages is not None:
+            return self.normalize_advantages
+        if self.custom_advantage_function is not None:
+            return False
+        return self.advantage_estimator in WHITENING_BY_DEFAULT
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+class DataSpec(ApiModel):
+    """Prompts, reward and sampling."""
+
+    prompts: str = Field("builtin:count-up", min_length=1)
+    """Prompt dataset: a `.jsonl`, `.json` (a list of objects) or `.parquet` file, a directory
+    written by `datasets`' `save_to_disk` (a DatasetDict's `train` split is used), all as paths
+    the trainer's pods can read, or `builtin:<task>` (`builtin:count-up`, `builtin:reverse`)."""
+
+    prompt_key: str = Field("prompt", min_length=1)
+    """Column holding the prompt text in a dataset file."""
+
+    label_key: str = Field("label", min_length=1)
+    """Column holding the reference answer passed to the reward function (may be absent)."""
+
+    reward_function: str | None = Field(None, min_length=1)
+    """`module:function` scoring each completion, or `builtin:<task>`. Defaults to the built-in
+    task's reward."""
+
+    rollout_batch_size: int = Field(16, ge=1, le=1_000_000)
+    """Prompts per training step."""
+
+    samples_per_prompt: int = Field(8, ge=1, le=1024)
+    """Completions sampled per prompt (the group size of grpo and rloo)."""
+
+    max_prompt_length: int = Field(512, ge=1, le=1_048_576)
+    """Prompts longer than this many tokens are truncated from the left."""
+
+    max_response_length: int = Field(512, ge=1, le=1_048_576)
+    """Maximum generated tokens per completion."""
+
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold. Below 1 the policy (pi_old, the trained policy and the
+    reference) is the top-p truncated distribution the engines sample from."""
+
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded by spec.training.seed)."""
+
+    eval_prompts: str | None = Field(None, min_length=1)
+    """Held-out prompts to evaluate on, in the formats of `prompts` (`builtin:<task>`: a fixed
+    set of 64 of that task's prompts). Every spec.training.evalInterval steps and after the last
+    step, each prompt gets one greedy completion, scored by the reward function, reported as
+    eval/reward_mean. Unset: no evaluation."""
+    apply_chat_template: bool | None = None
+    """Render each prompt with the tokenizer's chat template (a plain string becomes one user
+    message; a prompt given as chat messages `[{role, content}, ...]` needs the template).
+    Unset: on exactly when the tokenizer has a chat template."""
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.samples_per_prompt
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+class TrainingSettings(ApiModel):
+    """Optimisation settings. These are the keys that spec.roles.critic.overrides may change."""
+
+    learning_rate: float = Field(1e-6, gt=0, le=1)
+    """Peak learning rate (Adam)."""
+
+    min_learning_rate: float = Field(0.0, ge=0)
+    """Final learning rate of the cosine and linear schedules."""
+
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warmup."""
+
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear warmup, in optimizer updates."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW)."""
+
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
+
+    adam_eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value. Unset disables clipping."""
+
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over each step's samples."""
+
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer update, over all data-parallel workers. Defaults to all samples of
+    the step (one update per epoch). Must divide rolloutBatchSize x samplesPerPrompt and be a
+    multiple of the data-parallel size."""
+
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward pass on one worker (gradient accumulation). Defaults to the
+    worker's whole share of a mini-batch."""
+
+    forward_micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward pass without gradient on one worker (old and reference log-probs,
+    values). Defaults to microBatchSize, else the worker's whole share of the step."""
+
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (less memory, about a third more compute). Torch backend."""
+
+    sharding: Literal["none", "fsdp"] = "none"
+    """Torch backend across a role's data-parallel workers: `none` keeps a full replica (model,
+    gradients, Adam state) on every worker; `fsdp` shards them with FSDP2 (`fully_shard`, one
+    unit per transformer block), the actor's reference model too."""
+
+
+class Training(TrainingSettings):
+    """How long to train, optimisation and checkpointing."""
+
+    steps: int = Field(100, ge=1, le=10_000_000)
+    """Training steps (one rollout batch each)."""
+
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+    """Seed of model init, data order and sampling. Same seed, same run."""
+
+    checkpoint_dir: str = Field("checkpoints", min_length=1)
+    """Where checkpoints are written. A relative path is inside the run's output directory; it
+    must be absolute when spec.checkpointVolume is set (the volume is mounted there)."""
+
+    checkpoint_interval: int = Field(0, ge=0)
+    """Save every this many steps (and at the end). 0 saves only at the end."""
+
+    eval_interval: int = Field(10, ge=1)
+    """Evaluate on spec.data.evalPrompts every this many steps (and after the last step)."""
+
+    resume: bool = True
+    """Continue from the newest complete checkpoint in checkpointDir, if there is one."""
+
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many complete checkpoints to keep."""
+
+    offload_reference: bool = False
+    """Keep the frozen reference model in CPU memory and copy it to the GPU for its forwards
+    (torch backend; with `sharding: fsdp` its shards are offloaded)."""
+
+    export_hugging_face: bool = True
+    """At the end of training, write the actor (and the critic, with its value head) as Hugging
+    Face model directories with their tokenizer under `<checkpointDir>/hf/step-NNNNNN/`."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The training half and the trainer config
+# ---------------------------------------------------------------------------------------------
+class TrainingHalf(ApiModel):
+    """The fields of a PPOJob spec that the trainer reads."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Models of the actor and critic."""
+
+    roles: Roles = Field(default_factory=Roles)
+    """Actor, critic and rollout: replicas, resources, parallelism, backend, colocation."""
+
+    algorithm: Algorithm = Field(default_factory=Algorithm)
+    """The RL algorithm."""
+
+    data: DataSpec = Field(default_factory=DataSpec)
+    """Prompts, reward and sampling."""
+
+    training: Training = Field(default_factory=Training)
+    """Steps, optimisation and checkpoints."""
+
+
+class TrainerConfig(TrainingHalf):
+    """What the trainer runs: the training half plus the few cluster facts it needs."""
+
+    placement_timeout_seconds: int = Field(600, ge=1)
+    """How long to wait for the placement group before failing (spec.scheduling.timeoutSeconds)."""
+
+    job_name: str | None = None
+    """Name of the PPOJob, for logs and progress reports."""
+
+    def critic_training(self) -> TrainingSettings:
+        """The critic's training settings: the actor's, with the critic overrides on top."""
+        from ppojob_api.overrides import apply_critic_overrides  # it builds on this module
+
+        critic = self.roles.effective_critic(self.algorithm.needs_critic)
+        overrides = critic.overrides if critic else {}
+        return apply_critic_overrides(self.training, overrides)
+
+
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+"""A Hugging Face hub repo id (`org/name` or `name`); no `--` or `..` (huggingface_hub's
+rule)."""
+
+
+def model_path_kind(path: str) -> Literal["builtin", "local", "hub"]:
+    """How `model.path` is resolved (the trainer and `ppojob validate` share this rule):
+    `builtin:<name>`, a local directory (absolute, `./`, `../` or `~`), or a string that may be a
+    hub id, which the trainer loads from a local directory of that name when one exists and
+    from the hub otherwise. Raises ValueError("why; fix") for anything else."""
+    if path.startswith("builtin:"):
+        if path[8:] not in BUILTIN_MODELS:
+            raise ValueError(
+                f"unknown built-in model {path!r}; "
+                f"use one of {[f'builtin:{m}' for m in BUILTIN_MODELS]}"
+            )
+        return "builtin"
+    if path.startswith(("/", "./", "../", "~")):
+        return "local"
+    if "://" in path:
+        raise ValueError(
+            f"{path!r}: URIs are not loaded by the trainer; copy the model into the image or a "
+            "volume and give its directory, or give a Hugging Face hub id (org/name)"
+        )
+    if HUB_ID.match(path) and "--" not in path and ".." not in path:
+        return "hub"
+    raise ValueError(
+        f"{path!r} is neither a directory path nor a Hugging Face hub id; give an absolute "
+        "directory, ./relative/dir, org/name, or builtin:<name>"
+    )

@@ -1,0 +1,86 @@
+"""Strict YAML: a duplicate key is an error instead of the last one silently winning, and `1e-5`
+is a number (as kubectl and YAML 1.2 read it)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from ppojob_api.problems import Problem, SpecError
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """PyYAML's safe loader, reading `1e-5` as a number (as kubectl and YAML 1.2 do)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _duplicate_keys(node: yaml.Node, path: str, out: list[Problem]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = key_node.value
+            here = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                out.append(
+                    Problem(
+                        here,
+                        f"duplicate key (line {line}; first at line {seen[key]}): YAML keeps only "
+                        "one of them",
+                        "write each key once; merge the two blocks",
+                    )
+                )
+            else:
+                seen[key] = line
+            _duplicate_keys(value_node, here, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _duplicate_keys(item, f"{path}[{i}]", out)
+
+
+def load_yaml_documents(text: str, source: str = "") -> list[Any]:
+    """Every document of a YAML stream, read strictly: a duplicate key is an error (naming its
+    path and lines) instead of the last one silently winning; `1e-5` is a number. Raises
+    SpecError."""
+    loader = _Loader(text)
+    docs: list[Any] = []
+    problems: list[Problem] = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            dup: list[Problem] = []
+            _duplicate_keys(node, "", dup)
+            problems += [Problem(f"{len(docs) + 1}\0{d.path}", d.message, d.fix) for d in dup]
+            docs.append(loader.construct_document(node))
+    except yaml.YAMLError as exc:
+        raise SpecError(
+            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
+        ) from None
+    finally:
+        loader.dispose()
+    if problems:
+        many = len([d for d in docs if d is not None]) > 1
+        shown = []
+        for pr in problems:
+            index, _, where = pr.path.partition("\0")
+            shown.append(
+                Problem(f"document {index}: {where}" if many else where, pr.message, pr.fix)
+            )
+        raise SpecError(shown, source)
+    return docs
+
+
+def load_yaml(text: str, source: str = "") -> Any:
+    """The single document of a YAML text, read as strictly as `load_yaml_documents`."""
+    docs = load_yaml_documents(text, source)
+    return docs[0] if docs else None

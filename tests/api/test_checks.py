@@ -1,0 +1,629 @@
+"""Each semantic check on its own, as a table: a spec that differs from the (valid) defaults in a
+few fields, and the field paths of the problems that check alone must find.
+
+Every table has rows that must pass as well as rows that must fail, so a check that always or
+never complains fails its table. `test_every_check_has_a_table` keeps a new check from going
+untested.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ppojob_api import checks
+from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
+from ppojob_api.checks.cluster import (
+    check_checkpoint_volume,
+    check_colocated_capabilities,
+    check_extended_resources,
+    check_gpu_precision,
+    check_scheduling,
+)
+from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
+from ppojob_api.checks.megatron import (
+    check_megatron_colocated_critic,
+    check_megatron_devices,
+    check_megatron_splits,
+    check_megatron_top_p,
+)
+from ppojob_api.checks.roles import (
+    check_backends,
+    check_colocation,
+    check_precision,
+    check_sequence_parallel,
+    check_unused_critic,
+)
+from ppojob_api.checks.sizes import check_sizes, quantity_bytes
+from ppojob_api.checks.sources import (
+    check_eval_prompts,
+    check_model_paths,
+    check_prompts,
+    check_reward_function,
+)
+from ppojob_api.problems import Problem
+from ppojob_api.spec import PPOJobSpec
+
+
+def spec(**settings: Any) -> PPOJobSpec:
+    """The default spec with `settings` (dotted camelCase paths under spec) written over it."""
+    doc: dict[str, Any] = {"image": "trainer:1"}
+    for dotted, value in settings.items():
+        node = doc
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return PPOJobSpec.model_validate(doc)
+
+
+GPU_ACTOR = {"replicas": 1, "resources": {"gpus": 8}, "backend": "megatron"}
+MEGATRON_CPU = {"backend": "megatron"}
+
+# (check, row id, settings, expected problem paths)
+TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
+    # --- a critic the estimator does not use
+    (check_unused_critic, "gae with a critic", {"roles__critic": {"replicas": 1}}, []),
+    (
+        check_unused_critic,
+        "grpo with a critic and critic settings",
+        {
+            "algorithm__advantageEstimator": "grpo",
+            "data__samplesPerPrompt": 4,
+            "roles__critic": {"replicas": 1},
+            "model__criticPath": "/models/rm",
+            "algorithm__lambda": 0.9,
+        },
+        ["spec.roles.critic", "spec.model.criticPath", "spec.algorithm.lambda"],
+    ),
+    (
+        check_unused_critic,
+        "grpo with the stored defaults of critic settings",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__lambda": 0.95},
+        [],
+    ),
+    # --- colocation
+    (
+        check_colocation,
+        "colocated critic with the actor's resources",
+        {
+            "roles__actor__resources": {"cpus": 2},
+            "roles__critic": {"colocateWithActor": True, "resources": {"cpus": 2}},
+        },
+        [],
+    ),
+    (
+        check_colocation,
+        "colocated rollout with its own replicas",
+        {"roles__rollout": {"colocateWithActor": True, "replicas": 3}},
+        ["spec.roles.rollout.replicas"],
+    ),
+    (
+        check_colocation,
+        "a rollout on its own pods may differ",
+        {"roles__rollout": {"replicas": 3}},
+        [],
+    ),
+    # --- backends and their parallelism
+    (
+        check_backends,
+        "sglang without GPUs",
+        {"roles__rollout": {"backend": "sglang"}},
+        ["spec.roles.rollout.backend"],
+    ),
+    (
+        check_backends,
+        "torch with tensor parallelism",
+        {"roles__actor": {"replicas": 2, "parallelism": {"tensor": 2}}},
+        ["spec.roles.actor.parallelism"],
+    ),
+    (
+        check_backends,
+        "sglang with pipeline parallelism",
+        {
+            "roles__rollout": {
+                "backend": "sglang",
+                "resources": {"gpus": 2},
+                "parallelism": {"pipeline": 2},
+            }
+        },
+        ["spec.roles.rollout.parallelism"],
+    ),
+    (
+        check_backends,
+        "workers not divisible by the model-parallel size",
+        {
+            "roles__actor": {
+                "replicas": 1,
+                "resources": {"gpus": 3},
+                "backend": "megatron",
+                "parallelism": {"tensor": 2},
+            }
+        },
+        ["spec.roles.actor.parallelism"],
+    ),
+    (
+        check_backends,
+        "engine wider than its pod",
+        {
+            "roles__rollout": {
+                "backend": "sglang",
+                "replicas": 2,
+                "resources": {"gpus": 1},
+                "parallelism": {"tensor": 2},
+            }
+        },
+        ["spec.roles.rollout.parallelism.tensor"],
+    ),
+    (
+        check_backends,
+        "colocated sglang engine with a megatron actor",
+        {
+            "roles__actor": {**GPU_ACTOR},
+            "roles__rollout": {"backend": "sglang", "colocateWithActor": True},
+        },
+        ["spec.roles.rollout.colocateWithActor"],
+    ),
+    (
+        check_backends,
+        "sglang on its own GPUs, tensor 2 of 8",
+        {
+            "roles__rollout": {
+                "backend": "sglang",
+                "resources": {"gpus": 8},
+                "parallelism": {"tensor": 2},
+            }
+        },
+        [],
+    ),
+    # --- sequence parallelism
+    (
+        check_sequence_parallel,
+        "torch actor",
+        {"roles__actor": {"parallelism": {"sequenceParallel": True}}},
+        ["spec.roles.actor.parallelism.sequenceParallel"],
+    ),
+    (
+        check_sequence_parallel,
+        "megatron actor",
+        {"roles__actor": {**MEGATRON_CPU, "parallelism": {"sequenceParallel": True}}},
+        [],
+    ),
+    # --- precision of the torch backend
+    (check_precision, "float16 on torch", {"model__dtype": "float16"}, ["spec.model.dtype"]),
+    (check_precision, "bfloat16 on torch", {"model__dtype": "bfloat16"}, []),
+    (
+        check_precision,
+        "float16, torch critic only",
+        {
+            "model__dtype": "float16",
+            "roles__actor": {**GPU_ACTOR},
+            "roles__critic": {"resources": {"gpus": 1}},
+        },
+        ["spec.model.dtype"],
+    ),
+    # --- megatron
+    (
+        check_megatron_top_p,
+        "megatron actor with top-p",
+        {"roles__actor": MEGATRON_CPU, "data__topP": 0.9},
+        ["spec.data.topP"],
+    ),
+    (check_megatron_top_p, "torch actor with top-p", {"data__topP": 0.9}, []),
+    (
+        check_megatron_devices,
+        "megatron on CPU: context parallel, sequence parallel, bfloat16",
+        {
+            "roles__actor": {
+                **MEGATRON_CPU,
+                "replicas": 2,
+                "parallelism": {"context": 2, "sequenceParallel": True},
+            },
+            "model__dtype": "bfloat16",
+            "algorithm__advantageEstimator": "grpo",
+            "data__samplesPerPrompt": 2,
+        },
+        [
+            "spec.roles.actor.parallelism.context",
+            "spec.roles.actor.parallelism.sequenceParallel",
+            "spec.model.dtype",
+        ],
+    ),
+    (
+        check_megatron_devices,
+        "megatron on CPU in float32",
+        {"roles__actor": MEGATRON_CPU, "model__dtype": "float32"},
+        [],
+    ),
+    (
+        check_megatron_splits,
+        "tensor 8 does not divide tiny-llama's 4 heads",
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}}},
+        ["spec.roles.actor.parallelism.tensor"],
+    ),
+    (
+        check_megatron_splits,
+        "pipeline 4 does not divide tiny-llama's 2 layers",
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"pipeline": 4}}},
+        ["spec.roles.actor.parallelism.pipeline"],
+    ),
+    (
+        check_megatron_splits,
+        "tensor 2 and pipeline 2 split tiny-llama",
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2, "pipeline": 2}}},
+        [],
+    ),
+    (
+        check_megatron_splits,
+        "a model directory is checked when loaded",
+        {"model__path": "/models/x", "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}}},
+        [],
+    ),
+    (
+        check_megatron_colocated_critic,
+        "colocated megatron critic with another layout",
+        {
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2}},
+            "roles__critic": {"backend": "megatron", "colocateWithActor": True},
+        },
+        ["spec.roles.critic.parallelism"],
+    ),
+    (
+        check_megatron_colocated_critic,
+        "colocated megatron critic with the actor's layout",
+        {
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2}},
+            "roles__critic": {
+                "backend": "megatron",
+                "colocateWithActor": True,
+                "parallelism": {"tensor": 2},
+            },
+        },
+        [],
+    ),
+    # --- batch sizes
+    (
+        check_batches,
+        "mini-batch does not divide the step (no critic)",
+        {
+            "algorithm__advantageEstimator": "reinforce_plus_plus",
+            "data__rolloutBatchSize": 4,
+            "data__samplesPerPrompt": 2,
+            "training__miniBatchSize": 3,
+        },
+        ["spec.training.miniBatchSize"],
+    ),
+    (
+        check_batches,
+        "mini-batch does not split over 2 actor workers (no critic)",
+        {
+            "algorithm__advantageEstimator": "reinforce_plus_plus",
+            "roles__actor": {"replicas": 2},
+            "data__rolloutBatchSize": 3,
+            "data__samplesPerPrompt": 1,
+            "training__miniBatchSize": 3,
+        },
+        ["spec.training.miniBatchSize"],
+    ),
+    (
+        check_batches,
+        "micro-batch does not divide a worker's share: the actor's and the inheriting critic's",
+        {
+            "data__rolloutBatchSize": 8,
+            "data__samplesPerPrompt": 1,
+            "training__miniBatchSize": 8,
+            "training__microBatchSize": 3,
+        },
+        ["spec.training.microBatchSize", "spec.roles.critic.overrides.microBatchSize"],
+    ),
+    (
+        check_batches,
+        "critic override breaks the critic's batches only",
+        {
+            "data__rolloutBatchSize": 8,
+            "data__samplesPerPrompt": 1,
+            "roles__critic": {"overrides": {"microBatchSize": 3}},
+        },
+        ["spec.roles.critic.overrides.microBatchSize"],
+    ),
+    (
+        check_batches,
+        "critic override that changes allocation",
+        {"roles__critic": {"overrides": {"replicas": 2}}},
+        ["spec.roles.critic.overrides.replicas"],
+    ),
+    (
+        check_batches,
+        "valid batches",
+        {"data__rolloutBatchSize": 8, "data__samplesPerPrompt": 2, "training__miniBatchSize": 8},
+        [],
+    ),
+    (
+        check_group_size,
+        "grpo with one sample per prompt",
+        {"algorithm__advantageEstimator": "grpo", "data__samplesPerPrompt": 1},
+        ["spec.data.samplesPerPrompt"],
+    ),
+    (
+        check_group_size,
+        "rloo with two",
+        {"algorithm__advantageEstimator": "rloo", "data__samplesPerPrompt": 2},
+        [],
+    ),
+    (check_group_size, "gae with one", {"data__samplesPerPrompt": 1}, []),
+    (
+        check_learning_rate,
+        "min above max",
+        {"training__learningRate": 1e-6, "training__minLearningRate": 1e-5},
+        ["spec.training.minLearningRate"],
+    ),
+    (
+        check_learning_rate,
+        "min equal to max",
+        {"training__learningRate": 1e-6, "training__minLearningRate": 1e-6},
+        [],
+    ),
+    # --- KL
+    (
+        check_kl_target,
+        "target with coefficient 0 and mode loss",
+        {"algorithm__kl": {"target": 6.0, "mode": "loss", "estimator": "k3"}},
+        ["spec.algorithm.kl.target", "spec.algorithm.kl.target"],
+    ),
+    (
+        check_kl_target,
+        "target with a coefficient, in the reward",
+        {"algorithm__kl": {"target": 6.0, "coefficient": 0.1}},
+        [],
+    ),
+    (
+        check_kl_mode,
+        "k1 as a loss",
+        {"algorithm__kl": {"coefficient": 0.1, "mode": "loss", "estimator": "k1"}},
+        ["spec.algorithm.kl.estimator"],
+    ),
+    (
+        check_kl_mode,
+        "KL in the reward of a group estimator",
+        {
+            "algorithm__advantageEstimator": "grpo",
+            "data__samplesPerPrompt": 2,
+            "algorithm__kl": {"coefficient": 0.1, "mode": "reward"},
+        },
+        ["spec.algorithm.kl.mode"],
+    ),
+    (
+        check_kl_mode,
+        "k3 as a loss",
+        {"algorithm__kl": {"coefficient": 0.1, "mode": "loss", "estimator": "k3"}},
+        [],
+    ),
+    (
+        check_kl_off,
+        "KL settings with coefficient 0",
+        {"algorithm__kl": {"estimator": "k3"}},
+        ["spec.algorithm.kl.coefficient"],
+    ),
+    (check_kl_off, "KL off with its defaults", {"algorithm__kl": {"coefficient": 0}}, []),
+    # --- sources
+    (
+        check_reward_function,
+        "unknown built-in",
+        {"data__rewardFunction": "builtin:chess"},
+        ["spec.data.rewardFunction"],
+    ),
+    (
+        check_reward_function,
+        "not module:function",
+        {"data__rewardFunction": "builtin:count-up", "data__prompts": "builtin:count-up"},
+        [],
+    ),
+    (
+        check_prompts,
+        "unknown built-in task",
+        {"data__prompts": "builtin:chess"},
+        ["spec.data.prompts"],
+    ),
+    (
+        check_prompts,
+        "a CSV file",
+        {"data__prompts": "/data/p.csv", "data__rewardFunction": "m:f"},
+        ["spec.data.prompts"],
+    ),
+    (
+        check_prompts,
+        "a dataset without a reward function",
+        {"data__prompts": "/data/p.jsonl"},
+        ["spec.data.rewardFunction"],
+    ),
+    (
+        check_prompts,
+        "a save_to_disk directory with a reward function",
+        {"data__prompts": "/data/prompts", "data__rewardFunction": "m:f"},
+        [],
+    ),
+    (
+        check_eval_prompts,
+        "unknown built-in eval task",
+        {"data__evalPrompts": "builtin:chess"},
+        ["spec.data.evalPrompts"],
+    ),
+    (
+        check_eval_prompts,
+        "eval dataset without a reward function",
+        {"data__evalPrompts": "/data/eval.jsonl"},
+        ["spec.data.rewardFunction"],
+    ),
+    (check_eval_prompts, "built-in eval task", {"data__evalPrompts": "builtin:reverse"}, []),
+    (
+        check_model_paths,
+        "a URI and an unknown built-in",
+        {"model__path": "s3://bucket/model", "model__criticPath": "builtin:huge"},
+        ["spec.model.path", "spec.model.criticPath"],
+    ),
+    (
+        check_model_paths,
+        "a hub id and a directory",
+        {"model__path": "Qwen/Qwen2.5-0.5B", "model__criticPath": "./critic"},
+        [],
+    ),
+    # --- sizes
+    (
+        check_sizes,
+        "longer than the built-in context",
+        {"data__maxPromptLength": 2000, "data__maxResponseLength": 100},
+        ["spec.data.maxResponseLength"],
+    ),
+    (
+        check_sizes,
+        "a rollout batch whose KV cache exceeds the pod",
+        {
+            "data__rolloutBatchSize": 4096,
+            "data__samplesPerPrompt": 8,
+            "data__maxPromptLength": 1024,
+            "data__maxResponseLength": 1024,
+            "roles__rollout": {"resources": {"memory": "64Mi"}},
+            "training__microBatchSize": 1,
+            "training__miniBatchSize": 32768,
+        },
+        ["spec.roles.rollout.resources.memory"],
+    ),
+    (check_sizes, "the defaults", {}, []),
+    # --- the cluster half
+    (
+        check_scheduling,
+        "kueue without a queue",
+        {"scheduling__gangScheduler": "kueue"},
+        ["spec.scheduling.queue"],
+    ),
+    (
+        check_scheduling,
+        "kueue with a queue Kueue refuses",
+        {"scheduling__gangScheduler": "kueue", "scheduling__queue": "Team_A"},
+        ["spec.scheduling.queue"],
+    ),
+    (
+        check_scheduling,
+        "a queue without a gang scheduler",
+        {"scheduling__gangScheduler": "none", "scheduling__queue": "q"},
+        ["spec.scheduling.queue"],
+    ),
+    (
+        check_scheduling,
+        "volcano with a queue",
+        {"scheduling__gangScheduler": "volcano", "scheduling__queue": "research"},
+        [],
+    ),
+    (
+        check_colocated_capabilities,
+        "colocated critic with capabilities",
+        {"roles__critic": {"colocateWithActor": True, "capabilities": ["IPC_LOCK"]}},
+        ["spec.roles.critic.capabilities"],
+    ),
+    (
+        check_colocated_capabilities,
+        "actor with capabilities",
+        {"roles__actor": {"capabilities": ["IPC_LOCK"]}},
+        [],
+    ),
+    (
+        check_extended_resources,
+        "cpu as an extended resource, and zero RDMA",
+        {"roles__actor": {"resources": {"extra": {"cpu": 1, "rdma/ib": 0}}}},
+        ["spec.roles.actor.resources.extra.cpu", "spec.roles.actor.resources.extra.rdma/ib"],
+    ),
+    (
+        check_extended_resources,
+        "one RDMA device",
+        {"roles__actor": {"resources": {"extra": {"rdma/ib": 1}}}},
+        [],
+    ),
+    (
+        check_checkpoint_volume,
+        "two sources and a relative directory",
+        {
+            "checkpointVolume": {
+                "persistentVolumeClaim": {"claimName": "c"},
+                "nfs": {"server": "10.0.0.1", "path": "/x"},
+            },
+            "training__checkpointDir": "ckpt",
+        },
+        ["spec.checkpointVolume", "spec.training.checkpointDir"],
+    ),
+    (
+        check_checkpoint_volume,
+        "one claim at an absolute directory",
+        {
+            "checkpointVolume": {"persistentVolumeClaim": {"claimName": "c"}},
+            "training__checkpointDir": "/checkpoints",
+        },
+        [],
+    ),
+    (
+        check_gpu_precision,
+        "megatron on GPUs in float32",
+        {"roles__actor": GPU_ACTOR, "model__dtype": "float32"},
+        ["spec.model.dtype"],
+    ),
+    (
+        check_gpu_precision,
+        "megatron on GPUs in bfloat16",
+        {"roles__actor": GPU_ACTOR, "model__dtype": "bfloat16"},
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("check", "settings", "expected"),
+    [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
+)
+def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
+    found = check(spec(**settings), "spec")
+    assert [p.path for p in found] == expected, [str(p) for p in found]
+    for problem in found:
+        assert problem.message and problem.fix, f"{problem} needs a message and a fix"
+
+
+def test_every_check_has_a_table() -> None:
+    """Each check has a row it passes and a row it fails."""
+    for check in (*checks.TRAINING_CHECKS, *checks.CLUSTER_CHECKS):
+        rows = [expected for c, _, _, expected in TABLE if c is check]
+        assert any(rows) and [] in rows, f"{check.__name__} needs a failing and a passing row"
+
+
+def test_prefix_is_the_path_of_every_problem() -> None:
+    """The trainer checks its config file under `config`, not `spec`."""
+    bad = spec(data__prompts="builtin:chess", training__minLearningRate=1.0)
+    paths = [p.path for p in checks.check_training_half(bad, "config")]
+    assert paths == ["config.training.minLearningRate", "config.data.prompts"]
+
+
+def test_a_problem_two_checks_find_is_reported_once() -> None:
+    """A training dataset and an eval dataset without a reward function: one problem."""
+    doubled = spec(data__prompts="/data/p.jsonl", data__evalPrompts="/data/e.jsonl")
+    found = checks.check_training_half(doubled)
+    assert found == [
+        Problem(
+            "spec.data.rewardFunction",
+            "a dataset needs a reward function",
+            "set rewardFunction: package.module:function",
+        )
+    ]
+
+
+def test_check_spec_runs_the_cluster_checks_after_the_training_ones() -> None:
+    both = spec(data__prompts="builtin:chess", scheduling__gangScheduler="kueue")
+    assert [p.path for p in checks.check_spec(both)] == [
+        "spec.data.prompts",
+        "spec.scheduling.queue",
+    ]
+    assert [p.path for p in checks.check_training_half(both)] == ["spec.data.prompts"]
+
+
+@pytest.mark.parametrize(
+    ("quantity", "expected"),
+    [("4Gi", 4 * 2**30), ("512M", 512e6), ("1000", 1000.0), ("1.5Ki", 1536.0), ("500m", 0.5)],
+)
+def test_quantity_bytes(quantity: str, expected: float) -> None:
+    assert quantity_bytes(quantity) == expected
