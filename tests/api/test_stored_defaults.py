@@ -253,26 +253,42 @@ def test_nulls_that_mean_off_reach_the_trainer(tmp_path: Path) -> None:
     assert cfg.algorithm.value_clip is None and cfg.training.grad_clip is None
 
 
-def test_the_trainer_entrypoint_accepts_every_rendered_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_trainer_entrypoint_trains_every_rendered_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`ppojob-train --config` gets past reading and checking the config (exit 1 = bad config)."""
+    """`ppojob-train --config` on the config rendered from the stored object gets as far as
+    calling `train()`, with the configuration `ppojob run` builds from the manifest as written.
+    The fake `train` records its arguments and raises, so nothing trains."""
     from ppojob_trainer import entrypoint, loop
 
     class Stop(Exception):
         pass
 
+    calls: list[tuple[Any, Path]] = []
+
     def fake_train(cfg: Any, out_dir: Path, reporter: Any) -> Any:
-        raise Stop
+        calls.append((cfg, out_dir))
+        raise Stop("the fake train() was reached")
 
     monkeypatch.setattr(loop, "train", fake_train)
     monkeypatch.setattr("ppojob_trainer.runtime.connect_ray", lambda: None)
     for name, doc in VALID.items():
+        written = tmp_path / "job.yaml"
+        written.write_text(yaml.safe_dump(doc, sort_keys=False))
+        _, local = load_manifest(written)
         job = validate_manifest(apply_schema_defaults(doc))
         rendered = tmp_path / f"{job.metadata.name}.yaml"
         rendered.write_text(builders.trainer_config_yaml(job))
-        rc = entrypoint.main(["--config", str(rendered), "--out", str(tmp_path / "o")])
-        assert rc == 2, name  # reached training (the fake raises), not refused as a bad config
+        out = tmp_path / "o" / name.replace(":", "-")
+        calls.clear()
+        rc = entrypoint.main(["--config", str(rendered), "--out", str(out), "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 2, (name, err)
+        assert "training failed: " in err and "the fake train() was reached" in err, (name, err)
+        assert len(calls) == 1, name
+        cfg, out_dir = calls[0]
+        assert out_dir == out
+        assert _full_dump(cfg) == _full_dump(local), name
 
 
 def test_validation_judges_values_not_presence() -> None:
