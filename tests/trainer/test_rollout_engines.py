@@ -4,6 +4,8 @@ colocated, a gloo weight-update group when disaggregated)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -47,8 +49,14 @@ def test_colocated_engines_sleep_before_training_and_wake_before_new_weights():
         ]
         steps = 3
         for s in range(steps):
+            t0 = time.perf_counter()
             metrics = trainer.step(s)
-            assert metrics["time/weight_sync"] >= 0
+            wall = time.perf_counter() - t0
+            # generation, then preparation, then (after training) the sync, one after the
+            # other within the step, which the driver's own clock bounds
+            phases = [metrics[f"time/{k}"] for k in ("generate", "prepare", "weight_sync")]
+            assert all(p > 0 for p in phases), phases
+            assert sum(phases) <= metrics["time/step"] <= wall, (phases, metrics, wall)
         first, second = ray.get([h.calls.remote() for h in trainer.hosts["actor"]])
 
         # every step, on the engine's process: generate -> release -> values, log-probs and
