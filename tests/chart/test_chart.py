@@ -14,7 +14,7 @@ from ppojob_operator.__main__ import build_parser
 from ppojob_operator.crd import crd_yaml
 from ppojob_operator.rbac import OPERATOR_RULES
 
-from .conftest import CHART, ROOT, run_helm
+from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
 K8S_VERSION = "1.35"

@@ -20,7 +20,7 @@ from ppojob_operator.reference import reference_markdown, write_reference
 from ppojob_operator.scheduling import GANG_SCHEDULERS
 from ppojob_trainer.config import Algorithm, KLSpec, TrainingSettings
 
-from .conftest import CHART, ROOT
+from tests.helpers.helm import CHART, ROOT
 
 DOCS = ROOT / "docs"
 OPERATOR = ROOT / "operator" / "ppojob_operator"

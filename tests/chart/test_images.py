@@ -17,7 +17,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from .conftest import CHART, ROOT
+from tests.helpers.helm import CHART, ROOT
 
 IMAGES = ROOT / "images"
 DOCKERFILES = ["operator.Dockerfile", "trainer.Dockerfile"]
