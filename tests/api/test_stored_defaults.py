@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,20 @@ from ppojob_cli.main import main as ppojob
 from ppojob_operator import builders, handlers
 from ppojob_trainer.manifest import load_manifest
 
+from tests.helpers.manifests import (
+    GPU_JOB,
+    GRPO_INVALID,
+    INVALID,
+    LAYOUTS,
+    SCHEDULING,
+    base_manifest,
+    grpo_base,
+    set_path,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "ppojob.io_ppojobs.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-sys.path.insert(0, str(ROOT / "tests" / "api"))
-from ophelpers import base_manifest  # noqa: E402
-from test_builders import LAYOUTS, SCHEDULING  # noqa: E402
-from test_validation import GPU_JOB, GRPO_INVALID, INVALID, _grpo_base, _set  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +141,7 @@ TINY = yaml.safe_load((ROOT / "examples" / "ppojob-tiny.yaml").read_text())
 VALID: dict[str, dict[str, Any]] = {
     **_examples(),
     "validation:GPU_JOB": GPU_JOB,
-    "validation:grpo": _grpo_base(),
+    "validation:grpo": grpo_base(),
     **_layouts(),
     "builders:deadlines": base_manifest(
         activeDeadlineSeconds=3600, backoffLimit=2, ttlSecondsAfterFinished=60
@@ -148,10 +152,10 @@ VALID: dict[str, dict[str, Any]] = {
         training={"checkpointDir": "/checkpoints"},
     ),
     "status:steps-suspend": base_manifest(training={"steps": 5}, suspend=True),
-    "run:tiny-grpo": _set(TINY, "spec.algorithm.advantageEstimator", "grpo"),
+    "run:tiny-grpo": set_path(TINY, "spec.algorithm.advantageEstimator", "grpo"),
     # nulls that mean "off" must survive storing and rendering
-    "nulls:value-and-grad-clip-off": _set(
-        _set(TINY, "spec.algorithm.valueClip", None), "spec.training.gradClip", None
+    "nulls:value-and-grad-clip-off": set_path(
+        set_path(TINY, "spec.algorithm.valueClip", None), "spec.training.gradClip", None
     ),
     "grpo:colocated-rollout-2-actors": base_manifest(
         algorithm={"advantageEstimator": "grpo", "kl": {"coefficient": 0}},
@@ -172,9 +176,9 @@ VALID: dict[str, dict[str, Any]] = {
 
 
 def _invalid() -> dict[str, dict[str, Any]]:
-    out = {f"invalid:{why}": _set(GPU_JOB, path, value) for why, path, value, _ in INVALID}
+    out = {f"invalid:{why}": set_path(GPU_JOB, path, value) for why, path, value, _ in INVALID}
     out |= {
-        f"invalid-grpo:{why}": _set(_grpo_base(), path, value)
+        f"invalid-grpo:{why}": set_path(grpo_base(), path, value)
         for why, path, value, _ in GRPO_INVALID
     }
     return out
@@ -253,26 +257,42 @@ def test_nulls_that_mean_off_reach_the_trainer(tmp_path: Path) -> None:
     assert cfg.algorithm.value_clip is None and cfg.training.grad_clip is None
 
 
-def test_the_trainer_entrypoint_accepts_every_rendered_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_trainer_entrypoint_trains_every_rendered_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`ppojob-train --config` gets past reading and checking the config (exit 1 = bad config)."""
+    """`ppojob-train --config` on the config rendered from the stored object gets as far as
+    calling `train()`, with the configuration `ppojob run` builds from the manifest as written.
+    The fake `train` records its arguments and raises, so nothing trains."""
     from ppojob_trainer import entrypoint, loop
 
     class Stop(Exception):
         pass
 
+    calls: list[tuple[Any, Path]] = []
+
     def fake_train(cfg: Any, out_dir: Path, reporter: Any) -> Any:
-        raise Stop
+        calls.append((cfg, out_dir))
+        raise Stop("the fake train() was reached")
 
     monkeypatch.setattr(loop, "train", fake_train)
     monkeypatch.setattr("ppojob_trainer.runtime.connect_ray", lambda: None)
     for name, doc in VALID.items():
+        written = tmp_path / "job.yaml"
+        written.write_text(yaml.safe_dump(doc, sort_keys=False))
+        _, local = load_manifest(written)
         job = validate_manifest(apply_schema_defaults(doc))
         rendered = tmp_path / f"{job.metadata.name}.yaml"
         rendered.write_text(builders.trainer_config_yaml(job))
-        rc = entrypoint.main(["--config", str(rendered), "--out", str(tmp_path / "o")])
-        assert rc == 2, name  # reached training (the fake raises), not refused as a bad config
+        out = tmp_path / "o" / name.replace(":", "-")
+        calls.clear()
+        rc = entrypoint.main(["--config", str(rendered), "--out", str(out), "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 2, (name, err)
+        assert "training failed: " in err and "the fake train() was reached" in err, (name, err)
+        assert len(calls) == 1, name
+        cfg, out_dir = calls[0]
+        assert out_dir == out
+        assert _full_dump(cfg) == _full_dump(local), name
 
 
 def test_validation_judges_values_not_presence() -> None:
@@ -291,10 +311,10 @@ def test_validation_judges_values_not_presence() -> None:
     validate_manifest(grpo)
     # and a value that differs from the default is still refused, naming the field
     with pytest.raises(SpecError) as info:
-        validate_manifest(_set(grpo, "spec.algorithm.lambda", 0.9))
+        validate_manifest(set_path(grpo, "spec.algorithm.lambda", 0.9))
     assert [p.path for p in info.value.problems] == ["spec.algorithm.lambda"]
     with pytest.raises(SpecError) as info:
-        validate_manifest(_set(grpo, "spec.roles.rollout.replicas", 3))
+        validate_manifest(set_path(grpo, "spec.roles.rollout.replicas", 3))
     assert [p.path for p in info.value.problems] == ["spec.roles.rollout.replicas"]
 
 

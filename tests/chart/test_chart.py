@@ -14,7 +14,7 @@ from ppojob_api.crd import crd_yaml
 from ppojob_operator.__main__ import build_parser
 from ppojob_operator.rbac import OPERATOR_RULES
 
-from .conftest import CHART, ROOT, run_helm
+from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
 K8S_VERSION = "1.35"
@@ -184,7 +184,7 @@ def test_chart_crd_matches_the_models() -> None:
     )
 
 
-def test_crd_is_installed_and_valid(render) -> None:
+def test_chart_ships_the_crd_and_it_validates(render) -> None:
     objs = render(include_crds=True)
     crds = _by_kind(objs, "CustomResourceDefinition")
     assert [c["metadata"]["name"] for c in crds] == ["ppojobs.ppojob.io"]
@@ -342,7 +342,7 @@ def test_container_is_hardened(render, weaken: dict) -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
-def test_probes_hit_kopf_health_endpoint(render) -> None:
+def test_probes_get_healthz_on_the_health_port(render) -> None:
     c = _container(render())
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"health": 8081, "metrics": 8080}

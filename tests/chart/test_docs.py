@@ -21,7 +21,7 @@ from ppojob_api.validation import load_manifests
 from ppojob_operator import status as status_mod
 from ppojob_operator.scheduling import GANG_SCHEDULERS
 
-from .conftest import CHART, ROOT
+from tests.helpers.helm import CHART, ROOT
 
 DOCS = ROOT / "docs"
 OPERATOR = ROOT / "operator" / "ppojob_operator"
@@ -324,9 +324,85 @@ def test_gpu_examples_show_what_they_promise() -> None:
     assert g.scheduling.gang_scheduler == "kueue" and g.scheduling.queue
 
 
+# Blocks with a PPOJob in them, per file: (full manifests, spec fragments). Exact, so a block
+# that stops being recognised (a new fence style, a changed layout) fails here instead of
+# silently dropping out of the check below.
+PPOJOB_BLOCKS = {
+    "README.md": (1, 0),
+    "docs/gang-scheduling.md": (0, 3),
+    "docs/trainer-guide.md": (0, 3),
+}
+# The smallest PPOJob: what a spec fragment of the docs is merged into.
+BASE: dict[str, Any] = {
+    "apiVersion": "ppojob.io/v1alpha1",
+    "kind": "PPOJob",
+    "metadata": {"name": "docs-fragment"},
+    "spec": {"image": "registry.example.com/ppojob-trainer:0.1.0", "model": {"path": "/models/m"}},
+}
+
+
+def _user_docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _yaml_blocks(text: str) -> list[str]:
+    return re.findall(r"^```ya?ml[ \t]*\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _merged(base: Any, fragment: Any) -> Any:
+    if isinstance(base, dict) and isinstance(fragment, dict):
+        out = dict(base)
+        for key, value in fragment.items():
+            out[key] = _merged(base.get(key), value)
+        return out
+    return fragment
+
+
+def _ppojob_blocks(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """(full PPOJob manifests as written, PPOJob spec fragments) of a page's ```yaml blocks.
+
+    A document with `kind: PPOJob` is a full manifest; a document with no `kind` whose keys are
+    `spec` or PPOJob spec fields is a fragment; a document of another kind is not ours. Any
+    other YAML block fails: a fragment with a misspelled key must not slip through."""
+    spec_fields = set(
+        build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+            "properties"
+        ]
+    )
+    full, fragments = [], []
+    for block in _yaml_blocks(path.read_text()):
+        docs = [d for d in yaml.safe_load_all(block) if d is not None]
+        if any(isinstance(d, dict) and d.get("kind") == "PPOJob" for d in docs):
+            full.append(block)
+            continue
+        for doc in docs:
+            assert isinstance(doc, dict), f"{path.name}: a YAML block that is not a mapping"
+            if "kind" in doc:
+                continue
+            spec = doc["spec"] if set(doc) == {"spec"} else doc
+            unknown = sorted(set(spec) - spec_fields)
+            assert not unknown, (
+                f"{path.name}: YAML block with keys {unknown} is neither a manifest nor a PPOJob "
+                "spec fragment"
+            )
+            fragments.append(spec)
+    return full, fragments
+
+
 def test_docs_ppojob_snippets_validate() -> None:
-    """Any complete PPOJob manifest in a docs code block must validate."""
-    for page in PAGES:
-        for block in re.findall(r"```yaml\n(.*?)```", _read(page), flags=re.S):
-            if "kind: PPOJob" in block:
-                load_manifests(block, source=page)
+    """Every PPOJob in README.md and docs/*.md validates: full manifests as written, spec
+    fragments merged into the smallest PPOJob (BASE)."""
+    found = {}
+    for path in _user_docs():
+        name = str(path.relative_to(ROOT))
+        full, fragments = _ppojob_blocks(path)
+        for block in full:
+            load_manifests(block, source=name)
+        for fragment in fragments:
+            doc = {**BASE, "spec": _merged(BASE["spec"], fragment)}
+            load_manifests(yaml.safe_dump(doc), source=f"{name} (a spec fragment)")
+        if full or fragments:
+            found[name] = (len(full), len(fragments))
+    assert found == PPOJOB_BLOCKS, (
+        f"PPOJob blocks (full, fragments) per file: found {found}, expected {PPOJOB_BLOCKS}"
+    )

@@ -1,5 +1,7 @@
-"""Container images and scripts: hadolint (strictest threshold), and the facts the chart and
-KubeRay rely on (non-root user, entrypoint, no torch in the operator image, wget for probes)."""
+"""Container images and scripts, checked without Docker: hadolint (strictest threshold) and the
+Dockerfiles' text for the facts the chart and KubeRay rely on (non-root user, entrypoint, the
+extras installed, wget for probes); and, from the installed distributions' metadata, the whole
+dependency closure the operator image installs (`.[operator]`), which must hold no torch or ray."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from .conftest import CHART, ROOT
+from tests.helpers.helm import CHART, ROOT
 
 IMAGES = ROOT / "images"
 DOCKERFILES = ["operator.Dockerfile", "trainer.Dockerfile"]
@@ -64,20 +69,20 @@ def test_hadolint_clean(hadolint: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_images_run_as_non_root(name: str) -> None:
+def test_dockerfiles_set_a_numeric_non_root_user(name: str) -> None:
     users = [arg for word, arg in _final_stage(name) if word == "USER"]
     assert users, f"{name} sets no USER"
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "use a numeric non-root USER (runAsNonRoot checks it)"
 
 
-def test_operator_image_user_matches_chart() -> None:
+def test_operator_dockerfile_user_matches_the_chart() -> None:
     (user,) = [a for w, a in _final_stage("operator.Dockerfile") if w == "USER"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert int(user.split(":")[0]) == values["podSecurityContext"]["runAsUser"]
 
 
-def test_operator_image_has_no_torch_and_runs_the_operator() -> None:
+def test_operator_dockerfile_installs_no_trainer_extra_and_runs_the_operator() -> None:
     ins = _instructions("operator.Dockerfile")
     runs = " ".join(a for w, a in ins if w == "RUN")
     assert '".[operator]"' in runs
@@ -91,7 +96,46 @@ def test_operator_image_has_no_torch_and_runs_the_operator() -> None:
     assert entry == '["ppojob-operator"]' and "ppojob-operator" in scripts
 
 
-def test_trainer_image_has_cuda_gpu_stack_and_wget() -> None:
+def _closure(extra: str) -> set[str]:
+    """Every distribution `pip install '.[<extra>]'` installs on this platform: the project's
+    requirements (read from pyproject.toml, so an edit counts before any reinstall) and,
+    transitively, those of the installed distributions, each with the extras asked of it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo = [
+        (Requirement(r), ())
+        for r in [*project["dependencies"], *project["optional-dependencies"][extra]]
+    ]
+    seen: dict[str, set[str]] = {}
+    while todo:
+        req, asked_by = todo.pop()
+        name = canonicalize_name(req.name)
+        extras = set(req.extras)
+        if name in seen and extras <= seen[name]:
+            continue
+        seen.setdefault(name, set()).update(extras)
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{name} (needed by {' <- '.join(asked_by) or 'ppojob'}) is not installed")
+        for text in requires:
+            sub = Requirement(text)
+            envs = [{"extra": e} for e in ("", *seen[name])]
+            if sub.marker is None or any(sub.marker.evaluate(env) for env in envs):
+                todo.append((sub, (name, *asked_by)))
+    return set(seen)
+
+
+def test_the_operator_image_installs_no_torch_or_ray() -> None:
+    """What the operator Dockerfile installs (`.[operator]`) pulls in neither torch nor ray at
+    any depth (the operator never imports them, and the image stays small)."""
+    operator = _closure("operator")
+    assert {"kopf", "kubernetes", "aiohttp", "pydantic"} <= operator  # the walk is transitive
+    assert not operator & {"torch", "ray"}, sorted(operator & {"torch", "ray"})
+    trainer = _closure("trainer")
+    assert {"torch", "ray"} <= trainer  # the walk would have seen them
+
+
+def test_trainer_dockerfile_installs_the_gpu_stack_and_wget() -> None:
     text = (IMAGES / "trainer.Dockerfile").read_text()
     assert re.search(r"ARG BASE_IMAGE=nvidia/cuda:\S+", text)
     assert "ARG EXTRAS=trainer,gpu" in text

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from ppojob_trainer import progress
 from ppojob_trainer.progress import (
     REQUIRED_KEYS,
     CompositeReporter,
@@ -74,13 +76,21 @@ def test_a_resumed_run_that_dies_before_its_first_step_loses_nothing(tmp_path: P
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
-def test_values_are_plain_json_and_elapsed_is_filled_in(tmp_path: Path) -> None:
+def test_values_are_plain_json_and_elapsed_is_filled_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an `elapsed_seconds` from the loop, the reporter's own clock since `start` is
+    written (a fake monotonic clock: 100.0 at start, 103.25 at the report)."""
+    now = [50.0]
+    monkeypatch.setattr(progress, "time", SimpleNamespace(monotonic=lambda: now[0]))
     rep = LocalProgressReporter(tmp_path, show_bar=False)
+    now[0] = 100.0
     rep.start(2)
+    now[0] = 103.25
     rep.report(1, {"reward_mean": torch.tensor(0.5), "kl": float("nan"), "value_loss": 2})
     (rec,) = read_metrics(tmp_path)
     assert rec["reward_mean"] == 0.5 and rec["kl"] is None and rec["value_loss"] == 2
-    assert rec["elapsed_seconds"] >= 0
+    assert rec["elapsed_seconds"] == 3.25
 
 
 def test_bar_shows_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,8 +7,10 @@ exists there. What the adapter uses is read from the adapter itself (its source,
 and functions it calls at run time), so a new call in the adapter is checked without editing
 this file, and a renamed keyword in a new SGLang release fails here instead of on a cluster.
 
-The wheel is cached in `$PPOJOB_SGLANG_CACHE` (default `~/.cache/ppojob`) as
-`sglang-<version>/`, and downloaded with `pip download --no-deps` when absent.
+The wheel is never downloaded here (no network at test time): `make install` puts it in the
+virtualenv's `test-cache/sglang/` (`pip download --no-deps`); `$PPOJOB_SGLANG_CACHE` names another
+folder holding it. Without it the tests skip, saying how to fill the cache; under CI (`CI=true`)
+they fail instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import ast
 import inspect
 import os
 import re
-import subprocess
 import sys
 import zipfile
 from dataclasses import fields
@@ -65,37 +66,28 @@ class Source:
         return {n.name: n for n in self.tree(path).body if isinstance(n, ast.ClassDef)}
 
 
+def wheel_cache() -> Path:
+    """The folder holding the sglang wheel: `$PPOJOB_SGLANG_CACHE`, else the one `make install`
+    fills, `<virtualenv>/test-cache/sglang`."""
+    env = os.environ.get("PPOJOB_SGLANG_CACHE")
+    return Path(env) if env else Path(sys.prefix) / "test-cache" / "sglang"
+
+
 @pytest.fixture(scope="module")
 def sglang() -> Source:
     version = pinned_version()
-    cache = Path(os.environ.get("PPOJOB_SGLANG_CACHE", Path.home() / ".cache" / "ppojob"))
-    folder = cache / f"sglang-{version}"
+    folder = wheel_cache()
     wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
     if not wheels:
-        folder.mkdir(parents=True, exist_ok=True)
-        # the Linux x86-64 CPython 3.11 wheel, whatever machine this runs on
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--python-version",
-                "3.11",
-                "--platform",
-                "manylinux_2_34_x86_64",
-                "-d",
-                str(folder),
-                f"sglang=={version}",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=600,
+        message = (
+            f"no sglang {version} wheel in {folder}: fill the cache with `make install` or "
+            f"`{sys.executable} -m pip download --no-deps --only-binary=:all: "
+            f"--python-version 3.11 --platform manylinux_2_34_x86_64 -d {folder} "
+            f"sglang=={version}`"
         )
-        wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
-    assert wheels, f"pip download left no sglang {version} wheel in {folder}"
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"{message} (under CI a missing cache is an error)")
+        pytest.skip(message)
     return Source(wheels[-1])
 
 

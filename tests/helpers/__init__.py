@@ -1,0 +1,1 @@
+"""Code shared by the test suites (import as `tests.helpers.<module>`)."""
