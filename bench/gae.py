@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+
 from ppojob_trainer.algorithms import compute_gae
 
 

@@ -53,6 +53,8 @@ def _peak_memory(device) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, float]:
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
     from ppojob_trainer.backends.torch_backend import (
@@ -61,7 +63,6 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         TorchValueTrainer,
     )
     from ppojob_trainer.models import count_parameters, quiet_transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     quiet_transformers()
     device = torch.device(args.device)

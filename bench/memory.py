@@ -55,6 +55,7 @@ def _rss(field: str) -> int:
 def _child(spec: dict) -> None:
     """One measurement, in this (fresh) process: peak RSS added by building + 2 updates."""
     import torch
+
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
 
@@ -103,8 +104,9 @@ def _child(spec: dict) -> None:
 
 
 def measure() -> int:
-    from ppojob_trainer.models import quiet_transformers
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppojob_trainer.models import quiet_transformers
 
     quiet_transformers()
     worst = 0.0

@@ -13,6 +13,7 @@ import copy
 from typing import Any
 
 import yaml
+
 from ppojob_api.spec import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, PPOJob
 
 _DROP = {"title", "$defs", "discriminator"}

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
 from ppojob_api import crd
 from ppojob_api.crd import PRINTER_COLUMNS
 from ppojob_api.spec import (
@@ -33,8 +36,6 @@ from ppojob_api.spec import (
     PPOJobSpec,
 )
 from ppojob_api.training import TrainingHalf
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 _K8S_META = "https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/object-meta/"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field
+
 from ppojob_api.base import ApiModel
 from ppojob_api.training import Toleration, TrainingHalf
-from pydantic import Field
 
 RAY_VERSION = "2.60.0"
 """The Ray release in the trainer image: the one source of truth. `constraints.txt` pins

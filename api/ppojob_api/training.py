@@ -13,8 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from ppojob_api.base import HOOK_PATTERN, QUANTITY_PATTERN, ApiModel
 from pydantic import Field
+
+from ppojob_api.base import HOOK_PATTERN, QUANTITY_PATTERN, ApiModel
 
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
 BUILTIN_CONTEXT = 2048

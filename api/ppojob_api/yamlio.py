@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import yaml
+
 from ppojob_api.problems import Problem, SpecError
 
 

@@ -28,11 +28,11 @@ import re
 from typing import Any
 
 import yaml
+
 from ppojob_api.base import dump
 from ppojob_api.problems import Problem
 from ppojob_api.spec import API_VERSION, GROUP, KIND, PLURAL, PPOJob
 from ppojob_api.validation import trainer_config_from_spec
-
 from ppojob_operator import scheduling
 
 MANAGED_BY = "ppojob-operator"

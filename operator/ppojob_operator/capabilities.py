@@ -25,7 +25,6 @@ from typing import Any
 
 from ppojob_api.metadata import check_kueue_queue
 from ppojob_api.spec import PPOJob
-
 from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
 
 SIDECAR_MARKER = "deletionStrategy"

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
-
 from ppojob_operator import capabilities, k8s, metrics
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import YUNIKORN_APP_LABEL, effective_scheduler, yunikorn_app_id

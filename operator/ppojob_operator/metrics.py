@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ppojob_api.spec import PHASES
 from prometheus_client import Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
+
+from ppojob_api.spec import PHASES
 
 RECONCILES = Counter("ppojob_reconciles_total", "Handler runs, by handler.", ["handler"])
 ERRORS = Counter(

@@ -32,7 +32,6 @@ from typing import Any
 
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJob, total_gpus
-
 from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION, applied_spec
 
 CONDITION_TYPES = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")

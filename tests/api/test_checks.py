@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from ppojob_api import checks
 from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
 from ppojob_api.checks.cluster import (

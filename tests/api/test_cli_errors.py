@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from ppojob_cli.main import main as ppojob
 
 ROOT = Path(__file__).resolve().parents[2]

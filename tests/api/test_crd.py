@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import yaml
+
 from ppojob_api.crd import build_crd, crd_yaml, structural_schema
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import yaml
+
 from ppojob_api.validation import validate_manifest
 from ppojob_cli.main import build_parser
 from ppojob_trainer.progress import REQUIRED_KEYS
@@ -73,6 +74,7 @@ def test_parquet_is_in_the_trainer_extra_it_is_advertised_with(tmp_path: Path) -
     assert any(dep.startswith("pyarrow") for dep in extras["trainer"])
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     from ppojob_trainer.tasks import _read_records
 
     file = tmp_path / "p.parquet"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ppojob_api.overrides import apply_critic_overrides, parse_critic_override_file
 from ppojob_api.problems import SpecError
 from ppojob_api.training import TrainerConfig, Training

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 import yaml
+
 from ppojob_api.problems import SpecError
 from ppojob_api.validation import load_trainer_config, validate_manifest
 from ppojob_cli.main import main as ppojob
 from ppojob_operator import builders, handlers
 from ppojob_trainer.manifest import load_manifest
-
 from tests.helpers.manifests import (
     GPU_JOB,
     GRPO_INVALID,

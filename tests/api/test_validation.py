@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+
 from ppojob_api.problems import SpecError
 from ppojob_api.validation import load_manifests, validate_manifest
 from ppojob_cli.main import main
-
 from tests.helpers.manifests import GPU_JOB, GRPO_INVALID, INVALID, grpo_base, set_path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
+
 from ppojob_api.crd import crd_yaml
 from ppojob_operator.__main__ import build_parser
 from ppojob_operator.rbac import OPERATOR_RULES
-
 from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).

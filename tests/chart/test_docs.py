@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 import pytest
 import yaml
+
 from ppojob_api.crd import build_crd
 from ppojob_api.reference import reference_markdown, write_reference
 from ppojob_api.spec import PHASES
@@ -20,7 +21,6 @@ from ppojob_api.training import Algorithm, KLSpec, TrainingSettings
 from ppojob_api.validation import load_manifests
 from ppojob_operator import status as status_mod
 from ppojob_operator.scheduling import GANG_SCHEDULERS
-
 from tests.helpers.helm import CHART, ROOT
 
 DOCS = ROOT / "docs"

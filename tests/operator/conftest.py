@@ -47,6 +47,7 @@ def validate_child(validators: dict) -> Any:
 def cluster() -> Any:
     """kmock serving a namespace `ns1`, and a function starting the real operator on it."""
     from kmockenv import Emulator
+
     from ppojob_operator import k8s
 
     with Emulator() as em:

@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 from ophelpers import REPO, base_manifest, kuberay_resources_map, ray_start_resources
+
 from ppojob_api.spec import total_gpus
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
@@ -415,6 +416,7 @@ def test_ray_version_has_one_source_of_truth():
     """Also: spec.rayVersion defaults to the Ray the trainer image installs (constraints.txt,
     used by images/trainer.Dockerfile) and the one installed here."""
     import ray
+
     from ppojob_api.spec import RAY_VERSION
 
     pins = dict(

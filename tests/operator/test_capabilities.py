@@ -7,6 +7,7 @@ import copy
 import pytest
 import yaml
 from ophelpers import EXTERNAL_CRDS, base_manifest
+
 from ppojob_api.validation import validate_manifest
 from ppojob_operator.capabilities import refusal, sidecar_supported
 

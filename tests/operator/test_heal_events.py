@@ -7,6 +7,7 @@ import logging
 
 from kmockenv import Operator, wait_for
 from ophelpers import base_manifest
+
 from ppojob_operator import k8s
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")

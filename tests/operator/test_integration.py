@@ -18,6 +18,7 @@ import asyncio
 
 from kmockenv import Operator, wait_for
 from ophelpers import base_manifest
+
 from ppojob_operator import k8s
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")
@@ -165,6 +166,7 @@ def test_invalid_spec_gets_no_children(cluster):
 def test_a_trainer_failure_reaches_the_failed_condition(cluster):
     """The trainer's one-line failure (its progress reporter) is what `kubectl describe` shows."""
     from kubernetes import client
+
     from ppojob_trainer.k8s_progress import KubernetesProgressReporter
 
     line = "the rollout worker could not start: data.rewardFunction: 'nope:f': cannot import"

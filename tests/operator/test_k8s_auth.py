@@ -9,6 +9,7 @@ import contextlib
 
 from aiohttp import web
 from ophelpers import serve_on_loopback
+
 from ppojob_operator import k8s
 
 

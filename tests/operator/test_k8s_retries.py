@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 from ophelpers import serve_on_loopback
+
 from ppojob_operator import k8s
 
 

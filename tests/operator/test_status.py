@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ophelpers import base_manifest
+
 from ppojob_api.problems import Problem
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders

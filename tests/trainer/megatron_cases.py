@@ -115,6 +115,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     import dataclasses
 
     from megatron.core import parallel_state as ps
+
     from ppojob_trainer.backends.megatron_backend import (
         MegatronPolicyTrainer,
         MegatronValueTrainer,
@@ -257,6 +258,7 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
 
 def main() -> None:
     import torch.multiprocessing as mp
+
     from ppojob_trainer.workers.group import free_port
 
     out_path, model_dirs = sys.argv[1], sys.argv[2:]

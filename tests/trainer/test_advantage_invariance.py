@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from ppojob_api.training import Algorithm, TrainerConfig
 from ppojob_trainer.algorithms import masked_whiten, shape_token_rewards
 from ppojob_trainer.workers.actor import shard_advantages

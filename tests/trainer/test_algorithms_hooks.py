@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+
 from ppojob_trainer.algorithms import (
     StepPlan,
     compute_gae,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ppojob_trainer.algorithms import (
     distributed_masked_whiten,
     masked_mean,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ppojob_api.training import TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.backends.torch_backend import (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingHalf, TrainingSettings
 from ppojob_trainer import algorithms as A
@@ -46,8 +47,9 @@ def _batch(n: int = 4, seed: int = 0, t: int = 6) -> dict[str, torch.Tensor]:
 def test_a_whole_actor_and_critic_update_with_the_models_off_the_cpu(model_dir, monkeypatch):
     """The actor worker's real loss (PPO clip, KL loss, entropy) and a critic update run with
     the models on another device: every mini-batch tensor must reach that device."""
-    from ppojob_trainer.workers.actor import ActorWorker
     from transformers import masking_utils
+
+    from ppojob_trainer.workers.actor import ActorWorker
 
     # transformers probes position ids for packed sequences with a data-dependent `.all()`,
     # which a shapes-only tensor cannot answer; our batches are never packed.

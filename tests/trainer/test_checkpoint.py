@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from ppojob_trainer.checkpoint import (
     MANIFEST,
     CheckpointError,

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from ppojob_api.problems import SpecError
 from ppojob_api.training import TrainerConfig
 from ppojob_cli.main import main as ppojob
@@ -292,9 +293,10 @@ def test_a_reward_function_returning_the_wrong_count_is_one_line_naming_the_fiel
     tmp_path, monkeypatch
 ) -> None:
     """At step time the error comes back from a Ray task: the root cause is what is printed."""
+    from ray.exceptions import RayTaskError
+
     from ppojob_trainer.errors import describe_failure
     from ppojob_trainer.tasks import RewardScorer
-    from ray.exceptions import RayTaskError
 
     (tmp_path / "short_rewards.py").write_text("def score(p, c, l):\n    return [1.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path))

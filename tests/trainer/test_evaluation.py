@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models

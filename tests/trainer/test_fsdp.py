@@ -37,6 +37,7 @@ def _batch(n: int = 8) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     import torch.distributed as dist
+
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
     from ppojob_trainer.backends.base import ShardIdentity
@@ -153,6 +154,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
+
     from ppojob_trainer import models
     from ppojob_trainer.workers.group import free_port
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.placement import (
     GangIncompleteError,

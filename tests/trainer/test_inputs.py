@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer import models

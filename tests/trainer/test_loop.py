@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from ppojob_api.problems import SpecError
 from ppojob_trainer.loop import train
 from ppojob_trainer.manifest import config_from_doc as config_from_manifest

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import BUILTIN_MEGATRON_SHAPES, TrainerConfig
 from ppojob_trainer import models
@@ -351,6 +352,7 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     third: the checkpoint holds whole HF-named models (gathered from both shards) and Adam
     moments, and the resumed run continues from it."""
     import yaml
+
     from ppojob_trainer.checkpoint import latest_checkpoint, load_checkpoint
     from ppojob_trainer.loop import train
     from ppojob_trainer.manifest import config_from_doc

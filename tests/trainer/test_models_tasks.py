@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ppojob_trainer import models, tasks
 
 

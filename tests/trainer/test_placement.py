@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.placement import (
     PlacementError,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from ppojob_trainer import progress
 from ppojob_trainer.progress import (
     REQUIRED_KEYS,

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from ppojob_trainer.checkpoint import complete_checkpoints, latest_checkpoint
 from ppojob_trainer.manifest import load_manifest
 from ppojob_trainer.progress import REQUIRED_KEYS, LocalProgressReporter, read_metrics

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.checkpoint import capture_rng_state
 from ppojob_trainer.loop import PPOTrainer

@@ -9,6 +9,7 @@ import time
 import pytest
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.loop import PPOTrainer
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import policy_loss, rollout_is_weights, sampling_logprobs

@@ -25,6 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.backends import sglang_backend as adapter
 from ppojob_trainer.backends.weight_sync import TensorMeta

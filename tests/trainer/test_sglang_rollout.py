@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, model_path_kind
 from ppojob_cli.main import main as ppojob
@@ -278,6 +279,7 @@ def test_a_hub_id_resolves_from_an_offline_cache_and_loads(builtin_dir, tmp_path
 
 def test_trust_remote_code_reaches_every_loader(builtin_dir, monkeypatch):
     import transformers
+
     from ppojob_trainer import models
 
     seen = []

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.algorithms import compute_advantages, masked_whiten, shape_token_rewards
 from ppojob_trainer.backends.base import ShardIdentity

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.training import TrainerConfig
 from ppojob_api.yamlio import load_yaml_documents

@@ -91,7 +91,6 @@ def _positive(name: str, raw: str | None) -> int | None:
 def run_command(args: argparse.Namespace) -> int:
     """Run `ppojob run`; returns the exit code."""
     from ppojob_api.problems import SpecError
-
     from ppojob_trainer.manifest import load_manifest, parse_set
 
     try:

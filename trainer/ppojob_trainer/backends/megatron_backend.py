@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ppojob_api.training import TrainingSettings
 
 from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, ValueTrainer

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ppojob_api.training import TrainingSettings
 from torch import nn
+
+from ppojob_api.training import TrainingSettings
 
 from ..algorithms.sampling import sampling_logprobs
 from ..models import (

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 import torch
+
 from ppojob_api.training import Algorithm, TrainerConfig
 
 from .. import algorithms as A

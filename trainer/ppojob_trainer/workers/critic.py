@@ -9,6 +9,7 @@ from typing import Any
 
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 import torch
+
 from ppojob_api.training import TrainerConfig
 
 from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets

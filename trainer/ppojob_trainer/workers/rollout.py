@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ppojob_api.training import TrainerConfig
 
 from ..backends.base import GenerationEngine, ShardIdentity
