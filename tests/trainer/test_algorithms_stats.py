@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppojob_trainer.algorithms import (
-    distributed_masked_whiten,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -96,52 +92,6 @@ def test_hand_computed_and_edge_cases():
             fn(x, empty)
     with pytest.raises(ValueError, match="mask shape"):
         masked_mean(x, torch.ones(3, 2))
-
-
-def test_distributed_falls_back_to_local():
-    assert not dist.is_initialized()
-    x, mask = batch(1, 4, 5)
-    torch.testing.assert_close(distributed_masked_whiten(x, mask), masked_whiten(x, mask))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, xs, masks, results) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = distributed_masked_whiten(xs[rank], masks[rank]).clone()
-        try:
-            distributed_masked_whiten(xs[rank], torch.zeros_like(masks[rank]))
-        except ValueError as exc:
-            results[f"err{rank}"] = str(exc)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_distributed_whiten_gloo_world_size_2():
-    g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(3, 7, generator=g), torch.randn(2, 4, generator=g) * 5 + 2]
-    masks = [torch.rand(3, 7, generator=g) < 0.6, torch.zeros(2, 4, dtype=torch.bool)]
-    masks[1][0, :3] = True
-    # reference: whiten the concatenation of both ranks' masked values in float64 loops
-    vals = [float(v) for x, m in zip(xs, masks, strict=True) for v in x[m].tolist()]
-    mean = sum(vals) / len(vals)
-    var = sum((v - mean) ** 2 for v in vals) / len(vals)
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), xs, masks, results), nprocs=2, join=True)
-    for rank in range(2):
-        out = results[rank]
-        exp = torch.where(masks[rank], (xs[rank].double() - mean) / math.sqrt(var + 1e-8), 0.0)
-        torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5)
-        assert out.dtype == torch.float32
-        assert "no element on any rank" in results[f"err{rank}"]
 
 
 def test_collective_device_follows_the_backend():

@@ -26,7 +26,7 @@ from .losses import (
 )
 from .sampling import nucleus_mask, rollout_is_weights, sampling_logprobs
 from .schedule import StepPlan, plan_step
-from .stats import distributed_masked_whiten, masked_mean, masked_var, masked_whiten
+from .stats import masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "AGG_MODES",
@@ -39,7 +39,6 @@ __all__ = [
     "compute_advantages",
     "compute_gae",
     "discounted_reverse_cumsum",
-    "distributed_masked_whiten",
     "entropy_from_logits",
     "function_name",
     "get_advantage_estimator",

@@ -16,8 +16,7 @@ Built-in estimators and their options:
 ``gae``
     Generalised advantage estimation (Schulman et al. 2016) on ``token_rewards`` with the critic's
     ``values`` (required). Option ``whiten=True``: whiten advantages over the batch's response
-    tokens (returns are never whitened); ``whiten_group``: a ``torch.distributed`` group to whiten
-    over (default: this batch only).
+    tokens (returns are never whitened).
 ``grpo``
     ``(score - group mean) / (group std + eps)``, std with Bessel's correction (Shao et al. 2024).
     Options ``norm_by_std=True`` (False: drop the division, as in Dr. GRPO), ``eps=1e-6``.
@@ -25,12 +24,11 @@ Built-in estimators and their options:
 ``reinforce_plus_plus``
     Discounted reward-to-go of ``token_rewards`` (``gamma``; ``lam`` unused), whitened over the
     batch's response tokens (Hu 2025). Returns are the unwhitened reward-to-go.
-    Options ``whiten=True`` (False: keep the raw reward-to-go as the advantage),
-    ``whiten_group``.
+    Option ``whiten=True`` (False: keep the raw reward-to-go as the advantage).
 ``reinforce_plus_plus_baseline``
     ``score - group mean``, broadcast over the response, then whitened over the batch's response
-    tokens. Singleton groups get 0 before whitening. Options ``whiten=True`` (False: skip the
-    whitening), ``whiten_group``.
+    tokens. Singleton groups get 0 before whitening. Option ``whiten=True`` (False: skip the
+    whitening).
 ``rloo``
     ``score - mean of the other samples' scores in the group`` (Ahmadian et al. 2024). Every
     group needs at least 2 samples; a singleton group raises ``ValueError``.
@@ -49,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from .stats import distributed_masked_whiten, masked_whiten
+from .stats import masked_whiten
 
 __all__ = [
     "AdvantageEstimator",
@@ -398,12 +396,6 @@ def compute_advantages(
     return outs[0], outs[1]
 
 
-def _whiten(x: torch.Tensor, m: torch.Tensor, group: object | None) -> torch.Tensor:
-    if group is None:
-        return masked_whiten(x, m)
-    return distributed_masked_whiten(x, m, group=group)
-
-
 def _group_stats(
     scores: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -437,13 +429,12 @@ def _gae(
     gamma: float,
     lam: float,
     whiten: bool = True,
-    whiten_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values, got values=None")
     adv, ret = compute_gae(token_rewards, values, mask, gamma, lam)
     if whiten:
-        adv = _whiten(adv, mask.bool(), whiten_group)
+        adv = masked_whiten(adv, mask.bool())
     return adv, ret
 
 
@@ -511,11 +502,10 @@ def _reinforce_pp(
     gamma: float,
     lam: float,
     whiten: bool = True,
-    whiten_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = mask.bool()
     ret, _ = compute_gae(token_rewards, torch.zeros_like(token_rewards), m, gamma, 1.0)
-    return (_whiten(ret, m, whiten_group) if whiten else ret.clone()), ret
+    return (masked_whiten(ret, m) if whiten else ret.clone()), ret
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
@@ -529,7 +519,6 @@ def _reinforce_pp_baseline(
     gamma: float,
     lam: float,
     whiten: bool = True,
-    whiten_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = mask.bool()
     s = _float_scores(scores, token_rewards)
@@ -537,5 +526,5 @@ def _reinforce_pp_baseline(
     adv = torch.where(counts[inv] > 1, s - mean[inv], torch.zeros_like(s))
     out = _broadcast(adv, m)
     if whiten:
-        out = _whiten(out, m, whiten_group)
+        out = masked_whiten(out, m)
     return out, out.clone()

@@ -15,7 +15,6 @@ import torch
 __all__ = [
     "all_reduce_sum",
     "collective_device",
-    "distributed_masked_whiten",
     "masked_mean",
     "masked_sum_count",
     "masked_var",
@@ -129,39 +128,3 @@ def all_reduce_sum(t: torch.Tensor, group: object | None = None) -> torch.Tensor
     moved = t.to(dev)
     dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
     return moved.to(t.device)
-
-
-def distributed_masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    group: object | None = None,
-    shift_mean: bool = True,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """Like :func:`masked_whiten`, with mean and variance taken over every rank of ``group``.
-
-    Two ``all_reduce`` (SUM) calls: first of ``[sum, count]``, then of the sum of squared
-    deviations from the global mean; on an NCCL group the small stats tensors travel to the
-    current CUDA device and back (:func:`all_reduce_sum`), so ``x`` may stay on the CPU. The
-    reductions run in float64 for accuracy; the result has x's dtype. Every rank of the group
-    must call this function. A rank may hold no masked element as long as the group as a whole
-    holds at least one (else ``ValueError`` on every rank). When ``torch.distributed`` is
-    unavailable or not initialised, this is exactly :func:`masked_whiten` on the local tensor.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps)
-    m = _check(x, mask, "distributed_masked_whiten")
-    x64 = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
-    buf = all_reduce_sum(torch.stack([x64.sum(), m.sum().double()]), group)
-    total, count = buf[0], buf[1]
-    if count.item() == 0:
-        raise ValueError(
-            "distributed_masked_whiten: mask selects no element on any rank of the group"
-        )
-    mean = total / count
-    dev = torch.where(m, x64 - mean, torch.zeros((), dtype=torch.float64, device=x.device))
-    sq = all_reduce_sum((dev * dev).sum().reshape(1), group)
-    var = sq[0] / count
-    return _whiten_with(x, m, mean.to(x.dtype), var.to(x.dtype), shift_mean, eps)
