@@ -30,7 +30,7 @@ from ppojob_api.training import TrainerConfig
 from ppojob_trainer.backends import sglang_backend as adapter
 from ppojob_trainer.backends.weight_sync import TensorMeta
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def pinned_version() -> str:

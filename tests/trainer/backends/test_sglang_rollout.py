@@ -20,7 +20,7 @@ from ppojob_trainer.backends.sglang_backend import engine_args, generation_from_
 from ppojob_trainer.backends.weight_sync import flatten, plan_buckets, plan_weight_buckets
 from ppojob_trainer.placement import engine_count, plan_placement
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BIG = ROOT / "examples" / "ppojob-7b-megatron-volcano.yaml"
 
 

@@ -30,7 +30,7 @@ from ppojob_trainer.loop import _dp_leaders
 from ppojob_trainer.workers.group import identity
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 
 
 def _hf_model(family: str, *, kv_heads: int, tied: bool, layers: int = 4):  # type: ignore[no-untyped-def]
@@ -212,7 +212,7 @@ def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> Non
     out = tmp_path / "parity.json"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / d) for d in ("api", "trainer", "operator")]),
     }
     cmd = [sys.executable, str(HERE / "megatron_cases.py"), str(out), *dirs]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
