@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
 	$(PIP) install --quiet -c constraints.txt -e '.[operator,trainer,dev]'
-# the SGLang wheel tests/trainer/test_sglang_contract.py reads (never installed: CUDA-only);
+# the SGLang wheel tests/trainer/backends/test_sglang_contract.py reads (never installed: CUDA-only);
 # the version is the gpu extra's pin in pyproject.toml
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
 		--platform manylinux_2_34_x86_64 -d $(VENV)/test-cache/sglang \

@@ -18,7 +18,7 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
 
 Every SGLang name used here is in :data:`ENGINE_CALLS`, :data:`RUNTIME_IMPORTS`,
 :func:`engine_args`, :func:`sampling_params` and :data:`OUTPUT_FIELDS`;
-``tests/trainer/test_sglang_contract.py`` checks them against the source of the SGLang release
+``tests/trainer/backends/test_sglang_contract.py`` checks them against the source of the SGLang release
 pinned in the ``gpu`` extra (:data:`SGLANG_VERSION`), without importing it.
 """
 
