@@ -22,9 +22,6 @@ def validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
         ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): crd_validator(
             "scheduling.x-k8s.io_podgroups.yaml", "v1alpha1"
         ),
-        ("scheduling.volcano.sh/v1beta1", "PodGroup"): crd_validator(
-            "scheduling.volcano.sh_podgroups.yaml", "v1beta1"
-        ),
     }
 
 
