@@ -139,14 +139,25 @@ class GangScheduler:
 
     ``kuberay_batch_scheduler`` is what KubeRay's installation-wide ``batchScheduler.name`` must
     be for this scheduler's jobs to work ("" = unset): KubeRay makes the gang itself for
-    ``volcano`` and ``yunikorn``, and must stay out of the way for the others."""
+    ``volcano`` and ``yunikorn``, and must stay out of the way for the others.
+
+    ``owns_suspend``: the scheduler owns ``RayJob.spec.suspend`` (Kueue admits a job by
+    unsuspending its RayJob): the operator suspends and resumes through the scheduler's own
+    object, and makes no RayJob for a job created suspended (it would be admitted)."""
 
     name: str = ""
     kuberay_batch_scheduler: str = ""
+    owns_suspend: bool = False
 
     def plan(self, gang: GangJob) -> GangPlan:
         """The labels, annotations, scheduler name and extra objects of one job's children."""
         return GangPlan(scheduler=self.name)
+
+    def attempt_labels(
+        self, namespace: str, name: str, uid: str | None, attempt: int | str
+    ) -> dict[str, str]:
+        """Labels a RayJob needs when it starts a new Ray cluster (a resume, KubeRay's retry)."""
+        return {}
 
 
 class Volcano(GangScheduler):
@@ -177,8 +188,8 @@ class YuniKorn(GangScheduler):
         sched = gang.job.spec.scheduling
         out = super().plan(gang)
         out.rayjob_labels[GANG_LABEL] = "true"
-        out.rayjob_labels[YUNIKORN_APP_LABEL] = yunikorn_app_id(
-            gang.namespace, gang.name, gang.uid, gang.attempt
+        out.rayjob_labels.update(
+            self.attempt_labels(gang.namespace, gang.name, gang.uid, gang.attempt)
         )
         if sched.queue:
             out.rayjob_labels[YUNIKORN_QUEUE_LABEL] = sched.queue
@@ -187,11 +198,17 @@ class YuniKorn(GangScheduler):
         )
         return out
 
+    def attempt_labels(
+        self, namespace: str, name: str, uid: str | None, attempt: int | str
+    ) -> dict[str, str]:
+        return {YUNIKORN_APP_LABEL: yunikorn_app_id(namespace, name, uid, attempt)}
+
 
 class Kueue(GangScheduler):
     """The RayJob is created suspended in the job's LocalQueue; Kueue admits it whole."""
 
     name = "kueue"
+    owns_suspend = True
 
     def plan(self, gang: GangJob) -> GangPlan:
         sched = gang.job.spec.scheduling
