@@ -43,11 +43,14 @@ def validate_child(validators: dict) -> Any:
 @pytest.fixture()
 def cluster() -> Any:
     """kmock serving a namespace `ns1`, and a function starting the real operator on it."""
-    from kmockenv import Emulator
+    from kmockenv import Emulator, kube
     from ppojob_operator import k8s
 
     with Emulator() as em:
         k8s.configure(em.url)
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns1"}}
-        k8s.request("POST", "/api/v1/namespaces", ns)
-        yield em
+        kube.request("POST", "/api/v1/namespaces", ns)
+        try:
+            yield em
+        finally:
+            kube.close()

@@ -15,6 +15,9 @@ from typing import Any
 
 import kmock
 from kmock._internal import parsing
+from ppojob_operator import k8s
+
+_arequest, _aclose = k8s.arequest, k8s.aclose
 
 _parse_path = parsing.parse_path
 
@@ -103,6 +106,76 @@ RESOURCES = {
     "scheduling.x-k8s.io/v1alpha1/podgroups": ("PodGroup", True, set()),
     "kueue.x-k8s.io/v1beta1/workloads": ("Workload", True, set()),
 }
+
+
+class Kube:
+    """Blocking API calls for test code, through the operator's own client (``k8s.arequest``)
+    run in an event loop of its own on a background thread (the operator's loop is another).
+    Bound to the unpatched ``arequest``, so a test that patches the operator's calls does not
+    patch its own."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, coro: Any) -> Any:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="kube", daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        return self._run(_arequest(method, path, body, content_type))
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None if it does not exist."""
+        try:
+            return self.request("GET", k8s.path_for(api_version, kind, namespace, name))
+        except k8s.ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any] | None:
+        """JSON merge patch; None if the object is gone."""
+        path = k8s.path_for(api_version, kind, namespace, name, subresource)
+        try:
+            return self.request("PATCH", path, body, "application/merge-patch+json")
+        except k8s.ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def close(self) -> None:
+        """Close the session and stop the loop (the next call starts them again)."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(_aclose(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+kube = Kube()
+"""The tests' blocking API client (configured by ``k8s.configure``, like the operator's)."""
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
