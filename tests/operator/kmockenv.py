@@ -178,10 +178,21 @@ kube = Kube()
 """The tests' blocking API client (configured by ``k8s.configure``, like the operator's)."""
 
 
+class OperatorFailed(AssertionError):
+    """The operator's thread raised (the exception is the ``__cause__``)."""
+
+
+_RUNNING: set[Operator] = set()
+"""Operators between ``__enter__`` and ``__exit__``: :func:`wait_for` watches their threads."""
+
+
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll ``pred`` until it returns something truthy; raise TimeoutError after ``timeout``."""
+    """Poll ``pred`` until it returns something truthy; raise TimeoutError after ``timeout``,
+    and :class:`OperatorFailed` as soon as a running operator's thread has raised."""
     deadline = time.monotonic() + timeout
     while True:
+        for op in list(_RUNNING):
+            op.check()
         value = pred()
         if value:
             return value
@@ -283,15 +294,29 @@ class Operator:
                 ready_flag=self.ready_flag,
                 post_events=False,
             )
-        except BaseException as exc:  # surfaced by the tests
+        except BaseException as exc:  # raised in the test's thread: check(), wait_for, exit
             self.error = exc
+
+    def check(self) -> None:
+        """Raise :class:`OperatorFailed` if the operator's thread has raised."""
+        if self.error is not None:
+            raise OperatorFailed(f"the operator's thread raised {self.error!r}") from self.error
 
     def __enter__(self) -> Operator:
         self._thread.start()
-        if not self.ready_flag.wait(30):
-            raise TimeoutError(f"operator did not become ready: {self.error!r}")
+        deadline = time.monotonic() + 30
+        while not self.ready_flag.wait(0.05):  # ready, or the thread ended (it raised)
+            self.check()
+            if not self._thread.is_alive():
+                raise OperatorFailed("the operator's thread ended before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError("operator did not become ready within 30s")
+        _RUNNING.add(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        _RUNNING.discard(self)
         self.stop_flag.set()
         self._thread.join(30)
+        if exc_type is None:  # an exception of the test's own goes first
+            self.check()

@@ -15,8 +15,10 @@ still:
 from __future__ import annotations
 
 import asyncio
+import threading
 
-from kmockenv import Operator, kube, wait_for
+import pytest
+from kmockenv import Operator, OperatorFailed, kube, wait_for
 from ophelpers import base_manifest
 from ppojob_operator import k8s
 
@@ -565,3 +567,52 @@ def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluste
         assert job_status()["phase"] == "Failed"
         assert "Failed" in phases and "Running" not in phases[phases.index("Failed") :], phases
         assert kube.get(*RJ, "ns1", "demo") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness: an exception in the operator's thread fails the test
+# ---------------------------------------------------------------------------------------------
+def test_an_operator_failing_at_shutdown_fails_the_test(cluster, monkeypatch):
+    async def boom() -> None:
+        raise RuntimeError("boom at shutdown")
+
+    monkeypatch.setattr(k8s, "aclose", boom)  # the operator's last call (kube's is its own)
+    with pytest.raises(OperatorFailed) as failed:
+        with Operator(cluster.url, ["ns1"]):
+            create_job()
+            wait_for(phase_is("Pending"))
+    assert "boom at shutdown" in str(failed.value.__cause__)
+
+
+def test_an_operator_failing_at_start_fails_the_test_at_once(cluster, monkeypatch):
+    from ppojob_operator import handlers
+
+    def broken(*_, **__):
+        raise RuntimeError("no registry")
+
+    monkeypatch.setattr(handlers, "build_registry", broken)
+    with pytest.raises(OperatorFailed) as failed:  # not the 30 s readiness TimeoutError
+        Operator(cluster.url, ["ns1"]).__enter__()
+    assert "no registry" in str(failed.value.__cause__)
+
+
+def test_an_operator_dying_while_a_test_waits_fails_the_wait(cluster, monkeypatch):
+    import kopf
+
+    crash = threading.Event()
+
+    async def dies_when_told(*, ready_flag, **_):
+        ready_flag.set()
+        await asyncio.get_running_loop().run_in_executor(None, crash.wait)
+        raise RuntimeError("the operator died")
+
+    monkeypatch.setattr(kopf, "operator", dies_when_told)
+    try:
+        with pytest.raises(OperatorFailed):  # and again when the operator is left
+            with Operator(cluster.url, ["ns1"]):
+                crash.set()
+                with pytest.raises(OperatorFailed) as failed:  # not wait_for's TimeoutError
+                    wait_for(lambda: False, timeout=20)
+                assert "the operator died" in str(failed.value.__cause__)
+    finally:
+        crash.set()  # never leave the executor thread waiting
