@@ -616,3 +616,34 @@ def test_an_operator_dying_while_a_test_waits_fails_the_wait(cluster, monkeypatc
                 assert "the operator died" in str(failed.value.__cause__)
     finally:
         crash.set()  # never leave the executor thread waiting
+
+
+def test_an_unowned_object_holding_a_childs_name_is_never_adopted(cluster):
+    """A ConfigMap with the job's child's name and no owner (someone else's): the job waits in
+    Pending/ChildConflict with a Warning event, retrying, and never takes the object over."""
+    _stale_config_map(None)
+    path = k8s.path_for("v1", "ConfigMap", "ns1", "demo-trainer")
+    with Operator(cluster.url, ["ns1"], retry_max_s=0.5):
+        create_job()
+        wait_for(lambda: cond("SpecApplied").get("reason") == "ChildConflict")
+        assert job_status()["phase"] == "Pending"
+        assert "not adopted" in cond("SpecApplied")["message"]
+        wait_for(
+            lambda: any(
+                e["type"] == "Warning"
+                and e["reason"] == "ChildConflict"
+                and "demo-trainer" in e["message"]
+                for e in events()
+            )
+        )
+        wait_for(lambda: len(creates(cluster, "configmaps")) >= 4)  # ours, then 3 tries
+        cm = kube.get("v1", "ConfigMap", "ns1", "demo-trainer")
+        assert "ownerReferences" not in cm["metadata"] and cm["data"]["trainer.yaml"] == "old"
+        writes = [
+            r
+            for r in cluster.requests()
+            if r.method.value in ("PATCH", "PUT", "DELETE") and r.url.path == path
+        ]
+        assert writes == []
+        assert kube.get(*RJ, "ns1", "demo") is None
+        assert cond("SpecApplied").get("reason") == "ChildConflict"
