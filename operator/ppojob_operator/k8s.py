@@ -264,8 +264,8 @@ async def arequest(
     method: str, path: str, body: Any = None, content_type: str = "application/json"
 ) -> dict[str, Any]:
     """One API request; returns the decoded JSON answer, raises :class:`ApiError` on non-2xx.
-    Transient failures (429 with its Retry-After, 5xx, a reset
-    connection, a 409 Conflict on a patch) are retried a few times within seconds."""
+    Transient failures (429 with its Retry-After, 5xx, a reset connection, a 409 Conflict on a
+    patch) are retried a few times within seconds."""
     import aiohttp
 
     session = await _session()

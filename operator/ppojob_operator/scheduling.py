@@ -112,7 +112,6 @@ class GangMember:
 class GangPlan:
     """What one scheduler strategy adds to the children."""
 
-    scheduler: str
     rayjob_labels: dict[str, str] = field(default_factory=dict)
     pod_labels: dict[str, str] = field(default_factory=dict)
     pod_annotations: dict[str, str] = field(default_factory=dict)
@@ -151,7 +150,7 @@ class GangScheduler:
 
     def plan(self, gang: GangJob) -> GangPlan:
         """The labels, annotations, scheduler name and extra objects of one job's children."""
-        return GangPlan(scheduler=self.name)
+        return GangPlan()
 
     def attempt_labels(
         self, namespace: str, name: str, uid: str | None, attempt: int | str
