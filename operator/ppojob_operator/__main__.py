@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
-
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppojob_operator.scheduling import GANG_SCHEDULERS, KUBERAY_BATCH_SCHEDULERS
+
     p = argparse.ArgumentParser(
         prog="ppojob-operator", description="Run the PPOJob operator (kopf, standalone)."
     )
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kuberay-batch-scheduler",
-        choices=["none", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler"],
+        choices=["none", *filter(None, KUBERAY_BATCH_SCHEDULERS)],
         default=None,
         help="KubeRay's batchScheduler.name (none: unset); jobs that cannot work with it are "
         "refused. Omitted: not checked",

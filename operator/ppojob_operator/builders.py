@@ -45,7 +45,6 @@ ROLE_RESOURCE = "ppojob-{role}"
 CONFIG_DIR = "/etc/ppojob"
 CONFIG_KEY = "trainer.yaml"
 OUTPUT_DIR = "/tmp/ppojob-out"
-DEFAULT_ENTRYPOINT = f"ppojob-train --config {CONFIG_DIR}/{CONFIG_KEY} --out {OUTPUT_DIR}"
 RUN_AS_USER = 10001  # the `ppojob` user of images/trainer.Dockerfile (owns HOME and /workspace)
 MAX_NAME_LENGTH = 47  # KubeRay: RayJob names <= 47 characters (it appends 6 for the cluster)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

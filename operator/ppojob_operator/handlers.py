@@ -30,7 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -40,7 +40,13 @@ from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
 from ppojob_operator import capabilities, k8s, metrics
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
-from ppojob_operator.scheduling import YUNIKORN_APP_LABEL, effective_scheduler, yunikorn_app_id
+from ppojob_operator.scheduling import (
+    KUEUE_QUEUE_LABEL,
+    YUNIKORN_APP_LABEL,
+    effective_scheduler,
+    strategy,
+    yunikorn_app_id,
+)
 from ppojob_operator.status import (
     applied_job,
     changed_fields,
@@ -69,61 +75,116 @@ class OperatorConfig:
 
 
 Key = tuple[str, str]
+Parsed = tuple[PPOJob | None, list[Problem]]
+
+
+@dataclass(eq=False)
+class JobState:
+    """Everything the handlers know of one PPOJob between events. Created on first sight (of
+    the PPOJob, or of its RayJob), dropped when the PPOJob is deleted (and when a PPOJob of
+    the same name with another uid shows up: a new job starts from nothing)."""
+
+    key: Key
+    uid: str | None = None
+    body: dict[str, Any] | None = None
+    """The latest PPOJob seen (None while only its RayJob has been)."""
+    rayjob: dict[str, Any] | None = None
+    """The latest RayJob seen."""
+    written: dict[str, Any] | None = None
+    """The status keys last written (so a status write never repeats itself)."""
+    posted: dict[str, str] = field(default_factory=dict)
+    """Event reason -> the message last posted with it."""
+    note: tuple[str, str, str] | None = None
+    """Why a valid job has no RayJob to follow: (phase, reason, message)."""
+    retry: asyncio.Task[None] | None = None
+    backoff: int = 0
+    """Retries in a row."""
+    attempts: int = 0
+    """YuniKorn applications made (resumes, retries)."""
+    rayjob_deletions: int = 0
+    """RayJob DELETED events seen: a pass that read the RayJob before one of them must not
+    write a status from that copy."""
+    parsed: tuple[str, Parsed] | None = None
+    """The last spec parsed (as JSON) and its verdict: every event of a job re-reads it."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Orders the status writes of this job across awaits."""
+
+    def parse(self, body: dict[str, Any]) -> Parsed:
+        """:func:`parse`, remembering the last spec's verdict."""
+        try:
+            spec = json.dumps(body.get("spec"), sort_keys=True)
+        except (TypeError, ValueError):
+            return parse(body)
+        if self.parsed is None or self.parsed[0] != spec:
+            self.parsed = (spec, parse(body))
+        return self.parsed[1]
+
+
+def _key_of(body: dict[str, Any]) -> Key:
+    meta = body.get("metadata") or {}
+    return (meta.get("namespace") or "", meta.get("name") or "")
 
 
 class State:
-    """What the handlers know between events: the latest PPOJobs and RayJobs seen, and the
-    status keys last written per job (so a status write never repeats itself)."""
+    """What the handlers know between events: one :class:`JobState` per PPOJob, by
+    (namespace, name). The handlers are async and run in kopf's event loop (one thread): a
+    plain dict suffices."""
 
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
-        self.jobs: dict[Key, dict[str, Any]] = {}
-        self.rayjobs: dict[Key, dict[str, Any]] = {}
-        self.written: dict[Key, dict[str, Any]] = {}
-        self.posted: dict[tuple[Key, str], str] = {}  # (job, reason) -> last message posted
-        # why a valid job has no RayJob to follow: (phase, reason, message)
-        self.notes: dict[Key, tuple[str, str, str]] = {}
-        self.retries: dict[Key, asyncio.Task] = {}
-        self.backoff: dict[Key, int] = {}  # retries in a row
-        self.attempts: dict[Key, int] = {}  # YuniKorn applications made (resumes, retries)
-        # RayJob DELETED events seen per job: a pass that read the RayJob before one of them
-        # must not write a status from that copy
-        self.rayjob_deletions: dict[Key, int] = {}
-        # The handlers are async and run in kopf's event loop (one thread): plain dicts suffice;
-        # the per-job lock only orders the status writes of one job across awaits.
-        self._locks: dict[Key, asyncio.Lock] = {}
+        self._jobs: dict[Key, JobState] = {}
 
-    def lock(self, key: Key) -> asyncio.Lock:
-        lk = self._locks.get(key)
-        if lk is None:
-            lk = self._locks[key] = asyncio.Lock()
-        return lk
+    def __len__(self) -> int:
+        return len(self._jobs)
 
-    def forget(self, key: Key) -> None:
-        self.jobs.pop(key, None)
-        self.written.pop(key, None)
-        self._locks.pop(key, None)
-        self.notes.pop(key, None)
-        self.attempts.pop(key, None)
-        self.backoff.pop(key, None)
-        self.rayjobs.pop(key, None)  # a new PPOJob of the same name must not take it over
-        task = self.retries.pop(key, None)
-        if task is not None:
-            task.cancel()
-        for k in [k for k in self.posted if k[0] == key]:
-            self.posted.pop(k, None)
+    def get(self, key: Key) -> JobState | None:
+        return self._jobs.get(key)
+
+    def track(self, key: Key) -> JobState:
+        """The state of a job, created if new (first seen through its RayJob)."""
+        st = self._jobs.get(key)
+        if st is None:
+            st = self._jobs[key] = JobState(key)
+        return st
+
+    def see(self, body: dict[str, Any], *, keep: bool = False) -> JobState:
+        """The state of the PPOJob ``body``, holding ``body`` (with ``keep``, only when it holds
+        none yet). A PPOJob of a known name with another uid is a new job: the old state goes."""
+        key = _key_of(body)
+        uid = (body.get("metadata") or {}).get("uid")
+        st = self._jobs.get(key)
+        if st is not None and uid and st.uid and st.uid != uid:
+            self.forget(key)
+            st = None
+        if st is None:
+            st = self._jobs[key] = JobState(key)
+        st.uid = uid or st.uid
+        if st.body is None or not keep:
+            st.body = body
+        return st
+
+    def forget(self, key: Key, uid: str | None = None) -> None:
+        """Drop a job's state (with ``uid``: only if it is that job's), cancelling its retry."""
+        st = self._jobs.get(key)
+        if st is None or (uid and st.uid and st.uid != uid):
+            return
+        del self._jobs[key]
+        if st.retry is not None:
+            st.retry.cancel()
         metrics.JOBS.set(key, None)
+
+    def current(self, st: JobState) -> bool:
+        """Whether ``st`` is still the state of its job (not forgotten or replaced since)."""
+        return self._jobs.get(st.key) is st
 
 
 async def _event_once(
-    state: State, body: dict[str, Any], type_: str, reason: str, msg: str
+    st: JobState, body: dict[str, Any], type_: str, reason: str, msg: str
 ) -> None:
     """Post an event unless the same one was just posted for this job (handlers may re-run)."""
-    meta = body["metadata"]
-    key = ((meta.get("namespace") or "", meta.get("name") or ""), reason)
-    if state.posted.get(key) == msg:
+    if st.posted.get(reason) == msg:
         return
-    state.posted[key] = msg
+    st.posted[reason] = msg
     await k8s.apost_event(body, type_, reason, msg)
 
 
@@ -153,27 +214,8 @@ def _plain(body: Any) -> dict[str, Any]:
     }
 
 
-_PARSED: dict[str, tuple[PPOJob | None, list[Problem]]] = {}
-
-
-def parse(body: dict[str, Any]) -> tuple[PPOJob | None, list[Problem]]:
-    """The validated job, or the problems of its spec (never raises on user input).
-
-    Results are cached by (name, namespace, spec): every event of a job re-reads it."""
-    meta = body.get("metadata") or {}
-    try:
-        ck = json.dumps([meta.get("namespace"), meta.get("name"), body.get("spec")], sort_keys=True)
-    except (TypeError, ValueError):
-        return _parse(body)
-    hit = _PARSED.get(ck)
-    if hit is None:
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        hit = _PARSED[ck] = _parse(body)
-    return hit
-
-
-def _parse(body: dict[str, Any]) -> tuple[PPOJob | None, list[Problem]]:
+def parse(body: dict[str, Any]) -> Parsed:
+    """The validated job, or the problems of its spec (never raises on user input)."""
     doc = {k: v for k, v in body.items() if k != "status"}
     meta = doc.get("metadata") or {}
     doc["metadata"] = {"name": meta.get("name"), "namespace": meta.get("namespace")}
@@ -200,34 +242,33 @@ async def heal(state: State, key: Key) -> None:
     """A child of a live PPOJob was deleted: reconcile the job (recreates it, or fails the job
     when its RayJob went after the run started). The PPOJob is read fresh: a child deleted by
     the garbage collector after its PPOJob went must not be recreated."""
-    if key not in state.jobs:
+    st = state.get(key)
+    if st is None or st.body is None:
         return
     fresh = await k8s.aget(f"{GROUP}/{VERSION}", "PPOJob", key[0], key[1])
     if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
         return
-    known = state.jobs.get(key) or {}
-    if known.get("metadata", {}).get("uid") not in (None, fresh["metadata"].get("uid")):
-        return
+    if not state.current(st) or st.uid not in (None, fresh["metadata"].get("uid")):
+        return  # deleted meanwhile, or the PPOJob read is a newer one of the same name
     body = _plain(fresh)
-    state.jobs[key] = body
+    state.see(body)
     await reconcile_children(state, body)
 
 
-async def refresh_yunikorn_app(state: State, key: Key, rayjob: dict[str, Any]) -> None:
+async def refresh_yunikorn_app(job: JobState, rayjob: dict[str, Any]) -> None:
     """KubeRay retries a failed run with a new RayCluster that copies the RayJob's labels; give
     the retry a fresh YuniKorn application id while KubeRay tears the old cluster down (it stays
     in ``Retrying`` until every old pod is gone)."""
-    st = rayjob.get("status") or {}
+    status = rayjob.get("status") or {}
     labels = (rayjob.get("metadata") or {}).get("labels") or {}
-    if st.get("jobDeploymentStatus") != "Retrying" or YUNIKORN_APP_LABEL not in labels:
+    if status.get("jobDeploymentStatus") != "Retrying" or YUNIKORN_APP_LABEL not in labels:
         return
-    body = state.jobs.get(key) or {}
-    uid = (body.get("metadata") or {}).get("uid")
-    want = yunikorn_app_id(key[0], key[1], uid, f"retry-{st.get('failed') or 0}")
+    ns, name = job.key
+    want = yunikorn_app_id(ns, name, job.uid, f"retry-{status.get('failed') or 0}")
     if labels[YUNIKORN_APP_LABEL] == want:
         return
     patch = {"metadata": {"labels": {YUNIKORN_APP_LABEL: want}}}
-    await k8s.apatch("ray.io/v1", "RayJob", key[0], rayjob["metadata"]["name"], patch)
+    await k8s.apatch("ray.io/v1", "RayJob", ns, rayjob["metadata"]["name"], patch)
 
 
 def _owner_key(rayjob: dict[str, Any]) -> Key | None:
@@ -242,36 +283,38 @@ def _owner_key(rayjob: dict[str, Any]) -> Key | None:
 # ---------------------------------------------------------------------------------------------
 # The reconcile steps (plain functions; the kopf handlers below only route to them)
 # ---------------------------------------------------------------------------------------------
-async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = None) -> bool:
-    """Write the operator's status keys of one job if they changed. Returns whether it wrote."""
-    async with state.lock(key):
-        body = state.jobs.get(key)
-        if body is None:
+async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None = None) -> bool:
+    """Write the operator's status keys of one job if they changed. Returns whether it wrote.
+    A pass holding the state of a job since deleted (or replaced by a new one of the same name)
+    writes nothing."""
+    async with st.lock:
+        body = st.body
+        if body is None or not state.current(st):
             return False
+        key = st.key
         meta = body["metadata"]
         generation = meta.get("generation")
-        job, problems = parse(body)
-        rj = rayjob if rayjob is not None else state.rayjobs.get(key)
+        job, problems = st.parse(body)
+        rj = rayjob if rayjob is not None else st.rayjob
         rj = owned_by(rj, meta.get("uid"))  # not an earlier PPOJob's of the same name
-        base = state.written.get(key) or body.get("status") or {}
-        note = state.notes.get(key)
-        desired = None
-        if problems and rj is not None:  # a started job edited into an invalid spec
-            raw_suspend = (body.get("spec") or {}).get("suspend")
-            desired = invalid_edit_status(
-                rj,
-                problems,
-                name=meta.get("name"),
-                suspend=raw_suspend is True,
-                generation=generation,
-                previous=base,
-                now=_now(),
-                scheduler=_scheduler_of_rayjob(rj),
-            )
-        if desired is not None:
-            pass
-        elif problems:
-            desired = invalid_status(problems, generation=generation, previous=base, now=_now())
+        base = st.written or body.get("status") or {}
+        note = st.note
+        if problems:
+            desired = None
+            if rj is not None:  # a started job edited into an invalid spec
+                raw_suspend = (body.get("spec") or {}).get("suspend")
+                desired = invalid_edit_status(
+                    rj,
+                    problems,
+                    name=meta.get("name"),
+                    suspend=raw_suspend is True,
+                    generation=generation,
+                    previous=base,
+                    now=_now(),
+                    scheduler=_scheduler_of_rayjob(rj),
+                )
+            if desired is None:  # not started, or its RayJob's applied spec unreadable
+                desired = invalid_status(problems, generation=generation, previous=base, now=_now())
         elif job is None:
             return False
         elif rj is None:
@@ -296,13 +339,13 @@ async def sync_status(state: State, key: Key, rayjob: dict[str, Any] | None = No
             return False
         if await k8s.apatch_job_status(key[0], key[1], patch) is None:
             return False  # the PPOJob is gone
-        state.written[key] = desired
+        st.written = desired
         return True
 
 
 def _scheduler_of_rayjob(rayjob: dict[str, Any]) -> str:
     labels = (rayjob.get("metadata") or {}).get("labels") or {}
-    return "kueue" if "kueue.x-k8s.io/queue-name" in labels else "none"
+    return "kueue" if KUEUE_QUEUE_LABEL in labels else "none"
 
 
 def _run_started(status: dict[str, Any]) -> bool:
@@ -320,24 +363,22 @@ def owned_by(rayjob: dict[str, Any] | None, uid: str | None) -> dict[str, Any] |
     return rayjob if owner is not None and owner.get("uid") == uid else None
 
 
-def _retry_later(state: State, key: Key, why: str, action: Any = None) -> None:
+def _retry_later(state: State, st: JobState, why: str, action: Any = None) -> None:
     """Run ``action(state, body)`` (default: reconcile the job) again after a backoff (1 s,
-    doubling, at most ``retry_max_s``)."""
-    if key in state.retries and not state.retries[key].done():
+    doubling, at most ``retry_max_s``); nothing for a job forgotten meanwhile."""
+    if not state.current(st) or (st.retry is not None and not st.retry.done()):
         return
-    n = state.backoff.get(key, 0)
-    delay = min(2.0**n, state.config.retry_max_s)
-    state.backoff[key] = n + 1
-    log.info("%s/%s: %s; retrying in %.0fs", key[0], key[1], why, delay)
+    delay = min(2.0**st.backoff, state.config.retry_max_s)
+    st.backoff += 1
+    log.info("%s/%s: %s; retrying in %.0fs", st.key[0], st.key[1], why, delay)
 
     async def _again() -> None:
         await asyncio.sleep(delay)
-        state.retries.pop(key, None)
-        body = state.jobs.get(key)
-        if body is not None:
-            await (action or reconcile_children)(state, body)
+        st.retry = None
+        if state.current(st) and st.body is not None:
+            await (action or reconcile_children)(state, st.body)
 
-    state.retries[key] = asyncio.get_running_loop().create_task(_again())
+    st.retry = asyncio.get_running_loop().create_task(_again())
 
 
 async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -347,15 +388,15 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     The children the RayJob's pods need are created concurrently, the RayJob after them."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    state.jobs.setdefault(key, body)
-    job, problems = parse(body)
+    st = state.see(body, keep=True)
+    job, problems = st.parse(body)
     if job is None:
-        if (body.get("status") or {}).get("rayJobName") and key in state.rayjobs:
-            await sync_status(state, key)  # a started job edited into an invalid spec
+        if (body.get("status") or {}).get("rayJobName") and st.rayjob is not None:
+            await sync_status(state, st)  # a started job edited into an invalid spec
             return []
         msg = "; ".join(str(p) for p in problems)
-        await _event_once(state, body, "Warning", "InvalidSpec", msg)
-        await sync_status(state, key)
+        await _event_once(st, body, "Warning", "InvalidSpec", msg)
+        await sync_status(state, st)
         return []
     cfg = state.config
     refused = capabilities.refusal(
@@ -366,9 +407,9 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     )
     status = body.get("status") or {}
     if refused is not None and not status.get("rayJobName"):
-        state.notes[key] = ("Failed", *refused)
-        await _event_once(state, body, "Warning", refused[0], refused[1])
-        await sync_status(state, key)
+        st.note = ("Failed", *refused)
+        await _event_once(st, body, "Warning", refused[0], refused[1])
+        await sync_status(state, st)
         return []
     scheduler = effective_scheduler(job, cfg.gang_default)
     rayjob_name = meta["name"]
@@ -376,8 +417,8 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     # Only a RayJob this PPOJob controls counts: one of an earlier PPOJob of the same name
     # (awaiting the garbage collector, or KubeRay's finalizer) goes through create-or-get,
     # which waits for it to go.
-    existing_rj = owned_by(state.rayjobs.get(key), uid)
-    deletions = state.rayjob_deletions.get(key, 0)
+    existing_rj = owned_by(st.rayjob, uid)
+    deletions = st.rayjob_deletions
     recreate = False
     if status.get("rayJobName"):
         # Read, not cached: a RayJob deleted while an earlier pass ran must be seen as gone.
@@ -396,9 +437,9 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
                     "operator does not re-run it. Delete and recreate the PPOJob to run again "
                     "(it resumes from the newest checkpoint on the checkpoint volume)"
                 )
-                state.notes[key] = ("Failed", "RayJobDeleted", msg)
-                await _event_once(state, body, "Warning", "RayJobDeleted", msg)
-                await sync_status(state, key)
+                st.note = ("Failed", "RayJobDeleted", msg)
+                await _event_once(st, body, "Warning", "RayJobDeleted", msg)
+                await sync_status(state, st)
                 return []
             recreate = True
     # a recreated RayJob is a new attempt: a fresh YuniKorn application id (any unused token)
@@ -422,7 +463,7 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     )
     # Under Kueue, a job created (or still) suspended gets no RayJob until resumed: Kueue would
     # admit and unsuspend it (it owns RayJob.spec.suspend).
-    hold = scheduler == "kueue" and job.spec.suspend and existing_rj is None
+    hold = strategy(scheduler).owns_suspend and job.spec.suspend and existing_rj is None
     wanted = children[:-1] if hold else children
     # The API server checks a RoleBinding against its Role (the RBAC escalation check): a
     # RoleBinding posted before its Role exists is refused with 404. Bindings go second.
@@ -439,45 +480,45 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         # Deleted between our 409 and the read back: a pass on a fresh PPOJob decides whether
         # the job runs again or fails (its DELETED event's, and this retry in case the watch
         # never shows that event, e.g. across a relist).
-        _retry_later(state, key, str(exc), action=lambda st, _body: heal(st, key))
+        _retry_later(state, st, str(exc), action=lambda state, _body: heal(state, key))
         return []
     except k8s.ChildWaiting as exc:
-        state.notes[key] = ("Pending", "WaitingForOldChildren", str(exc))
-        await sync_status(state, key)
-        _retry_later(state, key, str(exc))
+        st.note = ("Pending", "WaitingForOldChildren", str(exc))
+        await sync_status(state, st)
+        _retry_later(state, st, str(exc))
         return []
     except k8s.ChildConflict as exc:
-        state.notes[key] = ("Pending", "ChildConflict", str(exc))
-        await _event_once(state, body, "Warning", "ChildConflict", str(exc))
-        await sync_status(state, key)
-        _retry_later(state, key, str(exc))
+        st.note = ("Pending", "ChildConflict", str(exc))
+        await _event_once(st, body, "Warning", "ChildConflict", str(exc))
+        await sync_status(state, st)
+        _retry_later(state, st, str(exc))
         return []
-    state.backoff.pop(key, None)
+    st.backoff = 0
     if hold:
-        state.notes[key] = (
+        st.note = (
             "Suspended",
             "SuspendedBeforeAdmission",
             "the job is suspended (spec.suspend); its RayJob is created, and queued in Kueue, "
             "when spec.suspend is set to false",
         )
-        await sync_status(state, key)
+        await sync_status(state, st)
         return made
     if existing_rj is not None:
         # Not posted. The RayJob watch keeps the cache current (the copy read at the start of
         # this pass may be older than what it delivered since, so it only stands in for an
         # empty cache), and a verdict reached meanwhile (RayJobDeleted) stays.
-        if state.rayjob_deletions.get(key, 0) != deletions:
+        if st.rayjob_deletions != deletions:
             return made  # deleted since we read it: the deletion's pass writes the status
-        if (state.notes.get(key) or ("",))[0] != "Failed":
-            state.notes.pop(key, None)
-        await sync_status(state, key, rayjob=state.rayjobs.get(key) or existing_rj)
+        if (st.note or ("",))[0] != "Failed":
+            st.note = None
+        await sync_status(state, st, rayjob=st.rayjob or existing_rj)
         return made
-    state.notes.pop(key, None)
+    st.note = None
     rayjob = made[-1]
     if not rayjob.get("metadata", {}).get("annotations"):
         rayjob = children[-1]  # an emulator/server that dropped fields: fall back to ours
-    state.rayjobs[key] = rayjob
-    await sync_status(state, key, rayjob=rayjob)
+    st.rayjob = rayjob
+    await sync_status(state, st, rayjob=rayjob)
     return made
 
 
@@ -509,15 +550,16 @@ async def find_workload(rayjob: dict[str, Any]) -> tuple[str, dict[str, Any]] | 
 
 
 async def apply_suspend(
-    state: State, body: dict[str, Any], job: PPOJob, key: Key, rayjob_name: str
+    state: State, st: JobState, body: dict[str, Any], job: PPOJob, rayjob_name: str
 ) -> None:
     """Make the RayJob's run follow ``spec.suspend``. Under Kueue through the Workload's
     ``spec.active`` (Kueue evicts and suspends the RayJob, and unsuspends it on readmission);
     otherwise through ``RayJob.spec.suspend``."""
     suspend = job.spec.suspend
-    rj = state.rayjobs.get(key)
-    scheduler = effective_scheduler(job, state.config.gang_default)
-    if scheduler == "kueue":
+    key = st.key
+    rj = st.rayjob
+    gang = strategy(effective_scheduler(job, state.config.gang_default))
+    if gang.owns_suspend:
         if rj is None:
             rj = await k8s.aget("ray.io/v1", "RayJob", key[0], rayjob_name)
         if rj is None:
@@ -526,7 +568,7 @@ async def apply_suspend(
         if found is None:
             if suspend:  # Kueue has not made the Workload yet: try again shortly
                 _retry_later(
-                    state, key, "waiting for Kueue's Workload to suspend it", _suspend_again
+                    state, st, "waiting for Kueue's Workload to suspend it", _suspend_again
                 )
             return
         version, wl = found
@@ -545,7 +587,7 @@ async def apply_suspend(
             is not None
         ):
             await _event_once(
-                state,
+                st,
                 body,
                 "Normal",
                 "SuspendChanged",
@@ -557,16 +599,17 @@ async def apply_suspend(
     if not differs:
         return
     patch: dict[str, Any] = {"spec": {"suspend": suspend}}
-    if not suspend and scheduler == "yunikorn":
-        # a fresh YuniKorn application for the new Ray cluster
-        n = state.attempts[key] = state.attempts.get(key, 0) + 1
-        app = yunikorn_app_id(key[0], key[1], body["metadata"].get("uid"), n)
-        patch["metadata"] = {"labels": {YUNIKORN_APP_LABEL: app}}
+    if not suspend:
+        # the new Ray cluster is a new attempt (YuniKorn: a fresh application)
+        labels = gang.attempt_labels(key[0], key[1], body["metadata"].get("uid"), st.attempts + 1)
+        if labels:
+            st.attempts += 1
+            patch["metadata"] = {"labels": labels}
     if await k8s.apatch("ray.io/v1", "RayJob", key[0], rayjob_name, patch) is not None:
         if rj is not None:
             rj.setdefault("spec", {})["suspend"] = suspend
         await _event_once(
-            state,
+            st,
             body,
             "Normal",
             "SuspendChanged",
@@ -575,13 +618,14 @@ async def apply_suspend(
 
 
 async def _suspend_again(state: State, body: dict[str, Any]) -> None:
-    meta = body["metadata"]
-    key = (meta["namespace"], meta["name"])
-    job, _ = parse(body)
+    st = state.get(_key_of(body))
+    if st is None:
+        return
+    job, _ = st.parse(body)
     name = (body.get("status") or {}).get("rayJobName")
     if job is not None and name:
-        await apply_suspend(state, body, job, key, name)
-        await sync_status(state, key)
+        await apply_suspend(state, st, body, job, name)
+        await sync_status(state, st)
 
 
 async def apply_spec_change(
@@ -589,37 +633,69 @@ async def apply_spec_change(
 ) -> None:
     """A spec change: suspend/resume; refuse (visibly) anything else. Never unsuspends a job
     Kueue holds: under Kueue only the Workload's ``spec.active`` is touched."""
-    meta = body["metadata"]
-    key = (meta["namespace"], meta["name"])
-    state.jobs[key] = body
+    st = state.see(body)
     status = body.get("status") or {}
     if not status.get("rayJobName"):
         await reconcile_children(state, body)
         return
-    job, problems = parse(body)
+    job, problems = st.parse(body)
     if job is None:
         await _event_once(
-            state,
+            st,
             body,
             "Warning",
             "InvalidSpec",
             "the new spec is invalid; the running "
             "RayJob is unchanged: " + "; ".join(str(p) for p in problems),
         )
-        await sync_status(state, key)
+        await sync_status(state, st)
         return
-    await apply_suspend(state, body, job, key, status["rayJobName"])
+    await apply_suspend(state, st, body, job, status["rayJobName"])
     refused = changed_fields(_normalized(old or {}), _normalized(new or {}))
     if refused:
         await _event_once(
-            state,
+            st,
             body,
             "Warning",
             "SpecChangeRefused",
             "a started job's spec can only change spec.suspend; refused: "
             + ", ".join(refused[:20]),
         )
-    await sync_status(state, key)
+    await sync_status(state, st)
+
+
+async def on_ppojob_event(state: State, type: str | None, body: dict[str, Any]) -> None:
+    """Any event of a PPOJob: remember it and sync its status; a deletion forgets the job."""
+    if type == "DELETED":
+        state.forget(_key_of(body), body["metadata"].get("uid"))
+        return
+    await sync_status(state, state.see(body))
+
+
+async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]) -> None:
+    """Any event of one of our RayJobs: follow its status; a deletion heals (or fails) the job.
+    A RayJob is remembered before its PPOJob is seen, but not once the PPOJob is gone."""
+    key = _owner_key(rayjob)
+    if key is None:
+        return
+    st = state.get(key)
+    if type == "DELETED":
+        if st is None:
+            return
+        if st.body is None:  # its PPOJob never seen (or gone): nothing else to keep
+            state.forget(key)
+            return
+        st.rayjob = None
+        st.rayjob_deletions += 1
+        await heal(state, key)
+        return
+    if st is None:
+        if rayjob["metadata"].get("deletionTimestamp"):
+            return  # on its way out (its PPOJob's garbage): not worth remembering
+        st = state.track(key)
+    st.rayjob = rayjob
+    await refresh_yunikorn_app(st, rayjob)
+    await sync_status(state, st)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,29 +742,12 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("ppojob_event")
     async def _ppojob_event(type: str | None, body: Any, **_: Any) -> None:
-        plain = _plain(body)
-        key = (plain["metadata"].get("namespace") or "", plain["metadata"].get("name"))
-        if type == "DELETED":
-            state.forget(key)
-            return
-        state.jobs[key] = plain
-        await sync_status(state, key)
+        await on_ppojob_event(state, type, _plain(body))
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     @metrics.instrumented("rayjob_event")
     async def _rayjob_event(type: str | None, body: Any, **_: Any) -> None:
-        plain = _plain(body)
-        key = _owner_key(plain)
-        if key is None:
-            return
-        if type == "DELETED":
-            state.rayjobs.pop(key, None)
-            state.rayjob_deletions[key] = state.rayjob_deletions.get(key, 0) + 1
-            await heal(state, key)
-            return
-        state.rayjobs[key] = plain
-        await refresh_yunikorn_app(state, key, plain)
-        await sync_status(state, key)
+        await on_rayjob_event(state, type, _plain(body))
 
     def _deleted(type: str | None, **_: Any) -> bool:
         return type == "DELETED"
@@ -720,8 +779,7 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
             st.get("phase") == "Failed" and st.get("rayJobName")
         ):
             return
-        key = (plain["metadata"].get("namespace") or "", plain["metadata"].get("name"))
-        state.jobs.setdefault(key, plain)
+        state.see(plain, keep=True)
         await reconcile_children(state, plain)
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)

@@ -1,7 +1,11 @@
-"""The only module that calls the Kubernetes API (official ``kubernetes`` client).
+"""The only module that calls the Kubernetes API: one async client (aiohttp).
 
-Objects are plain dicts (what the builders make); requests go through the client's REST layer
-with JSON bodies, skipping its model (de)serialisation, which costs more CPU than the request.
+Objects are plain dicts (what the builders make), sent and read as JSON. One aiohttp session
+per event loop (the operator's; a test's own), all with the one configuration. The official
+``kubernetes`` package is used only to load that configuration (:func:`configure`): in-cluster
+(the service account token, re-read as the kubelet rotates it) or a kubeconfig with whatever
+it holds (client certificates, exec credential plugins, auth providers, their token refresh);
+no request goes through it.
 Every call is idempotent or made so: :func:`acreate_or_get` treats 409 AlreadyExists as success
 after checking that the existing object is ours (its controller ownerReference has this PPOJob's
 uid), so re-running a handler never makes a second child. An existing object that is not ours is
@@ -18,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -68,10 +72,9 @@ class ChildWaiting(Exception):
 
 @dataclass
 class _State:
-    client: Any = None
-    config: Any = None
-    session: Any = None  # aiohttp session of the async path, bound to one event loop
-    loop: Any = None
+    config: Any = None  # a kubernetes.client.Configuration
+    # event loop -> (the configuration it was made for, its aiohttp session)
+    sessions: dict[Any, tuple[Any, Any]] = field(default_factory=dict)
     auth: tuple[float, str | None, str] | None = None  # (monotonic time, header, host)
 
 
@@ -80,7 +83,8 @@ _lock = threading.Lock()
 
 
 def configure(host: str | None = None, *, token: str | None = None, pool_size: int = 32) -> None:
-    """Set up the client: explicit ``host`` (tests), else in-cluster config, else kubeconfig."""
+    """Load the configuration: explicit ``host`` (tests), else in-cluster, else kubeconfig.
+    Raises ``kubernetes.config.ConfigException`` when there is none."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -96,15 +100,8 @@ def configure(host: str | None = None, *, token: str | None = None, pool_size: i
             config.load_kube_config(client_configuration=cfg)
     cfg.connection_pool_maxsize = pool_size
     with _lock:
-        _state.client = client.ApiClient(cfg)
         _state.config = cfg
         _state.auth = None
-
-
-def _client() -> Any:
-    if _state.client is None:
-        configure()
-    return _state.client
 
 
 def path_for(
@@ -125,35 +122,6 @@ def path_for(
     if subresource:
         path += f"/{subresource}"
     return path
-
-
-def request(
-    method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> dict[str, Any]:
-    """One API request; returns the decoded JSON answer, raises :class:`ApiError` on non-2xx."""
-    api = _client()
-    headers = {"Accept": "application/json"}
-    if body is not None:
-        headers["Content-Type"] = content_type
-    method_, url, headers, body_, _ = api.param_serialize(
-        method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
-    )
-    resp = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
-    raw = resp.read()
-    if not 200 <= resp.status < 300:
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        raise ApiError(resp.status, str(resp.reason), text)
-    return json.loads(raw) if raw else {}
-
-
-def get(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    """The object, or None if it does not exist."""
-    try:
-        return request("GET", path_for(api_version, kind, namespace, name))
-    except ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -191,28 +159,6 @@ def check_owner(obj: dict[str, Any], existing: dict[str, Any]) -> None:
     )
 
 
-def patch(
-    api_version: str,
-    kind: str,
-    namespace: str,
-    name: str,
-    body: dict[str, Any],
-    subresource: str | None = None,
-) -> dict[str, Any] | None:
-    """JSON merge patch; None if the object is gone."""
-    try:
-        return request(
-            "PATCH",
-            path_for(api_version, kind, namespace, name, subresource),
-            body,
-            content_type="application/merge-patch+json",
-        )
-    except ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 def _event(involved: dict[str, Any], type_: str, reason: str, message: str) -> dict[str, Any]:
     meta = involved.get("metadata", {})
     ns = meta.get("namespace") or "default"
@@ -244,8 +190,7 @@ def _event(involved: dict[str, Any], type_: str, reason: str, message: str) -> d
 
 
 # ---------------------------------------------------------------------------------------------
-# The async path (the operator's handlers): one aiohttp session per event loop, same config and
-# credentials as the client above, no thread-pool hop, no model (de)serialisation.
+# Requests: one aiohttp session per event loop, one configuration and its credentials.
 # ---------------------------------------------------------------------------------------------
 def _ssl_context(cfg: Any) -> Any:
     import ssl
@@ -259,24 +204,31 @@ def _ssl_context(cfg: Any) -> Any:
 
 
 async def _session() -> Any:
+    """This event loop's session, made anew when :func:`configure` ran since."""
     import aiohttp
 
     loop = asyncio.get_running_loop()
-    if _state.session is None or _state.loop is not loop or _state.session.closed:
-        if _state.config is None:
-            configure()
-        cfg = _state.config
-        conn = aiohttp.TCPConnector(limit=cfg.connection_pool_maxsize, ssl=_ssl_context(cfg))
-        _state.session = aiohttp.ClientSession(
-            base_url=None, connector=conn, timeout=aiohttp.ClientTimeout(total=30)
-        )
-        _state.loop = loop
-    return _state.session
+    if _state.config is None:
+        configure()
+    cfg = _state.config
+    made_for, session = _state.sessions.get(loop, (None, None))
+    if session is not None and made_for is cfg and not session.closed:
+        return session
+    if session is not None and not session.closed:
+        await session.close()
+    conn = aiohttp.TCPConnector(limit=cfg.connection_pool_maxsize, ssl=_ssl_context(cfg))
+    session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30))
+    with _lock:  # other threads' loops use the dict too
+        for other in [lp for lp in _state.sessions if lp.is_closed()]:  # loops gone unclosed
+            del _state.sessions[other]
+        _state.sessions[loop] = (cfg, session)
+    return session
 
 
 async def aclose() -> None:
-    """Close the async session (at operator shutdown)."""
-    session, _state.session, _state.loop = _state.session, None, None
+    """Close this event loop's session (at operator shutdown)."""
+    with _lock:
+        _, session = _state.sessions.pop(asyncio.get_running_loop(), (None, None))
     if session is not None and not session.closed:
         await session.close()
 
@@ -311,8 +263,9 @@ def _auth_and_host() -> tuple[str | None, str]:
 async def arequest(
     method: str, path: str, body: Any = None, content_type: str = "application/json"
 ) -> dict[str, Any]:
-    """Async :func:`request`; transient failures (429 with its Retry-After, 5xx, a reset
-    connection, a 409 Conflict on a patch) are retried a few times within seconds."""
+    """One API request; returns the decoded JSON answer, raises :class:`ApiError` on non-2xx.
+    Transient failures (429 with its Retry-After, 5xx, a reset connection, a 409 Conflict on a
+    patch) are retried a few times within seconds."""
     import aiohttp
 
     session = await _session()
@@ -387,7 +340,7 @@ def _transient_wait(
 
 
 async def aget(api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    """Async :func:`get`."""
+    """The object, or None if it does not exist."""
     try:
         return await arequest("GET", path_for(api_version, kind, namespace, name))
     except ApiError as exc:
@@ -446,7 +399,7 @@ async def apatch(
     body: dict[str, Any],
     subresource: str | None = None,
 ) -> dict[str, Any] | None:
-    """Async :func:`patch`."""
+    """JSON merge patch; None if the object is gone."""
     try:
         return await arequest(
             "PATCH",

@@ -1,8 +1,10 @@
 """Gang scheduling: one small pure strategy per scheduler (``spec.scheduling.gangScheduler``).
 
-Each strategy turns a job into a :class:`GangPlan`: labels for the RayJob (KubeRay copies them
-to the RayCluster it creates), labels and a scheduler name for every pod template, whether the
-RayJob must be created suspended, and any object we must create ourselves. Every pod of the job
+Each scheduler is one :class:`GangScheduler` in :data:`STRATEGIES` (name -> strategy), which
+says what KubeRay's installation-wide ``batchScheduler`` must be for it and turns a job into a
+:class:`GangPlan`: labels for the RayJob (KubeRay copies them to the RayCluster it creates),
+labels, annotations and a scheduler name for every pod template, whether the RayJob must be
+created suspended, and any object we must create ourselves. Every pod of the job
 (the head and every worker, all with replicas = minReplicas = maxReplicas) is in the one gang;
 with ``submissionMode: SidecarMode`` the submitter is a container of the head pod, so no pod
 lives outside it.
@@ -81,9 +83,11 @@ from typing import Any
 
 from ppojob_api.spec import PPOJob
 
-GANG_SCHEDULERS = ("volcano", "yunikorn", "kueue", "scheduler-plugins", "none")
 KUBERAY_BATCH_SCHEDULERS = ("", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler")
 """Values of KubeRay's ``batchScheduler.name`` ("" = unset) the operator can be told."""
+KUBERAY_RAYCLUSTER_ONLY = ("scheduler-plugins", "kai-scheduler")
+"""KubeRay batchSchedulers that answer every RayJob with "currently only RayCluster is
+supported" (KubeRay v1.5 ``batchscheduler``): no RayJob can start under them."""
 
 GANG_LABEL = "ray.io/gang-scheduling-enabled"
 VOLCANO_QUEUE_LABEL = "volcano.sh/queue-name"
@@ -108,13 +112,154 @@ class GangMember:
 class GangPlan:
     """What one scheduler strategy adds to the children."""
 
-    scheduler: str
     rayjob_labels: dict[str, str] = field(default_factory=dict)
     pod_labels: dict[str, str] = field(default_factory=dict)
     pod_annotations: dict[str, str] = field(default_factory=dict)
     scheduler_name: str | None = None
     create_suspended: bool = False
     objects: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GangJob:
+    """What a strategy knows of one job: its identity, its gang and its scheduling spec."""
+
+    job: PPOJob
+    name: str
+    namespace: str
+    members: list[GangMember]
+    owner_refs: list[dict[str, Any]] | None = None
+    uid: str | None = None
+    attempt: int = 0
+
+
+class GangScheduler:
+    """One gang scheduler (the interface; one subclass per value of ``gangScheduler``).
+
+    ``kuberay_batch_scheduler`` is what KubeRay's installation-wide ``batchScheduler.name`` must
+    be for this scheduler's jobs to work ("" = unset): KubeRay makes the gang itself for
+    ``volcano`` and ``yunikorn``, and must stay out of the way for the others.
+
+    ``owns_suspend``: the scheduler owns ``RayJob.spec.suspend`` (Kueue admits a job by
+    unsuspending its RayJob): the operator suspends and resumes through the scheduler's own
+    object, and makes no RayJob for a job created suspended (it would be admitted)."""
+
+    name: str = ""
+    kuberay_batch_scheduler: str = ""
+    owns_suspend: bool = False
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        """The labels, annotations, scheduler name and extra objects of one job's children."""
+        return GangPlan()
+
+    def attempt_labels(
+        self, namespace: str, name: str, uid: str | None, attempt: int | str
+    ) -> dict[str, str]:
+        """Labels a RayJob needs when it starts a new Ray cluster (a resume, KubeRay's retry)."""
+        return {}
+
+
+class Volcano(GangScheduler):
+    """KubeRay makes the Volcano PodGroup and sets ``schedulerName: volcano`` on the pods."""
+
+    name = "volcano"
+    kuberay_batch_scheduler = "volcano"
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        sched = gang.job.spec.scheduling
+        out = super().plan(gang)
+        out.rayjob_labels[GANG_LABEL] = "true"
+        if sched.queue:
+            out.rayjob_labels[VOLCANO_QUEUE_LABEL] = sched.queue
+        if sched.priority_class_name:
+            out.rayjob_labels[PRIORITY_LABEL] = sched.priority_class_name
+        return out
+
+
+class YuniKorn(GangScheduler):
+    """KubeRay writes the task groups; we name the application (fresh per attempt) and ask for
+    a hard gang with the job's timeout."""
+
+    name = "yunikorn"
+    kuberay_batch_scheduler = "yunikorn"
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        sched = gang.job.spec.scheduling
+        out = super().plan(gang)
+        out.rayjob_labels[GANG_LABEL] = "true"
+        out.rayjob_labels.update(
+            self.attempt_labels(gang.namespace, gang.name, gang.uid, gang.attempt)
+        )
+        if sched.queue:
+            out.rayjob_labels[YUNIKORN_QUEUE_LABEL] = sched.queue
+        out.pod_annotations[YUNIKORN_POLICY_ANNOTATION] = (
+            f"placeholderTimeoutInSeconds={sched.timeout_seconds} gangSchedulingStyle=Hard"
+        )
+        return out
+
+    def attempt_labels(
+        self, namespace: str, name: str, uid: str | None, attempt: int | str
+    ) -> dict[str, str]:
+        return {YUNIKORN_APP_LABEL: yunikorn_app_id(namespace, name, uid, attempt)}
+
+
+class Kueue(GangScheduler):
+    """The RayJob is created suspended in the job's LocalQueue; Kueue admits it whole."""
+
+    name = "kueue"
+    owns_suspend = True
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        sched = gang.job.spec.scheduling
+        out = super().plan(gang)
+        if sched.queue:
+            out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
+        out.create_suspended = True
+        return out
+
+
+class SchedulerPlugins(GangScheduler):
+    """We create the Coscheduling PodGroup ourselves and send every pod to its scheduler."""
+
+    name = "scheduler-plugins"
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        out = super().plan(gang)
+        out.pod_labels[SP_POD_GROUP_LABEL] = gang.name
+        out.scheduler_name = SP_SCHEDULER_NAME
+        out.objects.append(
+            scheduler_plugins_podgroup(
+                name=gang.name,
+                namespace=gang.namespace,
+                members=gang.members,
+                timeout_seconds=gang.job.spec.scheduling.timeout_seconds,
+                owner_refs=gang.owner_refs,
+            )
+        )
+        return out
+
+
+class NoGang(GangScheduler):
+    """The default scheduler, pod by pod: nothing to add."""
+
+    name = "none"
+
+
+STRATEGIES: dict[str, GangScheduler] = {
+    s.name: s for s in (Volcano(), YuniKorn(), Kueue(), SchedulerPlugins(), NoGang())
+}
+"""Every gang scheduler by its ``gangScheduler`` value."""
+GANG_SCHEDULERS = tuple(STRATEGIES)
+
+
+def strategy(scheduler: str) -> GangScheduler:
+    """The strategy of a ``gangScheduler`` value."""
+    try:
+        return STRATEGIES[scheduler]
+    except KeyError:
+        raise ValueError(
+            f"unknown gang scheduler {scheduler!r}; one of {GANG_SCHEDULERS}"
+        ) from None
 
 
 def effective_scheduler(job: PPOJob, default: str | None) -> str:
@@ -124,9 +269,7 @@ def effective_scheduler(job: PPOJob, default: str | None) -> str:
     if named is not None:
         return named
     if default:
-        if default not in GANG_SCHEDULERS:
-            raise ValueError(f"unknown gang scheduler {default!r}; one of {GANG_SCHEDULERS}")
-        return default
+        return strategy(default).name
     return "none"
 
 
@@ -136,29 +279,28 @@ def kuberay_disagreement(scheduler: str, kuberay_batch_scheduler: str | None) ->
     if kuberay_batch_scheduler is None:
         return None
     b = kuberay_batch_scheduler
-    if b in ("scheduler-plugins", "kai-scheduler"):
+    if b in KUBERAY_RAYCLUSTER_ONLY:
         return (
             f"KubeRay runs with batchScheduler {b}, which supports RayCluster only: KubeRay "
             'fails every RayJob ("currently only RayCluster is supported"), so no PPOJob can '
             "start. Unset KubeRay's batchScheduler (ppojob creates scheduler-plugins PodGroups "
             "itself) and set the ppojob operator's kuberay.batchScheduler to match"
         )
-    if b in ("volcano", "yunikorn"):
-        if scheduler == b:
-            return None
+    needed = strategy(scheduler).kuberay_batch_scheduler
+    if b == needed:
+        return None
+    if b:
         return (
             f"spec.scheduling.gangScheduler is {scheduler}, but KubeRay runs with batchScheduler "
             f"{b}, which it applies to every RayJob (the pods would go to {b}, not {scheduler}). "
             f"Set spec.scheduling.gangScheduler: {b}, or run a KubeRay without a batchScheduler"
         )
-    if scheduler in ("volcano", "yunikorn"):
-        return (
-            f"spec.scheduling.gangScheduler is {scheduler}, but KubeRay runs without a "
-            f"batchScheduler, so nothing would create the {scheduler} gang. Start KubeRay with "
-            f"batchScheduler.name={scheduler} (and tell the ppojob operator: "
-            f"kuberay.batchScheduler={scheduler}), or choose kueue, scheduler-plugins or none"
-        )
-    return None
+    return (
+        f"spec.scheduling.gangScheduler is {scheduler}, but KubeRay runs without a "
+        f"batchScheduler, so nothing would create the {scheduler} gang. Start KubeRay with "
+        f"batchScheduler.name={scheduler} (and tell the ppojob operator: "
+        f"kuberay.batchScheduler={scheduler}), or choose kueue, scheduler-plugins or none"
+    )
 
 
 def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int | str = 0) -> str:
@@ -226,41 +368,8 @@ def plan(
     attempt: int = 0,
 ) -> GangPlan:
     """The gang plan of one job for one scheduler (``attempt``: see :func:`yunikorn_app_id`)."""
-    sched = job.spec.scheduling
-    out = GangPlan(scheduler=scheduler)
-    if scheduler == "volcano":
-        out.rayjob_labels[GANG_LABEL] = "true"
-        if sched.queue:
-            out.rayjob_labels[VOLCANO_QUEUE_LABEL] = sched.queue
-        if sched.priority_class_name:
-            out.rayjob_labels[PRIORITY_LABEL] = sched.priority_class_name
-    elif scheduler == "yunikorn":
-        out.rayjob_labels[GANG_LABEL] = "true"
-        out.rayjob_labels[YUNIKORN_APP_LABEL] = yunikorn_app_id(namespace, name, uid, attempt)
-        if sched.queue:
-            out.rayjob_labels[YUNIKORN_QUEUE_LABEL] = sched.queue
-        out.pod_annotations[YUNIKORN_POLICY_ANNOTATION] = (
-            f"placeholderTimeoutInSeconds={sched.timeout_seconds} gangSchedulingStyle=Hard"
-        )
-    elif scheduler == "kueue":
-        if sched.queue:
-            out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
-        out.create_suspended = True
-    elif scheduler == "scheduler-plugins":
-        out.pod_labels[SP_POD_GROUP_LABEL] = name
-        out.scheduler_name = SP_SCHEDULER_NAME
-        out.objects.append(
-            scheduler_plugins_podgroup(
-                name=name,
-                namespace=namespace,
-                members=members,
-                timeout_seconds=sched.timeout_seconds,
-                owner_refs=owner_refs,
-            )
-        )
-    elif scheduler != "none":
-        raise ValueError(f"unknown gang scheduler {scheduler!r}; one of {GANG_SCHEDULERS}")
-    return out
+    gang = GangJob(job, name, namespace, members, owner_refs, uid, attempt)
+    return strategy(scheduler).plan(gang)
 
 
 def scheduler_plugins_podgroup(
@@ -289,29 +398,4 @@ def scheduler_plugins_podgroup(
             "minResources": resources,
             "scheduleTimeoutSeconds": timeout_seconds,
         },
-    }
-
-
-def volcano_podgroup_preview(
-    *,
-    name: str,
-    namespace: str,
-    members: list[GangMember],
-    queue: str | None,
-    priority_class_name: str | None,
-) -> dict[str, Any]:
-    """The Volcano PodGroup KubeRay creates for the job (we never create it; for docs/tests)."""
-    count, resources = gang_totals(members)
-    spec: dict[str, Any] = {
-        "minMember": count,
-        "minResources": resources,
-        "queue": queue or "default",
-    }
-    if priority_class_name:
-        spec["priorityClassName"] = priority_class_name
-    return {
-        "apiVersion": "scheduling.volcano.sh/v1beta1",
-        "kind": "PodGroup",
-        "metadata": {"name": f"ray-{name}-pg", "namespace": namespace},
-        "spec": spec,
     }

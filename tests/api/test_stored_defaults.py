@@ -188,8 +188,7 @@ def _operator_verdict(doc: dict[str, Any]) -> list[str]:
     """The operator's verdict on a stored object: the problems' paths ([] = valid)."""
     body = copy.deepcopy(doc)
     body.setdefault("metadata", {}).setdefault("namespace", "default")
-    handlers._PARSED.clear()
-    job, problems = handlers._parse(body)
+    job, problems = handlers.parse(body)
     assert (job is None) == bool(problems)
     return sorted({p.path for p in problems})
 

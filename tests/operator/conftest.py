@@ -22,9 +22,6 @@ def validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
         ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): crd_validator(
             "scheduling.x-k8s.io_podgroups.yaml", "v1alpha1"
         ),
-        ("scheduling.volcano.sh/v1beta1", "PodGroup"): crd_validator(
-            "scheduling.volcano.sh_podgroups.yaml", "v1beta1"
-        ),
     }
 
 
@@ -46,12 +43,15 @@ def validate_child(validators: dict) -> Any:
 @pytest.fixture()
 def cluster() -> Any:
     """kmock serving a namespace `ns1`, and a function starting the real operator on it."""
-    from kmockenv import Emulator
+    from kmockenv import Emulator, kube
 
     from ppojob_operator import k8s
 
     with Emulator() as em:
         k8s.configure(em.url)
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns1"}}
-        k8s.request("POST", "/api/v1/namespaces", ns)
-        yield em
+        kube.request("POST", "/api/v1/namespaces", ns)
+        try:
+            yield em
+        finally:
+            kube.close()

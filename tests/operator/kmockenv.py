@@ -16,6 +16,10 @@ from typing import Any
 import kmock
 from kmock._internal import parsing
 
+from ppojob_operator import k8s
+
+_arequest, _aclose = k8s.arequest, k8s.aclose
+
 _parse_path = parsing.parse_path
 
 
@@ -105,10 +109,91 @@ RESOURCES = {
 }
 
 
+class Kube:
+    """Blocking API calls for test code, through the operator's own client (``k8s.arequest``)
+    run in an event loop of its own on a background thread (the operator's loop is another).
+    Bound to the unpatched ``arequest``, so a test that patches the operator's calls does not
+    patch its own."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, coro: Any) -> Any:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="kube", daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        return self._run(_arequest(method, path, body, content_type))
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None if it does not exist."""
+        try:
+            return self.request("GET", k8s.path_for(api_version, kind, namespace, name))
+        except k8s.ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any] | None:
+        """JSON merge patch; None if the object is gone."""
+        path = k8s.path_for(api_version, kind, namespace, name, subresource)
+        try:
+            return self.request("PATCH", path, body, "application/merge-patch+json")
+        except k8s.ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def close(self) -> None:
+        """Close the session and stop the loop (the next call starts them again)."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(_aclose(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+kube = Kube()
+"""The tests' blocking API client (configured by ``k8s.configure``, like the operator's)."""
+
+
+class OperatorFailed(AssertionError):
+    """The operator's thread raised (the exception is the ``__cause__``)."""
+
+
+_RUNNING: set[Operator] = set()
+"""Operators between ``__enter__`` and ``__exit__``: :func:`wait_for` watches their threads."""
+
+
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll ``pred`` until it returns something truthy; raise TimeoutError after ``timeout``."""
+    """Poll ``pred`` until it returns something truthy; raise TimeoutError after ``timeout``,
+    and :class:`OperatorFailed` as soon as a running operator's thread has raised."""
     deadline = time.monotonic() + timeout
     while True:
+        for op in list(_RUNNING):
+            op.check()
         value = pred()
         if value:
             return value
@@ -210,15 +295,29 @@ class Operator:
                 ready_flag=self.ready_flag,
                 post_events=False,
             )
-        except BaseException as exc:  # surfaced by the tests
+        except BaseException as exc:  # raised in the test's thread: check(), wait_for, exit
             self.error = exc
+
+    def check(self) -> None:
+        """Raise :class:`OperatorFailed` if the operator's thread has raised."""
+        if self.error is not None:
+            raise OperatorFailed(f"the operator's thread raised {self.error!r}") from self.error
 
     def __enter__(self) -> Operator:
         self._thread.start()
-        if not self.ready_flag.wait(30):
-            raise TimeoutError(f"operator did not become ready: {self.error!r}")
+        deadline = time.monotonic() + 30
+        while not self.ready_flag.wait(0.05):  # ready, or the thread ended (it raised)
+            self.check()
+            if not self._thread.is_alive():
+                raise OperatorFailed("the operator's thread ended before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError("operator did not become ready within 30s")
+        _RUNNING.add(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        _RUNNING.discard(self)
         self.stop_flag.set()
         self._thread.join(30)
+        if exc_type is None:  # an exception of the test's own goes first
+            self.check()

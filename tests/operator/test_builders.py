@@ -228,19 +228,6 @@ def test_scheduler_plugins_podgroup_sums_the_gang():
     assert pg["spec"]["minResources"]["memory"] == str((8 + 6 * 64) * 2**30)
 
 
-def test_volcano_preview_validates(validate_child):
-    job = make("gae-separate-all", "volcano")
-    pg = scheduling.volcano_podgroup_preview(
-        name="demo",
-        namespace="ns1",
-        members=builders.gang_members(job),
-        queue="q1",
-        priority_class_name="high",
-    )
-    validate_child(pg)
-    assert pg["spec"]["minMember"] == 7
-
-
 def test_operator_default_scheduler_applies_only_when_spec_names_none():
     assert scheduling.effective_scheduler(make(), "volcano") == "volcano"
     explicit = validate_manifest(base_manifest(scheduling={"gangScheduler": "none"}))
@@ -553,3 +540,18 @@ def test_trainer_pods_run_as_the_trainer_images_user():
         sc = g["template"]["spec"]["securityContext"]
         assert sc["runAsUser"] == int(uid)
         assert sc["runAsGroup"] == int(gid or uid)
+
+
+def test_every_gang_scheduler_of_the_spec_has_one_strategy():
+    """The registry and the spec agree: each gangScheduler value has a strategy of that name, and
+    each strategy asks KubeRay for a batchScheduler the operator can be told about."""
+    from typing import get_args
+
+    field = type(make().spec.scheduling).model_fields["gang_scheduler"].annotation
+    values = {v for arg in get_args(field) for v in get_args(arg)}
+    assert set(scheduling.STRATEGIES) == values
+    for name, strategy in scheduling.STRATEGIES.items():
+        assert strategy.name == name
+        assert strategy.kuberay_batch_scheduler in scheduling.KUBERAY_BATCH_SCHEDULERS
+    with pytest.raises(ValueError, match="unknown gang scheduler 'slurm'"):
+        scheduling.strategy("slurm")

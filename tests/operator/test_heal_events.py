@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kmockenv import Operator, wait_for
+from kmockenv import Operator, kube, wait_for
 from ophelpers import base_manifest
 
 from ppojob_operator import k8s
@@ -23,11 +23,11 @@ def test_heal_handlers_run_on_deletion_only(cluster, caplog):
     with Operator(cluster.url, ["ns1"]):
         body = base_manifest(name="demo")
         body["metadata"]["uid"] = "uid-demo"  # kmock assigns none
-        k8s.request("POST", k8s.path_for(*PPO, "ns1"), body)
-        wait_for(lambda: ((k8s.get(*PPO, "ns1", "demo") or {}).get("status") or {}).get("phase"))
-        assert k8s.get(*CM, "ns1", "demo-trainer") is not None
-        k8s.request("DELETE", k8s.path_for(*CM, "ns1", "demo-trainer"))
-        wait_for(lambda: k8s.get(*CM, "ns1", "demo-trainer"), timeout=20)
+        kube.request("POST", k8s.path_for(*PPO, "ns1"), body)
+        wait_for(lambda: ((kube.get(*PPO, "ns1", "demo") or {}).get("status") or {}).get("phase"))
+        assert kube.get(*CM, "ns1", "demo-trainer") is not None
+        kube.request("DELETE", k8s.path_for(*CM, "ns1", "demo-trainer"))
+        wait_for(lambda: kube.get(*CM, "ns1", "demo-trainer"), timeout=20)
         # Checked last, when every creation event (those of the first children and of the
         # recreated ConfigMap) has long reached the operator: only the deletion ran a handler.
         wait_for(lambda: any("heal-configmaps" in m for m in _heal_records(caplog)))

@@ -15,8 +15,10 @@ still:
 from __future__ import annotations
 
 import asyncio
+import threading
 
-from kmockenv import Operator, wait_for
+import pytest
+from kmockenv import Operator, OperatorFailed, kube, wait_for
 from ophelpers import base_manifest
 
 from ppojob_operator import k8s
@@ -35,15 +37,15 @@ CHILD_KINDS = [
 def create_job(name="demo", uid="uid-demo", **spec):
     body = base_manifest(name=name, **spec)
     body["metadata"]["uid"] = uid  # kmock assigns none
-    k8s.request("POST", k8s.path_for(*PPO, "ns1"), body)
+    kube.request("POST", k8s.path_for(*PPO, "ns1"), body)
 
 
 def events():
-    return k8s.request("GET", k8s.path_for("v1", "Event", "ns1"))["items"]
+    return kube.request("GET", k8s.path_for("v1", "Event", "ns1"))["items"]
 
 
 def job_status(name="demo"):
-    return (k8s.get(*PPO, "ns1", name) or {}).get("status") or {}
+    return (kube.get(*PPO, "ns1", name) or {}).get("status") or {}
 
 
 def phase_is(phase, name="demo"):
@@ -51,7 +53,7 @@ def phase_is(phase, name="demo"):
 
 
 def set_rayjob_status(status, name="demo"):
-    k8s.patch(*RJ, "ns1", name, {"status": status}, "status")
+    kube.patch(*RJ, "ns1", name, {"status": status}, "status")
 
 
 def start_running_job():
@@ -74,7 +76,7 @@ def test_create_makes_children_and_follows_rayjob_status(cluster):
         create_job()
         wait_for(phase_is("Pending"))
         for api_version, kind, name in CHILD_KINDS:
-            child = k8s.get(api_version, kind, "ns1", name)
+            child = kube.get(api_version, kind, "ns1", name)
             assert child is not None, kind
             assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
         st = job_status()
@@ -115,16 +117,16 @@ def test_suspend_and_resume(cluster):
     with Operator(cluster.url, ["ns1"]):
         create_job()
         wait_for(phase_is("Pending"))
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True)
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True)
         set_rayjob_status({"jobDeploymentStatus": "Suspended"})
         wait_for(phase_is("Suspended"))
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
         set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
         wait_for(phase_is("Running"))
         # Any other change to a started job is refused visibly: condition + Warning event.
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
 
         def refused():
             conds = {c["type"]: c for c in job_status().get("conditions", [])}
@@ -138,7 +140,7 @@ def test_suspend_and_resume(cluster):
             )
         )
         assert (
-            k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")["data"]["trainer.yaml"].count(
+            kube.get("v1", "ConfigMap", "ns1", "demo-trainer")["data"]["trainer.yaml"].count(
                 "steps: 100"
             )
             == 1
@@ -152,15 +154,15 @@ def test_invalid_spec_gets_no_children(cluster):
         cond = job_status("bad")["conditions"][0]
         assert cond["type"] == "Valid" and cond["status"] == "False"
         assert "spec.roles.actor.replicas" in cond["message"]
-        assert k8s.get(*RJ, "ns1", "bad") is None
-        assert k8s.get("v1", "ConfigMap", "ns1", "bad-trainer") is None
+        assert kube.get(*RJ, "ns1", "bad") is None
+        assert kube.get("v1", "ConfigMap", "ns1", "bad-trainer") is None
         wait_for(
             lambda: any(e["type"] == "Warning" and e["reason"] == "InvalidSpec" for e in events())
         )
         # Fixing the spec reconciles it like a new job.
-        k8s.patch(*PPO, "ns1", "bad", {"spec": {"roles": {"actor": {"replicas": 1}}}})
+        kube.patch(*PPO, "ns1", "bad", {"spec": {"roles": {"actor": {"replicas": 1}}}})
         wait_for(phase_is("Pending", "bad"))
-        assert k8s.get(*RJ, "ns1", "bad") is not None
+        assert kube.get(*RJ, "ns1", "bad") is not None
 
 
 def test_a_trainer_failure_reaches_the_failed_condition(cluster):
@@ -196,7 +198,7 @@ def cond(type_, name="demo"):
 
 
 def delete(api_version, kind, name, ns="ns1"):
-    k8s.request("DELETE", k8s.path_for(api_version, kind, ns, name))
+    kube.request("DELETE", k8s.path_for(api_version, kind, ns, name))
 
 
 def test_children_deleted_by_hand_are_recreated_until_the_run_starts(cluster):
@@ -207,15 +209,15 @@ def test_children_deleted_by_hand_are_recreated_until_the_run_starts(cluster):
         wait_for(phase_is("Pending"))
         for api_version, kind, name in CHILD_KINDS:
             delete(api_version, kind, name)
-            wait_for(lambda a=api_version, k=kind, n=name: k8s.get(a, k, "ns1", n), timeout=20)
-            owner = k8s.get(api_version, kind, "ns1", name)["metadata"]["ownerReferences"][0]
+            wait_for(lambda a=api_version, k=kind, n=name: kube.get(a, k, "ns1", n), timeout=20)
+            owner = kube.get(api_version, kind, "ns1", name)["metadata"]["ownerReferences"][0]
             assert owner["uid"] == "uid-demo", kind
         # a refused edit does not reach a recreated child: it is rebuilt from the applied spec
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
         wait_for(lambda: cond("SpecApplied").get("reason") == "SpecChangeRefused")
         delete("v1", "ConfigMap", "demo-trainer")
-        wait_for(lambda: k8s.get("v1", "ConfigMap", "ns1", "demo-trainer"), timeout=20)
-        text = k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")["data"]["trainer.yaml"]
+        wait_for(lambda: kube.get("v1", "ConfigMap", "ns1", "demo-trainer"), timeout=20)
+        text = kube.get("v1", "ConfigMap", "ns1", "demo-trainer")["data"]["trainer.yaml"]
         assert "steps: 100" in text and "steps: 5\n" not in text
         set_rayjob_status(
             {
@@ -231,7 +233,7 @@ def test_children_deleted_by_hand_are_recreated_until_the_run_starts(cluster):
         failed = cond("Failed")
         assert failed["reason"] == "RayJobDeleted" and "recreate the PPOJob" in failed["message"]
         assert job_status()["rayJobName"] == "demo"  # the names stay for the record
-        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert kube.get(*RJ, "ns1", "demo") is None
         assert len(creates(cluster, "rayjobs")) == n_created
 
 
@@ -253,7 +255,7 @@ def _stale_config_map(owner_uid):
                 "blockOwnerDeletion": True,
             }
         ]
-    k8s.request("POST", k8s.path_for("v1", "ConfigMap", "ns1"), cm)
+    kube.request("POST", k8s.path_for("v1", "ConfigMap", "ns1"), cm)
 
 
 def test_recreated_job_waits_for_the_old_jobs_children_with_backoff(cluster):
@@ -265,11 +267,11 @@ def test_recreated_job_waits_for_the_old_jobs_children_with_backoff(cluster):
         wait_for(lambda: cond("SpecApplied").get("reason") == "WaitingForOldChildren")
         assert job_status()["phase"] == "Pending"
         assert "garbage collector" in cond("SpecApplied")["message"]
-        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert kube.get(*RJ, "ns1", "demo") is None
         delete("v1", "ConfigMap", "demo-trainer")  # the garbage collector gets there
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"), timeout=20)
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"), timeout=20)
         wait_for(lambda: cond("SpecApplied").get("reason") == "SpecApplied")
-        cm = k8s.get("v1", "ConfigMap", "ns1", "demo-trainer")
+        cm = kube.get("v1", "ConfigMap", "ns1", "demo-trainer")
         assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
         assert cm["data"]["trainer.yaml"] != "old"
 
@@ -293,7 +295,7 @@ def _kueue_makes_workload(name="demo"):
         },
         "spec": {"queueName": "lq", "active": True},
     }
-    k8s.request("POST", k8s.path_for(*WL, "ns1"), wl)
+    kube.request("POST", k8s.path_for(*WL, "ns1"), wl)
     return wl["metadata"]["name"]
 
 
@@ -307,32 +309,32 @@ def test_kueue_suspend_and_resume_go_through_the_workload(cluster):
     writes of RayJob.spec.suspend would hide a stray one of ours)."""
     with Operator(cluster.url, ["ns1"]):
         create_job(scheduling=KUEUE)
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
         wl = _kueue_makes_workload()
         wait_for(lambda: cond("Running").get("reason") == "WaitingForAdmission")
         # a refused edit while Kueue holds the job leaves it held
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 5}}})
         wait_for(lambda: cond("SpecApplied").get("reason") == "SpecChangeRefused")
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 100}}})
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"training": {"steps": 100}}})
         wait_for(lambda: cond("SpecApplied").get("reason") == "SpecApplied")
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True
         # Kueue admits: it unsuspends the RayJob
-        k8s.patch(*RJ, "ns1", "demo", {"spec": {"suspend": False}})
+        kube.patch(*RJ, "ns1", "demo", {"spec": {"suspend": False}})
         set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
         wait_for(phase_is("Running"))
         # the user suspends: the Workload is deactivated, RayJob.spec.suspend is Kueue's
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
-        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is False)
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        wait_for(lambda: kube.get(*WL, "ns1", wl)["spec"]["active"] is False)
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False
         # Kueue evicts: suspends the RayJob; the job shows Suspended
-        k8s.patch(*RJ, "ns1", "demo", {"spec": {"suspend": True}})
+        kube.patch(*RJ, "ns1", "demo", {"spec": {"suspend": True}})
         set_rayjob_status({"jobDeploymentStatus": "Suspended"})
         wait_for(phase_is("Suspended"))
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
-        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is True)
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # Kueue readmits it
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: kube.get(*WL, "ns1", wl)["spec"]["active"] is True)
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # Kueue readmits it
         wait_for(lambda: job_status().get("phase") == "Pending")  # waiting for admission
 
 
@@ -351,7 +353,7 @@ def test_invalid_edit_of_a_running_job_keeps_its_status(cluster):
         )
         wait_for(phase_is("Running"))
         before = job_status()
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"roles": {"actor": {"replicas": 0}}}})
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"roles": {"actor": {"replicas": 0}}}})
         wait_for(lambda: cond("SpecApplied").get("reason") == "InvalidSpec")
         after = job_status()
         for key in ("phase", "rayJobName", "dashboardURL", "gpus", "startTime"):
@@ -371,11 +373,11 @@ def test_jobs_this_installation_cannot_run_are_refused_clearly(cluster):
         create_job(name="vol", uid="uid-vol", scheduling={"gangScheduler": "volcano"})
         wait_for(phase_is("Failed", "vol"))
         assert cond("Failed", "vol")["reason"] == "BatchSchedulerMismatch"
-        assert k8s.get(*RJ, "ns1", "old") is None and k8s.get(*RJ, "ns1", "vol") is None
-        assert k8s.get("v1", "ConfigMap", "ns1", "old-trainer") is None
-        k8s.patch(*PPO, "ns1", "old", {"spec": {"submissionMode": "K8sJobMode"}})
+        assert kube.get(*RJ, "ns1", "old") is None and kube.get(*RJ, "ns1", "vol") is None
+        assert kube.get("v1", "ConfigMap", "ns1", "old-trainer") is None
+        kube.patch(*PPO, "ns1", "old", {"spec": {"submissionMode": "K8sJobMode"}})
         wait_for(phase_is("Pending", "old"))
-        assert k8s.get(*RJ, "ns1", "old")["spec"]["submissionMode"] == "K8sJobMode"
+        assert kube.get(*RJ, "ns1", "old")["spec"]["submissionMode"] == "K8sJobMode"
 
 
 def test_operator_reads_kuberay_version_from_the_rayjob_crd_at_start(cluster):
@@ -386,7 +388,7 @@ def test_operator_reads_kuberay_version_from_the_rayjob_crd_at_start(cluster):
     crd = pre_1_5(RAYJOB_CRD)
     crd["metadata"] = {"name": "rayjobs.ray.io"}
     crd.pop("status", None)
-    k8s.request(
+    kube.request(
         "POST", k8s.path_for("apiextensions.k8s.io/v1", "CustomResourceDefinition", None), crd
     )
     with Operator(cluster.url, ["ns1"]):
@@ -395,7 +397,7 @@ def test_operator_reads_kuberay_version_from_the_rayjob_crd_at_start(cluster):
         wait_for(phase_is("Failed", "side"))
         assert cond("Failed", "side")["reason"] == "KubeRayTooOld"
         wait_for(phase_is("Pending", "k8sjob"))
-        assert k8s.get(*RJ, "ns1", "side") is None
+        assert kube.get(*RJ, "ns1", "side") is None
 
 
 def test_yunikorn_gets_a_fresh_application_per_attempt(cluster):
@@ -404,11 +406,11 @@ def test_yunikorn_gets_a_fresh_application_per_attempt(cluster):
     app = "yunikorn.apache.org/app-id"
 
     def app_id():
-        return k8s.get(*RJ, "ns1", "demo")["metadata"]["labels"][app]
+        return kube.get(*RJ, "ns1", "demo")["metadata"]["labels"][app]
 
     with Operator(cluster.url, ["ns1"]):
         create_job(scheduling={"gangScheduler": "yunikorn"})
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
         first = app_id()
         set_rayjob_status({"jobDeploymentStatus": "Retrying", "failed": 1})
         wait_for(lambda: app_id() != first)
@@ -416,11 +418,11 @@ def test_yunikorn_gets_a_fresh_application_per_attempt(cluster):
         set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "failed": 1})
         wait_for(phase_is("Running"))
         assert app_id() == second
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True)
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True)
         assert app_id() == second
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": False}})
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is False)
         assert app_id() not in (first, second)
         assert len(app_id()) <= 63
 
@@ -433,9 +435,9 @@ def test_kueue_suspend_before_the_workload_exists_is_retried(cluster):
     real control plane cannot hold the window open; here the test makes the Workload late."""
     with Operator(cluster.url, ["ns1"], retry_max_s=0.5):
         create_job(scheduling=KUEUE)
-        wait_for(lambda: k8s.get(*RJ, "ns1", "demo"))
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
         wait_for(lambda: job_status().get("rayJobName"))
-        k8s.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
+        kube.patch(*PPO, "ns1", "demo", {"spec": {"suspend": True}})
         # the operator looked for the Workload and found none
         wait_for(
             lambda: any(
@@ -444,8 +446,8 @@ def test_kueue_suspend_before_the_workload_exists_is_retried(cluster):
             )
         )
         wl = _kueue_makes_workload()
-        wait_for(lambda: k8s.get(*WL, "ns1", wl)["spec"]["active"] is False, timeout=20)
-        assert k8s.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # as created, Kueue's
+        wait_for(lambda: kube.get(*WL, "ns1", wl)["spec"]["active"] is False, timeout=20)
+        assert kube.get(*RJ, "ns1", "demo")["spec"]["suspend"] is True  # as created, Kueue's
 
 
 def test_a_rayjob_deleted_during_a_heal_pass_is_not_run_again(cluster, monkeypatch):
@@ -472,14 +474,14 @@ def test_a_rayjob_deleted_during_a_heal_pass_is_not_run_again(cluster, monkeypat
         wait_for(phase_is("Failed"), timeout=20)
         assert cond("Failed")["reason"] == "RayJobDeleted"
         assert not armed["on"]  # the pass did read the RayJob after the deletion
-        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert kube.get(*RJ, "ns1", "demo") is None
         assert len(creates(cluster, "rayjobs")) == n_created
 
 
 def _collect_old_children(old_uid):
     """kmock has no garbage collector: the test removes what the old PPOJob owned."""
     for api_version, kind, name in CHILD_KINDS:
-        obj = k8s.get(api_version, kind, "ns1", name)
+        obj = kube.get(api_version, kind, "ns1", name)
         refs = (obj or {}).get("metadata", {}).get("ownerReferences") or [{}]
         if refs[0].get("uid") == old_uid:
             delete(api_version, kind, name)
@@ -508,7 +510,7 @@ def test_a_job_recreated_under_a_finished_ones_name_runs_again(cluster):
         _collect_old_children("uid-old")
 
         def new_rayjob():
-            rj = k8s.get(*RJ, "ns1", "demo")
+            rj = kube.get(*RJ, "ns1", "demo")
             return rj and rj["metadata"]["ownerReferences"][0]["uid"] == "uid-new"
 
         wait_for(new_rayjob)
@@ -566,4 +568,84 @@ def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluste
         wait_for(lambda: len(finished) >= 2, timeout=20)  # the reading pass and the deletion's
         assert job_status()["phase"] == "Failed"
         assert "Failed" in phases and "Running" not in phases[phases.index("Failed") :], phases
-        assert k8s.get(*RJ, "ns1", "demo") is None
+        assert kube.get(*RJ, "ns1", "demo") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness: an exception in the operator's thread fails the test
+# ---------------------------------------------------------------------------------------------
+def test_an_operator_failing_at_shutdown_fails_the_test(cluster, monkeypatch):
+    async def boom() -> None:
+        raise RuntimeError("boom at shutdown")
+
+    monkeypatch.setattr(k8s, "aclose", boom)  # the operator's last call (kube's is its own)
+    with pytest.raises(OperatorFailed) as failed:
+        with Operator(cluster.url, ["ns1"]):
+            create_job()
+            wait_for(phase_is("Pending"))
+    assert "boom at shutdown" in str(failed.value.__cause__)
+
+
+def test_an_operator_failing_at_start_fails_the_test_at_once(cluster, monkeypatch):
+    from ppojob_operator import handlers
+
+    def broken(*_, **__):
+        raise RuntimeError("no registry")
+
+    monkeypatch.setattr(handlers, "build_registry", broken)
+    with pytest.raises(OperatorFailed) as failed:  # not the 30 s readiness TimeoutError
+        Operator(cluster.url, ["ns1"]).__enter__()
+    assert "no registry" in str(failed.value.__cause__)
+
+
+def test_an_operator_dying_while_a_test_waits_fails_the_wait(cluster, monkeypatch):
+    import kopf
+
+    crash = threading.Event()
+
+    async def dies_when_told(*, ready_flag, **_):
+        ready_flag.set()
+        await asyncio.get_running_loop().run_in_executor(None, crash.wait)
+        raise RuntimeError("the operator died")
+
+    monkeypatch.setattr(kopf, "operator", dies_when_told)
+    try:
+        with pytest.raises(OperatorFailed):  # and again when the operator is left
+            with Operator(cluster.url, ["ns1"]):
+                crash.set()
+                with pytest.raises(OperatorFailed) as failed:  # not wait_for's TimeoutError
+                    wait_for(lambda: False, timeout=20)
+                assert "the operator died" in str(failed.value.__cause__)
+    finally:
+        crash.set()  # never leave the executor thread waiting
+
+
+def test_an_unowned_object_holding_a_childs_name_is_never_adopted(cluster):
+    """A ConfigMap with the job's child's name and no owner (someone else's): the job waits in
+    Pending/ChildConflict with a Warning event, retrying, and never takes the object over."""
+    _stale_config_map(None)
+    path = k8s.path_for("v1", "ConfigMap", "ns1", "demo-trainer")
+    with Operator(cluster.url, ["ns1"], retry_max_s=0.5):
+        create_job()
+        wait_for(lambda: cond("SpecApplied").get("reason") == "ChildConflict")
+        assert job_status()["phase"] == "Pending"
+        assert "not adopted" in cond("SpecApplied")["message"]
+        wait_for(
+            lambda: any(
+                e["type"] == "Warning"
+                and e["reason"] == "ChildConflict"
+                and "demo-trainer" in e["message"]
+                for e in events()
+            )
+        )
+        wait_for(lambda: len(creates(cluster, "configmaps")) >= 4)  # ours, then 3 tries
+        cm = kube.get("v1", "ConfigMap", "ns1", "demo-trainer")
+        assert "ownerReferences" not in cm["metadata"] and cm["data"]["trainer.yaml"] == "old"
+        writes = [
+            r
+            for r in cluster.requests()
+            if r.method.value in ("PATCH", "PUT", "DELETE") and r.url.path == path
+        ]
+        assert writes == []
+        assert kube.get(*RJ, "ns1", "demo") is None
+        assert cond("SpecApplied").get("reason") == "ChildConflict"

@@ -7,8 +7,9 @@ and measures, against a single-process torch backend on the same weights and bat
 full-vocabulary logits vs the HF model, log-probs and reference log-probs, values, the weights
 after one actor and one critic update (gathered to HF names), the HF -> megatron -> HF round
 trip through the distributed gather, and a checkpoint state round trip. Rank 0 writes the max
-abs differences (and exactness flags) as JSON. ``tests/trainer/backends/test_megatron.py`` asserts on
-them; a separate process keeps megatron-core's process-global state out of pytest's.
+abs differences (and exactness flags) as JSON.
+``tests/trainer/backends/test_megatron.py`` asserts on them; a separate process keeps
+megatron-core's process-global state out of pytest's.
 
 Adam's epsilon is 1e-6 here: with 1e-8, its first step maps float rounding noise (~1e-10) on
 near-zero gradients to steps of lr x noise / eps, far above 1e-5 for either backend alike.

@@ -18,8 +18,8 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
 
 Every SGLang name used here is in :data:`ENGINE_CALLS`, :data:`RUNTIME_IMPORTS`,
 :func:`engine_args`, :func:`sampling_params` and :data:`OUTPUT_FIELDS`;
-``tests/trainer/backends/test_sglang_contract.py`` checks them against the source of the SGLang release
-pinned in the ``gpu`` extra (:data:`SGLANG_VERSION`), without importing it.
+``tests/trainer/backends/test_sglang_contract.py`` checks them against the source of the SGLang
+release pinned in the ``gpu`` extra (:data:`SGLANG_VERSION`), without importing it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""The handlers' memory: one JobState per PPOJob, created on first sight and forgotten with the
+job, so an operator that has seen many jobs come and go holds nothing of them; a job re-created
+under the same name (a new uid) starts from nothing.
+
+Driven through the handlers' event functions with the API calls replaced by recorders (no
+kopf, no server): what is asserted is the registry's content after each event."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+from ophelpers import base_manifest
+
+from ppojob_api.validation import validate_manifest
+from ppojob_operator import builders, handlers, k8s
+
+KEY = ("ns1", "demo")
+
+
+def ppojob(uid: str = "u1", **spec: Any) -> dict[str, Any]:
+    body = base_manifest(**spec)
+    body["metadata"]["uid"] = uid
+    body["status"] = {}
+    return body
+
+
+def rayjob(owner_uid: str = "u1", *, deleting: bool = False) -> dict[str, Any]:
+    job = validate_manifest(base_manifest())
+    rj = builders.build_children(job, namespace="ns1", uid=owner_uid)[-1]
+    rj["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+    if deleting:
+        rj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return rj
+
+
+@pytest.fixture()
+def patches(monkeypatch) -> list[dict[str, Any]]:
+    """The status patches the handlers write; every other call answers "gone"."""
+    written: list[dict[str, Any]] = []
+
+    async def apatch_job_status(namespace: str, name: str, patch: dict[str, Any]) -> Any:
+        written.append(copy.deepcopy(patch))
+        return {}
+
+    async def gone(*_: Any, **__: Any) -> None:
+        return None
+
+    monkeypatch.setattr(k8s, "apatch_job_status", apatch_job_status)
+    monkeypatch.setattr(k8s, "aget", gone)  # the PPOJob read fresh by heal: deleted
+    monkeypatch.setattr(k8s, "apost_event", gone)
+    return written
+
+
+def new_state() -> handlers.State:
+    return handlers.State(handlers.OperatorConfig())
+
+
+def test_a_deleted_jobs_state_is_forgotten(patches):
+    async def scenario() -> None:
+        state = new_state()
+        await handlers.on_ppojob_event(state, "ADDED", ppojob())
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob())
+        st = state.get(KEY)
+        assert st is not None and st.rayjob is not None and st.written is not None
+        st.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        await handlers.on_ppojob_event(state, "DELETED", ppojob())
+        assert state.get(KEY) is None and len(state) == 0
+        await asyncio.sleep(0)  # let the cancellation land
+        assert st.retry.cancelled()
+        # the garbage collector deletes the RayJob afterwards: its events bring nothing back
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob(deleting=True))
+        await handlers.on_rayjob_event(state, "DELETED", rayjob(deleting=True))
+        assert len(state) == 0
+        # a RayJob seen before its PPOJob, then deleted: forgotten too
+        await handlers.on_rayjob_event(state, "ADDED", rayjob())
+        assert state.get(KEY) is not None and state.get(KEY).body is None
+        await handlers.on_rayjob_event(state, "DELETED", rayjob())
+        assert len(state) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_job_recreated_under_the_same_name_starts_from_nothing(patches):
+    async def scenario() -> None:
+        state = new_state()
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u1"))
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u1"))
+        old = state.get(KEY)
+        assert old is not None and old.written is not None
+        old.posted["ChildConflict"] = "taken"
+        old.note = ("Pending", "ChildConflict", "taken")
+        old.rayjob_deletions, old.backoff, old.attempts = 2, 5, 3
+        old.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        # the old job's DELETED event was missed (a watch relist); the new job shows up
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        new = state.get(KEY)
+        assert new is not old and new.uid == "u2"
+        assert (new.written, new.posted, new.note) == (None, {}, None)
+        assert (new.rayjob_deletions, new.backoff, new.attempts, new.retry) == (0, 0, 0, None)
+        await asyncio.sleep(0)
+        assert old.retry.cancelled()
+        # a pass still holding the old job's state (here with news of its RayJob) writes
+        # nothing onto the new job
+        old.rayjob = rayjob("u1")
+        old.rayjob["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+        before = len(patches)
+        assert await handlers.sync_status(state, old) is False
+        assert len(patches) == before
+        # and the old job's late DELETED event leaves the new job's state alone
+        await handlers.on_ppojob_event(state, "DELETED", ppojob("u1"))
+        assert state.get(KEY) is new
+        await handlers.on_ppojob_event(state, "DELETED", ppojob("u2"))
+        assert len(state) == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_a_started_job_edited_into_an_invalid_spec(patches, readable):
+    """The RayJob runs on, so the status follows it with SpecApplied False; when the RayJob's
+    applied spec is unreadable, the job's status is that of an invalid spec."""
+
+    async def scenario() -> dict[str, Any]:
+        state = new_state()
+        rj = rayjob()
+        if not readable:
+            rj["metadata"]["annotations"] = {}
+        st = state.see(ppojob(roles={"actor": {"replicas": 0}}))
+        st.rayjob = rj
+        assert await handlers.sync_status(state, st) is True
+        return patches[-1]
+
+    written = asyncio.run(scenario())
+    conds = {c["type"]: c for c in written["conditions"]}
+    if readable:
+        assert written["phase"] == "Running"
+        assert conds["SpecApplied"]["reason"] == "InvalidSpec"
+    else:
+        assert written["phase"] == "Invalid"
+        assert conds["Valid"]["status"] == "False"
