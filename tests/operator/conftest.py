@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ophelpers import crd_validator  # noqa: E402
+from tests.helpers.ophelpers import crd_validator
 
 
 @pytest.fixture(scope="session")
@@ -43,9 +38,8 @@ def validate_child(validators: dict) -> Any:
 @pytest.fixture()
 def cluster() -> Any:
     """kmock serving a namespace `ns1`, and a function starting the real operator on it."""
-    from kmockenv import Emulator, kube
-
     from ppojob_operator import k8s
+    from tests.helpers.kmockenv import Emulator, kube
 
     with Emulator() as em:
         k8s.configure(em.url)

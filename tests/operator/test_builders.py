@@ -10,36 +10,13 @@ import sys
 
 import pytest
 import yaml
-from ophelpers import REPO, base_manifest, kuberay_resources_map, ray_start_resources
 
 from ppojob_api.spec import total_gpus
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
+from tests.helpers.manifests import GPU, LAYOUTS, SCHEDULING, base_manifest
+from tests.helpers.ophelpers import REPO, kuberay_resources_map, ray_start_resources
 
-GPU = {"gpus": 2, "cpus": 8, "memory": "64Gi"}
-LAYOUTS = {
-    "grpo-colocated-rollout": {
-        "algorithm": {"advantageEstimator": "grpo"},
-        "roles": {"rollout": {"colocateWithActor": True}},
-    },
-    "grpo-separate-rollout": {"algorithm": {"advantageEstimator": "grpo"}},
-    "gae-default-critic": {},
-    "gae-colocated-critic": {"roles": {"critic": {"colocateWithActor": True}}},
-    "gae-separate-all": {
-        "roles": {
-            "actor": {"replicas": 2, "resources": GPU},
-            "critic": {"replicas": 1, "resources": GPU},
-            "rollout": {"replicas": 3, "resources": GPU},
-        }
-    },
-    "gae-all-colocated": {
-        "roles": {
-            "actor": {"resources": GPU},
-            "critic": {"colocateWithActor": True},
-            "rollout": {"colocateWithActor": True},
-        }
-    },
-}
 EXPECTED_GROUPS = {
     "grpo-colocated-rollout": ["actor"],
     "grpo-separate-rollout": ["actor", "rollout"],
@@ -47,13 +24,6 @@ EXPECTED_GROUPS = {
     "gae-colocated-critic": ["actor", "rollout"],
     "gae-separate-all": ["actor", "critic", "rollout"],
     "gae-all-colocated": ["actor"],
-}
-SCHEDULING = {
-    "none": {},
-    "volcano": {"gangScheduler": "volcano", "queue": "q1", "priorityClassName": "high"},
-    "yunikorn": {"gangScheduler": "yunikorn", "queue": "root.ml"},
-    "kueue": {"gangScheduler": "kueue", "queue": "lq"},
-    "scheduler-plugins": {"gangScheduler": "scheduler-plugins", "timeoutSeconds": 120},
 }
 
 

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import yaml
-from ophelpers import EXTERNAL_CRDS, base_manifest
 
 from ppojob_api.validation import validate_manifest
 from ppojob_operator.capabilities import refusal, sidecar_supported
-
-RAYJOB_CRD = yaml.safe_load((EXTERNAL_CRDS / "ray.io_rayjobs.yaml").read_text())
-
-
-def pre_1_5(crd: dict) -> dict:
-    """The same CRD as KubeRay 1.4 shipped it, as far as the check looks: `deletionPolicy`
-    instead of `deletionStrategy` (ray-operator/apis/ray/v1/rayjob_types.go, v1.4.2 vs v1.5.0)."""
-    old = copy.deepcopy(crd)
-    for v in old["spec"]["versions"]:
-        props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-        if v["name"] == "v1":
-            props["deletionPolicy"] = props.pop("deletionStrategy")
-    return old
+from tests.helpers.manifests import base_manifest
+from tests.helpers.ophelpers import RAYJOB_CRD, pre_1_5
 
 
 def test_sidecar_support_is_read_from_the_rayjob_crd() -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from kmockenv import Operator, kube, wait_for
-from ophelpers import base_manifest
-
 from ppojob_operator import k8s
+from tests.helpers.kmockenv import Operator, kube, wait_for
+from tests.helpers.manifests import base_manifest
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")
 CM = ("v1", "ConfigMap")

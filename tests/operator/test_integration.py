@@ -18,10 +18,10 @@ import asyncio
 import threading
 
 import pytest
-from kmockenv import Operator, OperatorFailed, kube, wait_for
-from ophelpers import base_manifest
 
 from ppojob_operator import k8s
+from tests.helpers.kmockenv import Operator, OperatorFailed, kube, wait_for
+from tests.helpers.manifests import base_manifest
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")
 RJ = ("ray.io/v1", "RayJob")
@@ -383,7 +383,7 @@ def test_jobs_this_installation_cannot_run_are_refused_clearly(cluster):
 def test_operator_reads_kuberay_version_from_the_rayjob_crd_at_start(cluster):
     """Item 3: with a pre-1.5 RayJob CRD installed, a SidecarMode job is refused (never a job
     that silently never starts); K8sJobMode still runs."""
-    from test_capabilities import RAYJOB_CRD, pre_1_5
+    from tests.helpers.ophelpers import RAYJOB_CRD, pre_1_5
 
     crd = pre_1_5(RAYJOB_CRD)
     crd["metadata"] = {"name": "rayjobs.ray.io"}

@@ -8,9 +8,9 @@ import asyncio
 import contextlib
 
 from aiohttp import web
-from ophelpers import serve_on_loopback
 
 from ppojob_operator import k8s
+from tests.helpers.ophelpers import serve_on_loopback
 
 
 def _run(statuses: list[int], steps: list[float], monkeypatch) -> tuple[list[str], int]:

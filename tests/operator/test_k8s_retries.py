@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 from aiohttp import web
-from ophelpers import serve_on_loopback
 
 from ppojob_operator import k8s
+from tests.helpers.ophelpers import serve_on_loopback
 
 
 def _status(code: int, reason: str) -> bytes:

@@ -12,10 +12,10 @@ import copy
 from typing import Any
 
 import pytest
-from ophelpers import base_manifest
 
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, handlers, k8s
+from tests.helpers.manifests import base_manifest
 
 KEY = ("ns1", "demo")
 

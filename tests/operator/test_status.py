@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from ophelpers import base_manifest
 
 from ppojob_api.problems import Problem
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders
 from ppojob_operator.status import desired_status, invalid_status, phase_of, status_patch
+from tests.helpers.manifests import base_manifest
 
 JOB = validate_manifest(base_manifest())
 

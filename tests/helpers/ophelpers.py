@@ -1,5 +1,5 @@
-"""Shared helpers of the operator tests (importable by name: `conftest` is ambiguous when
-several test folders have one)."""
+"""Shared helpers of the operator tests: the external CRDs children are validated against, how
+KubeRay reads what we write, and a loopback HTTP server."""
 
 from __future__ import annotations
 
@@ -10,20 +10,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_CRDS = REPO / "tests" / "external-crds"
-
-
-def base_manifest(name: str = "demo", namespace: str = "ns1", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"image": "ghcr.io/example/ppojob-trainer:1"}
-    body.update(spec)
-    return {
-        "apiVersion": "ppojob.io/v1alpha1",
-        "kind": "PPOJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": body,
-    }
 
 
 def _strict(schema: Any) -> Any:
@@ -92,3 +80,17 @@ async def serve_on_loopback(handle: Any) -> tuple[Any, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+RAYJOB_CRD = yaml.safe_load((EXTERNAL_CRDS / "ray.io_rayjobs.yaml").read_text())
+
+
+def pre_1_5(crd: dict) -> dict:
+    """The same CRD as KubeRay 1.4 shipped it, as far as the check looks: `deletionPolicy`
+    instead of `deletionStrategy` (ray-operator/apis/ray/v1/rayjob_types.go, v1.4.2 vs v1.5.0)."""
+    old = copy.deepcopy(crd)
+    for v in old["spec"]["versions"]:
+        props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        if v["name"] == "v1":
+            props["deletionPolicy"] = props.pop("deletionStrategy")
+    return old
