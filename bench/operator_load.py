@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "cluster"))
+sys.path.insert(0, str(REPO))
 
-from controlplane import ControlPlane, wait_until  # noqa: E402
+from tests.helpers.controlplane import ControlPlane, wait_until  # noqa: E402
 
 FLOOR_OPERATOR = textwrap.dedent("""
     import logging, sys

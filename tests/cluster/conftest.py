@@ -22,10 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from controlplane import ROOT, Component, ControlPlane, Kueue, free_port, wait_until  # noqa: E402
+from tests.helpers.controlplane import ROOT, Component, ControlPlane, Kueue, free_port, wait_until
 
 CHART = ROOT / "charts" / "ppojob-operator"
 OPERATOR_NS = "ppojob-system"

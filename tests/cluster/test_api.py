@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from controlplane import ROOT, wait_until
-from jobs import PPOJOB, condition, gpu_job, status, table
+
+from tests.helpers.cluster_jobs import PPOJOB, condition, gpu_job, status, table
+from tests.helpers.controlplane import ROOT, wait_until
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

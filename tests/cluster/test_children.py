@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from controlplane import wait_until
-from jobs import (
+
+from tests.helpers.cluster_jobs import (
     CHILDREN,
     JOB_LABEL,
     PPOJOB,
@@ -17,6 +17,7 @@ from jobs import (
     status,
     wait_children,
 )
+from tests.helpers.controlplane import wait_until
 
 ROLES = ("actor", "critic", "rollout")
 

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 import yaml
-from controlplane import ROOT, wait_until
-from jobs import PPOJOB, gpu_job, status, table, wait_children
+
+from tests.helpers.cluster_jobs import PPOJOB, gpu_job, status, table, wait_children
+from tests.helpers.controlplane import ROOT, wait_until
 
 
 def tiny_job(name: str, ns: str, steps: int) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import uuid
 
-from controlplane import SP_SCHEDULER, wait_until
-from jobs import bound, gpu_job, pods, unschedulable, wait_children
+from tests.helpers.cluster_jobs import bound, gpu_job, pods, unschedulable, wait_children
+from tests.helpers.controlplane import SP_SCHEDULER, wait_until
 
 
 def _pool_nodes(cp, pool: str, names_gpus: dict[str, int]) -> None:

@@ -13,8 +13,17 @@ from typing import Any
 
 import pytest
 import yaml
-from controlplane import KUEUE_API, ControlPlane, wait_until
-from jobs import PPOJOB, condition, gpu_job, pods, running, status, wait_children
+
+from tests.helpers.cluster_jobs import (
+    PPOJOB,
+    condition,
+    gpu_job,
+    pods,
+    running,
+    status,
+    wait_children,
+)
+from tests.helpers.controlplane import KUEUE_API, ControlPlane, wait_until
 
 FLAVOR = "default-flavor"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from controlplane import wait_until
-from jobs import CHILDREN, JOB_LABEL, PPOJOB, gpu_job
+from tests.helpers.cluster_jobs import CHILDREN, JOB_LABEL, PPOJOB, gpu_job
+from tests.helpers.controlplane import wait_until
 
 KINDS = [r for r, _ in CHILDREN]
 
@@ -70,8 +70,8 @@ def test_operator_killed_during_a_burst_of_50(cp, operator, ns):
 def test_fault_injecting_proxy_across_100_jobs(cp, operator, ns, tmp_path):
     """5xx, 429 with Retry-After, 409 on updates, connections reset before and after the server
     acted, watches dropped every few seconds: 0 lost jobs, 0 duplicate children, all converge."""
-    from controlplane import write_kubeconfig
-    from faultproxy import FaultProxy
+    from tests.helpers.controlplane import write_kubeconfig
+    from tests.helpers.faultproxy import FaultProxy
 
     token = yaml_token(operator.kubeconfig)
     proxy = FaultProxy(cp.server, cp.pki["ca.crt"], seed=7).start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane import ControlPlane, wait_until
+from tests.helpers.controlplane import ControlPlane, wait_until
 
 PPOJOB = "ppojobs.ppojob.io"
 JOB_LABEL = "ppojob.io/job"
