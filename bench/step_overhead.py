@@ -5,9 +5,10 @@ For the tiny config (``builtin:tiny-llama``, the example manifest) and one about
 
 * the full Ray step (``PPOTrainer.step``: generate, reward, values through the object store,
   log-probs, GAE, critic and actor updates, weight sync), and
-* the same step in this process without Ray: a ``WorkerHost`` (the very class each Ray worker
-  process runs, hosting the same roles: actor, colocated critic and rollout) built here, its
-  step methods called in ``PPOTrainer.step``'s order (generate, compute_values, prepare,
+* the same step in one process without Ray (a child process of its own, so that the Ray
+  driver's threads do not share it): a ``WorkerHost`` (the very class each Ray worker process
+  runs, hosting the same roles: actor, colocated critic and rollout) built there, its step
+  methods called in ``PPOTrainer.step``'s order (generate, compute_values, prepare,
   train_critic, train_actor, sync_colocated). The role code is therefore the workers' own, with
   the same mini- and micro-batch sizes, sample order, seeds and thread count; the only change is
   that ``ray.put``/``ray.get`` inside the role code hand the object over in memory (no
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import random
 import statistics
@@ -51,10 +53,6 @@ def load_cfg(manifest: Path, model: str, cpus: float | None = None):
         doc["spec"]["roles"]["actor"].setdefault("resources", {})["cpus"] = cpus
     doc["spec"]["algorithm"]["advantageEstimator"] = "gae"
     return config_from_manifest(doc)
-
-
-def threads_of(cfg) -> int:
-    return max(1, round(cfg.roles.actor.resources.cpus))
 
 
 class _Ref:
@@ -101,10 +99,10 @@ def in_process() -> Iterator[None]:
             m.ray = r
 
 
-def local_steps(cfg) -> Iterator[dict[str, float]]:
+def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
     """``PPOTrainer.step`` for one worker process hosting every role, with that process's
     ``WorkerHost`` built here and called directly; yields each step's phase times (s) and its
-    mean reward."""
+    mean reward. ``threads``: the Ray worker's torch thread count."""
     from ppojob_trainer.algorithms import AdaptiveKLController, FixedKLController, plan_step
     from ppojob_trainer.loop import _step_seed
     from ppojob_trainer.models import cache_root
@@ -127,7 +125,7 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
             cfg.model_dump_json(by_alias=True),
             hosted,
             None,
-            threads_of(cfg),
+            threads,
             "cpu",
             str(cache_root()),
         )
@@ -188,6 +186,31 @@ def local_steps(cfg) -> Iterator[dict[str, float]]:
         }
 
 
+def _serve(conn, cfg, threads: int) -> None:  # type: ignore[no-untyped-def]
+    """The one-process steps, in a process without Ray: one step per request on ``conn``."""
+    steps = local_steps(cfg, threads)
+    while conn.recv():
+        conn.send(next(steps))
+
+
+class LocalSteps:
+    """:func:`local_steps` running in a child process (spawned: no Ray, no driver threads)."""
+
+    def __init__(self, cfg, threads: int) -> None:  # type: ignore[no-untyped-def]
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cfg, threads), daemon=True)
+        self.proc.start()
+
+    def __next__(self) -> dict[str, float]:
+        self.conn.send(True)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(False)
+        self.proc.join(60)
+
+
 PHASES = ("generate", "values", "prepare", "train_critic", "train_actor", "weight_sync")
 
 
@@ -199,14 +222,16 @@ def ray_phases(row: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float]:
-    """Median phase times of the Ray step and of the one-process step, and the largest
-    difference of their mean rewards at equal steps. The two run in alternating blocks of
+def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float, int]:
+    """Median phase times of the Ray step and of the one-process step, the largest
+    difference of their mean rewards at equal steps and the worker's torch threads (the
+    one-process step takes the Ray worker's). The two run in alternating blocks of
     ``block`` steps, so a neighbour's load hits both alike."""
     from ppojob_trainer.loop import PPOTrainer
 
     trainer = PPOTrainer(cfg)
-    local = local_steps(cfg)
+    threads = int(trainer.identities[0]["threads"])
+    local = LocalSteps(cfg, threads)
     ray_rows: list[dict[str, float]] = []
     local_rows: list[dict[str, float]] = []
     try:
@@ -224,6 +249,7 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
             local_rows += [next(local) for _ in range(n)]
     finally:
         trainer.shutdown()
+        local.close()
 
     for a, b in zip(ray_rows, local_rows, strict=True):
         reward_diff = max(reward_diff, abs(a["reward"] - b["reward"]))
@@ -231,7 +257,7 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
     def median(rows):
         return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in (*PHASES, "step")}
 
-    return median(ray_rows), median(local_rows), reward_diff
+    return median(ray_rows), median(local_rows), reward_diff, threads
 
 
 def main() -> int:
@@ -259,12 +285,12 @@ def main() -> int:
         for model in args.models.split(","):
             cfg = load_cfg(args.manifest, model, args.cpus)
             params = count_parameters(load_causal_lm(resolve_model_path(model, cfg.training.seed)))
-            ray_t, local_t, reward_diff = measure(cfg, args.steps, args.warmup, args.block)
+            ray_t, local_t, reward_diff, threads = measure(cfg, args.steps, args.warmup, args.block)
             ratio = ray_t["step"] / local_t["step"]
             worst = max(worst, ratio)
             print(
                 f"\n{model} ({params:,} parameters, {cfg.data.samples_per_step} samples/step, "
-                f"{threads_of(cfg)} torch thread(s))"
+                f"{threads} torch thread(s) in each)"
             )
             print(f"  {'phase':<14}{'ray':>10}{'one process':>14}")
             for key in PHASES:
