@@ -93,7 +93,15 @@ def run_one(
     ]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        # SIGINT at its default in the run, even when this bench was started with it ignored
+        # (a background job of a non-interactive shell): Python then turns it into a clean stop
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         stopped = False
         while proc.poll() is None:
             rewards = [r["reward_mean"] for r in _rows(out)] if stop and not stopped else []
