@@ -7,11 +7,17 @@ Builds a random-init Llama (the Llama-3.2-1B shape by default; nothing is downlo
 a temporary directory and runs a few PPO steps through the real backend classes
 (``TorchGenerationEngine``, ``TorchPolicyTrainer`` with a reference model, ``TorchValueTrainer``):
 generate -> old/ref log-probs and values -> critic update -> actor update -> weight sync. No
-Ray, Megatron or SGLang. Prints the step time, tokens/s, the training MFU (6 x params x tokens
-per update plus 2 x params x tokens per forward without gradient, over the device's peak bf16
-FLOP/s) and the peak memory. Checks that the master weights are float32 on the device, the
-reference and the engine hold bfloat16, and every output is finite; exits 1 on any device or
-dtype error (or any other failure), 0 otherwise.
+Ray, Megatron or SGLang. Prints the step time, tokens/s, the training MFU and the peak memory.
+
+MFU: the model FLOPs of the log-prob/value forwards and the two updates, counted by
+``bench/flops.py`` on the micro-batches the backend actually runs (each trimmed to its own longest
+prompt and response): every block's matmuls on every processed position, causal attention
+pairs, the LM head only on response positions (the value head on all), no embedding FLOPs, an
+update = 3 x its forward; over the time of those phases and the device's dense bf16 peak.
+
+Checks that the master weights are float32 on the device, the reference and the engine hold
+bfloat16, and every output is finite; exits 1 on any device or dtype error (or any other
+failure), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "trainer")]
+sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "bench")]
+
+from flops import micro_batches, total_flops  # noqa: E402
 
 # dense bf16 peak FLOP/s by device name (spec sheets)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -190,7 +198,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         for key, val in {**am, **cm}.items():
             _expect(math.isfinite(val), f"step {step}: metric {key} = {val}")
         tokens = int(out.response_mask.sum()) + b * p_len
-        seq_tokens = b * (p_len + out.response_ids.shape[1])
+        micros = micro_batches(pmask, out.response_mask, args.micro_batch)
+        # forwards: old and reference log-probs, values; updates: critic and actor
+        flops = 2 * total_flops(shape, micros, train=False) + total_flops(
+            shape, micros, train=False, head="value"
+        )
+        flops += total_flops(shape, micros, train=True, head="value")
+        flops += total_flops(shape, micros, train=True)
         rows.append(
             {
                 "generate": t1 - t0,
@@ -199,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 "sync": t4 - t3,
                 "step": t4 - t0,
                 "tokens": tokens,
-                "seq_tokens": seq_tokens,
+                "flops": flops,
             }
         )
         print(
@@ -211,9 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     timed = rows[1:] or rows  # the first step includes warm-up
     step_s = sum(r["step"] for r in timed) / len(timed)
     train_s = sum(r["train"] + r["forward"] for r in timed) / len(timed)
-    seq_tokens = sum(r["seq_tokens"] for r in timed) / len(timed)
-    # 2 models x (6 P T) for the updates, 3 forwards without gradient x 2 P T
-    train_flops = 2 * 6 * n_params * seq_tokens + 3 * 2 * n_params * seq_tokens
+    train_flops = sum(r["flops"] for r in timed) / len(timed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     mfu = train_flops / train_s / (peak * 1e12) if peak else float("nan")
@@ -221,11 +233,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "step_s": step_s,
         "tokens_per_s": sum(r["tokens"] for r in timed) / len(timed) / step_s,
         "train_mfu": mfu,
+        "train_tflop": train_flops / 1e12,
+        "train_s": train_s,
         "peak_memory_gib": _peak_memory(device),
     }
     print(
         f"device {name}: step {step_s:.3f} s, {figures['tokens_per_s']:.0f} tokens/s, "
-        f"training MFU {mfu:.1%} (peak {peak} TFLOP/s), peak memory "
+        f"training MFU {mfu:.1%} ({train_flops / 1e12:.6g} model TFLOP in {train_s:.6g} s of "
+        f"forwards and updates, peak {peak} TFLOP/s), peak memory "
         f"{figures['peak_memory_gib']:.2f} GiB"
     )
     return figures

@@ -4,8 +4,12 @@ Default on a GPU: a ~1.2B Llama (the Llama-3.2-1B shape: hidden 2048, 16 layers,
 8 key/value heads, vocabulary 128256) in bf16, tensor parallel 1, on one GPU, through
 ``MegatronPolicyTrainer`` (megatron-core DDP + distributed optimizer, bf16 weights with fp32 main
 weights). It prints the time of the log-prob forward and of one update (after a warm-up one), the
-model FLOPs utilisation (6 x parameters x tokens plus attention, over the GPU's dense bf16 peak)
-and the peak GPU memory.
+model FLOPs utilisation and the peak GPU memory.
+
+MFU: the update's model FLOPs, counted by ``bench/flops.py``: every block's matmuls on every
+position, causal attention pairs, the output layer on every position (megatron's GPT model
+projects the whole sequence; the log-probs then pick the response positions), no embedding
+FLOPs, an update = 3 x its forward; over the update's time and the GPU's dense bf16 peak.
 
 Without a GPU it runs the same code on the CPU with a tiny Llama in float32 (``--model tiny``,
 the default there), so the script's path (config, model directory, trainer, loss, update) is
@@ -22,12 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import Micro, total_flops
 
 SHAPES = {
     "1b": dict(
@@ -95,10 +103,14 @@ def _batch(n: int, prompt: int, response: int, vocab: int) -> dict[str, torch.Te
     }
 
 
-def _flops(shape: dict[str, int], params: int, tokens: int, seq: int) -> float:
-    """Training FLOPs of one update: 6 x parameters x tokens + attention scores and values."""
-    attn = 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq * tokens
-    return 6.0 * params * tokens + attn
+def update_flops(shape: dict[str, int], batch: int, seq: int, micro: int) -> int:
+    """Model FLOPs of one update of ``batch`` unpadded rows of ``seq`` positions run ``micro``
+    rows at a time, the output layer on every position (see the module docstring)."""
+    micros = [
+        Micro(rows=min(micro, batch - lo), seq=seq, head_positions=seq)
+        for lo in range(0, batch, micro)
+    ]
+    return total_flops(shape, micros, train=True)
 
 
 def main() -> None:
@@ -162,7 +174,7 @@ def main() -> None:
     metrics, t_update = timed(lambda: trainer.update(batch, loss_fn, args.micro))
     seq = args.prompt + args.response
     tokens = args.batch * seq
-    flops = _flops(SHAPES[args.model], params, tokens, seq)
+    flops = update_flops(SHAPES[args.model], args.batch, seq, args.micro)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), None)
     mfu = flops / t_update / (peak * 1e12) if (cuda and peak) else None
@@ -179,6 +191,7 @@ def main() -> None:
         "logprobs_s": round(t_logp, 4),
         "update_s": round(t_update, 4),
         "tokens_per_s": round(tokens / t_update, 1),
+        "model_tflop": flops / 1e12,
         "mfu": None if mfu is None else round(mfu, 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "grad_norm": metrics["grad_norm"],

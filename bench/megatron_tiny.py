@@ -2,15 +2,19 @@
 
 Runs `ppojob run examples/ppojob-tiny.yaml` with the actor on 2 workers (`backend: megatron`,
 `parallelism.tensor: 2`) and a colocated megatron critic of the same layout (the rollout stays
-on the torch backend, colocated), in a fresh process and local Ray per seed, and prints the first
-step whose mean reward reached the threshold, the training time until then (`elapsed_seconds`:
+on the torch backend, colocated), in a fresh process and local Ray per seed, and prints the step
+at which the reward curve reached the threshold, the training time until then (`elapsed_seconds`:
 Ray start-up, placement, megatron-core start-up and model conversion included), the set-up
 time and the whole process's wall time.
+
+The step is found as in bench/time_to_reward.py: the first step whose 10-step trailing mean
+reward (``--window``) is >= the threshold and stays so for 10 consecutive steps (``--hold``),
+not the first single (noisy) step over it.
 
 ``--backend torch`` runs the same 2-worker layout on the torch backend (data parallel 2).
 
 Usage: python bench/megatron_tiny.py [--seeds 1] [--threshold 0.9] [--steps 500]
-       [--backend megatron|torch]
+       [--backend megatron|torch] [--window 10] [--hold 10]
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from time_to_reward import crossing  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "ppojob-tiny.yaml"
 LAYOUTS = {
     # 2 workers, tensor parallel 2 (data parallel 1), megatron actor and critic.
@@ -38,7 +46,13 @@ LAYOUTS = {
 
 
 def run_one(
-    seed: int, steps: int, threshold: float, out: Path, backend: str = "megatron"
+    seed: int,
+    steps: int,
+    threshold: float,
+    out: Path,
+    backend: str = "megatron",
+    window: int = 10,
+    hold: int = 10,
 ) -> dict[str, float | None]:
     cmd = [
         sys.executable,
@@ -62,7 +76,8 @@ def run_one(
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    hit = next((r for r in rows if r["reward_mean"] >= threshold), None)
+    at = crossing([r["reward_mean"] for r in rows], threshold, window, hold)
+    hit = rows[at] if at is not None else None
     first = rows[0]
     return {
         "step": hit["step"] if hit else None,
@@ -86,10 +101,13 @@ def main() -> None:
         default="megatron",
         help="torch: the same 2 workers, data parallel",
     )
+    parser.add_argument("--window", type=int, default=10, help="moving-average steps")
+    parser.add_argument("--hold", type=int, default=10, help="steps the average must stay up")
     args = parser.parse_args()
     what = "megatron TP2" if args.backend == "megatron" else "torch DP2"
     print(
         f"{what} actor + critic, time to mean reward >= {args.threshold} "
+        f"({args.window}-step trailing average, held {args.hold} steps) "
         f"({EXAMPLE.name}, {args.steps} steps max)"
     )
     print(
@@ -98,11 +116,20 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            r = run_one(seed, args.steps, args.threshold, Path(tmp) / f"seed-{seed}", args.backend)
+            r = run_one(
+                seed,
+                args.steps,
+                args.threshold,
+                Path(tmp) / f"seed-{seed}",
+                args.backend,
+                args.window,
+                args.hold,
+            )
             secs = r["seconds"]
             shown = f"{secs:8.1f}" if secs is not None else "   never"
+            step = "-" if r["step"] is None else r["step"]
             print(
-                f"{seed:>4} {r['first']:6.3f} {r['step'] or '-':>5} {shown} {r['setup']:8.1f} "
+                f"{seed:>4} {r['first']:6.3f} {step:>5} {shown} {r['setup']:8.1f} "
                 f"{r['step_s']:7.3f} {r['final']:6.3f} {r['wall']:7.1f}",
                 flush=True,
             )

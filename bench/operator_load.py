@@ -8,13 +8,23 @@ needs). The floor is the simplest possible kopf operator: one create handler tha
 adopted ConfigMap with the official client.
 
 (a) one job at a time: PPOJob created -> its RayJob (floor: ConfigMap) seen by a watch, p50
-(b) a burst of N jobs: total until every child is seen, p50 and p99 per-job latency
+(b) a burst of N jobs: total until every child is seen, p50 and p99 per-job latency, and the
+    time until the last write of the burst (statuses settled, below)
 (c) writes per job (from the API server's audit log: create/patch/update/delete by the operator)
 (d) the operator's peak RSS
-and the API server's CPU seconds during the burst beside them. Figures are printed for both
-operators and as ratios ours / floor.
+and the operator's and the API server's CPU seconds during the burst beside them.
 
-Run: .venv/bin/python bench/operator_load.py [--burst 300] [--single 20] [--grant-escalation]
+End of a measurement: the operator is stopped only once every job's status has settled (ours:
+``status.observedGeneration`` equals the job's generation and ``status.rayJobName`` names its
+RayJob; the floor writes no status: kopf's last-handled-configuration annotation is on the job)
+AND no watch event on any PPOJob or child of the namespace arrived for ``--quiet`` seconds
+(default 2; measured from the watches' event times, not a sleep), so the writes that land after
+the child (status patches, kopf's annotations) are all counted. The CPU seconds run from the
+burst's first create to that point; the "settled" time is the burst's last watch event.
+Figures are printed for both operators and as ratios ours / floor.
+
+Run: .venv/bin/python bench/operator_load.py [--burst 300] [--single 20] [--quiet 2]
+     [--grant-escalation]
 
 One job at a time, most of our latency is the API server's RBAC escalation checks on the
 trainer's Role and RoleBinding: the operator holds neither ``escalate`` nor ``bind`` on roles, so
@@ -42,6 +52,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,29 +119,39 @@ def pct(xs: list[float], p: float) -> float:
 
 
 class Watcher:
-    """Arrival time of each child (by name) in one namespace, from a watch of its own."""
+    """Per object (by name) in one namespace, from a watch of its own: the arrival time, the
+    latest version; and the time of the latest event of any object (``last_event``)."""
 
     def __init__(self, kubeconfig: Path, namespace: str, plural: str) -> None:
         from kubernetes import client, config, watch
 
         api = client.ApiClient(config.new_client_from_config(str(kubeconfig)).configuration)
         self.seen: dict[str, float] = {}
+        self.latest: dict[str, dict] = {}
+        self.last_event = time.monotonic()
         self._w = watch.Watch()
         self._stopping = threading.Event()
+        custom = client.CustomObjectsApi(api).list_namespaced_custom_object
         if plural == "configmaps":
             fn, args = client.CoreV1Api(api).list_namespaced_config_map, (namespace,)
+        elif plural == "ppojobs":
+            fn, args = custom, ("ppojob.io", "v1alpha1", namespace, "ppojobs")
         else:
-            fn = client.CustomObjectsApi(api).list_namespaced_custom_object
-            args = ("ray.io", "v1", namespace, "rayjobs")
+            fn, args = custom, ("ray.io", "v1", namespace, "rayjobs")
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
         self._thread.start()
 
     def _run(self, fn, args) -> None:
         try:
             for ev in self._w.stream(fn, *args, timeout_seconds=3600):
+                now = time.monotonic()
                 obj = ev["object"]
-                name = obj["metadata"]["name"] if isinstance(obj, dict) else obj.metadata.name
-                self.seen.setdefault(name, time.monotonic())
+                if not isinstance(obj, dict):
+                    obj = obj.to_dict()
+                name = obj["metadata"]["name"]
+                self.seen.setdefault(name, now)
+                self.latest[name] = obj
+                self.last_event = now
         except Exception:
             # Watch.stop() shuts the socket down under the blocked read, which then raises
             # (urllib3 ProtocolError "Response ended prematurely"): the expected end
@@ -141,6 +162,20 @@ class Watcher:
         self._stopping.set()
         self._w.stop()
         self._thread.join(10)
+
+
+def ours_settled(job: dict) -> bool:
+    """Our operator's status of a job follows its RayJob: the spec's generation observed and
+    the RayJob named (no KubeRay here, so the phase stays what a RayJob without status gives)."""
+    st = job.get("status") or {}
+    gen = job["metadata"].get("generation")
+    return st.get("observedGeneration") == gen and bool(st.get("rayJobName"))
+
+
+def floor_settled(job: dict) -> bool:
+    """The floor writes no status: kopf has recorded the handled spec (its last write)."""
+    notes = job["metadata"].get("annotations") or {}
+    return "kopf.zalando.org/last-handled-configuration" in notes
 
 
 def job_body(name: str, ns: str) -> dict:
@@ -182,6 +217,8 @@ def measure(
     burst: int,
     tmp: Path,
     audit: Path,
+    settled: Callable[[dict], bool],
+    quiet: float,
 ) -> dict:
     ns = f"bench-{label}"
     sa = f"{label}-operator"
@@ -215,10 +252,11 @@ def measure(
     kubeconfig = cp.token_kubeconfig(tmp / f"{label}.kubeconfig", ns, sa)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
     env["KUBECONFIG"] = str(kubeconfig)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")])
+    env["PYTHONPATH"] = os.pathsep.join(str(REPO / d) for d in ("api", "operator"))
     log = (tmp / f"{label}.log").open("w")
     op = subprocess.Popen(argv_for(ns), env=env, stdout=log, stderr=subprocess.STDOUT)
     watcher = Watcher(cp.admin_kubeconfig, ns, plural)
+    jobs = Watcher(cp.admin_kubeconfig, ns, "ppojobs")
     from kubernetes import client, config
 
     api = client.CustomObjectsApi(config.new_client_from_config(str(cp.admin_kubeconfig)))
@@ -249,13 +287,25 @@ def measure(
         wait_until(
             lambda: all(n in watcher.seen for n in bnames), 900, f"{label} burst", interval=0.02
         )
-        out["cpu_op"], out["cpu_api"] = cpu_s(op.pid) - c0[0], cpu_s(api_pid) - c0[1]
         first = min(started.values())
         out["total"] = max(watcher.seen[n] for n in bnames) - first
+        # Then until every job's status has settled and no PPOJob or child has changed for
+        # `quiet` seconds (by the watches' event times), so that late writes are counted.
+        every = ["warmup", *names, *bnames]
+
+        def quiet_and_settled() -> bool:
+            if not all(n in jobs.latest and settled(jobs.latest[n]) for n in every):
+                return False
+            return time.monotonic() - max(jobs.last_event, watcher.last_event) >= quiet
+
+        wait_until(quiet_and_settled, 900, f"{label} statuses settle", interval=0.02)
+        out["cpu_op"], out["cpu_api"] = cpu_s(op.pid) - c0[0], cpu_s(api_pid) - c0[1]
+        out["settle"] = max(jobs.last_event, watcher.last_event) - first
         out["lat"] = [watcher.seen[n] - started[n] for n in bnames]
         out["rss"] = rss_peak_mb(op.pid)
     finally:
         watcher.stop()
+        jobs.stop()
         op.terminate()
         try:
             op.wait(15)
@@ -263,7 +313,8 @@ def measure(
             op.kill()
             op.wait()
         log.close()
-    # the status write may land after the child: give the audit log the operator's last writes
+    # every write of the operator until it stopped (the audit log is blocking: a write is
+    # logged before it is answered)
     user = f"system:serviceaccount:{ns}:{sa}"
     counts = audit_writes(audit, user, set(names) | set(bnames))
     per_job = collections.Counter()
@@ -276,9 +327,16 @@ def measure(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--burst", type=int, default=300)
     ap.add_argument("--single", type=int, default=20)
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=2.0,
+        help="seconds without a watch event on any PPOJob or child that end the measurement, "
+        "once every job's status has settled",
+    )
     ap.add_argument(
         "--grant-escalation",
         action="store_true",
@@ -344,6 +402,8 @@ def main() -> int:
                     args.burst,
                     tmp,
                     audit,
+                    ours_settled,
+                    args.quiet,
                 ),
                 "floor": measure(
                     cp,
@@ -355,6 +415,8 @@ def main() -> int:
                     args.burst,
                     tmp,
                     audit,
+                    floor_settled,
+                    args.quiet,
                 ),
             }
         finally:
@@ -366,6 +428,7 @@ def main() -> int:
             lambda r: statistics.median(r["single"]) * 1e3,
         ),
         (f"(b) burst {args.burst}: total until every child, s", lambda r: r["total"]),
+        (f"(b) burst {args.burst}: until the last write (settled), s", lambda r: r["settle"]),
         ("(b) burst latency p50, s", lambda r: pct(r["lat"], 50)),
         ("(b) burst latency p99, s", lambda r: pct(r["lat"], 99)),
         ("(b) burst CPU: operator, s", lambda r: r["cpu_op"]),

@@ -5,10 +5,22 @@ For the tiny config (``builtin:tiny-llama``, the example manifest) and one about
 
 * the full Ray step (``PPOTrainer.step``: generate, reward, values through the object store,
   log-probs, GAE, critic and actor updates, weight sync), and
-* the same work on the same batch shapes with the backends called directly in this process
-  (no Ray, no object store, no processes),
+* the same step in one process without Ray (a child process of its own, so that the Ray
+  driver's threads do not share it): a ``WorkerHost`` (the very class each Ray worker process
+  runs, hosting the same roles: actor, colocated critic and rollout) built there, its step
+  methods called in ``PPOTrainer.step``'s order (generate, compute_values, prepare,
+  train_critic, train_actor, sync_colocated). The role code is therefore the workers' own, with
+  the same mini- and micro-batch sizes, sample order, seeds and thread count; the only change is
+  that ``ray.put``/``ray.get`` inside the role code hand the object over in memory (no
+  serialisation, no object store, no other process).
 
-and prints both, the ratio and where the time goes.
+What differs between the two is then only Ray's: the driver's remote calls and scheduling, the
+object store (serialising the batches, values and returns) and the worker process. As a check
+that both do the same work, each pair of steps (same step number, same seeds) must give the
+same mean reward; the bench prints the largest difference. The two run in alternating blocks
+(``--block`` steps each) so a neighbour's load hits both alike; figures are medians after
+``--warmup`` steps. Needs a layout with one worker process (``actor.replicas: 1``, rollout and
+critic colocated with the actor), as in the example.
 
     python bench/step_overhead.py [--steps 20] [--warmup 5] [--manifest examples/ppojob-tiny.yaml]
 """
@@ -17,15 +29,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,160 +55,160 @@ def load_cfg(manifest: Path, model: str, cpus: float | None = None):
     return config_from_manifest(doc)
 
 
-def threads_of(cfg) -> int:
-    return max(1, round(cfg.roles.actor.resources.cpus))
+class _Ref:
+    """An in-memory stand-in for an ObjectRef (hashable, as the role code keys caches by ref)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
 
 
-def local_steps(cfg) -> Iterator[dict[str, float]]:
-    """The step's work with the backends called directly (one process, no Ray); yields each
-    step's phase times in seconds."""
-    from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.torch_backend import (
-        TorchGenerationEngine,
-        TorchPolicyTrainer,
-        TorchValueTrainer,
-    )
-    from ppojob_trainer.models import load_tokenizer, resolve_model_path
-    from ppojob_trainer.tasks import RewardScorer, make_task
-    from ppojob_trainer.workers.rollout import stop_token_ids
+class _InProcessRay:
+    """Replaces the ``ray`` module inside the role code for the one-process step."""
 
-    torch.set_num_threads(threads_of(cfg))
-    seed, data, algo, tr = cfg.training.seed, cfg.data, cfg.algorithm, cfg.training
-    kl_on = algo.kl.coefficient > 0
-    kl_loss_on = kl_on and algo.kl.mode == "loss"
-    path = resolve_model_path(cfg.model.path, seed)
-    tok = load_tokenizer(path)
-    engine = TorchGenerationEngine(path, "float32", stop_token_ids(tok), tok.pad_token_id)
-    actor = TorchPolicyTrainer(
-        path, "float32", tr, total_updates=10**6, temperature=data.temperature, need_reference=kl_on
-    )
-    critic = TorchValueTrainer(
-        path, "float32", cfg.critic_training(), total_updates=10**6, seed=seed
-    )
-    task = make_task(data.prompts)
-    scorer = RewardScorer(data.reward_function, data.prompts)
-    special = set(stop_token_ids(tok))
-    rng = random.Random(seed)
-    k = data.samples_per_prompt
-    n = data.samples_per_step
-    mini = tr.mini_batch_size or n
-    times: dict[str, list[float]] = {}
-    clock = [time.perf_counter()]
+    @staticmethod
+    def put(value: object) -> _Ref:
+        return _Ref(value)
 
-    def lap(name: str) -> None:
-        now = time.perf_counter()
-        times.setdefault(name, []).append(now - clock[0])
-        clock[0] = now
+    @staticmethod
+    def get(ref: object, **_: object) -> object:
+        if isinstance(ref, list):
+            return [r.value if isinstance(r, _Ref) else r for r in ref]
+        return ref.value if isinstance(ref, _Ref) else ref
 
-    def vloss(v, mb):
-        loss, _ = A.value_loss(
-            v,
-            mb["old_values"],
-            mb["returns"],
-            mb["response_mask"],
-            algo.value_clip,
-            agg=algo.loss_aggregation,
+    @staticmethod
+    def get_gpu_ids() -> list[int]:
+        return []
+
+
+@contextmanager
+def in_process() -> Iterator[None]:
+    """``ray`` of the worker modules swapped for :class:`_InProcessRay` (the Ray workers run in
+    other processes: they are not affected)."""
+    from ppojob_trainer.workers import actor, critic, host
+
+    mods = (host, actor, critic)
+    saved = [m.ray for m in mods]
+    for m in mods:
+        m.ray = _InProcessRay
+    try:
+        yield
+    finally:
+        for m, r in zip(mods, saved, strict=True):
+            m.ray = r
+
+
+def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
+    """``PPOTrainer.step`` for one worker process hosting every role, with that process's
+    ``WorkerHost`` built here and called directly; yields each step's phase times (s) and its
+    mean reward. ``threads``: the Ray worker's torch thread count."""
+    from ppojob_trainer.algorithms import AdaptiveKLController, FixedKLController, plan_step
+    from ppojob_trainer.loop import _step_seed
+    from ppojob_trainer.models import cache_root
+    from ppojob_trainer.tasks import make_task
+    from ppojob_trainer.workers.host import WorkerHost
+
+    algo, roles, data = cfg.algorithm, cfg.roles, cfg.data
+    critic = roles.effective_critic(algo.needs_critic)
+    if roles.workers_of("actor") != 1 or not roles.rollout.colocate_with_actor:
+        raise SystemExit("step_overhead: needs actor.replicas 1 with a colocated rollout")
+    if critic is not None and not critic.colocate_with_actor:
+        raise SystemExit("step_overhead: needs the critic colocated with the actor")
+    hosted = {"actor": (0, 1), "rollout": (0, 1)}
+    if critic is not None:
+        hosted["critic"] = (0, 1)
+    n, seed = data.samples_per_step, cfg.training.seed
+    whole = [(0, n)]
+    with in_process():
+        host = WorkerHost(
+            cfg.model_dump_json(by_alias=True),
+            hosted,
+            None,
+            threads,
+            "cpu",
+            str(cache_root()),
         )
-        return loss, {}
-
-    def ploss(lp, ent, mb):
-        loss, _ = A.policy_loss(
-            lp,
-            mb["old_logprobs"],
-            mb["advantages"],
-            mb["response_mask"],
-            algo.clip_range_low,
-            algo.clip_range_high,
-            algo.dual_clip,
-            agg=algo.loss_aggregation,
-            entropy=ent,
-            entropy_coef=algo.entropy_coefficient,
-        )
-        if kl_loss_on:
-            loss = loss + algo.kl.coefficient * A.kl_loss(
-                lp,
-                mb["ref_logprobs"],
-                mb["response_mask"],
-                algo.kl.estimator,
-                algo.loss_aggregation,
-            )
-        return loss, {}
-
-    def minibatches(batch):
-        order = torch.randperm(n)
-        for s in range(0, n, mini):
-            yield {key: val[order[s : s + mini]] for key, val in batch.items()}
-
+        error = host.ready().get("error") or host.start_rollout(None)
+        if error:
+            raise SystemExit(f"step_overhead: the in-process worker could not start: {error}")
+    task = make_task(data.prompts, data.prompt_key, data.label_key, data.shuffle)
+    data_rng = random.Random(seed)
+    kl = algo.kl
+    kl_ctl = (
+        AdaptiveKLController(kl.coefficient, kl.target, kl.horizon)
+        if kl.target is not None
+        else FixedKLController(kl.coefficient)
+    )
+    offload = roles.rollout.offload
+    syncs = 0
     for step in itertools.count():
-        times = {}
-        t_step = clock[0] = time.perf_counter()
-        ex = task.sample(data.rollout_batch_size, rng)
-        prompts = [e.prompt for e in ex for _ in range(k)]
-        labels = [e.label for e in ex for _ in range(k)]
-        # generate + reward
-        enc = tok(prompts, padding=True, return_tensors="pt")
-        ids, pmask = enc["input_ids"], enc["attention_mask"].bool()
-        g = engine.generate(
-            ids,
-            pmask,
-            max_new_tokens=data.max_response_length,
-            temperature=data.temperature,
-            top_p=data.top_p,
-            seed=step,
-        )
-        texts = []
-        for row in g.response_ids.tolist():
-            cut = next((i for i, t in enumerate(row) if t in special), len(row))
-            texts.append(tok.decode(row[:cut]))
-        scores = torch.tensor(scorer(prompts, texts, labels))
-        batch = {
-            "prompt_ids": ids,
-            "prompt_mask": pmask,
-            "response_ids": g.response_ids,
-            "response_mask": g.response_mask,
-            "scores": scores,
-            "group_ids": torch.arange(n) // k,
+        with in_process():
+            t0 = time.perf_counter()
+            examples = task.sample(data.rollout_batch_size, data_rng)
+            gen = host.generate(examples, 0, _step_seed(seed, step, 0))
+            if offload:
+                host.release_memory()
+            values = [host.compute_values(whole, whole, gen)] if critic is not None else []
+            prepared = host.prepare(
+                whole, whole if critic is not None else None, kl_ctl.value, gen, *values
+            )
+            plan = plan_step(
+                step,
+                has_critic=critic is not None,
+                critic_warmup_steps=algo.critic_warmup_steps,
+                critic_updates_per_step=algo.critic_updates_per_step,
+            )
+            critic_m = (
+                host.train_critic(step, whole, plan.critic_updates, prepared)
+                if critic is not None and plan.critic_updates
+                else {}
+            )
+            actor_m = host.train_actor(step) if plan.actor_trains else {}
+            if offload:
+                host.resume_memory()
+            sync_s = 0.0
+            if plan.actor_trains or offload:
+                syncs += 1
+                sync_s = host.sync_colocated(syncs, [])
+            total = time.perf_counter() - t0
+        if kl.coefficient > 0:
+            kl_ctl.update(prepared[1].get("kl_sum", 0.0) / n, n)
+        yield {
+            "generate": gen["metrics"]["time/generate"],
+            "values": critic_m.get("time/values", 0.0),
+            "prepare": prepared[1]["time/prepare"],
+            "train_critic": critic_m.get("time/train_critic", 0.0),
+            "train_actor": actor_m.get("time/train_actor", 0.0),
+            "weight_sync": sync_s,
+            "step": total,
+            "reward": gen["metrics"]["reward_sum"] / gen["metrics"]["n"],
         }
-        lap("generate")
-        # values, old log-probs, advantages
-        batch["values"] = batch["old_values"] = critic.values(batch)
-        lap("values")
-        batch["old_logprobs"] = actor.logprobs(batch)
-        kl = None
-        if kl_on:
-            batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
-            kl = A.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl.estimator)
-            kl = torch.where(batch["response_mask"], kl, 0.0)
-        rewards = A.shape_token_rewards(
-            batch["scores"],
-            batch["response_mask"],
-            None if kl_loss_on else kl,
-            0.0 if kl_loss_on or kl is None else algo.kl.coefficient,
-        )
-        batch["advantages"], batch["returns"] = A.compute_advantages(
-            "gae",
-            token_rewards=rewards,
-            scores=batch["scores"],
-            values=batch["values"],
-            mask=batch["response_mask"],
-            group_ids=batch["group_ids"],
-            gamma=algo.gamma,
-            lam=algo.lam,
-            whiten=algo.whitens_advantages,
-        )
-        lap("prepare")
-        for _ in range(algo.critic_updates_per_step * cfg.critic_training().ppo_epochs):
-            for mb in minibatches(batch):
-                critic.update(mb, vloss, mini)
-        lap("train_critic")
-        for _ in range(tr.ppo_epochs):
-            for mb in minibatches(batch):
-                actor.update(mb, ploss, mini)
-        lap("train_actor")
-        engine.update_weights(actor.export_weights())
-        lap("weight_sync")
-        times.setdefault("step", []).append(time.perf_counter() - t_step)
-        yield {key: v[0] for key, v in times.items()}
+
+
+def _serve(conn, cfg, threads: int) -> None:  # type: ignore[no-untyped-def]
+    """The one-process steps, in a process without Ray: one step per request on ``conn``."""
+    steps = local_steps(cfg, threads)
+    while conn.recv():
+        conn.send(next(steps))
+
+
+class LocalSteps:
+    """:func:`local_steps` running in a child process (spawned: no Ray, no driver threads)."""
+
+    def __init__(self, cfg, threads: int) -> None:  # type: ignore[no-untyped-def]
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cfg, threads), daemon=True)
+        self.proc.start()
+
+    def __next__(self) -> dict[str, float]:
+        self.conn.send(True)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(False)
+        self.proc.join(60)
 
 
 PHASES = ("generate", "values", "prepare", "train_critic", "train_actor", "weight_sync")
@@ -205,22 +218,28 @@ def ray_phases(row: dict[str, float]) -> dict[str, float]:
     """A Ray step's metrics as phase times (the leader's export counts as weight sync)."""
     out = {k: row.get(f"time/{k}", 0.0) for k in (*PHASES, "step")}
     out["weight_sync"] += row.get("time/export_weights", 0.0)
+    out["reward"] = row["reward/mean"]
     return out
 
 
-def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict]:
-    """Median phase times of the Ray step and of the one-process step. The two run in
-    alternating blocks of ``block`` steps, so a neighbour's load hits both alike."""
+def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float, int]:
+    """Median phase times of the Ray step and of the one-process step, the largest
+    difference of their mean rewards at equal steps and the worker's torch threads (the
+    one-process step takes the Ray worker's). The two run in alternating blocks of
+    ``block`` steps, so a neighbour's load hits both alike."""
     from ppojob_trainer.loop import PPOTrainer
 
     trainer = PPOTrainer(cfg)
-    local = local_steps(cfg)
+    threads = int(trainer.identities[0]["threads"])
+    local = LocalSteps(cfg, threads)
     ray_rows: list[dict[str, float]] = []
     local_rows: list[dict[str, float]] = []
     try:
+        reward_diff = 0.0
         for s in range(warmup):
-            trainer.step(s)
-            next(local)
+            reward_diff = max(
+                reward_diff, abs(trainer.step(s)["reward/mean"] - next(local)["reward"])
+            )
         s = warmup
         while len(ray_rows) < steps:
             n = min(block, steps - len(ray_rows))
@@ -230,11 +249,15 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict]:
             local_rows += [next(local) for _ in range(n)]
     finally:
         trainer.shutdown()
+        local.close()
+
+    for a, b in zip(ray_rows, local_rows, strict=True):
+        reward_diff = max(reward_diff, abs(a["reward"] - b["reward"]))
 
     def median(rows):
         return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in (*PHASES, "step")}
 
-    return median(ray_rows), median(local_rows)
+    return median(ray_rows), median(local_rows), reward_diff, threads
 
 
 def main() -> int:
@@ -247,6 +270,8 @@ def main() -> int:
     ap.add_argument("--cpus", type=float, help="override the actor's resources.cpus (threads)")
     args = ap.parse_args()
     os.environ.setdefault("PPOJOB_CACHE_DIR", str(Path.home() / ".cache" / "ppojob"))
+    # as PPOTrainer sets for its workers; here for the in-process one (read when torch loads)
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
     from ppojob_trainer.models import count_parameters, load_causal_lm, resolve_model_path
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
@@ -260,12 +285,12 @@ def main() -> int:
         for model in args.models.split(","):
             cfg = load_cfg(args.manifest, model, args.cpus)
             params = count_parameters(load_causal_lm(resolve_model_path(model, cfg.training.seed)))
-            ray_t, local_t = measure(cfg, args.steps, args.warmup, args.block)
+            ray_t, local_t, reward_diff, threads = measure(cfg, args.steps, args.warmup, args.block)
             ratio = ray_t["step"] / local_t["step"]
             worst = max(worst, ratio)
             print(
                 f"\n{model} ({params:,} parameters, {cfg.data.samples_per_step} samples/step, "
-                f"{threads_of(cfg)} torch thread(s))"
+                f"{threads} torch thread(s) in each)"
             )
             print(f"  {'phase':<14}{'ray':>10}{'one process':>14}")
             for key in PHASES:
@@ -279,6 +304,7 @@ def main() -> int:
                 f"  {'full step':<14}{ray_t['step'] * 1e3:>10.1f}{local_t['step'] * 1e3:>14.1f}"
                 f"   ratio {ratio:.2f}"
             )
+            print(f"  same work: max |mean reward difference| at equal steps {reward_diff:.2e}")
     finally:
         shutdown_ray()
     print(f"\nworst ratio: {worst:.2f} (goal <= 1.25)")
@@ -286,5 +312,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "trainer"))
+    sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
     raise SystemExit(main())
