@@ -4,15 +4,9 @@ of a tiny Llama with padded micro-batches)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from flops import Micro, forward_flops, micro_batches, total_flops  # noqa: E402
+from bench.flops import Micro, forward_flops, micro_batches, total_flops
 
 SHAPE = dict(
     hidden_size=32,

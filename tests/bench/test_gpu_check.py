@@ -43,8 +43,7 @@ def test_gpu_check_runs_its_steps_and_reports_on_the_cpu():
     assert abs(mfu - 100 * tflop / seconds / 0.0001) <= 0.05 + 1e-3 * mfu
     # the count lies between the step's batch with empty responses and with full-width ones
     # (--tiny: 4 prompts of 8 tokens, responses up to 8, micro-batches of 2; bench/flops.py)
-    sys.path.insert(0, str(ROOT / "bench"))
-    from flops import total_flops, uniform
+    from bench.flops import total_flops, uniform
 
     shape = dict(
         hidden_size=64,
