@@ -694,15 +694,22 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
     if key is None:
         return
     st = state.get(key)
+    owner = (k8s.controller_ref(rayjob) or {}).get("uid")
+    # the RayJob of an earlier PPOJob of this name (awaiting its garbage collection): not this
+    # job's, though it has the name of this job's
+    earlier = st is not None and st.uid is not None and owner is not None and owner != st.uid
     if type == "DELETED":
         if st is None:
             return
         if st.body is None:  # its PPOJob never seen (or gone): nothing else to keep
             state.forget(key)
             return
-        st.rayjob = None
-        st.rayjob_deletions += 1
+        if not earlier:
+            st.rayjob = None
+            st.rayjob_deletions += 1
         await heal(state, key)
+        return
+    if earlier:
         return
     if st is None:
         if rayjob["metadata"].get("deletionTimestamp"):

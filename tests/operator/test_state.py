@@ -174,3 +174,26 @@ def test_a_deleted_jobs_late_events_leave_the_new_job_alone(patches, monkeypatch
         new.retry.cancel()
 
     asyncio.run(scenario())
+
+
+def test_an_earlier_jobs_rayjob_never_stands_in_for_the_new_jobs(patches):
+    """The RayJob of a deleted PPOJob (awaiting the garbage collector or KubeRay's finalizer)
+    goes by the same name: its events must not replace the new job's RayJob in its state, nor
+    count as a deletion of the new job's RayJob."""
+
+    async def scenario() -> None:
+        state = new_state()
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u2"))
+        st = state.get(KEY)
+        assert st is not None and handlers.owned_by(st.rayjob, "u2") is not None
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u1", deleting=True))
+        assert handlers.owned_by(st.rayjob, "u2") is not None
+        await handlers.on_rayjob_event(state, "DELETED", rayjob("u1", deleting=True))
+        assert handlers.owned_by(st.rayjob, "u2") is not None
+        assert st.rayjob_deletions == 0
+        # its own RayJob's deletion still counts
+        await handlers.on_rayjob_event(state, "DELETED", rayjob("u2"))
+        assert st.rayjob is None and st.rayjob_deletions == 1
+
+    asyncio.run(scenario())
