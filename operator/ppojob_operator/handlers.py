@@ -108,6 +108,10 @@ class JobState:
     """The last spec parsed (as JSON) and its verdict: every event of a job re-reads it."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Orders the status writes of this job across awaits."""
+    superseded: frozenset[str] = frozenset()
+    """Uids of the earlier PPOJobs of this name this one replaced: all deleted (two objects
+    never share a name), so their late events (kopf handles each uid in a worker of its own)
+    are stale."""
 
     def parse(self, body: dict[str, Any]) -> Parsed:
         """:func:`parse`, remembering the last spec's verdict."""
@@ -147,17 +151,22 @@ class State:
             st = self._jobs[key] = JobState(key)
         return st
 
-    def see(self, body: dict[str, Any], *, keep: bool = False) -> JobState:
+    def see(self, body: dict[str, Any], *, keep: bool = False) -> JobState | None:
         """The state of the PPOJob ``body``, holding ``body`` (with ``keep``, only when it holds
-        none yet). A PPOJob of a known name with another uid is a new job: the old state goes."""
+        none yet). A PPOJob of a known name with another uid is a new job: the old state goes.
+        None for a late event of a PPOJob a newer one of its name already replaced."""
         key = _key_of(body)
         uid = (body.get("metadata") or {}).get("uid")
         st = self._jobs.get(key)
+        superseded: frozenset[str] = frozenset()
+        if st is not None and uid and uid in st.superseded:
+            return None
         if st is not None and uid and st.uid and st.uid != uid:
+            superseded = st.superseded | {st.uid}
             self.forget(key)
             st = None
         if st is None:
-            st = self._jobs[key] = JobState(key)
+            st = self._jobs[key] = JobState(key, superseded=superseded)
         st.uid = uid or st.uid
         if st.body is None or not keep:
             st.body = body
@@ -389,6 +398,8 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     st = state.see(body, keep=True)
+    if st is None:
+        return []  # a late event of a PPOJob since replaced by a new one of its name
     job, problems = st.parse(body)
     if job is None:
         if (body.get("status") or {}).get("rayJobName") and st.rayjob is not None:
@@ -634,6 +645,8 @@ async def apply_spec_change(
     """A spec change: suspend/resume; refuse (visibly) anything else. Never unsuspends a job
     Kueue holds: under Kueue only the Workload's ``spec.active`` is touched."""
     st = state.see(body)
+    if st is None:
+        return
     status = body.get("status") or {}
     if not status.get("rayJobName"):
         await reconcile_children(state, body)
@@ -669,7 +682,9 @@ async def on_ppojob_event(state: State, type: str | None, body: dict[str, Any]) 
     if type == "DELETED":
         state.forget(_key_of(body), body["metadata"].get("uid"))
         return
-    await sync_status(state, state.see(body))
+    st = state.see(body)
+    if st is not None:
+        await sync_status(state, st)
 
 
 async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]) -> None:
@@ -679,15 +694,22 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
     if key is None:
         return
     st = state.get(key)
+    owner = (k8s.controller_ref(rayjob) or {}).get("uid")
+    # the RayJob of an earlier PPOJob of this name (awaiting its garbage collection): not this
+    # job's, though it has the name of this job's
+    earlier = st is not None and st.uid is not None and owner is not None and owner != st.uid
     if type == "DELETED":
         if st is None:
             return
         if st.body is None:  # its PPOJob never seen (or gone): nothing else to keep
             state.forget(key)
             return
-        st.rayjob = None
-        st.rayjob_deletions += 1
+        if not earlier:
+            st.rayjob = None
+            st.rayjob_deletions += 1
         await heal(state, key)
+        return
+    if earlier:
         return
     if st is None:
         if rayjob["metadata"].get("deletionTimestamp"):

@@ -141,3 +141,59 @@ def test_a_started_job_edited_into_an_invalid_spec(patches, readable):
     else:
         assert written["phase"] == "Invalid"
         assert conds["Valid"]["status"] == "False"
+
+
+def test_a_deleted_jobs_late_events_leave_the_new_job_alone(patches, monkeypatch):
+    """kopf handles each object (uid) in a worker of its own, so events of a deleted PPOJob
+    queued before its deletion may be handled after the new PPOJob of the same name was seen.
+    They must neither replace the new job's state (its retry, what it wrote) nor act for it."""
+    created: list[dict[str, Any]] = []
+
+    async def acreate_or_get(obj: dict[str, Any], **_: Any) -> tuple[dict[str, Any], bool]:
+        created.append(obj)
+        return obj, True
+
+    monkeypatch.setattr(k8s, "acreate_or_get", acreate_or_get)
+
+    async def scenario() -> None:
+        state = new_state()
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u1"))
+        # u1 deleted, u2 made under its name; u2's worker runs first
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        new = state.get(KEY)
+        assert new is not None and new.uid == "u2"
+        new.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        written = len(patches)
+        # u1's worker catches up: a status MODIFIED, its create handler, its DELETED
+        await handlers.on_ppojob_event(state, "MODIFIED", ppojob("u1"))
+        assert await handlers.reconcile_children(state, ppojob("u1")) == []
+        await handlers.on_ppojob_event(state, "DELETED", ppojob("u1"))
+        assert state.get(KEY) is new
+        assert not new.retry.done()
+        assert len(patches) == written and created == []
+        new.retry.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_an_earlier_jobs_rayjob_never_stands_in_for_the_new_jobs(patches):
+    """The RayJob of a deleted PPOJob (awaiting the garbage collector or KubeRay's finalizer)
+    goes by the same name: its events must not replace the new job's RayJob in its state, nor
+    count as a deletion of the new job's RayJob."""
+
+    async def scenario() -> None:
+        state = new_state()
+        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u2"))
+        st = state.get(KEY)
+        assert st is not None and handlers.owned_by(st.rayjob, "u2") is not None
+        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u1", deleting=True))
+        assert handlers.owned_by(st.rayjob, "u2") is not None
+        await handlers.on_rayjob_event(state, "DELETED", rayjob("u1", deleting=True))
+        assert handlers.owned_by(st.rayjob, "u2") is not None
+        assert st.rayjob_deletions == 0
+        # its own RayJob's deletion still counts
+        await handlers.on_rayjob_event(state, "DELETED", rayjob("u2"))
+        assert st.rayjob is None and st.rayjob_deletions == 1
+
+    asyncio.run(scenario())
