@@ -553,3 +553,108 @@ def test_trainer_pods_run_as_the_trainer_images_user():
         sc = g["template"]["spec"]["securityContext"]
         assert sc["runAsUser"] == int(uid)
         assert sc["runAsGroup"] == int(gid or uid)
+
+
+def test_render_children_yaml_in_process():
+    """The YAML stream `ppojob render` prints: a header naming the job, then each child as its own
+    document, keys in the builders' order; the job's namespace wins over the default one."""
+    job = validate_manifest(base_manifest(scheduling=SCHEDULING["scheduler-plugins"]))
+    text = builders.render_children_yaml(job, namespace="elsewhere")
+    assert text.startswith("# children of PPOJob ns1/demo (ownerReferences added in-cluster)\n---")
+    docs = list(yaml.safe_load_all(text))
+    expected = builders.build_children(job, namespace="ns1")
+    assert docs == expected
+    assert [list(d) for d in docs] == [list(d) for d in expected]  # not sorted
+    assert text.count("\n---") == len(expected)
+    # no namespace in the manifest: the given one; a gang default reaches the scheduler choice
+    bare = base_manifest()
+    del bare["metadata"]["namespace"]
+    job = validate_manifest(bare)
+    text = builders.render_children_yaml(job)
+    assert text.startswith("# children of PPOJob default/demo ")
+    assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(text)} == {"default"}
+    gang = builders.render_children_yaml(job, gang_default="scheduler-plugins")
+    with_default = builders.build_children(
+        job, namespace="default", gang_default="scheduler-plugins"
+    )
+    assert list(yaml.safe_load_all(gang)) == with_default
+    assert with_default != list(yaml.safe_load_all(text))
+
+
+def test_trainer_children_are_named_after_the_job_and_owned_by_it():
+    """ConfigMap, ServiceAccount, Role and RoleBinding: `<job>-trainer` in the job's namespace,
+    each with a controller ownerReference that blocks the PPOJob's deletion until it is gone."""
+    children = builders.build_children(make(), namespace="ns1", uid="u-1")
+    owner = {
+        "apiVersion": "ppojob.io/v1alpha1",
+        "kind": "PPOJob",
+        "name": "demo",
+        "uid": "u-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    for child in children:
+        assert child["metadata"]["namespace"] == "ns1", child["kind"]
+        assert child["metadata"]["ownerReferences"] == [owner], child["kind"]
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    by_kind = {c["kind"]: c for c in children}
+    for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+        assert by_kind[kind]["metadata"]["name"] == "demo-trainer", kind
+    binding = by_kind["RoleBinding"]
+    assert binding["roleRef"]["name"] == "demo-trainer"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "ns1"}
+    ]
+    # without a uid (`ppojob render`) there is no owner to name
+    assert all(
+        "ownerReferences" not in c["metadata"]
+        for c in builders.build_children(make(), namespace="ns1")
+    )
+
+
+def test_check_job_names():
+    """Only the operator checks what KubeRay accepts of the name: its length and DNS-1035."""
+    from ppojob_api.problems import Problem
+
+    def named(name):
+        job = make()
+        job.metadata.name = name
+        return builders.check_job(job)
+
+    longest = "a" * builders.MAX_NAME_LENGTH
+    assert named(longest) == [] and named("demo-1") == [] and named(None) == []
+    assert named(longest + "b") == [
+        Problem(
+            "metadata.name",
+            f"is {len(longest) + 1} characters; KubeRay accepts RayJob names of at most "
+            f"{builders.MAX_NAME_LENGTH}",
+            "use a shorter name",
+        )
+    ]
+    [problem] = named("1demo")
+    assert (problem.path, problem.fix) == ("metadata.name", "rename the job")
+    assert problem.message.startswith("'1demo' is not a DNS-1035 label")
+
+
+def test_applied_spec_is_the_spec_but_suspend():
+    job = make(suspend=True)
+    spec = builders.applied_spec(job)
+    assert "suspend" not in spec
+    assert spec == builders.applied_spec(make(suspend=False))
+    assert spec["image"] == job.spec.image
+
+
+def test_trainer_config_yaml_is_camel_case_in_field_order():
+    """The trainer's config file reads like a manifest: camelCase keys, in the models' field
+    order (not sorted), nulls written out."""
+    job = make(algorithm={"valueClip": None})
+    data = yaml.safe_load(builders.trainer_config_yaml(job))
+    assert "learningRate" in data["training"] and "learning_rate" not in data["training"]
+    assert data["algorithm"]["valueClip"] is None
+    keys = list(data["training"])
+    assert keys != sorted(keys)
+    from ppojob_api.training import TrainerConfig
+
+    assert list(data) == [
+        f.alias or n for n, f in TrainerConfig.model_fields.items() if (f.alias or n) in data
+    ]
