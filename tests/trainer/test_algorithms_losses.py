@@ -317,3 +317,71 @@ def test_kl_loss_matches_reference(seed, est, mode):
         for b in range(3)
     ]
     close(kl_loss(lp, ref, mask, est, mode), ref_agg(mat, mask.tolist(), mode), 1e-9)
+
+
+# ------------------------------------------------------------------ edges mutmut found open
+def test_kl_controllers_name_the_bad_argument_and_value():
+    cases = [
+        (lambda: FixedKLController(-0.5), "KL coef must be >= 0, got -0.5"),
+        (lambda: FixedKLController("x"), "KL coef must be a number, got 'x'"),
+        (lambda: FixedKLController(1.0).update("y", 1), "current_kl must be a number, got 'y'"),
+        (lambda: FixedKLController(1.0).update(0.1, -1), "n_steps must be >= 0, got -1"),
+        (lambda: AdaptiveKLController(-1, 1, 1), "init_coef must be >= 0, got -1"),
+        (lambda: AdaptiveKLController(1, 0, 1), "target must be > 0, got 0"),
+        (lambda: AdaptiveKLController(1, 1, -2), "horizon must be > 0, got -2"),
+        (
+            lambda: AdaptiveKLController(1, 1, 1).update(float("inf"), 1),
+            "current_kl must be finite",
+        ),
+        (lambda: AdaptiveKLController(1, 1, 1).update(0.5, -3), "n_steps must be >= 0, got -3"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_kl_controllers_accept_zero():
+    """A coefficient of 0 (KL off) and an update over zero steps are valid."""
+    fixed = FixedKLController(0.0)
+    fixed.update(0.3, 0)
+    assert fixed.value == 0.0
+    ctl = AdaptiveKLController(0.0, target=1.0, horizon=10)
+    ctl.update(5.0, 0)
+    assert ctl.value == 0.0
+    ctl = AdaptiveKLController(0.5, target=1.0, horizon=10)
+    ctl.update(3.0, 0)  # no steps measured: unchanged
+    assert ctl.value == 0.5
+
+
+def test_adaptive_kl_lowers_by_at_most_a_fifth_per_horizon():
+    """KL far below the target: the error is clipped at -0.2, so over one horizon of steps the
+    coefficient falls to 0.8 of itself (not to 0)."""
+    ctl = AdaptiveKLController(1.0, target=1.0, horizon=10)
+    ctl.update(0.0, 10)
+    assert math.isclose(ctl.value, 0.8)
+
+
+def test_entropy_of_one_distribution_and_errors():
+    """A single vocabulary dim is enough ([V] -> scalar); anything else is a clear error."""
+    h = entropy_from_logits(torch.zeros(4))
+    assert h.dim() == 0 and math.isclose(float(h), math.log(4), rel_tol=1e-6)
+    for bad in ([0.0, 1.0], torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="entropy_from_logits: logits must be a tensor"):
+            entropy_from_logits(bad)
+
+
+def test_kl_loss_defaults_are_low_var_kl_and_token_mean():
+    """The defaults: the clamped k3 estimate, averaged over response tokens."""
+    lp = torch.tensor([[0.0, 0.0, -1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[15.0, 0.5, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    got = kl_loss(lp, ref, mask)
+    per_token = kl_estimate(lp, ref, "low_var_kl")[mask.bool()]
+    assert math.isclose(float(got), float(per_token.mean()), rel_tol=1e-12)
+    assert float(per_token.max()) == 10.0  # the clamp is reached: k3 would be ~3.3e6
+    assert not math.isclose(float(got), float(kl_loss(lp, ref, mask, "k3")))
+    per_sample = kl_loss(lp, ref, mask, "low_var_kl", "seq-mean-token-mean")
+    assert not math.isclose(float(got), float(per_sample))
+    with pytest.raises(ValueError, match="aggregate_loss: mask has no response token"):
+        aggregate_loss(lp, torch.zeros_like(mask), "token-mean")
