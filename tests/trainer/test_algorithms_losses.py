@@ -13,6 +13,7 @@ from ppojob_trainer.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,
+    aggregation_count,
     entropy_from_logits,
     kl_estimate,
     kl_loss,
@@ -385,3 +386,31 @@ def test_kl_loss_defaults_are_low_var_kl_and_token_mean():
     assert not math.isclose(float(got), float(per_sample))
     with pytest.raises(ValueError, match="aggregate_loss: mask has no response token"):
         aggregate_loss(lp, torch.zeros_like(mask), "token-mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_aggregation_count_weighs_micro_batches_into_the_whole(mode):
+    """The documented use: parts of a mini-batch, each loss weighted by its count over the
+    whole's count, sum to the whole mini-batch's loss (a row without tokens counts for none)."""
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor(
+        [
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0],
+            [1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 0, 1, 0, 1],
+        ]
+    )
+    whole = aggregation_count(mask, mode)
+    assert whole == (mask.sum().item() if mode == "token-mean" else 5)
+    parts = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    total = sum(
+        aggregate_loss(loss[sl], mask[sl], mode) * aggregation_count(mask[sl], mode) / whole
+        for sl in parts
+    )
+    assert math.isclose(float(total), float(aggregate_loss(loss, mask, mode)), rel_tol=1e-12)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        aggregation_count(mask, "mean")
