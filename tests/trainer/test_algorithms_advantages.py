@@ -508,3 +508,34 @@ def test_dispatcher_rejects_bad_common_inputs():
         )
     with pytest.raises(ValueError, match="values shape"):
         compute_advantages("gae", **{**base, "values": torch.zeros(2, 3)})
+
+
+# ------------------------------------------------------------------ edges mutmut found open
+def test_shape_token_rewards_defaults_and_dtype():
+    """Without a coefficient the KL is not charged; integer scores give float32 rewards; a
+    float64 KL does not change the rewards' dtype."""
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    kl = torch.tensor([[0.5, 0.25, 9.0], [1.0, 2.0, 4.0]], dtype=torch.float64)
+    scores = torch.tensor([1, 0])
+    r = shape_token_rewards(scores, mask, kl)
+    assert r.dtype == torch.float32
+    assert r.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    r = shape_token_rewards(scores.float(), mask, kl, 0.5)
+    assert r.dtype == torch.float32
+    assert r.tolist() == [[-0.25, 1.0 - 0.125, 0.0], [0.0, -1.0, -2.0]]
+
+
+def test_shape_token_rewards_errors_name_the_function_and_argument():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    cases = [
+        (lambda: shape_token_rewards(torch.ones(2), [[1]]), "shape_token_rewards: "),
+        (lambda: shape_token_rewards(torch.ones(3), mask), "shape_token_rewards: "),
+        (
+            lambda: shape_token_rewards(torch.ones(2), mask, torch.zeros(2, 2), 0.1),
+            "shape_token_rewards: kl shape",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)

@@ -414,3 +414,133 @@ def test_aggregation_count_weighs_micro_batches_into_the_whole(mode):
     assert math.isclose(float(total), float(aggregate_loss(loss, mask, mode)), rel_tol=1e-12)
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
         aggregation_count(mask, "mean")
+
+
+def _one(*values, dtype=torch.float64):
+    return [torch.tensor([[v]], dtype=dtype) for v in values]
+
+
+def test_policy_loss_importance_weights_scale_each_token():
+    """Truncated importance weights multiply each token's loss (no gradient through them); the
+    metric is their mean over response tokens."""
+    lp = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.2, 9.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 0.5], [1.5, -1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w = torch.tensor([[0.5, 2.0, 1.0], [0.0, 1.5, 99.0]], dtype=torch.float64, requires_grad=True)
+    plain, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum")
+    loss, metrics = policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum", weights=w)
+    per_token, _ = policy_loss(lp, old, adv, mask, agg="token-mean")
+    # the same per-token losses, each times its weight
+    one = torch.ones(1, 1, dtype=torch.long)
+    l_tok = [
+        float(
+            policy_loss(
+                lp.detach()[b : b + 1, t : t + 1], old[:1, :1], adv[b : b + 1, t : t + 1], one
+            )[0]
+        )
+        for b, t in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1))
+    ]
+    expected = ((0.5 * l_tok[0] + 2.0 * l_tok[1] + 1.0 * l_tok[2]) + (0.0 + 1.5 * l_tok[4])) / 2
+    assert math.isclose(float(loss), expected, rel_tol=1e-12)
+    assert not math.isclose(float(loss), float(plain))
+    assert math.isclose(float(metrics["is_weight_mean"]), (0.5 + 2 + 1 + 0 + 1.5) / 5)
+    assert metrics["is_weight_mean"].dtype == torch.float32
+    loss.backward()
+    assert w.grad is None and lp.grad is not None
+    assert float(per_token) == float(policy_loss(lp.detach(), old, adv, mask)[0])  # default agg
+
+
+def test_policy_loss_defaults_clip_at_a_fifth_and_add_no_entropy():
+    lp, old, adv = _one(math.log(2.0), 0.0, 1.0)
+    mask = torch.ones(1, 1, dtype=torch.long)
+    # ratio 2 with a positive advantage: the clipped term -A * 1.2 is the larger
+    loss, metrics = policy_loss(
+        lp, old, adv, mask, entropy=torch.full((1, 1), 3.0, dtype=torch.float64)
+    )
+    assert math.isclose(float(loss), -1.2, rel_tol=1e-12)
+    assert float(metrics["clip_frac"]) == 1.0
+    assert float(metrics["entropy"]) == 3.0 and metrics["entropy"].dtype == torch.float32
+    # a negative advantage at ratio 2: the unclipped -A * 2 is the larger
+    lp, old, adv = _one(math.log(2.0), 0.0, -1.0)
+    assert float(policy_loss(lp, old, adv, mask)[0]) == 2.0
+
+
+def test_policy_loss_log_ratio_is_clamped_at_twenty():
+    mask = torch.ones(1, 1, dtype=torch.long)
+    lp, old, adv = _one(50.0, 0.0, -1.0)
+    loss, metrics = policy_loss(lp, old, adv, mask)
+    assert math.isclose(float(loss), math.exp(20.0), rel_tol=1e-12)
+    assert float(metrics["approx_kl"]) == -20.0
+    lp, old, adv = _one(-50.0, 0.0, 1.0)
+    _, metrics = policy_loss(lp, old, adv, mask)
+    assert float(metrics["approx_kl"]) == 20.0
+    assert metrics["approx_kl"].dtype == torch.float32
+
+
+def test_dual_clip_bound_reached_exactly_is_not_counted():
+    """The dual clip applies where the loss is strictly above -A * c."""
+    mask = torch.ones(1, 1, dtype=torch.long)
+    lp, old, adv = _one(math.log(2.0), 0.0, -1.0)  # loss 2 = -A * c for c = 2
+    loss, metrics = policy_loss(lp, old, adv, mask, dual_clip=2.0)
+    assert float(loss) == 2.0 and float(metrics["dual_clip_frac"]) == 0.0
+    loss, metrics = policy_loss(lp, old, adv, mask, dual_clip=1.5)
+    assert float(loss) == 1.5 and float(metrics["dual_clip_frac"]) == 1.0
+    assert metrics["dual_clip_frac"].dtype == torch.float32
+
+
+def test_loss_errors_name_the_function_and_the_argument():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    x = torch.zeros(2, 3)
+    short = torch.zeros(2, 2)
+    cases = [
+        (lambda: policy_loss(short, x, x, mask), "policy_loss: logprobs shape (2, 2)"),
+        (lambda: policy_loss(x, short, x, mask), "policy_loss: old_logprobs shape (2, 2)"),
+        (lambda: policy_loss(x, x, x, mask, entropy=short), "policy_loss: entropy shape"),
+        (lambda: policy_loss(x, x, x, mask, weights=short), "policy_loss: weights shape"),
+        (
+            lambda: policy_loss(x, x, x, mask, clip_high=float("inf")),
+            "policy_loss: clip_high must be a finite number >= 0, got inf",
+        ),
+        (lambda: value_loss(short, x, x, mask), "value_loss: values shape (2, 2)"),
+        (lambda: value_loss(x, short, x, mask), "value_loss: old_values shape (2, 2)"),
+        (lambda: value_loss(x, x, x, mask, agg="sum"), "value_loss: unknown agg 'sum'"),
+        (lambda: kl_loss(short, x, mask), "kl_loss: logprobs shape (2, 2)"),
+        (lambda: kl_loss(x, short, mask), "kl_loss: ref_logprobs shape (2, 2)"),
+        (lambda: kl_loss(x, x, mask, agg="sum"), "kl_loss: unknown agg 'sum'"),
+        (
+            lambda: aggregate_loss(x, [[1, 1, 1]], "token-mean"),
+            "aggregate_loss: mask must be a tensor, got list",
+        ),
+        (
+            lambda: aggregate_loss(x, torch.ones(3), "token-mean"),
+            "aggregate_loss: mask must be [B, T], got shape (3,)",
+        ),
+        (
+            lambda: aggregate_loss([0.0], mask, "token-mean"),
+            "aggregate_loss: loss_mat must be a tensor, got list",
+        ),
+        (
+            lambda: kl_estimate(x, [0.0], "k1"),
+            "kl_estimate: logprobs and ref_logprobs must be tensors",
+        ),
+        (
+            lambda: kl_estimate([0.0], x, "k1"),
+            "kl_estimate: logprobs and ref_logprobs must be tensors",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_metrics_are_float32_whatever_the_inputs():
+    lp = torch.tensor([[0.3, -0.1]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.long)
+    _, metrics = policy_loss(lp, torch.zeros_like(lp), torch.ones_like(lp), mask, dual_clip=3.0)
+    assert {k: v.dtype for k, v in metrics.items()} == {
+        "clip_frac": torch.float32,
+        "dual_clip_frac": torch.float32,
+        "approx_kl": torch.float32,
+    }
