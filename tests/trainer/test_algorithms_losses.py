@@ -442,13 +442,13 @@ def test_policy_loss_importance_weights_scale_each_token():
         for b, t in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1))
     ]
     expected = ((0.5 * l_tok[0] + 2.0 * l_tok[1] + 1.0 * l_tok[2]) + (0.0 + 1.5 * l_tok[4])) / 2
-    assert math.isclose(float(loss), expected, rel_tol=1e-12)
-    assert not math.isclose(float(loss), float(plain))
+    assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    assert not math.isclose(loss.item(), plain.item())
     assert math.isclose(float(metrics["is_weight_mean"]), (0.5 + 2 + 1 + 0 + 1.5) / 5)
     assert metrics["is_weight_mean"].dtype == torch.float32
     loss.backward()
     assert w.grad is None and lp.grad is not None
-    assert float(per_token) == float(policy_loss(lp.detach(), old, adv, mask)[0])  # default agg
+    assert per_token.item() == float(policy_loss(lp.detach(), old, adv, mask)[0])  # default agg
 
 
 def test_policy_loss_defaults_clip_at_a_fifth_and_add_no_entropy():
