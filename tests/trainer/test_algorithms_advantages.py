@@ -520,6 +520,7 @@ def test_shape_token_rewards_defaults_and_dtype():
     r = shape_token_rewards(scores, mask, kl)
     assert r.dtype == torch.float32
     assert r.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    assert shape_token_rewards(scores, mask).dtype == torch.float32
     r = shape_token_rewards(scores.float(), mask, kl, 0.5)
     assert r.dtype == torch.float32
     assert r.tolist() == [[-0.25, 1.0 - 0.125, 0.0], [0.0, -1.0, -2.0]]
@@ -682,3 +683,8 @@ def test_gae_in_the_rewards_dtype_and_group_estimators_take_integer_scores():
     adv, _ = compute_advantages("grpo", **batch, norm_by_std=False)
     assert adv.dtype == torch.float32
     assert adv[:, 0].tolist() == [0.5, -0.5, 0.0, 0.0]
+    # integer scores take the token rewards' dtype
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        wide = {**batch, "token_rewards": torch.zeros(4, 2, dtype=torch.float64)}
+        adv, _ = compute_advantages(name, **wide)
+        assert adv.dtype == torch.float64, name
