@@ -658,3 +658,68 @@ def test_trainer_config_yaml_is_camel_case_in_field_order():
     assert list(data) == [
         f.alias or n for n, f in TrainerConfig.model_fields.items() if (f.alias or n) in data
     ]
+
+
+def test_pods_are_placed_secured_and_configured_as_the_spec_says():
+    tol = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    job = validate_manifest(
+        base_manifest(
+            imagePullSecrets=[{"name": "regcred"}],
+            head={"nodeSelector": {"pool": "cpu"}, "tolerations": [tol]},
+            roles={
+                "actor": {
+                    "nodeSelector": {"pool": "train"},
+                    "tolerations": [tol],
+                    "env": [
+                        {"name": "PPOJOB_ROLE", "value": "spoofed"},
+                        {"name": "HF_HOME", "value": "/cache"},
+                    ],
+                    "resources": {"extra": {"rdma/ib": 1}},
+                },
+            },
+            checkpointVolume={"persistentVolumeClaim": {"claimName": "c"}},
+            training={"checkpointDir": "/ckpt/"},
+        )
+    )
+    children = builders.build_children(job, namespace="ns1", entrypoint="python -m my.trainer")
+    rj = children[-1]
+    assert rj["spec"]["entrypoint"] == "python -m my.trainer"
+    cluster = rj["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    actor = next(g for g in cluster["workerGroupSpecs"] if g["groupName"] == "actor")
+    worker = actor["template"]["spec"]
+    assert head["nodeSelector"] == {"pool": "cpu"} and head["tolerations"] == [tol]
+    assert worker["nodeSelector"] == {"pool": "train"} and worker["tolerations"] == [tol]
+    for pod in (head, worker):
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
+        assert {"name": "trainer-config", "configMap": {"name": "demo-trainer"}} in pod["volumes"]
+    env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
+    assert env["PPOJOB_ROLE"] == "actor" and env["HF_HOME"] == "/cache"  # no spoofing
+    # the trainer's output lands on the checkpoint volume (one slash)
+    default = builders.build_children(job, namespace="ns1")[-1]["spec"]["entrypoint"]
+    assert default.endswith("--out /ckpt/output")
+    # the applied spec is stored with sorted keys, so equal specs give equal annotations
+    text = rj["metadata"]["annotations"][builders.APPLIED_SPEC_ANNOTATION]
+    keys = list(json.loads(text, object_pairs_hook=lambda pairs: dict(pairs)))
+    assert keys == sorted(keys)
+    # gang members: the head asks for no GPU; a worker's extended resources count
+    members = builders.gang_members(job)
+    assert "nvidia.com/gpu" not in members[0].requests
+    assert members[1].requests["rdma/ib"] == "1"
+    k8s_job = validate_manifest(base_manifest(submissionMode="K8sJobMode"))
+    head_requests = builders.gang_members(k8s_job)[0].requests  # no submitter container
+    assert set(head_requests) == {"cpu", "memory"}
+    assert head_requests["memory"] == k8s_job.spec.head.memory
+
+
+def test_a_gangs_objects_are_owned_and_namespaced_like_the_rest():
+    job = make("gae-separate-all", "scheduler-plugins")
+    children = builders.build_children(job, namespace="ns2", uid="u-9")
+    podgroups = [c for c in children if c["kind"] == "PodGroup"]
+    assert podgroups
+    for pg in podgroups:
+        assert pg["metadata"]["namespace"] == "ns2"
+        assert pg["metadata"]["ownerReferences"][0]["uid"] == "u-9"
+        assert pg["metadata"]["ownerReferences"][0]["name"] == "demo"
