@@ -879,6 +879,60 @@ FACTS += [
 ]
 
 
+FACTS += [
+    (
+        check_kl_off,
+        {"algorithm__kl": {"estimator": "k3", "mode": "loss"}},
+        "spec.algorithm.kl.coefficient",
+        ["KL settings are given (estimator: k3, mode: loss)"],
+    ),
+    (
+        check_precision,
+        {"model__dtype": "float16"},
+        "spec.model.dtype",
+        ["which the torch backend (actor) does not do"],
+    ),
+    (
+        check_precision,
+        {"model__dtype": "float16", "roles__actor": MEGATRON_CPU, "roles__critic": {"replicas": 1}},
+        "spec.model.dtype",
+        ["which the torch backend (critic) does not do"],
+    ),
+    (
+        check_megatron_splits,
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 3}}},
+        "spec.roles.actor.parallelism.tensor",
+        ["tensor 3 does not divide the 4 attention heads of builtin:tiny-llama", "divides 4)"],
+    ),
+    (
+        check_megatron_splits,
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 4}}},
+        "spec.roles.actor.parallelism.tensor",
+        ["tensor 4 does not divide the 14 vocabulary size of builtin:tiny-llama"],
+    ),
+]
+TABLE += [
+    (
+        check_unused_critic,
+        "grpo with critic updates per step",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__criticUpdatesPerStep": 3},
+        ["spec.algorithm.criticUpdatesPerStep"],
+    ),
+    (
+        check_colocation,
+        "a colocated critic placed elsewhere",
+        {
+            "roles__critic": {
+                "colocateWithActor": True,
+                "nodeSelector": {"pool": "x"},
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+            }
+        },
+        ["spec.roles.critic.nodeSelector", "spec.roles.critic.tolerations"],
+    ),
+]
+
+
 @pytest.mark.parametrize(("check", "settings", "path", "facts"), FACTS)
 def test_problem_states_the_numbers(
     check: Any, settings: dict[str, Any], path: str, facts: list[str]
@@ -951,7 +1005,12 @@ def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, ne
     assert check_sizes(with_memory(need), "spec") == []
     [problem] = check_sizes(with_memory(need - 1), "spec")
     assert problem.path == f"spec.roles.{role}.resources.memory"
-    assert f"({share} samples x 1024 tokens)" in problem.message
+    what = (
+        "KV cache of its share of the rollout batch"
+        if role == "rollout"
+        else ("activations of one micro-batch")
+    )
+    assert f"the {role}'s {what} ({share} samples x 1024 tokens)" in problem.message
     assert f"at least {need / 2**30:.1f} GiB" in problem.message, problem.message
 
 
