@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test lint format crd docs images e2e clean control-plane
+.PHONY: install demo test lint format crd docs images e2e clean control-plane mutation
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ crd: $(STAMP)
 
 docs: crd
 
+## Mutation testing (mutmut) of the pure modules, each group against its own unit tests; prints
+## killed / timeout / survived per module and the surviving mutants (README, "Mutation testing").
+## Not part of `make test` or CI. MUTATION_GROUPS picks groups (`hack/mutation.py --list`).
+MUTATION_GROUPS ?=
+MUTATION_CHILDREN ?= 2
+mutation: $(STAMP)
+	$(PY) hack/mutation.py --max-children $(MUTATION_CHILDREN) $(MUTATION_GROUPS)
+
 ## Build both images (needs a Docker engine; not run in CI).
 images:
 	bash hack/build-images.sh
@@ -68,4 +76,4 @@ e2e:
 	bash hack/e2e-kind.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info ppojob-out
+	rm -rf $(VENV) build *.egg-info ppojob-out mutants

@@ -575,6 +575,445 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
 ]
 
 
+# --- boundaries and branches the rows above leave open (found by `make mutation`)
+SMALL = {"model__path": "builtin:small-llama", "model__dtype": "bfloat16"}
+TABLE += [
+    (
+        check_batches,
+        "one worker per role takes an odd mini-batch",
+        {"data__rolloutBatchSize": 3, "data__samplesPerPrompt": 1, "training__miniBatchSize": 3},
+        [],
+    ),
+    (
+        check_batches,
+        "a critic on its own pods splits the mini-batch over its own workers",
+        {
+            "roles__critic": {"replicas": 3},
+            "data__rolloutBatchSize": 4,
+            "data__samplesPerPrompt": 1,
+            "training__miniBatchSize": 4,
+        },
+        ["spec.roles.critic.overrides.miniBatchSize"],
+    ),
+    (
+        check_extended_resources,
+        "a GPU or a name without a domain as an extended resource",
+        {"roles__actor": {"resources": {"extra": {"nvidia.com/gpu": 1, "ib": 1, "x.io/ib": 2}}}},
+        ["spec.roles.actor.resources.extra.nvidia.com/gpu", "spec.roles.actor.resources.extra.ib"],
+    ),
+    (
+        check_gpu_precision,
+        "megatron on CPU in float32",
+        {"roles__actor": MEGATRON_CPU, "model__dtype": "float32"},
+        [],
+    ),
+    (
+        check_gpu_precision,
+        "megatron on one GPU in float32",
+        {"roles__actor": {**GPU_ACTOR, "resources": {"gpus": 1}}, "model__dtype": "float32"},
+        ["spec.model.dtype"],
+    ),
+    (
+        check_megatron_devices,
+        "a colocated megatron critic uses the actor's GPUs",
+        {
+            "roles__actor": GPU_ACTOR,
+            "roles__critic": {"backend": "megatron", "colocateWithActor": True},
+            "model__dtype": "bfloat16",
+        },
+        [],
+    ),
+    (
+        check_megatron_devices,
+        "a megatron critic on CPU pods of its own next to a GPU actor",
+        {
+            "roles__actor": GPU_ACTOR,
+            "roles__critic": {"backend": "megatron", "replicas": 1},
+            "model__dtype": "bfloat16",
+        },
+        ["spec.model.dtype"],
+    ),
+    (
+        check_megatron_devices,
+        "sequence parallel over tensor-parallel GPUs",
+        {
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2, "sequenceParallel": True}},
+            "model__dtype": "bfloat16",
+        },
+        [],
+    ),
+    (
+        check_megatron_devices,
+        "sequence parallel over tensor-parallel single-GPU pods",
+        {
+            "roles__actor": {
+                **GPU_ACTOR,
+                "replicas": 2,
+                "resources": {"gpus": 1},
+                "parallelism": {"tensor": 2, "sequenceParallel": True},
+            },
+            "model__dtype": "bfloat16",
+        },
+        [],
+    ),
+    (
+        check_megatron_devices,
+        "sequence parallel with tensor 2 on CPU",
+        {
+            "roles__actor": {
+                **MEGATRON_CPU,
+                "replicas": 2,
+                "parallelism": {"tensor": 2, "sequenceParallel": True},
+            },
+            "model__dtype": "float32",
+        },
+        ["spec.roles.actor.parallelism.sequenceParallel"],
+    ),
+    (
+        check_megatron_splits,
+        "a critic model of its own: the critic's tensor size is checked against it",
+        {
+            "model__path": "/models/policy",
+            "model__criticPath": "builtin:small-llama",
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}},
+            "roles__critic": {**GPU_ACTOR, "parallelism": {"tensor": 8}},
+        },
+        ["spec.roles.critic.parallelism.tensor"],
+    ),
+    (
+        check_megatron_splits,
+        "a critic model of its own: the actor's tensor size is checked against the policy",
+        {
+            "model__criticPath": "/models/rm",
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}},
+            "roles__critic": {**GPU_ACTOR, "parallelism": {"tensor": 8}},
+        },
+        ["spec.roles.actor.parallelism.tensor"],
+    ),
+    (
+        check_unused_critic,
+        "grpo with a value clip of its own",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__valueClip": 0.5},
+        ["spec.algorithm.valueClip"],
+    ),
+    (
+        check_unused_critic,
+        "grpo with the value clip unset",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__valueClip": None},
+        [],
+    ),
+    (
+        check_backends,
+        "sglang with context parallelism",
+        {
+            "roles__rollout": {
+                "backend": "sglang",
+                "resources": {"gpus": 2},
+                "parallelism": {"context": 2},
+            }
+        },
+        ["spec.roles.rollout.parallelism"],
+    ),
+    (
+        check_precision,
+        "float16 with a megatron actor and no critic",
+        {
+            "model__dtype": "float16",
+            "roles__actor": MEGATRON_CPU,
+            "algorithm__advantageEstimator": "grpo",
+            "data__samplesPerPrompt": 4,
+        },
+        [],
+    ),
+    (
+        check_prompts,
+        "a save_to_disk directory under a dotted parent",
+        {"data__prompts": "/data/v1.2/prompts", "data__rewardFunction": "m:f"},
+        [],
+    ),
+    (
+        check_prompts,
+        "a dotted directory name that is not a dataset format",
+        {"data__prompts": "/data/run.v2/", "data__rewardFunction": "m:f"},
+        ["spec.data.prompts"],
+    ),
+    (
+        check_prompts,
+        "a relative file of another format",
+        {"data__prompts": "prompts.csv", "data__rewardFunction": "m:f"},
+        ["spec.data.prompts"],
+    ),
+    (
+        check_sizes,
+        "a model that is not built in is sized by the backend",
+        {"model__path": "/models/x", "data__rolloutBatchSize": 4096},
+        [],
+    ),
+    (
+        check_sizes,
+        "an unknown built-in model is another check's business",
+        {"model__path": "builtin:nope", "data__rolloutBatchSize": 4096},
+        [],
+    ),
+    (
+        check_sizes,
+        "a rollout on GPUs still leaves the actor's CPU pod checked",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "roles__actor": {"resources": {"memory": "1Mi"}},
+        },
+        ["spec.roles.actor.resources.memory"],
+    ),
+]
+
+
+# (check, settings, problem path, what its message and fix must state)
+FACTS: list[tuple[Any, dict[str, Any], str, list[str]]] = [
+    (
+        check_batches,
+        {
+            "roles__actor": {"replicas": 2},
+            "data__rolloutBatchSize": 4,
+            "data__samplesPerPrompt": 1,
+            "training__miniBatchSize": 4,
+            "training__microBatchSize": 3,
+        },
+        "spec.training.microBatchSize",
+        ["the actor worker's share of a mini-batch (4 / 2 = 2)", "use a divisor of 2)"],
+    ),
+    (
+        check_batches,
+        {
+            "roles__critic": {"replicas": 2, "overrides": {"microBatchSize": 3}},
+            "data__rolloutBatchSize": 4,
+            "data__samplesPerPrompt": 1,
+            "training__miniBatchSize": 4,
+        },
+        "spec.roles.critic.overrides.microBatchSize",
+        ["the critic worker's share of a mini-batch (4 / 2 = 2)", "use a divisor of 2)"],
+    ),
+    (
+        check_batches,
+        {
+            "roles__actor": {"replicas": 3},
+            "training__miniBatchSize": 4,
+            "data__rolloutBatchSize": 4,
+        },
+        "spec.training.miniBatchSize",
+        ["the actor's mini-batch of 4 samples does not split over its 3 data-parallel workers"],
+    ),
+    (
+        check_batches,
+        {
+            "roles__critic": {"replicas": 3},
+            "training__miniBatchSize": 4,
+            "data__rolloutBatchSize": 4,
+        },
+        "spec.roles.critic.overrides.miniBatchSize",
+        ["the critic's mini-batch of 4 samples does not split over its 3 data-parallel workers"],
+    ),
+    (
+        check_checkpoint_volume,
+        {
+            "checkpointVolume": {
+                "persistentVolumeClaim": {"claimName": "c"},
+                "nfs": {"server": "10.0.0.1", "path": "/x"},
+            },
+        },
+        "spec.checkpointVolume",
+        ["needs exactly one source, got 2"],
+    ),
+    (
+        check_checkpoint_volume,
+        {"checkpointVolume": {}},
+        "spec.checkpointVolume",
+        ["needs exactly one source, got 0"],
+    ),
+    (
+        check_backends,
+        {"roles__rollout": {"replicas": 2, "parallelism": {"tensor": 2}}},
+        "spec.roles.rollout.parallelism",
+        ["the torch backend is data parallel only", "or use backend sglang)"],
+    ),
+    (
+        check_backends,
+        {"roles__actor": {"replicas": 2, "parallelism": {"tensor": 2}}},
+        "spec.roles.actor.parallelism",
+        ["the torch backend is data parallel only", "or use backend megatron)"],
+    ),
+    (
+        check_backends,
+        {
+            "roles__rollout": {
+                "backend": "sglang",
+                "resources": {"gpus": 3},
+                "parallelism": {"tensor": 2},
+            }
+        },
+        "spec.roles.rollout.parallelism.tensor",
+        ["its pod's 3 GPU(s) (3 is not a multiple of 2)"],
+    ),
+    (
+        check_backends,
+        {
+            "roles__actor": {"resources": {"gpus": 3}},
+            "roles__rollout": {
+                "backend": "sglang",
+                "colocateWithActor": True,
+                "parallelism": {"tensor": 2},
+            },
+        },
+        "spec.roles.rollout.parallelism.tensor",
+        ["the actor's pod's 3 GPU(s) (3 is not a multiple of 2)"],
+    ),
+]
+
+
+FACTS += [
+    (
+        check_reward_function,
+        {"data__rewardFunction": "rewards.score"},
+        "spec.data.rewardFunction",
+        ["'rewards.score' is not `module:function`"],
+    ),
+]
+
+
+FACTS += [
+    (
+        check_kl_off,
+        {"algorithm__kl": {"estimator": "k3", "mode": "loss"}},
+        "spec.algorithm.kl.coefficient",
+        ["KL settings are given (estimator: k3, mode: loss)"],
+    ),
+    (
+        check_precision,
+        {"model__dtype": "float16"},
+        "spec.model.dtype",
+        ["which the torch backend (actor) does not do"],
+    ),
+    (
+        check_precision,
+        {"model__dtype": "float16", "roles__actor": MEGATRON_CPU, "roles__critic": {"replicas": 1}},
+        "spec.model.dtype",
+        ["which the torch backend (critic) does not do"],
+    ),
+    (
+        check_megatron_splits,
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 3}}},
+        "spec.roles.actor.parallelism.tensor",
+        ["tensor 3 does not divide the 4 attention heads of builtin:tiny-llama", "divides 4)"],
+    ),
+    (
+        check_megatron_splits,
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 4}}},
+        "spec.roles.actor.parallelism.tensor",
+        ["tensor 4 does not divide the 14 vocabulary size of builtin:tiny-llama"],
+    ),
+]
+TABLE += [
+    (
+        check_unused_critic,
+        "grpo with critic updates per step",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__criticUpdatesPerStep": 3},
+        ["spec.algorithm.criticUpdatesPerStep"],
+    ),
+    (
+        check_colocation,
+        "a colocated critic placed elsewhere",
+        {
+            "roles__critic": {
+                "colocateWithActor": True,
+                "nodeSelector": {"pool": "x"},
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+            }
+        },
+        ["spec.roles.critic.nodeSelector", "spec.roles.critic.tolerations"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("check", "settings", "path", "facts"), FACTS)
+def test_problem_states_the_numbers(
+    check: Any, settings: dict[str, Any], path: str, facts: list[str]
+) -> None:
+    """The message and fix give the numbers the user must change (not only the field)."""
+    [problem] = [p for p in check(spec(**settings), "spec") if p.path == path]
+    for fact in facts:
+        assert fact in str(problem), str(problem)
+
+
+# small-llama: hidden 128, intermediate 512, 5 layers; bfloat16 is 2 bytes a value
+KV_PER_TOKEN = 2 * 5 * 128 * 2  # K and V of every layer
+ACTIVATIONS_PER_TOKEN = 5 * (4 * 128 + 2 * 512) * 4  # float32 activations of every layer
+BIG = "1Ti"
+
+
+@pytest.mark.parametrize(
+    ("role", "settings", "share", "need"),
+    [
+        # 4096 samples over 2 rollout workers: 2048 samples of 512 + 512 tokens each
+        (
+            "rollout",
+            {"roles__rollout": {"replicas": 2}, "roles__actor": {"resources": {"memory": BIG}}},
+            2048,
+            2048 * 1024 * KV_PER_TOKEN,
+        ),
+        # all 4096 samples on one rollout worker
+        (
+            "rollout",
+            {"roles__actor": {"resources": {"memory": BIG}}},
+            4096,
+            4096 * 1024 * KV_PER_TOKEN,
+        ),
+        # a mini-batch of all 4096 samples over 2 actor workers
+        (
+            "actor",
+            {"roles__actor": {"replicas": 2}, "roles__rollout": {"resources": {"memory": BIG}}},
+            2048,
+            2048 * 1024 * ACTIVATIONS_PER_TOKEN,
+        ),
+        # a mini-batch of 2 samples over 2 actor workers: one sample each
+        (
+            "actor",
+            {
+                "roles__actor": {"replicas": 2},
+                "roles__rollout": {"resources": {"memory": BIG}},
+                "training__miniBatchSize": 2,
+            },
+            1,
+            1 * 1024 * ACTIVATIONS_PER_TOKEN,
+        ),
+    ],
+)
+def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, need: int) -> None:
+    """A pod with exactly the memory the estimate needs passes; one byte less fails, and the
+    message states the share of samples and the bytes in GiB."""
+    base = {
+        **SMALL,
+        "data__rolloutBatchSize": 512,
+        "data__samplesPerPrompt": 8,
+        "data__maxPromptLength": 512,
+        "data__maxResponseLength": 512,
+    }
+    key = f"roles__{role}"
+
+    def with_memory(memory: int) -> PPOJobSpec:
+        role_settings = {**settings.get(key, {}), "resources": {"memory": str(memory)}}
+        return spec(**{**base, **settings, key: role_settings})
+
+    assert check_sizes(with_memory(need), "spec") == []
+    [problem] = check_sizes(with_memory(need - 1), "spec")
+    assert problem.path == f"spec.roles.{role}.resources.memory"
+    what = (
+        "KV cache of its share of the rollout batch"
+        if role == "rollout"
+        else ("activations of one micro-batch")
+    )
+    assert f"the {role}'s {what} ({share} samples x 1024 tokens)" in problem.message
+    assert f"at least {need / 2**30:.1f} GiB" in problem.message, problem.message
+
+
 @pytest.mark.parametrize(
     ("check", "settings", "expected"),
     [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
@@ -582,6 +1021,7 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
 def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
     found = check(spec(**settings), "spec")
     assert [p.path for p in found] == expected, [str(p) for p in found]
+    assert check(spec(**settings)) == found  # `spec` is the default prefix
     for problem in found:
         assert problem.message and problem.fix, f"{problem} needs a message and a fix"
 

@@ -525,3 +525,173 @@ def test_every_gang_scheduler_of_the_spec_has_one_strategy():
         assert strategy.kuberay_batch_scheduler in scheduling.KUBERAY_BATCH_SCHEDULERS
     with pytest.raises(ValueError, match="unknown gang scheduler 'slurm'"):
         scheduling.strategy("slurm")
+
+
+def test_render_children_yaml_in_process():
+    """The YAML stream `ppojob render` prints: a header naming the job, then each child as its own
+    document, keys in the builders' order; the job's namespace wins over the default one."""
+    job = validate_manifest(base_manifest(scheduling=SCHEDULING["scheduler-plugins"]))
+    text = builders.render_children_yaml(job, namespace="elsewhere")
+    assert text.startswith("# children of PPOJob ns1/demo (ownerReferences added in-cluster)\n---")
+    docs = list(yaml.safe_load_all(text))
+    expected = builders.build_children(job, namespace="ns1")
+    assert docs == expected
+    assert [list(d) for d in docs] == [list(d) for d in expected]  # not sorted
+    assert text.count("\n---") == len(expected)
+    # no namespace in the manifest: the given one; a gang default reaches the scheduler choice
+    bare = base_manifest()
+    del bare["metadata"]["namespace"]
+    job = validate_manifest(bare)
+    text = builders.render_children_yaml(job)
+    assert text.startswith("# children of PPOJob default/demo ")
+    assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(text)} == {"default"}
+    gang = builders.render_children_yaml(job, gang_default="scheduler-plugins")
+    with_default = builders.build_children(
+        job, namespace="default", gang_default="scheduler-plugins"
+    )
+    assert list(yaml.safe_load_all(gang)) == with_default
+    assert with_default != list(yaml.safe_load_all(text))
+
+
+def test_trainer_children_are_named_after_the_job_and_owned_by_it():
+    """ConfigMap, ServiceAccount, Role and RoleBinding: `<job>-trainer` in the job's namespace,
+    each with a controller ownerReference that blocks the PPOJob's deletion until it is gone."""
+    children = builders.build_children(make(), namespace="ns1", uid="u-1")
+    owner = {
+        "apiVersion": "ppojob.io/v1alpha1",
+        "kind": "PPOJob",
+        "name": "demo",
+        "uid": "u-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    for child in children:
+        assert child["metadata"]["namespace"] == "ns1", child["kind"]
+        assert child["metadata"]["ownerReferences"] == [owner], child["kind"]
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    by_kind = {c["kind"]: c for c in children}
+    for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+        assert by_kind[kind]["metadata"]["name"] == "demo-trainer", kind
+    binding = by_kind["RoleBinding"]
+    assert binding["roleRef"]["name"] == "demo-trainer"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "ns1"}
+    ]
+    # without a uid (`ppojob render`) there is no owner to name
+    assert all(
+        "ownerReferences" not in c["metadata"]
+        for c in builders.build_children(make(), namespace="ns1")
+    )
+
+
+def test_check_job_names():
+    """Only the operator checks what KubeRay accepts of the name: its length and DNS-1035."""
+    from ppojob_api.problems import Problem
+
+    def named(name):
+        job = make()
+        job.metadata.name = name
+        return builders.check_job(job)
+
+    longest = "a" * builders.MAX_NAME_LENGTH
+    assert named(longest) == [] and named("demo-1") == [] and named(None) == []
+    assert named(longest + "b") == [
+        Problem(
+            "metadata.name",
+            f"is {len(longest) + 1} characters; KubeRay accepts RayJob names of at most "
+            f"{builders.MAX_NAME_LENGTH}",
+            "use a shorter name",
+        )
+    ]
+    [problem] = named("1demo")
+    assert (problem.path, problem.fix) == ("metadata.name", "rename the job")
+    assert problem.message.startswith("'1demo' is not a DNS-1035 label")
+
+
+def test_applied_spec_is_the_spec_but_suspend():
+    job = make(suspend=True)
+    spec = builders.applied_spec(job)
+    assert "suspend" not in spec
+    assert spec == builders.applied_spec(make(suspend=False))
+    assert spec["image"] == job.spec.image
+
+
+def test_trainer_config_yaml_is_camel_case_in_field_order():
+    """The trainer's config file reads like a manifest: camelCase keys, in the models' field
+    order (not sorted), nulls written out."""
+    job = make(algorithm={"valueClip": None})
+    data = yaml.safe_load(builders.trainer_config_yaml(job))
+    assert "learningRate" in data["training"] and "learning_rate" not in data["training"]
+    assert data["algorithm"]["valueClip"] is None
+    keys = list(data["training"])
+    assert keys != sorted(keys)
+    from ppojob_api.training import TrainerConfig
+
+    assert list(data) == [
+        f.alias or n for n, f in TrainerConfig.model_fields.items() if (f.alias or n) in data
+    ]
+
+
+def test_pods_are_placed_secured_and_configured_as_the_spec_says():
+    tol = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    job = validate_manifest(
+        base_manifest(
+            imagePullSecrets=[{"name": "regcred"}],
+            head={"nodeSelector": {"pool": "cpu"}, "tolerations": [tol]},
+            roles={
+                "actor": {
+                    "nodeSelector": {"pool": "train"},
+                    "tolerations": [tol],
+                    "env": [
+                        {"name": "PPOJOB_ROLE", "value": "spoofed"},
+                        {"name": "HF_HOME", "value": "/cache"},
+                    ],
+                    "resources": {"extra": {"rdma/ib": 1}},
+                },
+            },
+            checkpointVolume={"persistentVolumeClaim": {"claimName": "c"}},
+            training={"checkpointDir": "/ckpt/"},
+        )
+    )
+    children = builders.build_children(job, namespace="ns1", entrypoint="python -m my.trainer")
+    rj = children[-1]
+    assert rj["spec"]["entrypoint"] == "python -m my.trainer"
+    cluster = rj["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    actor = next(g for g in cluster["workerGroupSpecs"] if g["groupName"] == "actor")
+    worker = actor["template"]["spec"]
+    assert head["nodeSelector"] == {"pool": "cpu"} and head["tolerations"] == [tol]
+    assert worker["nodeSelector"] == {"pool": "train"} and worker["tolerations"] == [tol]
+    for pod in (head, worker):
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
+        assert {"name": "trainer-config", "configMap": {"name": "demo-trainer"}} in pod["volumes"]
+    env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
+    assert env["PPOJOB_ROLE"] == "actor" and env["HF_HOME"] == "/cache"  # no spoofing
+    # the trainer's output lands on the checkpoint volume (one slash)
+    default = builders.build_children(job, namespace="ns1")[-1]["spec"]["entrypoint"]
+    assert default.endswith("--out /ckpt/output")
+    # the applied spec is stored with sorted keys, so equal specs give equal annotations
+    text = rj["metadata"]["annotations"][builders.APPLIED_SPEC_ANNOTATION]
+    keys = list(json.loads(text, object_pairs_hook=lambda pairs: dict(pairs)))
+    assert keys == sorted(keys)
+    # gang members: the head asks for no GPU; a worker's extended resources count
+    members = builders.gang_members(job)
+    assert "nvidia.com/gpu" not in members[0].requests
+    assert members[1].requests["rdma/ib"] == "1"
+    k8s_job = validate_manifest(base_manifest(submissionMode="K8sJobMode"))
+    head_requests = builders.gang_members(k8s_job)[0].requests  # no submitter container
+    assert set(head_requests) == {"cpu", "memory"}
+    assert head_requests["memory"] == k8s_job.spec.head.memory
+
+
+def test_a_gangs_objects_are_owned_and_namespaced_like_the_rest():
+    job = make("gae-separate-all", "scheduler-plugins")
+    children = builders.build_children(job, namespace="ns2", uid="u-9")
+    podgroups = [c for c in children if c["kind"] == "PodGroup"]
+    assert podgroups
+    for pg in podgroups:
+        assert pg["metadata"]["namespace"] == "ns2"
+        assert pg["metadata"]["ownerReferences"][0]["uid"] == "u-9"
+        assert pg["metadata"]["ownerReferences"][0]["name"] == "demo"

@@ -214,3 +214,376 @@ def test_gang_timeout_reason_reaches_the_failed_condition():
     )
     failed = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert (failed["reason"], failed["message"]) == ("GangIncomplete", err)
+
+
+# --- note_status: a valid job with no RayJob to follow (refused, waiting, held, RayJob lost)
+GPU_JOB = validate_manifest(base_manifest(roles={"actor": {"resources": {"gpus": 2}}}))
+
+
+def _conds(st):
+    return {c["type"]: c for c in st["conditions"]}
+
+
+def test_note_status_of_a_refused_job():
+    from ppojob_operator.status import CONDITION_TYPES, note_status
+
+    st = note_status(
+        GPU_JOB,
+        "Failed",
+        "SchedulerMissing",
+        "no volcano here",
+        generation=4,
+        previous=None,
+        now="T",
+    )
+    assert [c["type"] for c in st["conditions"]] == list(CONDITION_TYPES)
+    conds = _conds(st)
+    assert {t: (c["status"], c["reason"], c["message"]) for t, c in conds.items()} == {
+        "Valid": ("True", "SpecValid", "the spec is valid"),
+        "SpecApplied": ("False", "SchedulerMissing", "no volcano here"),
+        "Running": ("False", "Failed", ""),
+        "Succeeded": ("False", "Failed", ""),
+        "Failed": ("True", "SchedulerMissing", "no volcano here"),
+        "Suspended": ("False", "Failed", ""),
+    }
+    assert all(
+        c["observedGeneration"] == 4 and c["lastTransitionTime"] == "T" for c in conds.values()
+    )
+    assert (st["phase"], st["observedGeneration"], st["gpus"]) == ("Failed", 4, 2)
+    assert st["completionTime"] == "T"  # a failure ends the job now
+    assert set(st) == {"phase", "conditions", "observedGeneration", "gpus", "completionTime"}
+
+
+def test_note_status_keeps_what_is_known_of_the_children():
+    from ppojob_operator.status import note_status
+
+    running = desired_status(
+        JOB,
+        rayjob(
+            "Running", "RUNNING", rayClusterName="demo-x", startTime="t0", dashboardURL="d:8265"
+        ),
+        generation=1,
+        previous=None,
+        now="t0",
+    )
+    running["dashboardURL"] = ""  # a key without a value is not kept
+    st = note_status(
+        JOB, "Pending", "WaitingForName", "waiting", generation=2, previous=running, now="t1"
+    )
+    assert st["phase"] == "Pending"
+    assert (st["rayJobName"], st["rayClusterName"], st["startTime"]) == ("demo", "demo-x", "t0")
+    assert "dashboardURL" not in st and "completionTime" not in st  # Pending: not ended
+    conds = _conds(st)
+    assert conds["Valid"]["lastTransitionTime"] == "t0"  # still True since t0
+    assert conds["Running"]["lastTransitionTime"] == "t1"  # was True, now False
+    assert conds["Running"]["reason"] == "Pending"
+    assert conds["Failed"]["status"] == "False" and conds["Suspended"]["status"] == "False"
+    # the RayJob deleted mid-run: Failed, and the time the job ended is kept once set
+    lost = note_status(JOB, "Failed", "RayJobLost", "gone", generation=2, previous=st, now="t2")
+    assert lost["completionTime"] == "t2"
+    again = note_status(JOB, "Failed", "RayJobLost", "gone", generation=2, previous=lost, now="t3")
+    assert again["completionTime"] == "t2"
+    assert _conds(again)["Failed"]["lastTransitionTime"] == "t2"
+
+
+def test_note_status_of_a_held_job_without_a_generation():
+    from ppojob_operator.status import note_status
+
+    st = note_status(
+        JOB, "Suspended", "Held", "held by Kueue", generation=None, previous={}, now="T"
+    )
+    conds = _conds(st)
+    assert (conds["Suspended"]["status"], conds["Suspended"]["reason"]) == ("True", "Held")
+    assert conds["Suspended"]["message"] == "held by Kueue"
+    assert conds["Failed"]["reason"] == "Suspended" and conds["Failed"]["status"] == "False"
+    assert all("observedGeneration" not in c for c in st["conditions"])
+    assert st["observedGeneration"] is None and "completionTime" not in st
+
+
+# --- the whole condition table of each phase (the module docstring's mapping)
+SUSPENDED_JOB = validate_manifest(base_manifest(suspend=True))
+
+
+def _table(st, generation=7, now="T"):
+    assert [c["type"] for c in st["conditions"]] == [
+        "Valid",
+        "SpecApplied",
+        "Running",
+        "Succeeded",
+        "Failed",
+        "Suspended",
+    ]
+    for c in st["conditions"]:
+        assert (c["observedGeneration"], c["lastTransitionTime"]) == (generation, now), c
+    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in st["conditions"]}
+
+
+VALID = ("True", "SpecValid", "the spec is valid")
+APPLIED = ("True", "SpecApplied", "the RayJob matches the spec")
+
+
+def _off(phase):
+    return ("False", phase, "")
+
+
+@pytest.mark.parametrize(
+    ("job", "dep", "js", "running", "on"),
+    [
+        (JOB, "Running", "RUNNING", ("True", "RayJobRunning", "the trainer is running"), None),
+        (
+            JOB,
+            "Complete",
+            "SUCCEEDED",
+            _off("Succeeded"),
+            ("Succeeded", "RayJobSucceeded", "the Ray job succeeded"),
+        ),
+        (
+            JOB,
+            "Complete",
+            "STOPPED",
+            _off("Failed"),
+            ("Failed", "RayJobStopped", "jobStatus STOPPED"),
+        ),
+        (JOB, "Complete", "", _off("Failed"), ("Failed", "RayJobFailed", "jobStatus ")),
+        (JOB, "Failed", "", _off("Failed"), ("Failed", "RayJobFailed", "the RayJob failed")),
+        (
+            JOB,
+            "ValidationFailed",
+            "",
+            _off("Failed"),
+            ("Failed", "ValidationFailed", "KubeRay rejected the RayJob (see its events)"),
+        ),
+        (
+            JOB,
+            "Running",
+            "",
+            ("False", "Submitting", "the Ray cluster is up; job status unset"),
+            None,
+        ),
+        (
+            JOB,
+            "Retrying",
+            "",
+            ("False", "RayJobRetrying", "retrying with a new Ray cluster"),
+            None,
+        ),
+        (
+            JOB,
+            "Initializing",
+            "",
+            ("False", "RayJobInitializing", "starting the Ray cluster"),
+            None,
+        ),
+        (JOB, "", "", ("False", "RayJobCreated", "waiting for KubeRay"), None),
+        (
+            SUSPENDED_JOB,
+            "",
+            "",
+            _off("Suspended"),
+            ("Suspended", "Suspended", "the job is suspended (spec.suspend)"),
+        ),
+        (
+            JOB,
+            "Suspended",
+            "",
+            _off("Suspended"),
+            ("Suspended", "RayJobSuspended", "the job is suspended (spec.suspend)"),
+        ),
+        (
+            JOB,
+            "Exploding",
+            "",
+            ("False", "UnknownDeploymentStatus", "RayJob jobDeploymentStatus 'Exploding'"),
+            None,
+        ),
+    ],
+)
+def test_conditions_of_each_phase(job, dep, js, running, on):
+    """Each RayJob state gives all six conditions: the phase's own True with the reason and
+    message (RayJob's own when it gives some, else the operator's words), the others False
+    with the phase as their reason and no message."""
+    st = desired_status(job, rayjob(dep, js), generation=7, previous=None, now="T")
+    table = _table(st)
+    phase = (
+        on[0]
+        if on
+        else {"RayJobRunning": "Running", "RayJobCreated": "Pending"}.get(
+            running[1], "Pending" if dep == "Exploding" else "Initializing"
+        )
+    )
+    assert st["phase"] == phase
+    expected = {"Valid": VALID, "SpecApplied": APPLIED, "Running": running}
+    for kind in ("Succeeded", "Failed", "Suspended"):
+        expected[kind] = ("True", on[1], on[2]) if on and on[0] == kind else _off(phase)
+    assert table == expected
+
+
+def test_rayjob_reason_and_message_win_over_the_operators_words():
+    rj = rayjob("Complete", "SUCCEEDED", message="done in 3 steps")
+    assert phase_of(rj, suspend=False, kueue=False) == (
+        "Succeeded",
+        "RayJobSucceeded",
+        "done in 3 steps",
+    )
+    rj = rayjob("ValidationFailed", "", reason="BadSpec", message="no head group")
+    assert phase_of(rj, suspend=False, kueue=False) == ("Failed", "BadSpec", "no head group")
+    rj = rayjob("Complete", "FAILED", reason="AppFailed")
+    assert phase_of(rj, suspend=False, kueue=False) == ("Failed", "AppFailed", "jobStatus FAILED")
+
+
+def test_a_rayjob_without_its_applied_spec_counts_as_applied():
+    """A RayJob that lost (or never had) its applied-spec annotation refuses nothing."""
+    rj = rayjob("Running", "RUNNING")
+    del rj["metadata"]["annotations"]
+    st = desired_status(JOB, rj, generation=7, previous=None, now="T")
+    assert _table(st)["SpecApplied"] == APPLIED
+    # a RayJob object seen without metadata at all: no name to report
+    st = desired_status(JOB, {"status": rj["status"]}, generation=7, previous=None, now="T")
+    assert st["rayJobName"] is None and _table(st)["SpecApplied"] == APPLIED
+
+
+def test_spec_change_refused_lists_at_most_twenty_fields():
+    import json
+
+    from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION
+
+    rj = rayjob("Running", "RUNNING")
+    applied = json.loads(rj["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION])
+    assert applied["roles"]["actor"]["nodeSelector"] == {}
+    applied["roles"]["actor"]["nodeSelector"] = {f"k{i:02d}": "x" for i in range(25)}
+    rj["metadata"]["annotations"][APPLIED_SPEC_ANNOTATION] = json.dumps(applied)
+    st = desired_status(JOB, rj, generation=7, previous=None, now="T")
+    status, reason, message = _table(st)["SpecApplied"]
+    assert (status, reason) == ("False", "SpecChangeRefused")
+    listed = message.split("changed: ")[1].split(". Revert")[0].split(", ")
+    assert listed == [f"spec.roles.actor.nodeSelector.k{i:02d}" for i in range(20)]
+    assert message.endswith(". Revert them, or delete and recreate the job")
+
+
+def test_changed_fields():
+    from ppojob_operator.status import changed_fields
+
+    assert changed_fields({"a": 1, "b": {"c": 1}}, {"a": 1, "b": {"c": 2}, "d": 3}) == [
+        "spec.b.c",
+        "spec.d",
+    ]
+    assert changed_fields({"a": 1}, None) == ["spec"]
+    assert changed_fields({"a": {"b": 1}}, {"a": 2}) == ["spec.a"]
+    # suspend may change, at the top of the spec only; the keys after it are still compared
+    assert changed_fields(
+        {"suspend": True, "training": 1, "x": {"suspend": 1}},
+        {"suspend": False, "training": 2, "x": {"suspend": 2}},
+    ) == ["spec.training", "spec.x.suspend"]
+
+
+def test_invalid_status_conditions_and_times():
+    problems = [Problem("spec.image", "is empty", "set it"), Problem("spec.x", "unknown field")]
+    first = invalid_status(problems, generation=3, previous=None, now="T1")
+    assert first["phase"] == "Invalid" and first["observedGeneration"] == 3
+    assert [
+        (c["type"], c["status"], c["reason"], c["observedGeneration"], c["lastTransitionTime"])
+        for c in first["conditions"]
+    ] == [(t, "False", "InvalidSpec", 3, "T1") for t in CONDITION_TYPES_ORDER]
+    assert (
+        first["conditions"][0]["message"]
+        == "spec.image: is empty (fix: set it); spec.x: unknown field"
+    )
+    assert all(c["message"] == "" for c in first["conditions"][1:])
+    # still invalid later: the transition times stay; from a running job's status they move
+    again = invalid_status(problems, generation=4, previous=first, now="T2")
+    assert {c["lastTransitionTime"] for c in again["conditions"]} == {"T1"}
+    running = desired_status(
+        JOB, rayjob("Running", "RUNNING"), generation=1, previous=None, now="T0"
+    )
+    broken = invalid_status(problems, generation=2, previous=running, now="T3")
+    times = {c["type"]: c["lastTransitionTime"] for c in broken["conditions"]}
+    assert times == {
+        "Valid": "T3",
+        "SpecApplied": "T3",
+        "Running": "T3",
+        "Succeeded": "T0",
+        "Failed": "T0",
+        "Suspended": "T0",
+    }
+
+
+CONDITION_TYPES_ORDER = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")
+
+
+def test_transition_time_of_a_condition_stored_without_one_is_now():
+    prev = desired_status(JOB, rayjob("Running", "RUNNING"), generation=1, previous=None, now="T0")
+    for c in prev["conditions"]:
+        del c["lastTransitionTime"]
+    st = desired_status(JOB, rayjob("Running", "RUNNING"), generation=1, previous=prev, now="T1")
+    assert {c["lastTransitionTime"] for c in st["conditions"]} == {"T1"}
+
+
+def test_status_patch_sets_changed_values():
+    current = {"phase": "Running", "gpus": 2, "dashboardURL": "d"}
+    desired = {"phase": "Succeeded", "gpus": 2, "completionTime": "t"}
+    assert status_patch(current, desired) == {
+        "phase": "Succeeded",
+        "completionTime": "t",
+        "dashboardURL": None,
+    }
+    assert status_patch(None, {"phase": "Pending"})["phase"] == "Pending"
+
+
+def test_applied_job_is_named_and_reads_the_annotation():
+    from ppojob_operator.status import applied_job
+
+    rj = rayjob("Running", "RUNNING")
+    job = applied_job(rj, "demo")
+    assert job is not None and job.metadata.name == "demo"
+    assert job.spec == JOB.spec
+    del rj["metadata"]["annotations"]
+    assert applied_job(rj, "demo") is None
+
+
+def test_invalid_edit_status_keeps_generation_times_and_the_scheduler():
+    from ppojob_operator.status import invalid_edit_status
+
+    problems = [Problem("spec.image", "is empty", "set it")]
+    running = desired_status(
+        JOB, rayjob("Running", "RUNNING"), generation=1, previous=None, now="t0"
+    )
+    out = invalid_edit_status(
+        rayjob("Running", "RUNNING"),
+        problems,
+        name="demo",
+        suspend=False,
+        generation=2,
+        previous=running,
+        now="t1",
+    )
+    assert out["observedGeneration"] == 2
+    assert all(c["observedGeneration"] == 2 for c in out["conditions"])
+    times = {c["type"]: c["lastTransitionTime"] for c in out["conditions"]}
+    assert times["SpecApplied"] == "t1" and times["Running"] == "t0"
+    spec_applied = next(c for c in out["conditions"] if c["type"] == "SpecApplied")
+    assert spec_applied["message"] == (
+        "the new spec is invalid; the running RayJob is unchanged: "
+        "spec.image: is empty (fix: set it)"
+    )
+    # under Kueue, a suspended RayJob of an unsuspended job waits for admission
+    held = invalid_edit_status(
+        rayjob("Suspended"),
+        problems,
+        name="demo",
+        suspend=False,
+        generation=2,
+        previous=None,
+        now="t1",
+        scheduler="kueue",
+    )
+    assert held["phase"] == "Pending"
+    no_kueue = invalid_edit_status(
+        rayjob("Suspended"),
+        problems,
+        name="demo",
+        suspend=False,
+        generation=2,
+        previous=None,
+        now="t1",
+    )
+    assert no_kueue["phase"] == "Suspended"

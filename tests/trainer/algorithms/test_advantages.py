@@ -508,3 +508,183 @@ def test_dispatcher_rejects_bad_common_inputs():
         )
     with pytest.raises(ValueError, match="values shape"):
         compute_advantages("gae", **{**base, "values": torch.zeros(2, 3)})
+
+
+# ------------------------------------------------------------------ edges mutmut found open
+def test_shape_token_rewards_defaults_and_dtype():
+    """Without a coefficient the KL is not charged; integer scores give float32 rewards; a
+    float64 KL does not change the rewards' dtype."""
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    kl = torch.tensor([[0.5, 0.25, 9.0], [1.0, 2.0, 4.0]], dtype=torch.float64)
+    scores = torch.tensor([1, 0])
+    r = shape_token_rewards(scores, mask, kl)
+    assert r.dtype == torch.float32
+    assert r.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    assert shape_token_rewards(scores, mask).dtype == torch.float32
+    r = shape_token_rewards(scores.float(), mask, kl, 0.5)
+    assert r.dtype == torch.float32
+    assert r.tolist() == [[-0.25, 1.0 - 0.125, 0.0], [0.0, -1.0, -2.0]]
+
+
+def test_shape_token_rewards_errors_name_the_function_and_argument():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    cases = [
+        (lambda: shape_token_rewards(torch.ones(2), [[1]]), "shape_token_rewards: "),
+        (lambda: shape_token_rewards(torch.ones(3), mask), "shape_token_rewards: "),
+        (
+            lambda: shape_token_rewards(torch.ones(2), mask, torch.zeros(2, 2), 0.1),
+            "shape_token_rewards: kl shape",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def _common(**over):
+    base = dict(
+        token_rewards=torch.zeros(2, 3),
+        scores=torch.zeros(2),
+        values=None,
+        mask=torch.ones(2, 3),
+        group_ids=torch.zeros(2, dtype=torch.long),
+        gamma=1.0,
+        lam=1.0,
+    )
+    return {**base, **over}
+
+
+def test_advantage_errors_name_the_function_and_argument(monkeypatch):
+    monkeypatch.setattr(adv_mod, "_REGISTRY", dict(adv_mod._REGISTRY))
+    r = torch.zeros(2, 3)
+    mask = torch.ones(2, 3)
+    where = "compute_advantages('grpo')"
+
+    @register_advantage_estimator("plain")
+    def plain(*, token_rewards, scores, values, mask, group_ids, gamma, lam):
+        return token_rewards, token_rewards
+
+    @register_advantage_estimator("three")
+    def three(**_):
+        return r, r, r
+
+    @register_advantage_estimator("listed")
+    def listed(**_):
+        return r, [0.0]
+
+    cases = [
+        (lambda: compute_gae(r[:, :2], r, mask, 1.0, 1.0), "compute_gae: rewards shape (2, 2)"),
+        (lambda: compute_gae(r, r[:, :2], mask, 1.0, 1.0), "compute_gae: values shape (2, 2)"),
+        (
+            lambda: compute_gae(r, r, [[1.0]], 1.0, 1.0),
+            "compute_gae: mask must be a tensor, got list",
+        ),
+        (
+            lambda: compute_gae(r, r, mask, gamma=2, lam=1.0),
+            "compute_gae: gamma must be in [0, 1], got 2",
+        ),
+        (
+            lambda: compute_gae(r, r, mask, gamma=1.0, lam=-1),
+            "compute_gae: lam must be in [0, 1], got -1",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(mask=[1])),
+            f"{where}: mask must be a tensor",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(token_rewards=r[:, :1])),
+            f"{where}: token_rewards shape (2, 1)",
+        ),
+        (
+            lambda: compute_advantages("gae", **_common(values=r[:, :1])),
+            "compute_advantages('gae'): values shape (2, 1)",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(scores=[0, 0])),
+            f"{where}: scores must be a tensor, got list",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(group_ids=[0, 0])),
+            f"{where}: group_ids must be a tensor, got list",
+        ),
+        (
+            lambda: compute_advantages(
+                "grpo", **_common(group_ids=torch.zeros(3, dtype=torch.long))
+            ),
+            f"{where}: group_ids must have shape (2,), got (3,)",
+        ),
+        (
+            lambda: compute_advantages(
+                "grpo", **_common(group_ids=torch.zeros(2, dtype=torch.bool))
+            ),
+            f"{where}: group_ids must be an integer tensor, got torch.bool",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(gamma=1.5)),
+            f"{where}: gamma must be in [0, 1], got 1.5",
+        ),
+        (
+            lambda: compute_advantages("grpo", **_common(lam="x")),
+            f"{where}: lam must be a number in [0, 1], got 'x'",
+        ),
+        (
+            lambda: compute_advantages("plain", **_common(), extra=1),
+            "compute_advantages('plain'): unknown option(s) ['extra']; accepted: none",
+        ),
+        (
+            lambda: compute_advantages("three", **_common()),
+            "compute_advantages('three'): estimator must return (advantages, returns), got (",
+        ),
+        (
+            lambda: compute_advantages("listed", **_common()),
+            "compute_advantages('listed'): returns must be [B, T] = (2, 3), got list",
+        ),
+        (
+            lambda: get_advantage_estimator("nope"),
+            "unknown advantage estimator 'nope'; registered: gae, grpo, ",
+        ),
+        (
+            lambda: register_advantage_estimator(5),
+            "advantage estimator name must be a non-empty string, got 5",
+        ),
+        (
+            lambda: register_advantage_estimator("  "),
+            "advantage estimator name must be a non-empty string",
+        ),
+        (
+            lambda: register_advantage_estimator("x")(3),
+            "advantage estimator 'x' must be callable, got 3",
+        ),
+        (
+            lambda: discounted_reverse_cumsum(r, 0.5, chunk=1),
+            "discounted_reverse_cumsum: chunk must be >= 2, got 1",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_gae_in_the_rewards_dtype_and_group_estimators_take_integer_scores():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], dtype=torch.float64)
+    adv, ret = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert adv.dtype == ret.dtype == torch.float32
+    scores = torch.tensor([1, 0, 1, 1])
+    batch = _common(
+        token_rewards=torch.zeros(4, 2),
+        scores=scores,
+        mask=torch.ones(4, 2),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+    )
+    adv, _ = compute_advantages("grpo", **batch, norm_by_std=False)
+    assert adv.dtype == torch.float32
+    assert adv[:, 0].tolist() == [0.5, -0.5, 0.0, 0.0]
+    # integer scores take the token rewards' dtype
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        wide = {**batch, "token_rewards": torch.zeros(4, 2, dtype=torch.float64)}
+        adv, _ = compute_advantages(name, **wide)
+        assert adv.dtype == torch.float64, name

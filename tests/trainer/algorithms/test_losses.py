@@ -13,6 +13,7 @@ from ppojob_trainer.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,
+    aggregation_count,
     entropy_from_logits,
     kl_estimate,
     kl_loss,
@@ -317,3 +318,242 @@ def test_kl_loss_matches_reference(seed, est, mode):
         for b in range(3)
     ]
     close(kl_loss(lp, ref, mask, est, mode), ref_agg(mat, mask.tolist(), mode), 1e-9)
+
+
+# ------------------------------------------------------------------ edges mutmut found open
+def test_kl_controllers_name_the_bad_argument_and_value():
+    cases = [
+        (lambda: FixedKLController(-0.5), "KL coef must be >= 0, got -0.5"),
+        (lambda: FixedKLController("x"), "KL coef must be a number, got 'x'"),
+        (lambda: FixedKLController(1.0).update("y", 1), "current_kl must be a number, got 'y'"),
+        (lambda: FixedKLController(1.0).update(0.1, -1), "n_steps must be >= 0, got -1"),
+        (lambda: AdaptiveKLController(-1, 1, 1), "init_coef must be >= 0, got -1"),
+        (lambda: AdaptiveKLController(1, 0, 1), "target must be > 0, got 0"),
+        (lambda: AdaptiveKLController(1, 1, -2), "horizon must be > 0, got -2"),
+        (
+            lambda: AdaptiveKLController(1, 1, 1).update(float("inf"), 1),
+            "current_kl must be finite",
+        ),
+        (lambda: AdaptiveKLController(1, 1, 1).update(0.5, -3), "n_steps must be >= 0, got -3"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_kl_controllers_accept_zero():
+    """A coefficient of 0 (KL off) and an update over zero steps are valid."""
+    fixed = FixedKLController(0.0)
+    fixed.update(0.3, 0)
+    assert fixed.value == 0.0
+    ctl = AdaptiveKLController(0.0, target=1.0, horizon=10)
+    ctl.update(5.0, 0)
+    assert ctl.value == 0.0
+    ctl = AdaptiveKLController(0.5, target=1.0, horizon=10)
+    ctl.update(3.0, 0)  # no steps measured: unchanged
+    assert ctl.value == 0.5
+
+
+def test_kl_controllers_accept_a_negative_measured_kl():
+    """The k1 estimate's mean can be negative: a measurement, not an error."""
+    fixed = FixedKLController(0.1)
+    fixed.update(-0.05, 4)
+    assert fixed.value == 0.1
+    ctl = AdaptiveKLController(1.0, target=1.0, horizon=10)
+    ctl.update(-0.05, 10)  # below target: lowered by the clipped error
+    assert math.isclose(ctl.value, 0.8)
+
+
+def test_adaptive_kl_lowers_by_at_most_a_fifth_per_horizon():
+    """KL far below the target: the error is clipped at -0.2, so over one horizon of steps the
+    coefficient falls to 0.8 of itself (not to 0)."""
+    ctl = AdaptiveKLController(1.0, target=1.0, horizon=10)
+    ctl.update(0.0, 10)
+    assert math.isclose(ctl.value, 0.8)
+
+
+def test_entropy_of_one_distribution_and_errors():
+    """A single vocabulary dim is enough ([V] -> scalar); anything else is a clear error."""
+    h = entropy_from_logits(torch.zeros(4))
+    assert h.dim() == 0 and math.isclose(float(h), math.log(4), rel_tol=1e-6)
+    for bad in ([0.0, 1.0], torch.tensor(1.0)):
+        with pytest.raises(ValueError) as info:
+            entropy_from_logits(bad)
+        assert str(info.value) == (
+            "entropy_from_logits: logits must be a tensor with a vocabulary dim"
+        )
+
+
+def test_kl_loss_defaults_are_low_var_kl_and_token_mean():
+    """The defaults: the clamped k3 estimate, averaged over response tokens."""
+    lp = torch.tensor([[0.0, 0.0, -1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[15.0, 0.5, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    got = kl_loss(lp, ref, mask)
+    per_token = kl_estimate(lp, ref, "low_var_kl")[mask.bool()]
+    assert math.isclose(float(got), float(per_token.mean()), rel_tol=1e-12)
+    assert float(per_token.max()) == 10.0  # the clamp is reached: k3 would be ~3.3e6
+    assert not math.isclose(float(got), float(kl_loss(lp, ref, mask, "k3")))
+    per_sample = kl_loss(lp, ref, mask, "low_var_kl", "seq-mean-token-mean")
+    assert not math.isclose(float(got), float(per_sample))
+    with pytest.raises(ValueError, match="aggregate_loss: mask has no response token"):
+        aggregate_loss(lp, torch.zeros_like(mask), "token-mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_aggregation_count_weighs_micro_batches_into_the_whole(mode):
+    """The documented use: parts of a mini-batch, each loss weighted by its count over the
+    whole's count, sum to the whole mini-batch's loss (a row without tokens counts for none)."""
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor(
+        [
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0],
+            [1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 0, 1, 0, 1],
+        ]
+    )
+    whole = aggregation_count(mask, mode)
+    assert whole == (mask.sum().item() if mode == "token-mean" else 5)
+    parts = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    total = sum(
+        aggregate_loss(loss[sl], mask[sl], mode) * aggregation_count(mask[sl], mode) / whole
+        for sl in parts
+    )
+    assert math.isclose(float(total), float(aggregate_loss(loss, mask, mode)), rel_tol=1e-12)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        aggregation_count(mask, "mean")
+
+
+def _one(*values, dtype=torch.float64):
+    return [torch.tensor([[v]], dtype=dtype) for v in values]
+
+
+def test_policy_loss_importance_weights_scale_each_token():
+    """Truncated importance weights multiply each token's loss (no gradient through them); the
+    metric is their mean over response tokens."""
+    lp = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.2, 9.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 0.5], [1.5, -1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w = torch.tensor([[0.5, 2.0, 1.0], [0.0, 1.5, 99.0]], dtype=torch.float64, requires_grad=True)
+    plain, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum")
+    loss, metrics = policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum", weights=w)
+    per_token, _ = policy_loss(lp, old, adv, mask, agg="token-mean")
+    # the same per-token losses, each times its weight
+    one = torch.ones(1, 1, dtype=torch.long)
+    l_tok = [
+        float(
+            policy_loss(
+                lp.detach()[b : b + 1, t : t + 1], old[:1, :1], adv[b : b + 1, t : t + 1], one
+            )[0]
+        )
+        for b, t in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1))
+    ]
+    expected = ((0.5 * l_tok[0] + 2.0 * l_tok[1] + 1.0 * l_tok[2]) + (0.0 + 1.5 * l_tok[4])) / 2
+    assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    assert not math.isclose(loss.item(), plain.item())
+    assert math.isclose(float(metrics["is_weight_mean"]), (0.5 + 2 + 1 + 0 + 1.5) / 5)
+    assert metrics["is_weight_mean"].dtype == torch.float32
+    loss.backward()
+    assert w.grad is None and lp.grad is not None
+    assert per_token.item() == float(policy_loss(lp.detach(), old, adv, mask)[0])  # default agg
+
+
+def test_policy_loss_defaults_clip_at_a_fifth_and_add_no_entropy():
+    lp, old, adv = _one(math.log(2.0), 0.0, 1.0)
+    mask = torch.ones(1, 1, dtype=torch.long)
+    # ratio 2 with a positive advantage: the clipped term -A * 1.2 is the larger
+    loss, metrics = policy_loss(
+        lp, old, adv, mask, entropy=torch.full((1, 1), 3.0, dtype=torch.float64)
+    )
+    assert math.isclose(float(loss), -1.2, rel_tol=1e-12)
+    assert float(metrics["clip_frac"]) == 1.0
+    assert float(metrics["entropy"]) == 3.0 and metrics["entropy"].dtype == torch.float32
+    # a negative advantage at ratio 2: the unclipped -A * 2 is the larger
+    lp, old, adv = _one(math.log(2.0), 0.0, -1.0)
+    assert float(policy_loss(lp, old, adv, mask)[0]) == 2.0
+
+
+def test_policy_loss_log_ratio_is_clamped_at_twenty():
+    mask = torch.ones(1, 1, dtype=torch.long)
+    lp, old, adv = _one(50.0, 0.0, -1.0)
+    loss, metrics = policy_loss(lp, old, adv, mask)
+    assert math.isclose(float(loss), math.exp(20.0), rel_tol=1e-12)
+    assert float(metrics["approx_kl"]) == -20.0
+    lp, old, adv = _one(-50.0, 0.0, 1.0)
+    _, metrics = policy_loss(lp, old, adv, mask)
+    assert float(metrics["approx_kl"]) == 20.0
+    assert metrics["approx_kl"].dtype == torch.float32
+
+
+def test_dual_clip_bound_reached_exactly_is_not_counted():
+    """The dual clip applies where the loss is strictly above -A * c."""
+    mask = torch.ones(1, 1, dtype=torch.long)
+    lp, old, adv = _one(math.log(2.0), 0.0, -1.0)  # loss 2 = -A * c for c = 2
+    loss, metrics = policy_loss(lp, old, adv, mask, dual_clip=2.0)
+    assert float(loss) == 2.0 and float(metrics["dual_clip_frac"]) == 0.0
+    loss, metrics = policy_loss(lp, old, adv, mask, dual_clip=1.5)
+    assert float(loss) == 1.5 and float(metrics["dual_clip_frac"]) == 1.0
+    assert metrics["dual_clip_frac"].dtype == torch.float32
+
+
+def test_loss_errors_name_the_function_and_the_argument():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    x = torch.zeros(2, 3)
+    short = torch.zeros(2, 2)
+    cases = [
+        (lambda: policy_loss(short, x, x, mask), "policy_loss: logprobs shape (2, 2)"),
+        (lambda: policy_loss(x, short, x, mask), "policy_loss: old_logprobs shape (2, 2)"),
+        (lambda: policy_loss(x, x, x, mask, entropy=short), "policy_loss: entropy shape"),
+        (lambda: policy_loss(x, x, x, mask, weights=short), "policy_loss: weights shape"),
+        (
+            lambda: policy_loss(x, x, x, mask, clip_high=float("inf")),
+            "policy_loss: clip_high must be a finite number >= 0, got inf",
+        ),
+        (lambda: value_loss(short, x, x, mask), "value_loss: values shape (2, 2)"),
+        (lambda: value_loss(x, short, x, mask), "value_loss: old_values shape (2, 2)"),
+        (lambda: value_loss(x, x, x, mask, agg="sum"), "value_loss: unknown agg 'sum'"),
+        (lambda: kl_loss(short, x, mask), "kl_loss: logprobs shape (2, 2)"),
+        (lambda: kl_loss(x, short, mask), "kl_loss: ref_logprobs shape (2, 2)"),
+        (lambda: kl_loss(x, x, mask, agg="sum"), "kl_loss: unknown agg 'sum'"),
+        (
+            lambda: aggregate_loss(x, [[1, 1, 1]], "token-mean"),
+            "aggregate_loss: mask must be a tensor, got list",
+        ),
+        (
+            lambda: aggregate_loss(x, torch.ones(3), "token-mean"),
+            "aggregate_loss: mask must be [B, T], got shape (3,)",
+        ),
+        (
+            lambda: aggregate_loss([0.0], mask, "token-mean"),
+            "aggregate_loss: loss_mat must be a tensor, got list",
+        ),
+        (
+            lambda: kl_estimate(x, [0.0], "k1"),
+            "kl_estimate: logprobs and ref_logprobs must be tensors",
+        ),
+        (
+            lambda: kl_estimate([0.0], x, "k1"),
+            "kl_estimate: logprobs and ref_logprobs must be tensors",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_metrics_are_float32_whatever_the_inputs():
+    lp = torch.tensor([[0.3, -0.1]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.long)
+    _, metrics = policy_loss(lp, torch.zeros_like(lp), torch.ones_like(lp), mask, dual_clip=3.0)
+    assert {k: v.dtype for k, v in metrics.items()} == {
+        "clip_frac": torch.float32,
+        "dual_clip_frac": torch.float32,
+        "approx_kl": torch.float32,
+    }
