@@ -695,6 +695,10 @@ def test_pods_are_placed_secured_and_configured_as_the_spec_says():
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
         assert {"name": "trainer-config", "configMap": {"name": "demo-trainer"}} in pod["volumes"]
+        # shared memory for Ray's object store and torch's data loaders
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in mounts
     env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
     assert env["PPOJOB_ROLE"] == "actor" and env["HF_HOME"] == "/cache"  # no spoofing
     # the trainer's output lands on the checkpoint volume (one slash)
