@@ -1,6 +1,6 @@
 """Mutation testing of the pure modules with mutmut 3, one group of modules at a time.
 
-Usage: python hack/mutation.py [--max-children 2] [--survivors] [--list] [GROUP ...]
+Usage: python hack/mutation.py [--max-children 2] [--survivors | --show | --list] [GROUP ...]
 
 mutmut names a mutant after its file's path from the directory it runs in, and puts only
 `mutants/`, `mutants/src` and `mutants/source` on `sys.path`; this repository keeps each package
@@ -17,7 +17,9 @@ and reruns only the mutants that survived (new tests are picked up).
 
 Prints, per module: mutants, killed, timeout, survived, other (no tests, suspicious, ...) and
 % killed = (killed + timeout) / mutants (a mutant that makes a test hang was detected), then
-the names of the surviving mutants (`cd mutants/<group> && mutmut show NAME` shows the diff).
+the names of the surviving mutants (`cd mutants/<group> && mutmut show NAME` shows the diff;
+`--show` prints every survivor's diff with its file and line). mutmut's own progress goes to
+`mutants/<group>/mutmut.log`.
 """
 
 from __future__ import annotations

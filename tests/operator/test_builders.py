@@ -667,6 +667,10 @@ def test_pods_are_placed_secured_and_configured_as_the_spec_says():
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
         assert {"name": "trainer-config", "configMap": {"name": "demo-trainer"}} in pod["volumes"]
+        # shared memory for Ray's object store and torch's data loaders
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in mounts
     env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
     assert env["PPOJOB_ROLE"] == "actor" and env["HF_HOME"] == "/cache"  # no spoofing
     # the trainer's output lands on the checkpoint volume (one slash)
@@ -695,3 +699,60 @@ def test_a_gangs_objects_are_owned_and_namespaced_like_the_rest():
         assert pg["metadata"]["namespace"] == "ns2"
         assert pg["metadata"]["ownerReferences"][0]["uid"] == "u-9"
         assert pg["metadata"]["ownerReferences"][0]["name"] == "demo"
+
+
+def test_what_kubernetes_and_kuberay_read_from_the_children():
+    """Values read by the API server, the kubelet, KubeRay or Ray rather than by our code."""
+    job = make()
+    children = builders.build_children(job, namespace="ns1")
+    by_kind = {c["kind"]: c for c in children}
+    assert by_kind["RoleBinding"]["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "demo-trainer",
+    }
+    cluster = by_kind["RayJob"]["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert head["template"]["spec"]["containers"][0]["name"] == "ray-head"
+    assert head["template"]["metadata"]["labels"][builders.ROLE_LABEL] == "head"
+    for group in [head, *cluster["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert {
+        g["template"]["spec"]["containers"][0]["name"] for g in cluster["workerGroupSpecs"]
+    } == {"ray-worker"}
+
+
+def test_output_dir_keeps_the_checkpoint_dir_as_written():
+    job = make(
+        checkpointVolume={"persistentVolumeClaim": {"claimName": "c"}},
+        training={"checkpointDir": "/mnt/XX"},
+    )
+    assert builders.output_dir(job) == "/mnt/XX/output"
+
+
+def test_a_checkpoint_volume_without_a_source_mounts_nothing():
+    """Validation refuses it; the builder still builds (no checkpoints volume)."""
+    from ppojob_api.spec import PPOJob
+
+    job = PPOJob.model_validate(base_manifest(checkpointVolume={}))
+    volumes, mounts = builders._volumes(job)
+    assert "checkpoints" not in {v["name"] for v in volumes} | {m["name"] for m in mounts}
+
+
+def test_the_uid_reaches_the_gang_and_no_uid_means_no_owner():
+    """YuniKorn's application id covers the PPOJob's uid (a recreated job is a new app)."""
+    job = make("gae-separate-all", "yunikorn")
+
+    def app_id(uid):
+        rj = builders.build_children(job, namespace="ns1", uid=uid)[-1]
+        return rj["metadata"]["labels"]["yunikorn.apache.org/app-id"]
+
+    assert app_id("u-7") != app_id("u-8")
+    for child in builders.build_children(
+        make("gae-separate-all", "scheduler-plugins"), namespace="ns1"
+    ):
+        assert "ownerReferences" not in child["metadata"], child["kind"]

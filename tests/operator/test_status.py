@@ -587,3 +587,41 @@ def test_invalid_edit_status_keeps_generation_times_and_the_scheduler():
         now="t1",
     )
     assert no_kueue["phase"] == "Suspended"
+
+
+@pytest.mark.parametrize(
+    ("dep", "reason"),
+    [("New", "RayJobCreated"), ("", "RayJobCreated"), ("Waiting", "RayJobWaiting")],
+)
+def test_new_and_waiting_rayjobs(dep, reason):
+    phase, got, _ = phase_of(rayjob(dep), suspend=False, kueue=False)
+    assert (phase, got) == ("Pending" if reason == "RayJobCreated" else "Initializing", reason)
+
+
+def test_a_finished_job_has_the_rayjobs_end_time():
+    for dep, js in (("Complete", "SUCCEEDED"), ("Complete", "FAILED"), ("Failed", "")):
+        st = desired_status(
+            JOB, rayjob(dep, js, endTime="t9"), generation=1, previous=None, now="T"
+        )
+        assert st["completionTime"] == "t9", (dep, js)
+    running = desired_status(
+        JOB, rayjob("Running", "RUNNING", endTime="t9"), generation=1, previous=None, now="T"
+    )
+    assert "completionTime" not in running
+
+
+def test_invalid_edit_lists_every_problem():
+    from ppojob_operator.status import invalid_edit_status
+
+    problems = [Problem("spec.a", "bad"), Problem("spec.b", "worse")]
+    out = invalid_edit_status(
+        rayjob("Running", "RUNNING"),
+        problems,
+        name="demo",
+        suspend=False,
+        generation=2,
+        previous=None,
+        now="t",
+    )
+    cond = next(c for c in out["conditions"] if c["type"] == "SpecApplied")
+    assert cond["message"].endswith("unchanged: spec.a: bad; spec.b: worse")

@@ -573,6 +573,14 @@ def test_advantage_errors_name_the_function_and_argument(monkeypatch):
     def listed(**_):
         return r, [0.0]
 
+    @register_advantage_estimator("flat")
+    def flat(**_):
+        return torch.zeros(2), r
+
+    @register_advantage_estimator("nan")
+    def nan(**_):
+        return r, torch.full((2, 3), float("nan"))
+
     cases = [
         (lambda: compute_gae(r[:, :2], r, mask, 1.0, 1.0), "compute_gae: rewards shape (2, 2)"),
         (lambda: compute_gae(r, r[:, :2], mask, 1.0, 1.0), "compute_gae: values shape (2, 2)"),
@@ -641,8 +649,16 @@ def test_advantage_errors_name_the_function_and_argument(monkeypatch):
             "compute_advantages('listed'): returns must be [B, T] = (2, 3), got list",
         ),
         (
+            lambda: compute_advantages("flat", **_common()),
+            "compute_advantages('flat'): advantages must be [B, T] = (2, 3), got (2,)",
+        ),
+        (
+            lambda: compute_advantages("nan", **_common()),
+            "compute_advantages('nan'): returns has a non-finite value on a response token",
+        ),
+        (
             lambda: get_advantage_estimator("nope"),
-            "unknown advantage estimator 'nope'; registered: gae, grpo, ",
+            "unknown advantage estimator 'nope'; registered: flat, gae, grpo, ",
         ),
         (
             lambda: register_advantage_estimator(5),
