@@ -1068,3 +1068,11 @@ def test_check_spec_runs_the_cluster_checks_after_the_training_ones() -> None:
 )
 def test_quantity_bytes(quantity: str, expected: float) -> None:
     assert quantity_bytes(quantity) == expected
+
+
+def test_a_model_path_holding_a_semicolon_keeps_its_message_and_fix_apart() -> None:
+    """The message and the fix come from one "why; fix" string: a path that holds "; " itself
+    stays whole in the message."""
+    (problem,) = check_model_paths(spec(model__path="s3://a; b/model"), "spec")
+    assert problem.message.startswith("'s3://a; b/model': URIs are not loaded by the trainer")
+    assert problem.fix.startswith("copy the model into the image or a volume")

@@ -100,6 +100,6 @@ def check_model_paths(half: TrainingHalf, prefix: str = "spec") -> list[Problem]
         try:
             model_path_kind(value)
         except ValueError as exc:
-            why, _, fix = str(exc).partition("; ")
+            why, _, fix = str(exc).rpartition("; ")  # the path itself may hold "; "
             p.append(Problem(f"{prefix}.{field}", why, fix))
     return p
