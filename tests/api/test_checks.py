@@ -8,6 +8,8 @@ untested.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1076,3 +1078,27 @@ def test_a_model_path_holding_a_semicolon_keeps_its_message_and_fix_apart() -> N
     (problem,) = check_model_paths(spec(model__path="s3://a; b/model"), "spec")
     assert problem.message.startswith("'s3://a; b/model': URIs are not loaded by the trainer")
     assert problem.fix.startswith("copy the model into the image or a volume")
+
+
+# ---------------------------------------------------------------- what the user reads, verbatim
+MESSAGES = Path(__file__).with_name("check_messages.txt")
+
+
+def _every_message() -> str:
+    lines = []
+    for check, name, settings, _ in TABLE:
+        for problem in check(spec(**settings), "spec"):
+            lines.append(f"{check.__name__} | {name} | {problem}")
+    return "\n".join(lines) + "\n"
+
+
+def test_every_message_and_fix_reads_as_recorded() -> None:
+    """The full text of every problem the tables produce (field, message, fix), as a user reads
+    it in `ppojob validate` and the PPOJob's condition. A change of wording is a change a user
+    sees: review it in the diff of check_messages.txt, then record it with
+    `PPOJOB_RECORD_MESSAGES=1 pytest tests/api/test_checks.py -k reads_as_recorded`."""
+    text = _every_message()
+    if os.environ.get("PPOJOB_RECORD_MESSAGES") == "1":
+        MESSAGES.write_text(text)
+    recorded = MESSAGES.read_text().splitlines()
+    assert text.splitlines() == recorded
