@@ -98,8 +98,9 @@ GROUPS: dict[str, Group] = {
     "scheduling": Group(
         root="operator",
         package="ppojob_operator",
-        modules=["scheduling.py", "scheduling/*.py"],
+        modules=["scheduling.py"],
         tests=[
+            "tests/operator/test_scheduling.py",
             "tests/operator/test_builders.py",
             "tests/operator/test_status.py",
         ],

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from ppojob_api.base import dump
+from ppojob_api.checks.sizes import quantity_bytes
 from ppojob_api.problems import Problem
 from ppojob_api.spec import API_VERSION, GROUP, KIND, PLURAL, PPOJob
 from ppojob_api.validation import trainer_config_from_spec
@@ -352,7 +353,7 @@ def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
     head_requests = _resources(head.cpus, head.memory, 0)["requests"]
     if job.spec.submission_mode == "SidecarMode":
         cpu = head.cpus + SIDECAR_SUBMITTER_REQUESTS["cpu"]
-        mem = scheduling._parse_quantity(head.memory) + SIDECAR_SUBMITTER_REQUESTS["memory"]
+        mem = quantity_bytes(head.memory) + SIDECAR_SUBMITTER_REQUESTS["memory"]
         head_requests = {"cpu": _cpu(cpu), "memory": str(round(mem))}
     members = [scheduling.GangMember(1, head_requests)]
     for _, r in pod_roles(job):

@@ -81,6 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppojob_api.checks.sizes import quantity_bytes
 from ppojob_api.spec import PPOJob
 
 KUBERAY_BATCH_SCHEDULERS = ("", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler")
@@ -314,29 +315,6 @@ def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int | s
     return f"{head}-{digest}"
 
 
-def _parse_quantity(value: str) -> float:
-    """A Kubernetes quantity as a float (only what our builders emit: plain, m, Ki..Ei, k..E)."""
-    suffixes = {
-        "Ki": 2**10,
-        "Mi": 2**20,
-        "Gi": 2**30,
-        "Ti": 2**40,
-        "Pi": 2**50,
-        "Ei": 2**60,
-        "k": 1e3,
-        "M": 1e6,
-        "G": 1e9,
-        "T": 1e12,
-        "P": 1e15,
-        "E": 1e18,
-        "m": 1e-3,
-    }
-    for suffix in sorted(suffixes, key=len, reverse=True):
-        if value.endswith(suffix):
-            return float(value[: -len(suffix)]) * suffixes[suffix]
-    return float(value)
-
-
 def _format_quantity(name: str, total: float) -> str:
     if name == "memory":
         return f"{round(total)}"
@@ -352,7 +330,7 @@ def gang_totals(members: list[GangMember]) -> tuple[int, dict[str, str]]:
     sums: dict[str, float] = {}
     for m in members:
         for name, qty in m.requests.items():
-            sums[name] = sums.get(name, 0.0) + m.replicas * _parse_quantity(qty)
+            sums[name] = sums.get(name, 0.0) + m.replicas * quantity_bytes(qty)
     return count, {k: _format_quantity(k, v) for k, v in sorted(sums.items()) if v > 0}
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from ppojob_api.checks.sizes import quantity_bytes
 from ppojob_api.spec import total_gpus
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
@@ -447,7 +448,7 @@ def _advertised(group: dict) -> dict[str, float]:
     if "num-cpus" in params:
         out["CPU"] = float(params["num-cpus"])
     else:
-        out["CPU"] = float(math.ceil(scheduling._parse_quantity(limits["cpu"])))
+        out["CPU"] = float(math.ceil(quantity_bytes(limits["cpu"])))
     gpus = int(limits.get("nvidia.com/gpu", 0))
     if gpus:
         out["GPU"] = float(gpus)

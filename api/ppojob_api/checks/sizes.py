@@ -11,7 +11,7 @@ _QUANTITY_SUFFIX |= {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e
 
 
 def quantity_bytes(value: str) -> float:
-    """A Kubernetes memory quantity (`4Gi`, `512M`, `1000`) in bytes."""
+    """A Kubernetes quantity (`4Gi`, `512M`, `1000`, `500m`) as a number (bytes for memory)."""
     for suffix in sorted(_QUANTITY_SUFFIX, key=len, reverse=True):
         if value.endswith(suffix):
             return float(value[: -len(suffix)]) * _QUANTITY_SUFFIX[suffix]
