@@ -4,6 +4,7 @@ disagrees with a job's."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -162,3 +163,61 @@ def test_effective_scheduler_names_a_known_default_or_refuses() -> None:
     assert scheduling.effective_scheduler(job(), "") == "none"
     with pytest.raises(ValueError, match="unknown gang scheduler 'slurm'"):
         scheduling.effective_scheduler(job(), "slurm")
+
+
+def test_a_gang_of_half_a_cpu_keeps_it() -> None:
+    assert gang_totals([GangMember(1, {"cpu": "500m", "memory": "0"})]) == (1, {"cpu": "500m"})
+
+
+def test_yunikorn_app_id_is_a_readable_prefix_and_a_hash_of_the_whole_identity() -> None:
+    """At most 63 characters (a label value): `ppojob-<name>` cut to fit, then 10 hex digits of
+    the SHA-256 of namespace/name/uid/attempt; the first attempt is 0."""
+
+    def digest(ident: str) -> str:
+        return hashlib.sha256(ident.encode()).hexdigest()[:10]
+
+    assert (
+        scheduling.yunikorn_app_id("ns1", "demo", "u1") == f"ppojob-demo-{digest('ns1/demo/u1/0')}"
+    )
+    assert scheduling.yunikorn_app_id("ns1", "demo", None, 4) == (
+        f"ppojob-demo-{digest('ns1/demo//4')}"
+    )
+    long = "a" * 40 + "-" + "b" * 20
+    got = scheduling.yunikorn_app_id("ns1", long, "u1")
+    assert got == f"ppojob-{long}"[:52] + "-" + digest(f"ns1/{long}/u1/0")
+    assert len(got) == 63
+    # a cut that ends on '-' or '.' drops it: the value stays a valid label
+    dashed = "a" * 44 + "-.b"
+    assert scheduling.yunikorn_app_id("n", dashed, "u").startswith(f"ppojob-{'a' * 44}-")
+    assert "--" not in scheduling.yunikorn_app_id("n", dashed, "u")
+    first = plan(
+        job(gangScheduler="yunikorn"),
+        name="demo",
+        namespace="ns1",
+        scheduler="yunikorn",
+        members=MEMBERS,
+        uid="u1",
+    )
+    assert first.rayjob_labels["yunikorn.apache.org/app-id"] == scheduling.yunikorn_app_id(
+        "ns1", "demo", "u1", 0
+    )
+
+
+def test_kuberay_disagreement_says_what_to_change() -> None:
+    assert kuberay_disagreement("none", "scheduler-plugins") == (
+        "KubeRay runs with batchScheduler scheduler-plugins, which supports RayCluster only: "
+        'KubeRay fails every RayJob ("currently only RayCluster is supported"), so no PPOJob '
+        "can start. Unset KubeRay's batchScheduler (ppojob creates scheduler-plugins PodGroups "
+        "itself) and set the ppojob operator's kuberay.batchScheduler to match"
+    )
+    assert kuberay_disagreement("kueue", "volcano") == (
+        "spec.scheduling.gangScheduler is kueue, but KubeRay runs with batchScheduler volcano, "
+        "which it applies to every RayJob (the pods would go to volcano, not kueue). Set "
+        "spec.scheduling.gangScheduler: volcano, or run a KubeRay without a batchScheduler"
+    )
+    assert kuberay_disagreement("yunikorn", "") == (
+        "spec.scheduling.gangScheduler is yunikorn, but KubeRay runs without a batchScheduler, "
+        "so nothing would create the yunikorn gang. Start KubeRay with "
+        "batchScheduler.name=yunikorn (and tell the ppojob operator: "
+        "kuberay.batchScheduler=yunikorn), or choose kueue, scheduler-plugins or none"
+    )
