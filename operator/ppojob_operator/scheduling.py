@@ -316,8 +316,7 @@ def yunikorn_app_id(namespace: str, name: str, uid: str | None, attempt: int | s
 
 
 def _format_quantity(name: str, total: float) -> str:
-    if name == "memory":
-        return f"{round(total)}"
+    """CPU in whole cores or millicores; everything else (bytes, devices) as a whole number."""
     if name == "cpu":
         milli = round(total * 1000)
         return f"{milli // 1000}" if milli % 1000 == 0 else f"{milli}m"
