@@ -1016,6 +1016,22 @@ def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, ne
     assert f"at least {need / 2**30:.1f} GiB" in problem.message, problem.message
 
 
+TABLE += [
+    (
+        check_reward_function,
+        "a file name, not module:function",
+        {"data__rewardFunction": "rewards.py"},
+        ["spec.data.rewardFunction"],
+    ),
+    (
+        check_megatron_splits,
+        "a hub id named like a built-in is not split as the built-in",
+        {"model__path": "tiny-llama", "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}}},
+        [],
+    ),
+]
+
+
 @pytest.mark.parametrize(
     ("check", "settings", "expected"),
     [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],

@@ -110,7 +110,7 @@ def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     "set pipeline and context to 1",
                 )
             )
-        workers = roles.workers_of(name, needs_critic=True)
+        workers = roles.workers_of(name)
         if workers % mp.model_parallel:
             p.append(
                 Problem(
@@ -132,7 +132,7 @@ def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
         # an engine spans `tensor` GPUs of one pod (one node): they must tile the pod's GPUs
-        if gpus > 0 and gpus % mp.tensor:
+        if gpus % mp.tensor:  # 0 GPUs: no engine to fit
             owner = "the actor's pod" if spec.colocate_with_actor else "its pod"
             p.append(
                 Problem(

@@ -12,7 +12,7 @@ _QUANTITY_SUFFIX |= {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e
 
 def quantity_bytes(value: str) -> float:
     """A Kubernetes quantity (`4Gi`, `512M`, `1000`, `500m`) as a number (bytes for memory)."""
-    for suffix in sorted(_QUANTITY_SUFFIX, key=len, reverse=True):
+    for suffix in _QUANTITY_SUFFIX:  # no suffix ends another, so the order does not matter
         if value.endswith(suffix):
             return float(value[: -len(suffix)]) * _QUANTITY_SUFFIX[suffix]
     return float(value)
@@ -55,14 +55,14 @@ def check_sizes(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
         owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
         if owner.resources.gpus:
             continue  # GPU memory is the backend's memory plan's business
-        workers = max(roles.workers_of(name, needs_critic=True), 1)
+        workers = max(roles.workers_of(name), 1)
         dp = max(workers // spec.parallelism.model_parallel, 1)
         share = -(-n // dp)
         if name == "actor":
             mini = half.training.mini_batch_size or n
             share = half.training.micro_batch_size or max(mini // dp, 1)
         need = share * seq * per_token
-        have = quantity_bytes(owner.resources.memory) / max(owner.resources.gpus, 1)
+        have = quantity_bytes(owner.resources.memory)  # a CPU pod's (GPU pods skipped)
         if need > have:
             where = "actor" if owner is roles.actor else name
             problems.append(
