@@ -704,3 +704,17 @@ def test_gae_in_the_rewards_dtype_and_group_estimators_take_integer_scores():
         wide = {**batch, "token_rewards": torch.zeros(4, 2, dtype=torch.float64)}
         adv, _ = compute_advantages(name, **wide)
         assert adv.dtype == torch.float64, name
+
+
+def test_inputs_of_the_wrong_kind_are_named() -> None:
+    """A list where a tensor belongs, and a tensor of the wrong rank, name the function, the
+    argument and what came."""
+    from ppojob_trainer.algorithms.advantages import discounted_reverse_cumsum
+
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"^compute_gae: rewards must be a tensor, got list$"):
+        compute_gae([[0.0] * 3] * 2, torch.zeros(2, 3), mask, 1.0, 1.0)
+    with pytest.raises(
+        ValueError, match=r"^discounted_reverse_cumsum: x must be \[B, T\], got \(3,\)$"
+    ):
+        discounted_reverse_cumsum(torch.zeros(3), 0.9)
