@@ -30,9 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from time_to_reward import crossing  # noqa: E402
+from time_to_reward import EXAMPLE, crossing, run_command  # noqa: E402
 
-EXAMPLE = ROOT / "examples" / "ppojob-tiny.yaml"
 LAYOUTS = {
     # 2 workers, tensor parallel 2 (data parallel 1), megatron actor and critic.
     "megatron": [
@@ -54,22 +53,7 @@ def run_one(
     window: int = 10,
     hold: int = 10,
 ) -> dict[str, float | None]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ppojob_cli",
-        "run",
-        str(EXAMPLE),
-        "--out",
-        str(out),
-        "--seed",
-        str(seed),
-        "--steps",
-        str(steps),
-        "--no-progress",
-    ]
-    for s in LAYOUTS[backend]:
-        cmd += ["--set", s]
+    cmd = run_command(out, seed, *LAYOUTS[backend], steps=steps)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start

@@ -68,6 +68,18 @@ def _rows(out: Path) -> list[dict]:
     return rows
 
 
+def run_command(out: Path, seed: int, *sets: str, steps: int | None = None) -> list[str]:
+    """`ppojob run` of the tiny example into `out` with `seed`, `--set` overrides and an optional
+    step count (the command every time-to-reward bench times)."""
+    cmd = [sys.executable, "-m", "ppojob_cli", "run", str(EXAMPLE), "--out", str(out)]
+    cmd += ["--seed", str(seed), "--no-progress"]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
 def run_one(
     seed: int,
     mode: str,
@@ -77,20 +89,7 @@ def run_one(
     window: int = 10,
     hold: int = 10,
 ) -> dict[str, float | None]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ppojob_cli",
-        "run",
-        str(EXAMPLE),
-        "--out",
-        str(out),
-        "--seed",
-        str(seed),
-        "--no-progress",
-        "--set",
-        f"algorithm.advantageEstimator={mode}",
-    ]
+    cmd = run_command(out, seed, f"algorithm.advantageEstimator={mode}")
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         # SIGINT at its default in the run, even when this bench was started with it ignored
