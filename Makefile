@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test lint format crd docs images e2e clean control-plane mutation
+.PHONY: install demo test lint format crd docs images node-images e2e clean control-plane mutation
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ MUTATION_GROUPS ?=
 MUTATION_CHILDREN ?= 2
 mutation: $(STAMP)
 	$(PY) hack/mutation.py --max-children $(MUTATION_CHILDREN) $(MUTATION_GROUPS)
+
+## The images of the real-node tests (tests/realnode/): the pause image, the operator and the
+## CPU trainer from images/*.Dockerfile on a debootstrap base, built with buildah (no Docker, no
+## registry; root). Cached by content hash in ~/.cache/ppojob/images; `make test` builds them.
+node-images:
+	bash hack/images/build.sh
 
 ## Build both images (needs a Docker engine; not run in CI).
 images:

@@ -23,7 +23,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/versions.env"
 
 root="${PPOJOB_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ppojob/control-plane}"
-all=(etcd kubernetes scheduler-plugins kuberay kwok kueue)
+all=(etcd kubernetes scheduler-plugins kuberay kwok kueue node)
 
 # The versions.env variables each component is built from.
 versions_of() {
@@ -34,6 +34,7 @@ versions_of() {
   kuberay) echo "$KUBERAY_VERSION" ;;
   kwok) echo "$KWOK_VERSION" ;;
   kueue) echo "$KUEUE_VERSION" ;;
+  node) echo "$KUBERNETES_VERSION $KUBERNETES_STAGING_VERSION $COREDNS_VERSION" ;;
   *) return 1 ;;
   esac
 }
@@ -52,13 +53,14 @@ products_of() {
     echo bin/kueue kueue/crds/kueue.x-k8s.io_workloads.yaml kueue/webhooks.yaml \
       kueue/crd-conversion/webhook_in_workloads.yaml
     ;;
+  node) echo bin/kubelet bin/kube-proxy bin/coredns ;;
   esac
 }
 
 # A component's key: its versions and the text of the functions that build it.
 key_of() {
   local fns=("build_${1//-/_}" wrapper moddir copy_into)
-  case "$1" in kubernetes | scheduler-plugins) fns+=(kube_wrapper kube_ldflags) ;; esac
+  case "$1" in kubernetes | scheduler-plugins | node) fns+=(kube_wrapper kube_ldflags) ;; esac
   { versions_of "$1" && declare -f "${fns[@]}"; } | sha256sum | cut -c1-16
 }
 
@@ -198,6 +200,47 @@ build_kueue() {
     cp "$mod/crd/$p" "$1/kueue/crd-conversion/"
   done
   chmod -R u+w "$1/kueue"
+}
+
+# The real node of tests/cluster/realnode (tests/helpers/realnode.py): the kubelet and kube-proxy
+# of the same Kubernetes release, and CoreDNS with only the plugins a test cluster's DNS needs
+# (kubernetes, cache, errors, log, health, ready, bind): no `forward` plugin is compiled in, so
+# it cannot send a query off the machine whatever its Corefile says.
+build_node() {
+  local src c
+  src="$(kube_wrapper node "$1")"
+  for c in kubelet kube-proxy; do
+    log "  $c"
+    (cd "$src" && go build "${buildflags[@]}" -ldflags "$(kube_ldflags)" -o "$1/bin/$c" \
+      "k8s.io/kubernetes/cmd/$c")
+  done
+  log "  coredns $COREDNS_VERSION"
+  mkdir -p "$src/coredns"
+  cat >"$src/coredns/main.go" <<'GO'
+// CoreDNS for the test cluster: cluster.local from the API server, nothing forwarded.
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
+	"github.com/coredns/coredns/coremain"
+)
+
+func init() {
+	// the order of CoreDNS's plugin.cfg, restricted to the plugins above
+	dnsserver.Directives = []string{"bind", "ready", "health", "errors", "log", "cache", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+  (cd "$src" && go mod edit -require="github.com/coredns/coredns@$COREDNS_VERSION" &&
+    go build "${buildflags[@]}" -ldflags "-s -w" -o "$1/bin/coredns" ./coredns)
 }
 
 build_one() {

@@ -163,9 +163,10 @@ def _pem_key(key: Any) -> bytes:
     )
 
 
-def make_pki(out: Path) -> dict[str, Path]:
-    """CA, API-server serving cert, admin client cert (system:masters), SA signing key pair,
-    and a serving cert for 127.0.0.1 (webhook servers the API server calls)."""
+def make_pki(out: Path, api_ips: tuple[str, ...] = ()) -> dict[str, Path]:
+    """CA, API-server serving cert (127.0.0.1, the ``kubernetes`` Service's 10.0.0.1 and
+    ``api_ips``), admin client cert (system:masters), SA signing key pair, and a serving cert for
+    127.0.0.1 (webhook servers the API server calls)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -220,6 +221,7 @@ def make_pki(out: Path) -> dict[str, Path]:
         [
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+            *[x509.IPAddress(ipaddress.ip_address(ip)) for ip in api_ips],
             x509.DNSName("localhost"),
             x509.DNSName("kubernetes"),
             x509.DNSName("kubernetes.default"),
@@ -387,9 +389,22 @@ class ControlPlane:
     """Start, use and stop the control plane; ``kubectl`` runs as cluster admin."""
 
     def __init__(
-        self, workdir: Path, out: Path | None = None, apiserver_args: list[str] | None = None
+        self,
+        workdir: Path,
+        out: Path | None = None,
+        apiserver_args: list[str] | None = None,
+        api_address: str = "127.0.0.1",
+        real_nodes: bool = False,
     ) -> None:
+        """``real_nodes``: the cluster gets kubelets (tests/helpers/realnode.py) instead of KWOK:
+        the API server listens on ``api_address`` (the gateway of the pods' bridge, so pods reach
+        it through the ``kubernetes`` Service), keeps that Service's endpoints (lease
+        reconciler), reaches kubelets by InternalIP, and the controller manager also runs the
+        endpoint, Deployment/ReplicaSet, Job and volume-binding controllers. KWOK does not run:
+        with an endpoints controller, a fake pod's address would be a real destination."""
         self.workdir = workdir
+        self.api_address = api_address
+        self.real_nodes = real_nodes
         self.apiserver_args = apiserver_args or []
         self.out = out or build_control_plane()
         self.bin = self.out / "bin"
@@ -399,7 +414,7 @@ class ControlPlane:
         self.kubectl_bin = layer_tool("kubectl")
         self.helm_bin = layer_tool("helm")
         self.api_port = free_port()
-        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.server = f"https://{api_address}:{self.api_port}"
         self.pki: dict[str, Path] = {}
         self.admin_kubeconfig = workdir / "admin.kubeconfig"
         self.start_seconds: float | None = None
@@ -513,7 +528,8 @@ class ControlPlane:
         return self
 
     def _start_core(self) -> None:
-        self.pki = make_pki(self.workdir / "pki")
+        extra_ips = () if self.api_address == "127.0.0.1" else (self.api_address,)
+        self.pki = make_pki(self.workdir / "pki", extra_ips)
         etcd_port, peer_port = free_port(), free_port()
         etcd = self._spawn(
             "etcd",
@@ -542,8 +558,8 @@ class ControlPlane:
             [
                 str(self.bin / "kube-apiserver"),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.api_address}",
+                f"--advertise-address={self.api_address}",
                 f"--secure-port={self.api_port}",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
                 f"--tls-cert-file={p['apiserver.crt']}",
@@ -564,7 +580,17 @@ class ControlPlane:
                 "--requestheader-username-headers=X-Remote-User",
                 "--requestheader-group-headers=X-Remote-Group",
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-                "--endpoint-reconciler-type=none",
+                *(
+                    [
+                        "--endpoint-reconciler-type=lease",
+                        # a kubelet's name would be looked up through the machine's resolver
+                        "--kubelet-preferred-address-types=InternalIP",
+                        f"--kubelet-client-certificate={p['admin.crt']}",
+                        f"--kubelet-client-key={p['admin.key']}",
+                    ]
+                    if self.real_nodes
+                    else ["--endpoint-reconciler-type=none"]
+                ),
                 "--allow-privileged=true",
                 "--profiling=false",
                 "--v=1",
@@ -614,7 +640,14 @@ class ControlPlane:
                 "--leader-elect=false",
                 "--controllers=garbage-collector-controller,namespace-controller,"
                 "serviceaccount-controller,serviceaccount-token-controller,"
-                "root-ca-certificate-publisher-controller",
+                "root-ca-certificate-publisher-controller"
+                + (
+                    ",endpoints-controller,endpointslice-controller,deployment-controller,"
+                    "replicaset-controller,job-controller,persistentvolume-binder-controller,"
+                    "pod-garbage-collector-controller"
+                    if self.real_nodes
+                    else ""
+                ),
                 f"--service-account-private-key-file={p['sa.key']}",
                 f"--root-ca-file={p['ca.crt']}",
                 "--use-service-account-credentials=false",
@@ -676,19 +709,21 @@ class ControlPlane:
             ],
             env=env,
         )
-        kwok = self._spawn(
-            "kwok",
-            [
-                str(self.bin / "kwok"),
-                f"--kubeconfig={kc}",
-                f"--config={self.out / 'kwok-stages.yaml'}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={NODE_ANNOTATION}=fake",
-                "--cidr=10.244.0.0/16",
-                "--node-ip=10.244.0.1",
-                f"--server-address=127.0.0.1:{free_port()}",
-            ],
-        )
+        kwok: Component | None = None
+        if not self.real_nodes:
+            kwok = self._spawn(
+                "kwok",
+                [
+                    str(self.bin / "kwok"),
+                    f"--kubeconfig={kc}",
+                    f"--config={self.out / 'kwok-stages.yaml'}",
+                    "--manage-all-nodes=false",
+                    f"--manage-nodes-with-annotation-selector={NODE_ANNOTATION}=fake",
+                    "--cidr=10.244.0.0/16",
+                    "--node-ip=10.244.0.1",
+                    f"--server-address=127.0.0.1:{free_port()}",
+                ],
+            )
         self._wait_https(kcm, f"https://127.0.0.1:{kcm_port}/healthz")
         self._wait_https(sched, f"https://127.0.0.1:{sched_port}/readyz")
         self._wait_https(sp, f"https://127.0.0.1:{sp_port}/readyz")
@@ -704,7 +739,8 @@ class ControlPlane:
             60,
             "the default ServiceAccount (kube-controller-manager)",
         )
-        kwok.check_alive()
+        if kwok is not None:
+            kwok.check_alive()
 
     # ---- nodes
     def add_gpu_nodes(

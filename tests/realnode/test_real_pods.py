@@ -1,0 +1,489 @@
+"""PPOJobs end to end on a real node: `kubectl apply` -> the operator (the chart's Deployment)
+makes the RayJob -> KubeRay makes the head and worker pods as real containers of the trainer
+image built here -> Ray forms a cluster across them -> the trainer runs the PPO loop -> KubeRay
+reads the verdict from the Ray dashboard -> the PPOJob ends. Nothing here writes a status by hand.
+
+The job is the tiny example (count-up, 133k-parameter Llama) sized for this 2-core node: head
+0.3 CPU (+ KubeRay's 0.5-CPU submitter sidecar), one 1-CPU worker that holds actor, critic and
+rollout. Checkpoints go to a hostPath PersistentVolume the test provisions on the node, so the
+test reads the trainer's own metrics.jsonl and checkpoints from the host.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers.controlplane import wait_until
+from tests.helpers.realnode import GATEWAY
+from tests.realnode.conftest import RealCluster, operator_pod
+
+TRAINER_UID = 10001  # images/trainer.Dockerfile's USER
+RANDOM_REWARD = 0.03  # count-up's reward under the untrained policy (docs: ~0.03)
+STEPS = 40  # about 40 s of training on this node: several progress reports (every 5 s)
+
+
+def ppojob(
+    cluster: RealCluster,
+    name: str,
+    ns: str,
+    steps: int,
+    claim: str | None = None,
+    interval: int = 0,
+    backoff: int = 0,
+    image: str | None = None,
+    reward_function: str | None = None,
+    suspend: bool = False,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "image": image or cluster.trainer_image,
+        "imagePullPolicy": "Never",  # imported into the node; there is no registry
+        "head": {"cpus": 0.3, "memory": "3Gi"},
+        "model": {"path": "builtin:tiny-llama"},
+        "roles": {
+            "actor": {"replicas": 1, "resources": {"cpus": 1, "memory": "4Gi"}},
+            "rollout": {"colocateWithActor": True},
+        },
+        "algorithm": {
+            "advantageEstimator": "gae",
+            "kl": {"coefficient": 0.1, "estimator": "low_var_kl", "mode": "loss"},
+        },
+        "data": {
+            "prompts": "builtin:count-up",
+            "rolloutBatchSize": 16,
+            "samplesPerPrompt": 8,
+            "maxPromptLength": 4,
+            "maxResponseLength": 8,
+        },
+        "training": {"steps": steps, "seed": 1, "learningRate": 1.0e-3, "miniBatchSize": 64},
+        "scheduling": {"gangScheduler": "none"},
+        "backoffLimit": backoff,
+    }
+    if reward_function:
+        spec["data"]["rewardFunction"] = reward_function
+    if claim:
+        spec["checkpointVolume"] = {"persistentVolumeClaim": {"claimName": claim}}
+        spec["training"].update({"checkpointDir": "/ckpt", "checkpointInterval": interval})
+    if suspend:
+        spec["suspend"] = True
+    return {
+        "apiVersion": "ppojob.io/v1alpha1",
+        "kind": "PPOJob",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+
+
+def namespace(cluster: RealCluster, ns: str) -> None:
+    cluster.kubectl("create", "namespace", ns)
+
+
+def volume(cluster: RealCluster, ns: str, claim: str = "ckpt") -> Path:
+    """A hostPath PersistentVolume on the node, bound to PVC ``claim`` in ``ns``; returns the
+    host directory (writable by the trainer image's user)."""
+    host = cluster.workdir / "volumes" / ns
+    host.mkdir(parents=True)
+    host.chmod(0o777)
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"pv-{ns}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "manual",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(host), "type": "Directory"},
+            "claimRef": {"namespace": ns, "name": claim},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim, "namespace": ns},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "manual",
+            "resources": {"requests": {"storage": "1Gi"}},
+            "volumeName": f"pv-{ns}",
+        },
+    }
+    cluster.cp.apply([pv, pvc])
+    return host
+
+
+def apply(cluster: RealCluster, doc: dict[str, Any]) -> None:
+    cluster.cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+
+def get_job(cluster: RealCluster, ns: str, name: str) -> dict[str, Any]:
+    job = cluster.cp.get("ppojobs.ppojob.io", name, ns)
+    assert job is not None, f"PPOJob {ns}/{name} is gone"
+    return job
+
+
+def job_pods(cluster: RealCluster, ns: str) -> list[dict[str, Any]]:
+    pods = cluster.cp.get("pods", namespace=ns) or {}
+    return [
+        p for p in pods.get("items", []) if "ray.io/node-type" in p["metadata"].get("labels", {})
+    ]
+
+
+def pod_of(cluster: RealCluster, ns: str, node_type: str) -> dict[str, Any] | None:
+    live = [
+        p
+        for p in job_pods(cluster, ns)
+        if p["metadata"]["labels"]["ray.io/node-type"] == node_type
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+    return live[0] if live else None
+
+
+def table_row(cluster: RealCluster, ns: str, name: str) -> dict[str, str]:
+    """`kubectl get ppojobs` as a user reads it: the printer columns of the CRD."""
+    text = cluster.kubectl("get", "ppojobs", "-n", ns, name)
+    head, row = text.splitlines()[:2]
+    cols = head.split()
+    # the value of a column starts where its header starts
+    starts = [head.index(c) for c in cols] + [len(row) + 1]
+    return {c: row[starts[i] : starts[i + 1]].strip() for i, c in enumerate(cols)}
+
+
+def watch(
+    cluster: RealCluster,
+    ns: str,
+    name: str,
+    timeout: float,
+    on_row: Callable[[dict[str, str], dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """Poll the job's table row until it ends (Succeeded or Failed); every distinct row seen is
+    returned, in order, with the final object."""
+    rows: list[dict[str, str]] = []
+
+    def ended() -> dict[str, Any] | None:
+        row = table_row(cluster, ns, name)
+        if not rows or row != rows[-1]:
+            rows.append(row)
+        job = get_job(cluster, ns, name)
+        if on_row is not None:
+            on_row(row, job)
+        return job if job.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
+
+    job = wait_until(ended, timeout, f"PPOJob {ns}/{name} to end", interval=1.0)
+    return job, rows
+
+
+def metrics(host: Path) -> list[dict[str, Any]]:
+    """The trainer's metrics.jsonl from the checkpoint volume (every attempt appends to it)."""
+    path = host / "output" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoints(host: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in host.glob("step-*") if p.is_dir())
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in job["status"].get("conditions", []) if c["type"] == type_), {})
+
+
+# --------------------------------------------------------------------------- a job that trains
+
+
+TOKEN_PROBE = r"""
+import json, os, ssl, sys, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+token = open(f"{sa}/token").read()
+ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+env = os.environ
+base = f"https://{env['KUBERNETES_SERVICE_HOST']}:{env['KUBERNETES_SERVICE_PORT']}"
+ns = open(f"{sa}/namespace").read()
+jobs = f"/apis/ppojob.io/v1alpha1/namespaces/{ns}/ppojobs"
+own, other = sys.argv[1:3]
+out = {}
+for label, method, path, body in [
+    ("own status", "PATCH", f"{jobs}/{own}/status", {"status": {}}),
+    ("other status", "PATCH", f"{jobs}/{other}/status", {"status": {}}),
+    ("own spec", "PATCH", f"{jobs}/{own}", {"spec": {"suspend": True}}),
+    ("secrets", "GET", f"/api/v1/namespaces/{ns}/secrets", None),
+]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {token}"}
+    headers["Content-Type"] = "application/merge-patch+json"
+    req = urllib.request.Request(base + path, method=method, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            out[label] = r.status
+    except urllib.error.HTTPError as e:
+        out[label] = e.code
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
+    """One tiny job run to the end, observed on the way: its table rows, a token probe from
+    inside its head pod, the pods' network, `kubectl logs` of the head."""
+    cluster, ns, name = real_cluster, "train", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    # a second job in the namespace, suspended (it never runs): the token must not reach it
+    apply(cluster, ppojob(cluster, "other", ns, 5, suspend=True))
+    apply(cluster, ppojob(cluster, name, ns, STEPS, claim="ckpt", interval=10))
+    seen: dict[str, Any] = {"pods": {}}
+    probes: list[threading.Thread] = []
+
+    def probe() -> None:
+        """From inside the running job (on a thread of its own: the watch goes on polling)."""
+        head, worker = pod_of(cluster, ns, "head"), pod_of(cluster, ns, "worker")
+        assert head is not None and worker is not None
+        head_name = head["metadata"]["name"]
+        argv = ["python", "-c", TOKEN_PROBE, name, "other"]
+        out = cluster.kubectl("exec", "-n", ns, head_name, "-c", "ray-head", "--", *argv)
+        seen["token"] = json.loads(out.strip().splitlines()[-1])
+        seen["network"] = cluster.node.network_report(ns, head_name)
+        seen["worker network"] = cluster.node.network_report(ns, worker["metadata"]["name"])
+        seen["logs"] = cluster.kubectl("logs", "-n", ns, head_name, "-c", "ray-head")
+        seen["listeners"] = cluster.node.listeners()
+
+    def observe(row: dict[str, str], job: dict[str, Any]) -> None:
+        step = (job.get("status", {}).get("progress") or {}).get("step") or 0
+        for p in job_pods(cluster, ns):
+            seen["pods"][p["metadata"]["name"]] = p
+        if step >= 3 and not probes:
+            probes.append(threading.Thread(target=probe, daemon=True))
+            probes[0].start()
+
+    t0 = time.monotonic()
+    job, rows = watch(cluster, ns, name, 600, observe)
+    for t in probes:
+        t.join(120)
+    seen.update(job=job, rows=rows, host=host, seconds=time.monotonic() - t0)
+    seen["rayjob"] = cluster.cp.get("rayjobs.ray.io", name, ns)
+    yield seen
+
+
+def test_the_job_trains_in_pods_kuberay_made_and_succeeds(trained: dict[str, Any]) -> None:
+    job, rayjob = trained["job"], trained["rayjob"]
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    # KubeRay's own verdict, read from the Ray dashboard of the head pod
+    assert rayjob["status"]["jobStatus"] == "SUCCEEDED", rayjob["status"]
+    assert rayjob["status"]["jobDeploymentStatus"] == "Complete", rayjob["status"]
+    # the pods were real containers of the trainer image, on the real node, with pod addresses
+    pods = trained["pods"].values()
+    types = {p["metadata"]["labels"]["ray.io/node-type"] for p in pods}
+    assert types == {"head", "worker"}, types
+    for p in pods:
+        assert p["spec"]["nodeName"] == "node-0"
+        assert p["status"].get("podIP", "").startswith("10.77.0."), p["status"]
+        for c in p["status"].get("containerStatuses", []):
+            assert c["containerID"].startswith("containerd://"), c
+    assert job["status"]["progress"]["step"] == STEPS
+
+
+def test_kubectl_get_ppojobs_shows_step_and_reward_moving(trained: dict[str, Any]) -> None:
+    rows = trained["rows"]
+    steps = [int(r["STEP"]) for r in rows if r.get("STEP", "").isdigit()]
+    rewards = [float(r["REWARD"]) for r in rows if r.get("REWARD")]
+    assert len(set(steps)) >= 3, rows
+    assert steps == sorted(steps), steps
+    assert len(set(rewards)) >= 2, rows
+    phases = [r["PHASE"] for r in rows if r.get("PHASE")]
+    assert "Running" in phases and phases[-1] == "Succeeded", phases
+
+
+def test_the_final_reward_is_clearly_above_the_start(trained: dict[str, Any]) -> None:
+    """From the trainer's own metrics on the checkpoint volume: steps 1..STEPS in order, and the
+    last five steps' mean reward at least twice the first step's and 0.03 above it (the first
+    step scores the untrained policy, ~0.03; 128 samples x 8 positions a step)."""
+    rows = metrics(trained["host"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first = rows[0]["reward_mean"]
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert first < 2 * RANDOM_REWARD, first
+    assert last >= 2 * first and last >= first + 0.03, (first, last)
+    # the status carries the trainer's last report
+    assert trained["job"]["status"]["progress"]["rewardMean"] == pytest.approx(
+        rows[-1]["reward_mean"]
+    )
+    # and the checkpoints of interval 10 and the end are on the volume
+    assert checkpoints(trained["host"])[-1] == STEPS
+
+
+def test_the_jobs_token_patches_only_its_own_jobs_status(trained: dict[str, Any]) -> None:
+    assert trained["token"] == {
+        "own status": 200,
+        "other status": 403,
+        "own spec": 403,
+        "secrets": 403,
+    }
+
+
+def test_kubectl_logs_reach_the_head_pod(trained: dict[str, Any]) -> None:
+    # API server -> kubelet (by InternalIP) -> containerd's stream server: the driver's log
+    assert "ppojob" in trained["logs"].lower(), trained["logs"][-2000:]
+
+
+def test_pods_reach_only_their_subnet_and_services(trained: dict[str, Any]) -> None:
+    """The network rule, checked inside the pods' network namespaces and on the host."""
+    for key in ("network", "worker network"):
+        report = trained[key]
+        routes = sorted(r.split()[0] for r in report["routes"])
+        assert routes == ["10.0.0.0/24", "10.77.0.0/24"], report["routes"]  # no default route
+        assert report["masquerade"] == [], report["masquerade"]
+        assert "forward" not in report["corefile"]
+
+
+def test_every_listener_of_the_run_is_on_loopback_or_the_pod_network(
+    trained: dict[str, Any],
+) -> None:
+    """`ss -lntup` on the host while the job runs: every socket the control plane, the node and
+    containerd's shims listen on is on 127.0.0.1 or the bridge's gateway (the API server, the
+    kubelet and CoreDNS, which pods must reach); nothing on all interfaces."""
+    found = trained["listeners"]
+    names = {name for _, name in found}
+    assert {"kube-apiserver", "kubelet", "coredns", "containerd"} <= names, found
+    for addr, name in found:
+        host = addr.rsplit(":", 1)[0]
+        assert host in ("127.0.0.1", "[::1]", GATEWAY), (name, addr)
+
+
+def test_the_operator_runs_as_the_charts_deployment(real_cluster: RealCluster) -> None:
+    pod = operator_pod(real_cluster)
+    assert pod["status"]["phase"] == "Running"
+    assert pod["spec"]["nodeName"] == "node-0"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == real_cluster.images["operator"]
+    # in-cluster configuration: the ServiceAccount token, no kubeconfig
+    assert not any(e.get("name") == "KUBECONFIG" for e in container.get("env", []))
+    mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_reward_function_that_raises_fails_the_job_with_its_message(
+    real_cluster: RealCluster,
+) -> None:
+    cluster, ns = real_cluster, "reward-raises"
+    namespace(cluster, ns)
+    # os.path.join takes any arguments, then refuses the lists the reward gets
+    apply(cluster, ppojob(cluster, "bad-reward", ns, 5, reward_function="posixpath:join"))
+    job, _ = watch(cluster, ns, "bad-reward", 400)
+    assert job["status"]["phase"] == "Failed"
+    message = condition(job, "Failed").get("message", "")
+    assert "data.rewardFunction" in message and "posixpath:join" in message, message
+    assert "TypeError" in message, message
+
+
+def test_an_image_that_does_not_exist_fails_the_job_with_the_reason(
+    real_cluster: RealCluster,
+) -> None:
+    cluster, ns = real_cluster, "no-image"
+    namespace(cluster, ns)
+    missing = "localhost/ppojob-trainer:does-not-exist"
+    apply(cluster, ppojob(cluster, "no-image", ns, 5, image=missing))
+    job, _ = watch(cluster, ns, "no-image", 300)
+    assert job["status"]["phase"] == "Failed"
+    message = condition(job, "Failed").get("message", "")
+    assert missing in message and "ErrImageNeverPull" in message, message
+    # and nothing is left running for it
+    wait_until(lambda: not job_pods(cluster, ns), 120, "the job's pods to go")
+
+
+# --------------------------------------------------------------------------- disruptions
+
+
+def attempts(rows: list[dict[str, Any]]) -> list[list[int]]:
+    """The steps of each attempt in metrics.jsonl (every attempt appends; its clock restarts)."""
+    out: list[list[int]] = []
+    last = None
+    for r in rows:
+        t = r.get("elapsed_seconds")
+        if last is None or t is None or t < last:
+            out.append([])
+        out[-1].append(int(r["step"]))
+        last = t
+    return out
+
+
+def progress_step(job: dict[str, Any]) -> int:
+    return int(((job.get("status") or {}).get("progress") or {}).get("step") or 0)
+
+
+DISRUPTION_STEPS = 24
+
+
+@pytest.mark.parametrize("node_type", ["worker", "head"])
+def test_a_lost_pod_is_retried_and_resumes_from_the_newest_checkpoint(
+    real_cluster: RealCluster, node_type: str
+) -> None:
+    """Delete a pod mid-training: the run fails, KubeRay retries it (spec.backoffLimit) with a
+    new Ray cluster, the trainer resumes from the newest checkpoint (interval 1) on the volume,
+    and the job finishes. No step is lost but the one in flight: the retry starts right after
+    the last step the first attempt completed, or at that step (its checkpoint unfinished)."""
+    cluster, ns, name = real_cluster, f"lose-{node_type}", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=1, backoff=2))
+    deleted: dict[str, Any] = {}
+
+    def disrupt(row: dict[str, str], job: dict[str, Any]) -> None:
+        if deleted or progress_step(job) < 6:
+            return
+        pod = pod_of(cluster, ns, node_type)
+        assert pod is not None
+        deleted.update(step=progress_step(job), pod=pod["metadata"]["name"])
+        cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
+
+    job, _ = watch(cluster, ns, name, 900, disrupt)
+    assert deleted, "the job ended before a pod was deleted"
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    rayjob = cluster.cp.get("rayjobs.ray.io", name, ns)
+    assert rayjob["status"]["failed"] >= 1, rayjob["status"]  # KubeRay retried the run
+    runs = attempts(metrics(host))
+    assert len(runs) == 2, runs
+    first, second = runs
+    assert first == list(range(1, len(first) + 1))
+    assert first[-1] >= deleted["step"]  # the first attempt got at least as far as reported
+    assert second[0] in (first[-1], first[-1] + 1), (first, second)  # at most one step redone
+    assert second == list(range(second[0], DISRUPTION_STEPS + 1))
+
+
+def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
+    real_cluster: RealCluster,
+) -> None:
+    cluster, ns, name = real_cluster, "suspend", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=1))
+    wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 6, 600, "step 6", interval=1.0)
+    cluster.cp.kubectl(
+        "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+    )
+    wait_until(
+        lambda: get_job(cluster, ns, name)["status"].get("phase") == "Suspended",
+        300,
+        "phase Suspended",
+        interval=1.0,
+    )
+    wait_until(lambda: not job_pods(cluster, ns), 300, "every pod of the job to go", interval=1.0)
+    saved = checkpoints(host)
+    assert saved and saved[-1] >= 6, saved  # the checkpoint stays on the volume
+    cluster.cp.kubectl(
+        "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    job, _ = watch(cluster, ns, name, 900)
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    runs = attempts(metrics(host))
+    assert len(runs) == 2, runs
+    assert runs[1][0] == saved[-1] + 1, (saved, runs)  # resumed from the newest checkpoint
+    assert runs[1][-1] == DISRUPTION_STEPS
