@@ -27,6 +27,7 @@ ownerReferences. kopf runs standalone (no peering); its own events are posted on
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import time
@@ -38,7 +39,7 @@ import kopf
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
-from ppojob_operator import capabilities, k8s, metrics
+from ppojob_operator import capabilities, k8s, metrics, pods
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import (
     KUEUE_QUEUE_LABEL,
@@ -326,7 +327,9 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
                 desired = invalid_status(problems, generation=generation, previous=base, now=_now())
         elif job is None:
             return False
-        elif rj is None:
+        elif rj is None or (note is not None and note[0] == "Failed"):
+            # a verdict of the operator's own (refused, RayJobDeleted, ImageUnavailable) holds
+            # over whatever the RayJob says meanwhile
             if note is None:
                 return False  # the create handler writes the first status
             desired = note_status(job, *note, generation=generation, previous=base, now=_now())
@@ -720,6 +723,30 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
     await sync_status(state, st)
 
 
+async def on_pod_event(state: State, pod: dict[str, Any]) -> None:
+    """A pod of one of our jobs changed: an image it cannot get fails the job (the verdict is
+    written first, then the RayJob is suspended so that KubeRay removes every pod of it)."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(JOB_LABEL)
+    if not name or meta.get("deletionTimestamp"):
+        return
+    st = state.get((meta.get("namespace") or "", name))
+    if st is None or st.body is None or (st.note or ("",))[0] == "Failed":
+        return
+    why = pods.unavailable_image(pod, dt.datetime.now(dt.timezone.utc))
+    if why is None:
+        return
+    if (st.body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return
+    st.note = ("Failed", pods.REASON, why)
+    await _event_once(st, st.body, "Warning", pods.REASON, why)
+    await sync_status(state, st)
+    rayjob = owned_by(st.rayjob, st.uid)
+    if rayjob is not None:
+        ns, rj_name = st.key[0], rayjob["metadata"]["name"]
+        await k8s.apatch("ray.io/v1", "RayJob", ns, rj_name, {"spec": {"suspend": True}})
+
+
 # ---------------------------------------------------------------------------------------------
 # kopf wiring
 # ---------------------------------------------------------------------------------------------
@@ -742,6 +769,8 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
             settings.watching.label_selectors[group, plural] = (
                 f"app.kubernetes.io/managed-by={MANAGED_BY}"
             )
+        # Pods (KubeRay's, of our jobs only): the key of the label, no value
+        settings.watching.label_selectors["", "pods"] = JOB_LABEL
 
     @kopf.on.startup(registry=registry)
     async def _detect_kuberay(**_: Any) -> None:
@@ -770,6 +799,19 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     @metrics.instrumented("rayjob_event")
     async def _rayjob_event(type: str | None, body: Any, **_: Any) -> None:
         await on_rayjob_event(state, type, _plain(body))
+
+    def _waiting(body: Any, **_: Any) -> bool:
+        statuses = (body.get("status") or {}).get("containerStatuses") or []
+        statuses += (body.get("status") or {}).get("initContainerStatuses") or []
+        return any("waiting" in (cs.get("state") or {}) for cs in statuses)
+
+    # Only pods with a container waiting (filtered before kopf invokes and logs the handler)
+    @kopf.on.event(
+        "", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, when=_waiting, registry=registry
+    )
+    @metrics.instrumented("pod_event")
+    async def _pod_event(body: Any, **_: Any) -> None:
+        await on_pod_event(state, _plain(body))
 
     def _deleted(type: str | None, **_: Any) -> bool:
         return type == "DELETED"

@@ -14,6 +14,8 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
 - PodGroups of scheduler-plugins: the same. Volcano's PodGroups are KubeRay's; the operator
   never reads them, so it gets no access to them.
 - Kueue Workloads: read, listed and patched (``spec.active``: suspend and resume under Kueue).
+- Pods of its jobs: listed and watched (only those labelled ``ppojob.io/job``, filtered
+  server-side), read-only: an image a pod cannot get fails its job at once (``pods.py``).
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
 - CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
   (SidecarMode support). Namespaces list/watch: cluster-wide mode.
@@ -64,6 +66,11 @@ OPERATOR_RULES: list[dict] = [
         "apiGroups": ["kueue.x-k8s.io"],
         "resources": ["workloads"],
         "verbs": ["get", "list", "patch"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["pods"],
+        "verbs": ["list", "watch"],
     },
     {
         "apiGroups": [""],

@@ -649,3 +649,41 @@ def test_an_unowned_object_holding_a_childs_name_is_never_adopted(cluster):
         assert writes == []
         assert kube.get(*RJ, "ns1", "demo") is None
         assert cond("SpecApplied").get("reason") == "ChildConflict"
+
+
+def test_a_pod_that_cannot_get_its_image_fails_the_job_and_suspends_its_rayjob(cluster):
+    """KubeRay keeps such a RayJob Initializing for ever; the operator reads the kubelet's
+    waiting reason from the pod, fails the job naming the image, and suspends the RayJob so
+    KubeRay removes its pods. (On real pods: tests/realnode, an image that does not exist.)"""
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
+        wait_for(phase_is("Pending"))
+        waiting = {"reason": "ErrImageNeverPull", "message": "image is not present"}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "demo-head-x",
+                "namespace": "ns1",
+                "labels": {"ppojob.io/job": "demo"},
+            },
+            "spec": {"containers": [{"name": "ray-head", "image": "reg/trainer:bad"}]},
+            "status": {
+                "containerStatuses": [
+                    {"name": "ray-head", "image": "reg/trainer:bad", "state": {"waiting": waiting}}
+                ]
+            },
+        }
+        kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
+        wait_for(phase_is("Failed"), timeout=20)
+        failed = cond("Failed")
+        assert failed["reason"] == "ImageUnavailable"
+        assert "reg/trainer:bad" in failed["message"] and "ErrImageNeverPull" in failed["message"]
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"].get("suspend") is True, timeout=20)
+        # the RayJob's later statuses do not turn the verdict back
+        set_rayjob_status({"jobDeploymentStatus": "Suspended"})
+        kube.patch(*PPO, "ns1", "demo", {"metadata": {"labels": {"touch": "1"}}})
+        wait_for(lambda: kube.get(*PPO, "ns1", "demo")["metadata"]["labels"].get("touch"))
+        assert job_status()["phase"] == "Failed"
+        assert any(e["reason"] == "ImageUnavailable" for e in events())
