@@ -23,11 +23,60 @@ _Loader.add_implicit_resolver(
 _MERGE = "tag:yaml.org,2002:merge"
 
 
-def _duplicate_keys(node: yaml.Node, path: str, out: list[Problem]) -> None:
-    if isinstance(node, yaml.MappingNode):
+MAX_NODES = 100_000
+"""The most values a document may hold once its aliases are expanded. A PPOJob manifest has a
+few hundred; a small file of nested aliases (an "alias bomb") expands to billions, which every
+reader of the document (this check, defaulting, validation) would walk for ever."""
+MAX_DEPTH = 64
+"""The deepest nesting a document may have (a PPOJob manifest nests about ten levels)."""
+
+
+class _ShapeError(Exception):
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+
+
+def _duplicate_keys(
+    node: yaml.Node, path: str, out: list[Problem], stack: set[int], seen_nodes: list[int]
+) -> None:
+    """Duplicate keys under `node`, following aliases: an alias into its own anchor (a recursive
+    document) and a document of more than MAX_NODES values or MAX_DEPTH levels are refused
+    (raise _ShapeError) instead of recursing or expanding for ever."""
+    where = path or "<document>"
+    if id(node) in stack:
+        raise _ShapeError(
+            Problem(
+                where,
+                "refers to itself through a YAML alias (an anchor `&name` whose own value "
+                "contains `*name`)",
+                "write the value out instead of the recursive alias",
+            )
+        )
+    seen_nodes[0] += 1
+    if seen_nodes[0] > MAX_NODES:
+        raise _ShapeError(
+            Problem(
+                "<file>",
+                f"expands to more than {MAX_NODES:,} values through YAML aliases (`*name`)",
+                "write the values out, without aliases of aliases",
+            )
+        )
+    if len(stack) >= MAX_DEPTH:
+        raise _ShapeError(
+            Problem(where, f"nests more than {MAX_DEPTH} levels deep", "flatten the document")
+        )
+    if not isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+        return
+    stack.add(id(node))
+    try:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                _duplicate_keys(item, f"{path}[{i}]", out, stack, seen_nodes)
+            return
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _MERGE or not isinstance(key_node, yaml.ScalarNode):
+                _duplicate_keys(value_node, path, out, stack, seen_nodes)
                 continue
             key = key_node.value
             here = f"{path}.{key}" if path else str(key)
@@ -43,10 +92,9 @@ def _duplicate_keys(node: yaml.Node, path: str, out: list[Problem]) -> None:
                 )
             else:
                 seen[key] = line
-            _duplicate_keys(value_node, here, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _duplicate_keys(item, f"{path}[{i}]", out)
+            _duplicate_keys(value_node, here, out, stack, seen_nodes)
+    finally:
+        stack.discard(id(node))
 
 
 def load_yaml_documents(text: str, source: str = "") -> list[Any]:
@@ -60,9 +108,11 @@ def load_yaml_documents(text: str, source: str = "") -> list[Any]:
         while loader.check_node():
             node = loader.get_node()
             dup: list[Problem] = []
-            _duplicate_keys(node, "", dup)
+            _duplicate_keys(node, "", dup, set(), [0])
             problems += [Problem(f"{len(docs) + 1}\0{d.path}", d.message, d.fix) for d in dup]
             docs.append(loader.construct_document(node))
+    except _ShapeError as exc:
+        raise SpecError([exc.problem], source) from None
     except yaml.YAMLError as exc:
         raise SpecError(
             [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
