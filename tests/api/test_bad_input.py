@@ -4,14 +4,20 @@ table holds bad inputs and their valid neighbours."""
 
 from __future__ import annotations
 
+import copy
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from ppojob_api.problems import SpecError
-from ppojob_api.validation import load_manifests
+from ppojob_api.validation import load_manifests, validate_manifest
 from ppojob_api.yamlio import load_yaml_documents
 
+EXAMPLES = Path(__file__).parents[2] / "examples"
+TINY = yaml.safe_load((EXAMPLES / "ppojob-tiny.yaml").read_text())
 HEAD = "apiVersion: ppojob.io/v1alpha1\nkind: PPOJob\nmetadata: {name: job}\n"
 
 
@@ -65,3 +71,49 @@ def test_ordinary_aliases_still_load(text: str) -> None:
 def test_duplicate_keys_inside_a_merged_block_are_still_found() -> None:
     with pytest.raises(SpecError, match=r"d\.x: duplicate key"):
         load_yaml_documents("base: &b {x: 1}\nd:\n  <<: {x: 1, x: 2}\n")
+
+
+# --- item 1: batch-size problems are blamed where the value was written ------------------------
+def _tiny(**training: object) -> dict[str, Any]:
+    doc = copy.deepcopy(TINY)
+    doc["spec"]["training"].update(training)
+    return doc
+
+
+def _paths(doc: dict[str, Any]) -> list[str]:
+    try:
+        validate_manifest(doc)
+    except SpecError as exc:
+        return [p.path for p in exc.problems]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("training", "critic", "expected"),
+    [
+        ({"miniBatchSize": 7}, None, ["spec.training.miniBatchSize"]),
+        ({"microBatchSize": 3}, None, ["spec.training.microBatchSize"]),
+        ({"microBatchSize": 3}, {"colocateWithActor": True}, ["spec.training.microBatchSize"]),
+        # the critic's own override is blamed as its user spelled it
+        (
+            {},
+            {"colocateWithActor": True, "overrides": {"micro_batch_size": 3}},
+            ["spec.roles.critic.overrides.micro_batch_size"],
+        ),
+        # an override that repairs the critic's batches leaves only the actor's problem
+        (
+            {"microBatchSize": 3},
+            {"colocateWithActor": True, "overrides": {"microBatchSize": 4}},
+            ["spec.training.microBatchSize"],
+        ),
+        ({"miniBatchSize": 64}, None, []),
+        ({"miniBatchSize": 64, "microBatchSize": 8}, {"colocateWithActor": True}, []),
+    ],
+)
+def test_batch_problems_are_reported_once_where_written(
+    training: dict[str, Any], critic: dict[str, Any] | None, expected: list[str]
+) -> None:
+    doc = _tiny(**training)
+    if critic is not None:
+        doc["spec"]["roles"]["critic"] = critic
+    assert _paths(doc) == expected

@@ -317,7 +317,7 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "training__miniBatchSize": 8,
             "training__microBatchSize": 3,
         },
-        ["spec.training.microBatchSize", "spec.roles.critic.overrides.microBatchSize"],
+        ["spec.training.microBatchSize"],  # once: the critic inherits it, nobody wrote an override
     ),
     (
         check_batches,
@@ -595,7 +595,7 @@ TABLE += [
             "data__samplesPerPrompt": 1,
             "training__miniBatchSize": 4,
         },
-        ["spec.roles.critic.overrides.miniBatchSize"],
+        ["spec.training.miniBatchSize"],  # the critic inherits it; no override was written
     ),
     (
         check_extended_resources,
@@ -811,8 +811,13 @@ FACTS: list[tuple[Any, dict[str, Any], str, list[str]]] = [
             "training__miniBatchSize": 4,
             "data__rolloutBatchSize": 4,
         },
-        "spec.roles.critic.overrides.miniBatchSize",
-        ["the critic's mini-batch of 4 samples does not split over its 3 data-parallel workers"],
+        "spec.training.miniBatchSize",
+        [
+            "the critic's mini-batch of 4 samples does not split over its 3 data-parallel workers "
+            "(the critic inherits spec.training's value)",
+            "use a multiple of 3, or give the critic its own in "
+            "spec.roles.critic.overrides.miniBatchSize",
+        ],
     ),
     (
         check_checkpoint_volume,
