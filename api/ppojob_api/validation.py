@@ -48,7 +48,8 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
     body = prune_nulls({k: v for k, v in doc.items() if k != "status"})
     meta_problems = check_metadata(body.get("metadata"))
     try:
-        job = PPOJob.model_validate(body)
+        # by alias only: the API server knows `learningRate`, never `learning_rate`
+        job = PPOJob.model_validate(body, by_alias=True, by_name=False)
     except Exception as exc:  # pydantic.ValidationError
         raise SpecError(meta_problems + pydantic_problems(exc), source) from None
     problems = meta_problems + check_spec(job.spec)
@@ -125,7 +126,7 @@ def load_trainer_config(path: str | Path) -> TrainerConfig:
     if not isinstance(doc, dict):
         raise SpecError([Problem(str(path), "expected a mapping")])
     try:
-        cfg = TrainerConfig.model_validate(doc)
+        cfg = TrainerConfig.model_validate(doc, by_alias=True, by_name=False)
     except Exception as exc:
         raise SpecError(pydantic_problems(exc), str(path)) from None
     problems = check_training_half(cfg, prefix="config")

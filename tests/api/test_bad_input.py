@@ -15,6 +15,7 @@ import yaml
 from ppojob_api.problems import SpecError
 from ppojob_api.validation import load_manifests, validate_manifest
 from ppojob_api.yamlio import load_yaml_documents
+from tests.helpers.manifests import set_path
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 TINY = yaml.safe_load((EXAMPLES / "ppojob-tiny.yaml").read_text())
@@ -117,3 +118,146 @@ def test_batch_problems_are_reported_once_where_written(
     if critic is not None:
         doc["spec"]["roles"]["critic"] = critic
     assert _paths(doc) == expected
+
+
+# --- item 2: resource fields take every quantity Kubernetes takes, meaning what it means -------
+CPU = "spec.roles.actor.resources.cpus"
+MEMORY = "spec.roles.actor.resources.memory"
+HEAD_CPU = "spec.head.cpus"
+
+QUANTITIES_ACCEPTED = [
+    (CPU, "500m", 0.5),
+    (CPU, 1.5, 1.5),
+    (CPU, 2, 2.0),
+    (CPU, "2", 2.0),
+    (CPU, "1.5", 1.5),
+    (CPU, "1e0", 1.0),
+    (HEAD_CPU, "250m", 0.25),
+    (MEMORY, "2Gi", "2Gi"),
+    (MEMORY, "2e9", "2e9"),
+    (MEMORY, 2e9, "2000000000"),  # a YAML float: the bytes kubectl sends
+    (MEMORY, 2147483648, "2147483648"),
+    (MEMORY, "1.5Gi", "1.5Gi"),
+    (MEMORY, "512M", "512M"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "stored"), QUANTITIES_ACCEPTED)
+def test_kubernetes_quantities_are_accepted(path: str, value: Any, stored: Any) -> None:
+    job = validate_manifest(set_path(TINY, path, value))
+    section, field = path.split(".")[-2:]
+    owner = job.spec.head if section == "head" else job.spec.roles.actor.resources
+    assert getattr(owner, field) == stored
+
+
+QUANTITIES_REFUSED = [
+    (CPU, "500x", "'500x' is not a Kubernetes quantity", "write cores as a number"),
+    (CPU, "2 cores", "is not a Kubernetes quantity", 'a quantity string such as "500m"'),
+    (CPU, 0, "must be more than 0", "write cores"),
+    (CPU, "-1", "must be more than 0", "write cores"),
+    (CPU, True, "got bool", "write cores"),
+    (CPU, [1], "got list", "write cores"),
+    (CPU, "1e3m", "is not a Kubernetes quantity", "write cores"),  # one suffix or exponent
+    (CPU, "2000", "less than or equal to 1024", "use a value <= 1024"),
+    (MEMORY, 2048, "2,048 bytes, too little for a container (a bare number is bytes", "2Gi"),
+    (MEMORY, "2048", "a bare number is bytes, as in Kubernetes", '"2048Mi"'),
+    (MEMORY, "2 Gi", "is not a Kubernetes quantity", '"16Gi" (2^30 bytes each)'),
+    (MEMORY, "2GB", "is not a Kubernetes quantity", '"2G" (10^9)'),
+    (MEMORY, "2gi", "is not a Kubernetes quantity", "a bare number is bytes"),
+    (MEMORY, 1.5e9 + 0.5, "not a whole number of bytes", "16Gi"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message", "fix"), QUANTITIES_REFUSED)
+def test_non_quantities_are_refused_saying_what_kubernetes_reads(
+    path: str, value: Any, message: str, fix: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_manifest(set_path(TINY, path, value))
+    (problem,) = info.value.problems
+    assert problem.path == path
+    assert message in problem.message, problem
+    assert fix in problem.fix, problem
+
+
+def test_a_bare_memory_number_is_shown_as_bytes_in_the_size_check() -> None:
+    doc = set_path(TINY, MEMORY, 2**20)
+    doc = set_path(doc, "spec.data.rolloutBatchSize", 512)
+    with pytest.raises(SpecError) as info:
+        validate_manifest(doc)
+    messages = [p.message for p in info.value.problems if p.path == MEMORY]
+    assert messages
+    for message in messages:
+        assert "more than the pod's 1048576 bytes (a bare number is bytes" in message
+
+
+# --- item 3: the CLI accepts exactly the keys the API server accepts ---------------------------
+SNAKE_CASE = [
+    ("spec.training.learning_rate", 1e-3, "learningRate"),
+    ("spec.training.mini_batch_size", 64, "miniBatchSize"),
+    ("spec.data.rollout_batch_size", 16, "rolloutBatchSize"),
+    ("spec.algorithm.advantage_estimator", "grpo", "advantageEstimator"),
+    ("spec.roles.rollout.colocate_with_actor", True, "colocateWithActor"),
+    ("spec.head.node_selector", {"a": "b"}, "nodeSelector"),
+    ("spec.image_pull_policy", "Always", "imagePullPolicy"),
+    ("spec.scheduling.gang_scheduler", "none", "gangScheduler"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "alias"), SNAKE_CASE)
+def test_snake_case_keys_are_refused_naming_the_camel_case_field(
+    path: str, value: Any, alias: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_manifest(set_path(TINY, path, value))
+    (problem,) = [p for p in info.value.problems if p.path == path]
+    assert problem.message == "unknown field"
+    assert f"write it as `{alias}`" in problem.fix
+
+
+@pytest.mark.parametrize(("path", "value", "alias"), SNAKE_CASE)
+def test_the_camel_case_neighbours_are_accepted(path: str, value: Any, alias: str) -> None:
+    camel = path.rsplit(".", 1)[0] + "." + alias
+    doc = set_path(TINY, camel, value)
+    if alias == "advantageEstimator":
+        doc = set_path(doc, "spec.data.samplesPerPrompt", 8)
+    validate_manifest(doc)
+
+
+@pytest.mark.parametrize(
+    ("path", "fix"),
+    [
+        ("spec.roles.actor.resorces", "did you mean `resources`?"),
+        ("spec.trainnig", "did you mean `training`?"),
+        ("spec.head.tolerations", None),
+        ("spec.roles.actor.zzz", "the fields here are replicas, resources,"),
+    ],
+)
+def test_unknown_keys_name_the_nearest_field(path: str, fix: str | None) -> None:
+    value: Any = [{"keyy": "a"}] if path.endswith("tolerations") else {}
+    with pytest.raises(SpecError) as info:
+        validate_manifest(set_path(TINY, path, value))
+    (problem,) = info.value.problems
+    if fix is None:  # a list item's unknown key: the item's own fields are searched
+        assert problem.path == "spec.head.tolerations[0].keyy"
+        assert "did you mean `key`?" in problem.fix
+    else:
+        assert problem.path == path and fix in problem.fix
+
+
+def test_critic_overrides_keep_any_spelling_as_the_api_server_does() -> None:
+    """The CRD stores spec.roles.critic.overrides as written (preserve-unknown-fields), so the
+    override keys' spellings are the overrides' own rule, not the schema's."""
+    doc = set_path(TINY, "spec.roles.critic", {"overrides": {"learning_rate": 1e-4}})
+    job = validate_manifest(doc)
+    assert job.spec.roles.critic is not None
+
+
+def test_the_trainer_config_file_refuses_snake_case_too(tmp_path: Path) -> None:
+    from ppojob_api.validation import load_trainer_config
+
+    path = tmp_path / "trainer.yaml"
+    path.write_text("training: {learning_rate: 0.001}\n")
+    with pytest.raises(SpecError, match=r"config|training\.learning_rate") as info:
+        load_trainer_config(path)
+    assert "write it as `learningRate`" in str(info.value)

@@ -995,7 +995,7 @@ BIG = "1Ti"
 )
 def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, need: int) -> None:
     """A pod with exactly the memory the estimate needs passes; one byte less fails, and the
-    message states the share of samples and the bytes in GiB."""
+    message states the share of samples and the bytes (in GiB, or MiB below one GiB)."""
     base = {
         **SMALL,
         "data__rolloutBatchSize": 512,
@@ -1018,7 +1018,8 @@ def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, ne
         else ("activations of one micro-batch")
     )
     assert f"the {role}'s {what} ({share} samples x 1024 tokens)" in problem.message
-    assert f"at least {need / 2**30:.1f} GiB" in problem.message, problem.message
+    shown = f"{need / 2**30:.1f} GiB" if need >= 2**30 else f"{need / 2**20:.1f} MiB"
+    assert f"at least {shown}" in problem.message, problem.message
 
 
 TABLE += [
@@ -1087,7 +1088,19 @@ def test_check_spec_runs_the_cluster_checks_after_the_training_ones() -> None:
 
 @pytest.mark.parametrize(
     ("quantity", "expected"),
-    [("4Gi", 4 * 2**30), ("512M", 512e6), ("1000", 1000.0), ("1.5Ki", 1536.0), ("500m", 0.5)],
+    [
+        ("4Gi", 4 * 2**30),
+        ("512M", 512e6),
+        ("1000", 1000.0),
+        ("1.5Ki", 1536.0),
+        ("500m", 0.5),
+        ("2e9", 2e9),
+        ("1.5E3", 1500.0),
+        (".5", 0.5),
+        ("2.", 2.0),
+        ("+1k", 1000.0),
+        ("100n", 1e-7),
+    ],
 )
 def test_quantity_bytes(quantity: str, expected: float) -> None:
     assert quantity_bytes(quantity) == expected

@@ -121,7 +121,8 @@ def test_duplicate_keys_are_an_error_naming_the_path(
         ("spec.training.steps", True, "write a whole number, without quotes"),
         ("spec.suspend", "yes", "write true or false, without quotes"),
         ("spec.training.weightDecay", float("inf"), "write a finite number"),
-        ("spec.roles.actor.resources.cpus", "64", "write a number, without quotes"),
+        ("spec.roles.actor.resources.cpus", "64 cores", "write cores as a number (2, 0.5) or"),
+        ("spec.roles.actor.resources.memory", 2048, 'write the unit, e.g. "2048Mi"'),
     ],
 )
 def test_type_errors_say_how_to_write_the_value(path: str, value: Any, fix: str) -> None:
