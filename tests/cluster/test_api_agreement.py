@@ -1,0 +1,73 @@
+"""`ppojob validate` and the real API server agree (issue 23): what validate accepts the API
+server accepts (a dry-run create, with kubectl's strict field validation), and what the API
+server refuses validate refuses too, for quantities, key spellings and Kubernetes names."""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from ppojob_api.problems import SpecError
+from ppojob_api.validation import validate_manifest
+from tests.api.test_bad_input import (
+    QUANTITIES_ACCEPTED,
+    QUANTITIES_REFUSED,
+    SNAKE_CASE,
+    TINY,
+)
+from tests.helpers.controlplane import ControlPlane
+from tests.helpers.manifests import set_path
+
+
+def server_refusal(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str | None:
+    """None when the API server would store `doc` (a dry-run create with strict field
+    validation, as `kubectl apply` sends it), else its message."""
+    body = json.dumps({**doc, "metadata": {**doc["metadata"], "namespace": ns}}).encode()
+    path = f"/apis/ppojob.io/v1alpha1/namespaces/{ns}/ppojobs?dryRun=All&fieldValidation=Strict"
+    req = urllib.request.Request(
+        cp.server + path, body, {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, context=cp._ssl(), timeout=30):
+            return None
+    except urllib.error.HTTPError as e:
+        return e.read().decode()[:400]
+
+
+def validate_refusal(doc: dict[str, Any]) -> str | None:
+    try:
+        validate_manifest(copy.deepcopy(doc))
+    except SpecError as exc:
+        return str(exc)
+    return None
+
+
+def cases() -> list[tuple[str, dict[str, Any]]]:
+    out = [(f"accepted {p}={v!r}", set_path(TINY, p, v)) for p, v, _ in QUANTITIES_ACCEPTED]
+    out += [(f"refused {p}={v!r}", set_path(TINY, p, v)) for p, v, *_ in QUANTITIES_REFUSED]
+    out += [(f"snake {p}", set_path(TINY, p, v)) for p, v, _ in SNAKE_CASE]
+    return out
+
+
+def test_validate_and_the_api_server_agree(cp: ControlPlane, ns: str) -> None:
+    disagreements = []
+    for name, doc in cases():
+        ours, theirs = validate_refusal(doc), server_refusal(cp, ns, doc)
+        if ours is None and theirs is not None:
+            disagreements.append(f"{name}: validate accepts, the API server refuses: {theirs}")
+        if theirs is not None and ours is None:
+            disagreements.append(f"{name}: the API server refuses, validate accepts")
+    assert not disagreements, "\n".join(disagreements)
+
+
+@pytest.mark.parametrize(("path", "value", "alias"), SNAKE_CASE[:2])
+def test_the_api_server_refuses_snake_case_keys_as_validate_does(
+    cp: ControlPlane, ns: str, path: str, value: Any, alias: str
+) -> None:
+    refusal = server_refusal(cp, ns, set_path(TINY, path, value))
+    assert refusal is not None and "unknown field" in refusal, refusal
