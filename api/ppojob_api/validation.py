@@ -119,17 +119,46 @@ def trainer_config_from_spec(spec: PPOJobSpec, job_name: str | None = None) -> T
     )
 
 
+_CONFIG_FORM = (
+    "write the training half of a PPOJob spec (model, roles, algorithm, data, training) as a "
+    "YAML mapping, as the operator renders it into the trainer's ConfigMap"
+)
+
+
 def load_trainer_config(path: str | Path) -> TrainerConfig:
-    """Read a trainer config file (the ConfigMap's YAML) and validate it completely."""
-    text = Path(path).read_text()
-    doc = load_yaml(text, str(path)) or {}
-    if not isinstance(doc, dict):
-        raise SpecError([Problem(str(path), "expected a mapping")])
+    """Read a trainer config file (the ConfigMap's YAML) and validate it completely. An empty
+    file, a file that is not UTF-8 text, and a PPOJob manifest are refused in one line each."""
+    source = str(path)
     try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError:
+        raise SpecError(
+            [Problem(source, "is not a UTF-8 text file (a trainer config is YAML)", _CONFIG_FORM)]
+        ) from None
+    doc = load_yaml(text, source)
+    if doc is None:
+        raise SpecError([Problem(source, "is empty", _CONFIG_FORM)])
+    if not isinstance(doc, dict):
+        raise SpecError(
+            [Problem(source, f"expected a mapping, got {type(doc).__name__}", _CONFIG_FORM)]
+        )
+    if "apiVersion" in doc or "kind" in doc:
+        raise SpecError(
+            [
+                Problem(
+                    source,
+                    f"is a {doc.get('kind') or 'Kubernetes'} manifest, not a trainer config",
+                    f"run a PPOJob manifest with `ppojob run {source}` (or `kubectl apply -f` "
+                    "it); ppojob-train reads the config the operator renders from its spec",
+                )
+            ]
+        )
+    try:
+        # by alias only, as for a manifest: `learning_rate` is not `learningRate`
         cfg = TrainerConfig.model_validate(doc, by_alias=True, by_name=False)
     except Exception as exc:
-        raise SpecError(pydantic_problems(exc), str(path)) from None
+        raise SpecError(pydantic_problems(exc), source) from None
     problems = check_training_half(cfg, prefix="config")
     if problems:
-        raise SpecError(problems, str(path))
+        raise SpecError(problems, source)
     return cfg

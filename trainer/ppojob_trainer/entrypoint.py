@@ -32,8 +32,22 @@ log = logging.getLogger("ppojob_trainer.entrypoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppojob-train", description="Run the PPO trainer.")
-    p.add_argument("--config", required=True, metavar="FILE", help="trainer config (YAML)")
+    p = argparse.ArgumentParser(
+        prog="ppojob-train",
+        description=(
+            "Run the PPO trainer inside a PPOJob's Ray cluster. --config is the trainer config "
+            "the operator renders into the job's ConfigMap: the training half of a PPOJob spec "
+            "(model, roles, algorithm, data, training) as YAML, not a PPOJob manifest (run "
+            "one of those with `ppojob run`). It is checked completely (fields, types, every "
+            "semantic check of `ppojob validate`) before Ray starts; exit 1 names each problem."
+        ),
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="trainer config: YAML with model, roles, algorithm, data, training (camelCase keys)",
+    )
     p.add_argument(
         "--critic-config-path",
         metavar="FILE",
