@@ -21,6 +21,12 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"),
 )
 _MERGE = "tag:yaml.org,2002:merge"
+_NON_STRING_KEYS = {
+    "tag:yaml.org,2002:bool": "a boolean (on, off, yes, no, y, n are booleans in YAML 1.1)",
+    "tag:yaml.org,2002:null": "null",
+    "tag:yaml.org,2002:int": "a number",
+    "tag:yaml.org,2002:float": "a number",
+}
 
 
 MAX_NODES = 100_000
@@ -81,6 +87,16 @@ def _duplicate_keys(
             key = key_node.value
             here = f"{path}.{key}" if path else str(key)
             line = key_node.start_mark.line + 1
+            kind = _NON_STRING_KEYS.get(key_node.tag)
+            if kind:  # a plain key YAML resolves to another type (quoted keys are strings)
+                out.append(
+                    Problem(
+                        here,
+                        f"the key `{key}` (line {line}) is read as {kind}, not as the name "
+                        f"`{key}` (YAML 1.1, as kubectl reads it)",
+                        f'quote the key: "{key}":',
+                    )
+                )
             if key in seen:
                 out.append(
                     Problem(
@@ -95,6 +111,40 @@ def _duplicate_keys(
             _duplicate_keys(value_node, here, out, stack, seen_nodes)
     finally:
         stack.discard(id(node))
+
+
+def yaml_problem(exc: yaml.YAMLError, text: str) -> Problem:
+    """A YAML syntax error as one line naming the line and column and what to do there: a tab
+    is named as a tab, a line indented against its siblings as an indentation problem."""
+    mark = getattr(exc, "problem_mark", None)
+    what = str(getattr(exc, "problem", None) or exc).split("\n")[0]
+    if mark is None:
+        return Problem("<file>", f"not valid YAML: {what}", "fix the YAML syntax")
+    line, col = mark.line + 1, mark.column + 1
+    lines = text.splitlines()
+    row = lines[mark.line] if mark.line < len(lines) else ""
+    where = f"line {line}, column {col}"
+    if "\t" in row[: max(mark.column, 0) + 1] or "tab" in what:
+        return Problem(
+            "<file>",
+            f"{where}: not valid YAML: a tab character (YAML indents with spaces only)",
+            f"replace the tab on line {line} with spaces",
+        )
+    if what.startswith(("did not find expected key", "mapping values are not allowed")):
+        shown = row.strip()[:60]
+        return Problem(
+            "<file>",
+            f"{where}: not valid YAML: {what} (`{shown}` is indented differently from the lines "
+            "around it, or holds `: ` in an unquoted value)",
+            f"indent line {line} like its sibling keys, or quote the value",
+        )
+    if what.startswith("found unexpected end of stream") or "expected ',' or" in what:
+        return Problem(
+            "<file>",
+            f"{where}: not valid YAML: {what} (an unclosed quote or bracket before it)",
+            "close the quote or bracket",
+        )
+    return Problem("<file>", f"{where}: not valid YAML: {what}", f"fix the YAML on line {line}")
 
 
 def load_yaml_documents(text: str, source: str = "") -> list[Any]:
@@ -114,9 +164,7 @@ def load_yaml_documents(text: str, source: str = "") -> list[Any]:
     except _ShapeError as exc:
         raise SpecError([exc.problem], source) from None
     except yaml.YAMLError as exc:
-        raise SpecError(
-            [Problem("<file>", f"not valid YAML: {exc}", "fix the YAML syntax")], source
-        ) from None
+        raise SpecError([yaml_problem(exc, text)], source) from None
     finally:
         loader.dispose()
     if problems:

@@ -261,3 +261,37 @@ def test_the_trainer_config_file_refuses_snake_case_too(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"config|training\.learning_rate") as info:
         load_trainer_config(path)
     assert "write it as `learningRate`" in str(info.value)
+
+
+# --- item 8: YAML mistakes named as what they are -----------------------------------------------
+SPEC = HEAD + "spec:\n  image: x\n"
+YAML_MISTAKES = [
+    (HEAD + "spec:\n\timage: x\n", "line 5, column 1: not valid YAML: a tab character", "tab"),
+    (SPEC + "  roles:\n    actor: {}\n   rollout: {}\n", "indented differently", "line 8"),
+    (HEAD + "spec:\n  image: x: y\n", "holds `: ` in an unquoted value", "quote the value"),
+    (HEAD + "spec: {image: [x\n", "an unclosed quote or bracket", "close the quote or bracket"),
+    (SPEC + "on: 1\n", "on: the key `on` (line 6) is read as a boolean", '"on":'),
+    (SPEC + "  roles: {actor: {nodeSelector: {yes: a}}}\n", "nodeSelector.yes: the key", '"yes":'),
+]
+
+
+@pytest.mark.parametrize(("text", "expected", "fix"), YAML_MISTAKES)
+def test_yaml_mistakes_are_named_in_one_line(text: str, expected: str, fix: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_manifests(text)
+    (problem,) = info.value.problems
+    assert "\n" not in str(problem)
+    assert expected in str(problem), problem
+    assert fix in problem.fix, problem
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        HEAD + 'spec:\n  image: x\n  roles: {actor: {nodeSelector: {"yes": a}}}\n',
+        HEAD + "spec:\n  image: 'x: y'\n",
+        HEAD + "spec:\n  image: x  # a comment\n",
+    ],
+)
+def test_their_valid_neighbours_load(text: str) -> None:
+    assert load_manifests(text)
