@@ -31,6 +31,25 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
             source,
         )
     head: list[Problem] = []
+    other_kind, other_group = doc.get("kind"), doc.get("apiVersion")
+    if (
+        isinstance(other_kind, str)
+        and isinstance(other_group, str)
+        and other_kind != KIND
+        and not other_group.startswith("ppojob.io/")
+    ):
+        # another object (a PVC beside the job): not a PPOJob to repair
+        raise SpecError(
+            [
+                Problem(
+                    "kind",
+                    f"this document is a {other_kind} ({other_group}), not a PPOJob; "
+                    "ppojob validate checks PPOJob documents only",
+                    f"keep the {other_kind} in a file of its own (kubectl apply -f both)",
+                )
+            ],
+            source,
+        )
     if doc.get("apiVersion") != API_VERSION:
         head.append(
             Problem(
@@ -51,7 +70,10 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
         # by alias only: the API server knows `learningRate`, never `learning_rate`
         job = PPOJob.model_validate(body, by_alias=True, by_name=False)
     except Exception as exc:  # pydantic.ValidationError
-        raise SpecError(meta_problems + pydantic_problems(exc), source) from None
+        # a metadata field already judged (`name: 123`) is reported once
+        named = {p.path for p in meta_problems}
+        rest = [p for p in pydantic_problems(exc) if p.path not in named]
+        raise SpecError(meta_problems + rest, source) from None
     problems = meta_problems + check_spec(job.spec)
     if problems:
         raise SpecError(problems, source)

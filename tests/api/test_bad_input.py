@@ -289,9 +289,73 @@ def test_yaml_mistakes_are_named_in_one_line(text: str, expected: str, fix: str)
     "text",
     [
         HEAD + 'spec:\n  image: x\n  roles: {actor: {nodeSelector: {"yes": a}}}\n',
-        HEAD + "spec:\n  image: 'x: y'\n",
+        SPEC + "  data: {promptKey: 'q: a'}\n",
         HEAD + "spec:\n  image: x  # a comment\n",
     ],
 )
 def test_their_valid_neighbours_load(text: str) -> None:
     assert load_manifests(text)
+
+
+# --- items 4 and 8: metadata by Kubernetes' rules, blamed once ---------------------------------
+def _meta(**fields: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": "job", **fields}
+    return doc
+
+
+METADATA_REFUSED = [
+    ({"lables": {"a": "b"}}, "metadata.lables", "did you mean `labels`?"),
+    ({"name": 123}, "metadata.name", "e.g. `name: my-job`"),
+    ({"labels": {"team/a/b": "x"}}, "metadata.labels.team/a/b", "a key such as team"),
+    ({"labels": {"team": "a b"}}, "metadata.labels.team", "a value of at most 63"),
+    ({"labels": {"team": "x" * 64}}, "metadata.labels.team", "at most 63"),
+    ({"labels": {"x" * 64: "a"}}, "metadata.labels." + "x" * 64, "a key such as team"),
+    ({"labels": {"replicas": 3}}, "metadata.labels.replicas", 'quote it: replicas: "3"'),
+    ({"labels": ["a"]}, "metadata.labels", "write metadata.labels: {key: value}"),
+    ({"annotations": {"Bad Key": "x"}}, "metadata.annotations.Bad Key", "example.com/note"),
+    ({"annotations": {"big": "x" * 262142}}, "metadata.annotations", "keep large data out"),
+]
+
+
+@pytest.mark.parametrize(("meta", "path", "fix"), METADATA_REFUSED)
+def test_metadata_is_judged_by_kubernetes_rules_once(
+    meta: dict[str, Any], path: str, fix: str
+) -> None:
+    doc = _meta(**meta)
+    if "name" in meta:
+        doc["metadata"] = meta
+    with pytest.raises(SpecError) as info:
+        validate_manifest(doc)
+    (problem,) = info.value.problems
+    assert problem.path == path and fix in problem.fix, problem
+
+
+# the annotations below are 256 KiB exactly, keys and values together
+METADATA_ACCEPTED = [
+    {"labels": {"team": "a", "example.com/Team_x": "", "a.io/" + "n" * 63: "x" * 63}},
+    {
+        "annotations": {"Example.com/Note": "any text, spaces and all", "big": "x" * 262101}
+    },  # 256 KiB exactly
+    {"namespace": "ml", "generation": 2, "uid": "x", "resourceVersion": "1"},
+]
+
+
+@pytest.mark.parametrize("meta", METADATA_ACCEPTED)
+def test_valid_metadata_neighbours_are_accepted(meta: dict[str, Any]) -> None:
+    validate_manifest(_meta(**meta))
+
+
+def test_another_object_in_the_file_is_named_not_repaired() -> None:
+    pvc = "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: c}\n---\n"
+    with pytest.raises(SpecError) as info:
+        load_manifests(pvc + yaml.safe_dump(TINY))
+    (problem,) = info.value.problems
+    assert problem.path == "document 1: kind"
+    assert "is a PersistentVolumeClaim (v1), not a PPOJob" in problem.message
+    assert "in a file of its own" in problem.fix
+    # its neighbour, a PPOJob with a wrong kind, is still told the kind to write
+    wrong = copy.deepcopy(TINY)
+    wrong["kind"] = "PPOjob"
+    with pytest.raises(SpecError, match=r"kind: expected 'PPOJob'.*set kind: PPOJob"):
+        validate_manifest(wrong)

@@ -30,6 +30,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.pods import check_pod_fields
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -455,7 +456,13 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_eval_prompts,
         "eval dataset without a reward function",
         {"data__evalPrompts": "/data/eval.jsonl"},
-        ["spec.data.rewardFunction"],
+        ["spec.data.evalPrompts"],  # the eval dataset is what needs it: prompts are built-in
+    ),
+    (
+        check_eval_prompts,
+        "eval prompts of a format the trainer does not read",
+        {"data__evalPrompts": "/data/eval.csv", "data__rewardFunction": "r:score"},
+        ["spec.data.evalPrompts"],
     ),
     (check_eval_prompts, "built-in eval task", {"data__evalPrompts": "builtin:reverse"}, []),
     (
@@ -918,6 +925,83 @@ FACTS += [
         ["tensor 4 does not divide the 14 vocabulary size of builtin:tiny-llama"],
     ),
 ]
+TABLE += [
+    (
+        check_pod_fields,
+        "image with upper case in its path, and with a space",
+        {"image": "ghcr.io/Org/trainer:1"},
+        ["spec.image"],
+    ),
+    (check_pod_fields, "image with a space", {"image": "trainer :1"}, ["spec.image"]),
+    (
+        check_pod_fields,
+        "valid images: a registry with a port, a digest",
+        {"image": "localhost:5000/org/trainer:v1.0@sha256:" + "a" * 64},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "node selector key and value Kubernetes refuses",
+        {"roles__actor": {"nodeSelector": {"bad key": "ok", "gpu": "H100 SXM"}}},
+        ["spec.roles.actor.nodeSelector.bad key", "spec.roles.actor.nodeSelector.gpu"],
+    ),
+    (
+        check_pod_fields,
+        "a valid node selector on the head",
+        {"head": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "Exists with a value, tolerationSeconds without NoExecute, empty key with Equal",
+        {
+            "roles__rollout": {
+                "tolerations": [
+                    {"key": "gpu", "operator": "Exists", "value": "x"},
+                    {"key": "gpu", "tolerationSeconds": 30, "effect": "NoSchedule"},
+                    {"operator": "Equal"},
+                ]
+            }
+        },
+        [
+            "spec.roles.rollout.tolerations[0].value",
+            "spec.roles.rollout.tolerations[1].tolerationSeconds",
+            "spec.roles.rollout.tolerations[2].operator",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "valid tolerations",
+        {
+            "roles__actor": {
+                "tolerations": [
+                    {"operator": "Exists"},
+                    {"key": "n", "effect": "NoExecute", "tolerationSeconds": 30},
+                ]
+            }
+        },
+        [],
+    ),
+    (
+        check_pod_fields,
+        "priority class and Volcano queue that are no object names; a relative NFS path",
+        {
+            "scheduling": {
+                "gangScheduler": "volcano",
+                "queue": "Team_A",
+                "priorityClassName": "High",
+            },
+            "checkpointVolume": {"nfs": {"server": "nfs", "path": "exports/ckpt"}},
+            "training__checkpointDir": "/ckpt",
+        },
+        [
+            "spec.scheduling.priorityClassName",
+            "spec.scheduling.queue",
+            "spec.checkpointVolume.nfs.path",
+        ],
+    ),
+]
+
 TABLE += [
     (
         check_unused_critic,

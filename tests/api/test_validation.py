@@ -157,7 +157,8 @@ def test_exponent_without_a_dot_is_a_number(tmp_path: Path) -> None:
         ("", "<document>: is empty"),
         ("spec: [unclosed", "not valid YAML"),
         ("- just\n- a list\n", "expected a mapping"),
-        ("apiVersion: v1\nkind: Pod\nspec: {}\n", "apiVersion: expected 'ppojob.io/v1alpha1'"),
+        ("apiVersion: v1\nkind: Pod\nspec: {}\n", "kind: this document is a Pod (v1), not a"),
+        ("apiVersion: v1\nkind: PPOJob\nspec: {}\n", "apiVersion: expected 'ppojob.io/v1alpha1'"),
         ("apiVersion: ppojob.io/v1alpha1\nkind: RayJob\nspec: {}\n", "kind: expected 'PPOJob'"),
         ("apiVersion: ppojob.io/v1alpha1\nkind: PPOJob\n", "spec: required field is missing"),
         (

@@ -27,6 +27,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.pods import check_pod_fields
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -78,6 +79,7 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_extended_resources,
     check_checkpoint_volume,
     check_gpu_precision,
+    check_pod_fields,
 )
 """The checks of the cluster half (what only a PPOJob has)."""
 
