@@ -128,6 +128,21 @@ def load_manifests(text: str, source: str = "") -> list[PPOJob]:
             problems += [Problem(prefix + p.path, p.message, p.fix) for p in exc.problems]
     if problems:
         raise SpecError(problems, source)
+    first: dict[tuple[str | None, str], int] = {}
+    for i, job in enumerate(jobs):
+        key = (job.metadata.namespace, job.metadata.name or "")
+        if job.metadata.name and key in first:
+            problems.append(
+                Problem(
+                    f"document {i + 1}: metadata.name",
+                    f"{job.metadata.name!r} is also the name of document {first[key] + 1}: "
+                    "`kubectl apply` would make this one replace it",
+                    "give each job its own name",
+                )
+            )
+        first.setdefault(key, i)
+    if problems:
+        raise SpecError(problems, source)
     return jobs
 
 

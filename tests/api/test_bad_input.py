@@ -359,3 +359,18 @@ def test_another_object_in_the_file_is_named_not_repaired() -> None:
     wrong["kind"] = "PPOjob"
     with pytest.raises(SpecError, match=r"kind: expected 'PPOJob'.*set kind: PPOJob"):
         validate_manifest(wrong)
+
+
+# --- item 5: contradictions that would be resolved silently -------------------------------------
+def test_two_jobs_of_one_name_in_a_file_are_refused() -> None:
+    one = yaml.safe_dump(TINY)
+    with pytest.raises(SpecError) as info:
+        load_manifests(one + "---\n" + one)
+    (problem,) = info.value.problems
+    assert problem.path == "document 2: metadata.name"
+    assert "also the name of document 1" in problem.message
+    other = copy.deepcopy(TINY)
+    other["metadata"]["name"] = "another"
+    assert len(load_manifests(one + "---\n" + yaml.safe_dump(other))) == 2
+    other["metadata"] = {"name": TINY["metadata"]["name"], "namespace": "elsewhere"}
+    assert len(load_manifests(one + "---\n" + yaml.safe_dump(other))) == 2

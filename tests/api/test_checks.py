@@ -38,6 +38,7 @@ from ppojob_api.checks.roles import (
     check_sequence_parallel,
     check_unused_critic,
 )
+from ppojob_api.checks.settings import check_env, check_tensor_within_pod
 from ppojob_api.checks.sizes import check_sizes, quantity_bytes
 from ppojob_api.checks.sources import (
     check_eval_prompts,
@@ -63,6 +64,7 @@ def spec(**settings: Any) -> PPOJobSpec:
 
 GPU_ACTOR = {"replicas": 1, "resources": {"gpus": 8}, "backend": "megatron"}
 MEGATRON_CPU = {"backend": "megatron"}
+MEGATRON_TP4 = {"backend": "megatron", "parallelism": {"tensor": 4}}
 
 # (check, row id, settings, expected problem paths)
 TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
@@ -925,6 +927,49 @@ FACTS += [
         ["tensor 4 does not divide the 14 vocabulary size of builtin:tiny-llama"],
     ),
 ]
+TABLE += [
+    (
+        check_tensor_within_pod,
+        "a megatron tensor group wider than the pod's GPUs",
+        {"roles__actor": {"replicas": 4, "resources": {"gpus": 2}, **MEGATRON_TP4}},
+        ["spec.roles.actor.parallelism.tensor"],
+    ),
+    (
+        check_tensor_within_pod,
+        "a tensor group inside one pod; on CPU the pods are the workers",
+        {
+            "roles__actor": {"replicas": 2, "resources": {"gpus": 8}, **MEGATRON_TP4},
+            "roles__critic": {"replicas": 4, "backend": "megatron", "parallelism": {"tensor": 2}},
+        },
+        [],
+    ),
+    (
+        check_env,
+        "variables the operator, KubeRay or Ray set; one variable twice",
+        {
+            "roles__actor": {
+                "env": [
+                    {"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
+                    {"name": "A", "value": "1"},
+                    {"name": "A", "value": "2"},
+                ]
+            },
+            "roles__rollout": {"env": [{"name": "RAY_ADDRESS", "value": "ray://x:10001"}]},
+        },
+        [
+            "spec.roles.actor.env[0].name",
+            "spec.roles.actor.env[2].name",
+            "spec.roles.rollout.env[0].name",
+        ],
+    ),
+    (
+        check_env,
+        "the user's own variables",
+        {"roles__actor": {"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}},
+        [],
+    ),
+]
+
 TABLE += [
     (
         check_pod_fields,

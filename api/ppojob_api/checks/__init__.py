@@ -35,6 +35,7 @@ from ppojob_api.checks.roles import (
     check_sequence_parallel,
     check_unused_critic,
 )
+from ppojob_api.checks.settings import check_env, check_tensor_within_pod
 from ppojob_api.checks.sizes import check_sizes
 from ppojob_api.checks.sources import (
     check_eval_prompts,
@@ -58,6 +59,8 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_splits,
     check_megatron_colocated_critic,
     check_sequence_parallel,
+    check_tensor_within_pod,
+    check_env,
     check_precision,
     check_batches,
     check_group_size,
