@@ -86,20 +86,35 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 def _siblings(exc: Exception, loc: tuple[Any, ...]) -> list[str]:
     """The field names (as written on the wire) of the object holding the unknown key `loc`."""
+    model = _model_at(exc, loc[:-1])
+    return [] if model is None else [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_at(exc: Exception, loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model = _model_named(getattr(exc, "title", ""))
-    for part in loc[:-1]:
-        if model is None:
-            return []
-        if isinstance(part, int):
+    for part in loc:
+        if model is None or isinstance(part, int):
             continue
-        field = next(
-            (f for n, f in model.model_fields.items() if part in (n, f.alias)),
-            None,
-        )
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
         model = _model_in(field.annotation) if field is not None else None
-    if model is None:
-        return []
-    return [f.alias or n for n, f in model.model_fields.items()]
+    return model
+
+
+def _deeper(model: type[BaseModel] | None, key: str, depth: int = 2) -> str | None:
+    """The dotted path below `model` of a field named `key` (a key indented too little)."""
+    if model is None or depth == 0:
+        return None
+    for name, field in model.model_fields.items():
+        child = _model_in(field.annotation)
+        if child is None:
+            continue
+        alias = field.alias or name
+        if any(key == (f.alias or n) for n, f in child.model_fields.items()):
+            return alias
+        below = _deeper(child, key, depth - 1)
+        if below:
+            return f"{alias}.{below}"
+    return None
 
 
 def _unknown_field_fix(exc: Exception, loc: tuple[Any, ...]) -> str:
@@ -111,6 +126,10 @@ def _unknown_field_fix(exc: Exception, loc: tuple[Any, ...]) -> str:
     same = [n for n in names if _norm(n) == _norm(key)]
     if same:
         return f"write it as `{same[0]}` (the API server knows only this spelling)"
+    if names:
+        home = _deeper(_model_at(exc, loc[:-1]), key)
+        if home:
+            return f"`{key}` is a field of `{home}`: indent it under {home.split('.')[-1]}:"
     near = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
     if near:
         return f"check its spelling: did you mean `{near[0]}`?"

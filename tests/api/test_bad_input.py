@@ -374,3 +374,27 @@ def test_two_jobs_of_one_name_in_a_file_are_refused() -> None:
     assert len(load_manifests(one + "---\n" + yaml.safe_dump(other))) == 2
     other["metadata"] = {"name": TINY["metadata"]["name"], "namespace": "elsewhere"}
     assert len(load_manifests(one + "---\n" + yaml.safe_dump(other))) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fix"),
+    [
+        (
+            SPEC + "  actor: {replicas: 1}\n",
+            "spec.actor",
+            "a field of `roles`: indent it under roles:",
+        ),
+        (SPEC + "  steps: 3\n", "spec.steps", "a field of `training`: indent it under training:"),
+        (SPEC + "  algorithm:\n    coefficient: 0.1\n", "spec.algorithm.coefficient", "under kl:"),
+        (SPEC + "  coefficient: 0.1\n", "spec.coefficient", "a field of `algorithm.kl`"),
+    ],
+)
+def test_a_key_indented_too_little_is_told_where_it_belongs(text: str, path: str, fix: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_manifests(text)
+    (problem,) = info.value.problems
+    assert problem.path == path and fix in problem.fix, problem
+
+
+def test_a_key_at_its_right_depth_loads() -> None:
+    assert load_manifests(SPEC + "  roles: {actor: {replicas: 1}}\n  training: {steps: 3}\n")
