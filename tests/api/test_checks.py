@@ -1016,6 +1016,34 @@ TABLE += [
     ),
     (
         check_pod_fields,
+        "affinity keys misspelt at both levels",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAfinity": {},
+                    "podAntiAffinity": {"requiredDuringScheduling": []},
+                }
+            }
+        },
+        [
+            "spec.head.affinity.nodeAfinity",
+            "spec.head.affinity.podAntiAffinity.requiredDuringScheduling",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "a valid affinity",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+                }
+            }
+        },
+        [],
+    ),
+    (
+        check_pod_fields,
         "valid tolerations",
         {
             "roles__actor": {

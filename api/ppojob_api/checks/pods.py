@@ -1,11 +1,13 @@
 """Checks of what the operator copies into pods, by Kubernetes' own rules (`ppojob_api.k8s_rules`):
-the image, node selectors, tolerations, the priority class, the Volcano queue and NFS paths. The
-API server stores a PPOJob whatever these hold; without these checks the job would be accepted
-and its pods refused later, on the cluster."""
+the image, node selectors, tolerations, affinity keys, the priority class, the Volcano queue and
+NFS paths. The API server stores a PPOJob whatever these hold; without these checks the job
+would be accepted and its pods refused later, on the cluster."""
 
 from __future__ import annotations
 
+import difflib
 import posixpath
+from typing import Any
 
 from ppojob_api import k8s_rules
 from ppojob_api.problems import Problem
@@ -74,6 +76,61 @@ def toleration_problems(tolerations: list[Toleration], path: str) -> list[Proble
     return p
 
 
+AFFINITY_FIELDS = {
+    "nodeAffinity": (
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "preferredDuringSchedulingIgnoredDuringExecution",
+    ),
+    "podAffinity": (
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "preferredDuringSchedulingIgnoredDuringExecution",
+    ),
+    "podAntiAffinity": (
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "preferredDuringSchedulingIgnoredDuringExecution",
+    ),
+}
+"""The fields of core/v1 Affinity and its three members, two levels deep: the API server refuses
+any other in a pod (the operator copies `affinity` into the head pod as written)."""
+
+
+def affinity_problems(affinity: dict[str, Any], path: str) -> list[Problem]:
+    """Misspelt keys of a Kubernetes affinity (its first two levels)."""
+    p: list[Problem] = []
+    for key, value in affinity.items():
+        if key not in AFFINITY_FIELDS:
+            near = difflib.get_close_matches(key, AFFINITY_FIELDS, n=1, cutoff=0.6)
+            p.append(
+                Problem(
+                    f"{path}.{key}",
+                    "not a field of a Kubernetes affinity (nodeAffinity, podAffinity, "
+                    "podAntiAffinity)",
+                    f"did you mean `{near[0]}`?" if near else "remove it",
+                )
+            )
+            continue
+        if not isinstance(value, dict):
+            p.append(
+                Problem(
+                    f"{path}.{key}", "must be a mapping", "see `kubectl explain pod.spec.affinity`"
+                )
+            )
+            continue
+        for inner in value:
+            if inner not in AFFINITY_FIELDS[key]:
+                near = difflib.get_close_matches(str(inner), AFFINITY_FIELDS[key], n=1, cutoff=0.6)
+                p.append(
+                    Problem(
+                        f"{path}.{key}.{inner}",
+                        f"not a field of {key}",
+                        f"did you mean `{near[0]}`?"
+                        if near
+                        else f"use one of {', '.join(AFFINITY_FIELDS[key])}",
+                    )
+                )
+    return p
+
+
 def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
     """The image, every pod's node selector and tolerations, the priority class, the Volcano
     queue and the NFS path, by the rules the API server and the kubelet apply to pods."""
@@ -89,6 +146,7 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             continue
         p += node_selector_problems(pod.node_selector, f"{prefix}.{name}.nodeSelector")
         p += toleration_problems(pod.tolerations, f"{prefix}.{name}.tolerations")
+        p += affinity_problems(getattr(pod, "affinity", {}) or {}, f"{prefix}.{name}.affinity")
     sched = spec.scheduling
     if sched.priority_class_name:
         p += _one(
