@@ -55,7 +55,8 @@ def pydantic_problems(exc: Exception, prefix: str = "") -> list[Problem]:
         else:
             got = err.get("input")
             shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
-            problems.append(Problem(path, f"{err['msg']} (got {shown[:80]})", _fix_for(err)))
+            got_part = "" if kind == "k8s_quantity" else f" (got {shown[:80]})"  # it says
+            problems.append(Problem(path, f"{err['msg']}{got_part}", _fix_for(err)))
     return problems
 
 

@@ -134,9 +134,9 @@ def yaml_problem(exc: yaml.YAMLError, text: str) -> Problem:
         shown = row.strip()[:60]
         return Problem(
             "<file>",
-            f"{where}: not valid YAML: {what} (`{shown}` is indented differently from the lines "
-            "around it, or holds `: ` in an unquoted value)",
-            f"indent line {line} like its sibling keys, or quote the value",
+            f"{where}: not valid YAML: {what} (`{shown}` or the line above it is indented "
+            "differently from its sibling keys, or holds `: ` in an unquoted value)",
+            f"check the indentation of lines {max(line - 1, 1)}-{line}, or quote the value",
         )
     if what.startswith("found unexpected end of stream") or "expected ',' or" in what:
         return Problem(

@@ -267,7 +267,7 @@ def test_the_trainer_config_file_refuses_snake_case_too(tmp_path: Path) -> None:
 SPEC = HEAD + "spec:\n  image: x\n"
 YAML_MISTAKES = [
     (HEAD + "spec:\n\timage: x\n", "line 5, column 1: not valid YAML: a tab character", "tab"),
-    (SPEC + "  roles:\n    actor: {}\n   rollout: {}\n", "indented differently", "line 8"),
+    (SPEC + "  roles:\n    actor: {}\n   rollout: {}\n", "indented differently", "lines 7-8"),
     (HEAD + "spec:\n  image: x: y\n", "holds `: ` in an unquoted value", "quote the value"),
     (HEAD + "spec: {image: [x\n", "an unclosed quote or bracket", "close the quote or bracket"),
     (SPEC + "on: 1\n", "on: the key `on` (line 6) is read as a boolean", '"on":'),
