@@ -83,3 +83,50 @@ def test_the_api_server_refuses_snake_case_keys_as_validate_does(
 ) -> None:
     refusal = server_refusal(cp, ns, set_path(TINY, path, value))
     assert refusal is not None and "unknown field" in refusal, refusal
+
+
+POD_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("Exists with a value", {"tolerations": [{"key": "g", "operator": "Exists", "value": "x"}]}),
+    ("seconds without NoExecute", {"tolerations": [{"key": "g", "tolerationSeconds": 3}]}),
+    ("empty key with Equal", {"tolerations": [{"operator": "Equal"}]}),
+    ("a valid toleration", {"tolerations": [{"key": "g", "effect": "NoExecute", "value": "v"}]}),
+    ("a toleration value with a space", {"tolerations": [{"key": "g", "value": "a b"}]}),
+    ("a node selector key with a space", {"nodeSelector": {"bad key": "v"}}),
+    ("a node selector value with a space", {"nodeSelector": {"gpu": "H100 SXM"}}),
+    ("a long node selector value", {"nodeSelector": {"gpu": "x" * 64}}),
+    ("a valid node selector", {"nodeSelector": {"nvidia.com/gpu.product": "H100-SXM"}}),
+]
+
+
+def test_pod_field_rules_are_the_api_servers(cp: ControlPlane, ns: str) -> None:
+    """Tolerations and node selectors judged by `check_pod_fields` get the verdict the API server
+    gives a Pod holding them (a dry-run create)."""
+    from ppojob_api.checks.pods import check_pod_fields
+    from ppojob_api.spec import PPOJobSpec
+
+    disagreements = []
+    for name, fields in POD_CASES:
+        spec = PPOJobSpec.model_validate({"image": "trainer:1", "head": fields})
+        ours = check_pod_fields(spec)
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p", "namespace": ns},
+            "spec": {"containers": [{"name": "c", "image": "trainer:1"}], **fields},
+        }
+        req = urllib.request.Request(
+            f"{cp.server}/api/v1/namespaces/{ns}/pods?dryRun=All",
+            json.dumps(pod).encode(),
+            {"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, context=cp._ssl(), timeout=30):
+                theirs = None
+        except urllib.error.HTTPError as e:
+            theirs = e.read().decode()[:300]
+        if bool(ours) != (theirs is not None):
+            disagreements.append(
+                f"{name}: ours {[str(p) for p in ours]}, the API server's {theirs}"
+            )
+    assert not disagreements, "\n".join(disagreements)
