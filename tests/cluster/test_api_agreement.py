@@ -11,9 +11,11 @@ import urllib.request
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from ppojob_api.problems import SpecError
 from ppojob_api.validation import validate_manifest
+from ppojob_api.yamlio import load_yaml_documents
 from tests.api.test_bad_input import (
     METADATA_ACCEPTED,
     METADATA_REFUSED,
@@ -22,6 +24,8 @@ from tests.api.test_bad_input import (
     SNAKE_CASE,
     TINY,
 )
+from tests.cli.test_bad_input_corpus import mutated
+from tests.helpers.bad_manifests import judge
 from tests.helpers.controlplane import ControlPlane
 from tests.helpers.manifests import set_path
 
@@ -29,7 +33,8 @@ from tests.helpers.manifests import set_path
 def server_refusal(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str | None:
     """None when the API server would store `doc` (a dry-run create with strict field
     validation, as `kubectl apply` sends it), else its message."""
-    body = json.dumps({**doc, "metadata": {**doc["metadata"], "namespace": ns}}).encode()
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    body = json.dumps({**doc, "metadata": {**meta, "namespace": ns}}).encode()
     path = f"/apis/ppojob.io/v1alpha1/namespaces/{ns}/ppojobs?dryRun=All&fieldValidation=Strict"
     req = urllib.request.Request(
         cp.server + path, body, {"Content-Type": "application/json"}, method="POST"
@@ -130,3 +135,24 @@ def test_pod_field_rules_are_the_api_servers(cp: ControlPlane, ns: str) -> None:
                 f"{name}: ours {[str(p) for p in ours]}, the API server's {theirs}"
             )
     assert not disagreements, "\n".join(disagreements)
+
+
+@settings(
+    max_examples=150,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(text=mutated())
+def test_what_validate_accepts_in_the_corpus_the_api_server_accepts(
+    cp: ControlPlane, ns: str, text: str | bytes
+) -> None:
+    """The generated corpus of tests/cli/test_bad_input_corpus.py, against the real API server:
+    every manifest validate accepts is accepted by a dry-run create."""
+    if judge(text).kind != "accepted":
+        return
+    for doc in load_yaml_documents(text if isinstance(text, str) else text.decode()):
+        if doc is not None:
+            refusal = server_refusal(cp, ns, doc)
+            assert refusal is None, refusal
