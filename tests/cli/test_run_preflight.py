@@ -87,3 +87,22 @@ def test_valid_neighbours_go_on_to_train(
 ) -> None:
     rc, started = _run(sets, monkeypatch)
     assert rc == 0 and started, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("openai/gsm8k", "a Hugging Face hub dataset id is not downloaded by the trainer"),
+        ("/no/such/train.jsonl", "give a .jsonl, .json or .parquet file"),
+    ],
+)
+def test_the_trainers_dataset_loader_says_what_the_preflight_says(
+    project: Path, value: str, expected: str
+) -> None:
+    from ppojob_trainer.tasks import load_dataset
+
+    with pytest.raises(ValueError) as info:
+        load_dataset(value)
+    assert str(info.value).startswith(f"data.prompts: {value!r} does not exist")
+    assert expected in str(info.value)
+    assert len(load_dataset("data.jsonl")) == 1  # its valid neighbour

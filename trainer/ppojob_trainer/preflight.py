@@ -18,7 +18,9 @@ ADVANTAGE_CALL = (
 )
 
 
-def _dataset_problem(field: str, value: str) -> str | None:
+def dataset_problem(field: str, value: str) -> str | None:
+    """Why the dataset `value` of `field` cannot be read here (it does not exist; a hub id is
+    named as such), or None. The trainer's dataset loader says the same."""
     if value.startswith("builtin:") or Path(value).expanduser().exists():
         return None
     where = f"{field}: {value!r} does not exist (relative to {os.getcwd()})"
@@ -37,7 +39,7 @@ def preflight(cfg: TrainerConfig) -> list[str]:
     data = cfg.data
     for field, value in (("data.prompts", data.prompts), ("data.evalPrompts", data.eval_prompts)):
         if value is not None:
-            problem = _dataset_problem(field, value)
+            problem = dataset_problem(field, value)
             if problem:
                 problems.append(problem)
     for field, value in (
