@@ -27,6 +27,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name, text in HOOKS.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "data.jsonl").write_text('{"prompt": "1", "label": "2"}\n')
+    (tmp_path / "empty-model").mkdir()
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -50,6 +51,7 @@ BAD = [
     (["data.evalPrompts=./nope.jsonl", REWARD], "data.evalPrompts: './nope.jsonl' does not"),
     (["model.path=/no/such/model"], "model.path: model directory '/no/such/model' does not"),
     (["algorithm.customAdvantageFunction=bad_adv:adv"], "Function: 'bad_adv:adv': its signature"),
+    (["model.path=./empty-model"], "model.path: directory './empty-model' holds no config.json"),
 ]
 
 
@@ -106,3 +108,19 @@ def test_the_trainers_dataset_loader_says_what_the_preflight_says(
     assert str(info.value).startswith(f"data.prompts: {value!r} does not exist")
     assert expected in str(info.value)
     assert len(load_dataset("data.jsonl")) == 1  # its valid neighbour
+
+
+@pytest.mark.parametrize(
+    ("message", "about", "expected"),
+    [
+        ("Unrecognized model in /m. Should have", "/m", "model.path: Unrecognized model in /m."),
+        ("data.prompts: x does not exist", "x", "data.prompts: x does not exist"),
+        ("CUDA out of memory", "/m", "CUDA out of memory"),
+    ],
+)
+def test_a_library_error_about_the_model_is_told_its_field(
+    message: str, about: str, expected: str
+) -> None:
+    from ppojob_trainer.errors import naming
+
+    assert naming("model.path", OSError(message), about).startswith(expected)

@@ -28,6 +28,19 @@ def one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+_NAMES_A_FIELD = re.compile(r"^[a-z][A-Za-z0-9]*(\.[A-Za-z0-9\[\]]+)+: ")
+
+
+def naming(field: str, exc: BaseException, about: str) -> str:
+    """`exc` on one line, prefixed with `field` when it is about `about` (the field's value, e.g.
+    a model directory) and names no field itself: a library's own error, such as transformers'
+    "Unrecognized model in DIR", names none."""
+    text = one_line(exc)
+    if _NAMES_A_FIELD.match(text) or about not in text:
+        return text
+    return f"{field}: {text}"
+
+
 def describe_failure(exc: BaseException) -> str:
     """One line for a failed run: the root cause, unwrapped from Ray's task and actor errors."""
     if isinstance(exc, StartupError):

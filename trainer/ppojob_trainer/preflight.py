@@ -33,6 +33,18 @@ def dataset_problem(field: str, value: str) -> str | None:
     return f"{where}; give a .jsonl, .json or .parquet file or a save_to_disk directory"
 
 
+def model_dir_problem(field: str, value: str) -> str | None:
+    """An existing directory that holds no Hugging Face model (no config.json), or None. The
+    trainer's model loader says the same."""
+    local = Path(value).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        return (
+            f"{field}: directory {value!r} holds no config.json, so it is not a Hugging Face "
+            "model directory (write one with save_pretrained, or give a hub id)"
+        )
+    return None
+
+
 def preflight(cfg: TrainerConfig) -> list[str]:
     """Every problem a local run would meet at start-up, as `field: what (fix)` lines."""
     problems: list[str] = []
@@ -49,6 +61,10 @@ def preflight(cfg: TrainerConfig) -> list[str]:
         local = value is not None and model_path_kind(value) == "local"
         if local and not Path(str(value)).expanduser().is_dir():
             problems.append(f"{field}: model directory {value!r} does not exist")
+        elif value is not None:
+            problem = model_dir_problem(field, value)
+            if problem:
+                problems.append(problem)
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
