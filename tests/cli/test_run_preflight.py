@@ -124,3 +124,34 @@ def test_a_library_error_about_the_model_is_told_its_field(
     from ppojob_trainer.errors import naming
 
     assert naming("model.path", OSError(message), about).startswith(expected)
+
+
+def test_an_error_raised_inside_a_hook_is_one_line_naming_the_hook() -> None:
+    """What the pre-flight cannot see (the hook raising at step time) reaches the user as one
+    line naming the hook and its field, also through Ray's task error."""
+    import torch
+    from ray.exceptions import RayTaskError
+
+    from ppojob_trainer.algorithms.hooks import run_custom_advantage
+    from ppojob_trainer.errors import describe_failure
+
+    def boom(**_: Any) -> None:
+        raise KeyError("user bug")
+
+    mask = torch.ones(2, 3)
+    with pytest.raises(KeyError) as info:
+        run_custom_advantage(
+            boom,
+            token_rewards=torch.zeros(2, 3),
+            scores=torch.zeros(2),
+            values=None,
+            mask=mask,
+            group_ids=torch.zeros(2, dtype=torch.long),
+            gamma=1.0,
+            lam=1.0,
+        )
+    wrapped = RayTaskError("WorkerHost.prepare", "Traceback ...", info.value).as_instanceof_cause()
+    line = describe_failure(wrapped)
+    assert "\n" not in line and line.startswith("KeyError: 'user bug' (raised inside the custom")
+    assert "boom" in line and "(algorithm.customAdvantageFunction)" in line
+    assert describe_failure(KeyError("plain")) == "KeyError: 'plain'"  # its neighbour: no note

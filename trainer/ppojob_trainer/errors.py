@@ -56,4 +56,6 @@ def describe_failure(exc: BaseException) -> str:
             if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line):
                 return line.split(": ", 1)[1][:MAX_LENGTH]
         return "a Ray worker died: " + (lines[-1] if lines else name)[:MAX_LENGTH]
-    return f"{name}: {one_line(exc)}"
+    notes = [one_line(Exception(n)) for n in getattr(exc, "__notes__", None) or []]
+    where = f" ({'; '.join(notes)})" if notes else ""  # e.g. which user hook raised it
+    return f"{name}: {one_line(exc)}{where}"

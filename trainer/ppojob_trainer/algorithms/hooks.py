@@ -114,7 +114,10 @@ def run_custom_advantage(
         )
     except Exception as exc:
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"raised inside the custom advantage function {name}")
+            exc.add_note(
+                f"raised inside the custom advantage function {name} "
+                "(algorithm.customAdvantageFunction)"
+            )
         raise
 
     if not isinstance(result, Mapping):
