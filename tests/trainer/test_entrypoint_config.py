@@ -59,3 +59,29 @@ def test_the_loader_raises_spec_error_not_unicode_error(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(SpecError):
         load_trainer_config(path)
+
+
+def test_the_preflight_runs_before_ray_and_reaches_the_reporter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In the cluster, a reward module the image lacks is found before connecting to Ray, and
+    the reporter (the PPOJob's status) gets the line."""
+    from ppojob_trainer import entrypoint, runtime
+
+    failed: list[str] = []
+
+    class Reporter:
+        def fail(self, message: str) -> None:
+            failed.append(message)
+
+    monkeypatch.setattr(entrypoint, "_reporters", lambda out, show_bar: Reporter())
+    monkeypatch.setattr(runtime, "connect_ray", lambda: pytest.fail("Ray was started"))
+    config = tmp_path / "trainer.yaml"
+    config.write_text(
+        "data: {prompts: builtin:count-up, rewardFunction: no_such_module_xyz:score}\n"
+    )
+    rc = main(["--config", str(config), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert failed and failed[0].startswith("data.rewardFunction: 'no_such_module_xyz:score'")
+    assert "cannot import module" in err and "Traceback" not in err
