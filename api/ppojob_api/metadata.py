@@ -1,10 +1,18 @@
-"""Names Kubernetes and KubeRay accept: the job's name and namespace, label values, Kueue queues."""
+"""Names Kubernetes and KubeRay accept: the job's name and namespace, its metadata's fields,
+labels and annotations, label values, Kueue queues."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 
+from ppojob_api.k8s_rules import (
+    ANNOTATIONS_MAX_BYTES,
+    annotations_size,
+    label_value,
+    qualified_name,
+)
 from ppojob_api.problems import Problem
 
 MAX_NAME_LENGTH = 47
@@ -105,12 +113,110 @@ def check_kueue_queue(queue: str | None) -> list[Problem]:
     ]
 
 
+OBJECT_META_FIELDS = (
+    "name",
+    "generateName",
+    "namespace",
+    "labels",
+    "annotations",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "ownerReferences",
+    "finalizers",
+    "managedFields",
+    "selfLink",
+)
+"""The fields of Kubernetes' ObjectMeta (k8s.io/apimachinery/pkg/apis/meta/v1/types.go); the API
+server refuses any other under kubectl's strict field validation (and drops it otherwise)."""
+
+
+def _string_map(value: Any, field: str, kind: str) -> tuple[dict[str, str], list[Problem]]:
+    if value is None:
+        return {}, []
+    if not isinstance(value, dict):
+        return {}, [
+            Problem(field, f"must be a mapping of {kind}", f"write {field}: {{key: value}}")
+        ]
+    problems = [
+        Problem(
+            f"{field}.{k}",
+            f"{kind} values are strings, got {type(v).__name__}",
+            f'quote it: {k}: "{v}"',
+        )
+        for k, v in value.items()
+        if not isinstance(v, str)
+    ]
+    return {str(k): v for k, v in value.items() if isinstance(v, str)}, problems
+
+
+def check_labels_and_annotations(meta: dict[str, Any]) -> list[Problem]:
+    """metadata.labels and metadata.annotations by Kubernetes' rules (`ppojob_api.k8s_rules`)."""
+    labels, problems = _string_map(meta.get("labels"), "metadata.labels", "label")
+    for key, value in labels.items():
+        for what, errs in ((key, qualified_name(key)), (value, label_value(value))):
+            if errs:
+                problems.append(
+                    Problem(
+                        f"metadata.labels.{key}",
+                        f"{what[:80]!r}: {'; '.join(errs)}",
+                        "use a key such as team or example.com/team, and a value of at most 63 "
+                        "letters, digits, '-', '_', '.'",
+                    )
+                )
+    annotations, more = _string_map(meta.get("annotations"), "metadata.annotations", "annotation")
+    problems += more
+    for key in annotations:
+        errs = qualified_name(key.lower())
+        if errs:
+            problems.append(
+                Problem(
+                    f"metadata.annotations.{key}",
+                    f"{key[:80]!r}: {'; '.join(errs)}",
+                    "use a key such as example.com/note",
+                )
+            )
+    size = annotations_size(annotations)
+    if size > ANNOTATIONS_MAX_BYTES:
+        problems.append(
+            Problem(
+                "metadata.annotations",
+                f"are {size:,} bytes; Kubernetes takes at most {ANNOTATIONS_MAX_BYTES:,} "
+                "(256 KiB, keys and values together)",
+                "keep large data out of annotations (a ConfigMap, or the volume)",
+            )
+        )
+    return problems
+
+
 def check_metadata(meta: Any) -> list[Problem]:
-    """Problems of a job's metadata: its name (or generateName) and namespace."""
+    """Problems of a job's metadata: its name (or generateName) and namespace, unknown fields,
+    labels and annotations."""
     if not isinstance(meta, dict):
         return [Problem("metadata", "required field is missing", "add metadata: {name: my-job}")]
     problems: list[Problem] = []
+    for key in meta:
+        if key not in OBJECT_META_FIELDS:
+            near = difflib.get_close_matches(str(key), OBJECT_META_FIELDS, n=1, cutoff=0.6)
+            problems.append(
+                Problem(
+                    f"metadata.{key}",
+                    "unknown field (not a field of Kubernetes' ObjectMeta)",
+                    f"check its spelling: did you mean `{near[0]}`?" if near else "remove it",
+                )
+            )
+    problems += check_labels_and_annotations(meta)
     name, generate = meta.get("name"), meta.get("generateName")
+    if name is not None and not isinstance(name, str):
+        wrong = Problem(
+            "metadata.name",
+            f"must be a string, got {type(name).__name__} {name!r}",
+            "write a name of lower-case letters, digits and '-', e.g. `name: my-job`",
+        )
+        return [*problems, wrong]
     if not name and isinstance(generate, str) and generate:
         # the API server appends 5 characters; the result must still be a valid name
         problems += check_name(

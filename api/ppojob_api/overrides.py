@@ -55,6 +55,11 @@ _ALLOCATION_KEYS = {
 }
 
 
+def overridable_field(key: str) -> str | None:
+    """The TrainingSettings field a critic override key sets (any spelling), or None."""
+    return _OVERRIDABLE.get(_norm(key))
+
+
 def check_critic_overrides(overrides: Any, path: str) -> list[Problem]:
     """Problems with a critic overrides mapping (forbidden, unknown or ill-typed keys)."""
     if not isinstance(overrides, dict):

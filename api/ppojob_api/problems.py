@@ -3,10 +3,14 @@ Problems with camelCase field paths."""
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-from ppojob_api.base import HOOK_PATTERN, QUANTITY_PATTERN
+from pydantic import BaseModel
+
+from ppojob_api.base import HOOK_PATTERN
 
 
 @dataclass(frozen=True)
@@ -45,14 +49,94 @@ def pydantic_problems(exc: Exception, prefix: str = "") -> list[Problem]:
         path = ".".join(parts) or prefix or "<root>"
         kind = err["type"]
         if kind == "extra_forbidden":
-            problems.append(Problem(path, "unknown field", "remove it or check its spelling"))
+            problems.append(Problem(path, "unknown field", _unknown_field_fix(exc, err["loc"])))
         elif kind == "missing":
             problems.append(Problem(path, "required field is missing", "add it"))
         else:
             got = err.get("input")
             shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
-            problems.append(Problem(path, f"{err['msg']} (got {shown[:80]})", _fix_for(err)))
+            got_part = "" if kind == "k8s_quantity" else f" (got {shown[:80]})"  # it says
+            problems.append(Problem(path, f"{err['msg']}{got_part}", _fix_for(err)))
     return problems
+
+
+def _norm(key: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", key.lower())
+
+
+def _model_named(name: str) -> type[BaseModel] | None:
+    todo: list[type[BaseModel]] = [BaseModel]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name and cls.__module__.startswith("ppojob_api"):
+            return cls
+        todo += cls.__subclasses__()
+    return None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The API model a field's annotation holds (directly, optionally, or as list items)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _siblings(exc: Exception, loc: tuple[Any, ...]) -> list[str]:
+    """The field names (as written on the wire) of the object holding the unknown key `loc`."""
+    model = _model_at(exc, loc[:-1])
+    return [] if model is None else [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_at(exc: Exception, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model = _model_named(getattr(exc, "title", ""))
+    for part in loc:
+        if model is None or isinstance(part, int):
+            continue
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        model = _model_in(field.annotation) if field is not None else None
+    return model
+
+
+def _deeper(model: type[BaseModel] | None, key: str, depth: int = 2) -> str | None:
+    """The dotted path below `model` of a field named `key` (a key indented too little)."""
+    if model is None or depth == 0:
+        return None
+    for name, field in model.model_fields.items():
+        child = _model_in(field.annotation)
+        if child is None:
+            continue
+        alias = field.alias or name
+        if any(key == (f.alias or n) for n, f in child.model_fields.items()):
+            return alias
+        below = _deeper(child, key, depth - 1)
+        if below:
+            return f"{alias}.{below}"
+    return None
+
+
+def _unknown_field_fix(exc: Exception, loc: tuple[Any, ...]) -> str:
+    """How to fix an unknown key: the field's camelCase name when it is another spelling of one
+    (the API server knows only that spelling: `kubectl apply` refuses the key or drops it, and
+    the job runs with the default), or the nearest field name."""
+    key = str(loc[-1]) if loc else ""
+    names = _siblings(exc, loc)
+    same = [n for n in names if _norm(n) == _norm(key)]
+    if same:
+        return f"write it as `{same[0]}` (the API server knows only this spelling)"
+    if names:
+        home = _deeper(_model_at(exc, loc[:-1]), key)
+        if home:
+            return f"`{key}` is a field of `{home}`: indent it under {home.split('.')[-1]}:"
+    near = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    if near:
+        return f"check its spelling: did you mean `{near[0]}`?"
+    if names:
+        return f"remove it; the fields here are {', '.join(names)}"
+    return "remove it or check its spelling"
 
 
 _TYPE_FIXES = {
@@ -72,13 +156,13 @@ def _fix_for(err: dict[str, Any]) -> str:
     if err.get("type") in _TYPE_FIXES:
         return _TYPE_FIXES[err["type"]]
     ctx = err.get("ctx") or {}
+    if "fix" in ctx:
+        return str(ctx["fix"])
     if "expected" in ctx:
         return f"use one of {ctx['expected']}"
     if "pattern" in ctx:
         if ctx["pattern"] == HOOK_PATTERN:
             return "write it as `package.module:function`"
-        if ctx["pattern"] == QUANTITY_PATTERN:
-            return "use a Kubernetes quantity such as `16Gi`"
         return f"match the pattern {ctx['pattern']}"
     for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if key in ctx:

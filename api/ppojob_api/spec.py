@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ppojob_api.base import ApiModel
+from ppojob_api.quantity import CpuQuantity, MemoryQuantity
 from ppojob_api.training import Toleration, TrainingHalf
 
 RAY_VERSION = "2.60.0"
@@ -92,11 +93,12 @@ class CheckpointVolume(ApiModel):
 class HeadSpec(ApiModel):
     """Resources of the Ray head pod."""
 
-    cpus: float = Field(2.0, gt=0)
-    """CPU cores of the head pod."""
+    cpus: CpuQuantity = 2.0
+    """CPU cores of the head pod: a number (`2`, `0.5`) or a Kubernetes quantity (`"500m"`)."""
 
-    memory: str = Field("8Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
-    """Memory of the head pod, as a Kubernetes quantity."""
+    memory: MemoryQuantity = "8Gi"
+    """Memory of the head pod, as a Kubernetes quantity such as `8Gi`; a bare number is
+    bytes, as in a pod."""
 
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the head pod must match."""

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ppojob_api.base import HOOK_PATTERN, QUANTITY_PATTERN, ApiModel
+from ppojob_api.base import HOOK_PATTERN, ApiModel
+from ppojob_api.quantity import CpuQuantity, MemoryQuantity
 
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
 BUILTIN_CONTEXT = 2048
@@ -82,11 +83,12 @@ class Resources(ApiModel):
     """GPUs per replica. 0 runs the role on CPU, one worker per replica; otherwise one worker per
     GPU."""
 
-    cpus: float = Field(1.0, gt=0, le=1024)
-    """CPU cores per replica."""
+    cpus: CpuQuantity = Field(1.0, le=1024)
+    """CPU cores per replica: a number (`2`, `0.5`) or a Kubernetes quantity (`"500m"`)."""
 
-    memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
-    """Memory per replica, as a Kubernetes quantity such as `64Gi`."""
+    memory: MemoryQuantity = "4Gi"
+    """Memory per replica, as a Kubernetes quantity such as `64Gi` (2^30 bytes each) or `64G`
+    (10^9); a bare number is bytes, as in a pod."""
 
     extra: dict[str, int] = Field(default_factory=dict)
     """Extended resources per replica (requested and limited), e.g. `{rdma/ib: 1}` for NCCL over

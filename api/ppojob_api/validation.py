@@ -31,6 +31,25 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
             source,
         )
     head: list[Problem] = []
+    other_kind, other_group = doc.get("kind"), doc.get("apiVersion")
+    if (
+        isinstance(other_kind, str)
+        and isinstance(other_group, str)
+        and other_kind != KIND
+        and not other_group.startswith("ppojob.io/")
+    ):
+        # another object (a PVC beside the job): not a PPOJob to repair
+        raise SpecError(
+            [
+                Problem(
+                    "kind",
+                    f"this document is a {other_kind} ({other_group}), not a PPOJob; "
+                    "ppojob validate checks PPOJob documents only",
+                    f"keep the {other_kind} in a file of its own (kubectl apply -f both)",
+                )
+            ],
+            source,
+        )
     if doc.get("apiVersion") != API_VERSION:
         head.append(
             Problem(
@@ -48,9 +67,13 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
     body = prune_nulls({k: v for k, v in doc.items() if k != "status"})
     meta_problems = check_metadata(body.get("metadata"))
     try:
-        job = PPOJob.model_validate(body)
+        # by alias only: the API server knows `learningRate`, never `learning_rate`
+        job = PPOJob.model_validate(body, by_alias=True, by_name=False)
     except Exception as exc:  # pydantic.ValidationError
-        raise SpecError(meta_problems + pydantic_problems(exc), source) from None
+        # a metadata field already judged (`name: 123`) is reported once
+        named = {p.path for p in meta_problems}
+        rest = [p for p in pydantic_problems(exc) if p.path not in named]
+        raise SpecError(meta_problems + rest, source) from None
     problems = meta_problems + check_spec(job.spec)
     if problems:
         raise SpecError(problems, source)
@@ -105,6 +128,21 @@ def load_manifests(text: str, source: str = "") -> list[PPOJob]:
             problems += [Problem(prefix + p.path, p.message, p.fix) for p in exc.problems]
     if problems:
         raise SpecError(problems, source)
+    first: dict[tuple[str | None, str], int] = {}
+    for i, job in enumerate(jobs):
+        key = (job.metadata.namespace, job.metadata.name or "")
+        if job.metadata.name and key in first:
+            problems.append(
+                Problem(
+                    f"document {i + 1}: metadata.name",
+                    f"{job.metadata.name!r} is also the name of document {first[key] + 1}: "
+                    "`kubectl apply` would make this one replace it",
+                    "give each job its own name",
+                )
+            )
+        first.setdefault(key, i)
+    if problems:
+        raise SpecError(problems, source)
     return jobs
 
 
@@ -118,17 +156,46 @@ def trainer_config_from_spec(spec: PPOJobSpec, job_name: str | None = None) -> T
     )
 
 
+_CONFIG_FORM = (
+    "write the training half of a PPOJob spec (model, roles, algorithm, data, training) as a "
+    "YAML mapping, as the operator renders it into the trainer's ConfigMap"
+)
+
+
 def load_trainer_config(path: str | Path) -> TrainerConfig:
-    """Read a trainer config file (the ConfigMap's YAML) and validate it completely."""
-    text = Path(path).read_text()
-    doc = load_yaml(text, str(path)) or {}
-    if not isinstance(doc, dict):
-        raise SpecError([Problem(str(path), "expected a mapping")])
+    """Read a trainer config file (the ConfigMap's YAML) and validate it completely. An empty
+    file, a file that is not UTF-8 text, and a PPOJob manifest are refused in one line each."""
+    source = str(path)
     try:
-        cfg = TrainerConfig.model_validate(doc)
+        text = Path(path).read_text()
+    except UnicodeDecodeError:
+        raise SpecError(
+            [Problem(source, "is not a UTF-8 text file (a trainer config is YAML)", _CONFIG_FORM)]
+        ) from None
+    doc = load_yaml(text, source)
+    if doc is None:
+        raise SpecError([Problem(source, "is empty", _CONFIG_FORM)])
+    if not isinstance(doc, dict):
+        raise SpecError(
+            [Problem(source, f"expected a mapping, got {type(doc).__name__}", _CONFIG_FORM)]
+        )
+    if "apiVersion" in doc or "kind" in doc:
+        raise SpecError(
+            [
+                Problem(
+                    source,
+                    f"is a {doc.get('kind') or 'Kubernetes'} manifest, not a trainer config",
+                    f"run a PPOJob manifest with `ppojob run {source}` (or `kubectl apply -f` "
+                    "it); ppojob-train reads the config the operator renders from its spec",
+                )
+            ]
+        )
+    try:
+        # by alias only, as for a manifest: `learning_rate` is not `learningRate`
+        cfg = TrainerConfig.model_validate(doc, by_alias=True, by_name=False)
     except Exception as exc:
-        raise SpecError(pydantic_problems(exc), str(path)) from None
+        raise SpecError(pydantic_problems(exc), source) from None
     problems = check_training_half(cfg, prefix="config")
     if problems:
-        raise SpecError(problems, str(path))
+        raise SpecError(problems, source)
     return cfg

@@ -96,6 +96,20 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+VALIDATE_HELP = (
+    "Check PPOJob manifests offline, the way the operator judges a stored job: YAML syntax "
+    "(duplicate keys, tabs, recursive aliases), apiVersion and kind, every field's type, range "
+    "and spelling (camelCase, as the API server knows them), Kubernetes quantities (cpus, "
+    "memory), metadata (name, labels, annotations), what reaches the pods (image, node "
+    "selectors, tolerations, priority class, queue, env) by Kubernetes' own rules, and every "
+    "semantic check of both halves (batch sizes, parallelism, colocation, KL, sizes). Each "
+    "problem is one line: its field path, what is wrong, and a fix. Not checked here (only "
+    "the cluster or the trainer can): that the image, the PVC, the PriorityClass, the queue or "
+    "node labels exist, and paths inside the image or volumes (`ppojob run` checks local paths "
+    "and hooks before it starts)."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ppojob_operator.scheduling import GANG_SCHEDULERS
 
@@ -103,10 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ppojob", description="PPO training of language models as a Kubernetes-native job."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("validate", help="check PPOJob manifests; exit 1 listing every problem")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p = sub.add_parser(
+        "validate",
+        help="check PPOJob manifests offline; exit 1 listing every problem",
+        description=VALIDATE_HELP,
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="YAML files of PPOJob manifests")
     p.set_defaults(func=_cmd_validate)
-    p = sub.add_parser("crd", help="print the PPOJob CustomResourceDefinition")
+    p = sub.add_parser(
+        "crd",
+        help="print the PPOJob CustomResourceDefinition",
+        description=(
+            "Print the PPOJob CustomResourceDefinition (apiextensions.k8s.io/v1) generated from "
+            "the typed models: the schema the API server checks types, enums, bounds, quantity "
+            "patterns and unknown fields with, and fills in defaults from. The same bytes as "
+            "crds/ppojob.io_ppojobs.yaml and the Helm chart's crds/."
+        ),
+    )
     p.set_defaults(func=_cmd_crd)
     p = sub.add_parser("render", help="print the children the operator would create")
     p.add_argument("file", metavar="FILE")

@@ -30,6 +30,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.pods import check_pod_fields
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -37,6 +38,7 @@ from ppojob_api.checks.roles import (
     check_sequence_parallel,
     check_unused_critic,
 )
+from ppojob_api.checks.settings import check_env, check_tensor_within_pod
 from ppojob_api.checks.sizes import check_sizes, quantity_bytes
 from ppojob_api.checks.sources import (
     check_eval_prompts,
@@ -62,6 +64,7 @@ def spec(**settings: Any) -> PPOJobSpec:
 
 GPU_ACTOR = {"replicas": 1, "resources": {"gpus": 8}, "backend": "megatron"}
 MEGATRON_CPU = {"backend": "megatron"}
+MEGATRON_TP4 = {"backend": "megatron", "parallelism": {"tensor": 4}}
 
 # (check, row id, settings, expected problem paths)
 TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
@@ -317,7 +320,7 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "training__miniBatchSize": 8,
             "training__microBatchSize": 3,
         },
-        ["spec.training.microBatchSize", "spec.roles.critic.overrides.microBatchSize"],
+        ["spec.training.microBatchSize"],  # once: the critic inherits it, nobody wrote an override
     ),
     (
         check_batches,
@@ -455,7 +458,13 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_eval_prompts,
         "eval dataset without a reward function",
         {"data__evalPrompts": "/data/eval.jsonl"},
-        ["spec.data.rewardFunction"],
+        ["spec.data.evalPrompts"],  # the eval dataset is what needs it: prompts are built-in
+    ),
+    (
+        check_eval_prompts,
+        "eval prompts of a format the trainer does not read",
+        {"data__evalPrompts": "/data/eval.csv", "data__rewardFunction": "r:score"},
+        ["spec.data.evalPrompts"],
     ),
     (check_eval_prompts, "built-in eval task", {"data__evalPrompts": "builtin:reverse"}, []),
     (
@@ -595,7 +604,7 @@ TABLE += [
             "data__samplesPerPrompt": 1,
             "training__miniBatchSize": 4,
         },
-        ["spec.roles.critic.overrides.miniBatchSize"],
+        ["spec.training.miniBatchSize"],  # the critic inherits it; no override was written
     ),
     (
         check_extended_resources,
@@ -811,8 +820,13 @@ FACTS: list[tuple[Any, dict[str, Any], str, list[str]]] = [
             "training__miniBatchSize": 4,
             "data__rolloutBatchSize": 4,
         },
-        "spec.roles.critic.overrides.miniBatchSize",
-        ["the critic's mini-batch of 4 samples does not split over its 3 data-parallel workers"],
+        "spec.training.miniBatchSize",
+        [
+            "the critic's mini-batch of 4 samples does not split over its 3 data-parallel workers "
+            "(the critic inherits spec.training's value)",
+            "use a multiple of 3, or give the critic its own in "
+            "spec.roles.critic.overrides.miniBatchSize",
+        ],
     ),
     (
         check_checkpoint_volume,
@@ -915,6 +929,154 @@ FACTS += [
 ]
 TABLE += [
     (
+        check_tensor_within_pod,
+        "a megatron tensor group wider than the pod's GPUs",
+        {"roles__actor": {"replicas": 4, "resources": {"gpus": 2}, **MEGATRON_TP4}},
+        ["spec.roles.actor.parallelism.tensor"],
+    ),
+    (
+        check_tensor_within_pod,
+        "a tensor group inside one pod; on CPU the pods are the workers",
+        {
+            "roles__actor": {"replicas": 2, "resources": {"gpus": 8}, **MEGATRON_TP4},
+            "roles__critic": {"replicas": 4, "backend": "megatron", "parallelism": {"tensor": 2}},
+        },
+        [],
+    ),
+    (
+        check_env,
+        "variables the operator, KubeRay or Ray set; one variable twice",
+        {
+            "roles__actor": {
+                "env": [
+                    {"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
+                    {"name": "A", "value": "1"},
+                    {"name": "A", "value": "2"},
+                ]
+            },
+            "roles__rollout": {"env": [{"name": "RAY_ADDRESS", "value": "ray://x:10001"}]},
+        },
+        [
+            "spec.roles.actor.env[0].name",
+            "spec.roles.actor.env[2].name",
+            "spec.roles.rollout.env[0].name",
+        ],
+    ),
+    (
+        check_env,
+        "the user's own variables",
+        {"roles__actor": {"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}},
+        [],
+    ),
+]
+
+TABLE += [
+    (
+        check_pod_fields,
+        "image with upper case in its path, and with a space",
+        {"image": "ghcr.io/Org/trainer:1"},
+        ["spec.image"],
+    ),
+    (check_pod_fields, "image with a space", {"image": "trainer :1"}, ["spec.image"]),
+    (
+        check_pod_fields,
+        "valid images: a registry with a port, a digest",
+        {"image": "localhost:5000/org/trainer:v1.0@sha256:" + "a" * 64},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "node selector key and value Kubernetes refuses",
+        {"roles__actor": {"nodeSelector": {"bad key": "ok", "gpu": "H100 SXM"}}},
+        ["spec.roles.actor.nodeSelector.bad key", "spec.roles.actor.nodeSelector.gpu"],
+    ),
+    (
+        check_pod_fields,
+        "a valid node selector on the head",
+        {"head": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "Exists with a value, tolerationSeconds without NoExecute, empty key with Equal",
+        {
+            "roles__rollout": {
+                "tolerations": [
+                    {"key": "gpu", "operator": "Exists", "value": "x"},
+                    {"key": "gpu", "tolerationSeconds": 30, "effect": "NoSchedule"},
+                    {"operator": "Equal"},
+                ]
+            }
+        },
+        [
+            "spec.roles.rollout.tolerations[0].value",
+            "spec.roles.rollout.tolerations[1].tolerationSeconds",
+            "spec.roles.rollout.tolerations[2].operator",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "affinity keys misspelt at both levels",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAfinity": {},
+                    "podAntiAffinity": {"requiredDuringScheduling": []},
+                }
+            }
+        },
+        [
+            "spec.head.affinity.nodeAfinity",
+            "spec.head.affinity.podAntiAffinity.requiredDuringScheduling",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "a valid affinity",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+                }
+            }
+        },
+        [],
+    ),
+    (
+        check_pod_fields,
+        "valid tolerations",
+        {
+            "roles__actor": {
+                "tolerations": [
+                    {"operator": "Exists"},
+                    {"key": "n", "effect": "NoExecute", "tolerationSeconds": 30},
+                ]
+            }
+        },
+        [],
+    ),
+    (
+        check_pod_fields,
+        "priority class and Volcano queue that are no object names; a relative NFS path",
+        {
+            "scheduling": {
+                "gangScheduler": "volcano",
+                "queue": "Team_A",
+                "priorityClassName": "High",
+            },
+            "checkpointVolume": {"nfs": {"server": "nfs", "path": "exports/ckpt"}},
+            "training__checkpointDir": "/ckpt",
+        },
+        [
+            "spec.scheduling.priorityClassName",
+            "spec.scheduling.queue",
+            "spec.checkpointVolume.nfs.path",
+        ],
+    ),
+]
+
+TABLE += [
+    (
         check_unused_critic,
         "grpo with critic updates per step",
         {"algorithm__advantageEstimator": "grpo", "algorithm__criticUpdatesPerStep": 3},
@@ -990,7 +1152,7 @@ BIG = "1Ti"
 )
 def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, need: int) -> None:
     """A pod with exactly the memory the estimate needs passes; one byte less fails, and the
-    message states the share of samples and the bytes in GiB."""
+    message states the share of samples and the bytes (in GiB, or MiB below one GiB)."""
     base = {
         **SMALL,
         "data__rolloutBatchSize": 512,
@@ -1013,7 +1175,8 @@ def test_size_bound_is_exact(role: str, settings: dict[str, Any], share: int, ne
         else ("activations of one micro-batch")
     )
     assert f"the {role}'s {what} ({share} samples x 1024 tokens)" in problem.message
-    assert f"at least {need / 2**30:.1f} GiB" in problem.message, problem.message
+    shown = f"{need / 2**30:.1f} GiB" if need >= 2**30 else f"{need / 2**20:.1f} MiB"
+    assert f"at least {shown}" in problem.message, problem.message
 
 
 TABLE += [
@@ -1082,7 +1245,19 @@ def test_check_spec_runs_the_cluster_checks_after_the_training_ones() -> None:
 
 @pytest.mark.parametrize(
     ("quantity", "expected"),
-    [("4Gi", 4 * 2**30), ("512M", 512e6), ("1000", 1000.0), ("1.5Ki", 1536.0), ("500m", 0.5)],
+    [
+        ("4Gi", 4 * 2**30),
+        ("512M", 512e6),
+        ("1000", 1000.0),
+        ("1.5Ki", 1536.0),
+        ("500m", 0.5),
+        ("2e9", 2e9),
+        ("1.5E3", 1500.0),
+        (".5", 0.5),
+        ("2.", 2.0),
+        ("+1k", 1000.0),
+        ("100n", 1e-7),
+    ],
 )
 def test_quantity_bytes(quantity: str, expected: float) -> None:
     assert quantity_bytes(quantity) == expected

@@ -61,7 +61,13 @@ def test_schema_is_structural() -> None:
     }
     for path, node in _walk(_schema()):
         assert not forbidden & set(node), f"{path or '<root>'} has {forbidden & set(node)}"
-        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} untyped"
+        # untyped only where Kubernetes allows it: int-or-string, or any value (a quantity field
+        # takes `cpus: 1.5` and `cpus: "500m"`, as a pod does; its pattern judges strings)
+        assert (
+            "type" in node
+            or node.get("x-kubernetes-int-or-string")
+            or (node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node)
+        ), f"{path} untyped"
         if "properties" in node:
             assert "additionalProperties" not in node, path
             assert node.get("type") == "object", path

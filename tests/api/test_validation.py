@@ -121,7 +121,8 @@ def test_duplicate_keys_are_an_error_naming_the_path(
         ("spec.training.steps", True, "write a whole number, without quotes"),
         ("spec.suspend", "yes", "write true or false, without quotes"),
         ("spec.training.weightDecay", float("inf"), "write a finite number"),
-        ("spec.roles.actor.resources.cpus", "64", "write a number, without quotes"),
+        ("spec.roles.actor.resources.cpus", "64 cores", "write cores as a number (2, 0.5) or"),
+        ("spec.roles.actor.resources.memory", 2048, 'write the unit, e.g. "2048Mi"'),
     ],
 )
 def test_type_errors_say_how_to_write_the_value(path: str, value: Any, fix: str) -> None:
@@ -156,7 +157,8 @@ def test_exponent_without_a_dot_is_a_number(tmp_path: Path) -> None:
         ("", "<document>: is empty"),
         ("spec: [unclosed", "not valid YAML"),
         ("- just\n- a list\n", "expected a mapping"),
-        ("apiVersion: v1\nkind: Pod\nspec: {}\n", "apiVersion: expected 'ppojob.io/v1alpha1'"),
+        ("apiVersion: v1\nkind: Pod\nspec: {}\n", "kind: this document is a Pod (v1), not a"),
+        ("apiVersion: v1\nkind: PPOJob\nspec: {}\n", "apiVersion: expected 'ppojob.io/v1alpha1'"),
         ("apiVersion: ppojob.io/v1alpha1\nkind: RayJob\nspec: {}\n", "kind: expected 'PPOJob'"),
         ("apiVersion: ppojob.io/v1alpha1\nkind: PPOJob\n", "spec: required field is missing"),
         (

@@ -90,3 +90,15 @@ def test_render_needs_a_name_not_a_generate_name(
     assert ppojob(["render", str(path)]) == 1
     captured = capsys.readouterr()
     assert "metadata.name: required to render" in captured.err and captured.out == ""
+
+
+def test_help_of_validate_and_crd_says_what_they_check(capsys) -> None:
+    for command, words in (
+        ("validate", ["camelCase", "Kubernetes quantities", "Not checked here", "one line"]),
+        ("crd", ["CustomResourceDefinition", "defaults", "crds/ppojob.io_ppojobs.yaml"]),
+    ):
+        with pytest.raises(SystemExit):
+            ppojob([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        for word in words:
+            assert word in out, (command, word)

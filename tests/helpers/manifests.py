@@ -252,9 +252,9 @@ INVALID += [
         "spec.roles.actor.resources.gpus",
     ),
     (
-        "cpus as a quoted number",
+        "cpus not a Kubernetes quantity",
         "spec.roles.actor.resources.cpus",
-        "64",
+        "64 cores",
         "spec.roles.actor.resources.cpus",
     ),
     (

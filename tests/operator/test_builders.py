@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ppojob_api.checks.sizes import quantity_bytes
-from ppojob_api.spec import total_gpus
+from ppojob_api.spec import PPOJob, total_gpus
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
 from tests.helpers.manifests import GPU, LAYOUTS, SCHEDULING, base_manifest
@@ -635,7 +635,9 @@ def test_trainer_config_yaml_is_camel_case_in_field_order():
 
 def test_pods_are_placed_secured_and_configured_as_the_spec_says():
     tol = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
-    job = validate_manifest(
+    # PPOJob.model_validate, not validate_manifest: validation refuses a reserved variable
+    # (check_env); the builder must still never let a stored job spoof the operator's own
+    job = PPOJob.model_validate(
         base_manifest(
             imagePullSecrets=[{"name": "regcred"}],
             head={"nodeSelector": {"pool": "cpu"}, "tolerations": [tol]},
@@ -757,3 +759,13 @@ def test_the_uid_reaches_the_gang_and_no_uid_means_no_owner():
         make("gae-separate-all", "scheduler-plugins"), namespace="ns1"
     ):
         assert "ownerReferences" not in child["metadata"], child["kind"]
+
+
+def test_the_operators_own_environment_variables_are_reserved_in_the_api() -> None:
+    """A role's env may not set what the operator sets (the API refuses it at validate time
+    instead of the operator dropping it silently)."""
+    from ppojob_api.checks.settings import RESERVED_ENV
+    from ppojob_operator import builders
+
+    own = {e["name"] for e in builders._env("actor", []) if "name" in e}
+    assert own <= set(RESERVED_ENV), own - set(RESERVED_ENV)

@@ -7,7 +7,9 @@ critic overrides file (`critic: [{name, overrides}]`) on top of the config's cri
 connects to the job's Ray cluster (`RAY_ADDRESS`, set by KubeRay) or starts a loopback-only local
 one, and trains. Progress goes to the local reporter and, when `PPOJOB_NAME` and
 `PPOJOB_NAMESPACE` are set, to the PPOJob's `status.progress` (`ppojob_trainer.k8s_progress`).
-Exit codes: 0 done, 1 bad config, 2 training or placement failed.
+Before Ray it runs the pre-flight of `ppojob run` (`ppojob_trainer.preflight`: dataset and model
+paths, hook modules and signatures) in the image the job runs in.
+Exit codes: 0 done, 1 bad config (or pre-flight), 2 training or placement failed.
 """
 
 from __future__ import annotations
@@ -32,8 +34,22 @@ log = logging.getLogger("ppojob_trainer.entrypoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppojob-train", description="Run the PPO trainer.")
-    p.add_argument("--config", required=True, metavar="FILE", help="trainer config (YAML)")
+    p = argparse.ArgumentParser(
+        prog="ppojob-train",
+        description=(
+            "Run the PPO trainer inside a PPOJob's Ray cluster. --config is the trainer config "
+            "the operator renders into the job's ConfigMap: the training half of a PPOJob spec "
+            "(model, roles, algorithm, data, training) as YAML, not a PPOJob manifest (run "
+            "one of those with `ppojob run`). It is checked completely (fields, types, every "
+            "semantic check of `ppojob validate`) before Ray starts; exit 1 names each problem."
+        ),
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="trainer config: YAML with model, roles, algorithm, data, training (camelCase keys)",
+    )
     p.add_argument(
         "--critic-config-path",
         metavar="FILE",
@@ -150,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import GangIncompleteError, PlacementError
+    from ppojob_trainer.preflight import preflight
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
 
     owns_ray = not ray.is_initialized()
@@ -158,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         reporter = _reporters(out_dir, show_bar=not args.no_progress)
+        problems = preflight(cfg)  # as `ppojob run` does: before Ray, in the image the job runs
+        if problems:
+            reporter.fail("; ".join(problems))  # reaches the PPOJob's Failed condition
+            print(f"ppojob-train: {args.config}: " + "; ".join(problems), file=sys.stderr)
+            return 1
         connect_ray()
         result = train(cfg, out_dir, reporter)
     except GangIncompleteError as exc:

@@ -28,6 +28,19 @@ def one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+_NAMES_A_FIELD = re.compile(r"^[a-z][A-Za-z0-9]*(\.[A-Za-z0-9\[\]]+)+: ")
+
+
+def naming(field: str, exc: BaseException, about: str) -> str:
+    """`exc` on one line, prefixed with `field` when it is about `about` (the field's value, e.g.
+    a model directory) and names no field itself: a library's own error, such as transformers'
+    "Unrecognized model in DIR", names none."""
+    text = one_line(exc)
+    if _NAMES_A_FIELD.match(text) or about not in text:
+        return text
+    return f"{field}: {text}"
+
+
 def describe_failure(exc: BaseException) -> str:
     """One line for a failed run: the root cause, unwrapped from Ray's task and actor errors."""
     if isinstance(exc, StartupError):
@@ -43,4 +56,6 @@ def describe_failure(exc: BaseException) -> str:
             if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line):
                 return line.split(": ", 1)[1][:MAX_LENGTH]
         return "a Ray worker died: " + (lines[-1] if lines else name)[:MAX_LENGTH]
-    return f"{name}: {one_line(exc)}"
+    notes = [one_line(Exception(n)) for n in getattr(exc, "__notes__", None) or []]
+    where = f" ({'; '.join(notes)})" if notes else ""  # e.g. which user hook raised it
+    return f"{name}: {one_line(exc)}{where}"

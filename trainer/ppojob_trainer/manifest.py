@@ -54,10 +54,13 @@ def parse_set(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _path(key: str) -> list[str]:
+def _path(key: str) -> tuple[str, list[str]]:
+    """(`spec` or `metadata`, the dotted path under it): `metadata.name` is the job's name,
+    anything else a field under spec (a leading `spec.` is optional)."""
     parts = key.split(".")
-    if parts and parts[0] == "spec":
-        parts = parts[1:]
+    root = "spec"
+    if parts and parts[0] in ("spec", "metadata"):
+        root, parts = parts[0], parts[1:]
     if not parts or any(not p for p in parts):
         raise SpecError(
             [
@@ -68,33 +71,54 @@ def _path(key: str) -> list[str]:
                 )
             ]
         )
-    return parts
+    if root == "spec" and parts[0] in ("apiVersion", "kind", "status"):
+        raise SpecError(
+            [
+                Problem(
+                    f"--set {key}",
+                    f"{parts[0]} is not a spec field",
+                    "set fields under spec (training.steps) or metadata (metadata.name)",
+                )
+            ]
+        )
+    return root, parts
 
 
 def apply_spec_overrides(
     doc: dict[str, Any], sets: Sequence[tuple[str, Any]] = (), unsets: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """A copy of `doc` with `spec.<key>` set or removed for each override."""
+    """A copy of `doc` with `spec.<key>` (or `metadata.<key>`) set or removed for each override;
+    an --unset of a field the manifest does not have is an error (nothing would change)."""
     out = copy.deepcopy(doc)
-    if not isinstance(out.get("spec"), dict):
-        out["spec"] = {} if out.get("spec") is None else out["spec"]
+    for root in ("spec", "metadata"):
+        if not isinstance(out.get(root), dict):
+            out[root] = {} if out.get(root) is None else out[root]
     problems: list[Problem] = []
     for key in unsets:
-        parts = _path(key)
-        node: Any = out["spec"]
+        root, parts = _path(key)
+        node: Any = out[root]
         for part in parts[:-1]:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(parts[-1], None)
+        if isinstance(node, dict) and parts[-1] in node:
+            node.pop(parts[-1])
+        else:
+            problems.append(
+                Problem(
+                    f"--unset {key}",
+                    f"the manifest has no {root}.{'.'.join(parts)} (nothing to unset)",
+                    "check the path: a dotted path of a field written in the manifest, e.g. "
+                    "training.steps",
+                )
+            )
     for key, value in sets:
-        parts = _path(key)
-        node = out["spec"]
+        root, parts = _path(key)
+        node = out[root]
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part) if isinstance(node, dict) else None
             if nxt is None and isinstance(node, dict):
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                where = "spec." + ".".join(parts[: i + 1])
+                where = f"{root}." + ".".join(parts[: i + 1])
                 problems.append(
                     Problem(
                         f"--set {key}",
@@ -108,7 +132,7 @@ def apply_spec_overrides(
             if isinstance(node, dict):
                 node[parts[-1]] = value
             else:
-                problems.append(Problem(f"--set {key}", "spec is not a mapping", ""))
+                problems.append(Problem(f"--set {key}", f"{root} is not a mapping", ""))
     if problems:
         raise SpecError(problems)
     return out

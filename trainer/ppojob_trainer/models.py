@@ -192,6 +192,11 @@ def resolve_model_path(path: str, seed: int, root: Path | None = None) -> Path:
         raise ValueError(f"model.path: {exc}") from None
     local = Path(path).expanduser()
     if local.is_dir():
+        from ppojob_trainer.preflight import model_dir_problem
+
+        problem = model_dir_problem("model.path", path)
+        if problem:
+            raise ValueError(problem)
         return local
     if kind == "local":
         raise ValueError(

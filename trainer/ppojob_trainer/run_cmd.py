@@ -106,6 +106,14 @@ def run_command(args: argparse.Namespace) -> int:
         doc, cfg = load_manifest(args.file, sets, args.unsets)
     except SpecError as exc:
         return _fail(str(exc))
+    from ppojob_trainer.preflight import preflight
+
+    problems = preflight(cfg)  # before Ray starts: paths, hook modules, hook signatures
+    if problems:
+        return _fail(
+            f"{args.file}: {len(problems)} problem(s) found before starting:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     name = (doc.get("metadata") or {}).get("name") or Path(args.file).stem
     out_dir = Path(args.out) if args.out is not None else DEFAULT_OUT_ROOT / name
     try:

@@ -262,9 +262,12 @@ def load_dataset(
 ) -> list[Example]:
     """Examples of a dataset (a .jsonl, .json or .parquet file, or a ``save_to_disk``
     directory); every record needs a string ``prompt_key``."""
+    from ppojob_trainer.preflight import dataset_problem
+
+    missing = dataset_problem("data.prompts", str(path))
+    if missing:
+        raise ValueError(missing)
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"data.prompts: dataset {path} does not exist")
     examples = []
     for i, rec in enumerate(_read_records(path)):
         prompt = as_prompt(rec.get(prompt_key)) if isinstance(rec, dict) else None

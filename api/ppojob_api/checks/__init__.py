@@ -27,6 +27,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.pods import check_pod_fields
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -34,6 +35,7 @@ from ppojob_api.checks.roles import (
     check_sequence_parallel,
     check_unused_critic,
 )
+from ppojob_api.checks.settings import check_env, check_tensor_within_pod
 from ppojob_api.checks.sizes import check_sizes
 from ppojob_api.checks.sources import (
     check_eval_prompts,
@@ -57,6 +59,8 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_splits,
     check_megatron_colocated_critic,
     check_sequence_parallel,
+    check_tensor_within_pod,
+    check_env,
     check_precision,
     check_batches,
     check_group_size,
@@ -78,6 +82,7 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_extended_resources,
     check_checkpoint_volume,
     check_gpu_precision,
+    check_pod_fields,
 )
 """The checks of the cluster half (what only a PPOJob has)."""
 

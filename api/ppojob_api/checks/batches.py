@@ -3,7 +3,11 @@ over each trained role's data-parallel workers, group estimators' group size, th
 
 from __future__ import annotations
 
-from ppojob_api.overrides import apply_critic_overrides, check_critic_overrides
+from ppojob_api.overrides import (
+    apply_critic_overrides,
+    check_critic_overrides,
+    overridable_field,
+)
 from ppojob_api.problems import Problem
 from ppojob_api.training import GROUP_ESTIMATORS, TrainingHalf, TrainingSettings
 
@@ -46,7 +50,9 @@ def batch_problems(
 
 def check_batches(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """The actor's batch sizes, then the critic's (its overrides on top of the actor's
-    settings); a critic problem that repeats the actor's is reported once."""
+    settings). A critic problem is blamed where its value was written: at the critic's override
+    when it has one, else at spec.training (which the critic inherits), and reported once when
+    the actor's problem already names that field."""
     roles, n = half.roles, half.data.samples_per_step
     actor = roles.actor
     dp_actor = max(roles.workers_of("actor") // actor.parallelism.model_parallel, 1)
@@ -60,7 +66,24 @@ def check_batches(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
         return p + override_problems
     dp_critic = max(roles.workers_of("critic") // critic.parallelism.model_parallel, 1)
     merged = apply_critic_overrides(half.training, critic.overrides)
-    return p + [q for q in batch_problems(merged, n, dp_critic, opath, "critic") if q not in p]
+    overridden = {overridable_field(str(k)): str(k) for k in critic.overrides}
+    out = list(p)
+    for q in batch_problems(merged, n, dp_critic, opath, "critic"):
+        field = q.path.rsplit(".", 1)[1]  # miniBatchSize or microBatchSize
+        name = "mini_batch_size" if field == "miniBatchSize" else "micro_batch_size"
+        if name in overridden:
+            q = Problem(f"{opath}.{overridden[name]}", q.message, q.fix)
+        else:
+            where = f"{prefix}.training.{field}"
+            if any(r.path == where for r in out):
+                continue  # the actor's problem names the same value
+            q = Problem(
+                where,
+                q.message + " (the critic inherits spec.training's value)",
+                q.fix + f", or give the critic its own in {opath}.{field}",
+            )
+        out.append(q)
+    return out
 
 
 def check_group_size(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 from ppojob_api.problems import Problem
+from ppojob_api.quantity import is_bare_number, quantity_value
 from ppojob_api.training import BUILTIN_CONTEXT, BUILTIN_SHAPES, TrainingHalf
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_QUANTITY_SUFFIX |= {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "m": 1e-3}
 
 
 def quantity_bytes(value: str) -> float:
-    """A Kubernetes quantity (`4Gi`, `512M`, `1000`, `500m`) as a number (bytes for memory)."""
-    for suffix in _QUANTITY_SUFFIX:  # no suffix ends another, so the order does not matter
-        if value.endswith(suffix):
-            return float(value[: -len(suffix)]) * _QUANTITY_SUFFIX[suffix]
-    return float(value)
+    """A Kubernetes quantity (`4Gi`, `512M`, `1000`, `500m`, `2e9`) as a number (bytes for
+    memory)."""
+    return quantity_value(value)
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def _shown(memory: str) -> str:
+    if is_bare_number(memory):
+        return f"{memory} bytes (a bare number is bytes, as in Kubernetes: write 2Gi for 2 GiB)"
+    return memory
 
 
 def check_sizes(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
@@ -69,7 +75,7 @@ def check_sizes(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 Problem(
                     f"{prefix}.roles.{where}.resources.memory",
                     f"the {name}'s {what} ({share} samples x {seq} tokens) needs at least "
-                    f"{_gib(need)}, more than the pod's {owner.resources.memory}",
+                    f"{_gib(need)}, more than the pod's {_shown(owner.resources.memory)}",
                     "raise the memory, or lower rolloutBatchSize, samplesPerPrompt, "
                     "maxResponseLength or microBatchSize",
                 )

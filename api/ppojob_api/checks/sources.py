@@ -39,6 +39,22 @@ def check_reward_function(half: TrainingHalf, prefix: str = "spec") -> list[Prob
     ]
 
 
+def _format_problem(value: str, path: str) -> list[Problem]:
+    """A dataset path of a format the trainer reads: a name with another extension is refused
+    (a name without one is a save_to_disk directory)."""
+    name = value.rstrip("/").rsplit("/", 1)[-1]
+    if "." in name and not re.search(r"\.(jsonl|json|parquet)/?$", value):
+        return [
+            Problem(
+                path,
+                "expected a .jsonl, .json or .parquet file or a directory saved with "
+                "`datasets`' save_to_disk",
+                "point it at such a dataset or use builtin:<task>",
+            )
+        ]
+    return []
+
+
 def check_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """`prompts` is a known built-in task, or a dataset of a format the trainer reads, and a
     dataset comes with a reward function."""
@@ -53,17 +69,9 @@ def check_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 _BUILTIN_TASK_FIX,
             )
         ]
-    name = data.prompts.rstrip("/").rsplit("/", 1)[-1]
-    # a name with another extension; a name without one is a save_to_disk directory
-    if "." in name and not re.search(r"\.(jsonl|json|parquet)/?$", data.prompts):
-        return [
-            Problem(
-                f"{prefix}.data.prompts",
-                "expected a .jsonl, .json or .parquet file or a directory saved with "
-                "`datasets`' save_to_disk",
-                "point it at such a dataset or use builtin:<task>",
-            )
-        ]
+    bad_format = _format_problem(data.prompts, f"{prefix}.data.prompts")
+    if bad_format:
+        return bad_format
     if data.reward_function is None:
         return [Problem(f"{prefix}.data.rewardFunction", *_NEEDS_REWARD)]
     return []
@@ -81,6 +89,20 @@ def check_eval_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem
         return [
             Problem(
                 f"{prefix}.data.evalPrompts", f"unknown built-in task {ev!r}", _BUILTIN_TASK_FIX
+            )
+        ]
+    bad_format = _format_problem(ev, f"{prefix}.data.evalPrompts")
+    if bad_format:
+        return bad_format
+    if data.reward_function is None and data.prompts.startswith("builtin:"):
+        # the prompts are a built-in task, whose reward scores only its own prompts: the
+        # evaluation dataset is what needs the reward function
+        return [
+            Problem(
+                f"{prefix}.data.evalPrompts",
+                f"{ev!r} is a dataset, and a dataset needs a reward function (the built-in "
+                "task's reward scores only its own prompts)",
+                "set rewardFunction: package.module:function, or use builtin:<task>",
             )
         ]
     if data.reward_function is None:

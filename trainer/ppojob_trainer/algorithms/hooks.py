@@ -24,7 +24,6 @@ device of ``token_rewards``), exactly 0 where ``mask`` is 0.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -32,48 +31,11 @@ from typing import Any
 
 import torch
 
+from ppojob_trainer.hookload import load_function
+
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 __all__ = ["function_name", "load_function", "run_custom_advantage", "validate_rewards"]
-
-
-def load_function(path: str, field: str) -> Callable[..., Any]:
-    """Import ``"pkg.module:function"`` (the attribute may be dotted: ``"mod:Class.method"``).
-
-    Every failure is a ``ValueError`` naming ``field`` (the config field the path came from),
-    the path and what is wrong: malformed path, module not importable (with the import error),
-    attribute missing, or not callable.
-    """
-    where = f"{field}: {path!r}"
-    if not isinstance(path, str):
-        raise ValueError(f"{field}: expected a 'module:function' string, got {path!r}")
-    module_name, sep, attr = path.partition(":")
-    parts = attr.split(".")
-    if (
-        not sep
-        or ":" in attr
-        or not module_name
-        or any(not p.isidentifier() for p in module_name.split("."))
-        or any(not p.isidentifier() for p in parts)
-    ):
-        raise ValueError(
-            f"{where} is malformed; expected 'package.module:function' "
-            f"(dotted module path, a colon, then a function name)"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(
-            f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    for i, part in enumerate(parts):
-        if not hasattr(obj, part):
-            owner = ".".join([module_name, *parts[:i]])
-            raise ValueError(f"{where}: {owner!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{where}: {attr!r} is not callable (it is a {type(obj).__name__})")
-    return obj
 
 
 def function_name(fn: Callable[..., Any]) -> str:
@@ -152,7 +114,10 @@ def run_custom_advantage(
         )
     except Exception as exc:
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"raised inside the custom advantage function {name}")
+            exc.add_note(
+                f"raised inside the custom advantage function {name} "
+                "(algorithm.customAdvantageFunction)"
+            )
         raise
 
     if not isinstance(result, Mapping):

@@ -21,6 +21,7 @@ import torch
 from ppojob_api.training import TrainerConfig
 
 from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets
+from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
 from .group import (
     data_parallel_group,
@@ -90,7 +91,10 @@ class WorkerHost:
             path = resolve_model_path(cfg.model.path, seed)
             shard = model_parallel_identity(cfg, "actor", *roles["actor"])
             group = data_parallel_group(groups.get("actor"), shard)
-            self.actor = ActorWorker(cfg, shard, path, device, group)
+            try:
+                self.actor = ActorWorker(cfg, shard, path, device, group)
+            except Exception as exc:  # one line naming the field (see errors.naming)
+                raise RuntimeError(naming("model.path", exc, str(path))) from exc
         if "critic" in roles:
             from .critic import CriticWorker
 
@@ -101,7 +105,11 @@ class WorkerHost:
                 check_critic_tokenizer(resolve_model_path(cfg.model.path, seed), path)
             shard = model_parallel_identity(cfg, "critic", *roles["critic"])
             group = data_parallel_group(groups.get("critic"), shard)
-            self.critic = CriticWorker(cfg, shard, path, device, group)
+            field = "model.criticPath" if cfg.model.critic_path else "model.path"
+            try:
+                self.critic = CriticWorker(cfg, shard, path, device, group)
+            except Exception as exc:
+                raise RuntimeError(naming(field, exc, str(path))) from exc
         self._weights: tuple[int, dict[str, torch.Tensor], list[list[str]]] | None = None
         self._staged: Any = None  # the bucket an engine may still be reading (CUDA IPC)
         self._weight_group: tuple[Any, str] | None = None
@@ -115,14 +123,13 @@ class WorkerHost:
             return None
         from .rollout import RolloutWorker
 
+        path = None
         try:
             path = resolve_model_path(self.cfg.model.path, self.cfg.training.seed)
             shard = identity("rollout", *self.roles["rollout"])
             self.rollout = RolloutWorker(self.cfg, shard, path, self.device, visible_devices)
         except Exception as exc:
-            from ..errors import one_line
-
-            return one_line(exc)
+            return naming("model.path", exc, str(path) if path is not None else self.cfg.model.path)
         self.rollout.engine = RecordedEngine(self.rollout.engine, self.events)
         return None
 
