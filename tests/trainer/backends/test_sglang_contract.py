@@ -319,6 +319,25 @@ def test_every_runtime_import_exists(sglang):
         assert name in defined, f"{module} defines no {name}"
 
 
+def test_the_memory_tags_of_a_wake_are_sglangs(sglang):
+    """The tags a colocated engine wakes with (``backends/base.py``) are SGLang's
+    ``GPU_MEMORY_TYPE_*`` constants, and together they are all of them."""
+    from ppojob_trainer.backends import base
+
+    tree = sglang.tree(sglang.module_file("sglang.srt.constants"))
+    consts = {
+        t.id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.startswith("GPU_MEMORY_TYPE_")
+    }
+    assert consts["GPU_MEMORY_TYPE_WEIGHTS"] == base.MEMORY_WEIGHTS
+    assert consts["GPU_MEMORY_TYPE_KV_CACHE"] == base.MEMORY_KV_CACHE
+    assert consts["GPU_MEMORY_TYPE_CUDA_GRAPH"] == base.MEMORY_CUDA_GRAPH
+    assert sorted(base.WAKE_FOR_SYNC + base.WAKE_AFTER_SYNC) == sorted(consts.values())
+
+
 def test_colocated_bucket_payloads_are_what_sglangs_weight_updater_reads(sglang):
     updater = sglang.module_file("sglang.srt.model_executor.model_runner_components.weight_updater")
     # update_weights_from_tensor dispatches on load_format == "flattened_bucket" ...

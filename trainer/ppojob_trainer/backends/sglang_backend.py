@@ -7,8 +7,13 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
 - Generation: ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)``; the
   sampled tokens and their log-probs come from ``meta_info.output_token_logprobs``
   (``(logprob, token_id, text)`` per token).
-- Colocated sleep/wake (``offload``): ``release_memory_occupation`` before the actor trains,
-  ``resume_memory_occupation`` before the weight update and the next generation.
+- Colocated sleep/wake (``offload``): ``release_memory_occupation`` (everything) before the
+  actor trains; ``resume_memory_occupation(tags=["weights"])`` before the weight update and
+  ``resume_memory_occupation(tags=["kv_cache", "cuda_graph"])`` after it (the host empties the
+  allocator's cache before each wake), so the KV cache is never held while buckets are staged.
+- Every weight update runs inside a session: ``begin_weight_update`` ... ``end_weight_update``
+  (SGLang 0.5.23 refuses ``update_weights_from_*`` outside one, answering ``(False, msg)``).
+  Every ``(success, message)`` SGLang returns is checked: a refusal raises, never passes.
 - Colocated weight sync: ``update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
   per bucket one payload per tensor-parallel rank, each the ``MultiprocessingSerializer``
   serialization of ``{"flattened_tensor", "metadata"}`` made by the process that owns that GPU
@@ -140,6 +145,8 @@ ENGINE_CALLS = (
     "generate",
     "release_memory_occupation",
     "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
     "update_weights_from_tensor",
     "init_weights_update_group",
     "update_weights_from_distributed",
@@ -184,14 +191,29 @@ class SGLangGenerationEngine(GenerationEngine):
         return generation_from_outputs(outs, max_new_tokens, self.pad_id)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """All weights at once, from this process (a single-GPU engine in this process)."""
-        self.engine.update_weights_from_tensor(
-            named_tensors=list(named_tensors.items()), flush_cache=True
+        """All weights at once, from this process (a single-GPU engine in this process), in a
+        session of its own."""
+        self.begin_weight_update()
+        _check(
+            self.engine.update_weights_from_tensor(
+                named_tensors=list(named_tensors.items()), flush_cache=True
+            ),
+            "update_weights_from_tensor",
         )
+        self.end_weight_update()
+
+    def begin_weight_update(self) -> None:
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        _check(self.engine.end_weight_update(), "end_weight_update")
 
     def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
-        self.engine.update_weights_from_tensor(
-            named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
+        _check(
+            self.engine.update_weights_from_tensor(
+                named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
+            ),
+            "update_weights_from_tensor",
         )
 
     def init_weights_update_group(
@@ -239,17 +261,20 @@ class SGLangGenerationEngine(GenerationEngine):
         if self.offload:
             self.engine.release_memory_occupation()
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str]) -> None:
         if self.offload:
-            self.engine.resume_memory_occupation()
+            self.engine.resume_memory_occupation(tags=list(tags))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
 def _check(result: Any, what: str) -> None:
-    """SGLang's control calls return ``(success, message)``; fail loudly on ``False``."""
-    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+    """SGLang's weight calls return ``(success, message)``; anything else, or a failure, raises
+    (a discarded ``(False, msg)`` leaves the engine sampling from stale weights)."""
+    if not (isinstance(result, tuple) and len(result) >= 2):
+        raise RuntimeError(f"sglang {what} returned {result!r}, not (success, message)")
+    if not result[0]:
         raise RuntimeError(f"sglang {what} failed: {result[1]}")
 
 
