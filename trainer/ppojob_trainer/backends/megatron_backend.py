@@ -714,8 +714,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
                 else:
                     with torch.no_grad():
                         ent = vocab_parallel_entropy(logits, grad=False)
-            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
-            return loss_fn(logp, ent, cpu)
+            return loss_fn(logp, ent, _loss_inputs(mb, logp.device))
 
         return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -784,8 +783,7 @@ class MegatronValueTrainer(ValueTrainer):
     ) -> dict[str, float]:
         def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
             values = self._values(output, mb)
-            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
-            return loss_fn(values, cpu)
+            return loss_fn(values, _loss_inputs(mb, values.device))
 
         return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -798,6 +796,13 @@ class MegatronValueTrainer(ValueTrainer):
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.m.load_state_dict(state)
+
+
+def _loss_inputs(mb: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch a loss function sees: its tensors on the device of the log-probs or
+    values it is combined with (the batch crosses the seam on the CPU; the model's output is on
+    the GPU), without the schedule's own ``_ids``/``_index``."""
+    return {k: v.to(device) for k, v in mb.items() if not k.startswith("_")}
 
 
 @contextmanager
