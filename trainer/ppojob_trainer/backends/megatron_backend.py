@@ -241,14 +241,24 @@ class _Sharded:
 
     def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
         """megatron-core DDP + distributed optimizer (bf16 weights, fp32 main weights)."""
+        self._wrap_ddp()
+        self.optimizer = self._megatron_optimizer()
+        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
+
+    def _wrap_ddp(self) -> None:
+        """megatron-core's ``DistributedDataParallel`` around the model (runs on a CPU too).
+
+        ``calculate_per_token_loss`` makes DDP SUM the gradients over the data-parallel group
+        (``gradient_scaling_factor = 1``) and makes the schedule hand ``finalize_model_grads``
+        the token count; the loss functions already weigh each micro-batch by its share of the
+        whole mini-batch's tokens (:meth:`_micro_weights`, no data-parallel factor), so the sum
+        is the gradient of the global mean and megatron must not divide again."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        s = self.settings
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
@@ -256,11 +266,20 @@ class _Sharded:
             config=self.config, ddp_config=ddp_config, module=self.model
         )
         self.config.no_sync_func = self.ddp.no_sync
-        # The loss functions already weigh each micro-batch by its share of the mini-batch's
-        # tokens; megatron must not divide the gradients by a token count again.
         self.config.finalize_model_grads_func = lambda models, _n=None, *a, **k: (
             finalize_model_grads(models, None, *a, **k)
         )
+
+    def _megatron_optimizer(self) -> Any:  # pragma: no cover - needs CUDA
+        """megatron-core's distributed optimizer over the DDP-wrapped model. Its process-group
+        setup runs on a CPU; the optimizer itself allocates on CUDA (``optimizer.py``:
+        ``torch.tensor(..., device='cuda')``) and takes only ``torch.cuda.*Tensor`` parameters
+        (``distrib_optimizer.py``)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .megatron_parallel import GLOO_GROUPS
+
+        s = self.settings
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=s.learning_rate,
@@ -274,8 +293,17 @@ class _Sharded:
             params_dtype=self.config.params_dtype,
             use_distributed_optimizer=True,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
-        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
+        return get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=GLOO_GROUPS)
+
+    def _micro_weights(self, counts: list[float], global_count: float) -> list[float]:
+        """Each micro-batch loss's weight: its share of the mini-batch's units over every
+        data-parallel worker; times the data-parallel size where the gradients are then
+        AVERAGED (the CPU path's all-reduce), not where they are SUMMED (megatron's DDP under
+        ``calculate_per_token_loss``)."""
+        from .torch_backend import accumulation_weights
+
+        averaged = self.ddp is None
+        return accumulation_weights(counts, global_count, self.shard.dp_size if averaged else 1)
 
     @property
     def _train_module(self) -> Any:
@@ -400,7 +428,6 @@ class _Sharded:
         """One optimizer update over ``minibatch`` (the weights of the micro-batches as in the
         torch backend: each micro-batch's loss times its share of the mini-batch's tokens)."""
         from ..algorithms import aggregation_count
-        from .torch_backend import accumulation_weights
 
         n = minibatch["response_ids"].shape[0]
         slices = _split(n, micro)
@@ -410,7 +437,7 @@ class _Sharded:
             if mask is None
             else [float(aggregation_count(mask[sl], agg)) for sl in slices]
         )
-        weights = accumulation_weights(counts, self._dp_sum(sum(counts)), self.shard.dp_size)
+        weights = self._micro_weights(counts, self._dp_sum(sum(counts)))
         state = {"i": 0}
 
         def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
