@@ -42,16 +42,18 @@ RUN apt-get update \
 RUN python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md constraints.txt constraints-gpu.txt ./
 COPY api/ api/
 COPY cli/ cli/
 COPY operator/ operator/
 COPY trainer/ trainer/
 # torch first (from the CPU index when asked; pinned by constraints.txt), then the trainer with
 # its extras (versions bounded by pyproject.toml; torch and ray pinned by constraints.txt, so the
-# image's Ray is the spec.rayVersion default).
+# image's Ray is the spec.rayVersion default). With the gpu extra, constraints-gpu.txt takes the
+# place of constraints.txt (sglang pins its own torch, transformers and tokenizers).
 # hadolint ignore=DL3013
-RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+RUN if [[ ",${EXTRAS}," == *,gpu,* ]]; then cp constraints-gpu.txt constraints.txt; fi \
+ && if [ -n "$TORCH_INDEX_URL" ]; then \
       pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c constraints.txt torch; \
     fi \
  && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
