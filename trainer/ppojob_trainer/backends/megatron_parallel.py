@@ -147,11 +147,12 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
             raise RuntimeError(
                 f"megatron backend: {world} workers expected in a process group, none was joined"
             )
-        from ..workers.group import free_port
+        from ..workers.group import loopback_gloo
 
-        dist.init_process_group(
+        loopback_gloo()
+        dist.init_process_group(  # one rank: an in-memory store, no listener
             "nccl" if device.startswith("cuda") else "gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
         )
