@@ -17,6 +17,14 @@ megatron-core's process-global state out of pytest's.
    megatron-core's ``get_megatron_optimizer`` must get past its process-group setup (with gloo
    groups off it stopped there: "Intra partial data parallel group is not initialized"); what
    stops it on a CPU is its distributed optimizer's first CUDA allocation, which is recorded.
+3. Resume. Past that point megatron-core's distributed optimizer is Python over torch whose
+   only ties to CUDA are device arguments and type names: under :class:`CudaOnCpu` (a
+   ``TorchFunctionMode`` that turns ``device="cuda"`` into the CPU, ``.cuda()`` into a no-op and
+   names CPU tensors ``torch.cuda.*`` for its type checks) it builds and steps on the CPU with
+   bf16 weights and fp32 main weights, over real gloo groups. Shard A updates twice, its
+   ``state_dict`` is saved; shard B starts from the initial weights and loads it; both update
+   once more: B must equal A (it used to return to the initial weights: its main weights were
+   never reloaded, and Adam's moments were not saved).
 """
 
 from __future__ import annotations
@@ -28,8 +36,25 @@ import warnings
 from types import SimpleNamespace
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 warnings.filterwarnings("ignore")
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """megatron-core's distributed optimizer on the CPU: ``device="cuda"`` -> CPU, ``.cuda()``
+    -> itself, ``.type()`` of a CPU tensor -> its ``torch.cuda.*`` name (its type checks)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if args[0].is_cuda else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
 
 
 def tiny_shape():  # type: ignore[no-untyped-def]
@@ -93,6 +118,70 @@ def reduced_grads(ddp) -> None:  # type: ignore[no-untyped-def]
             shards = [torch.empty(k, dtype=data.dtype) for _ in range(world)]
             dist.all_gather(shards, data[dist.get_rank() * k : (dist.get_rank() + 1) * k].clone())
             data.copy_(torch.cat(shards))
+
+
+def gpu_shard(shape, initial: dict, rank: int):  # type: ignore[no-untyped-def]
+    """A bf16 shard on the GPU path: DDP and megatron's distributed optimizer (on the CPU)."""
+    from megatron.core import parallel_state as ps
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.backends.megatron_backend import _Sharded
+    from ppojob_trainer.backends.megatron_parallel import build_model, transformer_config
+
+    config = transformer_config(shape, torch.bfloat16, device="cpu", tp=1, pp=1)
+    config.calculate_per_token_loss = True
+    config.variable_seq_lengths = True
+    model = build_model(shape, config, pre_process=True, post_process=True, value=False)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in initial.items()}, strict=False)
+    m = _Sharded.__new__(_Sharded)
+    m.shard, m.shape, m.config, m.model, m.value = (
+        ShardIdentity("actor", dp_rank=rank, dp_size=2),
+        shape,
+        config,
+        model,
+        False,
+    )
+    m.device, m.gpu, m.first, m.last = torch.device("cpu"), False, True, True
+    m.sequence_parallel, m.ps, m.ddp, m.updates, m.total_updates = False, ps, None, 0, 10
+    m.settings = TrainerConfig.model_validate(
+        {"training": {"learningRate": 1e-2, "adamEps": 1e-6, "gradClip": 1.0}}
+    ).training
+    m._wrap_ddp()
+    with CudaOnCpu():
+        m.optimizer = m._megatron_optimizer()
+
+    def step() -> dict:  # megatron's schedule runs finalize_model_grads, then the step
+        m.config.finalize_model_grads_func([m.ddp])
+        with CudaOnCpu():
+            return _Sharded._step(m)
+
+    m._step = step
+    return m
+
+
+def resume(shape, initial: dict, rank: int, full: dict) -> dict:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    half = {k: v[4 * rank : 4 * rank + 4] for k, v in full.items()}
+    a = gpu_shard(shape, initial, rank)
+    for _ in range(2):
+        a.update(half, 2, "token-mean", micro_loss)
+    with CudaOnCpu():
+        state = [a.state_dict()]
+    dist.broadcast_object_list(state, src=0)  # the driver hands the leader's state to all
+    b = gpu_shard(shape, initial, rank)
+    with CudaOnCpu():
+        b.load_state_dict(state[0])
+    for shard in (a, b):
+        shard.update(half, 2, "token-mean", micro_loss)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    start = {k: v.to(torch.bfloat16) for k, v in initial.items()}
+    return {
+        "saved": sorted(state[0]),
+        "b_vs_a": max(float((pa[n] - pb[n]).abs().max()) for n in pa),
+        "a_moved": max(float((pa[n].float() - start[n].float()).abs().max()) for n in pa),
+    }
 
 
 def main() -> None:
@@ -179,6 +268,7 @@ def main() -> None:
             "error": f"{type(exc).__name__}: {exc}",
             "frames": [f"{f.filename.split('site-packages/')[-1]}:{f.name}" for f in frames],
         }
+    out["resume"] = resume(shape, initial, rank, full)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)

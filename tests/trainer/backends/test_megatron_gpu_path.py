@@ -64,3 +64,13 @@ def test_megatron_optimizer_builder_gets_past_its_process_groups(result):
     assert not any("parallel_state" in f for f in opt["frames"]), opt
     assert "megatron/core/optimizer/optimizer.py:__init__" in opt["frames"], opt
     assert opt["frames"][-1].startswith("torch/cuda/"), opt
+
+
+def test_a_resume_of_the_distributed_optimizer_continues_where_it_stopped(result):
+    """save -> load -> step: a shard resumed from a checkpoint makes exactly the update the
+    uninterrupted one makes (bf16 weights, fp32 main weights and Adam moments of megatron's
+    distributed optimizer, two data-parallel ranks each holding half of them)."""
+    resume = result["resume"]
+    assert {"adam", "adam_step", "master"} <= set(resume["saved"]), resume
+    assert resume["a_moved"] > 1e-3, resume  # the updates did something to compare
+    assert resume["b_vs_a"] == 0.0, resume  # same arithmetic on the same state: bit-identical
