@@ -11,8 +11,14 @@ abs differences (and exactness flags) as JSON.
 ``tests/trainer/backends/test_megatron.py`` asserts on them; a separate process keeps
 megatron-core's process-global state out of pytest's.
 
-Adam's epsilon is 1e-6 here: with 1e-8, its first step maps float rounding noise (~1e-10) on
-near-zero gradients to steps of lr x noise / eps, far above 1e-5 for either backend alike.
+Adam's epsilon is 1e-3 here, which bounds how much the first step amplifies a gradient's fp32
+rounding: the step is lr * g / (|g| + eps), whose sensitivity to an error dg is at most
+lr / eps = 10 per unit of gradient, so reordered fp32 sums (dg ~ 1e-8) move a weight by ~1e-7, the
+last bits of a weight near 1. With eps 1e-6 the same rounding on near-zero gradients became steps
+of up to lr * dg / eps ~ 1e-5, and a fixed 1e-5 bound failed on another machine (1.22e-5). The
+updates still move weights by ~lr where |g| >> eps; the test bounds the differences relative to
+that update size, and records how far the torch backend's own update moves under another valid
+summation order (``*_noise``), which the bound must cover too.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def _cfg(tp: int, pp: int, micro: int | None) -> object:
                 "learningRate": 1e-2,
                 "microBatchSize": micro,
                 "gradClip": 0.5,
-                "adamEps": 1e-6,
+                "adamEps": 1e-3,
                 "seed": 3,
             },
         }
@@ -243,7 +249,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
             }
 
         ref_sd = hf_names(torch_critic.model)
-        out["critic_update_max_abs"] = _maxdiff(after, ref_sd)
+        out["critic_update_weights_max_abs"] = _maxdiff(after, ref_sd)
         out["critic_update_noise"] = _maxdiff(hf_names(critic_order.model), ref_sd)
         out["critic_update_changed"] = _maxdiff(
             after,
