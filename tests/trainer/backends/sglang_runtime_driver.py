@@ -325,6 +325,22 @@ def main() -> None:
         result["distributed_outside_session"] = "accepted"
     except RuntimeError as exc:
         result["distributed_outside_session"] = str(exc)
+    # our sampling parameters through SGLang's own SamplingParams and its validation
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from ppojob_trainer.backends.sglang_backend import row_seeds, sampling_params
+
+    seeds = []
+    for row_seed in row_seeds(7, 4):
+        params = SamplingParams(**sampling_params(16, 0.8, 0.95, [2, 3], row_seed))
+        params.verify(11)
+        seeds.append(params.sampling_seed)
+    result["sampling_seeds"] = seeds
+    try:
+        SamplingParams(**sampling_params(16, 0.8, 1.5, [2], 0)).verify(11)
+        result["bad_top_p"] = "accepted"
+    except ValueError as exc:
+        result["bad_top_p"] = str(exc)
     print(json.dumps(result))
 
 

@@ -263,7 +263,8 @@ def test_engine_is_exported_and_every_server_arg_the_adapter_sets_exists(sglang)
     known = server_args_fields(sglang)
     assert {"model_path", "tp_size"} <= known, "ServerArgs fields not found: parser broken"
     for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2})):
-        args = adapter.engine_args(cfg, Path("/models/m"))
+        args = adapter.engine_args(cfg, Path("/models/m"), (30001, 30002))
+        assert {"port", "nccl_port"} <= set(args)
         assert set(args) <= known, f"unknown ServerArgs fields {sorted(set(args) - known)}"
     assert args["tp_size"] == 2 and args["trust_remote_code"] is True
 

@@ -91,3 +91,10 @@ def test_a_colocated_engine_wakes_in_two_halves_around_the_sync(run):
     end = sglang.index("end_weight_update")
     assert sorted(sglang[end + 1 : end + 3]) == ["resume(cuda_graph)", "resume(kv_cache)"]
     assert run["offload_tags_left"] == []
+
+
+def test_our_sampling_parameters_pass_sglangs_own_validation(run):
+    """Every row's parameters build SGLang's ``SamplingParams`` and pass its ``verify``, each
+    with its own seed; SGLang's validation itself runs (an out-of-range top_p is refused)."""
+    assert len(set(run["sampling_seeds"])) == 4, run["sampling_seeds"]
+    assert "top_p" in run["bad_top_p"], run["bad_top_p"]

@@ -73,10 +73,14 @@ def sglang_object(name: str) -> Any:
         raise missing_backend("sglang", "sglang", "spec.roles.rollout.backend") from None
 
 
-def engine_args(cfg: Any, model_dir: Path) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job."""
+def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job. ``ports``:
+    this engine's own ``port`` and ``nccl_port`` (several engines share a node: SGLang's
+    defaults would collide)."""
     rollout = cfg.roles.rollout
+    own = {"port": ports[0], "nccl_port": ports[1]} if ports else {}
     return {
+        **own,
         "model_path": str(model_dir),
         "dtype": cfg.model.dtype,
         "tp_size": rollout.parallelism.tensor,
@@ -89,10 +93,18 @@ def engine_args(cfg: Any, model_dir: Path) -> dict[str, Any]:
     }
 
 
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """One sampling seed per prompt row: SGLang seeds a row's sampler with its seed and the
+    token position, so rows sharing a seed (the samples of one prompt) would sample the same
+    tokens under its deterministic inference."""
+    return [(seed * 1_000_003 + i) % 2**31 for i in range(rows)]
+
+
 def sampling_params(
     max_new_tokens: int, temperature: float, top_p: float, stop_ids: Sequence[int], seed: int
 ) -> dict[str, Any]:
-    """``sampling_params`` of ``Engine.generate`` (``SamplingParams`` fields)."""
+    """``sampling_params`` of ``Engine.generate`` (``SamplingParams`` fields) for one row.
+    ``sampling_seed`` takes effect only under SGLang's deterministic inference (off here)."""
     return {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -102,22 +114,33 @@ def sampling_params(
     }
 
 
+ENGINE_ENV_DROPPED = ("PYTORCH_CUDA_ALLOC_CONF",)
+"""Variables of the trainer process the engine's subprocesses must not inherit: the training
+allocator's settings (``expandable_segments`` does not work with the memory saver's pools)."""
+
+
 @contextmanager
-def _visible_devices(devices: Sequence[str] | None) -> Iterator[None]:
-    """``CUDA_VISIBLE_DEVICES`` for the engine's subprocesses while it starts (colocated: the
-    bundle's t GPUs, this process's own first, so device 0 stays this process's GPU)."""
-    if not devices:
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+def _engine_env(devices: Sequence[str] | None) -> Iterator[None]:
+    """The environment the engine's subprocesses start with: ``CUDA_VISIBLE_DEVICES`` (colocated:
+    the bundle's t GPUs, this process's own first, so device 0 stays this process's GPU) and
+    none of :data:`ENGINE_ENV_DROPPED`; this process's own is restored after."""
+    changes: dict[str, str | None] = dict.fromkeys(ENGINE_ENV_DROPPED)
+    if devices:
+        changes["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    saved = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def serialize_bucket(bucket: FlatBucket) -> bytes:
@@ -167,9 +190,11 @@ class SGLangGenerationEngine(GenerationEngine):
         stop_ids: Sequence[int],
         visible_devices: Sequence[str] | None = None,
     ) -> None:
+        from ..workers.group import free_port
+
         engine_cls = sglang_object("Engine")
-        with _visible_devices(visible_devices):
-            self.engine = engine_cls(**engine_args(cfg, model_dir))
+        with _engine_env(visible_devices):
+            self.engine = engine_cls(**engine_args(cfg, model_dir, (free_port(), free_port())))
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = sorted(set(stop_ids))
         rollout = cfg.roles.rollout
@@ -186,7 +211,10 @@ class SGLangGenerationEngine(GenerationEngine):
         seed: int,
     ) -> Generation:
         prompts = [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask.bool(), strict=True)]
-        params = sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, seed)
+        params = [
+            sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, row_seed)
+            for row_seed in row_seeds(seed, len(prompts))
+        ]
         outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         return generation_from_outputs(outs, max_new_tokens, self.pad_id)
 
