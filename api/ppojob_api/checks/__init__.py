@@ -32,6 +32,7 @@ from ppojob_api.checks.roles import (
     check_colocation,
     check_precision,
     check_sequence_parallel,
+    check_sglang_top_p_tis,
     check_unused_critic,
 )
 from ppojob_api.checks.sizes import check_sizes
@@ -53,6 +54,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_colocation,
     check_backends,
     check_megatron_top_p,
+    check_sglang_top_p_tis,
     check_megatron_devices,
     check_megatron_splits,
     check_megatron_colocated_critic,
