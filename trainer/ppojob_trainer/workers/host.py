@@ -245,6 +245,13 @@ class WorkerHost:
             return serialize_bucket(bucket)
         return bucket
 
+    def export(self, sync_id: int) -> float:
+        """Export the actor's weights for sync ``sync_id`` now (kept for its buckets); every
+        actor worker calls it together when the export is a collective. Returns seconds."""
+        t0 = time.perf_counter()
+        self._exported(sync_id)
+        return time.perf_counter() - t0
+
     def join_export(self, sync_id: int) -> float:
         """An actor worker outside the sync joins the export when it is a collective (megatron
         gathers the weights on the leader); returns its seconds."""
