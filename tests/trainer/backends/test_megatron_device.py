@@ -91,3 +91,19 @@ def test_the_critic_loss_gets_its_micro_batch_on_the_values_device():
 
     critic.update(batch(), loss_fn, micro_batch_size=4)
     assert seen == [{"meta"}]
+
+
+def test_bf16_logits_are_divided_by_the_temperature_in_float32(meta_logprobs):
+    """The model's bf16 logits become float32 before the temperature divides them (in bf16 the
+    quotient is rounded to 8 bits of mantissa: log-prob errors of ~1e-2)."""
+    actor = mb_.MegatronPolicyTrainer.__new__(mb_.MegatronPolicyTrainer)
+    actor.temperature = 0.7
+    g = torch.Generator().manual_seed(0)
+    output = (torch.randn(2, 6, 50, generator=g) * 8).to(torch.bfloat16)
+    mb = {
+        "_index": torch.tensor([[1, 2, 3], [2, 3, 4]]),
+        "response_ids": torch.tensor([[5] * 3] * 2),
+    }
+    got = actor._token_logprobs(output, mb)
+    want = torch.log_softmax(mb_._select(output.float(), mb["_index"]) / 0.7, -1)[..., 5]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -802,8 +802,13 @@ class MegatronPolicyTrainer(PolicyTrainer):
         )
         self.micro = cfg.training.micro_batch_size
 
+    def _scaled_logits(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The response positions' logits over this rank's vocabulary slice, in float32, divided
+        by the sampling temperature (in bf16 the quotient would lose all but 8 mantissa bits)."""
+        return _select(output, mb["_index"]).float() / self.temperature
+
     def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        logits = _select(output, mb["_index"]) / self.temperature
+        logits = self._scaled_logits(output, mb)
         return vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
 
     @torch.no_grad()
@@ -832,7 +837,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         agg: str = "token-mean",
     ) -> dict[str, float]:
         def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-            logits = _select(output, mb["_index"]) / self.temperature
+            logits = self._scaled_logits(output, mb)
             logp = vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
             ent = None
             if self.need_entropy:
