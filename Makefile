@@ -5,12 +5,14 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# the gpu extra's sglang pin (pyproject.toml), e.g. 0.5.23
+SGLANG_VERSION := $(shell sed -n 's/^ *"sglang==\([^"]*\)".*/\1/p' pyproject.toml)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: install demo test lint format crd docs images node-images e2e clean control-plane mutation
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tests/trainer/backends/sglang-runtime.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
@@ -19,7 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 # the version is the gpu extra's pin in pyproject.toml
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
 		--platform manylinux_2_34_x86_64 -d $(VENV)/test-cache/sglang \
-		"$$(sed -n 's/^ *"\(sglang==[^"]*\)".*/\1/p' pyproject.toml)"
+		sglang==$(SGLANG_VERSION)
+# ... and that wheel with the few pure-Python modules its weight updater imports, installed
+# without dependencies beside the virtualenv (tests/trainer/backends/test_sglang_runtime.py runs
+# SGLang's own weight-update code from there, in a subprocess)
+	rm -rf $(VENV)/test-cache/sglang-runtime
+	$(PIP) install --quiet --no-deps --target $(VENV)/test-cache/sglang-runtime \
+		-r tests/trainer/backends/sglang-runtime.txt $(VENV)/test-cache/sglang/sglang-$(SGLANG_VERSION)-*.whl
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,23 +1,35 @@
-"""A prepared GPU check of the torch backend: one process, torch + transformers only.
+"""The prepared one-GPU check: the torch backend's PPO steps and the megatron backend's update,
+resume and numerics on one device, with torch and transformers (megatron-core for its part).
 
-    python bench/gpu_check.py                       # ~1.2B random-init Llama, bf16, cuda:0
-    python bench/gpu_check.py --device cpu --tiny   # the same code path, tiny model, on the CPU
+    python bench/gpu_check.py                       # ~1.2B random-init Llamas, bf16, cuda:0
+    python bench/gpu_check.py --device cpu --tiny   # the same code path, tiny models, on the CPU
 
-Builds a random-init Llama (the Llama-3.2-1B shape by default; nothing is downloaded), saves it to
-a temporary directory and runs a few PPO steps through the real backend classes
-(``TorchGenerationEngine``, ``TorchPolicyTrainer`` with a reference model, ``TorchValueTrainer``):
-generate -> old/ref log-probs and values -> critic update -> actor update -> weight sync. No
-Ray, Megatron or SGLang. Prints the step time, tokens/s, the training MFU and the peak memory.
+Sections (``--sections``, default all), each printing its figures, then one table:
 
-MFU: the model FLOPs of the log-prob/value forwards and the two updates, counted by
-``bench/flops.py`` on the micro-batches the backend actually runs (each trimmed to its own longest
-prompt and response): every block's matmuls on every processed position, causal attention
-pairs, the LM head only on response positions (the value head on all), no embedding FLOPs, an
-update = 3 x its forward; over the time of those phases and the device's dense bf16 peak.
+``torch``     a random-init Llama (the Llama-3.2-1B shape by default; nothing is downloaded),
+              a few PPO steps through the real backend classes (``TorchGenerationEngine``,
+              ``TorchPolicyTrainer`` with a reference model, ``TorchValueTrainer``): generate ->
+              old/ref log-probs and values -> critic update -> actor update -> weight sync;
+              step time, tokens/s, training MFU, peak memory; then what the allocator holds
+              after training and what ``empty_cache`` gives back before a colocated engine
+              wakes (the wake order: empty cache -> weights -> sync -> empty cache -> KV cache).
+``megatron``  ``MegatronPolicyTrainer`` (megatron-core DDP + distributed optimizer on a GPU,
+              bf16 weights with fp32 main weights) updated with the shared policy loss exactly
+              as the actor worker builds it (no device moves of its own: the backend must
+              place the micro-batches); log-prob forward and update times, tokens/s, MFU;
+              save -> load -> step: a fresh trainer loaded from the checkpoint makes the same
+              next update (max |w_resumed - w| printed; 0 expected).
+
+MFU: model FLOPs counted by ``bench/flops.py`` on the micro-batches the backend actually runs:
+every block's matmuls on every processed position, causal attention pairs, the vocabulary head
+only where logits are computed (the torch backend: response positions; megatron's GPT model:
+every position), the value head on all, no embedding FLOPs, an update = 3 x its forward; over
+the time of those phases and the device's dense bf16 peak.
 
 Checks that the master weights are float32 on the device, the reference and the engine hold
 bfloat16, and every output is finite; exits 1 on any device or dtype error (or any other
-failure), 0 otherwise.
+failure), 0 otherwise. What only a multi-GPU run can show (tensor, pipeline and data
+parallelism over NCCL, SGLang engines, sleep/wake across processes) is not here.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "bench")]
 
-from flops import micro_batches, total_flops  # noqa: E402
+from flops import Micro, micro_batches, total_flops  # noqa: E402
 
 # dense bf16 peak FLOP/s by device name (spec sheets)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -237,6 +249,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "train_s": train_s,
         "peak_memory_gib": _peak_memory(device),
     }
+    if device.type == "cuda":  # what a colocated engine's wake can take back (wake order)
+        held = torch.cuda.memory_reserved(device)
+        torch.cuda.empty_cache()
+        figures["reserved_after_training_gib"] = held / 2**30
+        figures["reserved_after_empty_cache_gib"] = torch.cuda.memory_reserved(device) / 2**30
     print(
         f"device {name}: step {step_s:.3f} s, {figures['tokens_per_s']:.0f} tokens/s, "
         f"training MFU {mfu:.1%} ({train_flops / 1e12:.6g} model TFLOP in {train_s:.6g} s of "
@@ -246,10 +263,120 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return figures
 
 
+def megatron(args: argparse.Namespace) -> dict[str, float]:
+    """The megatron section (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer import algorithms as A
+    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer
+
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    dtype = "bfloat16" if gpu else "float32"  # the megatron backend on CPU trains in float32
+    shape = dict(
+        hidden_size=64 if args.tiny else 2048,
+        intermediate_size=256 if args.tiny else 8192,
+        num_hidden_layers=2 if args.tiny else 16,
+        num_attention_heads=4 if args.tiny else 32,
+        num_key_value_heads=2 if args.tiny else 8,
+        vocab_size=128 if args.tiny else 128256,
+    )
+    cfg = TrainerConfig.model_validate(
+        {
+            "model": {"dtype": dtype},
+            "roles": {"actor": {"backend": "megatron", "resources": {"gpus": int(gpu)}}},
+            "data": {"rolloutBatchSize": args.batch, "samplesPerPrompt": 1},
+            "training": {"learningRate": 1e-5, "microBatchSize": args.micro_batch},
+        }
+    )
+    b, p_len, r_len = args.batch, args.prompt_len, args.response_len
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(3, shape["vocab_size"], (b, p_len), generator=g),
+        "prompt_mask": torch.ones(b, p_len, dtype=torch.bool),
+        "response_ids": torch.randint(3, shape["vocab_size"], (b, r_len), generator=g),
+        "response_mask": torch.ones(b, r_len, dtype=torch.bool),
+        "old_logprobs": -torch.rand(b, r_len, generator=g),
+        "advantages": torch.randn(b, r_len, generator=g),
+    }
+
+    def loss_fn(logp, ent, mb):  # the actor worker's: the batch as the backend hands it
+        loss, m = A.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"])
+        return loss, {"pg_loss": loss.detach(), **m}
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = LlamaConfig(
+            **shape, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0
+        )
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(tmp)
+        make = lambda: MegatronPolicyTrainer(  # noqa: E731
+            cfg,
+            tmp,
+            ShardIdentity("actor"),
+            need_reference=False,
+            total_updates=4,
+            device=str(device),
+        )
+        trainer = make()
+        sync()
+        t0 = time.perf_counter()
+        logp = trainer.logprobs(batch)
+        sync()
+        t_logp = time.perf_counter() - t0
+        trainer.update(batch, loss_fn, args.micro_batch)  # warm-up (allocations, kernels)
+        sync()
+        t0 = time.perf_counter()
+        metrics = trainer.update(batch, loss_fn, args.micro_batch)
+        sync()
+        t_update = time.perf_counter() - t0
+        _expect(bool(torch.isfinite(logp).all()), "megatron log-probs are not finite")
+        _expect(math.isfinite(float(metrics["grad_norm"])), f"megatron grad norm {metrics}")
+        # save -> load -> step: the resumed trainer makes the uninterrupted one's next update
+        state = trainer.state_dict()
+        resumed = make()
+        resumed.load_state_dict(state)
+        trainer.update(batch, loss_fn, args.micro_batch)
+        resumed.update(batch, loss_fn, args.micro_batch)
+        a, r = trainer.export_weights(), resumed.export_weights()
+        resume_diff = max(float((a[k].float() - r[k].float()).abs().max()) for k in a)
+    seq = p_len + r_len
+    micros = [
+        Micro(rows=min(args.micro_batch, b - lo), seq=seq, head_positions=seq)
+        for lo in range(0, b, args.micro_batch)
+    ]
+    flops = total_flops(shape, micros, train=True)
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    mfu = flops / t_update / (peak * 1e12) if peak else float("nan")
+    figures = {
+        "megatron_logprobs_s": t_logp,
+        "megatron_update_s": t_update,
+        "megatron_tokens_per_s": b * seq / t_update,
+        "megatron_mfu": mfu,
+        "megatron_resume_max_abs": resume_diff,
+    }
+    print(
+        f"megatron on {name} ({dtype}): log-probs {t_logp:.3f} s, update {t_update:.3f} s, "
+        f"{b * seq / t_update:.0f} tokens/s, MFU {mfu:.1%}; save -> load -> step: max "
+        f"|w_resumed - w| {resume_diff:.3g}"
+    )
+    _expect(resume_diff == 0.0, f"a resumed megatron trainer diverged by {resume_diff:.3g}")
+    return figures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model (for a CPU run)")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (for a CPU run)")
+    ap.add_argument("--sections", default="torch,megatron", help="torch, megatron or both")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -261,8 +388,11 @@ def main() -> int:
     if args.tiny:
         args.batch, args.micro_batch = min(args.batch, 4), min(args.micro_batch, 2)
         args.prompt_len, args.response_len = min(args.prompt_len, 8), min(args.response_len, 8)
+    sections = {"torch": run, "megatron": megatron}
+    figures: dict[str, float] = {}
     try:
-        run(args)
+        for name in args.sections.split(","):
+            figures.update(sections[name.strip()](args))
     except CheckError as exc:
         print(f"gpu_check: FAILED: {exc}", file=sys.stderr)
         return 1
@@ -270,6 +400,9 @@ def main() -> int:
         traceback.print_exc()
         print("gpu_check: FAILED (see the traceback above)", file=sys.stderr)
         return 1
+    print(f"{'figure':<34} value")
+    for key, value in figures.items():
+        print(f"{key:<34} {value:.6g}")
     print("gpu_check: OK")
     return 0
 

@@ -46,10 +46,14 @@ WORKDIR /src
 # constraints change, not on every change to the sources (torch alone is gigabytes). torch first
 # (from the CPU index when asked; pinned by constraints.txt), then the distribution's
 # dependencies and those of ${EXTRAS}, read from pyproject.toml (torch and ray pinned by
-# constraints.txt, so the image's Ray is the spec.rayVersion default).
-COPY pyproject.toml constraints.txt ./
+# constraints.txt, so the image's Ray is the spec.rayVersion default). With the gpu extra,
+# constraints-gpu.txt takes the place of constraints.txt (sglang pins its own torch,
+# transformers and tokenizers; torch 2.14.1's PyPI wheels are CUDA 13 builds that carry their
+# own CUDA libraries: the nodes' driver must support CUDA 13).
+COPY pyproject.toml constraints.txt constraints-gpu.txt ./
 # hadolint ignore=DL3013
-RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+RUN case ",${EXTRAS}," in *,gpu,*) cp constraints-gpu.txt constraints.txt ;; esac \
+ && if [ -n "$TORCH_INDEX_URL" ]; then \
       pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c constraints.txt torch; \
     fi \
  && python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \

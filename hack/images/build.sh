@@ -133,7 +133,8 @@ build_image() {
   if ! buildah inspect --type image "$tag" >/dev/null 2>&1; then
     log "$name: buildah bud -f $dockerfile ($*)"
     local t0=$SECONDS
-    buildah bud --quiet --layers --network=host -f "$root_dir/$dockerfile" -t "$tag" "$@" \
+    # docker format: the Dockerfiles' SHELL (bash, pipefail) is kept, as `docker build` keeps it
+    buildah bud --quiet --layers --format docker --network=host -f "$root_dir/$dockerfile" -t "$tag" "$@" \
       "$root_dir" >"$cache/$name.build.log" 2>&1 || {
       tail -n 20 "$cache/$name.build.log" >&2
       die "building $name failed: see $cache/$name.build.log"

@@ -36,6 +36,7 @@ from ppojob_api.checks.roles import (
     check_colocation,
     check_precision,
     check_sequence_parallel,
+    check_sglang_top_p_tis,
     check_unused_critic,
 )
 from ppojob_api.checks.settings import check_env, check_tensor_within_pod
@@ -216,6 +217,28 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         ["spec.data.topP"],
     ),
     (check_megatron_top_p, "torch actor with top-p", {"data__topP": 0.9}, []),
+    (
+        check_sglang_top_p_tis,
+        "sglang engine, top-p and truncated importance sampling",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "data__topP": 0.9,
+            "algorithm__tisCap": 2.0,
+        },
+        ["spec.algorithm.tisCap"],
+    ),
+    (
+        check_sglang_top_p_tis,
+        "sglang engine, top-p, no importance sampling",
+        {"roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}}, "data__topP": 0.9},
+        [],
+    ),
+    (
+        check_sglang_top_p_tis,
+        "torch engine, top-p and truncated importance sampling",
+        {"data__topP": 0.9, "algorithm__tisCap": 2.0},
+        [],
+    ),
     (
         check_megatron_devices,
         "megatron on CPU: context parallel, sequence parallel, bfloat16",
@@ -1293,3 +1316,13 @@ def test_every_message_and_fix_reads_as_recorded() -> None:
         MESSAGES.write_text(text)
     recorded = MESSAGES.read_text().splitlines()
     assert text.splitlines() == recorded
+
+
+def test_sglang_top_p_with_importance_sampling_is_refused_by_validation() -> None:
+    """The check runs in validation (registered), not only when called by name."""
+    doubled = spec(
+        roles__rollout={"backend": "sglang", "resources": {"gpus": 1}},
+        data__topP=0.9,
+        algorithm__tisCap=2.0,
+    )
+    assert "spec.algorithm.tisCap" in [p.path for p in checks.check_training_half(doubled)]

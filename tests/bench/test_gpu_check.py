@@ -1,5 +1,6 @@
 """bench/gpu_check.py's code path on the CPU (`--device cpu --tiny`): the GPU run uses the same
-backend classes, checks and report; only the model size and the device differ."""
+backend classes, checks and report (its torch and megatron sections); only the model size, the
+dtype of the megatron section and the device differ."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def test_gpu_check_runs_its_steps_and_reports_on_the_cpu():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 1:" in out.stdout and "gpu_check: OK" in out.stdout
+    # the megatron section: an update through the shared loss, and save -> load -> step
+    assert "megatron on cpu (float32)" in out.stdout, out.stdout
+    assert "save -> load -> step: max |w_resumed - w| 0" in out.stdout, out.stdout
+    assert re.search(r"^megatron_resume_max_abs\s+0$", out.stdout, flags=re.M), out.stdout
     assert "tokens/s" in out.stdout and "training MFU" in out.stdout and "peak memory" in out.stdout
     # MFU = the counted model FLOPs / the time of the forwards and updates / the peak
     found = re.search(

@@ -45,6 +45,26 @@ def test_the_7b_example_fits_80gb_gpus_and_so_does_a_torch_fsdp_layout():
     assert actor.peak < 80e9 and not M.plan_warnings(cfg)
 
 
+def test_fsdp_gradient_accumulation_holds_unsharded_float32_gradients():
+    """FSDP2 accumulates micro-batch gradients unsharded (``set_requires_gradient_sync(False)``
+    until the last micro-batch): ~30 GB for a 7B model, on every GPU, during an update with
+    several micro-batches; none with one micro-batch per worker."""
+    layout = [
+        ("roles.actor.backend", "torch"),
+        ("roles.actor.parallelism.tensor", 1),
+        ("roles.critic.backend", "torch"),
+        ("roles.critic.parallelism.tensor", 1),
+        ("training.sharding", "fsdp"),
+        ("training.gradientCheckpointing", True),
+    ]
+    key = "unsharded grads (accumulation)"
+    _, cfg = load_manifest(SEVEN_B, layout)  # micro-batches of 4 of 8 rows per worker
+    actor = M.plan_job(cfg)[0]
+    assert actor.phases["actor update"][f"actor {key}"] == pytest.approx(4 * 7.62e9, rel=0.01)
+    _, cfg = load_manifest(SEVEN_B, [*layout, ("training.microBatchSize", 8)])
+    assert f"actor {key}" not in M.plan_job(cfg)[0].phases["actor update"]
+
+
 def test_validate_warns_when_a_plan_cannot_fit(tmp_path, capsys):
     from ppojob_cli.main import main
 

@@ -287,6 +287,12 @@ class PPOTrainer:
                     g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
                     for g in self.engine_groups
                 ]
+            # Every actor worker exports first, all at once: under FSDP the export is a
+            # collective over all of them, and an engine spanning several workers' GPUs asks
+            # its peers for their buckets only after its own export (a deadlock otherwise).
+            # Each worker runs its calls in order, so its export precedes its buckets.
+            for h in self.hosts["actor"]:
+                h.export.remote(self.syncs)
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export

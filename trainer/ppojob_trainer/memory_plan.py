@@ -4,7 +4,8 @@ Imports neither torch nor Ray (``ppojob validate`` uses it). The plan is arithme
 model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`) and the spec:
 
 ``weights``      float32 master weights (torch backend), per worker: / dp under ``sharding: fsdp``
-``grads``        float32 gradients, sharded alike
+``grads``        float32 gradients, sharded alike (under FSDP with several micro-batches per
+                 update also the unsharded float32 gradients they accumulate into, per update)
 ``optimizer``    AdamW's two float32 moments, sharded alike
 ``compute``      working copies in the compute dtype: autocast's bf16 weight casts (a whole model,
                  replicated) or, under FSDP, the gathered root and two gathered blocks (prefetch)
@@ -126,6 +127,7 @@ class TrainedModel:
     seq_len: int = 1024
     gradient_checkpointing: bool = False
     lm_head: bool = True  # the actor projects to the vocabulary; the critic has a value head
+    accumulation: int = 1  # micro-batches per worker and optimizer update
 
     @property
     def compute_bytes(self) -> int:
@@ -161,6 +163,10 @@ class TrainedModel:
         sh, c = self.shape, self.compute_bytes
         out: dict[str, float] = {}
         if self.backend == "torch":
+            if self.fsdp and self.accumulation > 1:
+                # FSDP2 with set_requires_gradient_sync(False) accumulates the micro-batches'
+                # gradients UNSHARDED, float32 like the masters, until the last reduce-scatter
+                out["unsharded grads (accumulation)"] = 4.0 * self.params
             if self.fsdp:
                 out["compute"] = c * (sh.root_params + 2 * sh.block_params)
             elif c < 4:
@@ -228,9 +234,8 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
     workers = roles.workers_of(role)
     mp = spec.parallelism.model_parallel
     dp = max(workers // mp, 1)
-    micro = settings.micro_batch_size or max(
-        (settings.mini_batch_size or data.samples_per_step) // dp, 1
-    )
+    per_worker = max((settings.mini_batch_size or data.samples_per_step) // dp, 1)
+    micro = settings.micro_batch_size or per_worker
     return TrainedModel(
         shape=shape,
         dtype=half.model.dtype,
@@ -243,6 +248,7 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
         seq_len=data.max_prompt_length + data.max_response_length,
         gradient_checkpointing=settings.gradient_checkpointing,
         lm_head=role == "actor",
+        accumulation=-(-per_worker // micro),
     )
 
 

@@ -33,6 +33,7 @@ from ppojob_api.checks.roles import (
     check_colocation,
     check_precision,
     check_sequence_parallel,
+    check_sglang_top_p_tis,
     check_unused_critic,
 )
 from ppojob_api.checks.settings import check_env, check_tensor_within_pod
@@ -55,6 +56,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_colocation,
     check_backends,
     check_megatron_top_p,
+    check_sglang_top_p_tis,
     check_megatron_devices,
     check_megatron_splits,
     check_megatron_colocated_critic,

@@ -1,10 +1,13 @@
-"""FSDP2 on CPU (gloo, two processes): sharded training equals replicated training, and each
-worker's checkpoint shard restores it exactly.
+"""FSDP2 on CPU (gloo, two processes): sharded training equals ONE single-process update on
+the full batch, and each worker's checkpoint shard restores it exactly.
 
 Both processes train the same actor (with a sharded reference model and the KL loss) and critic
-for three updates, once with ``sharding: none`` (replicas + one all-reduce) and once with
-``sharding: fsdp`` (FSDP2 ``fully_shard``). Losses, gradient norms and the gathered weights must
-agree within 1e-5 (float32).
+for three updates on their half of the batch, once with ``sharding: none`` (replicas + one
+all-reduce) and once with ``sharding: fsdp`` (FSDP2 ``fully_shard``); each process also trains a
+single-process actor and critic (no group) on the whole batch: the reference. Both data-parallel
+runs share the gradient-weighting code, so a loss-scaling bug would pass a comparison of the
+two; against the single process it cannot. Gradient norms and the gathered weights must agree
+with the single process within 1e-5 (float32); the sharded and replicated runs' own metrics too.
 """
 
 from __future__ import annotations
@@ -93,6 +96,32 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
         }
 
     results = {}
+    # the reference: one process, no group, the whole batch (same micro-batch size)
+    s1 = TrainingSettings(learning_rate=1e-2, sharding="none", grad_clip=1.0)
+    single_actor = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        s1,
+        temperature=1.0,
+        need_reference=True,
+        entropy_grad=True,
+        total_updates=UPDATES,
+    )
+    single_critic = TorchValueTrainer(model_dir, "float32", s1, seed=0, total_updates=UPDATES)
+    single_metrics = []
+    for _ in range(UPDATES):
+        batch = dict(full)
+        batch["ref_logprobs"] = single_actor.logprobs(batch, reference=True)
+        a = single_actor.update(batch, policy_loss, micro_batch_size=2)
+        c = single_critic.update(batch, value_loss, micro_batch_size=2)
+        single_metrics.append(
+            {"actor/grad_norm": a["grad_norm"], "critic/grad_norm": c["grad_norm"]}
+        )
+    results["single"] = {
+        "metrics": single_metrics,
+        "actor": single_actor.export_weights(),
+        "critic": full_state_dict(single_critic.model),
+    }
     for sharding in ("none", "fsdp"):
         actor, critic = build(sharding)
         assert actor.opt.sharded == (sharding == "fsdp")
@@ -169,14 +198,17 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
         for m_none, m_fsdp in zip(r["none"]["metrics"], r["fsdp"]["metrics"], strict=True):
             for key, value in m_none.items():
                 assert m_fsdp[key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
-        diff_actor = _max_diff(r["none"]["actor"], r["fsdp"]["actor"])
-        diff_critic = _max_diff(r["none"]["critic"], r["fsdp"]["critic"])
-        losses = [m["actor/pg_loss"] for m in r["fsdp"]["metrics"]]
-        print(
-            f"rank {rank}: max |w_fsdp - w_replica| actor {diff_actor:.2e} critic "
-            f"{diff_critic:.2e}; fsdp pg losses {losses}"
-        )
-        assert diff_actor <= 1e-5 and diff_critic <= 1e-5
+        for m_one, m_none in zip(r["single"]["metrics"], r["none"]["metrics"], strict=True):
+            for key, value in m_one.items():  # global quantities: the gradient norms
+                assert m_none[key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
+        for run in ("none", "fsdp"):
+            diff_actor = _max_diff(r["single"]["actor"], r[run]["actor"])
+            diff_critic = _max_diff(r["single"]["critic"], r[run]["critic"])
+            print(
+                f"rank {rank}: max |w_{run} - w_single| actor {diff_actor:.2e} critic "
+                f"{diff_critic:.2e}"
+            )
+            assert diff_actor <= 1e-5 and diff_critic <= 1e-5, run
         torch.testing.assert_close(
             r["fsdp"]["logprobs"], r["none"]["logprobs"], atol=1e-5, rtol=1e-5
         )

@@ -225,14 +225,22 @@ def test_megatron_matches_hf_and_the_torch_backend_on_cpu(tmp_path: Path) -> Non
         "tiny-qwen2-seed5/tp2",
     }
     for name, r in results.items():
+        print(name, {k: v for k, v in r.items() if "update" in k or k == "grad_norm"})
+    for name, r in results.items():
         assert r["roundtrip_exact"] is True, name
         assert r["logits_max_abs"] < 1e-5, (name, r)
         assert r["logprobs_max_abs"] < 1e-5 and r["ref_logprobs_max_abs"] < 1e-5, (name, r)
         assert r["values_max_abs"] < 1e-5, (name, r)
-        # The update moved the weights (by ~lr) and both backends moved them alike.
-        assert r["update_changed"] > 1e-3, (name, r)
-        assert r["update_weights_max_abs"] < 1e-5, (name, r)
-        assert r["critic_update_max_abs"] < 1e-5, (name, r)
+        # The update moved the weights (by ~lr) and both backends moved them alike, within what
+        # fp32 reordering can do to one Adam step with eps 1e-3 (megatron_cases.py's docstring):
+        # 1e-4 of the update's size (~1e-6, about 10 ulps of a weight near 1; measured ~1e-7,
+        # like the torch backend's own update under another summation order, *_noise).
+        for prefix in ("", "critic_"):
+            size = r[f"{prefix}update_changed"]
+            bound = 1e-4 * size
+            assert size > 1e-3, (name, prefix, r)
+            assert r[f"{prefix}update_noise"] <= bound, (name, prefix, r)  # the bound's premise
+            assert r[f"{prefix}update_weights_max_abs"] <= bound, (name, prefix, r)
         m_norm, t_norm = r["grad_norm"]
         assert abs(m_norm - t_norm) < 1e-5 * t_norm, (name, r)
         assert r["resume_max_abs"] == 0.0, (name, r)

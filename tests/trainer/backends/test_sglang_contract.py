@@ -263,7 +263,8 @@ def test_engine_is_exported_and_every_server_arg_the_adapter_sets_exists(sglang)
     known = server_args_fields(sglang)
     assert {"model_path", "tp_size"} <= known, "ServerArgs fields not found: parser broken"
     for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2})):
-        args = adapter.engine_args(cfg, Path("/models/m"))
+        args = adapter.engine_args(cfg, Path("/models/m"), (30001, 30002))
+        assert {"port", "nccl_port"} <= set(args)
         assert set(args) <= known, f"unknown ServerArgs fields {sorted(set(args) - known)}"
     assert args["tp_size"] == 2 and args["trust_remote_code"] is True
 
@@ -317,6 +318,25 @@ def test_every_runtime_import_exists(sglang):
             elif isinstance(n, ast.ImportFrom):
                 defined |= {a.asname or a.name for a in n.names}
         assert name in defined, f"{module} defines no {name}"
+
+
+def test_the_memory_tags_of_a_wake_are_sglangs(sglang):
+    """The tags a colocated engine wakes with (``backends/base.py``) are SGLang's
+    ``GPU_MEMORY_TYPE_*`` constants, and together they are all of them."""
+    from ppojob_trainer.backends import base
+
+    tree = sglang.tree(sglang.module_file("sglang.srt.constants"))
+    consts = {
+        t.id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.startswith("GPU_MEMORY_TYPE_")
+    }
+    assert consts["GPU_MEMORY_TYPE_WEIGHTS"] == base.MEMORY_WEIGHTS
+    assert consts["GPU_MEMORY_TYPE_KV_CACHE"] == base.MEMORY_KV_CACHE
+    assert consts["GPU_MEMORY_TYPE_CUDA_GRAPH"] == base.MEMORY_CUDA_GRAPH
+    assert sorted(base.WAKE_FOR_SYNC + base.WAKE_AFTER_SYNC) == sorted(consts.values())
 
 
 def test_colocated_bucket_payloads_are_what_sglangs_weight_updater_reads(sglang):

@@ -195,6 +195,80 @@ def test_engine_args_follow_the_spec():
     assert own["enable_memory_saver"] is False and own["model_path"] == "/m"
 
 
+class RecordingEngine:
+    """Stands for ``sglang.Engine``: records its keyword arguments and the environment its
+    subprocesses would inherit, and the sampling parameters of each generate call."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        import os
+
+        env = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")}
+        RecordingEngine.made.append({"args": kwargs, "env": env})
+        self.params: list = []
+
+    def generate(self, input_ids, sampling_params, return_logprob):  # type: ignore[no-untyped-def]
+        self.params.append(sampling_params)
+        return [{"meta_info": {"output_token_logprobs": [(-0.5, 7, "")]}} for _ in input_ids]
+
+
+def _sglang_cfg() -> TrainerConfig:
+    return TrainerConfig.model_validate(
+        {
+            "roles": {"rollout": {"backend": "sglang", "colocateWithActor": True}},
+            "algorithm": {"advantageEstimator": "grpo"},
+        }
+    )
+
+
+def _recording_adapter(monkeypatch, visible=None):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from ppojob_trainer.backends import sglang_backend
+
+    RecordingEngine.made = []
+    monkeypatch.setattr(sglang_backend, "sglang_object", lambda name: RecordingEngine)
+    tok = SimpleNamespace(pad_token_id=0)
+    return sglang_backend.SGLangGenerationEngine(_sglang_cfg(), Path("/m"), tok, [2], visible)
+
+
+def test_engine_processes_start_without_the_trainers_allocator_settings(monkeypatch):
+    """PYTORCH_CUDA_ALLOC_CONF (the training allocator's expandable segments) must not reach
+    SGLang's processes; the trainer's own environment is restored after the start."""
+    import os
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    _recording_adapter(monkeypatch, ["3", "4"])
+    (made,) = RecordingEngine.made
+    assert made["env"] == {"PYTORCH_CUDA_ALLOC_CONF": None, "CUDA_VISIBLE_DEVICES": "3,4"}
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_every_engine_gets_its_own_ports(monkeypatch):
+    """Engines sharing a node each get their own ``port`` and ``nccl_port`` (SGLang's defaults
+    would be the same for all)."""
+    made = []
+    for _ in range(2):
+        _recording_adapter(monkeypatch)
+        made += RecordingEngine.made
+    ports = [m["args"][k] for m in made for k in ("port", "nccl_port")]
+    assert len(set(ports)) == 4, ports
+
+
+def test_every_sample_of_a_prompt_gets_its_own_sampling_seed(monkeypatch):
+    """SGLang seeds a row's sampler with (its seed, the position): the samples of one prompt
+    (repeated rows) must not share a seed, and a seed gives the same seeds again."""
+    engine = _recording_adapter(monkeypatch)
+    ids, mask = torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.bool)
+    for seed in (5, 5, 6):
+        engine.generate(ids, mask, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=seed)
+    a, b, c = ([p["sampling_seed"] for p in params] for params in engine.engine.params)
+    assert len(set(a)) == 4 and a == b and not set(a) & set(c)
+
+
 # ---------------------------------------------------------------------------------------------
 # Model paths: hub ids, one rule for validate and the runtime
 # ---------------------------------------------------------------------------------------------

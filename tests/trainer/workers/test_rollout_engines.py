@@ -63,7 +63,8 @@ def test_colocated_engines_are_told_to_release_before_training_and_resume_before
         first, second = ray.get([h.calls.remote() for h in trainer.hosts["actor"]])
 
         # every step, on the engine's process: generate -> release -> values, log-probs and
-        # training -> resume -> the weights (one bucket here); the next generation after that
+        # training -> empty cache, wake the weights -> the weights (one bucket, in a session)
+        # -> empty cache, wake the KV cache; the next generation after that
         def step_calls(actor_trains: bool, generates: bool = True) -> list[str]:
             return [
                 *(["engine.generate"] if generates else []),
@@ -72,8 +73,13 @@ def test_colocated_engines_are_told_to_release_before_training_and_resume_before
                 "actor.prepare",
                 "critic.train",
                 *(["actor.train"] if actor_trains else []),
-                "engine.resume_memory",
+                "cuda.empty_cache",
+                "engine.resume_memory(weights)",
+                "engine.begin_weight_update",
                 "engine.update_weights_from_tensor",
+                "engine.end_weight_update",
+                "cuda.empty_cache",
+                "engine.resume_memory(kv_cache,cuda_graph)",
             ]
 
         assert first == step_calls(False) + step_calls(True) * (steps - 1)
@@ -115,10 +121,14 @@ def test_disaggregated_engines_take_the_weights_bucket_by_bucket_over_a_group():
         buckets = [c.count("engine.update_weights_from_distributed") for c in calls]
         assert buckets[0] == buckets[1] >= 4
         assert calls[0][0] == "engine.init_weights_update_group"
-        # the engine without prompts never generated, and still took the weights
-        assert calls[1][:2] == [
+        # the engine without prompts never generated, and still took the weights, every bucket
+        # inside one weight-update session
+        n = buckets[1]
+        assert calls[1][: n + 3] == [
             "engine.init_weights_update_group",
-            "engine.update_weights_from_distributed",
+            "engine.begin_weight_update",
+            *["engine.update_weights_from_distributed"] * n,
+            "engine.end_weight_update",
         ]
     finally:
         trainer.shutdown()

@@ -68,6 +68,17 @@ class ShardIdentity:
         return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
 
+MEMORY_WEIGHTS = "weights"
+MEMORY_KV_CACHE = "kv_cache"
+MEMORY_CUDA_GRAPH = "cuda_graph"
+"""What a sleeping engine frees and takes back, by SGLang's tags (``sglang.srt.constants``:
+``GPU_MEMORY_TYPE_*``; the contract tests check the values). A colocated engine wakes in two
+halves, as verl's does: its weights first (then the sync), its KV cache and CUDA graphs after
+the sync's buckets are freed."""
+WAKE_FOR_SYNC = (MEMORY_WEIGHTS,)
+WAKE_AFTER_SYNC = (MEMORY_KV_CACHE, MEMORY_CUDA_GRAPH)
+
+
 class GenerationEngine(ABC):
     """Samples completions; holds its own copy of the policy weights."""
 
@@ -91,6 +102,14 @@ class GenerationEngine(ABC):
         dict). The sync methods below default to collecting buckets and calling this."""
 
     # ---- weight sync: SGLang's method names; the torch engine uses these defaults ----------
+    def begin_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """Open a weight-update session: every ``update_weights_from_*`` call of one sync runs
+        between this and :meth:`end_weight_update` (SGLang refuses them outside one)."""
+
+    def end_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """Close the session :meth:`begin_weight_update` opened (SGLang finalizes the loaded
+        weights here)."""
+
     def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
         """Colocated sync: one bucket of the actor's weights, from the processes owning them on
         the engine's GPUs. ``payloads[i]`` is tensor-parallel rank ``i``'s bucket: here a
@@ -153,10 +172,12 @@ class GenerationEngine(ABC):
         self.update_weights(pending)
 
     def release_memory(self) -> None:  # noqa: B027 - optional hook
-        """Free weights and KV cache while the actor trains (colocated engines with offload)."""
+        """Free weights, KV cache and CUDA graphs while the actor trains (colocated engines
+        with offload)."""
 
-    def resume_memory(self) -> None:  # noqa: B027 - optional hook
-        """Take the memory back before the next weight update and generation."""
+    def resume_memory(self, tags: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Take back the memory of ``tags`` (:data:`WAKE_FOR_SYNC` before the weight update,
+        :data:`WAKE_AFTER_SYNC` after it)."""
 
 
 class PolicyTrainer(ABC):

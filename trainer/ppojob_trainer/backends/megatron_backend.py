@@ -16,9 +16,12 @@ Two optimizer paths:
 - CPU (verified by the tests): fp32 weights, ``torch.optim.AdamW`` over the local shard, the
   gradient average over the data-parallel group with one flat all-reduce, gradient clipping on
   the global norm (tensor-parallel shards counted once each, replicated weights once).
-- GPU (written for GPUs, not runnable on a CPU machine): megatron-core's
-  ``DistributedDataParallel`` and distributed optimizer (bf16 weights with fp32 master weights and
-  gradient reduction in fp32), Transformer Engine's layer spec when it is installed.
+- GPU (not yet run on a GPU): megatron-core's ``DistributedDataParallel`` and distributed
+  optimizer (bf16 weights with fp32 master weights and gradient reduction in fp32), Transformer
+  Engine's layer spec when it is installed. On the CPU the tests drive megatron-core's own DDP
+  (its gradient scale against one full-batch backward, over real gloo groups) and its own
+  distributed optimizer under a device shim (save -> load -> step resumes bit-identically);
+  megatron's pipeline schedules and Transformer Engine need CUDA and run only on a GPU.
 
 Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
 which gives each token the position the Hugging Face model gives it under left padding and needs
@@ -241,14 +244,24 @@ class _Sharded:
 
     def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
         """megatron-core DDP + distributed optimizer (bf16 weights, fp32 main weights)."""
+        self._wrap_ddp()
+        self.optimizer = self._megatron_optimizer()
+        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
+
+    def _wrap_ddp(self) -> None:
+        """megatron-core's ``DistributedDataParallel`` around the model (runs on a CPU too).
+
+        ``calculate_per_token_loss`` makes DDP SUM the gradients over the data-parallel group
+        (``gradient_scaling_factor = 1``) and makes the schedule hand ``finalize_model_grads``
+        the token count; the loss functions already weigh each micro-batch by its share of the
+        whole mini-batch's tokens (:meth:`_micro_weights`, no data-parallel factor), so the sum
+        is the gradient of the global mean and megatron must not divide again."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        s = self.settings
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
@@ -256,11 +269,20 @@ class _Sharded:
             config=self.config, ddp_config=ddp_config, module=self.model
         )
         self.config.no_sync_func = self.ddp.no_sync
-        # The loss functions already weigh each micro-batch by its share of the mini-batch's
-        # tokens; megatron must not divide the gradients by a token count again.
         self.config.finalize_model_grads_func = lambda models, _n=None, *a, **k: (
             finalize_model_grads(models, None, *a, **k)
         )
+
+    def _megatron_optimizer(self) -> Any:
+        """megatron-core's distributed optimizer over the DDP-wrapped model. Its process-group
+        setup runs on a CPU; the optimizer itself allocates on CUDA (``optimizer.py``:
+        ``torch.tensor(..., device='cuda')``) and takes only ``torch.cuda.*Tensor`` parameters
+        (``distrib_optimizer.py``)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .megatron_parallel import GLOO_GROUPS
+
+        s = self.settings
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=s.learning_rate,
@@ -274,8 +296,17 @@ class _Sharded:
             params_dtype=self.config.params_dtype,
             use_distributed_optimizer=True,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
-        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
+        return get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=GLOO_GROUPS)
+
+    def _micro_weights(self, counts: list[float], global_count: float) -> list[float]:
+        """Each micro-batch loss's weight: its share of the mini-batch's units over every
+        data-parallel worker; times the data-parallel size where the gradients are then
+        AVERAGED (the CPU path's all-reduce), not where they are SUMMED (megatron's DDP under
+        ``calculate_per_token_loss``)."""
+        from .torch_backend import accumulation_weights
+
+        averaged = self.ddp is None
+        return accumulation_weights(counts, global_count, self.shard.dp_size if averaged else 1)
 
     @property
     def _train_module(self) -> Any:
@@ -400,7 +431,6 @@ class _Sharded:
         """One optimizer update over ``minibatch`` (the weights of the micro-batches as in the
         torch backend: each micro-batch's loss times its share of the mini-batch's tokens)."""
         from ..algorithms import aggregation_count
-        from .torch_backend import accumulation_weights
 
         n = minibatch["response_ids"].shape[0]
         slices = _split(n, micro)
@@ -410,7 +440,7 @@ class _Sharded:
             if mask is None
             else [float(aggregation_count(mask[sl], agg)) for sl in slices]
         )
-        weights = accumulation_weights(counts, self._dp_sum(sum(counts)), self.shard.dp_size)
+        weights = self._micro_weights(counts, self._dp_sum(sum(counts)))
         state = {"i": 0}
 
         def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
@@ -421,7 +451,7 @@ class _Sharded:
             return loss * weights[i], (rows, metrics)
 
         self.model.train()
-        if self.ddp is not None:  # pragma: no cover - needs CUDA
+        if self.ddp is not None:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
         parts = self.run(minibatch, micro, head, forward_only=False)
@@ -455,7 +485,7 @@ class _Sharded:
 
     def _step(self) -> dict[str, float]:
         lr = self._lr()
-        if self.ddp is not None:  # pragma: no cover - needs CUDA
+        if self.ddp is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             ok, norm, _ = self.optimizer.step()
@@ -538,37 +568,96 @@ class _Sharded:
 
     def state_dict(self) -> dict[str, object]:
         """Gathered HF-named weights and Adam moments (resumable under any parallel layout);
-        on the role's leader ({} elsewhere). Every worker calls it."""
-        if self.ddp is not None:  # pragma: no cover - needs CUDA
-            # The distributed optimizer's moments stay sharded; checkpoints keep the weights
-            # and the schedule (a resume restarts the Adam moments; see the trainer guide).
-            return {"model": self.gathered_weights(), "updates": self.updates}
+        on the role's leader ({} elsewhere). Every worker calls it. Under megatron's
+        distributed optimizer also its fp32 main weights (``master``): each data-parallel rank
+        holds a slice of every one, assembled here, so a resume continues from them exactly."""
         names = {id(p): k for k, p in self.model.named_parameters()}
-        moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KEYS}
-        steps = []
-        for p in self.params:
-            st = self.optimizer.state.get(p, {})
-            for k in ADAM_KEYS:
-                moments[k][names[id(p)]] = st[k] if k in st else torch.zeros_like(p)
-            steps.append(float(st["step"]) if "step" in st else 0.0)
+        master = None
+        if self.ddp is not None:
+            moments, step, master = self._distributed_adam_state(names)
+        else:
+            moments = {k: {} for k in ADAM_KEYS}
+            steps = []
+            for p in self.params:
+                st = self.optimizer.state.get(p, {})
+                for k in ADAM_KEYS:
+                    moments[k][names[id(p)]] = st[k] if k in st else torch.zeros_like(p)
+                steps.append(float(st["step"]) if "step" in st else 0.0)
+            step = max(steps, default=0.0)
         if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
             return {}
+        te = [(b, a) for a, b in TE_NORMS]
         model = self._gather(self._local_weights(self.model))
-        adam = {k: self._gather(moments[k]) for k in ADAM_KEYS}
+        adam = {k: self._gather(_rename(moments[k], te)) for k in ADAM_KEYS}
+        main = self._gather(_rename(master, te)) if master is not None else None
         if model is None:
             return {}
-        return {
-            "model": model,
-            "adam": adam,
-            "adam_step": max(steps, default=0.0),
-            "updates": self.updates,
-        }
+        out = {"model": model, "adam": adam, "adam_step": step, "updates": self.updates}
+        if main is not None:
+            out["master"] = main
+        return out
+
+    def _distributed_adam_state(
+        self, names: Mapping[int, str]
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], float, dict[str, torch.Tensor]]:
+        """(Adam moments by local parameter name, step, fp32 main weights) of megatron's
+        distributed optimizer, whole on every data-parallel rank (a collective over the
+        data-parallel group: each rank fills the slice of each parameter it owns)."""
+        import torch.distributed as dist
+
+        keys = (*ADAM_KEYS, "param")
+        full: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
+        step = torch.zeros(1, dtype=torch.float64)
+        owners = self._distributed_owners()
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            for k in keys:
+                full[k][names[id(p)]] = torch.zeros(p.numel(), dtype=torch.float32)
+            if p not in owners:
+                continue
+            opt, rng = owners[p]
+            tensors = opt._get_main_param_and_optimizer_states(p)
+            for k in keys:
+                if k in tensors:
+                    full[k][names[id(p)]][rng.start : rng.end] = tensors[k].detach().float().cpu()
+            if "step" in tensors:
+                step = torch.maximum(step, tensors["step"].detach().double().cpu().reshape(1))
+        if self.shard.dp_size > 1:
+            group = self.ps.get_data_parallel_group()
+            flat = torch.cat([t for k in keys for t in full[k].values()]).to(self._comm_device)
+            dist.all_reduce(flat, group=group)  # the slices are disjoint: a sum assembles them
+            flat = flat.cpu()
+            offset = 0
+            for k in keys:
+                for name, t in full[k].items():
+                    full[k][name] = flat[offset : offset + t.numel()]
+                    offset += t.numel()
+            step = step.to(self._comm_device)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
+        params = dict(self.model.named_parameters())
+        shaped = {k: {n: t.view(params[n].shape) for n, t in full[k].items()} for k in keys}
+        master = shaped.pop("param")
+        return shaped, float(step.item()), master
+
+    def _distributed_owners(self) -> dict[Any, tuple[Any, Any]]:
+        """Model parameter -> (the distributed optimizer holding a slice of it on this rank, the
+        slice's range in the flattened parameter)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        owners = {}
+        for opt in chained:
+            for p in getattr(opt, "model_param_group_index_map", {}):
+                owners[p] = (opt, opt._get_model_param_range_map(p)["param"])
+        return owners
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (each worker cuts its own shard)."""
         self._load_local(self.model, self._local_from_hf(state["model"]))
         self.updates = int(state["updates"])
-        if self.ddp is not None or "adam" not in state:  # pragma: no cover - needs CUDA
+        if self.ddp is not None:
+            self._load_distributed(state)
+            return
+        if "adam" not in state:
             return
         params = dict(self.model.named_parameters())
         local = {
@@ -583,6 +672,44 @@ class _Sharded:
                     "step": step.clone(),
                     **{k: local[k][name].clone().to(p.dtype) for k in ADAM_KEYS},
                 }
+
+    def _load_distributed(self, state: Mapping[str, Any]) -> None:
+        """megatron's distributed optimizer after the model's weights were loaded: its fp32
+        main weights follow them (``reload_model_params``; without it the next step writes the
+        old main weights back: a resume would return to the initial weights), then each rank's
+        slices of the saved main weights and Adam moments, and the step."""
+        owners = self._distributed_owners()
+        if "adam" in state:  # Adam's state must exist before it is overwritten
+            for opt in {id(o): o for o, _ in owners.values()}.values():
+                main = [p for g in opt.optimizer.param_groups for p in g["params"]]
+                if any(not opt.optimizer.state.get(p) for p in main):
+                    opt._init_optimizer_states_with_dummy_values()
+        self.optimizer.reload_model_params()
+        if "adam" not in state:
+            return
+        te = any(k.endswith(TE_NORMS[0][1]) for k in dict(self.model.named_parameters()))
+
+        def local(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = self._local_from_hf(_with_frozen(hf, state["model"]))
+            return _rename(out, TE_NORMS) if te else out
+
+        saved = {k: local(state["adam"][k]) for k in ADAM_KEYS}
+        if "master" in state:
+            saved["param"] = local(state["master"])
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        step = float(state["adam_step"])
+        for p, (opt, rng) in owners.items():
+            name = names[id(p)]
+            current = opt._get_main_param_and_optimizer_states(p)
+            tensors = {
+                k: saved[k][name].reshape(-1)[rng.start : rng.end].to(current[k])
+                for k in saved
+                if k in current
+            }
+            with torch.no_grad():
+                opt._set_main_param_and_optimizer_states(p, {**current, **tensors})
+                if "step" in current:
+                    current["step"].fill_(step)
 
 
 def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict:
@@ -675,8 +802,13 @@ class MegatronPolicyTrainer(PolicyTrainer):
         )
         self.micro = cfg.training.micro_batch_size
 
+    def _scaled_logits(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The response positions' logits over this rank's vocabulary slice, in float32, divided
+        by the sampling temperature (in bf16 the quotient would lose all but 8 mantissa bits)."""
+        return _select(output, mb["_index"]).float() / self.temperature
+
     def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        logits = _select(output, mb["_index"]) / self.temperature
+        logits = self._scaled_logits(output, mb)
         return vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
 
     @torch.no_grad()
@@ -705,7 +837,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         agg: str = "token-mean",
     ) -> dict[str, float]:
         def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-            logits = _select(output, mb["_index"]) / self.temperature
+            logits = self._scaled_logits(output, mb)
             logp = vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
             ent = None
             if self.need_entropy:
@@ -714,8 +846,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
                 else:
                     with torch.no_grad():
                         ent = vocab_parallel_entropy(logits, grad=False)
-            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
-            return loss_fn(logp, ent, cpu)
+            return loss_fn(logp, ent, _loss_inputs(mb, logp.device))
 
         return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -784,8 +915,7 @@ class MegatronValueTrainer(ValueTrainer):
     ) -> dict[str, float]:
         def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
             values = self._values(output, mb)
-            cpu = {k: v for k, v in mb.items() if not k.startswith("_")}
-            return loss_fn(values, cpu)
+            return loss_fn(values, _loss_inputs(mb, values.device))
 
         return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -798,6 +928,13 @@ class MegatronValueTrainer(ValueTrainer):
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.m.load_state_dict(state)
+
+
+def _loss_inputs(mb: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch a loss function sees: its tensors on the device of the log-probs or
+    values it is combined with (the batch crosses the seam on the CPU; the model's output is on
+    the GPU), without the schedule's own ``_ids``/``_index``."""
+    return {k: v.to(device) for k, v in mb.items() if not k.startswith("_")}
 
 
 @contextmanager

@@ -25,6 +25,12 @@ import torch
 from .base import ShardIdentity
 from .megatron_convert import ModelShape
 
+GLOO_GROUPS = True
+"""megatron-core's gloo process groups exist on every device (its default): its optimizer builder
+asks for the gloo data-parallel groups unless told not to, and its distributed optimizer gathers
+state over them. :func:`init_parallel` creates them and ``get_megatron_optimizer`` is told the
+same (it used to be off on CUDA while the optimizer asked for them: an ``AssertionError``)."""
+
 
 def _import(role: str) -> Any:
     try:
@@ -114,6 +120,16 @@ def _install_cpu_shims(seed: int, tp_rank: int) -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
 
 
+def parallel_kwargs(shard: ShardIdentity, device: str) -> dict[str, Any]:
+    """megatron-core's ``initialize_model_parallel`` arguments for ``shard`` on ``device``."""
+    return {
+        "tensor_model_parallel_size": shard.tp_size,
+        "pipeline_model_parallel_size": shard.pp_size,
+        "context_parallel_size": shard.cp_size,
+        "create_gloo_process_groups": GLOO_GROUPS,
+    }
+
+
 def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
     """Initialise megatron-core's groups for ``shard``'s layout (once per process).
 
@@ -131,11 +147,12 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
             raise RuntimeError(
                 f"megatron backend: {world} workers expected in a process group, none was joined"
             )
-        from ..workers.group import free_port
+        from ..workers.group import loopback_gloo
 
-        dist.init_process_group(
+        loopback_gloo()
+        dist.init_process_group(  # one rank: an in-memory store, no listener
             "nccl" if device.startswith("cuda") else "gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
         )
@@ -161,12 +178,7 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
         return
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.cuda.current_device())
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=shard.tp_size,
-        pipeline_model_parallel_size=shard.pp_size,
-        context_parallel_size=shard.cp_size,
-        create_gloo_process_groups=not device.startswith("cuda"),
-    )
+    ps.initialize_model_parallel(**parallel_kwargs(shard, device))
     got = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),

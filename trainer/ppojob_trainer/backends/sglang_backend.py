@@ -7,8 +7,13 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
 - Generation: ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)``; the
   sampled tokens and their log-probs come from ``meta_info.output_token_logprobs``
   (``(logprob, token_id, text)`` per token).
-- Colocated sleep/wake (``offload``): ``release_memory_occupation`` before the actor trains,
-  ``resume_memory_occupation`` before the weight update and the next generation.
+- Colocated sleep/wake (``offload``): ``release_memory_occupation`` (everything) before the
+  actor trains; ``resume_memory_occupation(tags=["weights"])`` before the weight update and
+  ``resume_memory_occupation(tags=["kv_cache", "cuda_graph"])`` after it (the host empties the
+  allocator's cache before each wake), so the KV cache is never held while buckets are staged.
+- Every weight update runs inside a session: ``begin_weight_update`` ... ``end_weight_update``
+  (SGLang 0.5.23 refuses ``update_weights_from_*`` outside one, answering ``(False, msg)``).
+  Every ``(success, message)`` SGLang returns is checked: a refusal raises, never passes.
 - Colocated weight sync: ``update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
   per bucket one payload per tensor-parallel rank, each the ``MultiprocessingSerializer``
   serialization of ``{"flattened_tensor", "metadata"}`` made by the process that owns that GPU
@@ -68,10 +73,14 @@ def sglang_object(name: str) -> Any:
         raise missing_backend("sglang", "sglang", "spec.roles.rollout.backend") from None
 
 
-def engine_args(cfg: Any, model_dir: Path) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job."""
+def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job. ``ports``:
+    this engine's own ``port`` and ``nccl_port`` (several engines share a node: SGLang's
+    defaults would collide)."""
     rollout = cfg.roles.rollout
+    own = {"port": ports[0], "nccl_port": ports[1]} if ports else {}
     return {
+        **own,
         "model_path": str(model_dir),
         "dtype": cfg.model.dtype,
         "tp_size": rollout.parallelism.tensor,
@@ -84,10 +93,18 @@ def engine_args(cfg: Any, model_dir: Path) -> dict[str, Any]:
     }
 
 
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """One sampling seed per prompt row: SGLang seeds a row's sampler with its seed and the
+    token position, so rows sharing a seed (the samples of one prompt) would sample the same
+    tokens under its deterministic inference."""
+    return [(seed * 1_000_003 + i) % 2**31 for i in range(rows)]
+
+
 def sampling_params(
     max_new_tokens: int, temperature: float, top_p: float, stop_ids: Sequence[int], seed: int
 ) -> dict[str, Any]:
-    """``sampling_params`` of ``Engine.generate`` (``SamplingParams`` fields)."""
+    """``sampling_params`` of ``Engine.generate`` (``SamplingParams`` fields) for one row.
+    ``sampling_seed`` takes effect only under SGLang's deterministic inference (off here)."""
     return {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -97,22 +114,33 @@ def sampling_params(
     }
 
 
+ENGINE_ENV_DROPPED = ("PYTORCH_CUDA_ALLOC_CONF",)
+"""Variables of the trainer process the engine's subprocesses must not inherit: the training
+allocator's settings (``expandable_segments`` does not work with the memory saver's pools)."""
+
+
 @contextmanager
-def _visible_devices(devices: Sequence[str] | None) -> Iterator[None]:
-    """``CUDA_VISIBLE_DEVICES`` for the engine's subprocesses while it starts (colocated: the
-    bundle's t GPUs, this process's own first, so device 0 stays this process's GPU)."""
-    if not devices:
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+def _engine_env(devices: Sequence[str] | None) -> Iterator[None]:
+    """The environment the engine's subprocesses start with: ``CUDA_VISIBLE_DEVICES`` (colocated:
+    the bundle's t GPUs, this process's own first, so device 0 stays this process's GPU) and
+    none of :data:`ENGINE_ENV_DROPPED`; this process's own is restored after."""
+    changes: dict[str, str | None] = dict.fromkeys(ENGINE_ENV_DROPPED)
+    if devices:
+        changes["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    saved = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def serialize_bucket(bucket: FlatBucket) -> bytes:
@@ -140,6 +168,8 @@ ENGINE_CALLS = (
     "generate",
     "release_memory_occupation",
     "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
     "update_weights_from_tensor",
     "init_weights_update_group",
     "update_weights_from_distributed",
@@ -160,9 +190,11 @@ class SGLangGenerationEngine(GenerationEngine):
         stop_ids: Sequence[int],
         visible_devices: Sequence[str] | None = None,
     ) -> None:
+        from ..workers.group import free_port
+
         engine_cls = sglang_object("Engine")
-        with _visible_devices(visible_devices):
-            self.engine = engine_cls(**engine_args(cfg, model_dir))
+        with _engine_env(visible_devices):
+            self.engine = engine_cls(**engine_args(cfg, model_dir, (free_port(), free_port())))
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = sorted(set(stop_ids))
         rollout = cfg.roles.rollout
@@ -179,19 +211,37 @@ class SGLangGenerationEngine(GenerationEngine):
         seed: int,
     ) -> Generation:
         prompts = [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask.bool(), strict=True)]
-        params = sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, seed)
+        params = [
+            sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, row_seed)
+            for row_seed in row_seeds(seed, len(prompts))
+        ]
         outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         return generation_from_outputs(outs, max_new_tokens, self.pad_id)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """All weights at once, from this process (a single-GPU engine in this process)."""
-        self.engine.update_weights_from_tensor(
-            named_tensors=list(named_tensors.items()), flush_cache=True
+        """All weights at once, from this process (a single-GPU engine in this process), in a
+        session of its own."""
+        self.begin_weight_update()
+        _check(
+            self.engine.update_weights_from_tensor(
+                named_tensors=list(named_tensors.items()), flush_cache=True
+            ),
+            "update_weights_from_tensor",
         )
+        self.end_weight_update()
+
+    def begin_weight_update(self) -> None:
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        _check(self.engine.end_weight_update(), "end_weight_update")
 
     def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
-        self.engine.update_weights_from_tensor(
-            named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
+        _check(
+            self.engine.update_weights_from_tensor(
+                named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
+            ),
+            "update_weights_from_tensor",
         )
 
     def init_weights_update_group(
@@ -239,17 +289,20 @@ class SGLangGenerationEngine(GenerationEngine):
         if self.offload:
             self.engine.release_memory_occupation()
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str]) -> None:
         if self.offload:
-            self.engine.resume_memory_occupation()
+            self.engine.resume_memory_occupation(tags=list(tags))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
 def _check(result: Any, what: str) -> None:
-    """SGLang's control calls return ``(success, message)``; fail loudly on ``False``."""
-    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+    """SGLang's weight calls return ``(success, message)``; anything else, or a failure, raises
+    (a discarded ``(False, msg)`` leaves the engine sampling from stale weights)."""
+    if not (isinstance(result, tuple) and len(result) >= 2):
+        raise RuntimeError(f"sglang {what} returned {result!r}, not (success, message)")
+    if not result[0]:
         raise RuntimeError(f"sglang {what} failed: {result[1]}")
 
 

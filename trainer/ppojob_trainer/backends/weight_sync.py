@@ -136,9 +136,13 @@ def init_custom_group(
 
     from torch.distributed import distributed_c10d as c10d
 
+    from ..workers.group import local_store
+
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store = local_store(master_address, master_port, world_size, group_name)
+    if store is None:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(

@@ -42,6 +42,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is this machine's loopback (a local run: every rank on this host)."""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_gloo() -> None:
+    """gloo's pairs of this process bind to the loopback interface (unless told otherwise):
+    for process groups whose ranks all run on this host."""
+    import os
+
+    names = [n for _, n in socket.if_nameindex()]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if "lo" in names else "lo0")
+
+
+def local_store(address: str, port: int, world: int, name: str = "world") -> Any:
+    """The rendezvous store of a group whose ranks all run on this host, or None elsewhere.
+
+    torch's ``TCPStore`` server listens on every interface (``::``) whatever host it is given
+    (measured, libuv and legacy backends alike), so a local run keeps it out: its ranks meet in
+    a ``FileStore`` named after the rendezvous port (free on this host when it was chosen), and
+    gloo's pairs bind to the loopback interface (``GLOO_SOCKET_IFNAME``). No TCP listener of a
+    local run's process groups is then off loopback."""
+    if not is_loopback(address):
+        return None
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    loopback_gloo()
+    path = os.path.join(tempfile.gettempdir(), f"ppojob-{name}-store-{port}")
+    return dist.FileStore(path, world)
+
+
 def init_role_groups(
     roles: list[str],
     rank: int,
@@ -60,12 +101,16 @@ def init_role_groups(
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        store = local_store(master_addr, master_port, world)
+        rendezvous: dict[str, Any] = (
+            {"store": store} if store else {"init_method": f"tcp://{master_addr}:{master_port}"}
+        )
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
+            **rendezvous,
         )
     return {role: dist.new_group(ranks=list(range(world)), backend=backend) for role in roles}
 

@@ -20,6 +20,7 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 
+from ..backends.base import WAKE_AFTER_SYNC, WAKE_FOR_SYNC
 from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets
 from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
@@ -213,10 +214,20 @@ class WorkerHost:
         """Free the engine's weights and KV cache for training (``offload``)."""
         self.rollout.engine.release_memory()
 
+    def empty_cache(self) -> None:
+        """Give the blocks this process's CUDA allocator caches (training's activations and
+        gradients, a sync's buckets) back to the driver, so a waking engine can take them."""
+        self.events.append("cuda.empty_cache")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def resume_memory(self, *after: Any) -> None:
-        """Take the engine's memory back; ``after``: refs of the training calls that must have
-        finished first on every GPU the engine spans (Ray resolves them before the call)."""
-        self.rollout.engine.resume_memory()
+        """Wake the engine's weights only (the weight sync follows; its KV cache and CUDA graphs
+        wake after the sync, :meth:`sync_colocated`); ``after``: refs of the training calls that
+        must have finished first on every GPU the engine spans (Ray resolves them before the
+        call). The order is verl's: empty cache -> weights -> sync -> empty cache -> KV cache."""
+        self.empty_cache()
+        self.rollout.engine.resume_memory(WAKE_FOR_SYNC)
 
     # ---- weight sync ---------------------------------------------------------------------------
     def _exported(self, sync_id: int) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
@@ -240,6 +251,13 @@ class WorkerHost:
             self._staged = bucket
             return serialize_bucket(bucket)
         return bucket
+
+    def export(self, sync_id: int) -> float:
+        """Export the actor's weights for sync ``sync_id`` now (kept for its buckets); every
+        actor worker calls it together when the export is a collective. Returns seconds."""
+        t0 = time.perf_counter()
+        self._exported(sync_id)
+        return time.perf_counter() - t0
 
     def join_export(self, sync_id: int) -> float:
         """An actor worker outside the sync joins the export when it is a collective (megatron
@@ -276,12 +294,19 @@ class WorkerHost:
                 "colocated weight sync: this actor worker exported no weights (a backend that "
                 "gathers them on one worker, such as megatron, needs a rollout on its own GPUs)"
             )
+        engine = self.rollout.engine
+        engine.begin_weight_update()
         for i in range(len(plan)):
             refs = [p.stage_weight_bucket.remote(sync_id, i) for p in peers]
             payloads = [self.stage_weight_bucket(sync_id, i), *ray.get(refs)]
-            self.rollout.engine.update_weights_from_tensor(payloads, flush_cache=i == len(plan) - 1)
+            engine.update_weights_from_tensor(payloads, flush_cache=i == len(plan) - 1)
+        engine.end_weight_update()
         ray.get([p.drop_weights.remote() for p in peers])
         self.drop_weights()
+        rollout = self.cfg.roles.rollout
+        if rollout.colocate_with_actor and rollout.offload:  # the rest of the engine wakes
+            self.empty_cache()
+            engine.resume_memory(WAKE_AFTER_SYNC)
         return time.perf_counter() - t0
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -315,6 +340,7 @@ class WorkerHost:
         group, backend = self._weight_group
         device = self.device if backend == "nccl" else "cpu"
         weights, plan = self._exported(sync_id)
+        ray.get([e.begin_weight_update.remote() for e in engines])
         for i, names in enumerate(plan):
             meta = bucket_meta(weights, names)
             last = i == len(plan) - 1
@@ -322,6 +348,7 @@ class WorkerHost:
             for name in names:
                 dist.broadcast(weights[name].to(device).contiguous(), src=0, group=group)
             ray.get(refs)
+        ray.get([e.end_weight_update.remote() for e in engines])
         self.drop_weights()
         return time.perf_counter() - t0
 
@@ -338,6 +365,14 @@ class WorkerHost:
         self.rollout.engine.init_weights_update_group(
             address, port, rank_offset, world_size, group_name, backend
         )
+
+    def begin_weight_update(self) -> None:
+        """Open the engine's weight-update session (before the first bucket of a sync)."""
+        self.rollout.engine.begin_weight_update()
+
+    def end_weight_update(self) -> None:
+        """Close it (after the last bucket)."""
+        self.rollout.engine.end_weight_update()
 
     def receive_weights(
         self,
@@ -422,8 +457,9 @@ def _parts(ranges: list[tuple[int, int]], gens: Any) -> list[tuple[int, int, Any
 
 
 class RecordedEngine:
-    """A generation engine whose calls are appended to its process's call log (``engine.<name>``)
-    before they run: the order tests check, and what a stuck job's last calls were."""
+    """A generation engine whose calls are appended to its process's call log (``engine.<name>``,
+    with the memory tags of a wake: ``engine.resume_memory(weights)``) before they run: the
+    order tests check, and what a stuck job's last calls were."""
 
     def __init__(self, engine: Any, log: deque[str]) -> None:
         self.inner = engine
@@ -435,7 +471,8 @@ class RecordedEngine:
             return value
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.log.append(f"engine.{name}")
+            tags = kwargs.get("tags", args[0] if args and name == "resume_memory" else None)
+            self.log.append(f"engine.{name}" + (f"({','.join(tags)})" if tags else ""))
             return value(*args, **kwargs)
 
         return call

@@ -1,0 +1,134 @@
+"""The GPU trainer image's dependencies resolve: checked offline against the metadata at hand.
+
+``constraints-gpu.txt`` pins what the GPU image installs (images/trainer.Dockerfile uses it in
+place of ``constraints.txt`` with the gpu extra). Every pin must satisfy every Requires-Dist of
+the pinned sglang wheel (read from the wheel ``make install`` caches; no network) and of the
+installed megatron-core, and every requirement of the trainer and gpu extras; a package sglang
+pins exactly that the extras also require must be pinned here, to sglang's version. (The image
+used to pin torch 2.13.0 while sglang 0.5.23 requires torch==2.14.1: no resolution.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[2]
+# the image's platform: CPython 3.11 (Ubuntu 24.04's is 3.12; the marker values that matter
+# here, platform and machine, are the same) on linux x86_64
+ENV = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
+
+
+def pins(name: str) -> dict[str, Version]:
+    out = {}
+    for line in (REPO / name).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            pkg, version = line.split("==")
+            out[canonicalize_name(pkg)] = Version(version)
+    return out
+
+
+def applies(req: Requirement) -> bool:
+    return req.marker is None or req.marker.evaluate(ENV)
+
+
+def sglang_requirements() -> list[Requirement]:
+    text = (REPO / "pyproject.toml").read_text()
+    version = re.search(r'"sglang==([^"]+)"', text).group(1)
+    env = os.environ.get("PPOJOB_SGLANG_CACHE")
+    folder = Path(env) if env else Path(sys.prefix) / "test-cache" / "sglang"
+    wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
+    if not wheels:
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"no sglang {version} wheel in {folder} (make install fills it)")
+        pytest.skip(f"no sglang {version} wheel in {folder}: fill it with `make install`")
+    with zipfile.ZipFile(wheels[-1]) as whl:
+        meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        text = whl.read(meta).decode()
+    return [
+        Requirement(line.split(":", 1)[1].strip())
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+
+
+def extras_requirements() -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return [Requirement(r) for r in extras["trainer"] + extras["gpu"]]
+
+
+def test_gpu_pins_satisfy_sglang_megatron_and_the_extras():
+    gpu = pins("constraints-gpu.txt")
+    megatron = [Requirement(r) for r in metadata.requires("megatron-core") or []]
+    sources = {
+        "sglang": sglang_requirements(),
+        "megatron-core": megatron,
+        "ppojob[trainer,gpu]": extras_requirements(),
+    }
+    bad = [
+        f"{pkg}=={gpu[canonicalize_name(r.name)]} breaks {who}'s {r}"
+        for who, reqs in sources.items()
+        for r in reqs
+        if applies(r) and (pkg := canonicalize_name(r.name)) in gpu
+        if not r.specifier.contains(gpu[pkg], prereleases=True)
+    ]
+    assert not bad, bad
+
+
+def test_what_sglang_pins_and_the_extras_require_is_pinned_to_sglangs_version():
+    gpu = pins("constraints-gpu.txt")
+    ours = {canonicalize_name(r.name) for r in extras_requirements()}
+    exact = {
+        canonicalize_name(r.name): Version(next(iter(r.specifier)).version)
+        for r in sglang_requirements()
+        if applies(r) and len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="
+    }
+    missing = {pkg: str(v) for pkg, v in exact.items() if pkg in ours and gpu.get(pkg) != v}
+    assert not missing, f"constraints-gpu.txt must pin {missing}"
+    assert {"torch", "transformers"} <= set(exact) & ours  # the check has something to bite on
+
+
+def test_the_gpu_image_uses_the_gpu_pins_with_the_same_ray():
+    assert pins("constraints-gpu.txt")["ray"] == pins("constraints.txt")["ray"]
+    dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
+    assert "constraints-gpu.txt" in dockerfile.split("COPY pyproject.toml", 1)[1].splitlines()[0]
+    # the step that swaps the pins, run as the image's shell would run it, for both variants
+    (step,) = [line for line in dockerfile.splitlines() if "cp constraints-gpu.txt" in line]
+    step = step.removeprefix("RUN ").rstrip(" \\").removesuffix("&&").strip()
+    for extras, wanted in (("trainer,gpu", "constraints-gpu.txt"), ("trainer", "constraints.txt")):
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in ("constraints.txt", "constraints-gpu.txt"):
+                shutil.copy(REPO / name, tmp)
+            subprocess.run(
+                ["sh", "-c", step],
+                cwd=tmp,
+                env={"EXTRAS": extras, "PATH": "/usr/bin:/bin"},
+                check=True,
+            )
+            got = (Path(tmp) / "constraints.txt").read_text()
+            assert got == (REPO / wanted).read_text(), extras

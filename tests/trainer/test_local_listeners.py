@@ -1,0 +1,48 @@
+"""Item 14 of issue 21: a local run with the megatron backend listens on loopback only.
+
+torch's ``TCPStore`` server binds every interface whatever host it is given, and gloo's pairs
+bind the address the host name resolves to; ``local_listeners_driver.py`` joins, in two
+processes and in one, the groups a local megatron run makes (the role set's world, megatron-core's
+groups and gloo groups, a weight-update group) and lists the TCP sockets it listens on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppojob_api
+import ppojob_trainer
+from ppojob_trainer.workers.group import free_port
+
+DRIVER = Path(__file__).with_name("local_listeners_driver.py")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_local_megatron_process_groups_listen_on_loopback_only(world: int, tmp_path: Path):
+    pytest.importorskip("megatron.core")
+    ours = [str(Path(m.__file__).parents[1]) for m in (ppojob_api, ppojob_trainer)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(ours), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the code under test must choose the interface
+    ports = [str(free_port()), str(free_port())]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(DRIVER), str(r), str(world), *ports, str(tmp_path / f"{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    for r in range(world):
+        addresses = json.loads((tmp_path / f"{r}.json").read_text())
+        assert addresses, "gloo listens somewhere: nothing found means the check is broken"
+        off = [a for a in addresses if not a.startswith("127.0.0.1:")]
+        assert not off, f"rank {r} listens off loopback: {off}"
