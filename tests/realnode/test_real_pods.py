@@ -252,6 +252,9 @@ def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
         seen["worker network"] = cluster.node.network_report(ns, worker["metadata"]["name"])
         seen["logs"] = cluster.kubectl("logs", "-n", ns, head_name, "-c", "ray-head")
         seen["listeners"] = cluster.node.listeners()
+        version = ["python", "-c", "import ray; print(ray.__version__)"]
+        out = cluster.kubectl("exec", "-n", ns, head_name, "-c", "ray-head", "--", *version)
+        seen["ray version"] = out.strip().splitlines()[-1]
 
     def observe(row: dict[str, str], job: dict[str, Any]) -> None:
         step = (job.get("status", {}).get("progress") or {}).get("step") or 0
@@ -324,6 +327,13 @@ def test_the_jobs_token_patches_only_its_own_jobs_status(trained: dict[str, Any]
         "own spec": 403,
         "secrets": 403,
     }
+
+
+def test_the_images_ray_is_the_spec_default(trained: dict[str, Any]) -> None:
+    from ppojob_api.spec import RAY_VERSION
+
+    assert trained["ray version"] == RAY_VERSION
+    assert trained["rayjob"]["spec"]["rayClusterSpec"]["rayVersion"] == RAY_VERSION
 
 
 def test_kubectl_logs_reach_the_head_pod(trained: dict[str, Any]) -> None:
