@@ -12,6 +12,7 @@ test reads the trainer's own metrics.jsonl and checkpoints from the host.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers.controlplane import wait_until
+from tests.helpers.controlplane import ROOT, wait_until
 from tests.helpers.realnode import GATEWAY
 from tests.realnode.conftest import RealCluster, operator_pod
 
@@ -180,6 +181,38 @@ def watch(
     return job, rows
 
 
+class TableWatch:
+    """`kubectl get ppojobs -w` for one job, with the CRD's own printer columns (Phase, Step,
+    Reward: their jsonPaths, as custom columns so empty cells stay parseable): every status the
+    API server sends is one line, nothing is missed between polls."""
+
+    COLUMNS = ("Phase", "Step", "Reward")
+
+    def __init__(self, cluster: RealCluster, ns: str, name: str, path: Path) -> None:
+        crd = yaml.safe_load((ROOT / "crds" / "ppojob.io_ppojobs.yaml").read_text())
+        printed = {
+            c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        }
+        spec = ",".join(f"{c.upper()}:{printed[c]}" for c in self.COLUMNS)
+        self.path = path
+        kubectl = [str(cluster.cp.kubectl_bin), f"--kubeconfig={cluster.cp.admin_kubeconfig}"]
+        self.proc = subprocess.Popen(
+            [*kubectl, "get", "ppojobs", "-n", ns, name, "-w", f"-o=custom-columns={spec}"],
+            stdout=path.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def rows(self) -> list[dict[str, str]]:
+        self.proc.terminate()
+        self.proc.wait(10)
+        lines = self.path.read_text().splitlines()
+        return [
+            dict(zip(self.COLUMNS, line.split(), strict=True))
+            for line in lines[1:]
+            if len(line.split()) == len(self.COLUMNS)
+        ]
+
+
 def metrics(host: Path) -> list[dict[str, Any]]:
     """The trainer's metrics.jsonl from the checkpoint volume (every attempt appends to it)."""
     path = host / "output" / "metrics.jsonl"
@@ -264,8 +297,10 @@ def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
             probes.append(threading.Thread(target=probe, daemon=True))
             probes[0].start()
 
+    table = TableWatch(cluster, ns, name, host.parent / f"{ns}-watch.txt")
     t0 = time.monotonic()
     job, rows = watch(cluster, ns, name, 600, observe)
+    seen["watched"] = table.rows()
     for t in probes:
         t.join(120)
     seen.update(job=job, rows=rows, host=host, seconds=time.monotonic() - t0)
@@ -292,14 +327,20 @@ def test_the_job_trains_in_pods_kuberay_made_and_succeeds(trained: dict[str, Any
 
 
 def test_kubectl_get_ppojobs_shows_step_and_reward_moving(trained: dict[str, Any]) -> None:
-    rows = trained["rows"]
-    steps = [int(r["STEP"]) for r in rows if r.get("STEP", "").isdigit()]
-    rewards = [float(r["REWARD"]) for r in rows if r.get("REWARD")]
+    """`kubectl get ppojobs -w`: the printer columns Step and Reward change as the job trains
+    (the trainer writes its progress at most every 5 s), Phase ends Succeeded; and the table as
+    polled has the same columns."""
+    rows = trained["watched"]
+    steps = [int(r["Step"]) for r in rows if r["Step"].isdigit()]
+    rewards = [float(r["Reward"]) for r in rows if r["Reward"] != "<none>"]
     assert len(set(steps)) >= 3, rows
     assert steps == sorted(steps), steps
     assert len(set(rewards)) >= 2, rows
-    phases = [r["PHASE"] for r in rows if r.get("PHASE")]
+    phases = [r["Phase"] for r in rows if r["Phase"] != "<none>"]
     assert "Running" in phases and phases[-1] == "Succeeded", phases
+    polled = trained["rows"]
+    assert {"PHASE", "STEP", "STEPS", "REWARD"} <= set(polled[-1]), polled[-1]
+    assert polled[-1]["STEP"] == str(STEPS) and polled[-1]["PHASE"] == "Succeeded"
 
 
 def test_the_final_reward_is_clearly_above_the_start(trained: dict[str, Any]) -> None:
