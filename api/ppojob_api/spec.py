@@ -89,6 +89,35 @@ class CheckpointVolume(ApiModel):
     """Mount this NFS export."""
 
 
+class FailurePolicy(ApiModel):
+    """What a failed attempt leads to, by its class (in the spirit of JobSet's failurePolicy and
+    PyTorchJob's ExitCode restart policy; see the troubleshooting guide's failure classes).
+
+    A disruption (the trainer's Preempted exit after a SIGTERM, an evicted or deleted pod, a lost
+    node, the Ray head pod gone) restarts the job from the newest checkpoint without counting
+    against spec.backoffLimit. An application error (the reward function raised, a worker was
+    OOMKilled) counts one retry of spec.backoffLimit, or fails at once. A refused config fails at
+    once. Each restart is a `Restarted` condition and an event naming its cause."""
+
+    max_disruptions: int = Field(10, ge=0, le=1000)
+    """Restarts after disruptions before the job fails (they do not count against
+    spec.backoffLimit). 0: a disruption fails the job."""
+
+    on_application_error: Literal["Restart", "Fail"] = "Restart"
+    """`Restart`: an application error is retried while spec.backoffLimit allows. `Fail`: it
+    fails the job at once."""
+
+    retry_delay_seconds: int = Field(30, ge=0, le=3600)
+    """Seconds to wait before retrying after an application error (disruptions restart at
+    once)."""
+
+    termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
+    """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
+    trainer finishes the step in flight, writes a checkpoint and exits `Preempted` (code 75)
+    within it. It must cover a step plus a checkpoint: the trainer measures both and reports
+    when it does not."""
+
+
 class HeadSpec(ApiModel):
     """Resources of the Ray head pod."""
 
@@ -150,8 +179,13 @@ class PPOJobSpec(TrainingHalf):
     with retries the whole job can run up to (backoffLimit + 1) times this."""
 
     backoff_limit: int = Field(0, ge=0, le=100)
-    """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest
+    """Retries of a run failed by an application error (disruptions are not counted: see
+    spec.failurePolicy). Each retry creates a new Ray cluster and resumes from the newest
     checkpoint."""
+
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
+    """Restarts by failure class (disruption, application error), their delay, and the pods'
+    grace period for a checkpoint on SIGTERM."""
 
     ttl_seconds_after_finished: int = Field(60, ge=0)
     """Seconds after the job finishes before its Ray cluster (every pod, every GPU) is deleted.

@@ -7,7 +7,8 @@ critic overrides file (`critic: [{name, overrides}]`) on top of the config's cri
 connects to the job's Ray cluster (`RAY_ADDRESS`, set by KubeRay) or starts a loopback-only local
 one, and trains. Progress goes to the local reporter and, when `PPOJOB_NAME` and
 `PPOJOB_NAMESPACE` are set, to the PPOJob's `status.progress` (`ppojob_trainer.k8s_progress`).
-Exit codes: 0 done, 1 bad config, 2 training or placement failed.
+Exit codes: 0 done, 1 bad config, 2 training or placement failed, 75 preempted (SIGTERM or the
+stop file of the head's preStop hook: the step in flight finished and checkpointed).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import GangIncompleteError, PlacementError
+    from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
 
     owns_ray = not ray.is_initialized()
@@ -160,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         reporter = _reporters(out_dir, show_bar=not args.no_progress)
         connect_ray()
         result = train(cfg, out_dir, reporter)
+    except Preempted as exc:
+        # A SIGTERM (or the head's preStop stop file) answered with a checkpoint: the operator
+        # restarts the job from it without counting the restart (spec.failurePolicy).
+        if reporter is not None:
+            reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except GangIncompleteError as exc:
         # `<Reason>: ...` reaches the PPOJob (status.progress.error, and the RayJob's message,
         # where Ray keeps the entrypoint's last log lines); the operator makes it the Failed
