@@ -49,7 +49,8 @@ _DISRUPTION_PATTERNS = [
         r"\bhead pod\b.*\b(?:deleted|not found|gone)\b",
         r"\bpod (?:was )?deleted\b",
         r"\bThe node (?:had|was)\b",
-        r"\bray(?:let)? (?:node|worker) died\b.*\b(?:node|SIGTERM|preempt)",
+        r"\bits node (?:has )?died\b",
+        r"\bnode [\w.:-]+ (?:was|has been) (?:terminated|marked dead|preempted)\b",
     )
 ]
 _PERMANENT_PATTERNS = [
@@ -60,6 +61,7 @@ _PERMANENT_PATTERNS = [
         r"could not start: ",
         r"\bGangIncomplete: ",
         r"\bcan never fit\b",
+        r"^(?:DeadlineExceeded|PreRunningDeadlineExceeded|ValidationFailed)\b",
     )
 ]
 

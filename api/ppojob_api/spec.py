@@ -251,6 +251,29 @@ class Progress(ApiModel):
     message of the Failed condition)."""
 
 
+class RestartRecord(ApiModel):
+    """The last restart the operator made, and why."""
+
+    failure_class: Literal["Disruption", "Application", "Permanent"]
+    """Class of the failure that caused it (see spec.failurePolicy)."""
+
+    reason: str = Field(min_length=1)
+    """CamelCase reason: RestartingAfterDisruption or RestartingAfterError."""
+
+    message: str = ""
+    """The cause, as the trainer or KubeRay gave it."""
+
+    time: str | None = None
+    """When the operator decided to restart (RFC 3339)."""
+
+    attempt: int = Field(0, ge=0)
+    """Number of the failed attempt (its RayJob's `ppojob.io/attempt` annotation; the first is
+    0). The operator deletes that RayJob and creates the next attempt's."""
+
+    recreated: bool = False
+    """Whether the new RayJob exists yet."""
+
+
 class PPOJobStatus(ApiModel):
     """Observed state of a PPOJob."""
 
@@ -286,6 +309,15 @@ class PPOJobStatus(ApiModel):
 
     progress: Progress | None = None
     """Live training progress written by the trainer."""
+
+    restarts: int | None = None
+    """Restarts after application errors (counted against spec.backoffLimit)."""
+
+    disruptions: int | None = None
+    """Restarts after disruptions (not counted; bounded by spec.failurePolicy.maxDisruptions)."""
+
+    last_restart: RestartRecord | None = None
+    """The last restart and its cause."""
 
 
 class ObjectMeta(ApiModel):

@@ -38,7 +38,7 @@ import kopf
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
-from ppojob_operator import capabilities, k8s, metrics
+from ppojob_operator import capabilities, k8s, metrics, restarts
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import (
     KUEUE_QUEUE_LABEL,
@@ -97,6 +97,8 @@ class JobState:
     note: tuple[str, str, str] | None = None
     """Why a valid job has no RayJob to follow: (phase, reason, message)."""
     retry: asyncio.Task[None] | None = None
+    restart: asyncio.Task[None] | None = None
+    """Deletes a failed RayJob after the restart delay (``_schedule_restart``)."""
     backoff: int = 0
     """Retries in a row."""
     attempts: int = 0
@@ -308,6 +310,8 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         rj = owned_by(rj, meta.get("uid"))  # not an earlier PPOJob's of the same name
         base = st.written or body.get("status") or {}
         note = st.note
+        decided = None
+        trainer_error = None
         if problems:
             desired = None
             if rj is not None:  # a started job edited into an invalid spec
@@ -333,23 +337,74 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         else:
             sched = effective_scheduler(job, state.config.gang_default)
             progress = (body.get("status") or {}).get("progress") or {}
+            trainer_error = progress.get("error")
+            decided = restarts.decision(job, rj, base, trainer_error)
+            previous = base
+            if decided is not None and decided.action == "Restart":
+                previous = {**base, **restarts.restart_status(base, decided, rj, _now())}
             desired = desired_status(
                 job,
                 rj,
                 generation=generation,
-                previous=base,
+                previous=previous,
                 now=_now(),
                 scheduler=sched,
-                trainer_error=progress.get("error"),
+                trainer_error=None if previous is not base else trainer_error,
             )
         patch = status_patch(base, desired)
+        if decided is not None and decided.action == "Restart" and trainer_error:
+            patch["progress"] = {"error": None}  # the failed attempt's: not the next one's
         metrics.JOBS.set(key, desired.get("phase"))
-        if not patch:
-            return False
-        if await k8s.apatch_job_status(key[0], key[1], patch) is None:
-            return False  # the PPOJob is gone
-        st.written = desired
-        return True
+        wrote = False
+        if patch:
+            if await k8s.apatch_job_status(key[0], key[1], patch) is None:
+                return False  # the PPOJob is gone
+            st.written = desired
+            wrote = True
+    await _after_failure(state, st, body, decided)
+    return wrote
+
+
+async def _after_failure(state: State, st: JobState, body: dict[str, Any], decided: Any) -> None:
+    """The I/O of a restart decision: its event, the metric, and (after the policy's delay) the
+    failed RayJob's deletion, whose DELETED event makes ``reconcile_children`` create the next
+    attempt. A decision already written (a restarted operator) gets its deletion scheduled."""
+    if decided is not None:
+        normal = decided.action == "Restart" and decided.failure_class == "Disruption"
+        await _event_once(
+            st, body, "Normal" if normal else "Warning", decided.reason, decided.message
+        )
+        if decided.action == "Restart":
+            metrics.RESTARTS.labels(decided.failure_class).inc()
+    status = st.written or body.get("status") or {}
+    if st.rayjob is not None and restarts.pending_restart(status, st.rayjob):
+        job, _ = st.parse(body)
+        delay = 0
+        last = status.get("lastRestart") or {}
+        if job is not None and last.get("failureClass") != "Disruption":
+            delay = job.spec.failure_policy.retry_delay_seconds
+        _schedule_restart(state, st, restarts.restart_delay(status, delay, time.time()))
+
+
+def _schedule_restart(state: State, st: JobState, delay: float) -> None:
+    """Delete the failed RayJob after ``delay`` seconds (once per job at a time)."""
+    if st.restart is not None and not st.restart.done():
+        return
+    key = st.key
+
+    async def _restart() -> None:
+        await asyncio.sleep(delay)
+        if not state.current(st) or st.rayjob is None:
+            return
+        name = (st.rayjob.get("metadata") or {}).get("name")
+        log.info("%s/%s: restarting: deleting RayJob %s", key[0], key[1], name)
+        try:
+            await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+        except k8s.ApiError as exc:
+            log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+            metrics.API_ERRORS.labels("delete").inc()
+
+    st.restart = asyncio.get_running_loop().create_task(_restart())
 
 
 def _scheduler_of_rayjob(rayjob: dict[str, Any]) -> str:
@@ -440,9 +495,11 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
             if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
                 return []
             status = fresh.get("status") or {}
-            if status.get("phase") in ("Succeeded", "Failed"):
+            if restarts.pending_restart(status, None):
+                recreate = True  # a restart the failure policy decided (restarts.py)
+            elif status.get("phase") in ("Succeeded", "Failed"):
                 return []  # finished: nothing to heal
-            if _run_started(status):
+            elif _run_started(status):
                 msg = (
                     f"RayJob {key[0]}/{rayjob_name} was deleted after the run started; the "
                     "operator does not re-run it. Delete and recreate the PPOJob to run again "
@@ -452,7 +509,8 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
                 await _event_once(st, body, "Warning", "RayJobDeleted", msg)
                 await sync_status(state, st)
                 return []
-            recreate = True
+            else:
+                recreate = True
     # a recreated RayJob is a new attempt: a fresh YuniKorn application id (any unused token)
     attempt = int(time.time()) if recreate else 0
     # A started job's children are rebuilt from the spec its RayJob runs (a refused edit must
@@ -471,6 +529,7 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         gang_default=cfg.gang_default,
         entrypoint=cfg.entrypoint,
         attempt=attempt,
+        restart=restarts.next_attempt(status),
     )
     # Under Kueue, a job created (or still) suspended gets no RayJob until resumed: Kueue would
     # admit and unsuspend it (it owns RayJob.spec.suspend).

@@ -413,6 +413,21 @@ async def apatch(
         raise
 
 
+async def adelete(api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Delete an object (background propagation); False if it was already gone."""
+    try:
+        await arequest(
+            "DELETE",
+            path_for(api_version, kind, namespace, name),
+            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
+        )
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
 async def apatch_job_status(
     namespace: str, name: str, status: dict[str, Any]
 ) -> dict[str, Any] | None:

@@ -106,15 +106,17 @@ def test_stop_signal_sets_on_sigterm_and_restores_the_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_stop_file_requests_a_stop_and_the_stopped_file_is_written(tmp_path, monkeypatch) -> None:
-    stop_file, stopped = tmp_path / "stop", tmp_path / "stopped"
+def test_stop_file_requests_a_stop_and_the_running_file_goes(tmp_path, monkeypatch) -> None:
+    """The head's preStop hook touches the stop file and waits while the running file exists."""
+    stop_file, running = tmp_path / "stop", tmp_path / "running"
     monkeypatch.setenv("PPOJOB_STOP_FILE", str(stop_file))
-    monkeypatch.setenv("PPOJOB_STOPPED_FILE", str(stopped))
+    monkeypatch.setenv("PPOJOB_RUNNING_FILE", str(running))
     with watch() as stop:
+        assert running.exists()
         stop_file.touch()
         assert stop.wait(10)
-        assert not stopped.exists()  # written only once the trainer stopped
-    assert stopped.read_text().startswith("stop file")
+        assert stop.cause == f"stop file {stop_file}"
+    assert not running.exists()
 
 
 def test_a_step_that_outlives_the_grace_period_is_abandoned() -> None:

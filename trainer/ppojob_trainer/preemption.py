@@ -5,7 +5,7 @@ Kubernetes sends SIGTERM to a pod's containers and SIGKILL ``terminationGracePer
 later. The driver of a Ray job is not the head container's first process, so the operator also
 gives the head container a ``preStop`` hook that touches :data:`STOP_FILE_ENV`'s file (kubelet
 runs it before the SIGTERM, inside the same grace period) and waits for the trainer's
-:data:`STOPPED_FILE_ENV` file. Either way, :class:`StopSignal` is set, and the training loop:
+:data:`RUNNING_FILE_ENV` file to go. Either way, :class:`StopSignal` is set, and the training loop:
 
 - lets the step in flight finish (the workers cannot be checkpointed mid-step), writes a
   checkpoint of it, and raises :class:`Preempted`;
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 STOP_FILE_ENV = "PPOJOB_STOP_FILE"
 """A file whose appearance asks the trainer to stop as on SIGTERM (the head's preStop hook)."""
-STOPPED_FILE_ENV = "PPOJOB_STOPPED_FILE"
-"""A file the trainer writes once it stopped (the preStop hook waits for it)."""
+RUNNING_FILE_ENV = "PPOJOB_RUNNING_FILE"
+"""A file that exists while the training loop runs (the preStop hook waits while it does)."""
 GRACE_ENV = "PPOJOB_GRACE_SECONDS"
 """The pods' grace period in seconds (the operator sets it from the spec)."""
 MARGIN_S = 2.0
@@ -125,8 +125,8 @@ def _env_float(name: str) -> float | None:
 @contextmanager
 def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
     """A :class:`StopSignal` set by SIGTERM (main thread only) or by the stop file named in
-    ``$PPOJOB_STOP_FILE``; the previous SIGTERM handler is restored on exit, and the file
-    ``$PPOJOB_STOPPED_FILE`` is written."""
+    ``$PPOJOB_STOP_FILE``; the previous SIGTERM handler is restored on exit. The file
+    ``$PPOJOB_RUNNING_FILE`` exists meanwhile."""
     if grace_seconds is None:
         grace_seconds = _env_float(GRACE_ENV)
     raw_stop = os.environ.get(STOP_FILE_ENV)
@@ -139,6 +139,13 @@ def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
             stop.request("SIGTERM")
 
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    running = os.environ.get(RUNNING_FILE_ENV)
+    if running:
+        try:
+            Path(running).write_text(f"{os.getpid()}\n")
+        except OSError:
+            log.warning("could not write %s", running)
+            running = None
     done = threading.Event()
     poller = None
     if stop.stop_file is not None:
@@ -151,9 +158,5 @@ def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
         stop.cancel()
         if main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        stopped = os.environ.get(STOPPED_FILE_ENV)
-        if stopped and stop.requested:
-            try:
-                Path(stopped).write_text(f"{stop.cause}\n")
-            except OSError:
-                log.warning("could not write %s", stopped)
+        if running:
+            Path(running).unlink(missing_ok=True)
