@@ -7,7 +7,12 @@
 - A child's name still held by an object on its way out (being deleted, or owned by an earlier
   PPOJob of the same name) -> ``Pending``/``WaitingForOldChildren`` and a retry with backoff
   (1 s doubling to 60 s); an object we do not own -> ``Pending``/``ChildConflict`` with a Warning
-  event, retried the same way, never adopted.
+  event, retried the same way, never adopted. Any other refusal of a child (a missing CRD, a
+  ResourceQuota, an admission webhook) -> ``Pending``/``ChildCreateFailed`` with the API
+  server's message, a Warning event, retried the same way.
+- A failed attempt is classified and restarted or failed by ``spec.failurePolicy``
+  (``restarts.py``): the failed RayJob is deleted after the policy's delay and its DELETED event
+  creates the next attempt's.
 - ``on.update`` of ``spec``: a job without a RayJob yet (invalid, refused, waiting, held) is
   reconciled like a new one; for a started job ``spec.suspend`` is applied (to the RayJob; under
   Kueue to its Workload's ``spec.active``, since Kueue owns ``RayJob.spec.suspend``) and any other
@@ -554,6 +559,16 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         return []
     except k8s.ChildWaiting as exc:
         st.note = ("Pending", "WaitingForOldChildren", str(exc))
+        await sync_status(state, st)
+        _retry_later(state, st, str(exc))
+        return []
+    except k8s.ChildRefused as exc:
+        # Whatever the API server said (a missing CRD, a quota, a webhook) reaches the status
+        # and an event at once; the job is retried with backoff (the cause is usually fixed
+        # outside the job: a CRD installed, a quota raised).
+        metrics.API_ERRORS.labels("create").inc()
+        st.note = ("Pending", "ChildCreateFailed", str(exc))
+        await _event_once(st, body, "Warning", "ChildCreateFailed", str(exc))
         await sync_status(state, st)
         _retry_later(state, st, str(exc))
         return []

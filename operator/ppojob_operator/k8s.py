@@ -61,6 +61,30 @@ class ChildConflict(Exception):
     by another owner): never adopted; the user must remove or rename it."""
 
 
+class ChildRefused(Exception):
+    """The API server refused to create a child (any answer but 409 and the transient ones
+    :func:`arequest` retries): a missing CRD (404), a ResourceQuota or RBAC refusal (403), an
+    admission webhook's or the schema's verdict (400, 422). The text names the child and carries
+    the API server's own message."""
+
+    def __init__(self, obj: dict[str, Any], exc: ApiError) -> None:
+        meta = obj.get("metadata") or {}
+        what = f"{obj.get('kind')} {meta.get('namespace')}/{meta.get('name')}"
+        super().__init__(f"cannot create {what}: HTTP {exc.status}: {api_message(exc)}")
+        self.status = exc.status
+
+
+def api_message(exc: ApiError) -> str:
+    """The API server's ``Status.message`` of an error answer (else its body, shortened)."""
+    try:
+        doc = json.loads(exc.body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("message"):
+        return str(doc["message"])[:1000]
+    return (exc.body or exc.reason)[:1000]
+
+
 class ChildVanished(Exception):
     """The object answered 409 (it exists) and was gone when read back: deleted in between."""
 
@@ -366,7 +390,7 @@ async def acreate_or_get(
         return await arequest("POST", collection, obj), True
     except ApiError as exc:
         if exc.status != 409:
-            raise
+            raise ChildRefused(obj, exc) from exc
     existing = await aget(obj["apiVersion"], obj["kind"], ns, name)
     if existing is None:  # deleted between our create and get
         if not recreate_vanished:

@@ -220,3 +220,33 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
     wait_until(lambda: status(cp, "half", ns).get("rayJobName") == "half", 60, "a status")
     for (resource, name), obj_uid in kept.items():
         assert cp.get(resource, name, ns)["metadata"]["uid"] == obj_uid, (resource, name)
+
+
+def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, operator, ns):
+    """A ResourceQuota allowing no RayJob: the PPOJob says so at once (the API server's own
+    message, not a silent kopf retry), and runs once the quota is gone."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-rayjobs", "namespace": ns},
+        "spec": {"hard": {"count/rayjobs.ray.io": "0"}},
+    }
+    cp.apply(quota)
+    # the quota's usage, as kube-controller-manager's quota controller (not run here) would
+    # write it; the API server's quota admission refuses by it
+    used = {"hard": {"count/rayjobs.ray.io": "0"}, "used": {"count/rayjobs.ray.io": "0"}}
+    path = f"/api/v1/namespaces/{ns}/resourcequotas/no-rayjobs"
+    cp.request("PATCH", path + "/status", {"status": used}, "application/merge-patch+json")
+    cp.apply(gpu_job("quota", ns))
+    refused = wait_until(
+        lambda: (c := condition(status(cp, "quota", ns), "SpecApplied")).get("reason")
+        == "ChildCreateFailed"
+        and c,
+        30,
+        "ChildCreateFailed",
+    )
+    assert status(cp, "quota", ns)["phase"] == "Pending"
+    assert "RayJob" in refused["message"] and "exceeded quota" in refused["message"]
+    assert "HTTP 403" in refused["message"]
+    cp.request("DELETE", path)
+    wait_until(lambda: cp.get("rayjob.ray.io", "quota", ns), 90, "the RayJob after the quota")
