@@ -239,9 +239,11 @@ def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, 
     cp.request("PATCH", path + "/status", {"status": used}, "application/merge-patch+json")
     cp.apply(gpu_job("quota", ns))
     refused = wait_until(
-        lambda: (c := condition(status(cp, "quota", ns), "SpecApplied")).get("reason")
-        == "ChildCreateFailed"
-        and c,
+        lambda: (
+            (c := condition(status(cp, "quota", ns), "SpecApplied")).get("reason")
+            == "ChildCreateFailed"
+            and c
+        ),
         30,
         "ChildCreateFailed",
     )
