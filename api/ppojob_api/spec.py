@@ -49,9 +49,15 @@ class Scheduling(ApiModel):
     """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
-    """How long the job may wait for all its resources: the PodGroup's schedule timeout, YuniKorn's
-    placeholder timeout, and the trainer's wait for every role's pods to join and for its
-    placement group."""
+    """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the
+    trainer's wait for every role's pods to join and for its placement group."""
+
+    permit_timeout_seconds: int = Field(60, ge=1, le=604800)
+    """scheduler-plugins: how long the pods of a partly placed gang hold their nodes at the
+    Coscheduling plugin's Permit stage before they are released and the whole gang retries (the
+    PodGroup's scheduleTimeoutSeconds; the plugin's own default is 60). Keep it short: while it
+    runs, one pod that cannot fit keeps the others' GPUs from every other job. At most
+    timeoutSeconds."""
 
 
 class SecretRef(ApiModel):

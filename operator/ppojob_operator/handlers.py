@@ -376,9 +376,8 @@ async def _after_failure(state: State, st: JobState, body: dict[str, Any], decid
     attempt. A decision already written (a restarted operator) gets its deletion scheduled."""
     if decided is not None:
         normal = decided.action == "Restart" and decided.failure_class == "Disruption"
-        await _event_once(
-            st, body, "Normal" if normal else "Warning", decided.reason, decided.message
-        )
+        why, msg = decided.reason, decided.message  # restarts.py: each reason documented
+        await _event_once(st, body, "Normal" if normal else "Warning", why, msg)
         if decided.action == "Restart":
             metrics.RESTARTS.labels(decided.failure_class).inc()
     status = st.written or body.get("status") or {}

@@ -157,9 +157,8 @@ def _restarted_cond(keys: dict[str, Any], gen: int | None) -> list[dict[str, Any
     last = keys.get("lastRestart")
     if not last:
         return []
-    return [
-        _cond("Restarted", True, last.get("reason") or "Restarted", last.get("message", ""), gen)
-    ]
+    reason = last.get("reason") or "RestartingAfterDisruption"
+    return [_cond("Restarted", True, reason, last.get("message", ""), gen)]
 
 
 def _with_times(conds: list[dict[str, Any]], previous: list[dict[str, Any]], now: str) -> list:

@@ -23,6 +23,7 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
+from ppojob_api.checks.disruption import check_gang_timeouts, check_grace_period
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -1027,6 +1028,43 @@ TABLE += [
         check_megatron_splits,
         "a hub id named like a built-in is not split as the built-in",
         {"model__path": "tiny-llama", "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}}},
+        [],
+    ),
+]
+
+
+# --- disruption settings (issue 22): the Permit timeout, the grace period with a volume
+TABLE += [
+    (
+        check_gang_timeouts,
+        "a Permit timeout longer than the job's timeout",
+        {"scheduling__timeoutSeconds": 100, "scheduling__permitTimeoutSeconds": 101},
+        ["spec.scheduling.permitTimeoutSeconds"],
+    ),
+    (
+        check_gang_timeouts,
+        "a Permit timeout equal to the job's timeout",
+        {"scheduling__timeoutSeconds": 100, "scheduling__permitTimeoutSeconds": 100},
+        [],
+    ),
+    (
+        check_grace_period,
+        "a 29 s grace period with a checkpoint volume",
+        {
+            "checkpointVolume": {"persistentVolumeClaim": {"claimName": "c"}},
+            "training__checkpointDir": "/checkpoints",
+            "failurePolicy__terminationGracePeriodSeconds": 29,
+        },
+        ["spec.failurePolicy.terminationGracePeriodSeconds"],
+    ),
+    (
+        check_grace_period,
+        "a 30 s grace period with a checkpoint volume",
+        {
+            "checkpointVolume": {"persistentVolumeClaim": {"claimName": "c"}},
+            "training__checkpointDir": "/checkpoints",
+            "failurePolicy__terminationGracePeriodSeconds": 30,
+        },
         [],
     ),
 ]

@@ -141,3 +141,12 @@ def test_grace_period_against_step_and_checkpoint_cost(grace, step, ckpt, ok) ->
     assert (problem is None) == ok
     if problem:
         assert "terminationGracePeriodSeconds" in problem and "raise it to at least" in problem
+
+
+def test_every_decision_reason_is_documented() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md").read_text()
+    reasons = {row[6] for row in DECISIONS} | {"Preempted"}
+    assert len(reasons) == 7
+    assert [r for r in sorted(reasons) if f"`{r}`" not in text] == []
