@@ -212,13 +212,15 @@ class Condition(ApiModel):
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
 
-    reason: str = ""
-    """CamelCase reason (see the troubleshooting guide)."""
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[A-Za-z]$|^[A-Za-z][A-Za-z0-9_,:]*[A-Za-z0-9_]$"
+    )
+    """CamelCase reason (see the troubleshooting guide); never empty (metav1.Condition)."""
 
-    message: str = ""
+    message: str = Field("", max_length=32768)
     """Human-readable detail."""
 
-    last_transition_time: str | None = None
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
     """When the status last changed (RFC 3339)."""
 
     observed_generation: int | None = None
@@ -289,8 +291,17 @@ class PPOJobStatus(ApiModel):
     ) = None
     """Pending, Initializing, Running, Succeeded, Failed, Suspended or Invalid."""
 
-    conditions: list[Condition] = Field(default_factory=list)
-    """Conditions with reasons and messages."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    """Conditions with reasons and messages (metav1.Condition, one per type)."""
+
+    reason: str | None = None
+    """CamelCase reason of the current phase (the `Reason` column of `kubectl get ppojobs`)."""
 
     observed_generation: int | None = None
     """The spec generation the operator last acted on."""

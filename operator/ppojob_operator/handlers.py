@@ -361,13 +361,37 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
             patch["progress"] = {"error": None}  # the failed attempt's: not the next one's
         metrics.JOBS.set(key, desired.get("phase"))
         wrote = False
+        transition = None
         if patch:
             if await k8s.apatch_job_status(key[0], key[1], patch) is None:
                 return False  # the PPOJob is gone
             st.written = desired
             wrote = True
+            if "phase" in patch:
+                transition = (base.get("phase"), desired)
+    if transition is not None:
+        await _phase_event(st, body, *transition)
     await _after_failure(state, st, body, decided)
     return wrote
+
+
+async def _phase_event(
+    st: JobState, body: dict[str, Any], old: str | None, desired: dict[str, Any]
+) -> None:
+    """An event for every phase transition (Normal; Warning into Failed or Invalid), with the
+    phase's reason and message, so `kubectl describe` and `kubectl get events` tell the story."""
+    phase, why = desired.get("phase") or "", desired.get("reason") or "PhaseChanged"
+    detail = next(
+        (
+            c.get("message")
+            for c in desired.get("conditions") or []
+            if c.get("reason") == why and c.get("message")
+        ),
+        "",
+    )
+    msg = f"{old or 'new'} -> {phase}" + (f": {detail}" if detail else "")
+    kind = "Warning" if phase in ("Failed", "Invalid") else "Normal"
+    await _event_once(st, body, kind, why, msg)
 
 
 async def _after_failure(state: State, st: JobState, body: dict[str, Any], decided: Any) -> None:

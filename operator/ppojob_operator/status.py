@@ -41,6 +41,7 @@ from ppojob_operator.restarts import attempt_of
 CONDITION_TYPES = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")
 OPERATOR_KEYS = (
     "phase",
+    "reason",
     "conditions",
     "observedGeneration",
     "rayJobName",
@@ -191,6 +192,7 @@ def invalid_status(
     conds += [_cond(t, False, "InvalidSpec", "", generation) for t in CONDITION_TYPES[1:]]
     return {
         "phase": "Invalid",
+        "reason": "InvalidSpec",
         "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
         "observedGeneration": generation,
         **_restart_keys(previous, None),
@@ -252,6 +254,7 @@ def desired_status(
     ]
     out: dict[str, Any] = {
         "phase": phase,
+        "reason": reason or phase,
         "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
         "observedGeneration": generation,
         "rayJobName": rayjob.get("metadata", {}).get("name"),
@@ -347,6 +350,7 @@ def note_status(
     conds += _restarted_cond(kept, g)
     out: dict[str, Any] = {
         "phase": phase,
+        "reason": reason,
         "conditions": _with_times(conds, prev.get("conditions", []), now),
         "observedGeneration": generation,
         "gpus": total_gpus(job.spec),

@@ -26,6 +26,10 @@ def attempt():
     return (rj.get("metadata", {}).get("annotations") or {}).get("ppojob.io/attempt", "0")
 
 
+def is_event(e, type_, reason, text):
+    return e["type"] == type_ and e["reason"] == reason and text in e["message"]
+
+
 def trainer_error(line, step=3):
     progress = {"step": step, "totalSteps": 10, "error": line}
     kube.patch(*PPO, "ns1", "demo", {"status": {"progress": progress}}, "status")
@@ -37,6 +41,10 @@ def test_a_preemption_restarts_uncounted_and_a_later_error_fails(cluster):
         wait_for(phase_is("Pending"))
         set_rayjob_status({**RUNNING, "startTime": "2026-01-01T00:00:00Z"})
         wait_for(phase_is("Running"))
+        # every phase transition is an event with the phase's reason
+        wait_for(
+            lambda: any(is_event(e, "Normal", "RayJobRunning", "-> Running") for e in events())
+        )
         trainer_error(PREEMPTED)
         set_rayjob_status(
             {
@@ -73,3 +81,9 @@ def test_a_preemption_restarts_uncounted_and_a_later_error_fails(cluster):
         st = job_status()
         assert (st["disruptions"], st["restarts"]) == (1, 0)
         assert cond("Failed")["reason"] == "TrainerFailed"
+        wait_for(
+            lambda: any(
+                is_event(e, "Warning", "TrainerFailed", "Running -> Failed: training failed")
+                for e in events()
+            )
+        )
