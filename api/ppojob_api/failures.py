@@ -41,6 +41,7 @@ _DISRUPTION_PATTERNS = [
     re.compile(p, re.IGNORECASE)
     for p in (
         r"\bPreempted: ",
+        r"\bStalled: ",  # a hung collective or a lost node, named by the trainer's watchdog
         rf"exit(?:ed)? (?:with )?(?:exit )?code {PREEMPTED_EXIT_CODE}\b",
         r"\bevicted\b",
         r"\bDisruptionTarget\b",

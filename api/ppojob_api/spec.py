@@ -117,6 +117,17 @@ class FailurePolicy(ApiModel):
     """Seconds to wait before retrying after an application error (disruptions restart at
     once)."""
 
+    stall_timeout_seconds: int = Field(1800, ge=0, le=604800)
+    """Stall watchdog: a step whose workers have not all reported within this many seconds
+    ends the attempt with reason `Stalled`, naming each role, rank and phase (generate, values,
+    prepare, train, wake, weight sync) that did not report; a hung collective costs this long,
+    not forever. The attempt is then restarted like a disruption (or failed: onStall). 0: off.
+    Set it well above the slowest step."""
+
+    on_stall: Literal["Restart", "Fail"] = "Restart"
+    """What a stalled attempt leads to: `Restart` (from the newest checkpoint, counted as a
+    disruption) or `Fail`."""
+
     termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
     """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
     trainer finishes the step in flight, writes a checkpoint and exits `Preempted` (code 75)

@@ -61,8 +61,11 @@ def decision(
         return None  # a suspended job is not restarted (resuming it starts a new attempt)
     cause = failure_cause(rayjob, trainer_error)
     policy = job.spec.failure_policy
+    klass = classify(cause)
+    if policy.on_stall == "Fail" and "Stalled: " in cause:
+        klass = "Permanent"  # spec.failurePolicy.onStall: Fail
     return decide(
-        classify(cause),
+        klass,
         cause,
         backoff_limit=job.spec.backoff_limit,
         counted_restarts=int(status.get("restarts") or 0),

@@ -58,7 +58,7 @@ RESTART_KEYS = ("restarts", "disruptions", "lastRestart")
 """Kept from the previous status by every status this module computes (``restarts``)."""
 
 
-TRAINER_REASONS = ("GangIncomplete", "Preempted")
+TRAINER_REASONS = ("GangIncomplete", "Preempted", "Stalled")
 """Reasons the trainer itself names (``<Reason>: ...`` in ``status.progress.error``, and
 ``ppojob-train: <Reason>: ...`` in its last log line, which Ray keeps in the job's message)."""
 _TRAINER_REASON = re.compile(r"(?:^|ppojob-train: )(" + "|".join(TRAINER_REASONS) + r"): ")

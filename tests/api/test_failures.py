@@ -33,6 +33,11 @@ CLASSES = [
         "Disruption",
     ),
     ("DisruptionTarget: PreemptionByScheduler", None, "Disruption"),
+    (
+        "Stalled: no step progress for 1800s: actor rank 1 (train) did not report",
+        None,
+        "Disruption",
+    ),
     # application errors count
     (
         "training failed: ValueError: reward function returned 3 scores for 4 samples",

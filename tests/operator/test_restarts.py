@@ -93,6 +93,28 @@ def test_decision(dep, js, extra, error, limit, status, action, reason) -> None:
     assert (d and d.action, d and d.reason) == (action, reason)
 
 
+STALLED = "Stalled: no step progress for 1800s: actor rank 1 (train) did not report"
+
+
+@pytest.mark.parametrize(
+    ("on_stall", "action", "reason"),
+    [("Restart", "Restart", "RestartingAfterDisruption"), ("Fail", "Fail", "PermanentFailure")],
+)
+def test_a_stalled_attempt_follows_on_stall(on_stall, action, reason) -> None:
+    j = job(failurePolicy={"onStall": on_stall})
+    d = restarts.decision(j, rayjob(j), {}, STALLED)
+    assert (d.action, d.reason) == (action, reason)
+    assert "actor rank 1 (train)" in d.message
+
+
+def test_the_trainer_config_carries_the_stall_timeout() -> None:
+    from ppojob_api.validation import trainer_config_from_spec
+
+    assert trainer_config_from_spec(job().spec).stall_timeout_seconds == 1800
+    off = job(failurePolicy={"stallTimeoutSeconds": 0}).spec
+    assert trainer_config_from_spec(off).stall_timeout_seconds is None
+
+
 def test_an_attempt_already_decided_is_not_decided_again() -> None:
     j = job()
     rj = rayjob(j, attempt=2)

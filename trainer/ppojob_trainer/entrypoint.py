@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from ppojob_trainer.placement import GangIncompleteError, PlacementError
     from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
+    from ppojob_trainer.watchdog import StallError
 
     owns_ray = not ray.is_initialized()
     t0 = time.monotonic()
@@ -169,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             reporter.fail(f"{exc.reason}: {exc}")
         print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    except StallError as exc:
+        # names the role, rank and phase that did not report; the failure policy restarts
+        # (spec.failurePolicy.onStall) from the newest checkpoint
+        if reporter is not None:
+            reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
+        return 2
     except GangIncompleteError as exc:
         # `<Reason>: ...` reaches the PPOJob (status.progress.error, and the RayJob's message,
         # where Ray keeps the entrypoint's last log lines); the operator makes it the Failed

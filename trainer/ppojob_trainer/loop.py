@@ -24,6 +24,7 @@ from ppojob_api.failures import grace_problem
 from ppojob_api.training import TrainerConfig
 
 from .preemption import Preempted, StopSignal, watch
+from .watchdog import wait_or_name
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ class PPOTrainer:
 
         # 1. generate + reward: each engine samples a contiguous range of prompts (an engine
         #    left without prompts sits this step out).
-        parts = []
+        parts, engines = [], []
         for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
             if p_lo == p_hi:
                 continue
@@ -319,6 +320,7 @@ class PPOTrainer:
                 examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
             )
             parts.append((p_lo * k, p_hi * k, ref))
+            engines.append(e)
 
         ranges = [(lo, hi) for lo, hi, _ in parts]
         gens = [ref for _, _, ref in parts]
@@ -335,6 +337,7 @@ class PPOTrainer:
             ]
 
         # 3. old/ref log-probs, advantages and returns on the actor workers.
+        all_values = value_lists
         value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
         prepared = [
             a.prepare.remote(ranges, self.critic_ranges, self.kl_ctl.value, *gens, *value_lists)
@@ -370,7 +373,20 @@ class PPOTrainer:
             woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
         synced = self._sync_weights() if plan.actor_trains or self.offload else []
 
-        # 7. metrics (floats only; the driver never fetches a tensor).
+        # 7. metrics (floats only; the driver never fetches a tensor), once every worker has
+        #    reported; one that has not within the stall timeout is named (watchdog.py).
+        wait_or_name(
+            [
+                *(("rollout", e, "generate", r) for e, r in zip(engines, gens, strict=True)),
+                *(("critic", i, "values", r) for i, r in enumerate(all_values)),
+                *(("actor", i, "prepare", r) for i, r in enumerate(prepared)),
+                *(("critic", i, "train", r) for i, r in enumerate(critic_done)),
+                *(("actor", i, "train", r) for i, r in enumerate(actor_done)),
+                *(("rollout", i, "wake", r) for i, r in enumerate(woken)),
+                *(("rollout", i, "weight sync", r) for i, r in enumerate(synced)),
+            ],
+            cfg.stall_timeout_seconds,
+        )
         groups = [gens, prepared, critic_done, actor_done, woken, synced]
         flat = ray.get([ref for group in groups for ref in group])  # one round trip
         out, pos = [], 0
