@@ -128,6 +128,13 @@ class FailurePolicy(ApiModel):
     """What a stalled attempt leads to: `Restart` (from the newest checkpoint, counted as a
     disruption) or `Fail`."""
 
+    pod_disruption_budget: bool = True
+    """Create a PodDisruptionBudget (maxUnavailable 0) over the job's pods: an eviction through
+    the Eviction API (a node drain, Karpenter consolidation, the cluster autoscaler) is refused
+    (HTTP 429) instead of killing one pod of the gang, which would end the attempt. A drain then
+    waits for the job to finish (or for someone to delete the pods: the trainer answers that
+    with a checkpoint). Scheduler preemption, suspend and deletion are not evictions."""
+
     termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
     """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
     trainer finishes the step in flight, writes a checkpoint and exits `Preempted` (code 75)

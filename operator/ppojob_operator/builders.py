@@ -200,6 +200,17 @@ def role_binding(job: PPOJob, namespace: str, uid: str | None = None) -> dict[st
 # ---------------------------------------------------------------------------------------------
 # RayJob
 # ---------------------------------------------------------------------------------------------
+def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    """No voluntary eviction of any pod of the job: one lost pod ends the gang's attempt."""
+    name = job.metadata.name or ""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, namespace, name, uid),
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {JOB_LABEL: name}}},
+    }
+
+
 def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
     """(role, role spec) of every role that needs pods of its own, in group order."""
     spec = job.spec
@@ -504,6 +515,11 @@ def build_children(
         service_account(job, namespace, uid),
         role(job, namespace, uid),
         role_binding(job, namespace, uid),
+        *(
+            [pod_disruption_budget(job, namespace, uid)]
+            if job.spec.failure_policy.pod_disruption_budget
+            else []
+        ),
         *gang.objects,
         ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint, restart=restart),
     ]

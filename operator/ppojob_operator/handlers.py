@@ -249,6 +249,7 @@ CHILD_KINDS = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+    ("policy", "v1", "poddisruptionbudgets"),
 )
 """Children besides the RayJob, watched for deletion (self-healing)."""
 CHILD_RESOURCES = [(g, p) for g, _, p in CHILD_KINDS] + [("ray.io", "rayjobs")]

@@ -39,6 +39,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",

@@ -6,8 +6,11 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   lives in annotations, hence ``patch`` on the object), and the operator writes ``status``.
 - ``ppojobs/status`` get+patch: the operator writes status, and it must itself hold these
   verbs to create the per-job Role that grants them to the trainer (RBAC escalation rule).
-- RayJobs: created, read, watched (status mirroring, self-healing) and patched (suspend/resume,
-  a fresh YuniKorn application id per attempt).
+- RayJobs: created, read, watched (status mirroring, self-healing), patched (suspend/resume,
+  a fresh YuniKorn application id per attempt) and deleted (a restart by the failure policy
+  replaces the failed attempt's RayJob).
+- PodDisruptionBudgets: created and read (create-or-get), listed and watched like the other
+  children.
 - ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get), listed and
   watched (only those labelled ``app.kubernetes.io/managed-by=ppojob-operator``, filtered
   server-side) so that one deleted by hand is recreated.
@@ -43,7 +46,7 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["ray.io"],
         "resources": ["rayjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": [""],
@@ -58,6 +61,11 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["scheduling.x-k8s.io"],
         "resources": ["podgroups"],
+        "verbs": ["get", "list", "watch", "create"],
+    },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
         "verbs": ["get", "list", "watch", "create"],
     },
     {

@@ -17,7 +17,7 @@ from tests.helpers.cluster_jobs import (
     status,
     wait_children,
 )
-from tests.helpers.controlplane import wait_until
+from tests.helpers.controlplane import ControlPlaneError, wait_until
 
 ROLES = ("actor", "critic", "rollout")
 
@@ -252,3 +252,50 @@ def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, 
     assert "HTTP 403" in refused["message"]
     cp.request("DELETE", path)
     wait_until(lambda: cp.get("rayjob.ray.io", "quota", ns), 90, "the RayJob after the quota")
+
+
+def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
+    """The job's PodDisruptionBudget (maxUnavailable 0): a drain's eviction of one of its pods
+    is refused with 429 and the pod stays; a job without one (failurePolicy) is evictable."""
+    protected = gpu_job("pdb", ns, actor=1, critic=1, rollout=1)
+    bare = gpu_job("bare", ns, actor=1, critic=1, rollout=1)
+    bare["spec"]["failurePolicy"] = {"podDisruptionBudget": False}
+    cp.apply([protected, bare])
+
+    def pods_of(name: str) -> list:
+        p = pods(cp, name, ns)
+        return p if len(p) == 4 and all(map(running, p)) else []
+
+    mine = wait_until(lambda: pods_of("pdb"), 90, "the protected job's 4 pods Running")
+    theirs = wait_until(lambda: pods_of("bare"), 90, "the bare job's 4 pods Running")
+    pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
+    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}
+    assert cp.get("poddisruptionbudget.policy", "bare", ns) is None
+    # The PDB's status, as kube-controller-manager's disruption controller (not run here)
+    # computes it for 4 healthy pods and maxUnavailable 0; the eviction API decides by it.
+    path = f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/pdb/status"
+    healthy = {"currentHealthy": 4, "desiredHealthy": 4, "expectedPods": 4}
+    gen = pdb["metadata"]["generation"]
+    body = {"status": {"observedGeneration": gen, "disruptionsAllowed": 0, **healthy}}
+    cp.request("PATCH", path, body, "application/merge-patch+json")
+
+    def evict(pod: dict) -> str:
+        name = pod["metadata"]["name"]
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": ns},
+        }
+        try:
+            cp.request("POST", f"/api/v1/namespaces/{ns}/pods/{name}/eviction", eviction)
+        except ControlPlaneError as exc:
+            return str(exc)
+        return "evicted"
+
+    refused = evict(mine[0])
+    assert ": 429 " in refused and "disruption budget" in refused, refused
+    assert (
+        cp.get("pod", mine[0]["metadata"]["name"], ns)["metadata"].get("deletionTimestamp") is None
+    )
+    assert evict(theirs[0]) == "evicted"

@@ -177,3 +177,25 @@ def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
     env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
     assert env["PPOJOB_STOP_FILE"] in hook[-1] and env["PPOJOB_RUNNING_FILE"] in hook[-1]
     assert all("lifecycle" not in w["containers"][0] for w in workers)
+
+
+def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off() -> None:
+    kinds = [c["kind"] for c in builders.build_children(job(), namespace="ns1")]
+    assert kinds.index("PodDisruptionBudget") < kinds.index("RayJob")  # before the pods exist
+    pdb = next(
+        c
+        for c in builders.build_children(job(), namespace="ns1", uid="u1")
+        if c["kind"] == "PodDisruptionBudget"
+    )
+    assert pdb["spec"] == {
+        "maxUnavailable": 0,
+        "selector": {"matchLabels": {"ppojob.io/job": "demo"}},
+    }
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    rj = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    templates = [rj["headGroupSpec"]["template"]] + [g["template"] for g in rj["workerGroupSpecs"]]
+    assert all(t["metadata"]["labels"]["ppojob.io/job"] == "demo" for t in templates)
+    off = job(failurePolicy={"podDisruptionBudget": False})
+    assert "PodDisruptionBudget" not in [
+        c["kind"] for c in builders.build_children(off, namespace="ns1")
+    ]
