@@ -299,3 +299,40 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
         cp.get("pod", mine[0]["metadata"]["name"], ns)["metadata"].get("deletionTimestamp") is None
     )
     assert evict(theirs[0]) == "evicted"
+
+
+def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
+    """The real KubeRay fails the RayJob ("Ray head pod not found."); the failure policy calls
+    that a disruption: the RayJob is replaced by the next attempt's, without counting against
+    backoffLimit (0 here), with the Restarted condition and a Normal event, and the new
+    attempt's pods come up."""
+    cp.apply(gpu_job("hp", ns, actor=1, critic=1, rollout=1))
+
+    def four_running() -> list:
+        p = pods(cp, "hp", ns)
+        return p if len(p) == 4 and all(map(running, p)) else []
+
+    before = wait_until(four_running, 90, "4 pods Running")
+    (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{head['metadata']['name']}")
+
+    def next_attempt() -> dict | None:
+        rj = cp.get("rayjob.ray.io", "hp", ns) or {}
+        ann = (rj.get("metadata") or {}).get("annotations") or {}
+        return rj if ann.get("ppojob.io/attempt") == "1" else None
+
+    wait_until(next_attempt, 60, "the next attempt's RayJob")
+    st = wait_until(
+        lambda: (s := status(cp, "hp", ns)).get("lastRestart", {}).get("recreated") and s,
+        30,
+        "lastRestart.recreated",
+    )
+    assert (st["disruptions"], st["restarts"]) == (1, 0)
+    assert st["lastRestart"]["reason"] == "RestartingAfterDisruption"
+    assert "Ray head pod not found" in st["lastRestart"]["message"]
+    assert st["phase"] != "Failed"
+    assert condition(st, "Restarted")["reason"] == "RestartingAfterDisruption"
+    events = cp.get("event", namespace=ns)["items"]
+    assert any(e["reason"] == "RestartingAfterDisruption" and e["type"] == "Normal" for e in events)
+    after = wait_until(four_running, 90, "the next attempt's 4 pods Running")
+    assert {p["metadata"]["uid"] for p in after}.isdisjoint(p["metadata"]["uid"] for p in before)
