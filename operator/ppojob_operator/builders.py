@@ -332,6 +332,10 @@ def _pod_template(
     }
     if group_role == "head":
         pod["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": PRESTOP_COMMAND}}}
+    else:
+        # The trainer's token (it may patch the PPOJob's status) only where the trainer's
+        # driver runs: worker pods run user code (reward functions) and need no API access.
+        pod["automountServiceAccountToken"] = False
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if node_selector:

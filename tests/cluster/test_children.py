@@ -268,6 +268,11 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
 
     mine = wait_until(lambda: pods_of("pdb"), 90, "the protected job's 4 pods Running")
     theirs = wait_until(lambda: pods_of("bare"), 90, "the bare job's 4 pods Running")
+    # the trainer's token only in the head pod (KubeRay keeps the templates' setting)
+    for p in mine:
+        head = p["metadata"]["labels"].get("ray.io/node-type") == "head"
+        assert p["spec"].get("automountServiceAccountToken", True) is head
+        assert p["spec"]["terminationGracePeriodSeconds"] == 120
     pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
     assert pdb["spec"]["maxUnavailable"] == 0
     assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}

@@ -199,3 +199,11 @@ def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off()
     assert "PodDisruptionBudget" not in [
         c["kind"] for c in builders.build_children(off, namespace="ns1")
     ]
+
+
+def test_the_trainer_token_is_mounted_only_in_the_head_pod() -> None:
+    rj = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    head = rj["headGroupSpec"]["template"]["spec"]
+    assert head.get("automountServiceAccountToken", True) is True  # the driver writes progress
+    for group in rj["workerGroupSpecs"]:
+        assert group["template"]["spec"]["automountServiceAccountToken"] is False
