@@ -142,6 +142,95 @@ class FailurePolicy(ApiModel):
     when it does not."""
 
 
+class KeyRef(ApiModel):
+    """One key of a Secret or ConfigMap in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret or ConfigMap."""
+
+    key: str = Field(min_length=1)
+    """The key whose value the variable takes."""
+
+
+class EnvValueFrom(ApiModel):
+    """Where a variable's value comes from: set exactly one."""
+
+    secret_key_ref: KeyRef | None = None
+    """A key of a Secret (the value never appears in the PPOJob)."""
+
+    config_map_key_ref: KeyRef | None = None
+    """A key of a ConfigMap."""
+
+
+class EnvFromRef(ApiModel):
+    """A Secret or ConfigMap whose every key becomes a variable: set exactly one."""
+
+    secret_ref: SecretRef | None = None
+    """All keys of this Secret."""
+
+    config_map_ref: SecretRef | None = None
+    """All keys of this ConfigMap (`name`)."""
+
+    prefix: str | None = Field(None, min_length=1)
+    """Prefix of every variable name."""
+
+
+class EnvFromSourceVar(ApiModel):
+    """A variable whose value is read from a Secret or ConfigMap key."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    """Variable name."""
+
+    value_from: EnvValueFrom
+    """The Secret or ConfigMap key."""
+
+
+class VolumeMount(ApiModel):
+    """Where a volume of spec.podTemplate.volumes appears in the containers."""
+
+    name: str = Field(min_length=1)
+    """Name of a volume in spec.podTemplate.volumes."""
+
+    mount_path: str = Field(min_length=1)
+    """Absolute path in the container."""
+
+    read_only: bool = False
+    """Mount read-only."""
+
+    sub_path: str | None = Field(None, min_length=1)
+    """A path inside the volume to mount instead of its root."""
+
+
+class PodTemplate(ApiModel):
+    """Additions to every pod of the job (head and workers), checked and shown by
+    `ppojob render`: what the spec has no field of its own for."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Labels added to every pod (the operator's own labels and the gang scheduler's cannot be
+    overridden)."""
+
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations added to every pod, e.g. `karpenter.sh/do-not-disrupt: "true"` or
+    `cluster-autoscaler.kubernetes.io/safe-to-evict: "false"`."""
+
+    env: list[EnvFromSourceVar] = Field(default_factory=list)
+    """Variables read from Secret or ConfigMap keys (a token stays out of the PPOJob)."""
+
+    env_from: list[EnvFromRef] = Field(default_factory=list)
+    """Secrets and ConfigMaps whose every key becomes a variable."""
+
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        },
+    )
+    """Extra Kubernetes volumes (each a `Volume` as in a pod spec, with a unique `name`)."""
+
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    """Where the extra volumes appear in every trainer container."""
+
+
 class HeadSpec(ApiModel):
     """Resources of the Ray head pod."""
 
@@ -186,6 +275,10 @@ class PPOJobSpec(TrainingHalf):
 
     checkpoint_volume: CheckpointVolume | None = None
     """Volume mounted at spec.training.checkpointDir in every trainer pod."""
+
+    pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    """Labels, annotations, variables from Secrets and ConfigMaps, and extra volumes for every
+    pod of the job."""
 
     submission_mode: Literal["SidecarMode", "K8sJobMode"] = "SidecarMode"
     """How KubeRay submits the trainer: `SidecarMode` (a container in the head pod, inside the

@@ -330,6 +330,15 @@ def _pod_template(
         "volumes": volumes,
         "terminationGracePeriodSeconds": spec.failure_policy.termination_grace_period_seconds,
     }
+    extra = spec.pod_template
+    container = pod["containers"][0]
+    container["env"] += [
+        dump(v) for v in extra.env if v.name not in {e["name"] for e in container["env"]}
+    ]
+    if extra.env_from:
+        container["envFrom"] = [dump(r) for r in extra.env_from]
+    pod["volumes"] += [dict(v) for v in extra.volumes]
+    container["volumeMounts"] += [dump(m) for m in extra.volume_mounts]
     if group_role == "head":
         pod["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": PRESTOP_COMMAND}}}
     else:
@@ -348,10 +357,11 @@ def _pod_template(
         pod["priorityClassName"] = spec.scheduling.priority_class_name
     if gang.scheduler_name:
         pod["schedulerName"] = gang.scheduler_name
-    labels = {JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
+    labels = {**extra.labels, JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
     meta: dict[str, Any] = {"labels": labels}
-    if gang.pod_annotations:
-        meta["annotations"] = dict(gang.pod_annotations)
+    annotations = {**extra.annotations, **gang.pod_annotations}
+    if annotations:
+        meta["annotations"] = annotations
     return {"metadata": meta, "spec": pod}
 
 

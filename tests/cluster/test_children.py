@@ -258,6 +258,13 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
     """The job's PodDisruptionBudget (maxUnavailable 0): a drain's eviction of one of its pods
     is refused with 429 and the pod stays; a job without one (failurePolicy) is evictable."""
     protected = gpu_job("pdb", ns, actor=1, critic=1, rollout=1)
+    # with the pod-template escape hatch: the API server admits the pods KubeRay makes of it
+    protected["spec"]["podTemplate"] = {
+        "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
     bare = gpu_job("bare", ns, actor=1, critic=1, rollout=1)
     bare["spec"]["failurePolicy"] = {"podDisruptionBudget": False}
     cp.apply([protected, bare])
@@ -273,6 +280,10 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
         head = p["metadata"]["labels"].get("ray.io/node-type") == "head"
         assert p["spec"].get("automountServiceAccountToken", True) is head
         assert p["spec"]["terminationGracePeriodSeconds"] == 120
+        assert p["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "t"}
+        assert {"name": "scratch", "emptyDir": {}} in p["spec"]["volumes"]
     pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
     assert pdb["spec"]["maxUnavailable"] == 0
     assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}

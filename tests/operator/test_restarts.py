@@ -207,3 +207,40 @@ def test_the_trainer_token_is_mounted_only_in_the_head_pod() -> None:
     assert head.get("automountServiceAccountToken", True) is True  # the driver writes progress
     for group in rj["workerGroupSpecs"]:
         assert group["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+TEMPLATE = {
+    "labels": {"team": "rl"},
+    "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "envFrom": [{"configMapRef": {"name": "settings"}, "prefix": "APP_"}],
+    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+}
+
+
+def test_the_pod_template_reaches_every_pod_and_ppojob_render(tmp_path, capsys) -> None:
+    import yaml
+
+    from ppojob_cli.main import main as ppojob
+
+    j = job(podTemplate=TEMPLATE)
+    rj = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    templates = [rj["headGroupSpec"]["template"]] + [g["template"] for g in rj["workerGroupSpecs"]]
+    for t in templates:
+        assert t["metadata"]["labels"]["team"] == "rl"
+        assert t["metadata"]["labels"]["ppojob.io/job"] == "demo"
+        assert t["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        c = t["spec"]["containers"][0]
+        assert TEMPLATE["env"][0] in c["env"]
+        assert c["envFrom"] == TEMPLATE["envFrom"]
+        assert TEMPLATE["volumes"][0] in t["spec"]["volumes"]
+        assert TEMPLATE["volumeMounts"][0] in c["volumeMounts"]
+        assert {"name": "trainer-config"}.items() <= t["spec"]["volumes"][0].items()
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(base_manifest(podTemplate=TEMPLATE)))
+    assert ppojob(["render", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "karpenter.sh/do-not-disrupt" in out and "secretKeyRef" in out and "claimName: data" in out
+    )

@@ -28,6 +28,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -81,6 +82,7 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_gpu_precision,
     check_gang_timeouts,
     check_grace_period,
+    check_pod_template,
 )
 """The checks of the cluster half (what only a PPOJob has)."""
 
