@@ -56,8 +56,8 @@ class Scheduling(ApiModel):
     """scheduler-plugins: how long the pods of a partly placed gang hold their nodes at the
     Coscheduling plugin's Permit stage before they are released and the whole gang retries (the
     PodGroup's scheduleTimeoutSeconds; the plugin's own default is 60). Keep it short: while it
-    runs, one pod that cannot fit keeps the others' GPUs from every other job. At most
-    timeoutSeconds."""
+    runs, one pod that cannot fit keeps the others' GPUs from every other job. The smaller of
+    this and timeoutSeconds applies."""
 
 
 class SecretRef(ApiModel):

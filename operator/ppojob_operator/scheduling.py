@@ -234,7 +234,10 @@ class SchedulerPlugins(GangScheduler):
                 name=gang.name,
                 namespace=gang.namespace,
                 members=gang.members,
-                timeout_seconds=gang.job.spec.scheduling.permit_timeout_seconds,
+                timeout_seconds=min(
+                    gang.job.spec.scheduling.permit_timeout_seconds,
+                    gang.job.spec.scheduling.timeout_seconds,
+                ),
                 owner_refs=gang.owner_refs,
             )
         )

@@ -23,7 +23,7 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
-from ppojob_api.checks.disruption import check_gang_timeouts, check_grace_period
+from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -1034,20 +1034,8 @@ TABLE += [
 ]
 
 
-# --- disruption settings (issue 22): the Permit timeout, the grace period with a volume
+# --- disruption settings (issue 22): the grace period with a checkpoint volume
 TABLE += [
-    (
-        check_gang_timeouts,
-        "a Permit timeout longer than the job's timeout",
-        {"scheduling__timeoutSeconds": 100, "scheduling__permitTimeoutSeconds": 101},
-        ["spec.scheduling.permitTimeoutSeconds"],
-    ),
-    (
-        check_gang_timeouts,
-        "a Permit timeout equal to the job's timeout",
-        {"scheduling__timeoutSeconds": 100, "scheduling__permitTimeoutSeconds": 100},
-        [],
-    ),
     (
         check_grace_period,
         "a 29 s grace period with a checkpoint volume",

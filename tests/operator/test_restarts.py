@@ -244,3 +244,16 @@ def test_the_pod_template_reaches_every_pod_and_ppojob_render(tmp_path, capsys) 
     assert (
         "karpenter.sh/do-not-disrupt" in out and "secretKeyRef" in out and "claimName: data" in out
     )
+
+
+@pytest.mark.parametrize(("timeout", "permit", "applied"), [(600, 60, 60), (42, 60, 42)])
+def test_the_permit_timeout_is_short_and_never_beyond_the_job_timeout(timeout, permit, applied):
+    j = job(
+        scheduling={
+            "gangScheduler": "scheduler-plugins",
+            "timeoutSeconds": timeout,
+            "permitTimeoutSeconds": permit,
+        }
+    )
+    pg = next(c for c in builders.build_children(j, namespace="ns1") if c["kind"] == "PodGroup")
+    assert pg["spec"]["scheduleTimeoutSeconds"] == applied

@@ -20,7 +20,7 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
-from ppojob_api.checks.disruption import check_gang_timeouts, check_grace_period
+from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -80,7 +80,6 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_extended_resources,
     check_checkpoint_volume,
     check_gpu_precision,
-    check_gang_timeouts,
     check_grace_period,
     check_pod_template,
 )
