@@ -52,6 +52,13 @@ class Scheduling(ApiModel):
     """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the
     trainer's wait for every role's pods to join and for its placement group."""
 
+    queue_timeout_seconds: int | None = Field(None, ge=1, le=2592000)
+    """Bound on queueing: an attempt that has not started running this many seconds after its
+    RayJob was created (waiting for admission, for nodes, for its pods) fails with reason
+    `QueueTimeout`, naming what it waited for and the scheduler's own message for a pod that
+    could not be placed, and its RayJob is deleted (nothing stays held). Unset: wait as long as
+    it takes."""
+
     permit_timeout_seconds: int = Field(60, ge=1, le=604800)
     """scheduler-plugins: how long the pods of a partly placed gang hold their nodes at the
     Coscheduling plugin's Permit stage before they are released and the whole gang retries (the

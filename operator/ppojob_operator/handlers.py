@@ -104,6 +104,8 @@ class JobState:
     retry: asyncio.Task[None] | None = None
     restart: asyncio.Task[None] | None = None
     """Deletes a failed RayJob after the restart delay (``_schedule_restart``)."""
+    queue_timer: asyncio.Task[None] | None = None
+    """Wakes the job at its queueing deadline (``spec.scheduling.queueTimeoutSeconds``)."""
     backoff: int = 0
     """Retries in a row."""
     attempts: int = 0
@@ -185,8 +187,9 @@ class State:
         if st is None or (uid and st.uid and st.uid != uid):
             return
         del self._jobs[key]
-        if st.retry is not None:
-            st.retry.cancel()
+        for task in (st.retry, st.restart, st.queue_timer):
+            if task is not None:
+                task.cancel()
         metrics.JOBS.set(key, None)
 
     def current(self, st: JobState) -> bool:
@@ -318,6 +321,8 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         note = st.note
         decided = None
         trainer_error = None
+        expired = False
+        queued = ("", "")
         if problems:
             desired = None
             if rj is not None:  # a started job edited into an invalid spec
@@ -336,7 +341,8 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
                 desired = invalid_status(problems, generation=generation, previous=base, now=_now())
         elif job is None:
             return False
-        elif rj is None:
+        elif rj is None or (note is not None and note[1] == "QueueTimeout"):
+            # (a job failed by its queue timeout stays failed while its RayJob goes)
             if note is None:
                 return False  # the create handler writes the first status
             desired = note_status(job, *note, generation=generation, previous=base, now=_now())
@@ -357,6 +363,13 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
                 scheduler=sched,
                 trainer_error=None if previous is not base else trainer_error,
             )
+            started = _run_started({**base, "progress": progress})
+            deadline = restarts.queue_deadline(job, rj, desired["phase"], started)
+            if deadline is not None and time.time() >= deadline:
+                queued = desired["reason"], _running_message(desired)
+                expired = True
+            elif deadline is not None:
+                _wake_at(state, st, deadline)
         patch = status_patch(base, desired)
         if decided is not None and decided.action == "Restart" and trainer_error:
             patch["progress"] = {"error": None}  # the failed attempt's: not the next one's
@@ -373,7 +386,54 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
     if transition is not None:
         await _phase_event(st, body, *transition)
     await _after_failure(state, st, body, decided)
+    if expired:
+        await _queue_timeout(state, st, body, *queued)
     return wrote
+
+
+def _running_message(desired: dict[str, Any]) -> str:
+    return next(
+        (c.get("message", "") for c in desired.get("conditions") or [] if c["type"] == "Running"),
+        "",
+    )
+
+
+def _wake_at(state: State, st: JobState, deadline: float) -> None:
+    """Sync the job's status again at ``deadline`` (once per job at a time)."""
+    if st.queue_timer is not None and not st.queue_timer.done():
+        return
+
+    async def _wake() -> None:
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 0.05)
+        st.queue_timer = None
+        if state.current(st):
+            await sync_status(state, st)
+
+    st.queue_timer = asyncio.get_running_loop().create_task(_wake())
+
+
+async def _queue_timeout(
+    state: State, st: JobState, body: dict[str, Any], reason: str, message: str
+) -> None:
+    """The attempt queued past spec.scheduling.queueTimeoutSeconds: fail the job, saying what
+    it waited for and (from its pods) the scheduler's own reason, and delete its RayJob so that
+    nothing it holds stays held."""
+    job, _ = st.parse(body)
+    if job is None or st.rayjob is None:
+        return
+    key = st.key
+    pods = await k8s.alist("v1", "Pod", key[0], f"{JOB_LABEL}={key[1]}") or []
+    msg = restarts.queue_timeout_message(job, reason, message, pods)
+    st.note = ("Failed", "QueueTimeout", msg)
+    await _event_once(st, body, "Warning", "QueueTimeout", msg)
+    name = (st.rayjob.get("metadata") or {}).get("name")
+    st.rayjob = None
+    await sync_status(state, st)
+    try:
+        await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+    except k8s.ApiError as exc:
+        metrics.API_ERRORS.labels("delete").inc()
+        log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
 
 
 async def _phase_event(

@@ -18,6 +18,8 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   never reads them, so it gets no access to them.
 - Kueue Workloads: read, listed and patched (``spec.active``: suspend and resume under Kueue).
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
+- Pods: listed (a job's own, by label) once when its queueing times out, for the scheduler's
+  reason (``spec.scheduling.queueTimeoutSeconds``).
 - CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
   (SidecarMode support). Namespaces list/watch: cluster-wide mode.
 The operator runs kopf in standalone mode (no peering), so no KopfPeering rules.
@@ -77,6 +79,11 @@ OPERATOR_RULES: list[dict] = [
         "apiGroups": [""],
         "resources": ["events"],
         "verbs": ["create"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["pods"],
+        "verbs": ["list"],
     },
     {
         "apiGroups": ["apiextensions.k8s.io"],

@@ -122,6 +122,50 @@ def restart_delay(status: dict[str, Any], delay_seconds: int, now_s: float) -> f
     return max(0.0, at + delay_seconds - now_s)
 
 
+def _epoch(raw: object) -> float | None:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(raw).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def queue_deadline(job: PPOJob, rayjob: dict[str, Any], phase: str, started: bool) -> float | None:
+    """When the attempt's queueing ends (epoch seconds, from its RayJob's creation and
+    ``spec.scheduling.queueTimeoutSeconds``); None when unbounded or the attempt is past
+    queueing (running, or run before, or finished, or suspended)."""
+    limit = job.spec.scheduling.queue_timeout_seconds
+    if limit is None or started or phase not in ("Pending", "Initializing") or job.spec.suspend:
+        return None
+    created = _epoch((rayjob.get("metadata") or {}).get("creationTimestamp"))
+    if created is None:  # (an emulator without creation times: KubeRay's start of the attempt)
+        created = _epoch((rayjob.get("status") or {}).get("startTime"))
+    return None if created is None else created + limit
+
+
+def unschedulable(pods: list[dict[str, Any]]) -> str | None:
+    """The scheduler's message for the first of ``pods`` it could not place (its PodScheduled
+    condition), e.g. ``0/10 nodes are available: 2 Insufficient nvidia.com/gpu``."""
+    for pod in pods:
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("message"):
+                name = (pod.get("metadata") or {}).get("name")
+                return f"pod {name}: {c['message']}"
+    return None
+
+
+def queue_timeout_message(
+    job: PPOJob, reason: str, message: str, pods: list[dict[str, Any]]
+) -> str:
+    """Why an attempt's queueing ended: the wait, what it waited for, the scheduler's word."""
+    limit = job.spec.scheduling.queue_timeout_seconds
+    out = f"not running {limit}s after its RayJob was made (spec.scheduling.queueTimeoutSeconds)"
+    out += f"; it was {reason}" + (f": {message}" if message else "")
+    why = unschedulable(pods)
+    return out + (f"; {why}" if why else "")
+
+
 __all__ = [
     "ATTEMPT_ANNOTATION",
     "attempt_failed",
@@ -130,6 +174,9 @@ __all__ = [
     "failure_cause",
     "next_attempt",
     "pending_restart",
+    "queue_deadline",
+    "queue_timeout_message",
     "restart_delay",
     "restart_status",
+    "unschedulable",
 ]

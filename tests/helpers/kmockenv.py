@@ -102,6 +102,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", True, set()),
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
     "v1/events": ("Event", True, set()),
+    "v1/pods": ("Pod", True, set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
     "scheduling.x-k8s.io/v1alpha1/podgroups": ("PodGroup", True, set()),

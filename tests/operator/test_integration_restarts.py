@@ -5,6 +5,8 @@ with backoffLimit 0, fails the job with BackoffLimitExceeded and leaves the RayJ
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from tests.helpers.kmockenv import Operator, kube, wait_for
 from tests.operator.test_integration import (
     PPO,
@@ -87,3 +89,48 @@ def test_a_preemption_restarts_uncounted_and_a_later_error_fails(cluster):
                 for e in events()
             )
         )
+
+
+def test_queueing_past_the_queue_timeout_fails_with_the_schedulers_reason(cluster):
+    """An attempt still Initializing after spec.scheduling.queueTimeoutSeconds: the job fails
+    with QueueTimeout, naming what it waited for and the scheduler's message for its pending
+    pod, and its RayJob is deleted (nothing stays held). kmock: a pod written as the scheduler
+    would leave it."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "demo-head-x",
+            "namespace": "ns1",
+            "labels": {"ppojob.io/job": "demo"},
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/10 nodes are available: 10 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        },
+    }
+    kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling={"queueTimeoutSeconds": 2})
+        wait_for(phase_is("Pending"))
+        # kmock keeps no creationTimestamp: KubeRay's startTime of the attempt stands in
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        set_rayjob_status({"jobDeploymentStatus": "Initializing", "startTime": now})
+        wait_for(phase_is("Failed"), timeout=20)
+        failed = cond("Failed")
+        assert failed["reason"] == "QueueTimeout"
+        assert (
+            "queueTimeoutSeconds" in failed["message"] and "RayJobInitializing" in failed["message"]
+        )
+        assert "pod demo-head-x: 0/10 nodes are available" in failed["message"]
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo") is None)
+        assert job_status()["phase"] == "Failed"
+        assert any(e["reason"] == "QueueTimeout" for e in events())
