@@ -352,3 +352,26 @@ def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
     assert any(e["reason"] == "RestartingAfterDisruption" and e["type"] == "Normal" for e in events)
     after = wait_until(four_running, 90, "the next attempt's 4 pods Running")
     assert {p["metadata"]["uid"] for p in after}.isdisjoint(p["metadata"]["uid"] for p in before)
+
+
+def test_a_job_that_never_fits_fails_at_its_queue_timeout_with_the_schedulers_reason(
+    cp, operator, ns
+):
+    """Worker pods asking for more GPUs than any node has stay Pending: after
+    spec.scheduling.queueTimeoutSeconds the job is Failed (QueueTimeout) with kube-scheduler's
+    own message, and its RayJob (with the pods holding the head's node) is deleted."""
+    doc = gpu_job("nofit", ns, actor=1, critic=1, rollout=1, gpus=16)  # nodes have 8
+    doc["spec"]["scheduling"]["queueTimeoutSeconds"] = 15
+    cp.apply(doc)
+    failed = wait_until(
+        lambda: (
+            (c := condition(status(cp, "nofit", ns), "Failed")).get("reason") == "QueueTimeout"
+            and c
+        ),
+        90,
+        "QueueTimeout",
+    )
+    assert "Insufficient nvidia.com/gpu" in failed["message"], failed["message"]
+    assert "queueTimeoutSeconds" in failed["message"]
+    wait_until(lambda: cp.get("rayjob.ray.io", "nofit", ns) is None, 60, "the RayJob deleted")
+    assert status(cp, "nofit", ns)["phase"] == "Failed"
