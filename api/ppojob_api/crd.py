@@ -26,6 +26,12 @@ PRINTER_COLUMNS = [
         "description": "Lifecycle phase of the job",
     },
     {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": ".status.reason",
+        "description": "Why the job is in its phase (see the troubleshooting guide)",
+    },
+    {
         "name": "Step",
         "type": "integer",
         "jsonPath": ".status.progress.step",

@@ -50,9 +50,22 @@ class Scheduling(ApiModel):
     """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
-    """How long the job may wait for all its resources: the PodGroup's schedule timeout, YuniKorn's
-    placeholder timeout, and the trainer's wait for every role's pods to join and for its
-    placement group."""
+    """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the
+    trainer's wait for every role's pods to join and for its placement group."""
+
+    queue_timeout_seconds: int | None = Field(None, ge=1, le=2592000)
+    """Bound on queueing: an attempt that has not started running this many seconds after its
+    RayJob was created (waiting for admission, for nodes, for its pods) fails with reason
+    `QueueTimeout`, naming what it waited for and the scheduler's own message for a pod that
+    could not be placed, and its RayJob is deleted (nothing stays held). Unset: wait as long as
+    it takes."""
+
+    permit_timeout_seconds: int = Field(60, ge=1, le=604800)
+    """scheduler-plugins: how long the pods of a partly placed gang hold their nodes at the
+    Coscheduling plugin's Permit stage before they are released and the whole gang retries (the
+    PodGroup's scheduleTimeoutSeconds; the plugin's own default is 60). Keep it short: while it
+    runs, one pod that cannot fit keeps the others' GPUs from every other job. The smaller of
+    this and timeoutSeconds applies."""
 
 
 class SecretRef(ApiModel):
@@ -88,6 +101,142 @@ class CheckpointVolume(ApiModel):
 
     nfs: NFSSource | None = None
     """Mount this NFS export."""
+
+
+class FailurePolicy(ApiModel):
+    """What a failed attempt leads to, by its class (in the spirit of JobSet's failurePolicy and
+    PyTorchJob's ExitCode restart policy; see the troubleshooting guide's failure classes).
+
+    A disruption (the trainer's Preempted exit after a SIGTERM, an evicted or deleted pod, a lost
+    node, the Ray head pod gone) restarts the job from the newest checkpoint without counting
+    against spec.backoffLimit. An application error (the reward function raised, a worker was
+    OOMKilled) counts one retry of spec.backoffLimit, or fails at once. A refused config fails at
+    once. Each restart is a `Restarted` condition and an event naming its cause."""
+
+    max_disruptions: int = Field(10, ge=0, le=1000)
+    """Restarts after disruptions before the job fails (they do not count against
+    spec.backoffLimit). 0: a disruption fails the job."""
+
+    on_application_error: Literal["Restart", "Fail"] = "Restart"
+    """`Restart`: an application error is retried while spec.backoffLimit allows. `Fail`: it
+    fails the job at once."""
+
+    retry_delay_seconds: int = Field(30, ge=0, le=3600)
+    """Seconds to wait before retrying after an application error (disruptions restart at
+    once)."""
+
+    stall_timeout_seconds: int = Field(1800, ge=0, le=604800)
+    """Stall watchdog: a step whose workers have not all reported within this many seconds
+    ends the attempt with reason `Stalled`, naming each role, rank and phase (generate, values,
+    prepare, train, wake, weight sync) that did not report; a hung collective costs this long,
+    not forever. The attempt is then restarted like a disruption (or failed: onStall). 0: off.
+    Set it well above the slowest step."""
+
+    on_stall: Literal["Restart", "Fail"] = "Restart"
+    """What a stalled attempt leads to: `Restart` (from the newest checkpoint, counted as a
+    disruption) or `Fail`."""
+
+    pod_disruption_budget: bool = True
+    """Create a PodDisruptionBudget (maxUnavailable 0) over the job's pods: an eviction through
+    the Eviction API (a node drain, Karpenter consolidation, the cluster autoscaler) is refused
+    (HTTP 429) instead of killing one pod of the gang, which would end the attempt. A drain then
+    waits for the job to finish (or for someone to delete the pods: the trainer answers that
+    with a checkpoint). Scheduler preemption, suspend and deletion are not evictions."""
+
+    termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
+    """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
+    trainer finishes the step in flight, writes a checkpoint and exits `Preempted` (code 75)
+    within it. It must cover a step plus a checkpoint: the trainer measures both and reports
+    when it does not."""
+
+
+class KeyRef(ApiModel):
+    """One key of a Secret or ConfigMap in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """Name of the Secret or ConfigMap."""
+
+    key: str = Field(min_length=1)
+    """The key whose value the variable takes."""
+
+
+class EnvValueFrom(ApiModel):
+    """Where a variable's value comes from: set exactly one."""
+
+    secret_key_ref: KeyRef | None = None
+    """A key of a Secret (the value never appears in the PPOJob)."""
+
+    config_map_key_ref: KeyRef | None = None
+    """A key of a ConfigMap."""
+
+
+class EnvFromRef(ApiModel):
+    """A Secret or ConfigMap whose every key becomes a variable: set exactly one."""
+
+    secret_ref: SecretRef | None = None
+    """All keys of this Secret."""
+
+    config_map_ref: SecretRef | None = None
+    """All keys of this ConfigMap (`name`)."""
+
+    prefix: str | None = Field(None, min_length=1)
+    """Prefix of every variable name."""
+
+
+class EnvFromSourceVar(ApiModel):
+    """A variable whose value is read from a Secret or ConfigMap key."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    """Variable name."""
+
+    value_from: EnvValueFrom
+    """The Secret or ConfigMap key."""
+
+
+class VolumeMount(ApiModel):
+    """Where a volume of spec.podTemplate.volumes appears in the containers."""
+
+    name: str = Field(min_length=1)
+    """Name of a volume in spec.podTemplate.volumes."""
+
+    mount_path: str = Field(min_length=1)
+    """Absolute path in the container."""
+
+    read_only: bool = False
+    """Mount read-only."""
+
+    sub_path: str | None = Field(None, min_length=1)
+    """A path inside the volume to mount instead of its root."""
+
+
+class PodTemplate(ApiModel):
+    """Additions to every pod of the job (head and workers), checked and shown by
+    `ppojob render`: what the spec has no field of its own for."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Labels added to every pod (the operator's own labels and the gang scheduler's cannot be
+    overridden)."""
+
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations added to every pod, e.g. `karpenter.sh/do-not-disrupt: "true"` or
+    `cluster-autoscaler.kubernetes.io/safe-to-evict: "false"`."""
+
+    env: list[EnvFromSourceVar] = Field(default_factory=list)
+    """Variables read from Secret or ConfigMap keys (a token stays out of the PPOJob)."""
+
+    env_from: list[EnvFromRef] = Field(default_factory=list)
+    """Secrets and ConfigMaps whose every key becomes a variable."""
+
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        },
+    )
+    """Extra Kubernetes volumes (each a `Volume` as in a pod spec, with a unique `name`)."""
+
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    """Where the extra volumes appear in every trainer container."""
 
 
 class HeadSpec(ApiModel):
@@ -136,6 +285,10 @@ class PPOJobSpec(TrainingHalf):
     checkpoint_volume: CheckpointVolume | None = None
     """Volume mounted at spec.training.checkpointDir in every trainer pod."""
 
+    pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    """Labels, annotations, variables from Secrets and ConfigMaps, and extra volumes for every
+    pod of the job."""
+
     submission_mode: Literal["SidecarMode", "K8sJobMode"] = "SidecarMode"
     """How KubeRay submits the trainer: `SidecarMode` (a container in the head pod, inside the
     gang; KubeRay >= 1.5.0: older releases accept the field and never submit, and the operator
@@ -152,8 +305,13 @@ class PPOJobSpec(TrainingHalf):
     with retries the whole job can run up to (backoffLimit + 1) times this."""
 
     backoff_limit: int = Field(0, ge=0, le=100)
-    """Retries of a failed run. Each retry creates a new Ray cluster and resumes from the newest
+    """Retries of a run failed by an application error (disruptions are not counted: see
+    spec.failurePolicy). Each retry creates a new Ray cluster and resumes from the newest
     checkpoint."""
+
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
+    """Restarts by failure class (disruption, application error), their delay, and the pods'
+    grace period for a checkpoint on SIGTERM."""
 
     ttl_seconds_after_finished: int = Field(60, ge=0)
     """Seconds after the job finishes before its Ray cluster (every pod, every GPU) is deleted.
@@ -174,13 +332,15 @@ class Condition(ApiModel):
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
 
-    reason: str = ""
-    """CamelCase reason (see the troubleshooting guide)."""
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[A-Za-z]$|^[A-Za-z][A-Za-z0-9_,:]*[A-Za-z0-9_]$"
+    )
+    """CamelCase reason (see the troubleshooting guide); never empty (metav1.Condition)."""
 
-    message: str = ""
+    message: str = Field("", max_length=32768)
     """Human-readable detail."""
 
-    last_transition_time: str | None = None
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
     """When the status last changed (RFC 3339)."""
 
     observed_generation: int | None = None
@@ -219,6 +379,29 @@ class Progress(ApiModel):
     message of the Failed condition)."""
 
 
+class RestartRecord(ApiModel):
+    """The last restart the operator made, and why."""
+
+    failure_class: Literal["Disruption", "Application", "Permanent"]
+    """Class of the failure that caused it (see spec.failurePolicy)."""
+
+    reason: str = Field(min_length=1)
+    """CamelCase reason: RestartingAfterDisruption or RestartingAfterError."""
+
+    message: str = ""
+    """The cause, as the trainer or KubeRay gave it."""
+
+    time: str | None = None
+    """When the operator decided to restart (RFC 3339)."""
+
+    attempt: int = Field(0, ge=0)
+    """Number of the failed attempt (its RayJob's `ppojob.io/attempt` annotation; the first is
+    0). The operator deletes that RayJob and creates the next attempt's."""
+
+    recreated: bool = False
+    """Whether the new RayJob exists yet."""
+
+
 class PPOJobStatus(ApiModel):
     """Observed state of a PPOJob."""
 
@@ -228,8 +411,17 @@ class PPOJobStatus(ApiModel):
     ) = None
     """Pending, Initializing, Running, Succeeded, Failed, Suspended or Invalid."""
 
-    conditions: list[Condition] = Field(default_factory=list)
-    """Conditions with reasons and messages."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    """Conditions with reasons and messages (metav1.Condition, one per type)."""
+
+    reason: str | None = None
+    """CamelCase reason of the current phase (the `Reason` column of `kubectl get ppojobs`)."""
 
     observed_generation: int | None = None
     """The spec generation the operator last acted on."""
@@ -254,6 +446,15 @@ class PPOJobStatus(ApiModel):
 
     progress: Progress | None = None
     """Live training progress written by the trainer."""
+
+    restarts: int | None = None
+    """Restarts after application errors (counted against spec.backoffLimit)."""
+
+    disruptions: int | None = None
+    """Restarts after disruptions (not counted; bounded by spec.failurePolicy.maxDisruptions)."""
+
+    last_restart: RestartRecord | None = None
+    """The last restart and its cause."""
 
 
 class ObjectMeta(ApiModel):

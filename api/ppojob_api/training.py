@@ -547,6 +547,10 @@ class TrainerConfig(TrainingHalf):
     job_name: str | None = None
     """Name of the PPOJob, for logs and progress reports."""
 
+    stall_timeout_seconds: int | None = Field(None, ge=1)
+    """Fail a step whose workers have not all reported within this many seconds, naming each
+    role, rank and phase still pending (spec.failurePolicy.stallTimeoutSeconds). None: wait."""
+
     def critic_training(self) -> TrainingSettings:
         """The critic's training settings: the actor's, with the critic overrides on top."""
         from ppojob_api.overrides import apply_critic_overrides  # it builds on this module

@@ -153,6 +153,7 @@ def trainer_config_from_spec(spec: PPOJobSpec, job_name: str | None = None) -> T
         **half,
         placement_timeout_seconds=spec.scheduling.timeout_seconds,
         job_name=job_name,
+        stall_timeout_seconds=spec.failure_policy.stall_timeout_seconds or None,
     )
 
 

@@ -40,6 +40,7 @@ MANAGED_BY = "ppojob-operator"
 JOB_LABEL = "ppojob.io/job"
 ROLE_LABEL = "ppojob.io/role"
 APPLIED_SPEC_ANNOTATION = "ppojob.io/applied-spec"
+ATTEMPT_ANNOTATION = "ppojob.io/attempt"  # restarts.ATTEMPT_ANNOTATION
 ROLE_RESOURCE = "ppojob-{role}"
 """Name of the Ray custom resource marking a role's pods (``ppojob-actor``, ...)."""
 
@@ -56,6 +57,19 @@ _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 ENV_JOB_NAME = "PPOJOB_NAME"
 ENV_JOB_NAMESPACE = "PPOJOB_NAMESPACE"
 ENV_ROLE = "PPOJOB_ROLE"
+ENV_GRACE = "PPOJOB_GRACE_SECONDS"  # ppojob_trainer.preemption.GRACE_ENV
+ENV_STOP_FILE = "PPOJOB_STOP_FILE"  # ppojob_trainer.preemption.STOP_FILE_ENV
+ENV_RUNNING_FILE = "PPOJOB_RUNNING_FILE"  # ppojob_trainer.preemption.RUNNING_FILE_ENV
+STOP_FILE = "/tmp/ppojob-stop"
+RUNNING_FILE = "/tmp/ppojob-running"
+PRESTOP_COMMAND = [
+    "sh",
+    "-c",
+    f"touch {STOP_FILE}; while [ -e {RUNNING_FILE} ]; do sleep 1; done",
+]
+"""The head's preStop hook: ask the trainer (the Ray job's driver, which is not the container's
+first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
+its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +200,17 @@ def role_binding(job: PPOJob, namespace: str, uid: str | None = None) -> dict[st
 # ---------------------------------------------------------------------------------------------
 # RayJob
 # ---------------------------------------------------------------------------------------------
+def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    """No voluntary eviction of any pod of the job: one lost pod ends the gang's attempt."""
+    name = job.metadata.name or ""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, namespace, name, uid),
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {JOB_LABEL: name}}},
+    }
+
+
 def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
     """(role, role spec) of every role that needs pods of its own, in group order."""
     spec = job.spec
@@ -238,7 +263,7 @@ def _volumes(job: PPOJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return volumes, mounts
 
 
-def _env(job_role: str, extra: list[Any]) -> list[dict[str, Any]]:
+def _env(job_role: str, extra: list[Any], grace: int) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {
             "name": ENV_JOB_NAME,
@@ -247,7 +272,13 @@ def _env(job_role: str, extra: list[Any]) -> list[dict[str, Any]]:
         {"name": ENV_JOB_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": ENV_ROLE, "value": job_role},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+        {"name": ENV_GRACE, "value": str(grace)},
     ]
+    if job_role == "head":  # where the driver runs
+        env += [
+            {"name": ENV_STOP_FILE, "value": STOP_FILE},
+            {"name": ENV_RUNNING_FILE, "value": RUNNING_FILE},
+        ]
     seen = {e["name"] for e in env}
     env += [{"name": e.name, "value": e.value} for e in extra if e.name not in seen]
     return env
@@ -284,7 +315,7 @@ def _pod_template(
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "resources": resources,
-                "env": _env(group_role, env),
+                "env": _env(group_role, env, spec.failure_policy.termination_grace_period_seconds),
                 "volumeMounts": mounts,
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
@@ -297,7 +328,23 @@ def _pod_template(
             }
         ],
         "volumes": volumes,
+        "terminationGracePeriodSeconds": spec.failure_policy.termination_grace_period_seconds,
     }
+    extra = spec.pod_template
+    container = pod["containers"][0]
+    container["env"] += [
+        dump(v) for v in extra.env if v.name not in {e["name"] for e in container["env"]}
+    ]
+    if extra.env_from:
+        container["envFrom"] = [dump(r) for r in extra.env_from]
+    pod["volumes"] += [dict(v) for v in extra.volumes]
+    container["volumeMounts"] += [dump(m) for m in extra.volume_mounts]
+    if group_role == "head":
+        pod["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": PRESTOP_COMMAND}}}
+    else:
+        # The trainer's token (it may patch the PPOJob's status) only where the trainer's
+        # driver runs: worker pods run user code (reward functions) and need no API access.
+        pod["automountServiceAccountToken"] = False
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if node_selector:
@@ -310,10 +357,11 @@ def _pod_template(
         pod["priorityClassName"] = spec.scheduling.priority_class_name
     if gang.scheduler_name:
         pod["schedulerName"] = gang.scheduler_name
-    labels = {JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
+    labels = {**extra.labels, JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
     meta: dict[str, Any] = {"labels": labels}
-    if gang.pod_annotations:
-        meta["annotations"] = dict(gang.pod_annotations)
+    annotations = {**extra.annotations, **gang.pod_annotations}
+    if annotations:
+        meta["annotations"] = annotations
     return {"metadata": meta, "spec": pod}
 
 
@@ -373,6 +421,7 @@ def ray_job(
     *,
     gang: scheduling.GangPlan,
     entrypoint: str | None = None,
+    restart: int = 0,
 ) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name or ""
@@ -425,12 +474,15 @@ def ray_job(
     meta = _meta(name, namespace, name, uid)
     meta["labels"].update(gang.rayjob_labels)
     meta["annotations"] = {APPLIED_SPEC_ANNOTATION: json.dumps(applied_spec(job), sort_keys=True)}
+    if restart:
+        meta["annotations"][ATTEMPT_ANNOTATION] = str(restart)
     body: dict[str, Any] = {
         "entrypoint": entrypoint or default_entrypoint(job),
         "submissionMode": spec.submission_mode,
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
-        "backoffLimit": spec.backoff_limit,
+        # The operator retries (spec.failurePolicy: disruptions are not counted), never KubeRay.
+        "backoffLimit": 0,
         "suspend": bool(spec.suspend or gang.create_suspended),
         "rayClusterSpec": {
             "rayVersion": spec.ray_version,
@@ -454,9 +506,11 @@ def build_children(
     gang_default: str | None = None,
     entrypoint: str | None = None,
     attempt: int = 0,
+    restart: int = 0,
 ) -> list[dict[str, Any]]:
     """Every child of a valid PPOJob, in creation order (the RayJob last). ``attempt`` counts
-    the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each)."""
+    the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each);
+    ``restart`` is the number of restarts made (the RayJob's ``ppojob.io/attempt``)."""
     name = job.metadata.name or ""
     scheduler = scheduling.effective_scheduler(job, gang_default)
     owner_refs = [owner_reference(name, uid)] if uid else None
@@ -475,8 +529,13 @@ def build_children(
         service_account(job, namespace, uid),
         role(job, namespace, uid),
         role_binding(job, namespace, uid),
+        *(
+            [pod_disruption_budget(job, namespace, uid)]
+            if job.spec.failure_policy.pod_disruption_budget
+            else []
+        ),
         *gang.objects,
-        ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint),
+        ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint, restart=restart),
     ]
 
 

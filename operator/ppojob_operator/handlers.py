@@ -7,7 +7,12 @@
 - A child's name still held by an object on its way out (being deleted, or owned by an earlier
   PPOJob of the same name) -> ``Pending``/``WaitingForOldChildren`` and a retry with backoff
   (1 s doubling to 60 s); an object we do not own -> ``Pending``/``ChildConflict`` with a Warning
-  event, retried the same way, never adopted.
+  event, retried the same way, never adopted. Any other refusal of a child (a missing CRD, a
+  ResourceQuota, an admission webhook) -> ``Pending``/``ChildCreateFailed`` with the API
+  server's message, a Warning event, retried the same way.
+- A failed attempt is classified and restarted or failed by ``spec.failurePolicy``
+  (``restarts.py``): the failed RayJob is deleted after the policy's delay and its DELETED event
+  creates the next attempt's.
 - ``on.update`` of ``spec``: a job without a RayJob yet (invalid, refused, waiting, held) is
   reconciled like a new one; for a started job ``spec.suspend`` is applied (to the RayJob; under
   Kueue to its Workload's ``spec.active``, since Kueue owns ``RayJob.spec.suspend``) and any other
@@ -39,7 +44,7 @@ import kopf
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
-from ppojob_operator import capabilities, k8s, metrics, pods
+from ppojob_operator import capabilities, k8s, metrics, pods, restarts
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
 from ppojob_operator.scheduling import (
     KUEUE_QUEUE_LABEL,
@@ -98,6 +103,10 @@ class JobState:
     note: tuple[str, str, str] | None = None
     """Why a valid job has no RayJob to follow: (phase, reason, message)."""
     retry: asyncio.Task[None] | None = None
+    restart: asyncio.Task[None] | None = None
+    """Deletes a failed RayJob after the restart delay (``_schedule_restart``)."""
+    queue_timer: asyncio.Task[None] | None = None
+    """Wakes the job at its queueing deadline (``spec.scheduling.queueTimeoutSeconds``)."""
     backoff: int = 0
     """Retries in a row."""
     attempts: int = 0
@@ -179,8 +188,9 @@ class State:
         if st is None or (uid and st.uid and st.uid != uid):
             return
         del self._jobs[key]
-        if st.retry is not None:
-            st.retry.cancel()
+        for task in (st.retry, st.restart, st.queue_timer):
+            if task is not None:
+                task.cancel()
         metrics.JOBS.set(key, None)
 
     def current(self, st: JobState) -> bool:
@@ -243,6 +253,7 @@ CHILD_KINDS = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+    ("policy", "v1", "poddisruptionbudgets"),
 )
 """Children besides the RayJob, watched for deletion (self-healing)."""
 CHILD_RESOURCES = [(g, p) for g, _, p in CHILD_KINDS] + [("ray.io", "rayjobs")]
@@ -309,6 +320,10 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         rj = owned_by(rj, meta.get("uid"))  # not an earlier PPOJob's of the same name
         base = st.written or body.get("status") or {}
         note = st.note
+        decided = None
+        trainer_error = None
+        expired = False
+        queued = ("", "")
         if problems:
             desired = None
             if rj is not None:  # a started job edited into an invalid spec
@@ -328,31 +343,159 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         elif job is None:
             return False
         elif rj is None or (note is not None and note[0] == "Failed"):
-            # a verdict of the operator's own (refused, RayJobDeleted, ImageUnavailable) holds
-            # over whatever the RayJob says meanwhile
+            # a verdict of the operator's own (refused, RayJobDeleted, ImageUnavailable,
+            # QueueTimeout) holds over whatever the RayJob says meanwhile, or as it goes
             if note is None:
                 return False  # the create handler writes the first status
             desired = note_status(job, *note, generation=generation, previous=base, now=_now())
         else:
             sched = effective_scheduler(job, state.config.gang_default)
             progress = (body.get("status") or {}).get("progress") or {}
+            trainer_error = progress.get("error")
+            decided = restarts.decision(job, rj, base, trainer_error)
+            previous = base
+            if decided is not None and decided.action == "Restart":
+                previous = {**base, **restarts.restart_status(base, decided, rj, _now())}
             desired = desired_status(
                 job,
                 rj,
                 generation=generation,
-                previous=base,
+                previous=previous,
                 now=_now(),
                 scheduler=sched,
-                trainer_error=progress.get("error"),
+                trainer_error=None if previous is not base else trainer_error,
             )
+            started = _run_started({**base, "progress": progress})
+            deadline = restarts.queue_deadline(job, rj, desired["phase"], started)
+            if deadline is not None and time.time() >= deadline:
+                queued = desired["reason"], _running_message(desired)
+                expired = True
+            elif deadline is not None:
+                _wake_at(state, st, deadline)
         patch = status_patch(base, desired)
+        if decided is not None and decided.action == "Restart" and trainer_error:
+            patch["progress"] = {"error": None}  # the failed attempt's: not the next one's
         metrics.JOBS.set(key, desired.get("phase"))
-        if not patch:
-            return False
-        if await k8s.apatch_job_status(key[0], key[1], patch) is None:
-            return False  # the PPOJob is gone
-        st.written = desired
-        return True
+        wrote = False
+        transition = None
+        if patch:
+            if await k8s.apatch_job_status(key[0], key[1], patch) is None:
+                return False  # the PPOJob is gone
+            st.written = desired
+            wrote = True
+            if "phase" in patch:
+                transition = (base.get("phase"), desired)
+    if transition is not None:
+        await _phase_event(st, body, *transition)
+    await _after_failure(state, st, body, decided)
+    if expired:
+        await _queue_timeout(state, st, body, *queued)
+    return wrote
+
+
+def _running_message(desired: dict[str, Any]) -> str:
+    return next(
+        (c.get("message", "") for c in desired.get("conditions") or [] if c["type"] == "Running"),
+        "",
+    )
+
+
+def _wake_at(state: State, st: JobState, deadline: float) -> None:
+    """Sync the job's status again at ``deadline`` (once per job at a time)."""
+    if st.queue_timer is not None and not st.queue_timer.done():
+        return
+
+    async def _wake() -> None:
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 0.05)
+        st.queue_timer = None
+        if state.current(st):
+            await sync_status(state, st)
+
+    st.queue_timer = asyncio.get_running_loop().create_task(_wake())
+
+
+async def _queue_timeout(
+    state: State, st: JobState, body: dict[str, Any], reason: str, message: str
+) -> None:
+    """The attempt queued past spec.scheduling.queueTimeoutSeconds: fail the job, saying what
+    it waited for and (from its pods) the scheduler's own reason, and delete its RayJob so that
+    nothing it holds stays held."""
+    job, _ = st.parse(body)
+    if job is None or st.rayjob is None:
+        return
+    key = st.key
+    pods = await k8s.alist("v1", "Pod", key[0], f"{JOB_LABEL}={key[1]}") or []
+    msg = restarts.queue_timeout_message(job, reason, message, pods)
+    st.note = ("Failed", "QueueTimeout", msg)
+    await _event_once(st, body, "Warning", "QueueTimeout", msg)
+    name = (st.rayjob.get("metadata") or {}).get("name")
+    st.rayjob = None
+    await sync_status(state, st)
+    try:
+        await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+    except k8s.ApiError as exc:
+        metrics.API_ERRORS.labels("delete").inc()
+        log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+
+
+async def _phase_event(
+    st: JobState, body: dict[str, Any], old: str | None, desired: dict[str, Any]
+) -> None:
+    """An event for every phase transition (Normal; Warning into Failed or Invalid), with the
+    phase's reason and message, so `kubectl describe` and `kubectl get events` tell the story."""
+    phase, why = desired.get("phase") or "", desired.get("reason") or "PhaseChanged"
+    detail = next(
+        (
+            c.get("message")
+            for c in desired.get("conditions") or []
+            if c.get("reason") == why and c.get("message")
+        ),
+        "",
+    )
+    msg = f"{old or 'new'} -> {phase}" + (f": {detail}" if detail else "")
+    kind = "Warning" if phase in ("Failed", "Invalid") else "Normal"
+    await _event_once(st, body, kind, why, msg)
+
+
+async def _after_failure(state: State, st: JobState, body: dict[str, Any], decided: Any) -> None:
+    """The I/O of a restart decision: its event, the metric, and (after the policy's delay) the
+    failed RayJob's deletion, whose DELETED event makes ``reconcile_children`` create the next
+    attempt. A decision already written (a restarted operator) gets its deletion scheduled."""
+    if decided is not None:
+        normal = decided.action == "Restart" and decided.failure_class == "Disruption"
+        why, msg = decided.reason, decided.message  # restarts.py: each reason documented
+        await _event_once(st, body, "Normal" if normal else "Warning", why, msg)
+        if decided.action == "Restart":
+            metrics.RESTARTS.labels(decided.failure_class).inc()
+    status = st.written or body.get("status") or {}
+    if st.rayjob is not None and restarts.pending_restart(status, st.rayjob):
+        job, _ = st.parse(body)
+        delay = 0
+        last = status.get("lastRestart") or {}
+        if job is not None and last.get("failureClass") != "Disruption":
+            delay = job.spec.failure_policy.retry_delay_seconds
+        _schedule_restart(state, st, restarts.restart_delay(status, delay, time.time()))
+
+
+def _schedule_restart(state: State, st: JobState, delay: float) -> None:
+    """Delete the failed RayJob after ``delay`` seconds (once per job at a time)."""
+    if st.restart is not None and not st.restart.done():
+        return
+    key = st.key
+
+    async def _restart() -> None:
+        await asyncio.sleep(delay)
+        if not state.current(st) or st.rayjob is None:
+            return
+        name = (st.rayjob.get("metadata") or {}).get("name")
+        log.info("%s/%s: restarting: deleting RayJob %s", key[0], key[1], name)
+        try:
+            await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+        except k8s.ApiError as exc:
+            log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+            metrics.API_ERRORS.labels("delete").inc()
+
+    st.restart = asyncio.get_running_loop().create_task(_restart())
 
 
 def _scheduler_of_rayjob(rayjob: dict[str, Any]) -> str:
@@ -443,9 +586,11 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
             if fresh is None or (fresh.get("metadata") or {}).get("uid") != meta.get("uid"):
                 return []
             status = fresh.get("status") or {}
-            if status.get("phase") in ("Succeeded", "Failed"):
+            if restarts.pending_restart(status, None):
+                recreate = True  # a restart the failure policy decided (restarts.py)
+            elif status.get("phase") in ("Succeeded", "Failed"):
                 return []  # finished: nothing to heal
-            if _run_started(status):
+            elif _run_started(status):
                 msg = (
                     f"RayJob {key[0]}/{rayjob_name} was deleted after the run started; the "
                     "operator does not re-run it. Delete and recreate the PPOJob to run again "
@@ -455,7 +600,8 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
                 await _event_once(st, body, "Warning", "RayJobDeleted", msg)
                 await sync_status(state, st)
                 return []
-            recreate = True
+            else:
+                recreate = True
     # a recreated RayJob is a new attempt: a fresh YuniKorn application id (any unused token)
     attempt = int(time.time()) if recreate else 0
     # A started job's children are rebuilt from the spec its RayJob runs (a refused edit must
@@ -474,6 +620,7 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         gang_default=cfg.gang_default,
         entrypoint=cfg.entrypoint,
         attempt=attempt,
+        restart=restarts.next_attempt(status),
     )
     # Under Kueue, a job created (or still) suspended gets no RayJob until resumed: Kueue would
     # admit and unsuspend it (it owns RayJob.spec.suspend).
@@ -498,6 +645,16 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         return []
     except k8s.ChildWaiting as exc:
         st.note = ("Pending", "WaitingForOldChildren", str(exc))
+        await sync_status(state, st)
+        _retry_later(state, st, str(exc))
+        return []
+    except k8s.ChildRefused as exc:
+        # Whatever the API server said (a missing CRD, a quota, a webhook) reaches the status
+        # and an event at once; the job is retried with backoff (the cause is usually fixed
+        # outside the job: a CRD installed, a quota raised).
+        metrics.API_ERRORS.labels("create").inc()
+        st.note = ("Pending", "ChildCreateFailed", str(exc))
+        await _event_once(st, body, "Warning", "ChildCreateFailed", str(exc))
         await sync_status(state, st)
         _retry_later(state, st, str(exc))
         return []

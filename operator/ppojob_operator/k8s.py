@@ -35,10 +35,12 @@ KINDS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
+    ("v1", "Pod"): "pods",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
@@ -59,6 +61,30 @@ class ApiError(Exception):
 class ChildConflict(Exception):
     """A child's name is taken by an object that is not this PPOJob's (unowned, or controlled
     by another owner): never adopted; the user must remove or rename it."""
+
+
+class ChildRefused(Exception):
+    """The API server refused to create a child (any answer but 409 and the transient ones
+    :func:`arequest` retries): a missing CRD (404), a ResourceQuota or RBAC refusal (403), an
+    admission webhook's or the schema's verdict (400, 422). The text names the child and carries
+    the API server's own message."""
+
+    def __init__(self, obj: dict[str, Any], exc: ApiError) -> None:
+        meta = obj.get("metadata") or {}
+        what = f"{obj.get('kind')} {meta.get('namespace')}/{meta.get('name')}"
+        super().__init__(f"cannot create {what}: HTTP {exc.status}: {api_message(exc)}")
+        self.status = exc.status
+
+
+def api_message(exc: ApiError) -> str:
+    """The API server's ``Status.message`` of an error answer (else its body, shortened)."""
+    try:
+        doc = json.loads(exc.body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("message"):
+        return str(doc["message"])[:1000]
+    return (exc.body or exc.reason)[:1000]
 
 
 class ChildVanished(Exception):
@@ -366,7 +392,7 @@ async def acreate_or_get(
         return await arequest("POST", collection, obj), True
     except ApiError as exc:
         if exc.status != 409:
-            raise
+            raise ChildRefused(obj, exc) from exc
     existing = await aget(obj["apiVersion"], obj["kind"], ns, name)
     if existing is None:  # deleted between our create and get
         if not recreate_vanished:
@@ -411,6 +437,21 @@ async def apatch(
         if exc.status == 404:
             return None
         raise
+
+
+async def adelete(api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Delete an object (background propagation); False if it was already gone."""
+    try:
+        await arequest(
+            "DELETE",
+            path_for(api_version, kind, namespace, name),
+            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
+        )
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 async def apatch_job_status(

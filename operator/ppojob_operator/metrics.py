@@ -19,6 +19,16 @@ RECONCILES = Counter("ppojob_reconciles_total", "Handler runs, by handler.", ["h
 ERRORS = Counter(
     "ppojob_reconcile_errors_total", "Handler runs that raised, by handler.", ["handler"]
 )
+RESTARTS = Counter(
+    "ppojob_restarts_total",
+    "Restarts the failure policy decided, by failure class (Disruption, Application).",
+    ["failure_class"],
+)
+API_ERRORS = Counter(
+    "ppojob_api_errors_total",
+    "Kubernetes API requests of the operator that failed, by operation.",
+    ["operation"],
+)
 LATENCY = Histogram(
     "ppojob_reconcile_duration_seconds",
     "Handler run time, by handler.",

@@ -6,8 +6,11 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   lives in annotations, hence ``patch`` on the object), and the operator writes ``status``.
 - ``ppojobs/status`` get+patch: the operator writes status, and it must itself hold these
   verbs to create the per-job Role that grants them to the trainer (RBAC escalation rule).
-- RayJobs: created, read, watched (status mirroring, self-healing) and patched (suspend/resume,
-  a fresh YuniKorn application id per attempt).
+- RayJobs: created, read, watched (status mirroring, self-healing), patched (suspend/resume,
+  a fresh YuniKorn application id per attempt) and deleted (a restart by the failure policy
+  replaces the failed attempt's RayJob).
+- PodDisruptionBudgets: created and read (create-or-get), listed and watched like the other
+  children.
 - ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get), listed and
   watched (only those labelled ``app.kubernetes.io/managed-by=ppojob-operator``, filtered
   server-side) so that one deleted by hand is recreated.
@@ -15,7 +18,9 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
   never reads them, so it gets no access to them.
 - Kueue Workloads: read, listed and patched (``spec.active``: suspend and resume under Kueue).
 - Pods of its jobs: listed and watched (only those labelled ``ppojob.io/job``, filtered
-  server-side), read-only: an image a pod cannot get fails its job at once (``pods.py``).
+  server-side), read-only: an image a pod cannot get fails its job at once (``pods.py``), and a
+  job's own are listed when its queueing times out, for the scheduler's reason
+  (``spec.scheduling.queueTimeoutSeconds``).
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
 - CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
   (SidecarMode support). Namespaces list/watch: cluster-wide mode.
@@ -45,7 +50,7 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["ray.io"],
         "resources": ["rayjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": [""],
@@ -60,6 +65,11 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["scheduling.x-k8s.io"],
         "resources": ["podgroups"],
+        "verbs": ["get", "list", "watch", "create"],
+    },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
         "verbs": ["get", "list", "watch", "create"],
     },
     {

@@ -46,7 +46,8 @@ What each scheduler needs in the cluster (the KubeRay operator's settings and th
     installed (scheduler name ``scheduler-plugins-scheduler``, the chart's default) with the
     Coscheduling plugin enabled. We create a ``scheduling.x-k8s.io/v1alpha1`` PodGroup named after
     the job (minMember = head + all workers, minResources = their sum, scheduleTimeoutSeconds =
-    ``spec.scheduling.timeoutSeconds``) and put ``scheduling.x-k8s.io/pod-group`` and
+    ``spec.scheduling.permitTimeoutSeconds``: how long placed pods wait at Permit for the
+    rest) and put ``scheduling.x-k8s.io/pod-group`` and
     ``schedulerName`` in every pod template.
 ``none``
     Nothing is needed; pods are scheduled one by one by the default scheduler (no all-or-nothing
@@ -233,7 +234,10 @@ class SchedulerPlugins(GangScheduler):
                 name=gang.name,
                 namespace=gang.namespace,
                 members=gang.members,
-                timeout_seconds=gang.job.spec.scheduling.timeout_seconds,
+                timeout_seconds=min(
+                    gang.job.spec.scheduling.permit_timeout_seconds,
+                    gang.job.spec.scheduling.timeout_seconds,
+                ),
                 owner_refs=gang.owner_refs,
             )
         )

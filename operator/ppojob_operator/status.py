@@ -21,7 +21,10 @@ Suspending / Suspended             any                     Suspended (Pending wh
 
 Conditions (always the same six types, ``lastTransitionTime`` kept while the status holds):
 ``Valid``, ``SpecApplied`` (False with reason ``SpecChangeRefused`` when the spec of a started
-job changed in anything but ``suspend``), ``Running``, ``Succeeded``, ``Failed``, ``Suspended``.
+job changed in anything but ``suspend``), ``Running``, ``Succeeded``, ``Failed``, ``Suspended``;
+and, once the operator has restarted the job (``restarts.py``), ``Restarted`` with the last
+restart's reason and cause. While a decided restart waits for its new RayJob the phase is
+``Initializing`` with that reason.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from typing import Any
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJob, total_gpus
 from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION, applied_spec
+from ppojob_operator.restarts import attempt_of
 
 CONDITION_TYPES = ("Valid", "SpecApplied", "Running", "Succeeded", "Failed", "Suspended")
 OPERATOR_KEYS = (
     "phase",
+    "reason",
     "conditions",
     "observedGeneration",
     "rayJobName",
@@ -45,10 +50,15 @@ OPERATOR_KEYS = (
     "gpus",
     "startTime",
     "completionTime",
+    "restarts",
+    "disruptions",
+    "lastRestart",
 )
+RESTART_KEYS = ("restarts", "disruptions", "lastRestart")
+"""Kept from the previous status by every status this module computes (``restarts``)."""
 
 
-TRAINER_REASONS = ("GangIncomplete",)
+TRAINER_REASONS = ("GangIncomplete", "Preempted", "Stalled")
 """Reasons the trainer itself names (``<Reason>: ...`` in ``status.progress.error``, and
 ``ppojob-train: <Reason>: ...`` in its last log line, which Ray keeps in the job's message)."""
 _TRAINER_REASON = re.compile(r"(?:^|ppojob-train: )(" + "|".join(TRAINER_REASONS) + r"): ")
@@ -132,6 +142,26 @@ def _running_cond(phase: str, reason: str, message: str, gen: int | None) -> dic
     return _cond("Running", False, phase, "", gen)
 
 
+def _restart_keys(previous: dict[str, Any] | None, rayjob: dict[str, Any] | None) -> dict:
+    """The restart counters and record of ``previous``; ``lastRestart.recreated`` turns True
+    once ``rayjob`` is another RayJob than the one that failed."""
+    prev = previous or {}
+    out = {k: prev[k] for k in RESTART_KEYS if prev.get(k) is not None}
+    last = out.get("lastRestart")
+    recreated = rayjob is not None and attempt_of(rayjob) != last.get("attempt") if last else False
+    if last and not last.get("recreated") and recreated:
+        out["lastRestart"] = {**last, "recreated": True}
+    return out
+
+
+def _restarted_cond(keys: dict[str, Any], gen: int | None) -> list[dict[str, Any]]:
+    last = keys.get("lastRestart")
+    if not last:
+        return []
+    reason = last.get("reason") or "RestartingAfterDisruption"
+    return [_cond("Restarted", True, reason, last.get("message", ""), gen)]
+
+
 def _with_times(conds: list[dict[str, Any]], previous: list[dict[str, Any]], now: str) -> list:
     prev = {c.get("type"): c for c in previous or []}
     for c in conds:
@@ -162,8 +192,10 @@ def invalid_status(
     conds += [_cond(t, False, "InvalidSpec", "", generation) for t in CONDITION_TYPES[1:]]
     return {
         "phase": "Invalid",
+        "reason": "InvalidSpec",
         "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
         "observedGeneration": generation,
+        **_restart_keys(previous, None),
     }
 
 
@@ -185,6 +217,11 @@ def desired_status(
     phase, reason, message = phase_of(rayjob, suspend=job.spec.suspend, kueue=kueue)
     if phase == "Failed" and trainer_error:
         reason, message = trainer_reason(trainer_error) or "TrainerFailed", trainer_error
+    kept = _restart_keys(previous, rayjob)
+    last = kept.get("lastRestart") or {}
+    if last and not last.get("recreated") and phase == "Failed":
+        # the failed attempt is being replaced (restarts.py): not a failed job
+        phase, reason, message = "Initializing", last.get("reason", "Restarting"), last["message"]
     st = rayjob.get("status") or {}
     g = generation
     try:
@@ -213,13 +250,16 @@ def desired_status(
         _phase_cond("Succeeded", phase, reason, message, g),
         _phase_cond("Failed", phase, reason, message, g),
         _phase_cond("Suspended", phase, reason, message, g),
+        *_restarted_cond(kept, g),
     ]
     out: dict[str, Any] = {
         "phase": phase,
+        "reason": reason or phase,
         "conditions": _with_times(conds, (previous or {}).get("conditions", []), now),
         "observedGeneration": generation,
         "rayJobName": rayjob.get("metadata", {}).get("name"),
         "gpus": total_gpus(job.spec),
+        **kept,
     }
     for src, dst in (
         ("rayClusterName", "rayClusterName"),
@@ -306,11 +346,15 @@ def note_status(
         _phase_cond("Suspended", phase, reason, message, g),
     ]
     prev = previous or {}
+    kept = _restart_keys(prev, None)
+    conds += _restarted_cond(kept, g)
     out: dict[str, Any] = {
         "phase": phase,
+        "reason": reason,
         "conditions": _with_times(conds, prev.get("conditions", []), now),
         "observedGeneration": generation,
         "gpus": total_gpus(job.spec),
+        **kept,
     }
     for key in KEPT_ON_NOTE:
         if prev.get(key):

@@ -23,6 +23,7 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
+from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -31,6 +32,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_top_p,
 )
 from ppojob_api.checks.pods import check_pod_fields
+from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -1214,6 +1216,87 @@ TABLE += [
         "a hub id named like a built-in is not split as the built-in",
         {"model__path": "tiny-llama", "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 8}}},
         [],
+    ),
+]
+
+
+# --- disruption settings (issue 22): the grace period with a checkpoint volume
+TABLE += [
+    (
+        check_grace_period,
+        "a 29 s grace period with a checkpoint volume",
+        {
+            "checkpointVolume": {"persistentVolumeClaim": {"claimName": "c"}},
+            "training__checkpointDir": "/checkpoints",
+            "failurePolicy__terminationGracePeriodSeconds": 29,
+        },
+        ["spec.failurePolicy.terminationGracePeriodSeconds"],
+    ),
+    (
+        check_grace_period,
+        "a 30 s grace period with a checkpoint volume",
+        {
+            "checkpointVolume": {"persistentVolumeClaim": {"claimName": "c"}},
+            "training__checkpointDir": "/checkpoints",
+            "failurePolicy__terminationGracePeriodSeconds": 30,
+        },
+        [],
+    ),
+]
+
+
+GOOD_TEMPLATE = {
+    "labels": {"team": "rl"},
+    "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "envFrom": [{"configMapRef": {"name": "settings"}}],
+    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+}
+TABLE += [
+    (
+        check_pod_template,
+        "labels, secrets, a volume and its mount",
+        {"podTemplate": GOOD_TEMPLATE},
+        [],
+    ),
+    (
+        check_pod_template,
+        "reserved keys, two sources, a clash of volumes and mounts",
+        {
+            "podTemplate": {
+                "labels": {"ppojob.io/job": "x", "bad key!": "v"},
+                "annotations": {"ray.io/overwrite-container-cmd": "true"},
+                "env": [
+                    {
+                        "name": "RAY_ADDRESS",
+                        "valueFrom": {
+                            "secretKeyRef": {"name": "a", "key": "b"},
+                            "configMapKeyRef": {"name": "a", "key": "b"},
+                        },
+                    }
+                ],
+                "envFrom": [{}],
+                "volumes": [{"name": "dshm", "emptyDir": {}}, {"name": "x"}],
+                "volumeMounts": [
+                    {"name": "y", "mountPath": "relative"},
+                    {"name": "x", "mountPath": "/etc/ppojob/"},
+                ],
+            }
+        },
+        [
+            "spec.podTemplate.labels.ppojob.io/job",
+            "spec.podTemplate.labels.bad key!",
+            "spec.podTemplate.annotations.ray.io/overwrite-container-cmd",
+            "spec.podTemplate.env[0].name",
+            "spec.podTemplate.env[0].valueFrom",
+            "spec.podTemplate.envFrom[0]",
+            "spec.podTemplate.volumes[0].name",
+            "spec.podTemplate.volumes[1]",
+            "spec.podTemplate.volumeMounts[0].name",
+            "spec.podTemplate.volumeMounts[0].mountPath",
+            "spec.podTemplate.volumeMounts[1].mountPath",
+        ],
     ),
 ]
 

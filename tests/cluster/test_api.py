@@ -77,6 +77,7 @@ def test_get_ppojobs_shows_the_printer_columns(cp, operator, ns):
     assert plain.split("\n")[0].split() == [
         "NAME",
         "PHASE",
+        "REASON",
         "STEP",
         "STEPS",
         "REWARD",
@@ -85,12 +86,28 @@ def test_get_ppojobs_shows_the_printer_columns(cp, operator, ns):
     ]
     wide = cp.kubectl("get", "ppojobs", "-n", ns, "-o", "wide").stdout
     header = wide.split("\n")[0].split()
-    assert header == ["NAME", "PHASE", "STEP", "STEPS", "REWARD", "KL", "GPUS", "RAYJOB", "AGE"]
+    assert header == [
+        "NAME",
+        "PHASE",
+        "REASON",
+        "STEP",
+        "STEPS",
+        "REWARD",
+        "KL",
+        "GPUS",
+        "RAYJOB",
+        "AGE",
+    ]
     (row,) = table(wide)
     assert row["NAME"] == "cols" and row["STEP"] == "3" and row["STEPS"] == "10"
     assert row["REWARD"] == "0.25" and row["KL"] == "0.01"
     assert row["GPUS"] == "4" and row["RAYJOB"] == "cols"
     assert row["PHASE"] == status(cp, "cols", ns)["phase"]
+    assert row["REASON"] and row["REASON"] == status(cp, "cols", ns)["reason"]
+    # conditions are metav1.Condition-shaped: the API server keeps one per type (list map)
+    conds = status(cp, "cols", ns)["conditions"]
+    assert len({c["type"] for c in conds}) == len(conds)
+    assert all(c["reason"] and c["lastTransitionTime"] for c in conds)
     # the short name works too
     assert "cols" in cp.kubectl("get", "ppo", "-n", ns).stdout
 

@@ -17,7 +17,7 @@ from tests.helpers.cluster_jobs import (
     status,
     wait_children,
 )
-from tests.helpers.controlplane import wait_until
+from tests.helpers.controlplane import ControlPlaneError, wait_until
 
 ROLES = ("actor", "critic", "rollout")
 
@@ -188,7 +188,7 @@ def test_an_object_we_do_not_own_is_never_adopted(cp, operator, ns):
     assert children["configmap"]["data"] != stray["data"]
 
 
-@pytest.mark.parametrize("made", [2, 5], ids=["first-two", "all-but-the-status"])
+@pytest.mark.parametrize("made", [2, 6], ids=["first-two", "all-but-the-status"])
 def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, made):
     """The children a previous operator run made before it died (the first two in creation
     order; or all of them, the RayJob too, but not the status) are kept as they are (same uid:
@@ -202,7 +202,7 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
         stored = job(cp, "half", ns)
         uid = stored["metadata"]["uid"]
         children = builders.build_children(validate_manifest(stored), namespace=ns, uid=uid)
-        assert [c["kind"] for c in children][-1] == "RayJob" and len(children) == 5
+        assert [c["kind"] for c in children][-1] == "RayJob" and len(children) == 6
         made_before = children[:made]
         cp.apply(made_before)
         kept = {}
@@ -210,6 +210,7 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
             resource = {
                 "Role": "role.rbac.authorization.k8s.io",
                 "RoleBinding": "rolebinding.rbac.authorization.k8s.io",
+                "PodDisruptionBudget": "poddisruptionbudget.policy",
                 "RayJob": "rayjob.ray.io",
             }.get(c["kind"], c["kind"].lower())
             name = c["metadata"]["name"]
@@ -220,3 +221,158 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
     wait_until(lambda: status(cp, "half", ns).get("rayJobName") == "half", 60, "a status")
     for (resource, name), obj_uid in kept.items():
         assert cp.get(resource, name, ns)["metadata"]["uid"] == obj_uid, (resource, name)
+
+
+def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, operator, ns):
+    """A ResourceQuota allowing no RayJob: the PPOJob says so at once (the API server's own
+    message, not a silent kopf retry), and runs once the quota is gone."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-rayjobs", "namespace": ns},
+        "spec": {"hard": {"count/rayjobs.ray.io": "0"}},
+    }
+    cp.apply(quota)
+    # the quota's usage, as kube-controller-manager's quota controller (not run here) would
+    # write it; the API server's quota admission refuses by it
+    used = {"hard": {"count/rayjobs.ray.io": "0"}, "used": {"count/rayjobs.ray.io": "0"}}
+    path = f"/api/v1/namespaces/{ns}/resourcequotas/no-rayjobs"
+    cp.request("PATCH", path + "/status", {"status": used}, "application/merge-patch+json")
+    cp.apply(gpu_job("quota", ns))
+    refused = wait_until(
+        lambda: (
+            (c := condition(status(cp, "quota", ns), "SpecApplied")).get("reason")
+            == "ChildCreateFailed"
+            and c
+        ),
+        30,
+        "ChildCreateFailed",
+    )
+    assert status(cp, "quota", ns)["phase"] == "Pending"
+    assert "RayJob" in refused["message"] and "exceeded quota" in refused["message"]
+    assert "HTTP 403" in refused["message"]
+    cp.request("DELETE", path)
+    wait_until(lambda: cp.get("rayjob.ray.io", "quota", ns), 90, "the RayJob after the quota")
+
+
+def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
+    """The job's PodDisruptionBudget (maxUnavailable 0): a drain's eviction of one of its pods
+    is refused with 429 and the pod stays; a job without one (failurePolicy) is evictable."""
+    protected = gpu_job("pdb", ns, actor=1, critic=1, rollout=1)
+    # with the pod-template escape hatch: the API server admits the pods KubeRay makes of it
+    protected["spec"]["podTemplate"] = {
+        "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
+    bare = gpu_job("bare", ns, actor=1, critic=1, rollout=1)
+    bare["spec"]["failurePolicy"] = {"podDisruptionBudget": False}
+    cp.apply([protected, bare])
+
+    def pods_of(name: str) -> list:
+        p = pods(cp, name, ns)
+        return p if len(p) == 4 and all(map(running, p)) else []
+
+    mine = wait_until(lambda: pods_of("pdb"), 90, "the protected job's 4 pods Running")
+    theirs = wait_until(lambda: pods_of("bare"), 90, "the bare job's 4 pods Running")
+    # the trainer's token only in the head pod (KubeRay keeps the templates' setting)
+    for p in mine:
+        head = p["metadata"]["labels"].get("ray.io/node-type") == "head"
+        assert p["spec"].get("automountServiceAccountToken", True) is head
+        assert p["spec"]["terminationGracePeriodSeconds"] == 120
+        assert p["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "t"}
+        assert {"name": "scratch", "emptyDir": {}} in p["spec"]["volumes"]
+    pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
+    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}
+    assert cp.get("poddisruptionbudget.policy", "bare", ns) is None
+    # The PDB's status, as kube-controller-manager's disruption controller (not run here)
+    # computes it for 4 healthy pods and maxUnavailable 0; the eviction API decides by it.
+    path = f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/pdb/status"
+    healthy = {"currentHealthy": 4, "desiredHealthy": 4, "expectedPods": 4}
+    gen = pdb["metadata"]["generation"]
+    body = {"status": {"observedGeneration": gen, "disruptionsAllowed": 0, **healthy}}
+    cp.request("PATCH", path, body, "application/merge-patch+json")
+
+    def evict(pod: dict) -> str:
+        name = pod["metadata"]["name"]
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": ns},
+        }
+        try:
+            cp.request("POST", f"/api/v1/namespaces/{ns}/pods/{name}/eviction", eviction)
+        except ControlPlaneError as exc:
+            return str(exc)
+        return "evicted"
+
+    refused = evict(mine[0])
+    assert ": 429 " in refused and "disruption budget" in refused, refused
+    assert (
+        cp.get("pod", mine[0]["metadata"]["name"], ns)["metadata"].get("deletionTimestamp") is None
+    )
+    assert evict(theirs[0]) == "evicted"
+
+
+def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
+    """The real KubeRay fails the RayJob ("Ray head pod not found."); the failure policy calls
+    that a disruption: the RayJob is replaced by the next attempt's, without counting against
+    backoffLimit (0 here), with the Restarted condition and a Normal event, and the new
+    attempt's pods come up."""
+    cp.apply(gpu_job("hp", ns, actor=1, critic=1, rollout=1))
+
+    def four_running() -> list:
+        p = pods(cp, "hp", ns)
+        return p if len(p) == 4 and all(map(running, p)) else []
+
+    before = wait_until(four_running, 90, "4 pods Running")
+    (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{head['metadata']['name']}")
+
+    def next_attempt() -> dict | None:
+        rj = cp.get("rayjob.ray.io", "hp", ns) or {}
+        ann = (rj.get("metadata") or {}).get("annotations") or {}
+        return rj if ann.get("ppojob.io/attempt") == "1" else None
+
+    wait_until(next_attempt, 60, "the next attempt's RayJob")
+    st = wait_until(
+        lambda: (s := status(cp, "hp", ns)).get("lastRestart", {}).get("recreated") and s,
+        30,
+        "lastRestart.recreated",
+    )
+    assert (st["disruptions"], st["restarts"]) == (1, 0)
+    assert st["lastRestart"]["reason"] == "RestartingAfterDisruption"
+    assert "Ray head pod not found" in st["lastRestart"]["message"]
+    assert st["phase"] != "Failed"
+    assert condition(st, "Restarted")["reason"] == "RestartingAfterDisruption"
+    events = cp.get("event", namespace=ns)["items"]
+    assert any(e["reason"] == "RestartingAfterDisruption" and e["type"] == "Normal" for e in events)
+    after = wait_until(four_running, 90, "the next attempt's 4 pods Running")
+    assert {p["metadata"]["uid"] for p in after}.isdisjoint(p["metadata"]["uid"] for p in before)
+
+
+def test_a_job_that_never_fits_fails_at_its_queue_timeout_with_the_schedulers_reason(
+    cp, operator, ns
+):
+    """Worker pods asking for more GPUs than any node has stay Pending: after
+    spec.scheduling.queueTimeoutSeconds the job is Failed (QueueTimeout) with kube-scheduler's
+    own message, and its RayJob (with the pods holding the head's node) is deleted."""
+    doc = gpu_job("nofit", ns, actor=1, critic=1, rollout=1, gpus=16)  # nodes have 8
+    doc["spec"]["scheduling"]["queueTimeoutSeconds"] = 15
+    cp.apply(doc)
+    failed = wait_until(
+        lambda: (
+            (c := condition(status(cp, "nofit", ns), "Failed")).get("reason") == "QueueTimeout"
+            and c
+        ),
+        90,
+        "QueueTimeout",
+    )
+    assert "Insufficient nvidia.com/gpu" in failed["message"], failed["message"]
+    assert "queueTimeoutSeconds" in failed["message"]
+    wait_until(lambda: cp.get("rayjob.ray.io", "nofit", ns) is None, 60, "the RayJob deleted")
+    assert status(cp, "nofit", ns)["phase"] == "Failed"

@@ -87,7 +87,7 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
         PPOJOB_NAME="prog",
         PPOJOB_NAMESPACE=ns,
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer")]),
+        PYTHONPATH=os.pathsep.join([str(ROOT / d) for d in ("api", "operator", "trainer")]),
     )
     # Every write of the job is seen through a watch (`kubectl get -w` prints a line per event),
     # so a short run whose steps come faster than any poll still shows each status patch.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.helpers.controlplane import ControlPlane, wait_until
+from tests.helpers.controlplane import RESOURCES, ControlPlane, wait_until
+
+RESOURCES.setdefault("poddisruptionbudget.policy", ("apis/policy/v1", "poddisruptionbudgets", True))
 
 PPOJOB = "ppojobs.ppojob.io"
 JOB_LABEL = "ppojob.io/job"
@@ -14,6 +16,7 @@ CHILDREN = [
     ("serviceaccount", "-trainer"),
     ("role.rbac.authorization.k8s.io", "-trainer"),
     ("rolebinding.rbac.authorization.k8s.io", "-trainer"),
+    ("poddisruptionbudget.policy", ""),
     ("rayjob.ray.io", ""),
 ]
 

@@ -106,6 +106,7 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
     "scheduling.x-k8s.io/v1alpha1/podgroups": ("PodGroup", True, set()),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
     "kueue.x-k8s.io/v1beta1/workloads": ("Workload", True, set()),
 }
 

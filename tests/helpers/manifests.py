@@ -385,5 +385,9 @@ SCHEDULING = {
     "volcano": {"gangScheduler": "volcano", "queue": "q1", "priorityClassName": "high"},
     "yunikorn": {"gangScheduler": "yunikorn", "queue": "root.ml"},
     "kueue": {"gangScheduler": "kueue", "queue": "lq"},
-    "scheduler-plugins": {"gangScheduler": "scheduler-plugins", "timeoutSeconds": 120},
+    "scheduler-plugins": {
+        "gangScheduler": "scheduler-plugins",
+        "timeoutSeconds": 600,
+        "permitTimeoutSeconds": 120,
+    },
 }

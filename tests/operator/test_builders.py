@@ -87,7 +87,7 @@ def test_rayjob_lifecycle_fields_and_pod_security():
     assert spec["shutdownAfterJobFinishes"] is True
     assert spec["ttlSecondsAfterFinished"] == 60
     assert spec["activeDeadlineSeconds"] == 3600
-    assert spec["backoffLimit"] == 2
+    assert spec["backoffLimit"] == 0  # the operator retries by failure class, not KubeRay
     assert spec["suspend"] is False
     assert spec["entrypoint"] == builders.default_entrypoint(job)
     templates = [spec["rayClusterSpec"]["headGroupSpec"]["template"]] + [

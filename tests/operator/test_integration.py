@@ -30,6 +30,7 @@ CHILD_KINDS = [
     ("v1", "ServiceAccount", "demo-trainer"),
     ("rbac.authorization.k8s.io/v1", "Role", "demo-trainer"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding", "demo-trainer"),
+    ("policy/v1", "PodDisruptionBudget", "demo"),
     ("ray.io/v1", "RayJob", "demo"),
 ]
 

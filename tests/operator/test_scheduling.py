@@ -94,7 +94,7 @@ def test_kueue_creates_the_rayjob_suspended_in_its_queue() -> None:
 
 
 def test_scheduler_plugins_get_our_podgroup_and_scheduler() -> None:
-    out = gang_plan("scheduler-plugins", timeoutSeconds=120)
+    out = gang_plan("scheduler-plugins", timeoutSeconds=600, permitTimeoutSeconds=120)
     assert out.pod_labels == {"scheduling.x-k8s.io/pod-group": "demo"}
     assert out.scheduler_name == "scheduler-plugins-scheduler"
     assert out.rayjob_labels == {} and out.create_suspended is False

@@ -250,8 +250,16 @@ def test_note_status_of_a_refused_job():
         c["observedGeneration"] == 4 and c["lastTransitionTime"] == "T" for c in conds.values()
     )
     assert (st["phase"], st["observedGeneration"], st["gpus"]) == ("Failed", 4, 2)
+    assert st["reason"] == "SchedulerMissing"  # the Reason column
     assert st["completionTime"] == "T"  # a failure ends the job now
-    assert set(st) == {"phase", "conditions", "observedGeneration", "gpus", "completionTime"}
+    assert set(st) == {
+        "phase",
+        "reason",
+        "conditions",
+        "observedGeneration",
+        "gpus",
+        "completionTime",
+    }
 
 
 def test_note_status_keeps_what_is_known_of_the_children():

@@ -9,7 +9,9 @@ one, and trains. Progress goes to the local reporter and, when `PPOJOB_NAME` and
 `PPOJOB_NAMESPACE` are set, to the PPOJob's `status.progress` (`ppojob_trainer.k8s_progress`).
 Before Ray it runs the pre-flight of `ppojob run` (`ppojob_trainer.preflight`: dataset and model
 paths, hook modules and signatures) in the image the job runs in.
-Exit codes: 0 done, 1 bad config (or pre-flight), 2 training or placement failed.
+Exit codes: 0 done, 1 bad config (or pre-flight), 2 training or placement failed, 75 preempted
+(SIGTERM or the stop file of the head's preStop hook: the step in flight finished and
+checkpointed).
 """
 
 from __future__ import annotations
@@ -167,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import GangIncompleteError, PlacementError
     from ppojob_trainer.preflight import preflight
+    from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
+    from ppojob_trainer.watchdog import StallError
 
     owns_ray = not ray.is_initialized()
     t0 = time.monotonic()
@@ -182,6 +186,20 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         connect_ray()
         result = train(cfg, out_dir, reporter)
+    except Preempted as exc:
+        # A SIGTERM (or the head's preStop stop file) answered with a checkpoint: the operator
+        # restarts the job from it without counting the restart (spec.failurePolicy).
+        if reporter is not None:
+            reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    except StallError as exc:
+        # names the role, rank and phase that did not report; the failure policy restarts
+        # (spec.failurePolicy.onStall) from the newest checkpoint
+        if reporter is not None:
+            reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob-train: {exc.reason}: {exc}", file=sys.stderr)
+        return 2
     except GangIncompleteError as exc:
         # `<Reason>: ...` reaches the PPOJob (status.progress.error, and the RayJob's message,
         # where Ray keeps the entrypoint's last log lines); the operator makes it the Failed

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppojob_api.failures import grace_problem
 from ppojob_api.training import TrainerConfig
+
+from .preemption import Preempted, StopSignal, watch
+from .watchdog import wait_or_name
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +318,7 @@ class PPOTrainer:
 
         # 1. generate + reward: each engine samples a contiguous range of prompts (an engine
         #    left without prompts sits this step out).
-        parts = []
+        parts, engines = [], []
         for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
             if p_lo == p_hi:
                 continue
@@ -322,6 +326,7 @@ class PPOTrainer:
                 examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
             )
             parts.append((p_lo * k, p_hi * k, ref))
+            engines.append(e)
 
         ranges = [(lo, hi) for lo, hi, _ in parts]
         gens = [ref for _, _, ref in parts]
@@ -338,6 +343,7 @@ class PPOTrainer:
             ]
 
         # 3. old/ref log-probs, advantages and returns on the actor workers.
+        all_values = value_lists
         value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
         prepared = [
             a.prepare.remote(ranges, self.critic_ranges, self.kl_ctl.value, *gens, *value_lists)
@@ -373,7 +379,20 @@ class PPOTrainer:
             woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
         synced = self._sync_weights() if plan.actor_trains or self.offload else []
 
-        # 7. metrics (floats only; the driver never fetches a tensor).
+        # 7. metrics (floats only; the driver never fetches a tensor), once every worker has
+        #    reported; one that has not within the stall timeout is named (watchdog.py).
+        wait_or_name(
+            [
+                *(("rollout", e, "generate", r) for e, r in zip(engines, gens, strict=True)),
+                *(("critic", i, "values", r) for i, r in enumerate(all_values)),
+                *(("actor", i, "prepare", r) for i, r in enumerate(prepared)),
+                *(("critic", i, "train", r) for i, r in enumerate(critic_done)),
+                *(("actor", i, "train", r) for i, r in enumerate(actor_done)),
+                *(("rollout", i, "wake", r) for i, r in enumerate(woken)),
+                *(("rollout", i, "weight sync", r) for i, r in enumerate(synced)),
+            ],
+            cfg.stall_timeout_seconds,
+        )
         groups = [gens, prepared, critic_done, actor_done, woken, synced]
         flat = ray.get([ref for group in groups for ref in group])  # one round trip
         out, pos = [], 0
@@ -564,12 +583,16 @@ def train(
     reporter: Any,
     max_steps: int | None = None,
     threads: dict[str, int] | None = None,
+    grace_seconds: float | None = None,
 ) -> TrainResult:
     """Run the PPO loop for ``cfg.training.steps`` steps (or ``max_steps``) and report progress.
 
     Starts a loopback-only local Ray unless one is running or ``RAY_ADDRESS`` names a cluster.
     Checkpoints go to ``training.checkpointDir`` (relative to ``out_dir``) every
     ``checkpointInterval`` steps and at the end; with ``resume`` the newest one is loaded first.
+    A SIGTERM (or the preStop hook's stop file) ends the run after the step in flight with a
+    checkpoint and raises :class:`~ppojob_trainer.preemption.Preempted` (``grace_seconds``, else
+    ``$PPOJOB_GRACE_SECONDS``: the grace period it must fit in).
     """
     from .runtime import connect_ray
 
@@ -586,45 +609,96 @@ def train(
     trainer = PPOTrainer(cfg, threads=threads)
     result = TrainResult(steps=0)
     try:
-        first = 0
-        if tr.resume:
-            first = _resume(trainer, ckpt_dir)
-        result.setup_s = time.perf_counter() - t_start
-        reporter.start(total, first)
-        last_ckpt_step = first
+        with watch(grace_seconds) as stop:
+            _run_steps(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop)
+    finally:
+        trainer.shutdown()
+    return result
+
+
+def _run_steps(
+    trainer: PPOTrainer,
+    cfg: TrainerConfig,
+    ckpt_dir: Path,
+    reporter: Any,
+    result: TrainResult,
+    total: int,
+    t_start: float,
+    stop: StopSignal,
+) -> None:
+    """The steps of :func:`train`; a stop request ends them at a step boundary with a checkpoint
+    (:class:`~ppojob_trainer.preemption.Preempted`)."""
+    tr = cfg.training
+    first = 0
+    if tr.resume:
+        first = _resume(trainer, ckpt_dir)
+        result.checkpoint = _newest(ckpt_dir)
+    result.setup_s = time.perf_counter() - t_start
+    reporter.start(total, first)
+    last_ckpt_step = first
+    result.steps = first
+    warned = False
+    try:
         for step in range(first, total):
-            metrics = trainer.step(step)
-            if trainer.eval_due(step + 1, total):
-                metrics.update(trainer.evaluate())
-                result.eval_reward = metrics["eval/reward_mean"]
+            if stop.requested:
+                break
+            stop.in_step = True
+            try:
+                metrics = trainer.step(step)
+                if trainer.eval_due(step + 1, total):
+                    metrics.update(trainer.evaluate())
+                    result.eval_reward = metrics["eval/reward_mean"]
+            finally:
+                stop.in_step = False
             metrics["time/elapsed"] = time.perf_counter() - t_start
             result.history.append(metrics)
             result.steps = step + 1
             reporter.report(step + 1, metrics)
-            if tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0:
+            due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
+            if due or stop.requested:
+                t_ckpt = time.perf_counter()
                 result.checkpoint = _save(trainer, ckpt_dir, step + 1, tr.keep_checkpoints)
+                stop.checkpoint_seconds = time.perf_counter() - t_ckpt
                 last_ckpt_step = step + 1
-        if result.steps and result.steps != last_ckpt_step:
-            result.checkpoint = _save(trainer, ckpt_dir, result.steps, tr.keep_checkpoints)
-        if tr.export_hugging_face and result.steps > first:
-            result.export = str(_export(trainer, ckpt_dir, result.steps))
-        result.steps = max(result.steps, first)
-        if result.history:
-            result.final_reward = result.history[-1]["reward/mean"]
-        result.wall_s = time.perf_counter() - t_start
-        evaluated = {} if result.eval_reward is None else {"eval/reward_mean": result.eval_reward}
-        reporter.finish(
-            {
-                "steps": result.steps,
-                "final_reward": result.final_reward,
-                "wall_s": result.wall_s,
-                "time_to_0.9_s": result.time_to_reward(0.9),
-                **evaluated,
-            }
-        )
-    finally:
-        trainer.shutdown()
-    return result
+                if not warned and stop.grace_seconds is not None:
+                    problem = grace_problem(
+                        int(stop.grace_seconds), metrics["time/step"], stop.checkpoint_seconds
+                    )
+                    if problem:
+                        log.warning("%s", problem)
+                        warned = True
+    except KeyboardInterrupt:
+        if not stop.abandoned:
+            raise
+        # the grace period ran out mid-step: what the newest complete checkpoint holds survives
+        raise Preempted(last_ckpt_step, _newest(ckpt_dir), stop.cause or "stop", True) from None
+    if stop.requested:
+        raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False)
+    if result.steps and result.steps != last_ckpt_step:
+        result.checkpoint = _save(trainer, ckpt_dir, result.steps, tr.keep_checkpoints)
+    if tr.export_hugging_face and result.steps > first:
+        result.export = str(_export(trainer, ckpt_dir, result.steps))
+    result.steps = max(result.steps, first)
+    if result.history:
+        result.final_reward = result.history[-1]["reward/mean"]
+    result.wall_s = time.perf_counter() - t_start
+    evaluated = {} if result.eval_reward is None else {"eval/reward_mean": result.eval_reward}
+    reporter.finish(
+        {
+            "steps": result.steps,
+            "final_reward": result.final_reward,
+            "wall_s": result.wall_s,
+            "time_to_0.9_s": result.time_to_reward(0.9),
+            **evaluated,
+        }
+    )
+
+
+def _newest(ckpt_dir: Path) -> str | None:
+    from .checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(ckpt_dir)
+    return str(path) if path is not None else None
 
 
 def _default_cache(out_dir: Path) -> Path:

@@ -2,7 +2,8 @@
 
 Starts a local Ray bound to 127.0.0.1 only, runs the same trainer as in the cluster, prints a
 summary. Exit codes: 0 done, 1 bad input (the message lists every problem, no traceback), 2 the
-training or the placement failed, 130 interrupted. Running the same command again resumes from
+training or the placement failed, 75 preempted (a SIGTERM answered with a checkpoint of the last
+completed step), 130 interrupted. Running the same command again resumes from
 the newest checkpoint in the output directory.
 
 This module imports neither torch nor Ray at import time (`ppojob validate` imports it to build
@@ -135,6 +136,7 @@ def train_locally(
         return 2
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import PlacementError
+    from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
     from ppojob_trainer.progress import LocalProgressReporter
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
@@ -155,6 +157,10 @@ def train_locally(
     try:
         start_local_ray(num_cpus=num_cpus)
         result = train(cfg, out_dir, reporter)
+    except Preempted as exc:
+        reporter.fail(f"{exc.reason}: {exc}")
+        print(f"ppojob run: {exc.reason}: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         reporter.fail("interrupted")  # ends the progress bar's line first
         print(

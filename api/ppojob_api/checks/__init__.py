@@ -20,6 +20,7 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
+from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -28,6 +29,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_top_p,
 )
 from ppojob_api.checks.pods import check_pod_fields
+from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
     check_backends,
     check_colocation,
@@ -85,6 +87,8 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_checkpoint_volume,
     check_gpu_precision,
     check_pod_fields,
+    check_grace_period,
+    check_pod_template,
 )
 """The checks of the cluster half (what only a PPOJob has)."""
 

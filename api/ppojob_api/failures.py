@@ -1,0 +1,188 @@
+"""Failure classes and the restart decision: pure functions, shared by the trainer (which names its
+own failures by exit code and a ``<Reason>: ...`` line) and the operator (which classifies a
+failed attempt and applies the decision).
+
+In the spirit of JobSet's ``failurePolicy`` rules and PyTorchJob's ``restartPolicy: ExitCode``:
+
+=================  =============================================  =================================
+class              seen as                                        action (spec.failurePolicy)
+=================  =============================================  =================================
+``Disruption``     the trainer's ``Preempted`` exit (code 75,     restart from the newest
+                   SIGTERM -> checkpoint -> exit), a pod evicted   checkpoint without counting
+                   or deleted, a node lost, the Ray head pod       against ``backoffLimit``
+                   gone, Kueue evicting the workload               (bounded by ``maxDisruptions``)
+``Application``    the trainer failed (reward function raised,     ``onApplicationError: Restart``
+                   a worker OOMKilled, any other error)            counts one of ``backoffLimit``;
+                                                                   ``Fail`` fails at once
+``Permanent``      the trainer's config is refused (exit 1,        fail at once
+                   ``InvalidConfig``), a worker could not start,
+                   the gang can never fit
+=================  =============================================  =================================
+
+Imports nothing beyond the standard library and the API's own models.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+PREEMPTED_EXIT_CODE = 75
+"""The trainer's exit code after a SIGTERM it answered with a checkpoint (sysexits' EX_TEMPFAIL:
+"a temporary failure; the user is invited to retry")."""
+
+CONFIG_EXIT_CODE = 1
+"""The trainer's exit code for a config it refuses."""
+
+FailureClass = Literal["Disruption", "Application", "Permanent"]
+
+_DISRUPTION_PATTERNS = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"\bPreempted: ",
+        r"\bStalled: ",  # a hung collective or a lost node, named by the trainer's watchdog
+        rf"exit(?:ed)? (?:with )?(?:exit )?code {PREEMPTED_EXIT_CODE}\b",
+        r"\bevicted\b",
+        r"\bDisruptionTarget\b",
+        r"\bnode (?:was )?(?:lost|not ready|deleted|drained)\b",
+        r"Ray head pod not found",
+        r"\bhead pod\b.*\b(?:deleted|not found|gone)\b",
+        r"\bpod (?:was )?deleted\b",
+        r"\bThe node (?:had|was)\b",
+        r"\bits node (?:has )?died\b",
+        r"\bnode [\w.:-]+ (?:was|has been) (?:terminated|marked dead|preempted)\b",
+    )
+]
+_PERMANENT_PATTERNS = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"\bInvalidConfig: ",
+        rf"exit(?:ed)? (?:with )?(?:exit )?code {CONFIG_EXIT_CODE}\b",
+        r"could not start: ",
+        r"\bGangIncomplete: ",
+        r"\bcan never fit\b",
+        r"^(?:DeadlineExceeded|PreRunningDeadlineExceeded|ValidationFailed)\b",
+    )
+]
+
+
+def classify(message: str, *, exit_code: int | None = None) -> FailureClass:
+    """The class of a failed attempt from what is known of it: the trainer's exit code when one
+    is known, else the messages (the trainer's ``status.progress.error``, the RayJob's message
+    and reason, a pod's status reason), joined."""
+    if exit_code == PREEMPTED_EXIT_CODE:
+        return "Disruption"
+    if exit_code == CONFIG_EXIT_CODE:
+        return "Permanent"
+    text = message or ""
+    if any(p.search(text) for p in _DISRUPTION_PATTERNS):
+        return "Disruption"
+    if any(p.search(text) for p in _PERMANENT_PATTERNS):
+        return "Permanent"
+    return "Application"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one failed attempt."""
+
+    action: Literal["Restart", "Fail"]
+    failure_class: FailureClass
+    reason: str
+    """CamelCase reason of the condition and event (``RestartingAfterDisruption``,
+    ``RestartingAfterError``, ``BackoffLimitExceeded``, ``DisruptionLimitExceeded``,
+    ``PermanentFailure``, ``ApplicationError``)."""
+    message: str
+    delay_seconds: int = 0
+    """Wait this long before the restart."""
+    counts: bool = False
+    """Whether this restart counts against backoffLimit."""
+
+
+def decide(
+    failure_class: FailureClass,
+    cause: str,
+    *,
+    backoff_limit: int,
+    counted_restarts: int,
+    disruption_restarts: int,
+    max_disruptions: int,
+    on_application_error: Literal["Restart", "Fail"],
+    retry_delay_seconds: int,
+    resumable: bool,
+) -> Decision:
+    """The restart decision for a failed attempt of class ``failure_class``, given the restarts
+    made so far (``counted_restarts`` against ``backoff_limit``, ``disruption_restarts`` against
+    ``max_disruptions``). ``resumable``: a checkpoint volume keeps checkpoints across attempts,
+    so a restart loses no completed step (without one a restart starts over)."""
+    where = "the newest checkpoint" if resumable else "step 0 (no spec.checkpointVolume)"
+    if failure_class == "Permanent":
+        return Decision("Fail", failure_class, "PermanentFailure", f"not retried: {cause}")
+    if failure_class == "Disruption":
+        if disruption_restarts < max_disruptions:
+            n = disruption_restarts + 1
+            return Decision(
+                "Restart",
+                failure_class,
+                "RestartingAfterDisruption",
+                f"disruption {n} of at most {max_disruptions} (not counted against "
+                f"backoffLimit); restarting from {where}: {cause}",
+                delay_seconds=0,
+            )
+        return Decision(
+            "Fail",
+            failure_class,
+            "DisruptionLimitExceeded",
+            f"{disruption_restarts} disruptions, spec.failurePolicy.maxDisruptions is "
+            f"{max_disruptions}: {cause}",
+        )
+    if on_application_error == "Fail":
+        return Decision(
+            "Fail",
+            failure_class,
+            "ApplicationError",
+            f"spec.failurePolicy.onApplicationError is Fail: {cause}",
+        )
+    if counted_restarts < backoff_limit:
+        n = counted_restarts + 1
+        return Decision(
+            "Restart",
+            failure_class,
+            "RestartingAfterError",
+            f"retry {n} of spec.backoffLimit {backoff_limit} in {retry_delay_seconds}s, from "
+            f"{where}: {cause}",
+            delay_seconds=retry_delay_seconds,
+            counts=True,
+        )
+    return Decision(
+        "Fail",
+        failure_class,
+        "BackoffLimitExceeded",
+        f"{counted_restarts} retries, spec.backoffLimit is {backoff_limit}: {cause}",
+    )
+
+
+def grace_problem(grace_seconds: int, step_seconds: float, checkpoint_seconds: float) -> str | None:
+    """Why ``grace_seconds`` cannot cover finishing a step and writing a checkpoint that took
+    ``step_seconds`` and ``checkpoint_seconds`` (with a 20 % margin), or None when it can."""
+    need = 1.2 * (step_seconds + checkpoint_seconds)
+    if grace_seconds >= need:
+        return None
+    return (
+        f"spec.failurePolicy.terminationGracePeriodSeconds {grace_seconds}s is shorter than a "
+        f"step ({step_seconds:.1f}s) plus a checkpoint ({checkpoint_seconds:.1f}s) with a 20% "
+        f"margin ({need:.0f}s): on SIGTERM the trainer abandons the step and completed steps "
+        f"since the last checkpoint are lost; raise it to at least {int(need) + 1}"
+    )
+
+
+__all__ = [
+    "CONFIG_EXIT_CODE",
+    "PREEMPTED_EXIT_CODE",
+    "Decision",
+    "FailureClass",
+    "classify",
+    "decide",
+    "grace_problem",
+]

@@ -1,0 +1,136 @@
+"""The real kopf operator against kmock: the failure policy applied. A preempted attempt is
+restarted (its RayJob deleted, the next attempt's created) without counting against
+backoffLimit, with a Normal event and the Restarted condition; an application error after it,
+with backoffLimit 0, fails the job with BackoffLimitExceeded and leaves the RayJob in place."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from tests.helpers.kmockenv import Operator, kube, wait_for
+from tests.operator.test_integration import (
+    PPO,
+    RJ,
+    cond,
+    create_job,
+    events,
+    job_status,
+    phase_is,
+    set_rayjob_status,
+)
+
+RUNNING = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+PREEMPTED = "Preempted: SIGTERM: finished the step in flight; 3 completed steps are in /ckpt"
+
+
+def attempt():
+    rj = kube.get(*RJ, "ns1", "demo") or {}
+    return (rj.get("metadata", {}).get("annotations") or {}).get("ppojob.io/attempt", "0")
+
+
+def is_event(e, type_, reason, text):
+    return e["type"] == type_ and e["reason"] == reason and text in e["message"]
+
+
+def trainer_error(line, step=3):
+    progress = {"step": step, "totalSteps": 10, "error": line}
+    kube.patch(*PPO, "ns1", "demo", {"status": {"progress": progress}}, "status")
+
+
+def test_a_preemption_restarts_uncounted_and_a_later_error_fails(cluster):
+    with Operator(cluster.url, ["ns1"]):
+        create_job()  # backoffLimit 0
+        wait_for(phase_is("Pending"))
+        set_rayjob_status({**RUNNING, "startTime": "2026-01-01T00:00:00Z"})
+        wait_for(phase_is("Running"))
+        # every phase transition is an event with the phase's reason
+        wait_for(
+            lambda: any(is_event(e, "Normal", "RayJobRunning", "-> Running") for e in events())
+        )
+        trainer_error(PREEMPTED)
+        set_rayjob_status(
+            {
+                "jobDeploymentStatus": "Failed",
+                "jobStatus": "FAILED",
+                "reason": "AppFailed",
+                "message": "Job entrypoint command failed with exit code 75",
+            }
+        )
+        wait_for(lambda: attempt() == "1", timeout=20)  # deleted and made again
+        wait_for(lambda: (job_status().get("lastRestart") or {}).get("recreated") is True)
+        st = job_status()
+        assert (st["disruptions"], st["restarts"]) == (1, 0)
+        assert st["lastRestart"]["reason"] == "RestartingAfterDisruption"
+        assert "Preempted: SIGTERM" in st["lastRestart"]["message"]
+        assert not st["progress"].get("error")  # the failed attempt's is cleared
+        assert st["progress"]["step"] == 3  # the rest of the trainer's progress stays
+        assert st["phase"] != "Failed"
+        restarted = cond("Restarted")
+        assert (restarted["status"], restarted["reason"]) == ("True", "RestartingAfterDisruption")
+        ev = [e for e in events() if e["reason"] == "RestartingAfterDisruption"]
+        assert ev and ev[0]["type"] == "Normal" and "not counted" in ev[0]["message"]
+
+        # the next attempt fails in the reward function: backoffLimit 0 -> the job fails
+        set_rayjob_status(RUNNING)
+        wait_for(phase_is("Running"))
+        trainer_error("training failed: ValueError: reward function returned 3 scores for 4")
+        set_rayjob_status(
+            {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}
+        )
+        wait_for(phase_is("Failed"))
+        wait_for(lambda: any(e["reason"] == "BackoffLimitExceeded" for e in events()))
+        assert attempt() == "1"  # not restarted
+        st = job_status()
+        assert (st["disruptions"], st["restarts"]) == (1, 0)
+        assert cond("Failed")["reason"] == "TrainerFailed"
+        wait_for(
+            lambda: any(
+                is_event(e, "Warning", "TrainerFailed", "Running -> Failed: training failed")
+                for e in events()
+            )
+        )
+
+
+def test_queueing_past_the_queue_timeout_fails_with_the_schedulers_reason(cluster):
+    """An attempt still Initializing after spec.scheduling.queueTimeoutSeconds: the job fails
+    with QueueTimeout, naming what it waited for and the scheduler's message for its pending
+    pod, and its RayJob is deleted (nothing stays held). kmock: a pod written as the scheduler
+    would leave it."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "demo-head-x",
+            "namespace": "ns1",
+            "labels": {"ppojob.io/job": "demo"},
+        },
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/10 nodes are available: 10 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        },
+    }
+    kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling={"queueTimeoutSeconds": 2})
+        wait_for(phase_is("Pending"))
+        # kmock keeps no creationTimestamp: KubeRay's startTime of the attempt stands in
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        set_rayjob_status({"jobDeploymentStatus": "Initializing", "startTime": now})
+        wait_for(phase_is("Failed"), timeout=20)
+        failed = cond("Failed")
+        assert failed["reason"] == "QueueTimeout"
+        assert (
+            "queueTimeoutSeconds" in failed["message"] and "RayJobInitializing" in failed["message"]
+        )
+        assert "pod demo-head-x: 0/10 nodes are available" in failed["message"]
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo") is None)
+        assert job_status()["phase"] == "Failed"
+        assert any(e["reason"] == "QueueTimeout" for e in events())

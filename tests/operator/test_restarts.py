@@ -1,0 +1,259 @@
+"""Pure: a failed RayJob attempt -> restart or fail (ppojob_operator.restarts), the status it
+leaves (counters, lastRestart, the Restarted condition, Initializing while the next attempt is
+made), and the pod settings a preemption needs (grace period, the head's preStop hook)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppojob_api.validation import validate_manifest
+from ppojob_operator import builders, restarts
+from ppojob_operator.status import desired_status
+from tests.helpers.manifests import base_manifest
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def job(**spec):
+    return validate_manifest(base_manifest(**spec))
+
+
+def rayjob(j, dep="Failed", js="FAILED", attempt=0, **status):
+    rj = builders.build_children(j, namespace="ns1", restart=attempt)[-1]
+    rj["status"] = {"jobDeploymentStatus": dep, "jobStatus": js, **status}
+    return rj
+
+
+PREEMPTED = "Preempted: SIGTERM: finished the step in flight; 3 completed steps are in ..."
+TABLE = [
+    # (RayJob dep/js, its reason/message, trainer error, backoffLimit, status) -> action, reason
+    (
+        "Failed",
+        "FAILED",
+        {"reason": "AppFailed"},
+        PREEMPTED,
+        0,
+        {},
+        "Restart",
+        "RestartingAfterDisruption",
+    ),
+    (
+        "Failed",
+        "",
+        {"reason": "AppFailed", "message": "Ray head pod not found."},
+        None,
+        0,
+        {},
+        "Restart",
+        "RestartingAfterDisruption",
+    ),
+    (
+        "Complete",
+        "FAILED",
+        {"message": "failed with exit code 2"},
+        "training failed: KeyError: 'x'",
+        1,
+        {},
+        "Restart",
+        "RestartingAfterError",
+    ),
+    (
+        "Complete",
+        "FAILED",
+        {},
+        "training failed: KeyError: 'x'",
+        1,
+        {"restarts": 1},
+        "Fail",
+        "BackoffLimitExceeded",
+    ),
+    (
+        "Complete",
+        "FAILED",
+        {},
+        "training failed: KeyError: 'x'",
+        0,
+        {},
+        "Fail",
+        "BackoffLimitExceeded",
+    ),
+    ("Failed", "", {"reason": "DeadlineExceeded"}, None, 3, {}, "Fail", "PermanentFailure"),
+    ("Failed", "FAILED", {}, PREEMPTED, 0, {"disruptions": 10}, "Fail", "DisruptionLimitExceeded"),
+    ("Complete", "SUCCEEDED", {}, None, 3, {}, None, None),
+    ("Running", "RUNNING", {}, None, 3, {}, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("dep", "js", "extra", "error", "limit", "status", "action", "reason"), TABLE
+)
+def test_decision(dep, js, extra, error, limit, status, action, reason) -> None:
+    j = job(backoffLimit=limit)
+    d = restarts.decision(j, rayjob(j, dep, js, **extra), status, error)
+    assert (d and d.action, d and d.reason) == (action, reason)
+
+
+STALLED = "Stalled: no step progress for 1800s: actor rank 1 (train) did not report"
+
+
+@pytest.mark.parametrize(
+    ("on_stall", "action", "reason"),
+    [("Restart", "Restart", "RestartingAfterDisruption"), ("Fail", "Fail", "PermanentFailure")],
+)
+def test_a_stalled_attempt_follows_on_stall(on_stall, action, reason) -> None:
+    j = job(failurePolicy={"onStall": on_stall})
+    d = restarts.decision(j, rayjob(j), {}, STALLED)
+    assert (d.action, d.reason) == (action, reason)
+    assert "actor rank 1 (train)" in d.message
+
+
+def test_the_trainer_config_carries_the_stall_timeout() -> None:
+    from ppojob_api.validation import trainer_config_from_spec
+
+    assert trainer_config_from_spec(job().spec).stall_timeout_seconds == 1800
+    off = job(failurePolicy={"stallTimeoutSeconds": 0}).spec
+    assert trainer_config_from_spec(off).stall_timeout_seconds is None
+
+
+def test_an_attempt_already_decided_is_not_decided_again() -> None:
+    j = job()
+    rj = rayjob(j, attempt=2)
+    assert restarts.decision(j, rj, {"lastRestart": {"attempt": 2}}, PREEMPTED) is None
+    assert restarts.decision(j, rj, {"lastRestart": {"attempt": 1}}, PREEMPTED) is not None
+
+
+def test_a_suspended_job_is_not_restarted() -> None:
+    j = job(suspend=True)
+    assert restarts.decision(j, rayjob(j), {}, PREEMPTED) is None
+
+
+def test_a_disruption_restart_leaves_counters_condition_and_initializing() -> None:
+    j = job(backoffLimit=1)
+    rj = rayjob(j, attempt=0)
+    d = restarts.decision(j, rj, {}, PREEMPTED)
+    prev = restarts.restart_status({}, d, rj, NOW)
+    assert (prev["restarts"], prev["disruptions"]) == (0, 1)  # not counted against backoffLimit
+    st = desired_status(j, rj, generation=1, previous=prev, now=NOW)
+    assert st["phase"] == "Initializing"  # the failed attempt is being replaced
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Failed"]["status"] == "False"
+    assert conds["Restarted"]["status"] == "True"
+    assert conds["Restarted"]["reason"] == "RestartingAfterDisruption"
+    assert "Preempted: SIGTERM" in conds["Restarted"]["message"]
+    assert conds["Running"]["reason"] == "RestartingAfterDisruption"
+    assert restarts.pending_restart(st, rj) and restarts.pending_restart(st, None)
+    # the next attempt's RayJob exists: recreated, and the job follows it again
+    nxt = rayjob(j, "Running", "RUNNING", attempt=restarts.next_attempt(st))
+    assert nxt["metadata"]["annotations"][restarts.ATTEMPT_ANNOTATION] == "1"
+    st2 = desired_status(j, nxt, generation=1, previous=st, now=NOW)
+    assert st2["phase"] == "Running" and st2["lastRestart"]["recreated"] is True
+    assert not restarts.pending_restart(st2, nxt)
+    assert (st2["restarts"], st2["disruptions"]) == (0, 1)
+    # a later application error is counted once
+    failed = rayjob(j, "Complete", "FAILED", attempt=1)
+    d2 = restarts.decision(j, failed, st2, "training failed: ValueError: bad reward")
+    assert d2.counts and restarts.restart_status(st2, d2, failed, NOW)["restarts"] == 1
+
+
+def test_restart_delay_counts_from_the_decision() -> None:
+    st = {"lastRestart": {"time": "2026-01-01T00:00:00Z"}}
+    t0 = 1767225600.0  # 2026-01-01T00:00:00Z
+    assert restarts.restart_delay(st, 30, t0 + 10) == pytest.approx(20)
+    assert restarts.restart_delay(st, 30, t0 + 40) == 0
+
+
+def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
+    j = job(failurePolicy={"terminationGracePeriodSeconds": 300})
+    rj = builders.build_children(j, namespace="ns1")[-1]
+    spec = rj["spec"]
+    assert spec["backoffLimit"] == 0  # the operator decides retries, not KubeRay
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    workers = [g["template"]["spec"] for g in spec["rayClusterSpec"]["workerGroupSpecs"]]
+    for pod in (head, *workers):
+        assert pod["terminationGracePeriodSeconds"] == 300
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["PPOJOB_GRACE_SECONDS"] == "300"
+    hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+    assert env["PPOJOB_STOP_FILE"] in hook[-1] and env["PPOJOB_RUNNING_FILE"] in hook[-1]
+    assert all("lifecycle" not in w["containers"][0] for w in workers)
+
+
+def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off() -> None:
+    kinds = [c["kind"] for c in builders.build_children(job(), namespace="ns1")]
+    assert kinds.index("PodDisruptionBudget") < kinds.index("RayJob")  # before the pods exist
+    pdb = next(
+        c
+        for c in builders.build_children(job(), namespace="ns1", uid="u1")
+        if c["kind"] == "PodDisruptionBudget"
+    )
+    assert pdb["spec"] == {
+        "maxUnavailable": 0,
+        "selector": {"matchLabels": {"ppojob.io/job": "demo"}},
+    }
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    rj = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    templates = [rj["headGroupSpec"]["template"]] + [g["template"] for g in rj["workerGroupSpecs"]]
+    assert all(t["metadata"]["labels"]["ppojob.io/job"] == "demo" for t in templates)
+    off = job(failurePolicy={"podDisruptionBudget": False})
+    assert "PodDisruptionBudget" not in [
+        c["kind"] for c in builders.build_children(off, namespace="ns1")
+    ]
+
+
+def test_the_trainer_token_is_mounted_only_in_the_head_pod() -> None:
+    rj = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    head = rj["headGroupSpec"]["template"]["spec"]
+    assert head.get("automountServiceAccountToken", True) is True  # the driver writes progress
+    for group in rj["workerGroupSpecs"]:
+        assert group["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+TEMPLATE = {
+    "labels": {"team": "rl"},
+    "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "envFrom": [{"configMapRef": {"name": "settings"}, "prefix": "APP_"}],
+    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+}
+
+
+def test_the_pod_template_reaches_every_pod_and_ppojob_render(tmp_path, capsys) -> None:
+    import yaml
+
+    from ppojob_cli.main import main as ppojob
+
+    j = job(podTemplate=TEMPLATE)
+    rj = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    templates = [rj["headGroupSpec"]["template"]] + [g["template"] for g in rj["workerGroupSpecs"]]
+    for t in templates:
+        assert t["metadata"]["labels"]["team"] == "rl"
+        assert t["metadata"]["labels"]["ppojob.io/job"] == "demo"
+        assert t["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        c = t["spec"]["containers"][0]
+        assert TEMPLATE["env"][0] in c["env"]
+        assert c["envFrom"] == TEMPLATE["envFrom"]
+        assert TEMPLATE["volumes"][0] in t["spec"]["volumes"]
+        assert TEMPLATE["volumeMounts"][0] in c["volumeMounts"]
+        assert {"name": "trainer-config"}.items() <= t["spec"]["volumes"][0].items()
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(base_manifest(podTemplate=TEMPLATE)))
+    assert ppojob(["render", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "karpenter.sh/do-not-disrupt" in out and "secretKeyRef" in out and "claimName: data" in out
+    )
+
+
+@pytest.mark.parametrize(("timeout", "permit", "applied"), [(600, 60, 60), (42, 60, 42)])
+def test_the_permit_timeout_is_short_and_never_beyond_the_job_timeout(timeout, permit, applied):
+    j = job(
+        scheduling={
+            "gangScheduler": "scheduler-plugins",
+            "timeoutSeconds": timeout,
+            "permitTimeoutSeconds": permit,
+        }
+    )
+    pg = next(c for c in builders.build_children(j, namespace="ns1") if c["kind"] == "PodGroup")
+    assert pg["spec"]["scheduleTimeoutSeconds"] == applied

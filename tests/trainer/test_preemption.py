@@ -1,0 +1,139 @@
+"""Preemption: a SIGTERM mid-training ends `ppojob run` after the step in flight with a checkpoint
+of it and exit code 75; running the same command again resumes there with no completed step lost
+and none run twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ppojob_api.failures import PREEMPTED_EXIT_CODE, classify
+from ppojob_trainer.checkpoint import latest_checkpoint, read_manifest
+from ppojob_trainer.preemption import StopSignal, watch
+from ppojob_trainer.progress import METRICS_FILE, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "ppojob-tiny.yaml"
+STEPS = 6
+
+
+def _command(out: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ppojob_cli",
+        "run",
+        str(TINY),
+        "--steps",
+        str(STEPS),
+        "--set",
+        "data.rolloutBatchSize=4",
+        "--set",
+        "training.miniBatchSize=32",
+        "--set",
+        "training.checkpointInterval=0",  # only the end (and the preemption) checkpoints
+        "--num-cpus",
+        "2",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll a file-backed condition; fail early if the process ended."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"ppojob run ended (rc {proc.returncode}) before the condition")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for training progress")
+        time.sleep(0.05)
+
+
+def _ckpt_step(out: Path) -> int | None:
+    path = latest_checkpoint(out / "checkpoints")
+    return None if path is None else (read_manifest(path) or {}).get("step")
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_last_completed_step_and_resume_loses_none(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env["PPOJOB_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.Popen(_command(out), env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        # one step reported: the next one is in flight
+        _wait_for(lambda: len(read_metrics(out)) >= 1, proc, timeout=300)
+        seen = len(read_metrics(out))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
+    assert "Preempted: SIGTERM" in err
+    before = read_metrics(out)
+    done = len(before)
+    assert seen <= done < STEPS  # stopped early, at a step boundary at or after the signal
+    assert [r["step"] for r in before] == list(range(1, done + 1))
+    assert _ckpt_step(out) == done  # the checkpoint holds the last completed step
+    assert classify(err.strip().splitlines()[-1]) == "Disruption"
+    lines_before = (out / METRICS_FILE).read_text().splitlines()
+
+    again = subprocess.run(_command(out), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    after = read_metrics(out)
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1))
+    # the steps done before the preemption were not run again: their records are untouched
+    assert (out / METRICS_FILE).read_text().splitlines()[:done] == lines_before
+    assert _ckpt_step(out) == STEPS
+
+
+def test_stop_signal_sets_on_sigterm_and_restores_the_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with watch(grace_seconds=None) as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(5)
+        assert stop.cause == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_file_requests_a_stop_and_the_running_file_goes(tmp_path, monkeypatch) -> None:
+    """The head's preStop hook touches the stop file and waits while the running file exists."""
+    stop_file, running = tmp_path / "stop", tmp_path / "running"
+    monkeypatch.setenv("PPOJOB_STOP_FILE", str(stop_file))
+    monkeypatch.setenv("PPOJOB_RUNNING_FILE", str(running))
+    with watch() as stop:
+        assert running.exists()
+        stop_file.touch()
+        assert stop.wait(10)
+        assert stop.cause == f"stop file {stop_file}"
+    assert not running.exists()
+
+
+def test_a_step_that_outlives_the_grace_period_is_abandoned() -> None:
+    stop = StopSignal(grace_seconds=2.1)  # 0.1 s before the margin runs out
+    stop.in_step = True
+    stop.request("SIGTERM")
+    with pytest.raises(KeyboardInterrupt):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # a step that does not end
+            time.sleep(0.01)
+    assert stop.abandoned
+
+
+def test_a_step_that_ends_in_time_is_not_abandoned() -> None:
+    stop = StopSignal(grace_seconds=2.1)
+    stop.in_step = False  # the step finished before the deadline
+    stop.request("SIGTERM")
+    assert stop._timer is not None
+    stop._timer.join(5)
+    assert not stop.abandoned

@@ -1,0 +1,162 @@
+"""Preemption: a SIGTERM (pod deletion, eviction, suspend) ends the run at a step boundary with a
+checkpoint, and the process exits ``Preempted`` (code 75, ``ppojob_api.failures``).
+
+Kubernetes sends SIGTERM to a pod's containers and SIGKILL ``terminationGracePeriodSeconds``
+later. The driver of a Ray job is not the head container's first process, so the operator also
+gives the head container a ``preStop`` hook that touches :data:`STOP_FILE_ENV`'s file (kubelet
+runs it before the SIGTERM, inside the same grace period) and waits for the trainer's
+:data:`RUNNING_FILE_ENV` file to go. Either way, :class:`StopSignal` is set, and the training loop:
+
+- lets the step in flight finish (the workers cannot be checkpointed mid-step), writes a
+  checkpoint of it, and raises :class:`Preempted`;
+- when the grace period left cannot cover the rest of the step plus a checkpoint (it measures
+  both), abandons the step: the main thread is interrupted at ``grace - checkpoint cost - margin``
+  and the run ends with the newest checkpoint already written (completed steps since it are lost;
+  ``failures.grace_problem`` warns of this beforehand).
+
+No torch, no Ray: the loop and the command lines share it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from ppojob_api.failures import PREEMPTED_EXIT_CODE
+
+log = logging.getLogger(__name__)
+
+STOP_FILE_ENV = "PPOJOB_STOP_FILE"
+"""A file whose appearance asks the trainer to stop as on SIGTERM (the head's preStop hook)."""
+RUNNING_FILE_ENV = "PPOJOB_RUNNING_FILE"
+"""A file that exists while the training loop runs (the preStop hook waits while it does)."""
+GRACE_ENV = "PPOJOB_GRACE_SECONDS"
+"""The pods' grace period in seconds (the operator sets it from the spec)."""
+MARGIN_S = 2.0
+"""Kept free at the end of the grace period (process exit, Ray shutdown)."""
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopSignal", "watch"]
+
+
+class Preempted(Exception):
+    """The run stopped on request; ``step`` completed steps are in ``checkpoint``."""
+
+    reason = "Preempted"
+
+    def __init__(self, step: int, checkpoint: str | None, cause: str, abandoned: bool) -> None:
+        self.step, self.checkpoint, self.cause, self.abandoned = step, checkpoint, cause, abandoned
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
+        what = "abandoned the step in flight" if abandoned else "finished the step in flight"
+        super().__init__(
+            f"{cause}: {what}; {step} completed steps are in {where}; the next run resumes there"
+        )
+
+
+class StopSignal:
+    """Set once a stop was asked for (SIGTERM or the stop file); knows the grace period left."""
+
+    def __init__(self, grace_seconds: float | None = None, stop_file: Path | None = None) -> None:
+        self.grace_seconds = grace_seconds
+        self.stop_file = stop_file
+        self.cause: str | None = None
+        self.at: float | None = None
+        self.checkpoint_seconds = 0.0
+        """Measured cost of the last checkpoint (the loop updates it)."""
+        self.in_step = False
+        self.abandoned = False
+        self._event = threading.Event()
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self, cause: str) -> None:
+        """Ask for a stop (idempotent); arms the abandon timer when a grace period is known."""
+        if self._event.is_set():
+            return
+        self.cause, self.at = cause, time.monotonic()
+        self._event.set()
+        log.warning("%s: stopping after the step in flight, with a checkpoint", cause)
+        if self.grace_seconds is not None:
+            budget = self.grace_seconds - self.checkpoint_seconds - MARGIN_S
+            self._timer = threading.Timer(max(budget, 0.0), self._abandon)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _abandon(self) -> None:
+        if self.in_step:
+            self.abandoned = True
+            log.warning("grace period nearly over: abandoning the step in flight")
+            _thread.interrupt_main()  # KeyboardInterrupt in the loop's ray.get
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _poll_stop_file(self, done: threading.Event) -> None:
+        assert self.stop_file is not None
+        while not done.wait(0.5):
+            if self.stop_file.exists():
+                self.request(f"stop file {self.stop_file}")
+                return
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        log.warning("%s=%r is not a number; ignored", name, raw)
+        return None
+
+
+@contextmanager
+def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
+    """A :class:`StopSignal` set by SIGTERM (main thread only) or by the stop file named in
+    ``$PPOJOB_STOP_FILE``; the previous SIGTERM handler is restored on exit. The file
+    ``$PPOJOB_RUNNING_FILE`` exists meanwhile."""
+    if grace_seconds is None:
+        grace_seconds = _env_float(GRACE_ENV)
+    raw_stop = os.environ.get(STOP_FILE_ENV)
+    stop = StopSignal(grace_seconds, Path(raw_stop) if raw_stop else None)
+    previous = None
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+
+        def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+            stop.request("SIGTERM")
+
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    running = os.environ.get(RUNNING_FILE_ENV)
+    if running:
+        try:
+            Path(running).write_text(f"{os.getpid()}\n")
+        except OSError:
+            log.warning("could not write %s", running)
+            running = None
+    done = threading.Event()
+    poller = None
+    if stop.stop_file is not None:
+        poller = threading.Thread(target=stop._poll_stop_file, args=(done,), daemon=True)
+        poller.start()
+    try:
+        yield stop
+    finally:
+        done.set()
+        stop.cancel()
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if running:
+            Path(running).unlink(missing_ok=True)
