@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import GangIncompleteError, PlacementError
-    from ppojob_trainer.preflight import preflight
     from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from ppojob_trainer.preflight import preflight
     from ppojob_trainer.runtime import connect_ray, shutdown_ray
     from ppojob_trainer.watchdog import StallError
 
