@@ -769,5 +769,5 @@ def test_the_operators_own_environment_variables_are_reserved_in_the_api() -> No
     from ppojob_api.checks.settings import RESERVED_ENV
     from ppojob_operator import builders
 
-    own = {e["name"] for e in builders._env("actor", []) if "name" in e}
+    own = {e["name"] for role in ("head", "actor") for e in builders._env(role, [], 30)}
     assert own <= set(RESERVED_ENV), own - set(RESERVED_ENV)
