@@ -67,7 +67,9 @@ def test_eval_prompts_are_validated():
     bad = TrainerConfig.model_validate({"data": {"evalPrompts": "builtin:nope"}})
     assert [p.path for p in check_training_half(bad)] == ["spec.data.evalPrompts"]
     no_reward = TrainerConfig.model_validate({"data": {"evalPrompts": "held_out.jsonl"}})
-    assert [p.path for p in check_training_half(no_reward)] == ["spec.data.rewardFunction"]
+    # blamed where the user wrote it (issue 23, item 8), the fix naming rewardFunction
+    (problem,) = check_training_half(no_reward)
+    assert problem.path == "spec.data.evalPrompts" and "rewardFunction" in str(problem)
 
 
 def test_eval_reward_reaches_the_bar_and_the_status():
