@@ -49,6 +49,7 @@ _DISRUPTION_PATTERNS = [
         r"Ray head pod not found",
         r"\bhead pod\b.*\b(?:deleted|not found|gone)\b",
         r"\bpod (?:was )?deleted\b",
+        r"\bpod [\w.-]+ (?:was )?deleted\b",  # the operator's own line for a lost pod
         r"\bThe node (?:had|was)\b",
         r"\bits node (?:has )?died\b",
         r"\bnode [\w.:-]+ (?:was|has been) (?:terminated|marked dead|preempted)\b",

@@ -111,6 +111,9 @@ class JobState:
     """Retries in a row."""
     attempts: int = 0
     """YuniKorn applications made (resumes, retries)."""
+    lost_pods: dict[str, list[str]] = field(default_factory=dict)
+    """Per Ray cluster: its pods deleted while it ran, one line each ("pod X was deleted"):
+    the failure of that attempt is then a disruption (a lost pod), not the trainer's error."""
     rayjob_deletions: int = 0
     """RayJob DELETED events seen: a pass that read the RayJob before one of them must not
     write a status from that copy."""
@@ -352,7 +355,10 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
             sched = effective_scheduler(job, state.config.gang_default)
             progress = (body.get("status") or {}).get("progress") or {}
             trainer_error = progress.get("error")
-            decided = restarts.decision(job, rj, base, trainer_error)
+            cluster = (rj.get("status") or {}).get("rayClusterName") or ""
+            decided = restarts.decision(
+                job, rj, base, trainer_error, lost_pods=st.lost_pods.get(cluster, [])
+            )
             previous = base
             if decided is not None and decided.action == "Restart":
                 previous = {**base, **restarts.restart_status(base, decided, rj, _now())}
@@ -880,14 +886,23 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
     await sync_status(state, st)
 
 
-async def on_pod_event(state: State, pod: dict[str, Any]) -> None:
-    """A pod of one of our jobs changed: an image it cannot get fails the job (the verdict is
-    written first, then the RayJob is suspended so that KubeRay removes every pod of it)."""
+async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = None) -> None:
+    """A pod of one of our jobs changed: a deleted one is remembered for its attempt (its
+    failure is then a disruption); an image it cannot get fails the job (the verdict is written
+    first, then the RayJob is suspended so that KubeRay removes every pod of it)."""
     meta = pod.get("metadata") or {}
-    name = (meta.get("labels") or {}).get(JOB_LABEL)
-    if not name or meta.get("deletionTimestamp"):
+    labels = meta.get("labels") or {}
+    name = labels.get(JOB_LABEL)
+    if not name:
         return
     st = state.get((meta.get("namespace") or "", name))
+    if type == "DELETED" or meta.get("deletionTimestamp"):
+        cluster = labels.get("ray.io/cluster") or ""
+        phase = ((st.body or {}).get("status") or {}).get("phase") if st is not None else None
+        line = f"pod {meta.get('name')} was deleted"
+        if st is not None and phase == "Running" and line not in st.lost_pods.get(cluster, []):
+            st.lost_pods.setdefault(cluster, []).append(line)
+        return
     if st is None or st.body is None or (st.note or ("",))[0] == "Failed":
         return
     why = pods.unavailable_image(pod, dt.datetime.now(dt.timezone.utc))
@@ -957,7 +972,9 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     async def _rayjob_event(type: str | None, body: Any, **_: Any) -> None:
         await on_rayjob_event(state, type, _plain(body))
 
-    def _waiting(body: Any, **_: Any) -> bool:
+    def _waiting(body: Any, type: str | None = None, **_: Any) -> bool:
+        if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return True
         statuses = (body.get("status") or {}).get("containerStatuses") or []
         statuses += (body.get("status") or {}).get("initContainerStatuses") or []
         return any("waiting" in (cs.get("state") or {}) for cs in statuses)
@@ -967,8 +984,8 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
         "", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, when=_waiting, registry=registry
     )
     @metrics.instrumented("pod_event")
-    async def _pod_event(body: Any, **_: Any) -> None:
-        await on_pod_event(state, _plain(body))
+    async def _pod_event(type: str | None, body: Any, **_: Any) -> None:
+        await on_pod_event(state, _plain(body), type)
 
     def _deleted(type: str | None, **_: Any) -> bool:
         return type == "DELETED"

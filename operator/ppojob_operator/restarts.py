@@ -48,10 +48,17 @@ def failure_cause(rayjob: dict[str, Any], trainer_error: str | None) -> str:
 
 
 def decision(
-    job: PPOJob, rayjob: dict[str, Any], status: dict[str, Any], trainer_error: str | None
+    job: PPOJob,
+    rayjob: dict[str, Any],
+    status: dict[str, Any],
+    trainer_error: str | None,
+    lost_pods: list[str] | tuple[str, ...] = (),
 ) -> Decision | None:
     """What to do about the RayJob's failed attempt; None when it has not failed, or when this
-    attempt's restart was already decided (``status.lastRestart.attempt``)."""
+    attempt's restart was already decided (``status.lastRestart.attempt``). ``lost_pods``: the
+    attempt's pods deleted while it ran ("pod X was deleted"): with one, the failure is a
+    disruption whatever the trainer saw (a worker killed with its node reaches the trainer as
+    Ray's ActorDiedError, which names no cause)."""
     if not attempt_failed(rayjob):
         return None
     last = status.get("lastRestart") or {}
@@ -60,6 +67,8 @@ def decision(
     if job.spec.suspend:
         return None  # a suspended job is not restarted (resuming it starts a new attempt)
     cause = failure_cause(rayjob, trainer_error)
+    if lost_pods:
+        cause = f"{cause}; {'; '.join(lost_pods)}"
     policy = job.spec.failure_policy
     klass = classify(cause)
     if policy.on_stall == "Fail" and "Stalled: " in cause:

@@ -257,3 +257,15 @@ def test_the_permit_timeout_is_short_and_never_beyond_the_job_timeout(timeout, p
     )
     pg = next(c for c in builders.build_children(j, namespace="ns1") if c["kind"] == "PodGroup")
     assert pg["spec"]["scheduleTimeoutSeconds"] == applied
+
+
+def test_an_attempt_that_lost_a_pod_is_a_disruption_whatever_the_trainer_saw() -> None:
+    """Seen on a real node (tests/realnode): a worker pod killed mid-step reaches the trainer as
+    Ray's ActorDiedError, a message that names no cause; the operator saw the pod deleted."""
+    j = job(backoffLimit=3)
+    died = "training failed: ActorDiedError: The actor died unexpectedly before finishing this task"
+    alone = restarts.decision(j, rayjob(j), {}, died)
+    assert alone is not None and alone.failure_class == "Application"
+    lost = restarts.decision(j, rayjob(j), {}, died, lost_pods=["pod tiny-x-worker-1 was deleted"])
+    assert lost is not None and lost.failure_class == "Disruption" and lost.action == "Restart"
+    assert "pod tiny-x-worker-1 was deleted" in lost.message

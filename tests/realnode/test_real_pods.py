@@ -481,6 +481,7 @@ def progress_step(job: dict[str, Any]) -> int:
 
 
 DISRUPTION_STEPS = 60  # ~30 s of training after the disruption at step 6
+SUSPEND_STEPS = 150  # a suspension takes KubeRay a while: it must land mid-run
 
 
 @pytest.mark.parametrize(
@@ -519,7 +520,8 @@ def test_a_lost_pod_restarts_the_job_from_the_newest_checkpoint(
     assert deleted, "the job ended before a pod was deleted"
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     status = job["status"]
-    assert status.get("restarts", 0) >= 1 and status.get("disruptions", 0) >= 1, status
+    # a disruption: restarted, and not counted against spec.backoffLimit
+    assert status.get("disruptions", 0) >= 1 and not status.get("restarts"), status
     runs = attempts(metrics(host))
     assert len(runs) == 2, runs
     first, second = runs
@@ -538,7 +540,7 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     cluster, ns, name = real_cluster, "suspend", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
-    apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=1))
+    apply(cluster, ppojob(cluster, name, ns, SUSPEND_STEPS, claim="ckpt", interval=1))
     wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 6, 600, "step 6", interval=1.0)
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
@@ -553,7 +555,8 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     saved = checkpoints(host)
     assert saved and saved[-1] >= 6, saved  # the checkpoint stays on the volume
     before = attempts(metrics(host))
-    assert len(before) == 1 and saved[-1] == before[0][-1], (saved, before)  # SIGTERM: saved
+    assert len(before) == 1 and before[0][-1] < SUSPEND_STEPS, before  # stopped mid-run
+    assert saved[-1] >= before[0][-1] - 1, (saved, before)  # at most the step in flight lost
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
@@ -562,4 +565,4 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     runs = attempts(metrics(host))
     assert len(runs) == 2, runs
     assert runs[1][0] == saved[-1] + 1, (saved, runs)  # resumed from the newest checkpoint
-    assert runs[1][-1] == DISRUPTION_STEPS
+    assert runs[1][-1] == SUSPEND_STEPS
