@@ -323,3 +323,19 @@ class Operator:
         self._thread.join(30)
         if exc_type is None:  # an exception of the test's own goes first
             self.check()
+
+
+def job_pod(status: dict[str, Any], *, image: str = "i", container: str = "c") -> dict[str, Any]:
+    """A pod of job ``demo`` in ns1 (labelled as KubeRay's pods of our jobs are), with ``status``
+    written as the kubelet or the scheduler would leave it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "demo-head-x",
+            "namespace": "ns1",
+            "labels": {"ppojob.io/job": "demo"},
+        },
+        "spec": {"containers": [{"name": container, "image": image}]},
+        "status": status,
+    }

@@ -20,7 +20,7 @@ import threading
 import pytest
 
 from ppojob_operator import k8s
-from tests.helpers.kmockenv import Operator, OperatorFailed, kube, wait_for
+from tests.helpers.kmockenv import Operator, OperatorFailed, job_pod, kube, wait_for
 from tests.helpers.manifests import base_manifest
 
 PPO = ("ppojob.io/v1alpha1", "PPOJob")
@@ -661,21 +661,12 @@ def test_a_pod_that_cannot_get_its_image_fails_the_job_and_suspends_its_rayjob(c
         wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
         wait_for(phase_is("Pending"))
         waiting = {"reason": "ErrImageNeverPull", "message": "image is not present"}
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": "demo-head-x",
-                "namespace": "ns1",
-                "labels": {"ppojob.io/job": "demo"},
-            },
-            "spec": {"containers": [{"name": "ray-head", "image": "reg/trainer:bad"}]},
-            "status": {
-                "containerStatuses": [
-                    {"name": "ray-head", "image": "reg/trainer:bad", "state": {"waiting": waiting}}
-                ]
-            },
+        status = {
+            "containerStatuses": [
+                {"name": "ray-head", "image": "reg/trainer:bad", "state": {"waiting": waiting}}
+            ]
         }
+        pod = job_pod(status, image="reg/trainer:bad", container="ray-head")
         kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
         wait_for(phase_is("Failed"), timeout=20)
         failed = cond("Failed")

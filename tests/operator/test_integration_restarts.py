@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from tests.helpers.kmockenv import Operator, kube, wait_for
+from tests.helpers.kmockenv import Operator, job_pod, kube, wait_for
 from tests.operator.test_integration import (
     PPO,
     RJ,
@@ -96,16 +96,8 @@ def test_queueing_past_the_queue_timeout_fails_with_the_schedulers_reason(cluste
     with QueueTimeout, naming what it waited for and the scheduler's message for its pending
     pod, and its RayJob is deleted (nothing stays held). kmock: a pod written as the scheduler
     would leave it."""
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "demo-head-x",
-            "namespace": "ns1",
-            "labels": {"ppojob.io/job": "demo"},
-        },
-        "spec": {"containers": [{"name": "c", "image": "i"}]},
-        "status": {
+    pod = job_pod(
+        {
             "phase": "Pending",
             "conditions": [
                 {
@@ -115,8 +107,8 @@ def test_queueing_past_the_queue_timeout_fails_with_the_schedulers_reason(cluste
                     "message": "0/10 nodes are available: 10 Insufficient nvidia.com/gpu.",
                 }
             ],
-        },
-    }
+        }
+    )
     kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
     with Operator(cluster.url, ["ns1"]):
         create_job(scheduling={"queueTimeoutSeconds": 2})
