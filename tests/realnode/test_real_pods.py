@@ -463,25 +463,29 @@ def test_an_image_that_does_not_exist_fails_the_job_with_the_reason(
 # --------------------------------------------------------------------------- disruptions
 
 
-def attempts(rows: list[dict[str, Any]]) -> list[list[int]]:
-    """The steps of each attempt in metrics.jsonl (every attempt appends; its clock restarts)."""
-    out: list[list[int]] = []
-    last = None
-    for r in rows:
-        t = r.get("elapsed_seconds")
-        if last is None or t is None or t < last:
-            out.append([])
-        out[-1].append(int(r["step"]))
-        last = t
-    return out
+def steps_run(host: Path) -> list[int]:
+    """The steps in the trainer's metrics.jsonl on the volume, in the order they ran (every
+    attempt appends to it)."""
+    return [int(r["step"]) for r in metrics(host)]
+
+
+def check_resumed(steps: list[int], total: int, redone: int) -> None:
+    """Steps 1..total all ran, in order, the first attempt's never again from 1 (the next
+    attempt resumed from a checkpoint), and at most ``redone`` steps ran twice."""
+    assert steps == sorted(steps), steps
+    assert sorted(set(steps)) == list(range(1, total + 1)), steps
+    assert steps.count(1) == 1, steps
+    assert len(steps) - len(set(steps)) <= redone, steps
 
 
 def progress_step(job: dict[str, Any]) -> int:
     return int(((job.get("status") or {}).get("progress") or {}).get("step") or 0)
 
 
-DISRUPTION_STEPS = 60  # ~30 s of training after the disruption at step 6
-SUSPEND_STEPS = 150  # a suspension takes KubeRay a while: it must land mid-run
+# A step of the tiny job takes about 0.15 s in these pods and the trainer reports its progress
+# every 5 s: the disruption, sent once the first report is seen, must land well before the end.
+DISRUPTION_STEPS = 200
+SUSPEND_STEPS = 300  # a suspension goes through KubeRay (a few seconds more)
 
 
 @pytest.mark.parametrize(
@@ -509,7 +513,7 @@ def test_a_lost_pod_restarts_the_job_from_the_newest_checkpoint(
     deleted: dict[str, Any] = {}
 
     def disrupt(row: dict[str, str], job: dict[str, Any]) -> None:
-        if deleted or progress_step(job) < 6:
+        if deleted or progress_step(job) < 1:
             return
         pod = pod_of(cluster, ns, node_type)
         assert pod is not None
@@ -522,16 +526,11 @@ def test_a_lost_pod_restarts_the_job_from_the_newest_checkpoint(
     status = job["status"]
     # a disruption: restarted, and not counted against spec.backoffLimit
     assert status.get("disruptions", 0) >= 1 and not status.get("restarts"), status
-    runs = attempts(metrics(host))
-    assert len(runs) == 2, runs
-    first, second = runs
-    assert first == list(range(1, len(first) + 1))
-    assert first[-1] >= deleted["step"]  # the first attempt got at least as far as reported
-    if node_type == "head":  # checkpointed on SIGTERM: no completed step redone
-        assert second[0] == first[-1] + 1, (first, second)
-    else:  # killed: at most the step in flight redone
-        assert second[0] in (first[-1], first[-1] + 1), (first, second)
-    assert second == list(range(second[0], DISRUPTION_STEPS + 1))
+    assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
+    assert f"pod {deleted['pod']} was deleted" in status["lastRestart"]["message"]
+    # checkpointed on SIGTERM (the head's preStop hook): no completed step redone; killed: at
+    # most the step in flight (its checkpoint unfinished)
+    check_resumed(steps_run(host), DISRUPTION_STEPS, redone=0 if node_type == "head" else 1)
 
 
 def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
@@ -541,7 +540,7 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     namespace(cluster, ns)
     host = volume(cluster, ns)
     apply(cluster, ppojob(cluster, name, ns, SUSPEND_STEPS, claim="ckpt", interval=1))
-    wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 6, 600, "step 6", interval=1.0)
+    wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 1, 600, "step 1", interval=1.0)
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
     )
@@ -553,16 +552,14 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     )
     wait_until(lambda: not job_pods(cluster, ns), 300, "every pod of the job to go", interval=1.0)
     saved = checkpoints(host)
-    assert saved and saved[-1] >= 6, saved  # the checkpoint stays on the volume
-    before = attempts(metrics(host))
-    assert len(before) == 1 and before[0][-1] < SUSPEND_STEPS, before  # stopped mid-run
-    assert saved[-1] >= before[0][-1] - 1, (saved, before)  # at most the step in flight lost
+    before = steps_run(host)
+    assert saved and before[-1] < SUSPEND_STEPS, (saved, before)  # stopped mid-run
+    assert saved[-1] == before[-1], (saved, before)  # SIGTERM: the last step checkpointed
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
     job, _ = watch(cluster, ns, name, 900)
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
-    runs = attempts(metrics(host))
-    assert len(runs) == 2, runs
-    assert runs[1][0] == saved[-1] + 1, (saved, runs)  # resumed from the newest checkpoint
-    assert runs[1][-1] == SUSPEND_STEPS
+    after = steps_run(host)
+    assert after[len(before)] == saved[-1] + 1, (saved, after)  # resumed from the checkpoint
+    check_resumed(after, SUSPEND_STEPS, redone=0)
