@@ -26,7 +26,6 @@ from tests.helpers.controlplane import ROOT, wait_until
 from tests.helpers.realnode import GATEWAY
 from tests.realnode.conftest import RealCluster, operator_pod
 
-TRAINER_UID = 10001  # images/trainer.Dockerfile's USER
 RANDOM_REWARD = 0.03  # count-up's reward under the untrained policy (docs: ~0.03)
 STEPS = 40  # about 40 s of training on this node: several progress reports (every 5 s)
 
