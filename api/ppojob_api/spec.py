@@ -260,7 +260,8 @@ class HeadSpec(ApiModel):
         default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     """A Kubernetes `affinity` (nodeAffinity, podAffinity, podAntiAffinity) for the head pod,
-    copied into its pod spec as written."""
+    copied into its pod spec as written; `ppojob validate` checks it at every level by the API
+    server's rules (field names, selector operators and values, weights, topology keys)."""
 
 
 class PPOJobSpec(TrainingHalf):

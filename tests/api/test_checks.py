@@ -9,9 +9,11 @@ untested.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import kubernetes.client.models as models
 import pytest
 
 from ppojob_api import checks
@@ -31,7 +33,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
-from ppojob_api.checks.pods import check_pod_fields
+from ppojob_api.checks.pods import AFFINITY_TYPES, check_pod_fields
 from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
     check_backends,
@@ -995,6 +997,9 @@ TABLE += [
     ),
 ]
 
+REQ = "requiredDuringSchedulingIgnoredDuringExecution"
+PREF = "preferredDuringSchedulingIgnoredDuringExecution"
+
 TABLE += [
     (
         check_pod_fields,
@@ -1065,6 +1070,135 @@ TABLE += [
                 }
             }
         },
+        [],
+    ),
+    (
+        check_pod_fields,
+        "affinity mistakes deep down: a misspelt key, operators and their values, a weight, "
+        "a topology key, a label value, a matchFields key, a list written as a mapping",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "gpu", "operater": "In", "values": ["a"]},
+                                        {"key": "k", "operator": "Exists", "values": ["x"]},
+                                        {"key": "n", "operator": "Gt", "values": ["1", "2"]},
+                                        {"key": "z", "operator": "In"},
+                                    ],
+                                    "matchFields": [
+                                        {"key": "spec.nodeName", "operator": "In", "values": ["n"]}
+                                    ],
+                                }
+                            ]
+                        },
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 0, "preference": {"matchExpressions": []}}
+                        ],
+                    },
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {"labelSelector": {"matchLabels": {"app": "a b"}}}
+                        ],
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "weight": 50,
+                                "podAffinityTerm": {
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {
+                                        "matchExpressions": [
+                                            {"key": "x", "operator": "Gt", "values": ["1"]}
+                                        ]
+                                    },
+                                },
+                            }
+                        ],
+                    },
+                    "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}},
+                }
+            }
+        },
+        [
+            f"spec.head.affinity.nodeAffinity.{REQ}.nodeSelectorTerms[0].{m}"
+            for m in (
+                "matchExpressions[0].operater",
+                "matchExpressions[0].operator",
+                "matchExpressions[1].values",
+                "matchExpressions[2].values",
+                "matchExpressions[3].values",
+                "matchFields[0].key",
+            )
+        ]
+        + [
+            f"spec.head.affinity.nodeAffinity.{PREF}[0].weight",
+            f"spec.head.affinity.podAntiAffinity.{REQ}[0].labelSelector.matchLabels.app",
+            f"spec.head.affinity.podAntiAffinity.{REQ}[0].topologyKey",
+            f"spec.head.affinity.podAntiAffinity.{PREF}[0].podAffinityTerm.labelSelector"
+            ".matchExpressions[0].operator",
+            f"spec.head.affinity.podAffinity.{REQ}",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "a valid affinity at every level",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAffinity": {
+                        REQ: {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "gpu", "operator": "In", "values": ["h100"]},
+                                        {"key": "spot", "operator": "DoesNotExist"},
+                                        {"key": "mem", "operator": "Gt", "values": ["64"]},
+                                    ],
+                                    "matchFields": [
+                                        {
+                                            "key": "metadata.name",
+                                            "operator": "NotIn",
+                                            "values": ["x"],
+                                        }
+                                    ],
+                                }
+                            ]
+                        },
+                        PREF: [{"weight": 100, "preference": {"matchExpressions": []}}],
+                    },
+                    "podAntiAffinity": {
+                        PREF: [
+                            {
+                                "weight": 1,
+                                "podAffinityTerm": {
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {
+                                        "matchLabels": {"app.kubernetes.io/name": "ppojob"},
+                                        "matchExpressions": [{"key": "x", "operator": "Exists"}],
+                                    },
+                                    "namespaces": ["a"],
+                                    "matchLabelKeys": ["pod-template-hash"],
+                                },
+                            }
+                        ]
+                    },
+                }
+            }
+        },
+        [],
+    ),
+    (
+        check_pod_fields,
+        "a YuniKorn queue path with an empty part",
+        {"scheduling": {"gangScheduler": "yunikorn", "queue": "root..team-a"}},
+        ["spec.scheduling.queue"],
+    ),
+    (
+        check_pod_fields,
+        "a YuniKorn queue path",
+        {"scheduling": {"gangScheduler": "yunikorn", "queue": "root.team_a.sub-1"}},
         [],
     ),
     (
@@ -1409,3 +1543,23 @@ def test_sglang_top_p_with_importance_sampling_is_refused_by_validation() -> Non
         algorithm__tisCap=2.0,
     )
     assert "spec.algorithm.tisCap" in [p.path for p in checks.check_training_half(doubled)]
+
+
+def test_the_affinity_table_is_kubernetes_own() -> None:
+    """checks/pods.py's table of core/v1 Affinity (every type it reaches, every field and its
+    type) is exactly what the `kubernetes` client's models say."""
+    reached: dict[str, dict[str, str]] = {}
+
+    def walk(name: str) -> None:
+        if name in reached:
+            return
+        cls = getattr(models, name)
+        reached[name] = {cls.attribute_map[k]: t for k, t in cls.openapi_types.items()}
+        for t in reached[name].values():
+            inner = re.fullmatch(r"List\[(\w+)\]", t)
+            t = inner.group(1) if inner else t
+            if t.startswith("V1"):
+                walk(t)
+
+    walk("V1Affinity")
+    assert reached == AFFINITY_TYPES

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import posixpath
+import re
 from typing import Any
 
 from ppojob_api import k8s_rules
@@ -76,59 +77,194 @@ def toleration_problems(tolerations: list[Toleration], path: str) -> list[Proble
     return p
 
 
-AFFINITY_FIELDS = {
-    "nodeAffinity": (
-        "requiredDuringSchedulingIgnoredDuringExecution",
-        "preferredDuringSchedulingIgnoredDuringExecution",
-    ),
-    "podAffinity": (
-        "requiredDuringSchedulingIgnoredDuringExecution",
-        "preferredDuringSchedulingIgnoredDuringExecution",
-    ),
-    "podAntiAffinity": (
-        "requiredDuringSchedulingIgnoredDuringExecution",
-        "preferredDuringSchedulingIgnoredDuringExecution",
-    ),
+AFFINITY_TYPES: dict[str, dict[str, str]] = {
+    "V1Affinity": {
+        "nodeAffinity": "V1NodeAffinity",
+        "podAffinity": "V1PodAffinity",
+        "podAntiAffinity": "V1PodAntiAffinity",
+    },
+    "V1NodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": "List[V1PreferredSchedulingTerm]",
+        "requiredDuringSchedulingIgnoredDuringExecution": "V1NodeSelector",
+    },
+    "V1PreferredSchedulingTerm": {"preference": "V1NodeSelectorTerm", "weight": "int"},
+    "V1NodeSelectorTerm": {
+        "matchExpressions": "List[V1NodeSelectorRequirement]",
+        "matchFields": "List[V1NodeSelectorRequirement]",
+    },
+    "V1NodeSelectorRequirement": {"key": "str", "operator": "str", "values": "List[str]"},
+    "V1NodeSelector": {"nodeSelectorTerms": "List[V1NodeSelectorTerm]"},
+    "V1PodAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": "List[V1WeightedPodAffinityTerm]",
+        "requiredDuringSchedulingIgnoredDuringExecution": "List[V1PodAffinityTerm]",
+    },
+    "V1PodAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": "List[V1WeightedPodAffinityTerm]",
+        "requiredDuringSchedulingIgnoredDuringExecution": "List[V1PodAffinityTerm]",
+    },
+    "V1WeightedPodAffinityTerm": {"podAffinityTerm": "V1PodAffinityTerm", "weight": "int"},
+    "V1PodAffinityTerm": {
+        "labelSelector": "V1LabelSelector",
+        "matchLabelKeys": "List[str]",
+        "mismatchLabelKeys": "List[str]",
+        "namespaceSelector": "V1LabelSelector",
+        "namespaces": "List[str]",
+        "topologyKey": "str",
+    },
+    "V1LabelSelector": {
+        "matchExpressions": "List[V1LabelSelectorRequirement]",
+        "matchLabels": "Dict[str, str]",
+    },
+    "V1LabelSelectorRequirement": {"key": "str", "operator": "str", "values": "List[str]"},
 }
-"""The fields of core/v1 Affinity and its three members, two levels deep: the API server refuses
-any other in a pod (the operator copies `affinity` into the head pod as written)."""
+"""core/v1 Affinity, every level: each type's fields (JSON names) and their types, written as
+the `kubernetes` client's models write them (tests/api checks this table against those models).
+The operator copies `affinity` into pods as written, and the API server refuses any other
+field, so a misspelt key anywhere in it fails only on the cluster without this check."""
+
+SELECTOR_OPERATORS = {
+    "V1NodeSelectorRequirement": ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"),
+    "V1LabelSelectorRequirement": ("In", "NotIn", "Exists", "DoesNotExist"),
+}
 
 
-def affinity_problems(affinity: dict[str, Any], path: str) -> list[Problem]:
-    """Misspelt keys of a Kubernetes affinity (its first two levels)."""
+def _shape_problem(value: Any, type_: str, path: str) -> Problem | None:
+    want = {"str": str, "int": int, "Dict[str, str]": dict}.get(type_)
+    if type_.startswith("List["):
+        want = list
+    elif type_.startswith("V1"):
+        want = dict
+    if want is None or (isinstance(value, want) and not isinstance(value, bool)):
+        return None
+    article = {dict: "a mapping", list: "a list", str: "a string", int: "a whole number"}[want]
+    return Problem(path, f"must be {article}", "see `kubectl explain pod.spec.affinity`")
+
+
+def _requirement_problems(req: dict[str, Any], type_: str, path: str, field: bool) -> list[Problem]:
+    """ValidateNodeSelectorRequirement / validateNodeFieldSelectorRequirement /
+    ValidateLabelSelectorRequirement of Kubernetes' validation."""
     p: list[Problem] = []
-    for key, value in affinity.items():
-        if key not in AFFINITY_FIELDS:
-            near = difflib.get_close_matches(key, AFFINITY_FIELDS, n=1, cutoff=0.6)
+    op, values = req.get("operator"), req.get("values") or []
+    ops = ("In", "NotIn") if field else SELECTOR_OPERATORS[type_]
+    if op is None:
+        p.append(Problem(f"{path}.operator", "a requirement needs an operator", f"use {ops[0]}"))
+    elif op not in ops:
+        p.append(
+            Problem(
+                f"{path}.operator", f"{op!r} is not a selector operator", f"use {', '.join(ops)}"
+            )
+        )
+    elif field and len(values) != 1:
+        p.append(Problem(f"{path}.values", "a matchFields requirement takes one value", "give one"))
+    elif op in ("In", "NotIn") and not values:
+        p.append(Problem(f"{path}.values", f"operator {op} needs values", "list the values"))
+    elif op in ("Exists", "DoesNotExist") and values:
+        p.append(Problem(f"{path}.values", f"operator {op} takes no values", "remove values"))
+    elif op in ("Gt", "Lt") and len(values) != 1:
+        p.append(Problem(f"{path}.values", f"operator {op} takes one value", "give one number"))
+    key = req.get("key")
+    if field:
+        if key != "metadata.name":
+            p.append(
+                Problem(
+                    f"{path}.key",
+                    f"{key!r}: matchFields selects only metadata.name",
+                    "use key: metadata.name (the node's name), or matchExpressions for labels",
+                )
+            )
+    elif not isinstance(key, str) or not key:
+        p.append(Problem(f"{path}.key", "a requirement needs a key", "give the label key"))
+    else:
+        p += _one(
+            f"{path}.key",
+            key,
+            k8s_rules.qualified_name(key),
+            "use a label key, e.g. kubernetes.io/hostname or app.kubernetes.io/name",
+        )
+    return p
+
+
+def _rules(value: dict[str, Any], type_: str, path: str) -> list[Problem]:
+    """The value rules of Kubernetes' affinity validation, beyond field names and shapes."""
+    p: list[Problem] = []
+    if type_ in ("V1PreferredSchedulingTerm", "V1WeightedPodAffinityTerm"):
+        weight = value.get("weight")
+        if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 100:
+            p.append(Problem(f"{path}.weight", f"{weight!r}: must be 1 to 100", "set a weight"))
+    if type_ == "V1NodeSelector" and not value.get("nodeSelectorTerms"):
+        p.append(
+            Problem(f"{path}.nodeSelectorTerms", "needs at least one term", "add a term or remove")
+        )
+    if type_ == "V1PodAffinityTerm":
+        key = value.get("topologyKey")
+        if not isinstance(key, str) or not key:
+            p.append(
+                Problem(
+                    f"{path}.topologyKey",
+                    "a pod affinity term needs a topology key",
+                    "e.g. topologyKey: kubernetes.io/hostname",
+                )
+            )
+        else:
+            p += _one(
+                f"{path}.topologyKey",
+                key,
+                k8s_rules.qualified_name(key),
+                "use a node label key such as kubernetes.io/hostname",
+            )
+    if type_ == "V1LabelSelector":
+        for k, v in (value.get("matchLabels") or {}).items():
+            p += _one(
+                f"{path}.matchLabels.{k}",
+                str(k),
+                k8s_rules.qualified_name(str(k)),
+                "use a label key such as app.kubernetes.io/name",
+            )
+            if isinstance(v, str):
+                p += _one(
+                    f"{path}.matchLabels.{k}", v, k8s_rules.label_value(v), "use the label's value"
+                )
+            else:
+                p.append(Problem(f"{path}.matchLabels.{k}", "must be a string", "quote it"))
+    return p
+
+
+def _walk(value: Any, type_: str, path: str, field: bool = False) -> list[Problem]:
+    bad = _shape_problem(value, type_, path)
+    if bad is not None:
+        return [bad]
+    if type_.startswith("List["):
+        inner = type_[5:-1]
+        return [
+            q for i, item in enumerate(value) for q in _walk(item, inner, f"{path}[{i}]", field)
+        ]
+    if not type_.startswith("V1"):
+        return []
+    fields = AFFINITY_TYPES[type_]
+    p: list[Problem] = []
+    for key, item in value.items():
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            name = type_[2:]
             p.append(
                 Problem(
                     f"{path}.{key}",
-                    "not a field of a Kubernetes affinity (nodeAffinity, podAffinity, "
-                    "podAntiAffinity)",
+                    f"not a field of a Kubernetes {name} ({', '.join(fields)})",
                     f"did you mean `{near[0]}`?" if near else "remove it",
                 )
             )
             continue
-        if not isinstance(value, dict):
-            p.append(
-                Problem(
-                    f"{path}.{key}", "must be a mapping", "see `kubectl explain pod.spec.affinity`"
-                )
-            )
-            continue
-        for inner in value:
-            if inner not in AFFINITY_FIELDS[key]:
-                near = difflib.get_close_matches(str(inner), AFFINITY_FIELDS[key], n=1, cutoff=0.6)
-                p.append(
-                    Problem(
-                        f"{path}.{key}.{inner}",
-                        f"not a field of {key}",
-                        f"did you mean `{near[0]}`?"
-                        if near
-                        else f"use one of {', '.join(AFFINITY_FIELDS[key])}",
-                    )
-                )
-    return p
+        p += _walk(item, fields[key], f"{path}.{key}", field or key == "matchFields")
+    if type_ in SELECTOR_OPERATORS:
+        p += _requirement_problems(value, type_, path, field)
+    return p + _rules(value, type_, path)
+
+
+def affinity_problems(affinity: dict[str, Any], path: str) -> list[Problem]:
+    """A Kubernetes affinity checked at every level: misspelt keys, wrong shapes, and the value
+    rules the API server applies (selector operators and their values, weights 1-100, topology
+    keys, label keys and values)."""
+    return _walk(affinity, "V1Affinity", path)
 
 
 def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
@@ -162,6 +298,13 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             k8s_rules.dns1123_subdomain(sched.queue),
             "use the Volcano Queue's name (kubectl get queues)",
         )
+    if sched.queue and sched.gang_scheduler == "yunikorn":
+        p += _one(
+            f"{prefix}.scheduling.queue",
+            sched.queue,
+            yunikorn_queue(sched.queue),
+            "use the queue's path from YuniKorn's queues.yaml, e.g. root.team-a",
+        )
     vol = spec.checkpoint_volume
     if vol is not None and vol.nfs is not None and not posixpath.isabs(vol.nfs.path):
         p.append(
@@ -175,3 +318,19 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
 
 
 ROLES = ("actor", "critic", "rollout")
+
+YUNIKORN_QUEUE_PART = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+"""yunikorn-core's QueueNameRegExp (pkg/common/configs): each dot-separated part of a queue path."""
+
+
+def yunikorn_queue(queue: str) -> list[str]:
+    """A YuniKorn queue path as KubeRay hands it over, the value of the pods' label
+    ``yunikorn.apache.org/queue`` (checks/cluster.py checks it as a label value): each
+    dot-separated part a YuniKorn queue name."""
+    bad = [part for part in queue.split(".") if not YUNIKORN_QUEUE_PART.match(part)]
+    if not bad:
+        return []
+    return [
+        "each part of a YuniKorn queue path is 1 to 64 letters, digits, '-' or '_' "
+        f"(not {bad[0]!r})"
+    ]
