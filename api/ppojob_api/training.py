@@ -94,6 +94,12 @@ class Resources(ApiModel):
     """Extended resources per replica (requested and limited), e.g. `{rdma/ib: 1}` for NCCL over
     InfiniBand through an RDMA device plugin."""
 
+    hugepages: dict[str, MemoryQuantity] = Field(default_factory=dict)
+    """Huge pages per replica by page size, e.g. `{2Mi: 1Gi}` or `{1Gi: 4Gi}`: requested and
+    limited as `hugepages-<size>` (Kubernetes wants both equal, and a whole number of pages), and
+    mounted into the role's containers at `/dev/hugepages` (one size) or `/dev/hugepages-<size>`
+    (several). The nodes must have them pre-allocated."""
+
 
 class Toleration(ApiModel):
     """A Kubernetes toleration for the role's pods."""
@@ -160,6 +166,13 @@ class _Role(ApiModel):
 
     tolerations: list[Toleration] = Field(default_factory=list)
     """Tolerations of the role's pods."""
+
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """A Kubernetes `affinity` (nodeAffinity, podAffinity, podAntiAffinity) for the role's pods,
+    copied into their pod spec as written; `ppojob validate` checks it at every level by the API
+    server's rules."""
 
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables of the role's containers."""

@@ -229,14 +229,40 @@ def _cpu(cpus: float) -> str:
 
 
 def _resources(
-    cpus: float, memory: str, gpus: int, extra: dict[str, int] | None = None
+    cpus: float,
+    memory: str,
+    gpus: int,
+    extra: dict[str, int] | None = None,
+    hugepages: dict[str, str] | None = None,
 ) -> dict[str, dict[str, str]]:
     res = {"cpu": _cpu(cpus), "memory": memory}
     if gpus:
         res["nvidia.com/gpu"] = str(gpus)
     for name, qty in sorted((extra or {}).items()):
         res[name] = str(qty)
+    for size, qty in sorted((hugepages or {}).items()):
+        res[f"hugepages-{size}"] = qty
     return {"requests": dict(res), "limits": dict(res)}
+
+
+def _hugepage_volumes(
+    hugepages: dict[str, str],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The emptyDir volumes that hand a pod its huge pages: medium ``HugePages`` at
+    /dev/hugepages for one page size, ``HugePages-<size>`` at /dev/hugepages-<size> each for
+    several (the kubelet's rule: a ``HugePages`` medium is ambiguous with more than one size)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    sizes = sorted(hugepages)
+    for size in sizes:
+        one = len(sizes) == 1
+        name = "hugepages" if one else f"hugepages-{size.lower()}"
+        medium = "HugePages" if one else f"HugePages-{size}"
+        volumes.append({"name": name, "emptyDir": {"medium": medium}})
+        mounts.append(
+            {"name": name, "mountPath": "/dev/hugepages" if one else f"/dev/hugepages-{size}"}
+        )
+    return volumes, mounts
 
 
 def _volumes(job: PPOJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -296,10 +322,14 @@ def _pod_template(
     gang: scheduling.GangPlan,
     capabilities: list[str] | None = None,
     affinity: dict[str, Any] | None = None,
+    hugepages: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name or ""
     volumes, mounts = _volumes(job)
+    huge_volumes, huge_mounts = _hugepage_volumes(hugepages or {})
+    volumes += huge_volumes
+    mounts += huge_mounts
     pod: dict[str, Any] = {
         "serviceAccountName": trainer_name(name),
         "securityContext": {
@@ -408,7 +438,8 @@ def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
         res = r.resources
         members.append(
             scheduling.GangMember(
-                r.replicas, _resources(res.cpus, res.memory, res.gpus, res.extra)["requests"]
+                r.replicas,
+                _resources(res.cpus, res.memory, res.gpus, res.extra, res.hugepages)["requests"],
             )
         )
     return members
@@ -462,12 +493,14 @@ def ray_job(
                     job,
                     group_role=role_name,
                     container="ray-worker",
-                    resources=_resources(res.cpus, res.memory, res.gpus, res.extra),
+                    resources=_resources(res.cpus, res.memory, res.gpus, res.extra, res.hugepages),
                     node_selector=r.node_selector,
                     tolerations=r.tolerations,
                     env=r.env,
                     gang=gang,
                     capabilities=r.capabilities,
+                    affinity=r.affinity,
+                    hugepages=res.hugepages,
                 ),
             }
         )

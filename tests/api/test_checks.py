@@ -1191,6 +1191,39 @@ TABLE += [
     ),
     (
         check_pod_fields,
+        "a huge page amount that is no whole number of pages; a page size that is none",
+        {"roles__actor": {"resources": {"hugepages": {"2Mi": "3Mi", "3Mi": "6Mi"}}}},
+        [
+            "spec.roles.actor.resources.hugepages.2Mi",
+            "spec.roles.actor.resources.hugepages.3Mi",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "huge pages of two sizes",
+        {"roles__rollout": {"resources": {"hugepages": {"2Mi": "512Mi", "1Gi": "2Gi"}}}},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "a worker role's affinity misspelt",
+        {"roles__rollout": {"affinity": {"podAntiAffinity": {"preferred": []}}}},
+        ["spec.roles.rollout.affinity.podAntiAffinity.preferred"],
+    ),
+    (
+        check_extended_resources,
+        "huge pages written as an extended resource",
+        {"roles__actor": {"resources": {"extra": {"hugepages-2Mi": 512}}}},
+        ["spec.roles.actor.resources.extra.hugepages-2Mi"],
+    ),
+    (
+        check_colocation,
+        "a colocated rollout with an affinity of its own",
+        {"roles__rollout": {"colocateWithActor": True, "affinity": {"nodeAffinity": {}}}},
+        ["spec.roles.rollout.affinity"],
+    ),
+    (
+        check_pod_fields,
         "a YuniKorn queue path with an empty part",
         {"scheduling": {"gangScheduler": "yunikorn", "queue": "root..team-a"}},
         ["spec.scheduling.queue"],

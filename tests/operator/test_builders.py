@@ -771,3 +771,61 @@ def test_the_operators_own_environment_variables_are_reserved_in_the_api() -> No
 
     own = {e["name"] for role in ("head", "actor") for e in builders._env(role, [], 30)}
     assert own <= set(RESERVED_ENV), own - set(RESERVED_ENV)
+
+
+def test_worker_roles_get_their_affinity_and_huge_pages(validate_child):
+    """A role's affinity reaches its worker group's pods as written; huge pages are requested and
+    limited as hugepages-<size>, mounted through HugePages emptyDirs (one medium per size when
+    there are several) and counted in the gang's minimum resources."""
+    anti = {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 10,
+                    "podAffinityTerm": {
+                        "topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchLabels": {"ppojob.io/role": "rollout"}},
+                    },
+                }
+            ]
+        }
+    }
+    job = make(
+        "gae-separate-all",
+        sched="volcano",
+        roles={
+            "actor": {"resources": {**GPU, "hugepages": {"2Mi": "1Gi", "1Gi": "2Gi"}}},
+            "critic": {"colocateWithActor": True},
+            "rollout": {
+                "replicas": 2,
+                "affinity": anti,
+                "resources": {**GPU, "hugepages": {"1Gi": "4Gi"}},
+            },
+        },
+    )
+    children = builders.build_children(job, namespace="ns1", uid="u")
+    for c in children:
+        validate_child(c)
+    groups = {
+        g["groupName"]: g["template"]["spec"]
+        for g in children[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    }
+    actor, rollout = groups["actor"], groups["rollout"]
+    assert rollout["affinity"] == anti and "affinity" not in actor
+    res = actor["containers"][0]["resources"]
+    for part in ("requests", "limits"):
+        assert res[part]["hugepages-2Mi"] == "1Gi" and res[part]["hugepages-1Gi"] == "2Gi"
+    media = {v["name"]: v["emptyDir"]["medium"] for v in actor["volumes"] if "emptyDir" in v}
+    assert media["hugepages-2mi"] == "HugePages-2Mi" and media["hugepages-1gi"] == "HugePages-1Gi"
+    mounts = {m["name"]: m["mountPath"] for m in actor["containers"][0]["volumeMounts"]}
+    assert mounts["hugepages-2mi"] == "/dev/hugepages-2Mi"
+    assert mounts["hugepages-1gi"] == "/dev/hugepages-1Gi"
+    one = {v["name"]: v for v in rollout["volumes"]}["hugepages"]
+    assert one["emptyDir"]["medium"] == "HugePages"
+    assert {"name": "hugepages", "mountPath": "/dev/hugepages"} in rollout["containers"][0][
+        "volumeMounts"
+    ]
+    # the gang's minimum: actor 2 GiB of 1Gi pages + 2 rollout pods x 4 GiB
+    _, totals = scheduling.gang_totals(builders.gang_members(job))
+    assert quantity_bytes(totals["hugepages-1Gi"]) == 10 * 2**30
+    assert quantity_bytes(totals["hugepages-2Mi"]) == 2**30

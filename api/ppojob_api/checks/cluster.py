@@ -57,7 +57,18 @@ def check_extended_resources(spec: PPOJobSpec, prefix: str = "spec") -> list[Pro
         role = getattr(spec.roles, name)
         for res, qty in (role.resources.extra if role is not None else {}).items():
             field = f"{prefix}.roles.{name}.resources.extra.{res}"
-            if res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.fullmatch(res):
+            if res.startswith("hugepages-"):
+                size = res.removeprefix("hugepages-")
+                p.append(
+                    Problem(
+                        field,
+                        "huge pages are no extended resource (their amount is memory, and the "
+                        "pod needs a HugePages volume)",
+                        f"move it to {prefix}.roles.{name}.resources.hugepages as "
+                        f"{size}: <amount>, e.g. {size}: 1Gi",
+                    )
+                )
+            elif res in ("cpu", "memory", "nvidia.com/gpu") or not _EXTENDED.fullmatch(res):
                 p.append(
                     Problem(
                         field,

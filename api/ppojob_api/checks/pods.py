@@ -12,8 +12,9 @@ from typing import Any
 
 from ppojob_api import k8s_rules
 from ppojob_api.problems import Problem
+from ppojob_api.quantity import quantity_value
 from ppojob_api.spec import PPOJobSpec
-from ppojob_api.training import Toleration
+from ppojob_api.training import Resources, Toleration
 
 
 def _one(path: str, value: str, errs: list[str], fix: str) -> list[Problem]:
@@ -283,6 +284,8 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
         p += node_selector_problems(pod.node_selector, f"{prefix}.{name}.nodeSelector")
         p += toleration_problems(pod.tolerations, f"{prefix}.{name}.tolerations")
         p += affinity_problems(getattr(pod, "affinity", {}) or {}, f"{prefix}.{name}.affinity")
+        if name != "head":
+            p += hugepage_problems(pod.resources, f"{prefix}.{name}.resources")
     sched = spec.scheduling
     if sched.priority_class_name:
         p += _one(
@@ -334,3 +337,45 @@ def yunikorn_queue(queue: str) -> list[str]:
         "each part of a YuniKorn queue path is 1 to 64 letters, digits, '-' or '_' "
         f"(not {bad[0]!r})"
     ]
+
+
+def hugepage_problems(res: Resources, path: str) -> list[Problem]:
+    """Huge pages as the API server and the kubelet take them: a page size (a power of two of
+    bytes, as nodes report `hugepages-2Mi`, `hugepages-1Gi`) and an amount that is a whole
+    number of pages (validateResourceQuantityHugePageValue). `extra` refuses them
+    (checks/cluster.py)."""
+    p: list[Problem] = []
+    for size, amount in res.hugepages.items():
+        here = f"{path}.hugepages.{size}"
+        try:
+            page = quantity_value(size)
+        except ValueError:
+            page = 0.0
+        if page < 4096 or page != int(page) or int(page) & (int(page) - 1):
+            p.append(
+                Problem(
+                    here,
+                    f"{size!r} is not a huge page size (a power of two of bytes, as a node "
+                    "reports it in hugepages-<size>)",
+                    "write the page size as the nodes list it, e.g. 2Mi or 1Gi",
+                )
+            )
+            continue
+        total = quantity_value(amount)
+        if total <= 0 or total % page:
+            p.append(
+                Problem(
+                    here,
+                    f"{amount} is not a whole number of {size} pages",
+                    f"use a multiple of {size}, e.g. {_binary(max(1, round(total / page)) * page)}",
+                )
+            )
+    return p
+
+
+def _binary(n: float) -> str:
+    """Bytes as the largest binary unit that divides them (1Gi, 512Mi, 4Ki)."""
+    for unit, size in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n % size == 0:
+            return f"{int(n // size)}{unit}"
+    return str(int(n))

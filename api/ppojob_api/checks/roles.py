@@ -54,6 +54,7 @@ def check_colocation(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
             ("resources", "resources"),
             ("node_selector", "nodeSelector"),
             ("tolerations", "tolerations"),
+            ("affinity", "affinity"),
         ):
             # judged by value: the default (what the API server stores when it is omitted) or
             # the actor's own value are both fine; anything else would count GPUs twice
