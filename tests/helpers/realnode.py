@@ -43,6 +43,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -509,7 +510,9 @@ state = "{self.state / "state"}"
     def stop(self) -> None:
         kubelet = self.components.get("kubelet")
         if kubelet is not None and kubelet.alive():
+            t = time.monotonic()
             self._drain()
+            print(f"\nreal node: drained in {time.monotonic() - t:.1f}s", file=sys.stderr)
         for name in ("kube-proxy", "kubelet", "coredns"):
             if name in self.components:
                 self.components[name].stop()

@@ -74,9 +74,16 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     (workdir / "node").mkdir()
 
     def teardown() -> None:
+        t = time.monotonic()
         node.stop()
+        stopped = {"node stop": time.monotonic() - t}
         cp.stop()
         rn.remove_bridge()
+        stopped["control plane stop"] = time.monotonic() - t - stopped["node stop"]
+        print(
+            "\nreal node teardown: " + ", ".join(f"{k} {v:.1f}s" for k, v in stopped.items()),
+            file=sys.stderr,
+        )
 
     atexit.register(teardown)
     try:

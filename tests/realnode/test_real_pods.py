@@ -487,49 +487,62 @@ DISRUPTION_STEPS = 200
 SUSPEND_STEPS = 300  # a suspension goes through KubeRay (a few seconds more)
 
 
-@pytest.mark.parametrize(
-    ("node_type", "how"),
-    [
-        # a lost node: the worker's containers killed at once (no SIGTERM grace)
-        ("worker", ["--grace-period=0", "--force"]),
-        # a preemption: the head pod deleted as usual (SIGTERM, the pod's grace period)
-        ("head", []),
-    ],
-)
-def test_a_lost_pod_restarts_the_job_from_the_newest_checkpoint(
-    real_cluster: RealCluster, node_type: str, how: list[str]
+# One job, two disruptions in turn (one job start instead of two: pods take about a minute to
+# start on this node): a lost node, the worker's containers killed at once (no SIGTERM grace),
+# then a preemption, the restarted attempt's head pod deleted as usual (SIGTERM, the pod's grace
+# period).
+DISRUPTIONS = [("worker", ["--grace-period=0", "--force"]), ("head", [])]
+
+
+def test_a_lost_worker_and_a_preempted_head_restart_the_job_from_the_newest_checkpoint(
+    real_cluster: RealCluster,
 ) -> None:
-    """Delete a pod mid-training: the attempt fails, the operator classifies it as a disruption
-    and restarts the job uncounted (spec.failurePolicy) with a new RayJob, the trainer resumes
-    from the newest checkpoint (interval 1) on the volume, and the job finishes.
+    """Delete a pod mid-training, twice: each attempt fails, the operator classifies it as a
+    disruption and restarts the job uncounted (spec.failurePolicy) with a new RayJob, the
+    trainer resumes from the newest checkpoint (interval 1) on the volume, and the job finishes.
+    The worker killed: at most the step in flight is redone (its checkpoint may be unfinished).
     The head deleted gracefully: the trainer finishes the step in flight, checkpoints it and
-    exits 75, so the next attempt starts right after the last step of the first. The worker
-    killed: at most the step in flight is redone (its checkpoint may be unfinished)."""
-    cluster, ns, name = real_cluster, f"lose-{node_type}", "tiny"
+    exits 75, so the next attempt starts right after the last step of the one before."""
+    cluster, ns, name = real_cluster, "disrupt", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
     apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=1, backoff=2))
-    deleted: dict[str, Any] = {}
+    deleted: list[dict[str, Any]] = []
+    messages: set[str] = set()
 
     def disrupt(row: dict[str, str], job: dict[str, Any]) -> None:
-        if deleted or progress_step(job) < 1:
+        status = job.get("status") or {}
+        if (status.get("lastRestart") or {}).get("message"):
+            messages.add(status["lastRestart"]["message"])
+        if len(deleted) == len(DISRUPTIONS):
             return
+        step = progress_step(job)
+        # the first once the trainer reports a step; the next once the restarted attempt
+        # reports one past the step of the disruption before
+        if step < 1 or (deleted and step <= deleted[-1]["step"]):
+            return
+        if deleted and status.get("disruptions", 0) < len(deleted):
+            return
+        node_type, how = DISRUPTIONS[len(deleted)]
         pod = pod_of(cluster, ns, node_type)
-        assert pod is not None
-        deleted.update(step=progress_step(job), pod=pod["metadata"]["name"])
+        if pod is None:
+            return
+        deleted.append({"step": step, "pod": pod["metadata"]["name"], "type": node_type})
         cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false", *how)
 
     job, _ = watch(cluster, ns, name, 900, disrupt)
-    assert deleted, "the job ended before a pod was deleted"
+    assert [d["type"] for d in deleted] == ["worker", "head"], f"the job ended first: {deleted}"
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     status = job["status"]
-    # a disruption: restarted, and not counted against spec.backoffLimit
-    assert status.get("disruptions", 0) >= 1 and not status.get("restarts"), status
+    # disruptions: restarted, and not counted against spec.backoffLimit
+    assert status.get("disruptions", 0) >= 2 and not status.get("restarts"), status
     assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
-    assert f"pod {deleted['pod']} was deleted" in status["lastRestart"]["message"]
-    # checkpointed on SIGTERM (the head's preStop hook): no completed step redone; killed: at
-    # most the step in flight (its checkpoint unfinished)
-    check_resumed(steps_run(host), DISRUPTION_STEPS, redone=0 if node_type == "head" else 1)
+    messages.add(status["lastRestart"]["message"])
+    for d in deleted:  # each restart named the pod that went
+        assert any(f"pod {d['pod']} was deleted" in m for m in messages), (d, messages)
+    # killed: at most the step in flight redone (its checkpoint unfinished); checkpointed on
+    # SIGTERM (the head's preStop hook): no completed step redone
+    check_resumed(steps_run(host), DISRUPTION_STEPS, redone=1)
 
 
 def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
