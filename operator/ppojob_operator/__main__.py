@@ -17,6 +17,10 @@ Flags (the Helm chart passes exactly these):
 --kuberay-sidecar-mode auto|supported|unsupported
                       whether KubeRay supports submissionMode SidecarMode (>= 1.5.0); auto (the
                       default) reads the installed RayJob CRD at start-up
+--network-policy JSON|off
+                      each job's NetworkPolicy: off, or {"dashboardFrom": [peers], "extraIngress":
+                      [rules]}; default: the job's own pods, and KubeRay's operator pods to the
+                      dashboard port
 --log-level LEVEL     DEBUG, INFO, WARNING, ERROR
 --trainer-entrypoint  override the trainer command run in the head pod
 """
@@ -24,7 +28,9 @@ Flags (the Helm chart passes exactly these):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the installed RayJob CRD",
     )
     p.add_argument(
+        "--network-policy",
+        default=None,
+        metavar="JSON|off",
+        help='each job\'s NetworkPolicy: off, or JSON {"dashboardFrom": [NetworkPolicyPeer...], '
+        '"extraIngress": [NetworkPolicyIngressRule...]} (default: the dashboard reachable from '
+        "KubeRay's operator pods, labelled app.kubernetes.io/name=kuberay-operator)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -94,6 +108,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="trainer command run in the head pod (default: ppojob-train ...)",
     )
     return p
+
+
+def network_settings(value: str | None) -> Any:
+    """``--network-policy``: None (the default settings), ``off`` (no NetworkPolicy) or JSON with
+    ``dashboardFrom`` and ``extraIngress`` lists; ValueError names what is wrong."""
+    from ppojob_operator.builders import NetworkPolicySettings
+
+    if value is None:
+        return NetworkPolicySettings()
+    if value == "off":
+        return None
+    try:
+        doc = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg}); write off or a JSON object") from None
+    if not isinstance(doc, dict) or set(doc) - {"dashboardFrom", "extraIngress"}:
+        raise ValueError("a JSON object with only dashboardFrom and extraIngress (lists)")
+    lists = {k: doc.get(k, []) for k in ("dashboardFrom", "extraIngress")}
+    for key, items in lists.items():
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ValueError(f"{key} must be a list of objects")
+    return NetworkPolicySettings(
+        dashboard_from=lists["dashboardFrom"], extra_ingress=lists["extraIngress"]
+    )
+
+
+def operator_config(args: argparse.Namespace) -> Any:
+    """The operator's settings from its parsed flags (ValueError: a flag's value is wrong)."""
+    from ppojob_operator.handlers import OperatorConfig
+
+    return OperatorConfig(
+        gang_default=args.gang_scheduler,
+        entrypoint=args.trainer_entrypoint,
+        kuberay_batch_scheduler=(
+            None
+            if args.kuberay_batch_scheduler is None
+            else ""
+            if args.kuberay_batch_scheduler == "none"
+            else args.kuberay_batch_scheduler
+        ),
+        sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
+            args.kuberay_sidecar_mode
+        ],
+        network_policy=network_settings(args.network_policy),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     from ppojob_operator import handlers, k8s, metrics
 
     try:
+        config = operator_config(args)
+    except ValueError as exc:
+        print(f"ppojob-operator: --network-policy: {exc}", file=sys.stderr)
+        return 2
+
+    try:
         k8s.configure()
     except Exception as exc:  # kubernetes.config.ConfigException: neither in a pod nor kubeconfig
         print(
@@ -122,20 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers.run(
         namespaces=args.namespace,
         clusterwide=not args.namespace,
-        config=handlers.OperatorConfig(
-            gang_default=args.gang_scheduler,
-            entrypoint=args.trainer_entrypoint,
-            kuberay_batch_scheduler=(
-                None
-                if args.kuberay_batch_scheduler is None
-                else ""
-                if args.kuberay_batch_scheduler == "none"
-                else args.kuberay_batch_scheduler
-            ),
-            sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
-                args.kuberay_sidecar_mode
-            ],
-        ),
+        config=config,
         health_port=args.health_port,
         listen_address=args.listen_address,
     )

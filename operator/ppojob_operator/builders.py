@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -208,6 +209,60 @@ def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -
         "kind": "PodDisruptionBudget",
         "metadata": _meta(name, namespace, name, uid),
         "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {JOB_LABEL: name}}},
+    }
+
+
+DASHBOARD_PORT = 8265
+"""The Ray dashboard's port (KubeRay's default ``dashboard`` port): its job API submits and
+stops jobs, so only the job's own pods and the job submitters reach it."""
+
+KUBERAY_OPERATOR_PEER: dict[str, Any] = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+}
+"""The KubeRay operator's pods in any namespace (the labels of KubeRay's Helm chart): it polls
+the dashboard for the job's status and stops jobs through it."""
+
+
+@dataclass(frozen=True)
+class NetworkPolicySettings:
+    """What reaches a job's pods besides the job's own pods (operator-wide: the chart's
+    ``networkPolicy`` values, ``--network-policy``)."""
+
+    dashboard_from: list[dict[str, Any]] = field(default_factory=lambda: [KUBERAY_OPERATOR_PEER])
+    """NetworkPolicyPeers allowed to the dashboard port."""
+    extra_ingress: list[dict[str, Any]] = field(default_factory=list)
+    """More NetworkPolicyIngressRules, as written (e.g. a Prometheus scraping Ray's metrics)."""
+
+
+def network_policy(
+    job: PPOJob,
+    namespace: str,
+    uid: str | None = None,
+    settings: NetworkPolicySettings | None = None,
+) -> dict[str, Any]:
+    """Ingress to the job's pods only from the job's own pods (Ray's GCS, object store, workers,
+    NCCL), and to the dashboard's job API also from KubeRay (``settings.dashboard_from``) and
+    from the submitter Job KubeRay makes in K8sJobMode (its pods carry the Job controller's
+    ``batch.kubernetes.io/job-name``: the RayJob's name). Enforced by CNIs that implement
+    NetworkPolicy; kubelet probes and ``kubectl port-forward`` are not affected."""
+    settings = settings or NetworkPolicySettings()
+    name = job.metadata.name or ""
+    own = {"matchLabels": {JOB_LABEL: name}}
+    submitter = {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}}}
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": own}]},
+        {
+            "from": [submitter, *settings.dashboard_from],
+            "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}],
+        },
+        *settings.extra_ingress,
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(name, namespace, name, uid),
+        "spec": {"podSelector": own, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 
@@ -540,10 +595,12 @@ def build_children(
     entrypoint: str | None = None,
     attempt: int = 0,
     restart: int = 0,
+    network: NetworkPolicySettings | None = NetworkPolicySettings(),
 ) -> list[dict[str, Any]]:
     """Every child of a valid PPOJob, in creation order (the RayJob last). ``attempt`` counts
     the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each);
-    ``restart`` is the number of restarts made (the RayJob's ``ppojob.io/attempt``)."""
+    ``restart`` is the number of restarts made (the RayJob's ``ppojob.io/attempt``);
+    ``network``: the NetworkPolicy's settings, None for none (``--network-policy=off``)."""
     name = job.metadata.name or ""
     scheduler = scheduling.effective_scheduler(job, gang_default)
     owner_refs = [owner_reference(name, uid)] if uid else None
@@ -567,6 +624,7 @@ def build_children(
             if job.spec.failure_policy.pod_disruption_budget
             else []
         ),
+        *([network_policy(job, namespace, uid, network)] if network is not None else []),
         *gang.objects,
         ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint, restart=restart),
     ]

@@ -45,7 +45,13 @@ from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import GROUP, PLURAL, VERSION, PPOJob
 from ppojob_api.validation import validate_manifest as _validate
 from ppojob_operator import capabilities, k8s, metrics, pods, restarts
-from ppojob_operator.builders import JOB_LABEL, MANAGED_BY, build_children, check_job
+from ppojob_operator.builders import (
+    JOB_LABEL,
+    MANAGED_BY,
+    NetworkPolicySettings,
+    build_children,
+    check_job,
+)
 from ppojob_operator.scheduling import (
     KUEUE_QUEUE_LABEL,
     YUNIKORN_APP_LABEL,
@@ -78,6 +84,8 @@ class OperatorConfig:
     sidecar_supported: bool | None = None
     """Whether KubeRay supports SidecarMode; None: read the RayJob CRD at start-up."""
     retry_max_s: float = 60.0
+    network_policy: NetworkPolicySettings | None = field(default_factory=NetworkPolicySettings)
+    """Each job's NetworkPolicy (builders.network_policy); None: none (``--network-policy=off``)."""
 
 
 Key = tuple[str, str]
@@ -257,6 +265,7 @@ CHILD_KINDS = (
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 )
 """Children besides the RayJob, watched for deletion (self-healing)."""
 CHILD_RESOURCES = [(g, p) for g, _, p in CHILD_KINDS] + [("ray.io", "rayjobs")]
@@ -625,6 +634,7 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         uid=meta.get("uid"),
         gang_default=cfg.gang_default,
         entrypoint=cfg.entrypoint,
+        network=cfg.network_policy,
         attempt=attempt,
         restart=restarts.next_attempt(status),
     )

@@ -41,6 +41,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("ray.io/v1", "RayJob"): "rayjobs",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",

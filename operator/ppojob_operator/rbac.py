@@ -9,8 +9,8 @@ Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by k
 - RayJobs: created, read, watched (status mirroring, self-healing), patched (suspend/resume,
   a fresh YuniKorn application id per attempt) and deleted (a restart by the failure policy
   replaces the failed attempt's RayJob).
-- PodDisruptionBudgets: created and read (create-or-get), listed and watched like the other
-  children.
+- PodDisruptionBudgets and NetworkPolicies: created and read (create-or-get), listed and
+  watched like the other children.
 - ConfigMaps, ServiceAccounts, Roles, RoleBindings: created and read (create-or-get), listed and
   watched (only those labelled ``app.kubernetes.io/managed-by=ppojob-operator``, filtered
   server-side) so that one deleted by hand is recreated.
@@ -70,6 +70,11 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": ["policy"],
         "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "list", "watch", "create"],
+    },
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create"],
     },
     {

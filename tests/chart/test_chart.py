@@ -12,7 +12,8 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from ppojob_api.crd import crd_yaml
-from ppojob_operator.__main__ import build_parser
+from ppojob_operator.__main__ import build_parser, operator_config
+from ppojob_operator.builders import NetworkPolicySettings
 from ppojob_operator.rbac import OPERATOR_RULES
 from tests.helpers.helm import CHART, ROOT, run_helm
 
@@ -54,6 +55,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "replicaCount": 0,
     },
     "kueue-namespaced-one": {"watchNamespaces": ["ml"], "defaultGangScheduler": "kueue"},
+    "network-policy-own": {
+        "networkPolicy": {
+            "dashboardFrom": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
+            "extraIngress": [{"ports": [{"port": 8080}], "from": [{"namespaceSelector": {}}]}],
+        }
+    },
+    "network-policy-off": {"networkPolicy": {"enabled": False}},
 }
 
 
@@ -281,6 +289,7 @@ def test_rbac_can_be_disabled(render) -> None:
 def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     args = _container(render(values=VALUE_SETS[name]))["args"]
     parsed = build_parser().parse_args(args)  # exits (fails the test) on an unknown flag
+    config = operator_config(parsed)
     watch = VALUE_SETS[name].get("watchNamespaces", [])
     assert parsed.namespace == watch
     assert parsed.all_namespaces is (not watch)
@@ -291,7 +300,21 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     kuberay = VALUE_SETS[name].get("kuberay", {})
     assert parsed.kuberay_batch_scheduler == (kuberay.get("batchScheduler") or "none")
     assert parsed.kuberay_sidecar_mode == kuberay.get("sidecarMode", "auto")
+    sidecar = {"auto": None, "supported": True, "unsupported": False}
+    assert config.sidecar_supported is sidecar[kuberay.get("sidecarMode", "auto")]
+    assert config.gang_default == parsed.gang_scheduler
     assert parsed.log_level == VALUE_SETS[name].get("logLevel", "INFO")
+    # the NetworkPolicy settings the operator gets are the values as written
+    net = VALUE_SETS[name].get("networkPolicy", {})
+    settings = config.network_policy
+    if net.get("enabled", True):
+        want = NetworkPolicySettings()
+        assert settings == NetworkPolicySettings(
+            dashboard_from=net.get("dashboardFrom", want.dashboard_from),
+            extra_ingress=net.get("extraIngress", want.extra_ingress),
+        )
+    else:
+        assert settings is None
 
 
 def test_extra_args_and_image_digest(render) -> None:

@@ -7,6 +7,9 @@ from typing import Any
 from tests.helpers.controlplane import RESOURCES, ControlPlane, wait_until
 
 RESOURCES.setdefault("poddisruptionbudget.policy", ("apis/policy/v1", "poddisruptionbudgets", True))
+RESOURCES.setdefault(
+    "networkpolicy.networking.k8s.io", ("apis/networking.k8s.io/v1", "networkpolicies", True)
+)
 
 PPOJOB = "ppojobs.ppojob.io"
 JOB_LABEL = "ppojob.io/job"
@@ -17,6 +20,7 @@ CHILDREN = [
     ("role.rbac.authorization.k8s.io", "-trainer"),
     ("rolebinding.rbac.authorization.k8s.io", "-trainer"),
     ("poddisruptionbudget.policy", ""),
+    ("networkpolicy.networking.k8s.io", ""),
     ("rayjob.ray.io", ""),
 ]
 

@@ -107,6 +107,7 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
     "scheduling.x-k8s.io/v1alpha1/podgroups": ("PodGroup", True, set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
     "kueue.x-k8s.io/v1beta1/workloads": ("Workload", True, set()),
 }
 

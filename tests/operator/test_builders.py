@@ -829,3 +829,59 @@ def test_worker_roles_get_their_affinity_and_huge_pages(validate_child):
     _, totals = scheduling.gang_totals(builders.gang_members(job))
     assert quantity_bytes(totals["hugepages-1Gi"]) == 10 * 2**30
     assert quantity_bytes(totals["hugepages-2Mi"]) == 2**30
+
+
+def test_the_network_policy_admits_only_the_jobs_pods_kuberay_and_the_submitter(validate_child):
+    """Every pod of the job is under the policy; ingress on any port only from the job's own
+    pods, and to the dashboard's port also from KubeRay's operator and its submitter Job's pods
+    (the Job controller labels them with the Job's name, KubeRay names the Job after the RayJob).
+    The head keeps Ray's default dashboard port, the one the policy opens."""
+    job = make("gae-separate-all")
+    children = builders.build_children(job, namespace="ns1", uid="u")
+    for c in children:
+        validate_child(c)
+    [policy] = [c for c in children if c["kind"] == "NetworkPolicy"]
+    rayjob = children[-1]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "u"
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster["workerGroupSpecs"]
+    ]
+    assert len(templates) == 4
+    for t in templates:
+        assert selector.items() <= t["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, dashboard = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}
+    assert dashboard["ports"] == [{"protocol": "TCP", "port": 8265}]
+    submitter = {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}
+    assert dashboard["from"] == [{"podSelector": submitter}, builders.KUBERAY_OPERATOR_PEER]
+    assert "dashboard-port" not in cluster["headGroupSpec"]["rayStartParams"]
+    # operator settings: other peers and extra rules; off: no policy
+    extra = [{"ports": [{"port": 8080}], "from": [{"namespaceSelector": {}}]}]
+    peer = {"ipBlock": {"cidr": "10.0.0.0/24"}}
+    settings = builders.NetworkPolicySettings(dashboard_from=[peer], extra_ingress=extra)
+    custom = builders.network_policy(job, "ns1", settings=settings)
+    validate_child(custom)
+    assert custom["spec"]["ingress"][1]["from"] == [{"podSelector": submitter}, peer]
+    assert custom["spec"]["ingress"][2:] == extra
+    kinds = [c["kind"] for c in builders.build_children(job, namespace="ns1", network=None)]
+    assert "NetworkPolicy" not in kinds
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("{", "not JSON"),
+        ("[]", "only dashboardFrom and extraIngress"),
+        ('{"dashboardFrom": {}}', "dashboardFrom must be a list of objects"),
+        ('{"extraIngress": [1]}', "extraIngress must be a list of objects"),
+        ('{"ingress": []}', "only dashboardFrom and extraIngress"),
+    ],
+)
+def test_network_policy_flag_errors_name_the_problem(value, error):
+    from ppojob_operator.__main__ import network_settings
+
+    with pytest.raises(ValueError, match=error):
+        network_settings(value)

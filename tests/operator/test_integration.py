@@ -31,6 +31,7 @@ CHILD_KINDS = [
     ("rbac.authorization.k8s.io/v1", "Role", "demo-trainer"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding", "demo-trainer"),
     ("policy/v1", "PodDisruptionBudget", "demo"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "demo"),
     ("ray.io/v1", "RayJob", "demo"),
 ]
 
@@ -70,6 +71,24 @@ def creates(em, plural):
     return [
         r for r in em.requests() if r.method.value == "POST" and r.url.path.endswith("/" + plural)
     ]
+
+
+def test_the_operators_network_policy_settings_reach_the_jobs(cluster):
+    """--network-policy as the operator got it: off makes no NetworkPolicy; settings of its own
+    are the policy's dashboard peers."""
+    from ppojob_operator.builders import NetworkPolicySettings
+
+    peer = {"ipBlock": {"cidr": "10.0.0.0/24"}}
+    with Operator(
+        cluster.url, ["ns1"], network_policy=NetworkPolicySettings(dashboard_from=[peer])
+    ):
+        create_job()
+        policy = wait_for(lambda: kube.get("networking.k8s.io/v1", "NetworkPolicy", "ns1", "demo"))
+        assert policy["spec"]["ingress"][1]["from"][-1] == peer
+    with Operator(cluster.url, ["ns1"], network_policy=None):
+        create_job(name="other", uid="uid-other")
+        wait_for(lambda: kube.get("ray.io/v1", "RayJob", "ns1", "other"))
+        assert kube.get("networking.k8s.io/v1", "NetworkPolicy", "ns1", "other") is None
 
 
 def test_create_makes_children_and_follows_rayjob_status(cluster):
