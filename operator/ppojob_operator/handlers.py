@@ -60,6 +60,7 @@ from ppojob_operator.scheduling import (
     yunikorn_app_id,
 )
 from ppojob_operator.status import (
+    OPERATOR_KEYS,
     applied_job,
     changed_fields,
     desired_status,
@@ -106,6 +107,9 @@ class JobState:
     """The latest RayJob seen."""
     written: dict[str, Any] | None = None
     """The status keys last written (so a status write never repeats itself)."""
+    stored: tuple[int, dict[str, Any]] | None = None
+    """The resourceVersion and the operator's status keys as the API server returned them after
+    the last write: a later PPOJob whose keys differ was edited from outside (repaired)."""
     posted: dict[str, str] = field(default_factory=dict)
     """Event reason -> the message last posted with it."""
     note: tuple[str, str, str] | None = None
@@ -388,24 +392,58 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
             elif deadline is not None:
                 _wake_at(state, st, deadline)
         patch = status_patch(base, desired)
+        edited = outside_edits(st.stored, body)
+        for k in edited:
+            patch[k] = desired.get(k)
         if decided is not None and decided.action == "Restart" and trainer_error:
             patch["progress"] = {"error": None}  # the failed attempt's: not the next one's
         metrics.JOBS.set(key, desired.get("phase"))
         wrote = False
         transition = None
         if patch:
-            if await k8s.apatch_job_status(key[0], key[1], patch) is None:
+            got = await k8s.apatch_job_status(key[0], key[1], patch)
+            if got is None:
                 return False  # the PPOJob is gone
             st.written = desired
+            rv = _resource_version(got)
+            if rv is not None:
+                stored = got.get("status") or {}
+                st.stored = rv, {k: stored.get(k) for k in OPERATOR_KEYS}
             wrote = True
             if "phase" in patch:
                 transition = (base.get("phase"), desired)
     if transition is not None:
         await _phase_event(st, body, *transition)
+    if edited and wrote:
+        seen = body.get("status") or {}
+        shown = ", ".join(f"{k}={seen.get(k)!r}" for k in edited)
+        msg = (
+            f"status keys the operator owns were changed from outside ({shown}); restored. Only "
+            "the operator writes these; the trainer reports in status.progress"
+        )
+        await k8s.apost_event(body, "Warning", "StatusEdited", msg)
     await _after_failure(state, st, body, decided)
     if expired:
         await _queue_timeout(state, st, body, *queued)
     return wrote
+
+
+def _resource_version(obj: dict[str, Any]) -> int | None:
+    """An object's resourceVersion as a number (etcd's revision; None if it is not one)."""
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    return int(rv) if isinstance(rv, str) and rv.isdigit() else None
+
+
+def outside_edits(stored: tuple[int, dict[str, Any]] | None, body: dict[str, Any]) -> list[str]:
+    """The operator's status keys that a write from outside changed: ``body`` is newer than the
+    operator's last write (``stored``: its resourceVersion and keys as the API server returned
+    them) and holds other values. An event from before that write (the watch lags behind)
+    or the trainer's own writes (``status.progress``) are none."""
+    rv = _resource_version(body)
+    if stored is None or rv is None or rv <= stored[0]:
+        return []
+    status = body.get("status") or {}
+    return [k for k in OPERATOR_KEYS if status.get(k) != stored[1].get(k)]
 
 
 def _running_message(desired: dict[str, Any]) -> str:

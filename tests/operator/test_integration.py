@@ -91,6 +91,28 @@ def test_the_operators_network_policy_settings_reach_the_jobs(cluster):
         assert kube.get("networking.k8s.io/v1", "NetworkPolicy", "ns1", "other") is None
 
 
+def test_status_the_operator_owns_is_restored_after_an_outside_edit(cluster):
+    """The trainer's token may patch the job's status (for status.progress): a write of the
+    operator's keys (here a forged Succeeded) is put back at once, with a Warning event; the
+    trainer's own progress reports are left alone and raise no event."""
+    with Operator(cluster.url, ["ns1"]):
+        start_running_job()
+        before = job_status()
+        kube.patch(*PPO, "ns1", "demo", {"status": {"progress": {"step": 3}}}, "status")
+        kube.patch(
+            *PPO, "ns1", "demo", {"status": {"phase": "Succeeded", "reason": "Forged"}}, "status"
+        )
+        wait_for(lambda: [e for e in events() if e["reason"] == "StatusEdited"])
+        wait_for(phase_is("Running"))
+        after = job_status()
+        assert {k: after.get(k) for k in ("phase", "reason", "conditions")} == {
+            k: before.get(k) for k in ("phase", "reason", "conditions")
+        }
+        assert after["progress"] == {"step": 3}
+        [edited] = [e for e in events() if e["reason"] == "StatusEdited"]
+        assert "phase='Succeeded'" in edited["message"] and edited["type"] == "Warning"
+
+
 def test_create_makes_children_and_follows_rayjob_status(cluster):
     with Operator(cluster.url, ["ns1"]):
         create_job()
