@@ -27,6 +27,16 @@ from ppojob_api.metadata import check_kueue_queue
 from ppojob_api.spec import PPOJob
 from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
 
+SCHEDULER_CRDS = {
+    "kueue": "workloads.kueue.x-k8s.io",
+    "scheduler-plugins": "podgroups.scheduling.x-k8s.io",
+    "volcano": "podgroups.scheduling.volcano.sh",
+}
+"""The CRD each gang scheduler's objects need: Kueue's Workloads (Kueue makes one per RayJob and
+admits it), scheduler-plugins' PodGroups (the operator makes them), Volcano's PodGroups (KubeRay
+makes them). Without it nothing would ever admit or place the job: it would wait forever.
+YuniKorn has no CRD (its pods wait; ``spec.scheduling.queueTimeoutSeconds`` bounds that)."""
+
 SIDECAR_MARKER = "deletionStrategy"
 """A ``RayJob.spec`` property present in KubeRay's CRD from 1.5.0 on (the SidecarMode release)."""
 
@@ -52,10 +62,20 @@ def refusal(
     gang_default: str | None,
     kuberay_batch_scheduler: str | None,
     sidecar: bool | None,
+    missing_crd: str | None = None,
 ) -> tuple[str, str] | None:
-    """(reason, message) when this installation cannot run the job; None when it can."""
+    """(reason, message) when this installation cannot run the job; None when it can.
+    ``missing_crd``: the job's gang scheduler's CRD (:data:`SCHEDULER_CRDS`), found missing."""
     sched = job.spec.scheduling
     scheduler = effective_scheduler(job, gang_default)
+    if missing_crd is not None:
+        return (
+            "SchedulerNotInstalled",
+            f"the gang scheduler is {scheduler}, but this cluster has no CustomResourceDefinition "
+            f"{missing_crd}: {scheduler} is not installed, and nothing would ever admit or place "
+            "the job. Install it (see docs/gang-scheduling.md), or set "
+            "spec.scheduling.gangScheduler to one that is",
+        )
     if sched.gang_scheduler is None:
         if scheduler == "kueue" and not sched.queue:
             return (

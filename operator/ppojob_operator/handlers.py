@@ -162,6 +162,8 @@ class State:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
         self._jobs: dict[Key, JobState] = {}
+        self.crds_found: set[str] = set()
+        """Gang schedulers' CRDs seen in the cluster (``_missing_scheduler_crd``)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -589,6 +591,26 @@ def _retry_later(state: State, st: JobState, why: str, action: Any = None) -> No
     st.retry = asyncio.get_running_loop().create_task(_again())
 
 
+async def _missing_scheduler_crd(state: State, scheduler: str) -> str | None:
+    """The gang scheduler's CRD when the cluster lacks it (capabilities.SCHEDULER_CRDS); read
+    for each new job until found (then remembered: a scheduler installed after the operator
+    started is seen). An unreadable CRD (RBAC, network) refuses nothing."""
+    crd = capabilities.SCHEDULER_CRDS.get(scheduler)
+    if crd is None or crd in state.crds_found:
+        return None
+    try:
+        got = await k8s.aget("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", crd)
+    except Exception as exc:
+        log.warning(
+            "cannot read the CRD %s (%s); not checking that %s is installed", crd, exc, scheduler
+        )
+        return None
+    if got is None:
+        return crd
+    state.crds_found.add(crd)
+    return None
+
+
 async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Create (or find) every child of a PPOJob, then write its status. Idempotent, and the one
     level-triggered path for new jobs, spec fixes, retries and self-healing.
@@ -609,13 +631,17 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
         await sync_status(state, st)
         return []
     cfg = state.config
+    status = body.get("status") or {}
+    missing = None
+    if not status.get("rayJobName"):
+        missing = await _missing_scheduler_crd(state, effective_scheduler(job, cfg.gang_default))
     refused = capabilities.refusal(
         job,
         gang_default=cfg.gang_default,
         kuberay_batch_scheduler=cfg.kuberay_batch_scheduler,
         sidecar=cfg.sidecar_supported,
+        missing_crd=missing,
     )
-    status = body.get("status") or {}
     if refused is not None and not status.get("rayJobName"):
         st.note = ("Failed", *refused)
         await _event_once(st, body, "Warning", refused[0], refused[1])

@@ -45,6 +45,30 @@ def cluster() -> Any:
         k8s.configure(em.url)
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns1"}}
         kube.request("POST", "/api/v1/namespaces", ns)
+        # the gang schedulers are "installed": their CRDs exist (the operator checks)
+        from ppojob_operator.capabilities import SCHEDULER_CRDS
+
+        for crd, (kind, version) in zip(
+            SCHEDULER_CRDS.values(),
+            [("Workload", "v1beta1"), ("PodGroup", "v1alpha1"), ("PodGroup", "v1beta1")],
+            strict=True,
+        ):
+            plural, group = crd.split(".", 1)
+            kube.request(
+                "POST",
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                {
+                    "apiVersion": "apiextensions.k8s.io/v1",
+                    "kind": "CustomResourceDefinition",
+                    "metadata": {"name": crd},
+                    "spec": {
+                        "group": group,
+                        "scope": "Namespaced",
+                        "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
+                        "versions": [{"name": version, "served": True, "storage": True}],
+                    },
+                },
+            )
         try:
             yield em
         finally:

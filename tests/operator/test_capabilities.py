@@ -51,6 +51,11 @@ def job(**spec):
             None,
         ),
         ({}, {"gang_default": "kueue"}, "QueueRequired"),
+        (
+            {"scheduling": {"gangScheduler": "kueue", "queue": "q"}},
+            {"missing_crd": "workloads.kueue.x-k8s.io"},
+            "SchedulerNotInstalled",
+        ),
         ({"scheduling": {"queue": "Team_A"}}, {"gang_default": "kueue"}, "InvalidQueue"),
         ({"scheduling": {"queue": "team-a"}}, {"gang_default": "kueue"}, None),
         ({"scheduling": {"queue": "q"}}, {}, "NoGangScheduler"),

@@ -404,6 +404,34 @@ def test_invalid_edit_of_a_running_job_keeps_its_status(cluster):
         assert cond("Valid")["status"] == "True" and cond("Running")["status"] == "True"
 
 
+def test_a_gang_scheduler_that_is_not_installed_is_reported_not_waited_for(cluster):
+    """Kueue's CRD gone (not installed): a Kueue job fails at once with the reason and makes no
+    RayJob; once the CRD is there, the next job runs."""
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    wl_crd = kube.request("GET", f"{crds}/workloads.kueue.x-k8s.io")
+    kube.request("DELETE", f"{crds}/workloads.kueue.x-k8s.io")
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling=KUEUE)
+        wait_for(phase_is("Failed"))
+        failed = next(c for c in job_status()["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "SchedulerNotInstalled"
+        assert "workloads.kueue.x-k8s.io" in failed["message"] and "kueue" in failed["message"]
+        assert kube.get(*RJ, "ns1", "demo") is None
+        wl_crd["metadata"].pop("resourceVersion", None)
+        kube.request("POST", crds, wl_crd)
+        create_job(name="later", uid="uid-later", scheduling=KUEUE)
+        wait_for(lambda: kube.get(*RJ, "ns1", "later"))
+        # found once, remembered: the next job reads no CRD
+        create_job(name="third", uid="uid-third", scheduling=KUEUE)
+        wait_for(lambda: kube.get(*RJ, "ns1", "third"))
+        reads = [
+            r
+            for r in cluster.requests()
+            if r.method.value == "GET" and r.url.path == f"{crds}/workloads.kueue.x-k8s.io"
+        ]
+        assert len(reads) == 3, reads  # the test's own, the missing one, the one found
+
+
 def test_jobs_this_installation_cannot_run_are_refused_clearly(cluster):
     """Items 3 and 7: KubeRay too old for SidecarMode; a gang scheduler KubeRay's batchScheduler
     defeats. No children; Failed with the reason; fixing the spec starts the job."""
