@@ -107,6 +107,8 @@ class JobState:
     """The latest RayJob seen."""
     written: dict[str, Any] | None = None
     """The status keys last written (so a status write never repeats itself)."""
+    workload: list[dict[str, Any]] | None = None
+    """The conditions of the job's Kueue Workload, read while Kueue holds its RayJob."""
     stored: tuple[int, dict[str, Any]] | None = None
     """The resourceVersion and the operator's status keys as the API server returned them after
     the last write: a later PPOJob whose keys differ was edited from outside (repaired)."""
@@ -385,6 +387,7 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
                 now=_now(),
                 scheduler=sched,
                 trainer_error=None if previous is not base else trainer_error,
+                workload=st.workload,
             )
             started = _run_started({**base, "progress": progress})
             deadline = restarts.queue_deadline(job, rj, desired["phase"], started)
@@ -781,6 +784,27 @@ WORKLOAD_VERSIONS = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
+HELD = ("", "New", "Suspending", "Suspended")
+"""RayJob deployment states in which Kueue may hold a job (not admitted, or evicted)."""
+
+
+async def held_workload(rayjob: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The conditions of a Kueue-queued RayJob's Workload while the RayJob is held (so the
+    status tells a preemption or Kueue's reason from plain waiting); None otherwise."""
+    labels = (rayjob.get("metadata") or {}).get("labels") or {}
+    dep = (rayjob.get("status") or {}).get("jobDeploymentStatus") or ""
+    if KUEUE_QUEUE_LABEL not in labels or dep not in HELD:
+        return None
+    try:
+        found = await find_workload(rayjob)
+    except k8s.ApiError as exc:
+        log.warning(
+            "cannot read the Kueue Workload of RayJob %s: %s", rayjob["metadata"]["name"], exc
+        )
+        return None
+    return ((found[1].get("status") or {}).get("conditions") or None) if found else None
+
+
 async def find_workload(rayjob: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """The Kueue Workload of a RayJob: Kueue labels it ``kueue.x-k8s.io/job-uid: <RayJob uid>``
     and makes the RayJob its controller owner. Returns (apiVersion, workload)."""
@@ -957,6 +981,7 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
         st = state.track(key)
     st.rayjob = rayjob
     await refresh_yunikorn_app(st, rayjob)
+    st.workload = await held_workload(rayjob)
     await sync_status(state, st)
 
 

@@ -70,8 +70,35 @@ def trainer_reason(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str, str, str]:
-    """(phase, reason, message) of a job from its RayJob."""
+def kueue_waiting(conditions: list[dict[str, Any]] | None) -> tuple[str, str] | None:
+    """(reason, message) of a job Kueue holds, from its Workload's conditions: evicted (by a
+    preemption: ``Evicted`` True with reason ``Preempted``, Kueue's WorkloadEvictedByPreemption;
+    or another eviction), or not admitted for want of quota (``QuotaReserved`` False, with
+    Kueue's message). None: nothing to add to "waiting for Kueue". Kueue resets ``Evicted`` to
+    False when it admits the Workload again (workload.SetQuotaReservation)."""
+    conds = {c.get("type"): c for c in conditions or []}
+    evicted = conds.get("Evicted") or {}
+    if evicted.get("status") == "True":
+        msg = evicted.get("message") or ""
+        if evicted.get("reason") == "Preempted":
+            return "KueuePreempted", f"preempted by Kueue: {msg}; waiting to be admitted again"
+        why = evicted.get("reason") or "Evicted"
+        return "KueueEvicted", f"evicted by Kueue ({why}): {msg}; waiting to be admitted again"
+    quota = conds.get("QuotaReserved") or {}
+    if quota.get("status") == "False" and quota.get("message"):
+        return "WaitingForAdmission", f"waiting for Kueue to admit the job: {quota['message']}"
+    return None
+
+
+def phase_of(
+    rayjob: dict[str, Any],
+    *,
+    suspend: bool,
+    kueue: bool,
+    workload: list[dict[str, Any]] | None = None,
+) -> tuple[str, str, str]:
+    """(phase, reason, message) of a job from its RayJob (and under Kueue, the conditions of
+    its Workload while Kueue holds it: ``workload``)."""
     st = rayjob.get("status") or {}
     dep = st.get("jobDeploymentStatus") or ""
     js = st.get("jobStatus") or ""
@@ -89,7 +116,10 @@ def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str
             reason or "ValidationFailed",
             message or "KubeRay rejected the RayJob (see its events)",
         )
+    held = kueue_waiting(workload) if kueue and not suspend else None
     if dep in ("Suspended", "Suspending"):
+        if held is not None:
+            return "Pending", *held
         if kueue and not suspend:
             return "Pending", "WaitingForAdmission", "waiting for Kueue to admit the job"
         return "Suspended", f"RayJob{dep}", "the job is suspended (spec.suspend)"
@@ -103,6 +133,8 @@ def phase_of(rayjob: dict[str, Any], *, suspend: bool, kueue: bool) -> tuple[str
     if dep in ("", "New"):
         if suspend:
             return "Suspended", "Suspended", "the job is suspended (spec.suspend)"
+        if held is not None:
+            return "Pending", *held
         if kueue:
             return "Pending", "WaitingForAdmission", "waiting for Kueue to admit the job"
         return "Pending", "RayJobCreated", "waiting for KubeRay"
@@ -208,13 +240,17 @@ def desired_status(
     now: str,
     scheduler: str = "none",
     trainer_error: str | None = None,
+    workload: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The operator's part of a valid, started job's status, from its RayJob.
+    """The operator's part of a valid, started job's status, from its RayJob (``workload``: the
+    conditions of its Kueue Workload while Kueue holds it).
 
     ``trainer_error`` is the trainer's own account of a failure (``status.progress.error``, one
     line naming the field and the cause); a failed job's condition carries it."""
     kueue = scheduler == "kueue"
-    phase, reason, message = phase_of(rayjob, suspend=job.spec.suspend, kueue=kueue)
+    phase, reason, message = phase_of(
+        rayjob, suspend=job.spec.suspend, kueue=kueue, workload=workload
+    )
     if phase == "Failed" and trainer_error:
         reason, message = trainer_reason(trainer_error) or "TrainerFailed", trainer_error
     kept = _restart_keys(previous, rayjob)

@@ -380,6 +380,37 @@ def test_kueue_suspend_and_resume_go_through_the_workload(cluster):
         wait_for(lambda: job_status().get("phase") == "Pending")  # waiting for admission
 
 
+def test_a_kueue_preemption_shows_as_such_and_readmission_runs_again(cluster):
+    """Kueue preempts a running job (evicts its Workload by Preempted, suspends the RayJob):
+    the job shows Pending, reason KueuePreempted, with Kueue's message; re-admitted it runs."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job(scheduling=KUEUE)
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo"))
+        wl = _kueue_makes_workload()
+        kube.patch(*RJ, "ns1", "demo", {"spec": {"suspend": False}})
+        set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+        wait_for(phase_is("Running"))
+        evicted = {
+            "type": "Evicted",
+            "status": "True",
+            "reason": "Preempted",
+            "message": "Preempted to accommodate a workload (UID: u2, JobUID: j2) due to "
+            "prioritization in the ClusterQueue",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }
+        kube.patch(*WL, "ns1", wl, {"status": {"conditions": [evicted]}}, "status")
+        kube.patch(*RJ, "ns1", "demo", {"spec": {"suspend": True}})
+        set_rayjob_status({"jobDeploymentStatus": "Suspended"})
+        wait_for(lambda: job_status().get("reason") == "KueuePreempted")
+        assert job_status()["phase"] == "Pending"
+        assert "prioritization in the ClusterQueue" in cond("Running")["message"]
+        readmitted = {**evicted, "status": "False", "reason": "QuotaReserved"}
+        kube.patch(*WL, "ns1", wl, {"status": {"conditions": [readmitted]}}, "status")
+        kube.patch(*RJ, "ns1", "demo", {"spec": {"suspend": False}})
+        set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+        wait_for(phase_is("Running"))
+
+
 def test_invalid_edit_of_a_running_job_keeps_its_status(cluster):
     """Item 10."""
     with Operator(cluster.url, ["ns1"]):

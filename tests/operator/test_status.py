@@ -48,6 +48,43 @@ def test_kueue_waiting_is_pending():
     assert phase_of(rayjob("Suspended"), suspend=True, kueue=True)[0] == "Suspended"
 
 
+PREEMPTED = {
+    "type": "Evicted",
+    "status": "True",
+    "reason": "Preempted",
+    "message": "Preempted to accommodate a workload (UID: u1, JobUID: j1) due to prioritization "
+    "in the ClusterQueue",
+}
+NO_QUOTA = {
+    "type": "QuotaReserved",
+    "status": "False",
+    "reason": "Pending",
+    "message": "couldn't assign flavors to pod set actor: insufficient quota for nvidia.com/gpu",
+}
+
+
+@pytest.mark.parametrize("dep", ["Suspended", "Suspending", "", "New"])
+def test_kueue_says_why_it_holds_the_job(dep):
+    """A preemption (Evicted by Preempted), another eviction and missing quota each show as
+    such with Kueue's own message; once re-admitted (Evicted reset to False) it is gone; a job
+    the user suspended stays Suspended whatever its Workload says."""
+    rj = rayjob(dep)
+    phase, reason, msg = phase_of(rj, suspend=False, kueue=True, workload=[PREEMPTED, NO_QUOTA])
+    assert (phase, reason) == ("Pending", "KueuePreempted")
+    assert PREEMPTED["message"] in msg
+    other = {**PREEMPTED, "reason": "PodsReadyTimeout", "message": "pods not ready in time"}
+    phase, reason, msg = phase_of(rj, suspend=False, kueue=True, workload=[other])
+    assert (phase, reason) == ("Pending", "KueueEvicted") and "PodsReadyTimeout" in msg
+    phase, reason, msg = phase_of(rj, suspend=False, kueue=True, workload=[NO_QUOTA])
+    assert (phase, reason) == ("Pending", "WaitingForAdmission") and "insufficient quota" in msg
+    readmitted = {**PREEMPTED, "status": "False", "reason": "QuotaReserved"}
+    assert phase_of(rj, suspend=False, kueue=True, workload=[readmitted])[1] == (
+        "WaitingForAdmission"
+    )
+    if dep.startswith("Suspend"):
+        assert phase_of(rj, suspend=True, kueue=True, workload=[PREEMPTED])[0] == "Suspended"
+
+
 @pytest.mark.parametrize(
     ("dep", "js", "kueue", "reason"),
     [
