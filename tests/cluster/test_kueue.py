@@ -30,7 +30,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUPS = {"head": 1, "actor": 2, "critic": 1, "rollout": 1}
 
 
-def make_queue(cp: ControlPlane, ns: str, gpus: int) -> str:
+def make_queue(cp: ControlPlane, ns: str, gpus: int, preemption: dict | None = None) -> str:
     """A ClusterQueue with ``gpus`` GPUs of quota and LocalQueue ``lq`` in ``ns`` pointing at it;
     returns the ClusterQueue's name once Kueue reports it active."""
     cq = f"cq-{ns}"
@@ -48,6 +48,7 @@ def make_queue(cp: ControlPlane, ns: str, gpus: int) -> str:
                 "metadata": {"name": cq},
                 "spec": {
                     "namespaceSelector": {},
+                    **({"preemption": preemption} if preemption else {}),
                     "resourceGroups": [
                         {
                             "coveredResources": [q["name"] for q in quota],
@@ -309,3 +310,44 @@ def test_kueue_webhook_refuses_a_queue_name_that_is_no_localqueue_name(cp, kueue
     with pytest.raises(SpecError) as err:
         validate_manifest(manifest)
     assert [p.path for p in err.value.problems] == ["spec.scheduling.queue"]
+
+
+def test_a_priority_preemption_shows_as_such_and_the_job_runs_again(cp, operator, kueue, ns):
+    """Kueue preempts a running low-priority job for a high-priority one that needs the whole
+    quota: the low job shows Pending with reason KueuePreempted and Kueue's message while its
+    pods go; when the high one is deleted Kueue admits the low one again and it runs."""
+    make_queue(cp, ns, gpus=4, preemption={"withinClusterQueue": "LowerPriority"})
+    classes = {"low": 100, "high": 1000}
+    cp.apply(
+        [
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": f"{ns}-{name}"},
+                "value": value,
+            }
+            for name, value in classes.items()
+        ]
+    )
+
+    def prioritized(name: str, level: str) -> dict[str, Any]:
+        doc = job(name, ns)
+        doc["spec"]["scheduling"]["priorityClassName"] = f"{ns}-{level}"
+        return doc
+
+    cp.apply(prioritized("low", "low"))
+    wait_until(lambda: all_running(cp, "low", ns), 120, "the low job's pods Running")
+    cp.apply(prioritized("high", "high"))
+    wait_until(lambda: status(cp, "low", ns).get("reason") == "KueuePreempted", 90, "preempted")
+    low = status(cp, "low", ns)
+    assert low["phase"] == "Pending", low
+    message = condition(low, "Running").get("message", "")
+    assert "Preempted to accommodate a workload" in message, message
+    wait_until(lambda: admitted(cp, "high", ns), 90, "the high job admitted")
+    wait_until(lambda: not job_pods(cp, "low", ns), 90, "the low job's pods gone")
+    cp.kubectl("delete", PPOJOB, "high", "-n", ns, "--wait=false")
+    wait_until(lambda: admitted(cp, "low", ns), 120, "the low job admitted again")
+    wait_until(lambda: all_running(cp, "low", ns), 120, "the low job's pods Running again")
+    wait_until(
+        lambda: phase(cp, "low", ns) in ("Initializing", "Running"), 60, "low out of Pending"
+    )
