@@ -709,17 +709,29 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     # admit and unsuspend it (it owns RayJob.spec.suspend).
     hold = strategy(scheduler).owns_suspend and job.spec.suspend and existing_rj is None
     wanted = children[:-1] if hold else children
-    # The API server checks a RoleBinding against its Role (the RBAC escalation check): a
-    # RoleBinding posted before its Role exists is refused with 404. Bindings go second.
-    first = [c for c in wanted[:-1] if c["kind"] != "RoleBinding"]
-    bindings = [c for c in wanted[:-1] if c["kind"] == "RoleBinding"]
+    # The trainer's Role and RoleBinding are off the critical path: the API server's RBAC
+    # escalation check on each waits for its watch cache (~100 ms), and only the trainer's
+    # progress reports need them (which wait out an early 403). They are granted while the
+    # RayJob is posted, after everything its pods need (ConfigMap, ServiceAccount, the gang's
+    # objects). A RoleBinding posted before its Role exists is refused with 404: Role first.
+    rbac_kinds = ("Role", "RoleBinding")
+    first = [c for c in wanted[:-1] if c["kind"] not in rbac_kinds]
+    rbac = [c for c in wanted[:-1] if c["kind"] in rbac_kinds]
+
+    async def grant() -> list[dict[str, Any]]:
+        return [(await k8s.acreate_or_get(c))[0] for c in rbac]
+
+    async def post_rayjob() -> list[dict[str, Any]]:
+        if hold:
+            return []
+        if existing_rj is not None:
+            return [existing_rj]  # a known RayJob is never posted again (a re-run if gone)
+        return [(await k8s.acreate_or_get(wanted[-1], recreate_vanished=False))[0]]
+
     try:
         made = [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, first))]
-        made += [o for o, _ in await asyncio.gather(*map(k8s.acreate_or_get, bindings))]
-        if not hold and existing_rj is not None:
-            made.append(existing_rj)  # a known RayJob is never posted again (a re-run if gone)
-        elif not hold:
-            made.append((await k8s.acreate_or_get(wanted[-1], recreate_vanished=False))[0])
+        granted, posted = await asyncio.gather(grant(), post_rayjob())
+        made += granted + posted
     except k8s.ChildVanished as exc:
         # Deleted between our 409 and the read back: a pass on a fresh PPOJob decides whether
         # the job runs again or fails (its DELETED event's, and this retry in case the watch

@@ -197,3 +197,30 @@ def test_an_earlier_jobs_rayjob_never_stands_in_for_the_new_jobs(patches):
         assert st.rayjob is None and st.rayjob_deletions == 1
 
     asyncio.run(scenario())
+
+
+def test_the_rayjob_is_posted_without_waiting_for_the_trainers_rbac(patches, monkeypatch):
+    """The trainer's Role and RoleBinding (the API server's slow RBAC escalation checks) are off
+    the critical path: the RayJob is posted while they are still in flight, after every child
+    its pods need; the RoleBinding still only after its Role."""
+    posted: list[str] = []
+    rayjob_posted = asyncio.Event()
+
+    async def acreate_or_get(obj: dict[str, Any], **_: Any) -> tuple[dict[str, Any], bool]:
+        posted.append(obj["kind"])
+        if obj["kind"] == "RayJob":
+            rayjob_posted.set()
+        if obj["kind"] == "Role":  # the RBAC check: done only once the RayJob went out
+            await asyncio.wait_for(rayjob_posted.wait(), 5)
+        return obj, True
+
+    monkeypatch.setattr(k8s, "acreate_or_get", acreate_or_get)
+
+    async def scenario() -> list[dict[str, Any]]:
+        return await handlers.reconcile_children(new_state(), ppojob())
+
+    made = asyncio.run(scenario())
+    assert [o["kind"] for o in made][-1] == "RayJob"
+    assert posted.index("RoleBinding") > posted.index("Role")
+    for kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"):
+        assert posted.index(kind) < posted.index("RayJob"), posted
