@@ -126,6 +126,11 @@ def main() -> None:
             if ratios:
                 mean = sum(ratios) / len(ratios)
                 print(f"{config}: {name} {mean:.2f}x the sync speed ({len(ratios)} seed(s))")
+        steps = [results["sync", s]["step_s"] / results[config, s]["step_s"] for s in args.seeds]
+        print(
+            f"{config}: mean step time {sum(steps) / len(steps):.2f}x the sync speed "  # type: ignore[operator]
+            f"({len(steps)} seed(s))"
+        )
         finals = [results[config, s]["final"] - results["sync", s]["final"] for s in args.seeds]
         print(f"{config}: final reward {sum(finals) / len(finals):+.3f} vs sync (mean over seeds)")
 
