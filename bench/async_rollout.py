@@ -1,8 +1,9 @@
 """Synchronous vs bounded-staleness (asynchronous) training on the CPU count-up task: wall time
 to reward 0.9 and final reward, same seeds.
 
-Runs `ppojob run examples/ppojob-tiny.yaml` (a fresh process and local Ray each time) for each
-seed and configuration, reads its `metrics.jsonl` and prints one row per run:
+Trains examples/ppojob-tiny.yaml as `ppojob run` does (``train_locally``; one local Ray for all
+runs, started once) for each seed and configuration, reads the run's `metrics.jsonl` and prints
+one row per run:
 
 ``sync``        the example as written: actor, critic and engine in one worker process with
                 both cores, maxStaleness 0 (today's loop; what `ppojob run` does by default)
@@ -35,16 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.time_to_reward import crossing, run_command
+from bench.time_to_reward import EXAMPLE, crossing
 
 SPLIT = (
     "roles.rollout.colocateWithActor=false",
@@ -60,19 +62,30 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 THRESHOLD, WINDOW, HOLD, LAST = 0.9, 10, 10, 10
 
 
+def _config(config: str, seed: int, steps: int) -> Any:
+    """The example with the row's settings (what `ppojob run --set ...` would train)."""
+    from ppojob_trainer.manifest import config_from_doc
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["training"].update(seed=seed, steps=steps)
+    for setting in CONFIGS[config]:
+        path, value = setting.split("=")
+        node = doc["spec"]
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)
+    return config_from_doc(doc)
+
+
 def run_one(config: str, seed: int, steps: int, out: Path) -> dict[str, float | None]:
-    cmd = run_command(out, seed, *CONFIGS[config], steps=steps)
-    for _attempt in range(3):  # a local Ray that cannot start on a loaded machine: again
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - start
-        if proc.returncode == 0 or "timed out during startup" not in proc.stdout + proc.stderr:
-            break
-        shutil.rmtree(out, ignore_errors=True)
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"{config} seed {seed} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        )
+    from ppojob_trainer.run_cmd import train_locally
+
+    start = time.perf_counter()
+    code = train_locally(_config(config, seed, steps), out, show_bar=False)
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"{config} seed {seed} failed (exit code {code})")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows]
     at = crossing(rewards, THRESHOLD, WINDOW, HOLD)
@@ -109,6 +122,15 @@ def main() -> None:
         f"{'config':10} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
         f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7}"
     )
+    from ppojob_trainer.runtime import shutdown_ray, start_local_ray
+
+    for _attempt in range(5):  # one local Ray for every run; a loaded machine may time it out
+        try:
+            start_local_ray()
+            break
+        except Exception as exc:  # Ray's start-up timeout on an overloaded machine
+            print(f"local Ray did not start ({exc}); again", flush=True)
+            shutdown_ray()
     results: dict[tuple[str, int], dict[str, float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
