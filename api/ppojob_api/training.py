@@ -299,6 +299,24 @@ class KLSpec(ApiModel):
     """Horizon (in samples) of the adaptive KL controller."""
 
 
+class ImportanceSampling(ApiModel):
+    """Off-policy correction of the decoupled PPO objective: each token's policy loss is weighed
+    by w = pi_old / pi_behaviour, where pi_behaviour is the policy that sampled the token (the
+    engine's sampling log-prob, of the weights it held then) and pi_old the proximal policy the
+    actor recomputes at the start of the step (the PPO ratio's anchor)."""
+
+    level: Literal["token", "sequence"] = "token"
+    """`token`: one weight per token; `sequence`: one weight per sample, the product of its
+    tokens' ratios, given to every token of the sample."""
+
+    mode: Literal["truncate", "mask"] = "truncate"
+    """`truncate` (TIS): w -> min(w, cap); `mask` (MIS): w -> w when w <= cap, else 0 (the token,
+    or the whole sample at level sequence, is left out of the loss)."""
+
+    cap: float = Field(2.0, gt=1, le=1000)
+    """The bound C of the weights (> 1; 2 is common at level token, larger at level sequence)."""
+
+
 class Algorithm(ApiModel):
     """The RL algorithm: advantage estimation, clipping, KL and critic schedule."""
 
@@ -359,6 +377,21 @@ class Algorithm(ApiModel):
     recomputed one, to correct for rollout engines whose numerics differ from the trainer's
     (as verl and slime offer; 2 is a common cap). Unset: no correction. Every step reports the
     mismatch as rollout/logprob_diff_mean and rollout/logprob_diff_max either way."""
+
+    max_staleness: int = Field(0, ge=0, le=16)
+    """Bounded staleness: how many policy versions older than the actor a sample's tokens may be
+    when it is trained on. 0 (the default) is the synchronous on-policy loop: a step generates,
+    then trains. With k > 0 the engines generate the next steps' samples while the actor trains
+    (they need engines of their own: roles.rollout.colocateWithActor: false); generation of a
+    step is launched only once its samples are sure to be at most k versions old when trained
+    on, so none is ever discarded. Every token carries the version that generated it; the step
+    reports staleness/mean, staleness/max and time/overlap_share."""
+
+    importance_sampling: ImportanceSampling | None = None
+    """Off-policy correction (decoupled PPO objective) for stale or mismatched samples: truncated
+    (TIS) or masked (MIS) importance weights pi_old / pi_behaviour, per token or per sequence.
+    Unset: none. Every step reports is/weight_mean and is/weight_max (before truncation or
+    masking) and is/capped_share (the share of tokens truncated or masked)."""
 
     custom_advantage_function: str | None = Field(None, pattern=HOOK_PATTERN)
     """`module:function` computing advantages and returns instead of the estimator; loaded in the

@@ -33,6 +33,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.offpolicy import check_importance_sampling, check_staleness
 from ppojob_api.checks.pods import AFFINITY_TYPES, check_pod_fields
 from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
@@ -241,6 +242,42 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_sglang_top_p_tis,
         "torch engine, top-p and truncated importance sampling",
         {"data__topP": 0.9, "algorithm__tisCap": 2.0},
+        [],
+    ),
+    (
+        check_sglang_top_p_tis,
+        "sglang engine, top-p and importanceSampling",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "data__topP": 0.9,
+            "algorithm__importanceSampling": {"mode": "mask"},
+        },
+        ["spec.algorithm.importanceSampling"],
+    ),
+    # --- bounded staleness and the off-policy correction
+    (
+        check_staleness,
+        "staleness with a colocated engine",
+        {"roles__rollout": {"colocateWithActor": True}, "algorithm__maxStaleness": 1},
+        ["spec.algorithm.maxStaleness"],
+    ),
+    (check_staleness, "staleness with engines of their own", {"algorithm__maxStaleness": 2}, []),
+    (
+        check_staleness,
+        "colocated engine, on-policy",
+        {"roles__rollout": {"colocateWithActor": True}, "algorithm__maxStaleness": 0},
+        [],
+    ),
+    (
+        check_importance_sampling,
+        "tisCap and importanceSampling",
+        {"algorithm__tisCap": 2.0, "algorithm__importanceSampling": {"level": "sequence"}},
+        ["spec.algorithm.importanceSampling"],
+    ),
+    (
+        check_importance_sampling,
+        "importanceSampling alone",
+        {"algorithm__importanceSampling": {"level": "sequence", "mode": "mask", "cap": 5.0}},
         [],
     ),
     (

@@ -4,6 +4,12 @@
     -> advantages -> critic updates -> actor update (after warm-up) -> [engines wake]
     -> weight sync -> metrics -> checkpoint
 
+Bounded staleness (``algorithm.maxStaleness`` k): the same step, with the generation of the next
+k steps launched at its start (:func:`~ppojob_trainer.algorithms.generation_window`), so the
+engines generate them while the actor trains; k = 0 launches only the step's own, which is the
+synchronous loop. Every token carries the policy version (weight sync) that generated it; the
+actor refuses one older than k versions.
+
 The driver (this module) holds no model and never pulls a tensor: it samples prompts, hands the
 workers ObjectRefs and sample ranges, and reads back float metrics. Critic values travel from the
 critic workers to the actor workers through the object store, routed by sample range, so actor
@@ -90,6 +96,22 @@ WEIGHT_GROUP = "ppojob-weights"
 """Name of the weight-update process group of disaggregated engines."""
 
 
+@dataclass
+class _Generation:
+    """One step's generation, launched (its refs in flight or done)."""
+
+    step: int
+    ranges: list[tuple[int, int]]
+    """Sample ranges, one per engine that generates."""
+    gens: list[Any]
+    """Refs of the engines' results (``{"batch": ref, "metrics", "span", "version"}``)."""
+    engines: list[int]
+    """The engines, in the order of ``gens``."""
+    data_state: tuple[Any, dict[str, Any]] | None = None
+    """The data order before this step's prompts were drawn (a checkpoint taken while it is
+    in flight rewinds to it, so a resumed run draws the same prompts)."""
+
+
 def _step_seed(seed: int, step: int, engine: int) -> int:
     return (seed * 1_000_003 + step * 7919 + engine) % (2**63 - 1)
 
@@ -115,6 +137,14 @@ class PPOTrainer:
         self.placement = reserve_placement(plan, max(budget - waited, 1.0))
         self.all_hosts: list[Any] = []
         self.syncs = 0
+        """Weight syncs so far: the policy version the actor and the engines hold between
+        steps."""
+        self.pending: dict[int, _Generation] = {}
+        """Generation launched ahead of its step (maxStaleness > 0), by step."""
+        self.launched = 0
+        """Every step before this one has had its generation launched."""
+        self.total_steps: int | None = None
+        """The run's step count (:func:`train` sets it): no generation is launched past it."""
         try:
             self._start(cfg, critic, threads)
         except BaseException:
@@ -308,28 +338,20 @@ class PPOTrainer:
         """One PPO step; returns its metrics (floats only)."""
         import ray
 
-        from .algorithms import plan_step
+        from .algorithms import generation_window, plan_step
 
         cfg, algo = self.cfg, self.cfg.algorithm
         t0 = time.perf_counter()
-        n_prompts = cfg.data.rollout_batch_size
-        k = cfg.data.samples_per_prompt
-        examples = self.task.sample(n_prompts, self.data_rng)
-
-        # 1. generate + reward: each engine samples a contiguous range of prompts (an engine
-        #    left without prompts sits this step out).
-        parts, engines = [], []
-        for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
-            if p_lo == p_hi:
-                continue
-            ref = self.hosts["rollout"][e].generate.remote(
-                examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
-            )
-            parts.append((p_lo * k, p_hi * k, ref))
-            engines.append(e)
-
-        ranges = [(lo, hi) for lo, hi, _ in parts]
-        gens = [ref for _, _, ref in parts]
+        # 1. generate + reward: this step's generation, launched now or (maxStaleness > 0) at
+        #    an earlier step's start; with it, that of the later steps the admission window
+        #    takes (their samples will be at most maxStaleness versions old when trained on).
+        window = generation_window(step, self.launched, algo.max_staleness, self.total_steps)
+        for j in window:
+            self.pending[j] = self._launch_generation(j)
+        self.launched = max(self.launched, window.stop)
+        current = self.pending.pop(step)
+        ranges, gens, engines = current.ranges, current.gens, current.engines
+        version = self.syncs  # the actor's weights (and, at their sync, the engines')
         # Engines sharing the actor's GPUs free their weights and KV cache for training.
         if self.offload:
             ray.get([r.release_memory.remote() for r in self.hosts["rollout"]])
@@ -346,7 +368,14 @@ class PPOTrainer:
         all_values = value_lists
         value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
         prepared = [
-            a.prepare.remote(ranges, self.critic_ranges, self.kl_ctl.value, *gens, *value_lists)
+            a.prepare.remote(
+                ranges,
+                self.critic_ranges,
+                self.kl_ctl.value,
+                *gens,
+                *value_lists,
+                policy_version=version,
+            )
             for a in self.hosts["actor"]
         ]
         prepared_leaders = [prepared[i] for i in self.leaders["actor"]]
@@ -401,14 +430,61 @@ class PPOTrainer:
             pos += len(group)
         gens, prep, critic_m, actor_m, _, sync_s = out
         prep = [prep[i] for i in self.leaders["actor"]]
+        train_span = (
+            min(p[1].pop("span/start") for p in prep),
+            max(
+                [p[1].pop("span/end") for p in prep]
+                + [m.pop("span/end") for m in [*critic_m, *actor_m]]
+            ),
+        )
         metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
+        metrics["policy/version"] = float(version)
+        overlap = self._overlap(train_span, gens)
         if algo.kl.coefficient > 0:
             self.kl_ctl.update(metrics.get("kl/mean", 0.0), cfg.data.samples_per_step)
             metrics["kl/coef"] = self.kl_ctl.value
         metrics["time/step"] = time.perf_counter() - t0
+        metrics["time/overlap_share"] = min(overlap / metrics["time/step"], 1.0)
         tokens = metrics["response/length"] * cfg.data.samples_per_step
         metrics["time/tokens_per_second"] = tokens / metrics["time/step"]
         return metrics
+
+    def _launch_generation(self, step: int) -> _Generation:
+        """Draw step ``step``'s prompts and launch their generation: each engine samples a
+        contiguous range of prompts (an engine left without prompts sits the step out). An
+        engine runs its calls in order, so it generates with the weights of the last sync
+        launched before this call."""
+        cfg = self.cfg
+        n_prompts = cfg.data.rollout_batch_size
+        k = cfg.data.samples_per_prompt
+        data_state = None
+        if cfg.algorithm.max_staleness > 0:
+            data_state = (self.data_rng.getstate(), self.task.state())
+        examples = self.task.sample(n_prompts, self.data_rng)
+        parts, engines = [], []
+        for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
+            if p_lo == p_hi:
+                continue
+            ref = self.hosts["rollout"][e].generate.remote(
+                examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
+            )
+            parts.append((p_lo * k, p_hi * k, ref))
+            engines.append(e)
+        ranges = [(lo, hi) for lo, hi, _ in parts]
+        return _Generation(step, ranges, [ref for _, _, ref in parts], engines, data_state)
+
+    def _overlap(self, train_span: tuple[float, float], gens: list[dict[str, Any]]) -> float:
+        """Seconds of this step's training (prepare to the end of the actor's update) during
+        which an engine was generating: this step's samples or, launched ahead, later steps'
+        (those finished by now)."""
+        import ray
+
+        from .algorithms import interval_overlap
+
+        ahead = [ref for g in self.pending.values() for ref in g.gens]
+        done, _ = ray.wait(ahead, num_returns=len(ahead), timeout=0) if ahead else ([], [])
+        spans = [tuple(g["span"]) for g in [*gens, *ray.get(done)]]
+        return interval_overlap(train_span, spans)
 
     @staticmethod
     def _metrics(
@@ -442,6 +518,19 @@ class PPOTrainer:
                     out[key] = agg(vals)
         if sync_s:
             out["time/weight_sync"] = max(sync_s)
+        if any("staleness_sum" in p[1] for p in prep):  # per-token policy versions
+            out["staleness/mean"] = sum(p[1]["staleness_sum"] for p in prep) / max(tokens, 1.0)
+            out["staleness/max"] = max(p[1]["staleness_max"] for p in prep)
+            s = 0
+            while any(f"staleness_hist_{s}" in p[1] for p in prep):
+                count = sum(p[1].get(f"staleness_hist_{s}", 0.0) for p in prep)
+                out[f"staleness/share_{s}"] = count / max(tokens, 1.0)
+                s += 1
+        if any("is_tokens" in p[1] for p in prep):  # importanceSampling's weights
+            is_tokens = max(sum(p[1]["is_tokens"] for p in prep), 1.0)
+            out["is/weight_mean"] = sum(p[1]["is_raw_sum"] for p in prep) / is_tokens
+            out["is/weight_max"] = max(p[1]["is_raw_max"] for p in prep)
+            out["is/capped_share"] = sum(p[1]["is_capped"] for p in prep) / is_tokens
         return out
 
     def eval_due(self, done: int, total: int) -> bool:
@@ -484,12 +573,18 @@ class PPOTrainer:
         and every worker process's generators."""
         import ray
 
+        # Generation launched ahead is not saved: a resumed run draws those steps' prompts
+        # again, from the data order before the earliest of them.
+        rng, task = self.data_rng.getstate(), self.task.state()
+        ahead = [g for g in self.pending.values() if g.data_state is not None]
+        if ahead:
+            rng, task = min(ahead, key=lambda g: g.step).data_state  # type: ignore[misc]
         return {
             "step": step,
             "fingerprint": self.fingerprint(),
-            "data_rng": self.data_rng.getstate(),
+            "data_rng": rng,
             "kl_coef": self.kl_ctl.value,
-            "task": self.task.state(),
+            "task": task,
             # every worker process's generators (dropout, sampling helpers), in host order
             "rng": ray.get([h.rng_state.remote() for h in self.all_hosts]),
         }
@@ -607,6 +702,7 @@ def train(
     if not ckpt_dir.is_absolute():
         ckpt_dir = out_dir / ckpt_dir
     trainer = PPOTrainer(cfg, threads=threads)
+    trainer.total_steps = total
     result = TrainResult(steps=0)
     try:
         with watch(grace_seconds) as stop:

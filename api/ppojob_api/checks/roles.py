@@ -187,17 +187,19 @@ def check_sglang_top_p_tis(half: TrainingHalf, prefix: str = "spec") -> list[Pro
     truncation (``sampler.py``: ``log_softmax(logits / T)``) while the actor's pi_old is the
     truncated, renormalised one: with topP < 1 the truncated importance weights pi_old /
     pi_rollout would be biased upwards on every sampled token."""
-    if (
-        half.roles.rollout.backend != "sglang"
-        or half.data.top_p >= 1.0
-        or half.algorithm.tis_cap is None
-    ):
+    if half.roles.rollout.backend != "sglang" or half.data.top_p >= 1.0:
         return []
+    algo = half.algorithm
     return [
         Problem(
-            f"{prefix}.algorithm.tisCap",
+            f"{prefix}.algorithm.{name}",
             "the sglang engine returns log-probs before its top-p truncation while the actor's "
             "are after it, so with data.topP < 1 the importance weights would be biased",
-            "unset algorithm.tisCap, or set data.topP: 1.0",
+            f"unset algorithm.{name}, or set data.topP: 1.0",
         )
+        for name, value in (
+            ("tisCap", algo.tis_cap),
+            ("importanceSampling", algo.importance_sampling),
+        )
+        if value is not None
     ]

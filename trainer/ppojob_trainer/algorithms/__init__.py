@@ -24,6 +24,13 @@ from .losses import (
     policy_loss,
     value_loss,
 )
+from .offpolicy import (
+    StalenessError,
+    generation_window,
+    importance_weights,
+    interval_overlap,
+    staleness_stats,
+)
 from .sampling import nucleus_mask, rollout_is_weights, sampling_logprobs
 from .schedule import StepPlan, plan_step
 from .stats import masked_mean, masked_var, masked_whiten
@@ -33,6 +40,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "StalenessError",
     "StepPlan",
     "aggregate_loss",
     "aggregation_count",
@@ -41,7 +49,10 @@ __all__ = [
     "discounted_reverse_cumsum",
     "entropy_from_logits",
     "function_name",
+    "generation_window",
     "get_advantage_estimator",
+    "importance_weights",
+    "interval_overlap",
     "kl_estimate",
     "kl_loss",
     "list_advantage_estimators",
@@ -57,6 +68,7 @@ __all__ = [
     "run_custom_advantage",
     "sampling_logprobs",
     "shape_token_rewards",
+    "staleness_stats",
     "validate_rewards",
     "value_loss",
 ]

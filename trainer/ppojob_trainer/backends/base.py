@@ -47,6 +47,9 @@ class Generation:
     response_mask: torch.Tensor  # [B, T] bool
     logprobs: torch.Tensor  # [B, T] float32, log-probs of the sampled tokens (0 where masked)
     lengths: torch.Tensor  # [B] long, response tokens incl. the stop token
+    versions: torch.Tensor | None = None
+    """[B, T] int32: the policy version that sampled each token, when the engine's weights
+    changed during the call (partial rollout); None: all of them the caller's version."""
 
 
 @dataclass(frozen=True)

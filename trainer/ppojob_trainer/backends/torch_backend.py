@@ -596,7 +596,14 @@ class TorchGenerationEngine(GenerationEngine):
         temperature: float,
         top_p: float,
         seed: int,
+        version: int = 0,
+        interrupt: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
     ) -> Generation:
+        """Sample (KV cache). Partial rollout: ``interrupt``, when given, is asked between two
+        tokens for a weight update; one it returns, ``(new version, weights)``, is loaded at
+        once and generation resumes with it: the prompts and the tokens so far are re-encoded
+        with the new weights (a fresh KV cache), so every later token is sampled from the new
+        policy, and ``versions`` records which version sampled which token."""
         from transformers import DynamicCache
 
         dev = self.device
@@ -624,10 +631,29 @@ class TorchGenerationEngine(GenerationEngine):
         logps = torch.zeros(bsz, max_new_tokens, dtype=torch.float32, device=dev)
         mask = torch.zeros(bsz, max_new_tokens, dtype=torch.bool, device=dev)
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        versions = torch.full((bsz, max_new_tokens), int(version), dtype=torch.int32)
         logits = out.logits[:, -1, :]
         greedy = temperature <= 0  # evaluation: the most likely token
         temperature = 1.0 if greedy else temperature
         for t in range(max_new_tokens):
+            update = interrupt() if (interrupt is not None and t > 0) else None
+            if update is not None:  # new weights mid-generation: re-encode, then go on
+                version, weights = int(update[0]), update[1]
+                self.update_weights(weights)
+                cache = DynamicCache()
+                full = torch.cat([ids, tokens[:, :t]], 1)
+                full_attn = None if attn is None else attn  # already holds the t new columns
+                full_pos = None if full_attn is None else (full_attn.cumsum(-1) - 1).clamp_min(0)
+                out = self.model(
+                    input_ids=full,
+                    attention_mask=full_attn,
+                    position_ids=full_pos,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_kw: cache},
+                )
+                logits = out.logits[:, -1, :]
+            versions[:, t] = int(version)
             if greedy:
                 tok = logits.argmax(-1)
             else:
@@ -662,6 +688,7 @@ class TorchGenerationEngine(GenerationEngine):
             response_mask=mask[:, :width].cpu(),
             logprobs=logps[:, :width].cpu(),
             lengths=mask.sum(1).cpu(),
+            versions=versions[:, :width] if interrupt is not None else None,
         )
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:

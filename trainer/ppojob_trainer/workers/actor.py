@@ -267,19 +267,39 @@ class ActorWorker:
         value_lists: Sequence[Any] | None,
         critic_ranges: Sequence[tuple[int, int]] | None,
         kl_coef: float,
+        policy_version: int = 0,
     ) -> tuple[list[Any] | None, dict[str, float]]:
         """Compute old/ref log-probs, advantages and returns for this worker's samples.
 
         ``value_lists[i]`` is critic worker ``i``'s list of value refs (one per actor worker);
         only entry ``self.shard.dp_rank`` is fetched. Returns the refs of
         the returns for each critic worker (None without a critic) and metrics (sums).
+        ``policy_version``: the actor's; a token generated more than ``maxStaleness`` versions
+        before it is refused (:class:`~ppojob_trainer.algorithms.StalenessError`), never trained.
+        The old log-probs are the proximal policy of the decoupled objective; with
+        ``importanceSampling`` the weights pi_old / pi_behaviour are computed here, once a step.
         """
         algo = self.cfg.algorithm
         lo, hi = self.range
         batch = fetch_range(parts, lo, hi)
         mask = batch["response_mask"]
+        stale: dict[str, float] = {}
+        if "versions" in batch:
+            stale = A.staleness_stats(batch["versions"], mask, policy_version, algo.max_staleness)
         batch["old_logprobs"] = self.trainer.logprobs(batch)
         metrics = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
+        metrics.update(stale)
+        correction = algo.importance_sampling
+        if correction is not None:
+            batch["is_weights"], is_stats = A.importance_weights(
+                batch["old_logprobs"],
+                batch["rollout_logprobs"],
+                mask,
+                level=correction.level,
+                mode=correction.mode,
+                cap=correction.cap,
+            )
+            metrics.update(is_stats)
         kl = None
         if algo.kl.coefficient > 0:
             batch["ref_logprobs"] = self.trainer.logprobs(batch, reference=True)
@@ -341,7 +361,8 @@ class ActorWorker:
             raise RuntimeError("ActorWorker.train called before prepare")
         cfg, algo = self.cfg, self.cfg.algorithm
         tr = cfg.training
-        batch = {k: v for k, v in self.batch.items() if k not in ("values", "returns")}
+        skip = ("values", "returns", "versions")
+        batch = {k: v for k, v in self.batch.items() if k not in skip}
         batch["response_mask"] = batch["response_mask"].bool()
         local = batch["response_ids"].shape[0]
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
@@ -352,8 +373,10 @@ class ActorWorker:
         def loss_fn(
             logp: torch.Tensor, ent: torch.Tensor | None, mb: Mapping[str, torch.Tensor]
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            weights = None
-            if tis_cap is not None:  # truncated importance sampling: pi_old / pi_rollout
+            weights = mb.get("is_weights")  # importanceSampling: pi_old / pi_behaviour
+            if weights is not None:
+                weights = weights.to(logp.device)
+            elif tis_cap is not None:  # truncated importance sampling: pi_old / pi_rollout
                 weights = A.rollout_is_weights(
                     mb["old_logprobs"], mb["rollout_logprobs"], tis_cap
                 ).to(logp.device)

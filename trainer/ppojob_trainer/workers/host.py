@@ -48,6 +48,8 @@ class WorkerHost:
         # driver get an ActorDiedError): ready() reports it as one line naming the field.
         self._start_error: str | None = None
         self.roles = dict(roles)
+        self.policy_version = 0
+        """The weight sync this process's engine holds (0: the initial weights)."""
         try:
             self._init(cfg_json, roles, rendezvous, threads, device, cache_dir)
         except Exception as exc:
@@ -155,10 +157,19 @@ class WorkerHost:
 
     # ---- step phases -------------------------------------------------------------------------
     def generate(self, examples: list[Any], first_sample: int, seed: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        batch, metrics = self.rollout.generate(examples, first_sample, seed)
+        t0, wall0 = time.perf_counter(), time.time()
+        batch, metrics = self.rollout.generate(
+            examples, first_sample, seed, version=self.policy_version
+        )
         metrics["time/generate"] = time.perf_counter() - t0
-        return {"batch": ray.put(batch), "metrics": metrics}
+        # (wall-clock span and version: the driver measures generation/training overlap)
+        span = (wall0, time.time())
+        return {
+            "batch": ray.put(batch),
+            "metrics": metrics,
+            "span": span,
+            "version": self.policy_version,
+        }
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:
         return self.rollout.evaluate(examples)
@@ -169,6 +180,7 @@ class WorkerHost:
         self, ranges: list[tuple[int, int]], actor_ranges: list[tuple[int, int]], *gens: Any
     ) -> list[Any]:
         self.events.append("critic.values")
+        self.work_start = time.time()  # this step's training-side work starts
         t0 = time.perf_counter()
         refs = self.critic.compute_values(_parts(ranges, gens), actor_ranges)
         self.values_s = time.perf_counter() - t0
@@ -180,16 +192,28 @@ class WorkerHost:
         critic_ranges: list[tuple[int, int]] | None,
         kl_coef: float,
         *gens_then_values: Any,
+        policy_version: int = 0,
     ) -> tuple[list[Any] | None, dict[str, float]]:
         """``gens_then_values``: the rollout results (one per range), then each critic
-        worker's list of value refs (none without a critic)."""
+        worker's list of value refs (none without a critic). ``policy_version``: the actor's
+        (its weights were last synced as this version)."""
         self.events.append("actor.prepare")
         t0 = time.perf_counter()
+        start = time.time()
+        # (the step's training-side work started with the values, when this process has them)
+        self.train_start = min(getattr(self, "work_start", None) or start, start)
+        self.work_start = None
         gens, values = gens_then_values[: len(ranges)], gens_then_values[len(ranges) :]
         refs, metrics = self.actor.prepare(
-            _parts(ranges, gens), list(values) if critic_ranges else None, critic_ranges, kl_coef
+            _parts(ranges, gens),
+            list(values) if critic_ranges else None,
+            critic_ranges,
+            kl_coef,
+            policy_version=policy_version,
         )
         metrics["time/prepare"] = time.perf_counter() - t0
+        metrics["span/start"] = self.train_start
+        metrics["span/end"] = time.time()
         return refs, metrics
 
     def train_critic(
@@ -200,6 +224,7 @@ class WorkerHost:
         metrics = self.critic.train(step, list(prepared), actor_ranges, updates)
         metrics["time/train_critic"] = time.perf_counter() - t0
         metrics["time/values"] = getattr(self, "values_s", 0.0)
+        metrics["span/end"] = time.time()
         return metrics
 
     def train_actor(self, step: int) -> dict[str, float]:
@@ -207,6 +232,7 @@ class WorkerHost:
         t0 = time.perf_counter()
         metrics = self.actor.train(step)
         metrics["time/train_actor"] = time.perf_counter() - t0
+        metrics["span/end"] = time.time()
         return metrics
 
     # ---- colocated engines: sleep and wake -----------------------------------------------------
@@ -301,6 +327,7 @@ class WorkerHost:
             payloads = [self.stage_weight_bucket(sync_id, i), *ray.get(refs)]
             engine.update_weights_from_tensor(payloads, flush_cache=i == len(plan) - 1)
         engine.end_weight_update()
+        self.policy_version = sync_id
         ray.get([p.drop_weights.remote() for p in peers])
         self.drop_weights()
         rollout = self.cfg.roles.rollout
@@ -348,7 +375,7 @@ class WorkerHost:
             for name in names:
                 dist.broadcast(weights[name].to(device).contiguous(), src=0, group=group)
             ray.get(refs)
-        ray.get([e.end_weight_update.remote() for e in engines])
+        ray.get([e.end_weight_update.remote(sync_id) for e in engines])
         self.drop_weights()
         return time.perf_counter() - t0
 
@@ -370,9 +397,11 @@ class WorkerHost:
         """Open the engine's weight-update session (before the first bucket of a sync)."""
         self.rollout.engine.begin_weight_update()
 
-    def end_weight_update(self) -> None:
-        """Close it (after the last bucket)."""
+    def end_weight_update(self, version: int | None = None) -> None:
+        """Close it (after the last bucket); the engine now holds policy ``version`` (the sync's
+        number; the next one when not given)."""
         self.rollout.engine.end_weight_update()
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
 
     def receive_weights(
         self,

@@ -2,12 +2,14 @@
 
 A rollout batch is a dict of CPU tensors for a contiguous range of the step's samples:
 ``prompt_ids``/``prompt_mask`` [b, P] (left-padded), ``response_ids``/``response_mask`` [b, T],
-``rollout_logprobs`` [b, T], ``lengths`` [b], ``scores`` [b] float32, ``group_ids`` [b] and
+``rollout_logprobs`` [b, T], ``versions`` [b, T] (the policy version of each token),
+``lengths`` [b], ``scores`` [b] float32, ``group_ids`` [b] and
 ``sample_idx`` [b] (global sample numbers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +148,20 @@ class RolloutWorker:
         return out
 
     def generate(
-        self, examples: list[Example], first_sample: int, seed: int
+        self,
+        examples: list[Example],
+        first_sample: int,
+        seed: int,
+        version: int = 0,
+        interrupt: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Sample ``samplesPerPrompt`` completions of each example and score them.
 
         Samples are numbered from ``first_sample``; group ids are the global prompt numbers.
+        ``versions`` [b, T] (int32): the policy version (weight sync) that generated each token,
+        ``version`` (the engine's weights at the start of this call). ``interrupt``: partial
+        rollout (torch engine): asked between tokens for a weight update, ``(version, weights)``,
+        that generation resumes with.
         """
         k = self.cfg.data.samples_per_prompt
         labels = [e.label for e in examples for _ in range(k)]
@@ -162,6 +173,7 @@ class RolloutWorker:
             temperature=self.cfg.data.temperature,
             top_p=self.cfg.data.top_p,
             seed=seed,
+            **({"version": version, "interrupt": interrupt} if interrupt is not None else {}),
         )
         scores = torch.tensor(
             self.scorer(prompts, self.completions(gen.response_ids), labels), dtype=torch.float32
@@ -173,6 +185,11 @@ class RolloutWorker:
             "response_ids": gen.response_ids,
             "response_mask": gen.response_mask,
             "rollout_logprobs": gen.logprobs,
+            "versions": (
+                gen.versions
+                if gen.versions is not None
+                else torch.full(gen.response_ids.shape, int(version), dtype=torch.int32)
+            ),
             "lengths": gen.lengths,
             "scores": scores,
             "group_ids": idx // k,

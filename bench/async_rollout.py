@@ -1,0 +1,172 @@
+"""Synchronous vs bounded-staleness (asynchronous) training on the CPU count-up task: wall time
+to reward 0.9 and final reward, same seeds.
+
+Trains examples/ppojob-tiny.yaml as `ppojob run` does (``train_locally``; one local Ray for all
+runs, started once) for each seed and configuration, reads the run's `metrics.jsonl` and prints
+one row per run:
+
+``sync``        the example as written: actor, critic and engine in one worker process with
+                both cores, maxStaleness 0 (today's loop; what `ppojob run` does by default)
+``sync-split``  maxStaleness 0 with the engine in a process of its own (actor 1 core, engine
+                1 core): the same placement as the asynchronous runs, without the overlap
+``async-1``     that placement with algorithm.maxStaleness 1: the engine generates step k+1
+                while the actor trains on step k
+``async-2``     the same with maxStaleness 2
+
+Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
+pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
+for 10 steps (``bench/time_to_reward.py``'s criterion); ``to 0.9 s`` is its ``elapsed_seconds``
+(from the start of the run: Ray, placement and model start-up included), ``train s`` the same
+minus the start-up (elapsed at step 1 minus step 1's own time). Final reward: the mean reward of
+the last 10 steps. ``step s``: the median step time (steps 4 on; robust to other load). Speed-ups
+are the sync row's seconds over the row's, per seed, then averaged; ``mean step time`` compares
+the median step times. A run whose local Ray fails to start (an overloaded machine) is retried.
+The machine's 2 cores are shared with whatever else runs (the figures say so when it did):
+compare rows of one invocation, not figures across machines.
+
+Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2]
+       [--steps 500]
+
+On a machine too loaded to train 500 steps per configuration, ``--steps 40`` still compares step
+times and the reward curves' start (time to 0.9 then reads "never").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.time_to_reward import EXAMPLE, crossing
+
+SPLIT = (
+    "roles.rollout.colocateWithActor=false",
+    "roles.rollout.resources.cpus=1",
+    "roles.actor.resources.cpus=1",
+)
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "sync": (),
+    "sync-split": (*SPLIT, "algorithm.maxStaleness=0"),
+    "async-1": (*SPLIT, "algorithm.maxStaleness=1"),
+    "async-2": (*SPLIT, "algorithm.maxStaleness=2"),
+}
+THRESHOLD, WINDOW, HOLD, LAST = 0.9, 10, 10, 10
+
+
+def _config(config: str, seed: int, steps: int) -> Any:
+    """The example with the row's settings (what `ppojob run --set ...` would train)."""
+    from ppojob_trainer.manifest import config_from_doc
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["training"].update(seed=seed, steps=steps)
+    for setting in CONFIGS[config]:
+        path, value = setting.split("=")
+        node = doc["spec"]
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)
+    return config_from_doc(doc)
+
+
+def run_one(config: str, seed: int, steps: int, out: Path) -> dict[str, float | None]:
+    from ppojob_trainer.run_cmd import train_locally
+
+    start = time.perf_counter()
+    code = train_locally(_config(config, seed, steps), out, show_bar=False)
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"{config} seed {seed} failed (exit code {code})")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in rows]
+    at = crossing(rewards, THRESHOLD, WINDOW, HOLD)
+    setup = rows[0]["elapsed_seconds"] - rows[0]["time/step"]
+    to = rows[at]["elapsed_seconds"] if at is not None else None
+    return {
+        "step": rows[at]["step"] if at is not None else None,
+        "to": to,
+        "train": to - setup if to is not None else None,
+        "final": sum(rewards[-LAST:]) / len(rewards[-LAST:]),
+        "step_s": statistics.median([r["time/step"] for r in (rows[3:] or rows)]),
+        "overlap": sum(r.get("time/overlap_share", 0.0) for r in rows) / len(rows),
+        "stale": sum(r.get("staleness/mean", 0.0) for r in rows) / len(rows),
+        "wall": wall,
+    }
+
+
+def _fmt(x: float | None, spec: str = "7.1f") -> str:
+    return "never" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=500)
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    print(
+        f"count-up, tiny-llama, {args.steps} steps, reward {THRESHOLD} held by the {WINDOW}-step "
+        f"trailing mean for {HOLD} steps; {os.cpu_count()} CPUs, load average {load:.1f} at start"
+    )
+    print(
+        f"{'config':10} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
+        f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7}"
+    )
+    from ppojob_trainer.runtime import shutdown_ray, start_local_ray
+
+    for _attempt in range(5):  # one local Ray for every run; a loaded machine may time it out
+        try:
+            start_local_ray()
+            break
+        except Exception as exc:  # Ray's start-up timeout on an overloaded machine
+            print(f"local Ray did not start ({exc}); again", flush=True)
+            shutdown_ray()
+    results: dict[tuple[str, int], dict[str, float | None]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for config in args.configs:
+                r = run_one(config, seed, args.steps, Path(tmp) / f"{config}-{seed}")
+                results[config, seed] = r
+                print(
+                    f"{config:10} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
+                    f"{_fmt(r['to'], '8.1f'):>8} {_fmt(r['train'], '8.1f'):>8} "
+                    f"{r['final']:6.3f} {r['step_s']:7.3f} {r['overlap']:7.2f} "
+                    f"{r['stale']:5.2f} {r['wall']:7.1f}",
+                    flush=True,
+                )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if "sync" not in args.configs:
+        return
+    for config in args.configs:
+        if config == "sync":
+            continue
+        for key, name in (("to", "to 0.9 (start-up included)"), ("train", "training to 0.9")):
+            ratios = [
+                results["sync", s][key] / results[config, s][key]  # type: ignore[operator]
+                for s in args.seeds
+                if results["sync", s][key] and results[config, s][key]
+            ]
+            if ratios:
+                mean = sum(ratios) / len(ratios)
+                print(f"{config}: {name} {mean:.2f}x the sync speed ({len(ratios)} seed(s))")
+        steps = [results["sync", s]["step_s"] / results[config, s]["step_s"] for s in args.seeds]
+        print(
+            f"{config}: median step time {sum(steps) / len(steps):.2f}x the sync speed "  # type: ignore[operator]
+            f"({len(steps)} seed(s))"
+        )
+        finals = [results[config, s]["final"] - results["sync", s]["final"] for s in args.seeds]
+        print(f"{config}: final reward {sum(finals) / len(finals):+.3f} vs sync (mean over seeds)")
+
+
+if __name__ == "__main__":
+    main()
