@@ -33,8 +33,14 @@ $(STAMP): pyproject.toml constraints.txt tests/trainer/backends/sglang-runtime.t
 install: $(STAMP)
 
 ## The main job: train the tiny CPU example locally (count-up task, tiny Llama, PPO).
+## The tiny example on this machine's CPU (a few minutes); its console output is kept in
+## ppojob-out/demo/run.log, and the summary says where the reward curve and metrics are.
+demo: SHELL := bash
 demo: $(STAMP)
-	$(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo
+	@mkdir -p ppojob-out/demo
+	set -o pipefail; $(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo 2>&1 \
+		| tee ppojob-out/demo/run.log
+	@echo "  log:           ppojob-out/demo/run.log"
 
 ## The real control plane of tests/cluster/ (etcd, kube-apiserver, controller manager, schedulers,
 ## KubeRay, KWOK, Kueue), built from Go modules at hack/control-plane/versions.env, each component
