@@ -371,6 +371,24 @@ class Progress(ApiModel):
     eval_reward_mean: float | None = None
     """Mean reward of the last evaluation on spec.data.evalPrompts (greedy decoding)."""
 
+    step_seconds: float | None = None
+    """Wall time of the last step."""
+
+    phase_seconds: dict[str, float] | None = None
+    """Wall time of the last step's phases, by phase: `generate`, `prepare` (rewards and
+    reference log-probs), `values`, `trainCritic`, `trainActor`, `weightSync` (those the step
+    ran)."""
+
+    logprob_diff_mean: float | None = None
+    """Mean absolute difference between the rollout engine's and the actor's log-probs of the
+    last step's tokens (rollout/logprob_diff_mean)."""
+
+    logprob_diff_max: float | None = None
+    """Largest such difference in the last step (rollout/logprob_diff_max)."""
+
+    entropy: float | None = None
+    """Mean entropy of the policy over the last step's response tokens (actor/entropy)."""
+
     updated_at: str | None = None
     """When the trainer wrote this (RFC 3339)."""
 
