@@ -347,6 +347,16 @@ class Condition(ApiModel):
     """The spec generation this condition was computed from."""
 
 
+class CheckpointRecord(ApiModel):
+    """A complete checkpoint the trainer keeps."""
+
+    step: int = Field(ge=0)
+    """Training step the checkpoint was taken after."""
+
+    path: str = Field(min_length=1)
+    """Its directory as the trainer's pods see it (on spec.checkpointVolume when set)."""
+
+
 class Progress(ApiModel):
     """Live training progress, written by the trainer."""
 
@@ -388,6 +398,10 @@ class Progress(ApiModel):
 
     entropy: float | None = None
     """Mean entropy of the policy over the last step's response tokens (actor/entropy)."""
+
+    checkpoints: list[CheckpointRecord] | None = None
+    """The complete checkpoints the trainer keeps (spec.training.keepCheckpoints), oldest
+    first; a restart resumes from the newest."""
 
     updated_at: str | None = None
     """When the trainer wrote this (RFC 3339)."""

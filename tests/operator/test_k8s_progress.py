@@ -134,3 +134,15 @@ def test_phase_times_mismatch_and_entropy_reach_the_status():
     }
     rep.report(2, {"reward/mean": 0.5})
     assert "phaseSeconds" not in api.calls[2][5]["status"]["progress"]
+
+
+def test_kept_checkpoints_reach_the_status():
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=3600)
+    rep.start(total_steps=4)
+    rep.report(1, {"reward/mean": 0.5})
+    rep.checkpointed([(2, "/ckpt/step-000002"), (4, "/ckpt/step-000004")])  # never throttled
+    assert api.calls[-1][5]["status"]["progress"]["checkpoints"] == [
+        {"step": 2, "path": "/ckpt/step-000002"},
+        {"step": 4, "path": "/ckpt/step-000004"},
+    ]

@@ -138,6 +138,10 @@ class KubernetesProgressReporter(ProgressReporter):
             progress["phaseSeconds"] = phases
         self._patch(progress)
 
+    def checkpointed(self, checkpoints: list[tuple[int, str]]) -> None:
+        """The kept checkpoints into ``status.progress.checkpoints`` (always written: rare)."""
+        self._patch({"checkpoints": [{"step": s, "path": p} for s, p in checkpoints]})
+
     def finish(self, summary: dict[str, Any]) -> None:
         progress: dict[str, Any] = {}
         step = summary.get("step", summary.get("steps"))
