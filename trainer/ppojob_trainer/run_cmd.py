@@ -138,7 +138,6 @@ def train_locally(
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import PlacementError
     from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from ppojob_trainer.progress import LocalProgressReporter
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
     done = completed_run(cfg, out_dir)
@@ -146,7 +145,10 @@ def train_locally(
         print(done)
         return 0
     t0 = time.monotonic()
-    reporter = LocalProgressReporter(out_dir, show_bar=show_bar)
+    from ppojob_trainer.progress import CompositeReporter
+    from ppojob_trainer.trackers import local_reporters
+
+    reporter = CompositeReporter(local_reporters(cfg, out_dir, show_bar))
     print(
         f"ppojob run: {cfg.job_name or 'job'}: {cfg.training.steps} steps, "
         f"{cfg.algorithm.advantage_estimator}, output in {out_dir}",
