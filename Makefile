@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt tests/trainer/backends/sglang-runtime.t
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[operator,trainer,dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[operator,trainer,trackers,dev]'
 # the SGLang wheel tests/trainer/backends/test_sglang_contract.py reads (never installed: CUDA-only);
 # the version is the gpu extra's pin in pyproject.toml
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
@@ -33,8 +33,14 @@ $(STAMP): pyproject.toml constraints.txt tests/trainer/backends/sglang-runtime.t
 install: $(STAMP)
 
 ## The main job: train the tiny CPU example locally (count-up task, tiny Llama, PPO).
+## The tiny example on this machine's CPU (a few minutes); its console output is kept in
+## ppojob-out/demo/run.log, and the summary says where the reward curve and metrics are.
+demo: SHELL := bash
 demo: $(STAMP)
-	$(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo
+	@mkdir -p ppojob-out/demo
+	set -o pipefail; $(VENV)/bin/ppojob run examples/ppojob-tiny.yaml --out ppojob-out/demo 2>&1 \
+		| tee ppojob-out/demo/run.log
+	@echo "  log:           ppojob-out/demo/run.log"
 
 ## The real control plane of tests/cluster/ (etcd, kube-apiserver, controller manager, schedulers,
 ## KubeRay, KWOK, Kueue), built from Go modules at hack/control-plane/versions.env, each component

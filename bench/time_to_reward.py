@@ -12,8 +12,18 @@ whose smoothed reward is >= the threshold and stays >= it for ``--hold`` consecu
 (default 10: s..s+9). For comparison the table also shows the first single step whose raw mean
 reward reached the threshold (the old figure).
 
-Usage: python bench/time_to_reward.py [--seeds 1 2 3] [--modes gae grpo] [--threshold 0.9]
-       [--window 10] [--hold 10] [--stop]
+Where the run ends matters as much as how fast it gets there: ``last50`` is the mean of the raw
+per-step mean reward over the last ``--last`` steps (default 50) of the run, i.e. steps 451-500
+of the 500-step example (each step 128 samples, so 6,400 samples). A run that peaks and then
+collapses shows a high crossing and a low last50. The closing lines give, per mode, the slowest
+seed's time to the threshold and the lowest seed's last50 against ``--min-last`` (default 0.95).
+``--stop`` cuts runs short, so it leaves last50 out.
+
+Usage: python bench/time_to_reward.py [--seeds 1 2 3 4 5] [--modes gae grpo] [--threshold 0.9]
+       [--window 10] [--hold 10] [--last 50] [--min-last 0.95] [--stop] [--set KEY=VALUE ...]
+
+`--set` passes spec overrides to every run (as `ppojob run --set`), to compare a setting
+against the example as written (e.g. `--set training.lrScheduler=constant`).
 
 `--stop` interrupts each run (SIGINT, a clean stop) once the criterion is met (``--hold`` steps
 after the crossing) instead of training all 500 steps: the figures are the same, the bench
@@ -55,6 +65,13 @@ def crossing(rewards: list[float], threshold: float, window: int, hold: int) -> 
     )
 
 
+def last_mean(rewards: list[float], last: int) -> float | None:
+    """Mean of the last ``last`` entries of ``rewards``; None when there are fewer."""
+    if last < 1 or len(rewards) < last:
+        return None
+    return sum(rewards[-last:]) / last
+
+
 def _rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -88,8 +105,10 @@ def run_one(
     stop: bool = False,
     window: int = 10,
     hold: int = 10,
+    last: int = 50,
+    sets: tuple[str, ...] = (),
 ) -> dict[str, float | None]:
-    cmd = run_command(out, seed, f"algorithm.advantageEstimator={mode}")
+    cmd = run_command(out, seed, f"algorithm.advantageEstimator={mode}", *sets)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         # SIGINT at its default in the run, even when this bench was started with it ignored
@@ -122,6 +141,7 @@ def run_one(
         "raw_step": raw["step"] if raw else None,
         "raw_seconds": raw["elapsed_seconds"] if raw else None,
         "final": rows[-1]["reward_mean"],
+        "last": None if stop else last_mean([r["reward_mean"] for r in rows], last),
         "first": rows[0]["reward_mean"],
         "steps": len(rows),
         "wall": wall,
@@ -135,19 +155,25 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--window", type=int, default=10, help="moving-average steps")
     parser.add_argument("--hold", type=int, default=10, help="steps the average must stay up")
+    parser.add_argument("--last", type=int, default=50, help="steps of the closing mean")
+    parser.add_argument("--min-last", type=float, default=0.95, help="goal of the closing mean")
     parser.add_argument("--stop", action="store_true", help="stop each run at the criterion")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    if args.window < 1 or args.hold < 1:
-        parser.error("--window and --hold must be >= 1")
+    if args.window < 1 or args.hold < 1 or args.last < 1:
+        parser.error("--window, --hold and --last must be >= 1")
     print(
         f"time to mean reward >= {args.threshold}, {args.window}-step trailing average, held "
-        f"{args.hold} steps ({EXAMPLE.name}, 500 steps max); raw: first single step"
+        f"{args.hold} steps ({EXAMPLE.name}, 500 steps max); raw: first single step; "
+        f"last{args.last}: mean reward of the last {args.last} steps"
+        + (f"; overrides: {' '.join(args.sets)}" if args.sets else "")
     )
     print(
         f"{'mode':6} {'seed':>4} {'first':>6} {'step':>5} {'seconds':>8} {'raw step':>8} "
-        f"{'raw s':>7} {'goal':>6} {'final':>6} {'run wall s':>10}"
+        f"{'raw s':>7} {'goal':>6} {'final':>6} {'last' + str(args.last):>7} {'run wall s':>10}"
     )
     worst: dict[str, float] = {}
+    lowest: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             for seed in args.seeds:
@@ -159,21 +185,33 @@ def main() -> None:
                     args.stop,
                     args.window,
                     args.hold,
+                    args.last,
+                    tuple(args.sets),
                 )
                 secs, raw = r["seconds"], r["raw_seconds"]
                 shown = f"{secs:8.1f}" if secs is not None else "   never"
                 raw_shown = f"{raw:7.1f}" if raw is not None else "  never"
                 step = "-" if r["step"] is None else r["step"]
                 raw_step = "-" if r["raw_step"] is None else r["raw_step"]
+                closing = "      -" if r["last"] is None else f"{r['last']:7.3f}"
                 print(
                     f"{mode:6} {seed:>4} {r['first']:6.3f} {step:>5} {shown} {raw_step:>8} "
-                    f"{raw_shown} {GOALS[mode]:6.0f} {r['final']:6.3f} {r['wall']:10.1f}",
+                    f"{raw_shown} {GOALS[mode]:6.0f} {r['final']:6.3f} {closing} "
+                    f"{r['wall']:10.1f}",
                     flush=True,
                 )
                 worst[mode] = max(worst.get(mode, 0.0), secs if secs is not None else 1e9)
+                if r["last"] is not None:
+                    lowest[mode] = min(lowest.get(mode, 1.0), r["last"])
     for mode, secs in worst.items():
         verdict = "within" if secs <= GOALS[mode] else "OVER"
         print(f"{mode}: slowest seed {secs:.1f} s, {verdict} the {GOALS[mode]:.0f} s goal")
+    for mode, low in lowest.items():
+        verdict = "meets" if low >= args.min_last else "BELOW"
+        print(
+            f"{mode}: lowest last{args.last} {low:.3f}, {verdict} the {args.min_last} goal "
+            f"(seeds {' '.join(map(str, args.seeds))})"
+        )
 
 
 if __name__ == "__main__":

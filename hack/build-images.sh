@@ -32,7 +32,7 @@ case "$TRAINER_VARIANT" in
     ;;
   cpu)
     TRAINER_IMAGE="$REGISTRY/trainer:$TAG-cpu"
-    TRAINER_ARGS=(--build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRAS=trainer
+    TRAINER_ARGS=(--build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRAS=trainer,trackers
                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)
     ;;
   *)

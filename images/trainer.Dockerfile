@@ -16,7 +16,7 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 # trainer,gpu: torch, ray, transformers, megatron-core, sglang. trainer alone: the CPU path.
-ARG EXTRAS=trainer,gpu
+ARG EXTRAS=trainer,trackers,gpu
 # Empty: torch from PyPI (CUDA wheels). https://download.pytorch.org/whl/cpu: CPU wheels.
 ARG TORCH_INDEX_URL=""
 

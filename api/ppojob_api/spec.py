@@ -348,6 +348,16 @@ class Condition(ApiModel):
     """The spec generation this condition was computed from."""
 
 
+class CheckpointRecord(ApiModel):
+    """A complete checkpoint the trainer keeps."""
+
+    step: int = Field(ge=0)
+    """Training step the checkpoint was taken after."""
+
+    path: str = Field(min_length=1)
+    """Its directory as the trainer's pods see it (on spec.checkpointVolume when set)."""
+
+
 class Progress(ApiModel):
     """Live training progress, written by the trainer."""
 
@@ -371,6 +381,28 @@ class Progress(ApiModel):
 
     eval_reward_mean: float | None = None
     """Mean reward of the last evaluation on spec.data.evalPrompts (greedy decoding)."""
+
+    step_seconds: float | None = None
+    """Wall time of the last step."""
+
+    phase_seconds: dict[str, float] | None = None
+    """Wall time of the last step's phases, by phase: `generate`, `prepare` (rewards and
+    reference log-probs), `values`, `trainCritic`, `trainActor`, `weightSync` (those the step
+    ran)."""
+
+    logprob_diff_mean: float | None = None
+    """Mean absolute difference between the rollout engine's and the actor's log-probs of the
+    last step's tokens (rollout/logprob_diff_mean)."""
+
+    logprob_diff_max: float | None = None
+    """Largest such difference in the last step (rollout/logprob_diff_max)."""
+
+    entropy: float | None = None
+    """Mean entropy of the policy over the last step's response tokens (actor/entropy)."""
+
+    checkpoints: list[CheckpointRecord] | None = None
+    """The complete checkpoints the trainer keeps (spec.training.keepCheckpoints), oldest
+    first; a restart resumes from the newest."""
 
     updated_at: str | None = None
     """When the trainer wrote this (RFC 3339)."""

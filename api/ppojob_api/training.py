@@ -565,6 +565,18 @@ class Training(TrainingSettings):
 # ---------------------------------------------------------------------------------------------
 # The training half and the trainer config
 # ---------------------------------------------------------------------------------------------
+class TrackerSpec(ApiModel):
+    """An experiment tracker the trainer logs to, besides metrics.jsonl and the PPOJob status."""
+
+    type: Literal["tensorboard"]
+    """`tensorboard`: TensorBoard event files (needs the `trackers` extra: `pip install
+    'ppojob[trackers]'`)."""
+
+    log_dir: str = Field("tensorboard", min_length=1)
+    """Directory of the event files. A relative path is inside the run's output directory
+    (`<checkpointDir>/output` on spec.checkpointVolume)."""
+
+
 class TrainingHalf(ApiModel):
     """The fields of a PPOJob spec that the trainer reads."""
 
@@ -582,6 +594,10 @@ class TrainingHalf(ApiModel):
 
     training: Training = Field(default_factory=Training)
     """Steps, optimisation and checkpoints."""
+
+    trackers: list[TrackerSpec] = Field(default_factory=list)
+    """Experiment trackers: every step's metrics under the names of metrics.jsonl, the resolved
+    config at the start. A tracker that cannot be written is a warning, never a failed run."""
 
 
 class TrainerConfig(TrainingHalf):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -33,7 +34,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         names = ", ".join(j.metadata.name or "<unnamed>" for j in jobs)
         print(f"{name}: valid ({names})")
         _memory_warnings(name, jobs)
+        if args.plan:
+            for job in jobs:
+                print(_plans(job))
     return 1 if failed else 0
+
+
+def _plans(job: Any) -> str:
+    """The memory plan and the time plan of one job, under a header naming it."""
+    from ppojob_trainer.memory_plan import format_plan, gpu_gib_of, plan_job
+    from ppojob_trainer.time_plan import format_time_plan, plan_time
+
+    lines = [f"{job.metadata.name or '<unnamed>'}:"]
+    gib = gpu_gib_of(job.spec.roles.actor.node_selector)
+    memory = plan_job(job.spec, gib)
+    lines.append(
+        format_plan(memory, gib)
+        if memory
+        else f"memory: model {job.spec.model.path}: shape unknown"
+    )
+    timed = plan_time(job.spec)
+    lines.append(
+        format_time_plan(timed)
+        if timed is not None
+        else "time: no plan (the actor has no GPUs or the model's shape is unknown; a CPU job "
+        "is timed by `ppojob run`)"
+    )
+    return "\n".join(lines)
 
 
 def _reason(exc: Exception) -> str:
@@ -123,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=VALIDATE_HELP,
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML files of PPOJob manifests")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="also print each job's memory plan (GiB per GPU) and time plan (seconds per step "
+        "and for the job, with its assumptions)",
+    )
     p.set_defaults(func=_cmd_validate)
     p = sub.add_parser(
         "crd",

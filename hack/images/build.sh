@@ -181,7 +181,7 @@ main() {
     operator) build_image operator images/operator.Dockerfile "$base" \
       --build-arg "PYTHON_IMAGE=$base" ;;
     trainer) build_image trainer images/trainer.Dockerfile "$base" \
-      --build-arg "BASE_IMAGE=$base" --build-arg EXTRAS=trainer ;;
+      --build-arg "BASE_IMAGE=$base" --build-arg EXTRAS=trainer,trackers ;;
     *) die "unknown image $name (pause, operator or trainer)" ;;
     esac
   done

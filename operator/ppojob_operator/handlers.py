@@ -211,6 +211,7 @@ class State:
             if task is not None:
                 task.cancel()
         metrics.JOBS.set(key, None)
+        metrics.JOB_PROGRESS.set(key, None)
 
     def current(self, st: JobState) -> bool:
         """Whether ``st`` is still the state of its job (not forgotten or replaced since)."""
@@ -960,6 +961,7 @@ async def on_ppojob_event(state: State, type: str | None, body: dict[str, Any]) 
         return
     st = state.see(body)
     if st is not None:
+        metrics.JOB_PROGRESS.set(st.key, body.get("status") or {})
         await sync_status(state, st)
 
 

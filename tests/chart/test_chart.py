@@ -42,6 +42,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "metrics-off": {"metrics": {"enabled": False}, "rbac": {"aggregateToDefaultRoles": False}},
     "servicemonitor": {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "ML"}}},
         "podAnnotations": {"example.com/team": "ml"},
         "nodeSelector": {"kubernetes.io/os": "linux"},
         "tolerations": [

@@ -138,7 +138,7 @@ def test_the_operator_image_installs_no_torch_or_ray() -> None:
 def test_trainer_dockerfile_installs_the_gpu_stack_and_wget() -> None:
     text = (IMAGES / "trainer.Dockerfile").read_text()
     assert re.search(r"ARG BASE_IMAGE=nvidia/cuda:\S+", text)
-    assert "ARG EXTRAS=trainer,gpu" in text
+    assert "ARG EXTRAS=trainer,trackers,gpu" in text  # spec.trackers work in the image
     requires = importlib.metadata.distribution("ppojob").requires or []
     gpu_stack = " ".join(r for r in requires if re.search(r'extra == "(trainer|gpu)"', r))
     for package in ("torch", "ray", "megatron-core", "sglang"):

@@ -95,3 +95,54 @@ def test_a_failure_is_written_for_the_operator_and_cleared_by_the_next_start():
     assert api.calls[-1][5]["status"]["progress"]["error"] == line
     rep.start(total_steps=3)
     assert api.calls[-1][5]["status"]["progress"]["error"] is None
+
+
+def test_phase_times_mismatch_and_entropy_reach_the_status():
+    """time/<phase>, the step time, the log-prob mismatch and the entropy go into status.progress
+    (the operator exports them as Prometheus metrics); a phase the step did not run is cleared
+    (null in the merge patch), not left over from an earlier step."""
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=0)
+    rep.start(total_steps=2)
+    rep.report(
+        1,
+        {
+            "reward/mean": 0.5,
+            "time/step": 2.5,
+            "time/generate": 1.0,
+            "time/train_actor": 0.75,
+            "time/weight_sync": 0.125,
+            "rollout/logprob_diff_mean": 0.01,
+            "rollout/logprob_diff_max": 0.5,
+            "actor/entropy": 1.5,
+        },
+    )
+    p = api.calls[1][5]["status"]["progress"]
+    assert (p["stepSeconds"], p["logprobDiffMean"], p["logprobDiffMax"], p["entropy"]) == (
+        2.5,
+        0.01,
+        0.5,
+        1.5,
+    )
+    assert p["phaseSeconds"] == {
+        "generate": 1.0,
+        "prepare": None,
+        "values": None,
+        "trainCritic": None,
+        "trainActor": 0.75,
+        "weightSync": 0.125,
+    }
+    rep.report(2, {"reward/mean": 0.5})
+    assert "phaseSeconds" not in api.calls[2][5]["status"]["progress"]
+
+
+def test_kept_checkpoints_reach_the_status():
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=3600)
+    rep.start(total_steps=4)
+    rep.report(1, {"reward/mean": 0.5})
+    rep.checkpointed([(2, "/ckpt/step-000002"), (4, "/ckpt/step-000004")])  # never throttled
+    assert api.calls[-1][5]["status"]["progress"]["checkpoints"] == [
+        {"step": 2, "path": "/ckpt/step-000002"},
+        {"step": 4, "path": "/ckpt/step-000004"},
+    ]

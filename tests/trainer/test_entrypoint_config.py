@@ -74,7 +74,13 @@ def test_the_preflight_runs_before_ray_and_reaches_the_reporter(
         def fail(self, message: str) -> None:
             failed.append(message)
 
-    monkeypatch.setattr(entrypoint, "_reporters", lambda out, show_bar: Reporter())
+    configs: list = []
+
+    def reporters(out, show_bar, cfg=None):
+        configs.append(cfg)  # the trainer's config: its spec.trackers get reporters too
+        return Reporter()
+
+    monkeypatch.setattr(entrypoint, "_reporters", reporters)
     monkeypatch.setattr(runtime, "connect_ray", lambda: pytest.fail("Ray was started"))
     config = tmp_path / "trainer.yaml"
     config.write_text(
@@ -85,3 +91,4 @@ def test_the_preflight_runs_before_ray_and_reaches_the_reporter(
     assert rc == 1, err
     assert failed and failed[0].startswith("data.rewardFunction: 'no_such_module_xyz:score'")
     assert "cannot import module" in err and "Traceback" not in err
+    assert [c.data.reward_function for c in configs] == ["no_such_module_xyz:score"]

@@ -20,6 +20,7 @@ class Recorder:
         self.started = None
         self.reports: list[tuple[int, dict]] = []
         self.summary = None
+        self.checkpoints: list[list[tuple[int, str]]] = []
 
     def start(self, total, start_step=0):
         self.started = total
@@ -29,6 +30,9 @@ class Recorder:
 
     def finish(self, summary):
         self.summary = summary
+
+    def checkpointed(self, checkpoints):
+        self.checkpoints.append(checkpoints)
 
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
@@ -95,3 +99,4 @@ def test_ppo_with_critic_runs_and_improves(tmp_path):
     assert "critic/vf_loss" in result.history[-1]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.03
     assert result.checkpoint and Path(result.checkpoint).is_dir()
+    assert rec.checkpoints == [[(steps, result.checkpoint)]]  # the kept ones, for the status

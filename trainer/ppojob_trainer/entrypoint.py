@@ -110,10 +110,15 @@ def apply_critic_override_file(
     return new
 
 
-def _reporters(out_dir: Path, show_bar: bool) -> Any:
+def _reporters(out_dir: Path, show_bar: bool, cfg: Any = None) -> Any:
     from ppojob_trainer.progress import CompositeReporter, LocalProgressReporter
+    from ppojob_trainer.trackers import local_reporters
 
-    reporters: list[Any] = [LocalProgressReporter(out_dir, show_bar=show_bar)]
+    reporters: list[Any] = (
+        [LocalProgressReporter(out_dir, show_bar=show_bar)]
+        if cfg is None
+        else local_reporters(cfg, out_dir, show_bar)
+    )
     name, namespace = os.environ.get("PPOJOB_NAME"), os.environ.get("PPOJOB_NAMESPACE")
     if name and namespace:
         try:
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     reporter: Any = None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        reporter = _reporters(out_dir, show_bar=not args.no_progress)
+        reporter = _reporters(out_dir, show_bar=not args.no_progress, cfg=cfg)
         problems = preflight(cfg)  # as `ppojob run` does: before Ray, in the image the job runs
         if problems:
             reporter.fail("; ".join(problems))  # reaches the PPOJob's Failed condition

@@ -27,6 +27,19 @@ _METRIC_KEYS = {
     "value_loss": "valueLoss",
     "tokens_per_second": "tokensPerSecond",
     "eval/reward_mean": "evalRewardMean",
+    "time/step": "stepSeconds",
+    "rollout/logprob_diff_mean": "logprobDiffMean",
+    "rollout/logprob_diff_max": "logprobDiffMax",
+    "actor/entropy": "entropy",
+}
+# The step's phases (the loop's `time/<phase>`) in status.progress.phaseSeconds
+_PHASES = {
+    "time/generate": "generate",
+    "time/prepare": "prepare",
+    "time/values": "values",
+    "time/train_critic": "trainCritic",
+    "time/train_actor": "trainActor",
+    "time/weight_sync": "weightSync",
 }
 
 
@@ -119,7 +132,15 @@ class KubernetesProgressReporter(ProgressReporter):
             value = _number(plain.get(key))
             if value is not None:
                 progress[out] = value
+        phases = {out: _number(plain.get(key)) for key, out in _PHASES.items()}
+        if any(v is not None for v in phases.values()):
+            # a merge patch: a phase this step did not run is cleared, not left from an earlier one
+            progress["phaseSeconds"] = phases
         self._patch(progress)
+
+    def checkpointed(self, checkpoints: list[tuple[int, str]]) -> None:
+        """The kept checkpoints into ``status.progress.checkpoints`` (always written: rare)."""
+        self._patch({"checkpoints": [{"step": s, "path": p} for s, p in checkpoints]})
 
     def finish(self, summary: dict[str, Any]) -> None:
         progress: dict[str, Any] = {}

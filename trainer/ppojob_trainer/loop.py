@@ -753,7 +753,9 @@ def _run_steps(
             due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
             if due or stop.requested:
                 t_ckpt = time.perf_counter()
-                result.checkpoint = _save(trainer, ckpt_dir, step + 1, tr.keep_checkpoints)
+                result.checkpoint = _save(
+                    trainer, ckpt_dir, step + 1, tr.keep_checkpoints, reporter
+                )
                 stop.checkpoint_seconds = time.perf_counter() - t_ckpt
                 last_ckpt_step = step + 1
                 if not warned and stop.grace_seconds is not None:
@@ -771,7 +773,7 @@ def _run_steps(
     if stop.requested:
         raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False)
     if result.steps and result.steps != last_ckpt_step:
-        result.checkpoint = _save(trainer, ckpt_dir, result.steps, tr.keep_checkpoints)
+        result.checkpoint = _save(trainer, ckpt_dir, result.steps, tr.keep_checkpoints, reporter)
     if tr.export_hugging_face and result.steps > first:
         result.export = str(_export(trainer, ckpt_dir, result.steps))
     result.steps = max(result.steps, first)
@@ -801,15 +803,25 @@ def _default_cache(out_dir: Path) -> Path:
     return Path.home() / ".cache" / "ppojob" if os.access(Path.home(), os.W_OK) else out_dir
 
 
-def _save(trainer: PPOTrainer, ckpt_dir: Path, step: int, keep: int) -> str | None:
+def _save(
+    trainer: PPOTrainer,
+    ckpt_dir: Path,
+    step: int,
+    keep: int,
+    reporter: Any = None,
+) -> str | None:
     """A checkpoint: the workers write their shards, then the driver its small state; the
-    directory becomes complete (atomically) only after both."""
-    from .checkpoint import checkpoint_writer, step_dir_name
+    directory becomes complete (atomically) only after both. The reporter then hears which
+    complete checkpoints are kept (`kubectl ppojob checkpoints` reads them from the status)."""
+    from .checkpoint import checkpoint_writer, complete_checkpoints, step_dir_name
 
     with checkpoint_writer(ckpt_dir, step, keep) as writer:
         trainer.save_workers(writer.path)
         for key, value in trainer.state(step).items():
             writer.save(key, value)
+    hook = getattr(reporter, "checkpointed", None)  # (reporters of tests may lack it)
+    if hook is not None:
+        hook([(int(p.name.split("-")[-1]), str(p)) for p in complete_checkpoints(ckpt_dir)])
     return str(ckpt_dir / step_dir_name(step))
 
 

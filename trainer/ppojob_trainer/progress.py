@@ -59,6 +59,10 @@ class ProgressReporter:
     def report(self, step: int, metrics: dict[str, float]) -> None:
         """Step `step` (1-based) completed with these metrics."""
 
+    def checkpointed(self, checkpoints: list[tuple[int, str]]) -> None:
+        """A checkpoint was written; `checkpoints` are the complete ones kept, (step, path),
+        oldest first."""
+
     def finish(self, summary: dict[str, Any]) -> None:
         """Training ended (successfully or not); `summary` holds final figures."""
 
@@ -79,6 +83,10 @@ class CompositeReporter(ProgressReporter):
     def report(self, step: int, metrics: dict[str, float]) -> None:
         for r in self.reporters:
             r.report(step, metrics)
+
+    def checkpointed(self, checkpoints: list[tuple[int, str]]) -> None:
+        for r in self.reporters:
+            r.checkpointed(checkpoints)
 
     def finish(self, summary: dict[str, Any]) -> None:
         for r in self.reporters:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT_ROOT = Path("ppojob-out")
+CLOSING_STEPS = 50  # the steps whose mean reward the summary shows
 
 log = logging.getLogger("ppojob_trainer.run")
 
@@ -137,7 +138,6 @@ def train_locally(
     from ppojob_trainer.errors import StartupError, describe_failure
     from ppojob_trainer.placement import PlacementError
     from ppojob_trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from ppojob_trainer.progress import LocalProgressReporter
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
     done = completed_run(cfg, out_dir)
@@ -145,7 +145,10 @@ def train_locally(
         print(done)
         return 0
     t0 = time.monotonic()
-    reporter = LocalProgressReporter(out_dir, show_bar=show_bar)
+    from ppojob_trainer.progress import CompositeReporter
+    from ppojob_trainer.trackers import local_reporters
+
+    reporter = CompositeReporter(local_reporters(cfg, out_dir, show_bar))
     print(
         f"ppojob run: {cfg.job_name or 'job'}: {cfg.training.steps} steps, "
         f"{cfg.algorithm.advantage_estimator}, output in {out_dir}",
@@ -241,18 +244,40 @@ def format_summary(cfg: Any, result: Any, out_dir: Path, wall_s: float) -> str:
     if final is None:  # nothing left to train this time: the earlier run's figure
         final = read_summary(out_dir).get("final_reward")
     reward = f"{final:.4f}" if isinstance(final, int | float) and math.isfinite(final) else "n/a"
-    files = [f for f in ("metrics.jsonl", "reward_curve.png") if (out_dir / f).exists()]
     ckpt = _first(result, "checkpoint")
     lines = [
         f"ppojob run: {cfg.job_name or 'job'} finished",
         f"  steps:         {steps if steps is not None else 'n/a'} of {cfg.training.steps}",
         f"  final reward:  {reward}",
-        f"  time:          {wall_s:.1f} s",
-        f"  output:        {out_dir}" + (f" ({', '.join(files)})" if files else ""),
     ]
+    closing = closing_reward(out_dir)
+    if closing is not None:
+        lines.append(f"  last {closing[0]} steps: mean reward {closing[1]:.4f}")
+    lines += [f"  time:          {wall_s:.1f} s", f"  output:        {out_dir}"]
+    for label, name in (
+        ("reward curve", "reward_curve.png"),
+        ("metrics", "metrics.jsonl"),
+        ("summary", "summary.json"),
+    ):
+        if (out_dir / name).exists():
+            lines.append(f"  {label + ':':14} {out_dir / name}")
     if ckpt:
         lines.append(f"  checkpoint:    {ckpt}")
     return "\n".join(lines)
+
+
+def closing_reward(out_dir: Path, last: int = CLOSING_STEPS) -> tuple[int, float] | None:
+    """(n, mean reward of the run's last n steps) from `out_dir/metrics.jsonl`, n = `last` or
+    fewer when the run is shorter; None without a reward. One step's reward is noisy: this is
+    the figure that says where a run ended."""
+    from ppojob_trainer.progress import read_metrics
+
+    rewards = [
+        r["reward_mean"]
+        for r in read_metrics(out_dir)
+        if isinstance(r.get("reward_mean"), int | float) and math.isfinite(r["reward_mean"])
+    ][-last:]
+    return (len(rewards), sum(rewards) / len(rewards)) if rewards else None
 
 
 def _first(obj: Any, *names: str) -> Any:
