@@ -476,6 +476,22 @@ class TrainingSettings(ApiModel):
     """Recompute each transformer block's activations in backward instead of keeping them
     (less memory, about a third more compute). Torch backend."""
 
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row without padding (position ids restarting
+    per sequence, no attention across sequences: varlen kernels under flash attention, a
+    block-diagonal causal mask otherwise) for log-probs, values, the reference and training.
+    Same results as padding, less compute when lengths differ. Torch backend, Hugging Face
+    models whose attention mask comes from transformers' masking utilities (Llama, Qwen2,
+    Mistral, ...)."""
+
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Size micro-batches (with and without gradient) by tokens instead of samples: each holds
+    at most this many tokens as the forward sees them (the sum of prompt + response lengths
+    when packed; samples x the longest prompt + the longest response when padded), longest
+    samples first. microBatchSize / forwardMicroBatchSize, when set, still cap the samples per
+    micro-batch. The loss is normalised exactly as with sample micro-batches. Must be at least
+    maxPromptLength + maxResponseLength. Unset: micro-batches by samples. Torch backend."""
+
     sharding: Literal["none", "fsdp"] = "none"
     """Torch backend across a role's data-parallel workers: `none` keeps a full replica (model,
     gradients, Adam state) on every worker; `fsdp` shards them with FSDP2 (`fully_shard`, one

@@ -24,6 +24,7 @@ from ppojob_api.checks.cluster import (
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
+from ppojob_api.checks.efficiency import check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -210,6 +211,36 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "roles__critic": {"resources": {"gpus": 1}},
         },
         ["spec.model.dtype"],
+    ),
+    # --- packing and token budgets
+    (
+        check_packing,
+        "packing and a budget that holds the longest sequence",
+        {"training__packing": True, "training__maxTokensPerMicroBatch": 1024},
+        [],
+    ),
+    (
+        check_packing,
+        "a budget below maxPromptLength + maxResponseLength, actor and inheriting critic",
+        {"training__maxTokensPerMicroBatch": 1023},
+        ["spec.training.maxTokensPerMicroBatch", "spec.training.maxTokensPerMicroBatch"],
+    ),
+    (
+        check_packing,
+        "a critic override budget too small for the critic only",
+        {"roles__critic": {"overrides": {"maxTokensPerMicroBatch": 100}}},
+        ["spec.roles.critic.overrides.maxTokensPerMicroBatch"],
+    ),
+    (
+        check_packing,
+        "packing and a budget with a megatron actor",
+        {
+            "roles__actor": MEGATRON_CPU,
+            "roles__critic": {"overrides": {"packing": False}},
+            "training__packing": True,
+            "training__maxTokensPerMicroBatch": 4096,
+        },
+        ["spec.training.packing", "spec.training.maxTokensPerMicroBatch"],
     ),
     # --- megatron
     (
@@ -1409,3 +1440,10 @@ def test_sglang_top_p_with_importance_sampling_is_refused_by_validation() -> Non
         algorithm__tisCap=2.0,
     )
     assert "spec.algorithm.tisCap" in [p.path for p in checks.check_training_half(doubled)]
+
+
+def test_a_token_budget_below_the_longest_sequence_is_refused_by_validation() -> None:
+    """check_packing runs in validation (registered), not only when called by name."""
+    small = spec(training__maxTokensPerMicroBatch=16)
+    paths = [p.path for p in checks.check_training_half(small)]
+    assert "spec.training.maxTokensPerMicroBatch" in paths

@@ -120,8 +120,156 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
-def _split(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def _split(n: int, size: int) -> list[torch.Tensor]:
+    return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and token-budget micro-batches
+# ---------------------------------------------------------------------------------------------
+def sequence_lengths(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real (unpadded) prompt and response tokens of each row: ``prompt_mask`` and
+    ``response_mask`` counted (a batch without ``response_mask``: every column)."""
+    plen = batch["prompt_mask"].bool().sum(1)
+    mask = batch.get("response_mask")
+    if mask is None:
+        rlen = torch.full_like(plen, batch["response_ids"].shape[1])
+    else:
+        rlen = mask.bool().sum(1)
+    return plen, rlen
+
+
+def micro_batch_rows(
+    batch: Mapping[str, torch.Tensor],
+    max_tokens: int | None,
+    *,
+    packing: bool,
+    max_rows: int | None,
+    field: str = "maxTokensPerMicroBatch",
+) -> list[torch.Tensor]:
+    """The rows of each micro-batch of ``batch`` (index tensors; every row exactly once).
+
+    Without ``max_tokens``: consecutive runs of ``max_rows`` rows (today's micro-batches).
+    With it: micro-batches whose tokens as the forward sees them fit ``max_tokens``: the sum
+    of the rows' prompt + response tokens when packed, rows x the longest prompt + the longest
+    response when padded. Rows are taken longest first (first-fit decreasing when packed, runs
+    of similar lengths when padded), so few micro-batches run, and one long row never drags
+    short ones to its width. A row longer than ``max_tokens`` raises ``ValueError`` naming
+    ``field``."""
+    n = batch["response_ids"].shape[0]
+    if max_tokens is None:
+        return _split(n, max(1, max_rows or n))
+    plen, rlen = sequence_lengths(batch)
+    cost = (plen + rlen).tolist()
+    order = sorted(range(n), key=lambda i: (-cost[i], i))
+    if order and cost[order[0]] > max_tokens:
+        raise ValueError(
+            f"{field}: a sequence of {cost[order[0]]} tokens (prompt + response) does not fit "
+            f"the budget of {max_tokens} tokens; raise {field} to at least "
+            "maxPromptLength + maxResponseLength"
+        )
+    bins: list[list[int]] = []
+    if packing:  # first-fit decreasing by tokens
+        room: list[int] = []
+        for i in order:
+            for b, free in enumerate(room):
+                if cost[i] <= free and (max_rows is None or len(bins[b]) < max_rows):
+                    bins[b].append(i)
+                    room[b] -= cost[i]
+                    break
+            else:
+                bins.append([i])
+                room.append(max_tokens - cost[i])
+    else:  # padded: each micro-batch costs rows x (longest prompt + longest response)
+        pmax = rmax = 0
+        for i in order:
+            p, r = max(pmax, int(plen[i])), max(rmax, int(rlen[i]))
+            full = max_rows is not None and bins and len(bins[-1]) >= max_rows
+            if bins and not full and (len(bins[-1]) + 1) * (p + r) <= max_tokens:
+                bins[-1].append(i)
+                pmax, rmax = p, r
+            else:
+                bins.append([i])
+                pmax, rmax = int(plen[i]), int(rlen[i])
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def split_to_count(bins: Sequence[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``bins`` split (the one with most rows in halves, repeatedly) until there are ``count``
+    of them: FSDP's collectives need every worker of the group to run as many micro-batches.
+    A half of a micro-batch within the token budget is within it too."""
+    out = [b for b in bins]
+    while len(out) < count:
+        big = max(range(len(out)), key=lambda j: len(out[j]))
+        if len(out[big]) < 2:
+            raise ValueError(
+                f"maxTokensPerMicroBatch: another data-parallel worker runs {count} "
+                f"micro-batches but this one has only {sum(len(b) for b in bins)} samples"
+            )
+        rows = out.pop(big)
+        out[big:big] = [rows[0::2], rows[1::2]]
+    return out
+
+
+def pack_rows(
+    batch: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch``'s sequences (each row's real prompt tokens, then its response tokens up to its
+    length) concatenated into one row without padding.
+
+    Returns ``input_ids`` [1, N] and ``position_ids`` [1, N] (restarting at 0 for every
+    sequence: the Hugging Face attention takes that, with no attention mask, as packed
+    sequences: a block-diagonal causal mask for eager/sdpa attention, varlen kernels for flash
+    attention), then for each of the batch's response tokens, flattened: the packed position
+    whose hidden state predicts it (``select``), and its row and column in ``[B, T]``."""
+    prompt_ids, pmask = batch["prompt_ids"], batch["prompt_mask"].bool()
+    resp = batch["response_ids"]
+    _, rlen = sequence_lengths(batch)
+    ids, pos, select, rows, cols = [], [], [], [], []
+    offset = 0
+    for i in range(resp.shape[0]):
+        prompt = prompt_ids[i][pmask[i]]
+        if prompt.numel() == 0:
+            raise ValueError(f"packing: sample {i} has no prompt token")
+        length = int(rlen[i])
+        seq = torch.cat([prompt, resp[i, :length]])
+        ids.append(seq)
+        pos.append(torch.arange(seq.numel()))
+        steps = torch.arange(length)
+        select.append(offset + prompt.numel() - 1 + steps)
+        rows.append(torch.full((length,), i, dtype=torch.long))
+        cols.append(steps)
+        offset += seq.numel()
+    return (
+        torch.cat(ids)[None],
+        torch.cat(pos)[None],
+        torch.cat(select),
+        torch.cat(rows),
+        torch.cat(cols),
+    )
+
+
+def unpack(flat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: Any) -> torch.Tensor:
+    """Per-token values ``flat`` [n] put back at their ``(rows, cols)`` of a zero ``[B, T]``
+    (differentiable)."""
+    out = flat.new_zeros(tuple(shape))
+    return out.index_put((rows, cols), flat)
+
+
+def check_packing_support(model: nn.Module) -> None:
+    """Packed sequences need a Hugging Face decoder whose attention mask comes from
+    ``transformers.masking_utils`` (which reads restarting position ids as sequence
+    boundaries); a model with its own mask code would attend across them."""
+    import sys
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    module = sys.modules.get(type(decoder).__module__)
+    if module is None or not hasattr(module, "create_causal_mask"):
+        raise ValueError(
+            f"packing: {type(decoder).__name__} builds its attention mask itself (not with "
+            "transformers' create_causal_mask), so packed sequences would attend to each "
+            "other; set packing: false for this model"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,14 +491,15 @@ def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: 
 
 
 def _micro_weights(
-    minibatch: Mapping[str, torch.Tensor], slices: Sequence[slice], agg: str, opt: _Optimised
+    minibatch: Mapping[str, torch.Tensor], slices: Sequence[torch.Tensor], agg: str, opt: _Optimised
 ) -> list[float]:
-    """:func:`accumulation_weights` of the micro-batches ``slices`` of ``minibatch``."""
+    """:func:`accumulation_weights` of the micro-batches (row indices ``slices``) of
+    ``minibatch``."""
     from ..algorithms import aggregation_count
 
     mask = minibatch.get("response_mask")
     if mask is None:  # a loss without a mask: each row counts once
-        counts = [float(sl.stop - sl.start) for sl in slices]
+        counts = [float(len(sl)) for sl in slices]
     else:
         counts = [float(aggregation_count(mask[sl], agg)) for sl in slices]
     return accumulation_weights(counts, opt.global_count(sum(counts)), opt.dp_size)
@@ -407,18 +556,37 @@ class _Optimised:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def micro_batches(
+        self, batch: Mapping[str, torch.Tensor], max_rows: int | None
+    ) -> list[torch.Tensor]:
+        """Row indices of ``batch``'s micro-batches (:func:`micro_batch_rows` with this role's
+        ``maxTokensPerMicroBatch`` and ``packing``); under FSDP with a token budget every
+        worker of the group runs as many (the most any of them needs)."""
+        budget = self.settings.max_tokens_per_micro_batch
+        rows = micro_batch_rows(batch, budget, packing=self.settings.packing, max_rows=max_rows)
+        if budget is not None and self.sharded:
+            import torch.distributed as dist
+
+            count = torch.tensor([len(rows)], dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            rows = split_to_count(rows, int(count))
+        return rows
+
     def forward_chunks(
         self, batch: Mapping[str, torch.Tensor], forward: Callable[[dict], torch.Tensor]
     ) -> torch.Tensor:
-        """A no-grad forward over ``batch`` in ``forwardMicroBatchSize`` rows at a time, each
-        padded to its own longest sequence; the [B, T] result on the CPU."""
-        n = batch["response_ids"].shape[0]
-        size = self.settings.forward_micro_batch_size or self.settings.micro_batch_size or n
-        outs = []
-        for sl in _split(n, max(1, size)):
-            micro, width = trim_padding({k: v[sl] for k, v in batch.items()})
-            outs.append(_pad_columns(forward(micro).float().cpu(), width))
-        return torch.cat(outs, 0)
+        """A no-grad forward over ``batch`` in ``forwardMicroBatchSize`` rows (or
+        ``maxTokensPerMicroBatch`` tokens) at a time, each padded to its own longest sequence
+        or packed; the [B, T] result on the CPU, rows in ``batch``'s order."""
+        n, width = batch["response_ids"].shape
+        size = self.settings.forward_micro_batch_size or self.settings.micro_batch_size
+        if self.settings.max_tokens_per_micro_batch is None:
+            size = size or n
+        out = torch.zeros(n, width, dtype=torch.float32)
+        for idx in self.micro_batches(batch, size):
+            micro, _ = trim_padding({k: v[idx] for k, v in batch.items()})
+            out[idx] = _pad_columns(forward(micro).float().cpu(), width)
+        return out
 
     def global_count(self, local: float) -> float:
         """Sum of ``local`` over the data-parallel group."""
@@ -442,7 +610,10 @@ class _Optimised:
         (floats or tensors; one device sync at the end) plus the step's."""
         n = minibatch["response_ids"].shape[0]
         self.module.train()
-        slices = _split(n, micro_batch_size)
+        budget = self.settings.max_tokens_per_micro_batch
+        slices = self.micro_batches(
+            minibatch, self.settings.micro_batch_size if budget is not None else micro_batch_size
+        )
         parts = []
         weights = _micro_weights(minibatch, slices, agg, self)
         for i, (sl, scale) in enumerate(zip(slices, weights, strict=True)):
@@ -451,7 +622,7 @@ class _Optimised:
             micro, _ = trim_padding({k: v[sl] for k, v in minibatch.items()})
             loss, metrics = micro_loss(micro)
             (loss * scale).backward()
-            parts.append(((sl.stop - sl.start) / n, metrics))
+            parts.append((len(sl) / n, metrics))
         out = _mean_metrics(parts)
         out.update(self.step())
         return out
@@ -718,10 +889,17 @@ class CausalLMLogprobs(nn.Module):
         entropy_grad: bool = False,
         chunk_tokens: int = 1024,
         top_p: float = 1.0,
+        select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``select`` (packed inputs, :func:`pack_rows`): the positions of the one packed row
+        whose hidden states predict ``tokens`` [1, n]; else ``tokens`` [b, T] follow the
+        ``prompt_len`` prompt columns."""
         hidden = self.lm.get_decoder()(**inputs, use_cache=False).last_hidden_state
-        tlen = tokens.shape[1]
-        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
+        if select is not None:
+            hidden = hidden[0, select][None]
+        else:
+            tlen = tokens.shape[1]
+            hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
         return chunked_logprobs(
             hidden,
             self.lm.get_output_embeddings(),
@@ -745,6 +923,22 @@ def _device_inputs(
     return {
         k: None if v is None else v.to(device, non_blocking=nb) for k, v in inputs.items()
     }, plen
+
+
+def _packed_device_inputs(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor | None], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed model inputs of a CPU batch (:func:`pack_rows`: no attention mask, position ids
+    restarting per sequence) on ``device``; the selected positions there; rows and columns on
+    the CPU."""
+    ids, pos, select, rows, cols = pack_rows(batch)
+    nb = device.type == "cuda"
+    inputs: dict[str, torch.Tensor | None] = {
+        "input_ids": ids.to(device, non_blocking=nb),
+        "attention_mask": None,
+        "position_ids": pos.to(device, non_blocking=nb),
+    }
+    return inputs, select.to(device, non_blocking=nb), rows, cols
 
 
 class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
@@ -778,6 +972,8 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         self.dtype = torch_dtype(dtype)
         self.settings = settings
         lm = load_causal_lm(model_dir, "float32")  # master weights in float32
+        if settings.packing:
+            check_packing_support(lm)
         if settings.gradient_checkpointing:
             activation_checkpointing(lm)
         self.model = CausalLMLogprobs(lm)
@@ -835,19 +1031,26 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     def _logp(
         self, model: nn.Module, micro: Mapping[str, torch.Tensor], *, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kw = dict(
+            want_entropy=entropy,
+            entropy_grad=self.entropy_grad,
+            chunk_tokens=self.chunk_tokens,
+            top_p=self.top_p,
+        )
+        if self.settings.packing:
+            inputs, select, rows, cols = _packed_device_inputs(micro, self.device)
+            tokens = micro["response_ids"][rows, cols][None].to(self.device)
+            with self.opt.autocast():
+                logp, ent = model(inputs, tokens, 0, self.temperature, select=select, **kw)
+            shape = micro["response_ids"].shape
+            rows, cols = rows.to(self.device), cols.to(self.device)
+            return unpack(logp[0], rows, cols, shape), (
+                None if ent is None else unpack(ent[0], rows, cols, shape)
+            )
         inputs, plen = _device_inputs(micro, self.device)
         tokens = micro["response_ids"].to(self.device)
         with self.opt.autocast():
-            return model(
-                inputs,
-                tokens,
-                plen,
-                self.temperature,
-                want_entropy=entropy,
-                entropy_grad=self.entropy_grad,
-                chunk_tokens=self.chunk_tokens,
-                top_p=self.top_p,
-            )
+            return model(inputs, tokens, plen, self.temperature, **kw)
 
     def update(
         self,
@@ -898,7 +1101,10 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.dtype = torch_dtype(dtype)
+        self.settings = settings
         self.model = load_value_model(model_dir, "float32", seed=seed)
+        if settings.packing:
+            check_packing_support(self.model.backbone)
         if settings.gradient_checkpointing:
             activation_checkpointing(self.model.backbone)
         self.opt = _Optimised(
@@ -913,6 +1119,16 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.model.train()
 
     def _forward(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.settings.packing:
+            inputs, select, rows, cols = _packed_device_inputs(micro, self.device)
+            with self.opt.autocast():
+                values = self.model(**inputs)
+            return unpack(
+                values[0, select].float(),
+                rows.to(self.device),
+                cols.to(self.device),
+                micro["response_ids"].shape,
+            )
         inputs, plen = _device_inputs(micro, self.device)
         tlen = micro["response_ids"].shape[1]
         with self.opt.autocast():
