@@ -24,7 +24,7 @@ from ppojob_api.checks.cluster import (
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
-from ppojob_api.checks.efficiency import check_packing
+from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -241,6 +241,26 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "training__maxTokensPerMicroBatch": 4096,
         },
         ["spec.training.packing", "spec.training.maxTokensPerMicroBatch"],
+    ),
+    # --- LoRA
+    (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),
+    (
+        check_lora,
+        "LoRA on a megatron actor with FSDP",
+        {"model__lora": {}, "roles__actor": MEGATRON_CPU, "training__sharding": "fsdp"},
+        ["spec.model.lora", "spec.training.sharding"],
+    ),
+    (
+        check_lora,
+        "LoRA target modules a built-in model lacks",
+        {"model__lora": {"targetModules": ["q_proj", "qkv_proj", "all-linear"]}},
+        ["spec.model.lora.targetModules", "spec.model.lora.targetModules[1]"],
+    ),
+    (
+        check_lora,
+        "LoRA targets of a model directory are checked when it loads",
+        {"model__path": "/models/x", "model__lora": {"targetModules": ["c_attn"]}},
+        [],
     ),
     # --- megatron
     (

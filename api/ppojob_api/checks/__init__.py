@@ -21,7 +21,7 @@ from ppojob_api.checks.cluster import (
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
-from ppojob_api.checks.efficiency import check_packing
+from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -68,6 +68,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_env,
     check_precision,
     check_packing,
+    check_lora,
     check_batches,
     check_group_size,
     check_learning_rate,

@@ -65,3 +65,68 @@ def check_packing(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
     return problems
+
+
+BUILTIN_LINEAR_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""The linear layers of the built-in models (Llama and Qwen2 blocks; a trainer test keeps this in
+step with ``models.py``)."""
+
+
+def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """LoRA is a torch-backend feature of the actor, without FSDP; its target modules must name
+    linear layers (for a built-in model, known here; for any other, when the trainer loads
+    it)."""
+    lora = half.model.lora
+    if lora is None:
+        return []
+    path = f"{prefix}.model.lora"
+    problems: list[Problem] = []
+    if half.roles.actor.backend != "torch":
+        problems.append(
+            Problem(
+                path,
+                "LoRA is implemented in the torch backend only, but the actor runs megatron",
+                "use backend: torch for the actor, or remove model.lora",
+            )
+        )
+    if half.training.sharding == "fsdp":
+        problems.append(
+            Problem(
+                f"{prefix}.training.sharding",
+                "LoRA trains only small adapters, which each worker keeps whole; FSDP sharding "
+                "of a LoRA actor is not implemented",
+                "set sharding: none, or remove model.lora",
+            )
+        )
+    targets = lora.target_modules
+    if "all-linear" in targets and len(targets) > 1:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "all-linear already names every linear layer",
+                "give either [all-linear] or a list of module names",
+            )
+        )
+    builtin = (
+        half.model.path.removeprefix("builtin:") if half.model.path.startswith("builtin:") else None
+    )
+    for i, name in enumerate(targets):
+        if name == "all-linear":
+            continue
+        if builtin is not None and name not in BUILTIN_LINEAR_MODULES:
+            problems.append(
+                Problem(
+                    f"{path}.targetModules[{i}]",
+                    f"{name!r} is not a linear layer of builtin:{builtin}",
+                    f"use some of {', '.join(BUILTIN_LINEAR_MODULES)}, or all-linear",
+                )
+            )
+    return problems

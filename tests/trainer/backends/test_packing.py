@@ -9,7 +9,7 @@ import torch
 
 from ppojob_api.training import TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.algorithms import policy_loss, value_loss
+from ppojob_trainer.algorithms import value_loss
 from ppojob_trainer.backends.torch_backend import (
     TorchPolicyTrainer,
     TorchValueTrainer,
@@ -17,31 +17,14 @@ from ppojob_trainer.backends.torch_backend import (
     pack_rows,
     split_to_count,
 )
-
-PROMPT_LENS = [3, 1, 5, 2, 4]
-RESPONSE_LENS = [7, 0, 2, 9, 1]
+from tests.helpers.batches import PROMPT_LENS, RESPONSE_LENS
+from tests.helpers.batches import mixed_batch as _batch
+from tests.helpers.batches import ppo_policy_loss as _policy_loss
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
 def model_dir(request, tmp_path_factory):
     return models.materialize_builtin(request.param, 5, tmp_path_factory.mktemp("cache"))
-
-
-def _batch(prompt_lens=PROMPT_LENS, response_lens=RESPONSE_LENS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n, p, t = len(prompt_lens), max(prompt_lens), max(response_lens)
-    pmask = torch.arange(p)[None, :] >= (p - torch.tensor(prompt_lens))[:, None]  # left-padded
-    rmask = torch.arange(t)[None, :] < torch.tensor(response_lens)[:, None]
-    return {
-        "prompt_ids": torch.where(pmask, torch.randint(4, 14, (n, p), generator=g), 0),
-        "prompt_mask": pmask,
-        "response_ids": torch.where(rmask, torch.randint(4, 14, (n, t), generator=g), 0),
-        "response_mask": rmask,
-        "old_logprobs": -torch.rand(n, t, generator=g) * 3,
-        "advantages": torch.randn(n, t, generator=g),
-        "old_values": torch.randn(n, t, generator=g),
-        "returns": torch.randn(n, t, generator=g),
-    }
 
 
 def _settings(**kw):
@@ -66,18 +49,6 @@ def _capture_grads(trainer, into):
         return {}
 
     trainer.opt.step = capture
-
-
-def _policy_loss(logp, ent, mb):
-    loss, _ = policy_loss(
-        logp,
-        mb["old_logprobs"],
-        mb["advantages"],
-        mb["response_mask"],
-        entropy=ent,
-        entropy_coef=0.01,
-    )
-    return loss, {"loss": loss.detach()}
 
 
 def _value_loss(values, mb):

@@ -26,14 +26,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ppojob_api.training import TrainingSettings
+from ppojob_api.training import LoraSpec, TrainingSettings
 
 from ..algorithms.sampling import sampling_logprobs
 from ..models import (
@@ -536,6 +536,8 @@ class _Optimised:
         self.group = group
         self.dp_size = dp_size
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # frozen weights (a LoRA base model) are neither trained nor checkpointed
+        self.frozen = any(not p.requires_grad for p in module.parameters())
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=settings.learning_rate,
@@ -656,7 +658,9 @@ class _Optimised:
         """Whole model and optimizer state (in memory; gathered under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        opts = StateDictOptions(full_state_dict=self.sharded, cpu_offload=self.sharded)
+        opts = StateDictOptions(
+            full_state_dict=self.sharded, cpu_offload=self.sharded, ignore_frozen_params=self.frozen
+        )
         model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         self._forget_unstepped_state()
         return {"model": model, "optimizer": optim, "updates": self.updates}
@@ -664,7 +668,9 @@ class _Optimised:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        opts = StateDictOptions(full_state_dict=self.sharded, broadcast_from_rank0=False)
+        opts = StateDictOptions(
+            full_state_dict=self.sharded, broadcast_from_rank0=False, strict=not self.frozen
+        )
         set_state_dict(
             self.module,
             self.optimizer,
@@ -679,10 +685,11 @@ class _Optimised:
         (``torch.distributed.checkpoint``: one file per worker plus ``.metadata``; a replica
         that is the same on every worker is written once)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         Path(directory).mkdir(parents=True, exist_ok=True)
-        model, optim = get_state_dict(self.module, self.optimizer)
+        opts = StateDictOptions(ignore_frozen_params=self.frozen)
+        model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(self.updates)}
         dcp.save(
             state,
@@ -695,9 +702,14 @@ class _Optimised:
     def load_checkpoint(self, directory: Path | str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (each worker reads its own shard)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
 
-        model, optim = get_state_dict(self.module, self.optimizer)
+        opts = StateDictOptions(ignore_frozen_params=self.frozen, strict=not self.frozen)
+        model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(0)}
         dcp.load(
             state,
@@ -710,6 +722,7 @@ class _Optimised:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=opts,
         )
         self.updates = int(state["updates"])
         self._forget_unstepped_state()
@@ -836,13 +849,36 @@ class TorchGenerationEngine(GenerationEngine):
         )
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Full weights (every name of the model's state dict), or LoRA adapters only
+        (:data:`LORA_A` / :data:`LORA_B` pairs): then each adapted weight becomes its base value
+        (kept from the first adapter update) plus ``B @ A``."""
         params = self.model.state_dict(keep_vars=True)
+        if any(k.endswith((LORA_A, LORA_B)) for k in named_tensors):
+            self._apply_adapters(params, named_tensors)
+            return
         missing = sorted(set(params) - set(named_tensors))
         if missing:
             raise ValueError(f"update_weights: weights missing for {missing[:5]}")
         with torch.no_grad():
             for name, dst in params.items():
                 dst.copy_(named_tensors[name])
+
+    def _apply_adapters(
+        self, params: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
+    ) -> None:
+        base: dict[str, torch.Tensor] = self.__dict__.setdefault("_lora_base", {})
+        modules = sorted({k.removesuffix(LORA_A).removesuffix(LORA_B) for k in adapters})
+        with torch.no_grad():
+            for module in modules:
+                key = f"{module}.weight"
+                a, b = adapters.get(module + LORA_A), adapters.get(module + LORA_B)
+                if key not in params or a is None or b is None:
+                    raise ValueError(f"update_weights: no weight {key!r} or half an adapter")
+                dst = params[key]
+                if key not in base:  # the base weight, before any adapter
+                    base[key] = dst.detach().clone()
+                delta = b.to(dst.device, torch.float32) @ a.to(dst.device, torch.float32)
+                dst.copy_((base[key].float() + delta).to(dst.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,6 +961,76 @@ def _device_inputs(
     }, plen
 
 
+# ---------------------------------------------------------------------------------------------
+# LoRA (PEFT)
+# ---------------------------------------------------------------------------------------------
+LORA_A, LORA_B = ".lora_A", ".lora_B"
+"""Suffixes of the adapter tensors the weight sync sends: ``<module>.lora_A`` [r, in] and
+``<module>.lora_B`` [out, r] already multiplied by alpha / r, so an engine adds ``B @ A`` to
+``<module>.weight`` (HF names of the base model)."""
+
+
+def apply_lora(lm: nn.Module, lora: LoraSpec) -> nn.Module:
+    """``lm`` with PEFT LoRA adapters on ``lora.target_modules`` (every other weight frozen).
+    A name that is no linear layer of ``lm`` raises one line naming the field."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lora.target_modules)
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)}
+        - {"lm_head"}
+    )
+    unknown = [t for t in targets if t != "all-linear" and t not in linear]
+    if unknown:
+        raise ValueError(
+            f"spec.model.lora.targetModules: {unknown} are not linear layers of "
+            f"{type(lm).__name__}; use some of {linear}, or all-linear"
+        )
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(lm, config)
+
+
+def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(HF name of the base module, its LoRA layer) for each adapted layer."""
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            yield name.removeprefix("base_model.model."), module
+
+
+def lora_adapter_tensors(peft_model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapters as the weight sync sends them (:data:`LORA_A`, :data:`LORA_B`), CPU
+    tensors in ``dtype``."""
+    out = {}
+    for name, layer in _lora_layers(peft_model):
+        a = layer.lora_A["default"].weight.detach()
+        b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
+        out[name + LORA_A] = a.to("cpu", dtype)
+        out[name + LORA_B] = b.to("cpu", dtype)
+    return out
+
+
+def merged_lora_weights(peft_model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's HF state dict with every adapter merged in (``W + (alpha/r) B A``),
+    CPU tensors in ``dtype`` (floating point ones): for engines that take full weights."""
+    base = {}
+    for k, v in peft_model.get_base_model().state_dict().items():
+        if ".lora_" not in k:
+            base[k.replace(".base_layer.", ".")] = v.detach().to("cpu")
+    for name, layer in _lora_layers(peft_model):
+        a = layer.lora_A["default"].weight.detach().float().cpu()
+        b = layer.lora_B["default"].weight.detach().float().cpu() * layer.scaling["default"]
+        key = f"{name}.weight"
+        base[key] = base[key].float() + b @ a
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in base.items()}
+
+
 def _packed_device_inputs(
     batch: Mapping[str, torch.Tensor], device: torch.device
 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -963,10 +1069,15 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         device: str = "cpu",
         offload_reference: bool = False,
         logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS,
+        lora: LoraSpec | None = None,
+        sync_adapters: bool = True,
     ) -> None:
         """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
         graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
-        metric computed under ``no_grad`` (no [B, T, V] activations kept for backward)."""
+        metric computed under ``no_grad`` (no [B, T, V] activations kept for backward).
+        ``lora``: train adapters only (the reference is the base model with them disabled);
+        ``sync_adapters``: :meth:`export_weights` gives only the adapters (engines that apply
+        them), else the merged weights."""
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.dtype = torch_dtype(dtype)
@@ -976,6 +1087,10 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             check_packing_support(lm)
         if settings.gradient_checkpointing:
             activation_checkpointing(lm)
+        self.lora = lora
+        self.sync_adapters = sync_adapters
+        if lora is not None:
+            lm = apply_lora(lm, lora)
         self.model = CausalLMLogprobs(lm)
         self.opt = _Optimised(
             self.model,
@@ -989,7 +1104,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         self.model.train()
         self.reference: nn.Module | None = None
         self.reference_device = self.device
-        if need_reference:
+        if need_reference and lora is None:  # with LoRA: the base model, adapters disabled
             ref = CausalLMLogprobs(load_causal_lm(model_dir, dtype)).eval()
             ref.requires_grad_(False)
             offload = offload_reference and self.device.type != "cpu"
@@ -1015,14 +1130,17 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     def logprobs(
         self, batch: Mapping[str, torch.Tensor], *, reference: bool = False
     ) -> torch.Tensor:
-        model = self.reference if reference else self.model
+        base = reference and self.lora is not None
+        model = self.model if base or not reference else self.reference
         if model is None:
             raise ValueError("logprobs(reference=True) needs a reference model (KL is off)")
-        moved = reference and self.reference_device != self.device
+        moved = reference and not base and self.reference_device != self.device
         if moved:
             model.to(self.device)
+        adapters_off = self.lm.disable_adapter() if base else nullcontext()
         try:
-            with _eval_mode(model):  # old/ref log-probs without dropout; training: train mode
+            # old/ref log-probs without dropout; training: train mode
+            with _eval_mode(model), adapters_off:
                 return self.opt.forward_chunks(batch, lambda mb: self._logp(model, mb)[0])
         finally:
             if moved:
@@ -1069,17 +1187,39 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """HF-named CPU tensors in the compute dtype (float32 masters cast once here). Under
-        FSDP every worker of the group must call it (the shards are gathered)."""
+        FSDP every worker of the group must call it (the shards are gathered). With LoRA: the
+        adapters only (:func:`lora_adapter_tensors`), or the merged weights for engines that
+        take full weights."""
+        if self.lora is not None:
+            if self.sync_adapters:
+                return lora_adapter_tensors(self.lm, self.dtype)
+            return merged_lora_weights(self.lm, self.dtype)
         return {
             k: v.to(dtype=self.dtype) if v.is_floating_point() else v
             for k, v in full_state_dict(self.lm).items()
         }
 
     def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
-        """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer."""
+        """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer. With LoRA:
+        the PEFT adapter (and, with ``exportMerged``, the merged model under ``merged/``)."""
+        if self.lora is not None:
+            if shard.is_dp_leader:
+                self._export_lora(Path(directory))
+            return
         weights = self.export_weights()  # collective under FSDP
         if shard.is_dp_leader:
             save_pretrained(self.lm, weights, directory, self.model_dir)
+
+    def _export_lora(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.lm.save_pretrained(str(out))  # adapter_config.json + adapter_model.safetensors
+        with suppress(OSError, ValueError):  # a model directory without a tokenizer
+            load_tokenizer(self.model_dir).save_pretrained(str(out))
+        if self.lora is not None and self.lora.export_merged:
+            plain = load_causal_lm(self.model_dir, "float32")
+            save_pretrained(
+                plain, merged_lora_weights(self.lm, self.dtype), out / "merged", self.model_dir
+            )
 
 
 class TorchValueTrainer(_OptimisedState, ValueTrainer):

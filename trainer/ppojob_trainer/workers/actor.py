@@ -93,6 +93,9 @@ def make_policy_trainer(
         dp_size=shard.dp_size,
         device=device,
         offload_reference=cfg.training.offload_reference,
+        lora=cfg.model.lora,
+        # torch engines apply adapters; sglang engines take the merged weights
+        sync_adapters=cfg.roles.rollout.backend == "torch",
     )
 
 
