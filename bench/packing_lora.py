@@ -3,6 +3,7 @@
     python bench/packing_lora.py                # both parts (a few minutes on 2 cores)
     python bench/packing_lora.py --part packing # or --part lora
     python bench/packing_lora.py --threads 2 --repeats 3
+    python bench/packing_lora.py --samples 16 --hidden 64 --layers 2 --repeats 1  # a loaded box
 
 Model: a small real architecture, Qwen2 (grouped-query attention, RMSNorm, SwiGLU) randomly
 initialised from a tiny config (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 384, vocabulary
@@ -58,17 +59,17 @@ from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer  # noqa: E4
 BUDGET = 8 * (32 + 256)
 
 
-def build_model(directory: Path) -> Path:
+def build_model(directory: Path, hidden: int = 128, layers: int = 4) -> Path:
     """A random-init Qwen2 of a tiny config, saved as a HF model directory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        hidden_size=128,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=384,
+        intermediate_size=3 * hidden,
         vocab_size=2048,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
@@ -129,8 +130,7 @@ def trainer(model_dir: Path, **settings) -> TorchPolicyTrainer:
     )
 
 
-def bench_packing(model_dir: Path, repeats: int) -> dict[str, dict[str, float]]:
-    n = 32
+def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[str, float]]:
     batch = skewed_batch(n, (8, 32), (8, 256), seed=1)
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     padded_tokens = 0
@@ -142,7 +142,8 @@ def bench_packing(model_dir: Path, repeats: int) -> dict[str, dict[str, float]]:
     print(
         f"packing: {n} samples, {tokens} real tokens (mean {tokens / n:.0f}/sample); "
         f"micro-batches of 8 padded to their longest hold {padded_tokens} "
-        f"({100 * (1 - tokens / padded_tokens):.0f} % padding); budget {BUDGET} tokens"
+        f"({100 * (1 - tokens / padded_tokens):.0f} % padding); budget {BUDGET} tokens",
+        flush=True,
     )
     layouts = {
         "padded": dict(micro_batch_size=8),
@@ -157,7 +158,8 @@ def bench_packing(model_dir: Path, repeats: int) -> dict[str, dict[str, float]]:
         out[name] = {"logprobs_s": fwd, "update_s": upd, "tok_s": tokens / upd}
         print(
             f"  {name:14s} log-probs {fwd:6.2f} s ({tokens / fwd:7.0f} tok/s)   "
-            f"update {upd:6.2f} s ({tokens / upd:7.0f} tok/s)"
+            f"update {upd:6.2f} s ({tokens / upd:7.0f} tok/s)",
+            flush=True,
         )
     base = out["padded"]
     for name in ("padded+budget", "packed+budget"):
@@ -187,23 +189,29 @@ def bench_lora(model_dir: Path, repeats: int) -> dict[str, dict[str, float]]:
     lora = LoraSpec(rank=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     out = {}
     print("LoRA: 16 samples x (32 + 96) tokens, rank 8 on q/k/v/o, KL reference on")
-    for name, kw in (("full", {}), ("lora", {"lora": lora})):
-        t = trainer(model_dir, **kw)
-        upd = timed(lambda t=t: t.update(batch, loss_fn, 16), repeats)
+    trainers = {"full": trainer(model_dir), "lora": trainer(model_dir, lora=lora)}
+    for name, t in trainers.items():  # bytes first: they do not depend on the machine's load
+        t.update(batch, loss_fn, 16)  # one update: gradients and AdamW state exist
         mem = state_bytes(t)
         sync = sum(x.numel() * x.element_size() for x in t.export_weights().values())
-        out[name] = {"update_s": upd, "state_bytes": sum(mem.values()), "sync_bytes": sync}
-        parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in mem.items())
+        out[name] = {"state_bytes": sum(mem.values()), "sync_bytes": sync}
+        parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem.items())
         print(
-            f"  {name:5s} update {upd:6.3f} s   state {sum(mem.values()) / 2**20:6.1f} MiB "
-            f"({parts})   sync {sync / 2**20:7.3f} MiB/step"
+            f"  {name:5s} state {sum(mem.values()) / 2**20:6.2f} MiB ({parts})   "
+            f"sync {sync / 2**20:7.4f} MiB/step",
+            flush=True,
         )
     f, lo = out["full"], out["lora"]
     print(
-        f"  LoRA vs full: update {f['update_s'] / lo['update_s']:.2f}x faster, state "
-        f"{100 * lo['state_bytes'] / f['state_bytes']:.0f} %, sync bytes "
-        f"{100 * lo['sync_bytes'] / f['sync_bytes']:.2f} % of full"
+        f"  LoRA vs full: state {100 * lo['state_bytes'] / f['state_bytes']:.0f} %, sync bytes "
+        f"{100 * lo['sync_bytes'] / f['sync_bytes']:.2f} % of full",
+        flush=True,
     )
+    for name, t in trainers.items():
+        upd = timed(lambda t=t: t.update(batch, loss_fn, 16), repeats)
+        out[name]["update_s"] = upd
+        print(f"  {name:5s} update {upd:6.3f} s", flush=True)
+    print(f"  LoRA vs full: update {f['update_s'] / lo['update_s']:.2f}x faster", flush=True)
     return out
 
 
@@ -212,13 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=["packing", "lora", "all"], default="all")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=32, help="samples of the packing batch")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (MLP: 3x)")
+    ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "qwen2-tiny")
+        model_dir = build_model(Path(tmp) / "qwen2-tiny", args.hidden, args.layers)
+        print(f"model: Qwen2, hidden {args.hidden}, {args.layers} layers, vocabulary 2048")
         if args.part in ("packing", "all"):
-            bench_packing(model_dir, args.repeats)
+            bench_packing(model_dir, args.repeats, args.samples)
         if args.part in ("lora", "all"):
             bench_lora(model_dir, args.repeats)
     return 0
