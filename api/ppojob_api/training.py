@@ -47,6 +47,32 @@ WHITENING_BY_DEFAULT = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_basel
 # ---------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------
+class LoraSpec(ApiModel):
+    """Low-rank adapters (LoRA, through PEFT) on the actor: only the adapters train, checkpoint
+    and go to the rollout engines."""
+
+    rank: int = Field(8, ge=1, le=1024)
+    """Rank r of each adapter (A: r x in, B: out x r)."""
+
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator: an adapter adds (alpha / rank) x B A to its weight."""
+
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Names (the last part of the module path) of the linear layers that get adapters, e.g.
+    `q_proj`, `v_proj`, `gate_proj`, `up_proj`, `down_proj` for Llama and Qwen2, or the single
+    value `all-linear` (every linear layer but the output head)."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in training."""
+
+    export_merged: bool = False
+    """The Hugging Face export (`training.exportHuggingFace`) writes the adapter (PEFT's
+    `adapter_config.json` + `adapter_model.safetensors`); with this, also the base model with
+    the adapter merged in, under `merged/`."""
+
+
 class ModelSpec(ApiModel):
     """The policy (actor) and value (critic) models."""
 
@@ -65,6 +91,12 @@ class ModelSpec(ApiModel):
     trust_remote_code: bool = False
     """Allow the model's own Python code (`auto_map` in its config) to run when loading the
     model and tokenizer, in every backend. Only for models you trust."""
+
+    lora: LoraSpec | None = None
+    """Train the actor as low-rank adapters on its frozen base model (torch backend). The
+    reference policy is then the base model with the adapters disabled (no second copy), and
+    the weight sync sends only the adapters to torch rollout engines (an sglang engine gets
+    the merged weights). Unset: full fine-tuning."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with
@@ -521,6 +553,22 @@ class TrainingSettings(ApiModel):
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them
     (less memory, about a third more compute). Torch backend."""
+
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row without padding (position ids restarting
+    per sequence, no attention across sequences: varlen kernels under flash attention, a
+    block-diagonal causal mask otherwise) for log-probs, values, the reference and training.
+    Same results as padding, less compute when lengths differ. Torch backend, Hugging Face
+    models whose attention mask comes from transformers' masking utilities (Llama, Qwen2,
+    Mistral, ...)."""
+
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Size micro-batches (with and without gradient) by tokens instead of samples: each holds
+    at most this many tokens as the forward sees them (the sum of prompt + response lengths
+    when packed; samples x the longest prompt + the longest response when padded), longest
+    samples first. microBatchSize / forwardMicroBatchSize, when set, still cap the samples per
+    micro-batch. The loss is normalised exactly as with sample micro-batches. Must be at least
+    maxPromptLength + maxResponseLength. Unset: micro-batches by samples. Torch backend."""
 
     sharding: Literal["none", "fsdp"] = "none"
     """Torch backend across a role's data-parallel workers: `none` keeps a full replica (model,

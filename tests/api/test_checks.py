@@ -26,6 +26,7 @@ from ppojob_api.checks.cluster import (
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
+from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -213,6 +214,56 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "roles__critic": {"resources": {"gpus": 1}},
         },
         ["spec.model.dtype"],
+    ),
+    # --- packing and token budgets
+    (
+        check_packing,
+        "packing and a budget that holds the longest sequence",
+        {"training__packing": True, "training__maxTokensPerMicroBatch": 1024},
+        [],
+    ),
+    (
+        check_packing,
+        "a budget below maxPromptLength + maxResponseLength, actor and inheriting critic",
+        {"training__maxTokensPerMicroBatch": 1023},
+        ["spec.training.maxTokensPerMicroBatch", "spec.training.maxTokensPerMicroBatch"],
+    ),
+    (
+        check_packing,
+        "a critic override budget too small for the critic only",
+        {"roles__critic": {"overrides": {"maxTokensPerMicroBatch": 100}}},
+        ["spec.roles.critic.overrides.maxTokensPerMicroBatch"],
+    ),
+    (
+        check_packing,
+        "packing and a budget with a megatron actor",
+        {
+            "roles__actor": MEGATRON_CPU,
+            "roles__critic": {"overrides": {"packing": False}},
+            "training__packing": True,
+            "training__maxTokensPerMicroBatch": 4096,
+        },
+        ["spec.training.packing", "spec.training.maxTokensPerMicroBatch"],
+    ),
+    # --- LoRA
+    (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),
+    (
+        check_lora,
+        "LoRA on a megatron actor with FSDP",
+        {"model__lora": {}, "roles__actor": MEGATRON_CPU, "training__sharding": "fsdp"},
+        ["spec.model.lora", "spec.training.sharding"],
+    ),
+    (
+        check_lora,
+        "LoRA target modules a built-in model lacks",
+        {"model__lora": {"targetModules": ["q_proj", "qkv_proj", "all-linear"]}},
+        ["spec.model.lora.targetModules", "spec.model.lora.targetModules[1]"],
+    ),
+    (
+        check_lora,
+        "LoRA targets of a model directory are checked when it loads",
+        {"model__path": "/models/x", "model__lora": {"targetModules": ["c_attn"]}},
+        [],
     ),
     # --- megatron
     (
@@ -1633,3 +1684,10 @@ def test_the_affinity_table_is_kubernetes_own() -> None:
 
     walk("V1Affinity")
     assert reached == AFFINITY_TYPES
+
+
+def test_a_token_budget_below_the_longest_sequence_is_refused_by_validation() -> None:
+    """check_packing runs in validation (registered), not only when called by name."""
+    small = spec(training__maxTokensPerMicroBatch=16)
+    paths = [p.path for p in checks.check_training_half(small)]
+    assert "spec.training.maxTokensPerMicroBatch" in paths

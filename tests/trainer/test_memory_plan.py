@@ -80,3 +80,31 @@ def test_validate_warns_when_a_plan_cannot_fit(tmp_path, capsys):
     assert "training.sharding: fsdp" in err
     assert main(["validate", str(SEVEN_B)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_lora_counts_adapter_grads_and_moments_and_no_reference_copy():
+    """A LoRA actor: grads and AdamW moments of the adapters only (counted as PEFT counts
+    them), no reference copy; a token budget sizes the activations."""
+    from ppojob_api.training import LoraSpec
+    from ppojob_trainer.backends.torch_backend import apply_lora
+    from ppojob_trainer.models import build_builtin_model
+
+    lora = LoraSpec(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft = apply_lora(build_builtin_model("tiny-llama", 0), lora)
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    shape = M.KNOWN_SHAPES["builtin:tiny-llama"]
+    assert shape.lora_params(4, lora.target_modules) == trainable
+
+    tiny = ROOT / "examples" / "ppojob-tiny.yaml"
+    _, full = load_manifest(tiny)
+    _, with_lora = load_manifest(tiny, [("model.lora", lora.model_dump(by_alias=True))])
+    p_full, p_lora = M.plan_job(full)[0], M.plan_job(with_lora)[0]
+    assert p_lora.persistent["actor grads"] == 4 * trainable
+    assert p_lora.persistent["actor optimizer"] == 8 * trainable
+    assert "reference" in p_full.persistent and "reference" not in p_lora.persistent
+
+    update = "actor update"
+    acts = p_full.phases[update]["actor activations"]  # 64 rows x 12 tokens
+    _, budget = load_manifest(tiny, [("training.maxTokensPerMicroBatch", 96)])
+    small = M.plan_job(budget)[0].phases[update]["actor activations"]
+    assert small == pytest.approx(acts * 96 / (64 * 12))

@@ -4,16 +4,19 @@ Imports neither torch nor Ray (``ppojob validate`` uses it). The plan is arithme
 model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`) and the spec:
 
 ``weights``      float32 master weights (torch backend), per worker: / dp under ``sharding: fsdp``
+                 (with LoRA: the frozen base plus the adapters; grads and optimizer: adapters only)
 ``grads``        float32 gradients, sharded alike (under FSDP with several micro-batches per
                  update also the unsharded float32 gradients they accumulate into, per update)
 ``optimizer``    AdamW's two float32 moments, sharded alike
 ``compute``      working copies in the compute dtype: autocast's bf16 weight casts (a whole model,
                  replicated) or, under FSDP, the gathered root and two gathered blocks (prefetch)
 ``activations``  what backward keeps for one micro-batch of ``microBatchSize`` x (maxPromptLength
-                 + maxResponseLength) tokens (all blocks, or under gradientCheckpointing one
-                 hidden state per block plus one block's full set)
+                 + maxResponseLength) tokens, or ``maxTokensPerMicroBatch`` when set (all
+                 blocks, or under gradientCheckpointing one hidden state per block plus one
+                 block's full set)
 ``logits``       one chunk of ``LOGITS_CHUNK_TOKENS`` vocabulary logits and their float32 copies
-``reference``    the frozen reference in the compute dtype (0 when offloaded; / dp under FSDP)
+``reference``    the frozen reference in the compute dtype (0 when offloaded or with LoRA, whose
+                 reference is the base model with the adapters off; / dp under FSDP)
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
                  (sglang without offload)
 
@@ -68,6 +71,22 @@ class Shape:
     @property
     def params(self) -> int:
         return self.layers * self.block_params + self.root_params
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """Parameters of LoRA adapters of ``rank`` on the named linear layers of every block
+        (``rank x (in + out)`` each; ``all-linear``: all seven)."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        dims = {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        names = list(dims) if "all-linear" in targets else targets
+        return self.layers * sum(rank * sum(dims[n]) for n in names if n in dims)
 
 
 def _qwen(h: int, n: int, heads: int, kv: int, i: int, v: int, tied: bool) -> Shape:
@@ -128,6 +147,8 @@ class TrainedModel:
     gradient_checkpointing: bool = False
     lm_head: bool = True  # the actor projects to the vocabulary; the critic has a value head
     accumulation: int = 1  # micro-batches per worker and optimizer update
+    tokens_per_micro_batch: int | None = None  # maxTokensPerMicroBatch (else micro x seq)
+    lora_params: int = 0  # trainable adapter parameters (LoRA); 0: full fine-tuning
 
     @property
     def compute_bytes(self) -> int:
@@ -156,6 +177,9 @@ class TrainedModel:
                 "optimizer": 12 * p / (mp * self.dp),
             }
         s = self.dp if self.fsdp else 1
+        if self.lora_params:  # a frozen float32 base; only the adapters have grads and moments
+            a = self.lora_params
+            return {"weights": 4 * (p + a), "grads": 4 * a, "optimizer": 8 * a}
         return {"weights": 4 * p / s, "grads": 4 * p / s, "optimizer": 8 * p / s}
 
     def update_transient(self) -> dict[str, float]:
@@ -175,7 +199,7 @@ class TrainedModel:
                 out["compute"] = 0.0
         # residual stream: float32 under autocast (fp32 masters), compute dtype under FSDP's policy
         stream = c if (self.fsdp or self.backend == "megatron") else 4
-        tokens = self.micro_batch * self.seq_len
+        tokens = self.tokens_per_micro_batch or self.micro_batch * self.seq_len
         # kept per token and block: the two residual inputs (stream dtype) and, in the compute
         # dtype, the norm outputs, q/k/v, the attention output and the MLP's intermediates
         # (coefficients checked against measured peaks: bench/memory.py --measure)
@@ -236,6 +260,7 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
     dp = max(workers // mp, 1)
     per_worker = max((settings.mini_batch_size or data.samples_per_step) // dp, 1)
     micro = settings.micro_batch_size or per_worker
+    lora = half.model.lora if role == "actor" and spec.backend == "torch" else None
     return TrainedModel(
         shape=shape,
         dtype=half.model.dtype,
@@ -249,6 +274,8 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
         gradient_checkpointing=settings.gradient_checkpointing,
         lm_head=role == "actor",
         accumulation=-(-per_worker // micro),
+        tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
+        lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora else 0,
     )
 
 
@@ -290,7 +317,8 @@ def plan_job(
     p = ProcessPlan("actor")
     p.persistent.update({f"actor {k}": v for k, v in actor.states().items()})
     p.phases["actor update"] = {f"actor {k}": v for k, v in actor.update_transient().items()}
-    if algo.kl.coefficient > 0 and not half.training.offload_reference:
+    # with LoRA the reference is the base model with the adapters off: no second copy
+    if algo.kl.coefficient > 0 and not half.training.offload_reference and not actor.lora_params:
         mp = actor.tp * actor.pp
         p.persistent["reference"] = (
             actor.compute_bytes * shape.params / (mp * (actor.dp if actor.fsdp else 1))

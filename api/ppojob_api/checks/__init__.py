@@ -21,6 +21,7 @@ from ppojob_api.checks.cluster import (
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
+from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -69,6 +70,8 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_tensor_within_pod,
     check_env,
     check_precision,
+    check_packing,
+    check_lora,
     check_batches,
     check_group_size,
     check_learning_rate,

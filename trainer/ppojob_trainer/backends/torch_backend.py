@@ -26,14 +26,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ppojob_api.training import TrainingSettings
+from ppojob_api.training import LoraSpec, TrainingSettings
 
 from ..algorithms.sampling import sampling_logprobs
 from ..models import (
@@ -120,8 +120,156 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
-def _split(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def _split(n: int, size: int) -> list[torch.Tensor]:
+    return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and token-budget micro-batches
+# ---------------------------------------------------------------------------------------------
+def sequence_lengths(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real (unpadded) prompt and response tokens of each row: ``prompt_mask`` and
+    ``response_mask`` counted (a batch without ``response_mask``: every column)."""
+    plen = batch["prompt_mask"].bool().sum(1)
+    mask = batch.get("response_mask")
+    if mask is None:
+        rlen = torch.full_like(plen, batch["response_ids"].shape[1])
+    else:
+        rlen = mask.bool().sum(1)
+    return plen, rlen
+
+
+def micro_batch_rows(
+    batch: Mapping[str, torch.Tensor],
+    max_tokens: int | None,
+    *,
+    packing: bool,
+    max_rows: int | None,
+    field: str = "maxTokensPerMicroBatch",
+) -> list[torch.Tensor]:
+    """The rows of each micro-batch of ``batch`` (index tensors; every row exactly once).
+
+    Without ``max_tokens``: consecutive runs of ``max_rows`` rows (today's micro-batches).
+    With it: micro-batches whose tokens as the forward sees them fit ``max_tokens``: the sum
+    of the rows' prompt + response tokens when packed, rows x the longest prompt + the longest
+    response when padded. Rows are taken longest first (first-fit decreasing when packed, runs
+    of similar lengths when padded), so few micro-batches run, and one long row never drags
+    short ones to its width. A row longer than ``max_tokens`` raises ``ValueError`` naming
+    ``field``."""
+    n = batch["response_ids"].shape[0]
+    if max_tokens is None:
+        return _split(n, max(1, max_rows or n))
+    plen, rlen = sequence_lengths(batch)
+    cost = (plen + rlen).tolist()
+    order = sorted(range(n), key=lambda i: (-cost[i], i))
+    if order and cost[order[0]] > max_tokens:
+        raise ValueError(
+            f"{field}: a sequence of {cost[order[0]]} tokens (prompt + response) does not fit "
+            f"the budget of {max_tokens} tokens; raise {field} to at least "
+            "maxPromptLength + maxResponseLength"
+        )
+    bins: list[list[int]] = []
+    if packing:  # first-fit decreasing by tokens
+        room: list[int] = []
+        for i in order:
+            for b, free in enumerate(room):
+                if cost[i] <= free and (max_rows is None or len(bins[b]) < max_rows):
+                    bins[b].append(i)
+                    room[b] -= cost[i]
+                    break
+            else:
+                bins.append([i])
+                room.append(max_tokens - cost[i])
+    else:  # padded: each micro-batch costs rows x (longest prompt + longest response)
+        pmax = rmax = 0
+        for i in order:
+            p, r = max(pmax, int(plen[i])), max(rmax, int(rlen[i]))
+            full = max_rows is not None and bins and len(bins[-1]) >= max_rows
+            if bins and not full and (len(bins[-1]) + 1) * (p + r) <= max_tokens:
+                bins[-1].append(i)
+                pmax, rmax = p, r
+            else:
+                bins.append([i])
+                pmax, rmax = int(plen[i]), int(rlen[i])
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def split_to_count(bins: Sequence[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``bins`` split (the one with most rows in halves, repeatedly) until there are ``count``
+    of them: FSDP's collectives need every worker of the group to run as many micro-batches.
+    A half of a micro-batch within the token budget is within it too."""
+    out = [b for b in bins]
+    while len(out) < count:
+        big = max(range(len(out)), key=lambda j: len(out[j]))
+        if len(out[big]) < 2:
+            raise ValueError(
+                f"maxTokensPerMicroBatch: another data-parallel worker runs {count} "
+                f"micro-batches but this one has only {sum(len(b) for b in bins)} samples"
+            )
+        rows = out.pop(big)
+        out[big:big] = [rows[0::2], rows[1::2]]
+    return out
+
+
+def pack_rows(
+    batch: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch``'s sequences (each row's real prompt tokens, then its response tokens up to its
+    length) concatenated into one row without padding.
+
+    Returns ``input_ids`` [1, N] and ``position_ids`` [1, N] (restarting at 0 for every
+    sequence: the Hugging Face attention takes that, with no attention mask, as packed
+    sequences: a block-diagonal causal mask for eager/sdpa attention, varlen kernels for flash
+    attention), then for each of the batch's response tokens, flattened: the packed position
+    whose hidden state predicts it (``select``), and its row and column in ``[B, T]``."""
+    prompt_ids, pmask = batch["prompt_ids"], batch["prompt_mask"].bool()
+    resp = batch["response_ids"]
+    _, rlen = sequence_lengths(batch)
+    ids, pos, select, rows, cols = [], [], [], [], []
+    offset = 0
+    for i in range(resp.shape[0]):
+        prompt = prompt_ids[i][pmask[i]]
+        if prompt.numel() == 0:
+            raise ValueError(f"packing: sample {i} has no prompt token")
+        length = int(rlen[i])
+        seq = torch.cat([prompt, resp[i, :length]])
+        ids.append(seq)
+        pos.append(torch.arange(seq.numel()))
+        steps = torch.arange(length)
+        select.append(offset + prompt.numel() - 1 + steps)
+        rows.append(torch.full((length,), i, dtype=torch.long))
+        cols.append(steps)
+        offset += seq.numel()
+    return (
+        torch.cat(ids)[None],
+        torch.cat(pos)[None],
+        torch.cat(select),
+        torch.cat(rows),
+        torch.cat(cols),
+    )
+
+
+def unpack(flat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: Any) -> torch.Tensor:
+    """Per-token values ``flat`` [n] put back at their ``(rows, cols)`` of a zero ``[B, T]``
+    (differentiable)."""
+    out = flat.new_zeros(tuple(shape))
+    return out.index_put((rows, cols), flat)
+
+
+def check_packing_support(model: nn.Module) -> None:
+    """Packed sequences need a Hugging Face decoder whose attention mask comes from
+    ``transformers.masking_utils`` (which reads restarting position ids as sequence
+    boundaries); a model with its own mask code would attend across them."""
+    import sys
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    module = sys.modules.get(type(decoder).__module__)
+    if module is None or not hasattr(module, "create_causal_mask"):
+        raise ValueError(
+            f"packing: {type(decoder).__name__} builds its attention mask itself (not with "
+            "transformers' create_causal_mask), so packed sequences would attend to each "
+            "other; set packing: false for this model"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,14 +491,15 @@ def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: 
 
 
 def _micro_weights(
-    minibatch: Mapping[str, torch.Tensor], slices: Sequence[slice], agg: str, opt: _Optimised
+    minibatch: Mapping[str, torch.Tensor], slices: Sequence[torch.Tensor], agg: str, opt: _Optimised
 ) -> list[float]:
-    """:func:`accumulation_weights` of the micro-batches ``slices`` of ``minibatch``."""
+    """:func:`accumulation_weights` of the micro-batches (row indices ``slices``) of
+    ``minibatch``."""
     from ..algorithms import aggregation_count
 
     mask = minibatch.get("response_mask")
     if mask is None:  # a loss without a mask: each row counts once
-        counts = [float(sl.stop - sl.start) for sl in slices]
+        counts = [float(len(sl)) for sl in slices]
     else:
         counts = [float(aggregation_count(mask[sl], agg)) for sl in slices]
     return accumulation_weights(counts, opt.global_count(sum(counts)), opt.dp_size)
@@ -387,6 +536,8 @@ class _Optimised:
         self.group = group
         self.dp_size = dp_size
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # frozen weights (a LoRA base model) are neither trained nor checkpointed
+        self.frozen = any(not p.requires_grad for p in module.parameters())
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=settings.learning_rate,
@@ -407,18 +558,37 @@ class _Optimised:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def micro_batches(
+        self, batch: Mapping[str, torch.Tensor], max_rows: int | None
+    ) -> list[torch.Tensor]:
+        """Row indices of ``batch``'s micro-batches (:func:`micro_batch_rows` with this role's
+        ``maxTokensPerMicroBatch`` and ``packing``); under FSDP with a token budget every
+        worker of the group runs as many (the most any of them needs)."""
+        budget = self.settings.max_tokens_per_micro_batch
+        rows = micro_batch_rows(batch, budget, packing=self.settings.packing, max_rows=max_rows)
+        if budget is not None and self.sharded:
+            import torch.distributed as dist
+
+            count = torch.tensor([len(rows)], dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            rows = split_to_count(rows, int(count))
+        return rows
+
     def forward_chunks(
         self, batch: Mapping[str, torch.Tensor], forward: Callable[[dict], torch.Tensor]
     ) -> torch.Tensor:
-        """A no-grad forward over ``batch`` in ``forwardMicroBatchSize`` rows at a time, each
-        padded to its own longest sequence; the [B, T] result on the CPU."""
-        n = batch["response_ids"].shape[0]
-        size = self.settings.forward_micro_batch_size or self.settings.micro_batch_size or n
-        outs = []
-        for sl in _split(n, max(1, size)):
-            micro, width = trim_padding({k: v[sl] for k, v in batch.items()})
-            outs.append(_pad_columns(forward(micro).float().cpu(), width))
-        return torch.cat(outs, 0)
+        """A no-grad forward over ``batch`` in ``forwardMicroBatchSize`` rows (or
+        ``maxTokensPerMicroBatch`` tokens) at a time, each padded to its own longest sequence
+        or packed; the [B, T] result on the CPU, rows in ``batch``'s order."""
+        n, width = batch["response_ids"].shape
+        size = self.settings.forward_micro_batch_size or self.settings.micro_batch_size
+        if self.settings.max_tokens_per_micro_batch is None:
+            size = size or n
+        out = torch.zeros(n, width, dtype=torch.float32)
+        for idx in self.micro_batches(batch, size):
+            micro, _ = trim_padding({k: v[idx] for k, v in batch.items()})
+            out[idx] = _pad_columns(forward(micro).float().cpu(), width)
+        return out
 
     def global_count(self, local: float) -> float:
         """Sum of ``local`` over the data-parallel group."""
@@ -442,7 +612,10 @@ class _Optimised:
         (floats or tensors; one device sync at the end) plus the step's."""
         n = minibatch["response_ids"].shape[0]
         self.module.train()
-        slices = _split(n, micro_batch_size)
+        budget = self.settings.max_tokens_per_micro_batch
+        slices = self.micro_batches(
+            minibatch, self.settings.micro_batch_size if budget is not None else micro_batch_size
+        )
         parts = []
         weights = _micro_weights(minibatch, slices, agg, self)
         for i, (sl, scale) in enumerate(zip(slices, weights, strict=True)):
@@ -451,7 +624,7 @@ class _Optimised:
             micro, _ = trim_padding({k: v[sl] for k, v in minibatch.items()})
             loss, metrics = micro_loss(micro)
             (loss * scale).backward()
-            parts.append(((sl.stop - sl.start) / n, metrics))
+            parts.append((len(sl) / n, metrics))
         out = _mean_metrics(parts)
         out.update(self.step())
         return out
@@ -485,7 +658,9 @@ class _Optimised:
         """Whole model and optimizer state (in memory; gathered under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        opts = StateDictOptions(full_state_dict=self.sharded, cpu_offload=self.sharded)
+        opts = StateDictOptions(
+            full_state_dict=self.sharded, cpu_offload=self.sharded, ignore_frozen_params=self.frozen
+        )
         model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         self._forget_unstepped_state()
         return {"model": model, "optimizer": optim, "updates": self.updates}
@@ -493,7 +668,9 @@ class _Optimised:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        opts = StateDictOptions(full_state_dict=self.sharded, broadcast_from_rank0=False)
+        opts = StateDictOptions(
+            full_state_dict=self.sharded, broadcast_from_rank0=False, strict=not self.frozen
+        )
         set_state_dict(
             self.module,
             self.optimizer,
@@ -508,10 +685,11 @@ class _Optimised:
         (``torch.distributed.checkpoint``: one file per worker plus ``.metadata``; a replica
         that is the same on every worker is written once)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         Path(directory).mkdir(parents=True, exist_ok=True)
-        model, optim = get_state_dict(self.module, self.optimizer)
+        opts = StateDictOptions(ignore_frozen_params=self.frozen)
+        model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(self.updates)}
         dcp.save(
             state,
@@ -524,9 +702,14 @@ class _Optimised:
     def load_checkpoint(self, directory: Path | str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (each worker reads its own shard)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
 
-        model, optim = get_state_dict(self.module, self.optimizer)
+        opts = StateDictOptions(ignore_frozen_params=self.frozen, strict=not self.frozen)
+        model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(0)}
         dcp.load(
             state,
@@ -539,6 +722,7 @@ class _Optimised:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=opts,
         )
         self.updates = int(state["updates"])
         self._forget_unstepped_state()
@@ -692,13 +876,36 @@ class TorchGenerationEngine(GenerationEngine):
         )
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Full weights (every name of the model's state dict), or LoRA adapters only
+        (:data:`LORA_A` / :data:`LORA_B` pairs): then each adapted weight becomes its base value
+        (kept from the first adapter update) plus ``B @ A``."""
         params = self.model.state_dict(keep_vars=True)
+        if any(k.endswith((LORA_A, LORA_B)) for k in named_tensors):
+            self._apply_adapters(params, named_tensors)
+            return
         missing = sorted(set(params) - set(named_tensors))
         if missing:
             raise ValueError(f"update_weights: weights missing for {missing[:5]}")
         with torch.no_grad():
             for name, dst in params.items():
                 dst.copy_(named_tensors[name])
+
+    def _apply_adapters(
+        self, params: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
+    ) -> None:
+        base: dict[str, torch.Tensor] = self.__dict__.setdefault("_lora_base", {})
+        modules = sorted({k.removesuffix(LORA_A).removesuffix(LORA_B) for k in adapters})
+        with torch.no_grad():
+            for module in modules:
+                key = f"{module}.weight"
+                a, b = adapters.get(module + LORA_A), adapters.get(module + LORA_B)
+                if key not in params or a is None or b is None:
+                    raise ValueError(f"update_weights: no weight {key!r} or half an adapter")
+                dst = params[key]
+                if key not in base:  # the base weight, before any adapter
+                    base[key] = dst.detach().clone()
+                delta = b.to(dst.device, torch.float32) @ a.to(dst.device, torch.float32)
+                dst.copy_((base[key].float() + delta).to(dst.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,10 +952,17 @@ class CausalLMLogprobs(nn.Module):
         entropy_grad: bool = False,
         chunk_tokens: int = 1024,
         top_p: float = 1.0,
+        select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``select`` (packed inputs, :func:`pack_rows`): the positions of the one packed row
+        whose hidden states predict ``tokens`` [1, n]; else ``tokens`` [b, T] follow the
+        ``prompt_len`` prompt columns."""
         hidden = self.lm.get_decoder()(**inputs, use_cache=False).last_hidden_state
-        tlen = tokens.shape[1]
-        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
+        if select is not None:
+            hidden = hidden[0, select][None]
+        else:
+            tlen = tokens.shape[1]
+            hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + tlen]
         return chunked_logprobs(
             hidden,
             self.lm.get_output_embeddings(),
@@ -774,6 +988,92 @@ def _device_inputs(
     }, plen
 
 
+# ---------------------------------------------------------------------------------------------
+# LoRA (PEFT)
+# ---------------------------------------------------------------------------------------------
+LORA_A, LORA_B = ".lora_A", ".lora_B"
+"""Suffixes of the adapter tensors the weight sync sends: ``<module>.lora_A`` [r, in] and
+``<module>.lora_B`` [out, r] already multiplied by alpha / r, so an engine adds ``B @ A`` to
+``<module>.weight`` (HF names of the base model)."""
+
+
+def apply_lora(lm: nn.Module, lora: LoraSpec) -> nn.Module:
+    """``lm`` with PEFT LoRA adapters on ``lora.target_modules`` (every other weight frozen).
+    A name that is no linear layer of ``lm`` raises one line naming the field."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lora.target_modules)
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)}
+        - {"lm_head"}
+    )
+    unknown = [t for t in targets if t != "all-linear" and t not in linear]
+    if unknown:
+        raise ValueError(
+            f"spec.model.lora.targetModules: {unknown} are not linear layers of "
+            f"{type(lm).__name__}; use some of {linear}, or all-linear"
+        )
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(lm, config)
+
+
+def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(HF name of the base module, its LoRA layer) for each adapted layer."""
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            yield name.removeprefix("base_model.model."), module
+
+
+def lora_adapter_tensors(peft_model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapters as the weight sync sends them (:data:`LORA_A`, :data:`LORA_B`), CPU
+    tensors in ``dtype``."""
+    out = {}
+    for name, layer in _lora_layers(peft_model):
+        a = layer.lora_A["default"].weight.detach()
+        b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
+        out[name + LORA_A] = a.to("cpu", dtype)
+        out[name + LORA_B] = b.to("cpu", dtype)
+    return out
+
+
+def merged_lora_weights(peft_model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's HF state dict with every adapter merged in (``W + (alpha/r) B A``),
+    CPU tensors in ``dtype`` (floating point ones): for engines that take full weights."""
+    base = {}
+    for k, v in peft_model.get_base_model().state_dict().items():
+        if ".lora_" not in k:
+            base[k.replace(".base_layer.", ".")] = v.detach().to("cpu")
+    for name, layer in _lora_layers(peft_model):
+        a = layer.lora_A["default"].weight.detach().float().cpu()
+        b = layer.lora_B["default"].weight.detach().float().cpu() * layer.scaling["default"]
+        key = f"{name}.weight"
+        base[key] = base[key].float() + b @ a
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in base.items()}
+
+
+def _packed_device_inputs(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor | None], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed model inputs of a CPU batch (:func:`pack_rows`: no attention mask, position ids
+    restarting per sequence) on ``device``; the selected positions there; rows and columns on
+    the CPU."""
+    ids, pos, select, rows, cols = pack_rows(batch)
+    nb = device.type == "cuda"
+    inputs: dict[str, torch.Tensor | None] = {
+        "input_ids": ids.to(device, non_blocking=nb),
+        "attention_mask": None,
+        "position_ids": pos.to(device, non_blocking=nb),
+    }
+    return inputs, select.to(device, non_blocking=nb), rows, cols
+
+
 class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     """The actor: HF causal LM (float32 master weights, ``dtype`` compute), frozen reference
     copy in ``dtype`` when KL is on, AdamW; optionally FSDP2-sharded over the data-parallel
@@ -796,17 +1096,28 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         device: str = "cpu",
         offload_reference: bool = False,
         logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS,
+        lora: LoraSpec | None = None,
+        sync_adapters: bool = True,
     ) -> None:
         """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
         graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
-        metric computed under ``no_grad`` (no [B, T, V] activations kept for backward)."""
+        metric computed under ``no_grad`` (no [B, T, V] activations kept for backward).
+        ``lora``: train adapters only (the reference is the base model with them disabled);
+        ``sync_adapters``: :meth:`export_weights` gives only the adapters (engines that apply
+        them), else the merged weights."""
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.dtype = torch_dtype(dtype)
         self.settings = settings
         lm = load_causal_lm(model_dir, "float32")  # master weights in float32
+        if settings.packing:
+            check_packing_support(lm)
         if settings.gradient_checkpointing:
             activation_checkpointing(lm)
+        self.lora = lora
+        self.sync_adapters = sync_adapters
+        if lora is not None:
+            lm = apply_lora(lm, lora)
         self.model = CausalLMLogprobs(lm)
         self.opt = _Optimised(
             self.model,
@@ -820,7 +1131,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         self.model.train()
         self.reference: nn.Module | None = None
         self.reference_device = self.device
-        if need_reference:
+        if need_reference and lora is None:  # with LoRA: the base model, adapters disabled
             ref = CausalLMLogprobs(load_causal_lm(model_dir, dtype)).eval()
             ref.requires_grad_(False)
             offload = offload_reference and self.device.type != "cpu"
@@ -846,14 +1157,17 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     def logprobs(
         self, batch: Mapping[str, torch.Tensor], *, reference: bool = False
     ) -> torch.Tensor:
-        model = self.reference if reference else self.model
+        base = reference and self.lora is not None
+        model = self.model if base or not reference else self.reference
         if model is None:
             raise ValueError("logprobs(reference=True) needs a reference model (KL is off)")
-        moved = reference and self.reference_device != self.device
+        moved = reference and not base and self.reference_device != self.device
         if moved:
             model.to(self.device)
+        adapters_off = self.lm.disable_adapter() if base else nullcontext()
         try:
-            with _eval_mode(model):  # old/ref log-probs without dropout; training: train mode
+            # old/ref log-probs without dropout; training: train mode
+            with _eval_mode(model), adapters_off:
                 return self.opt.forward_chunks(batch, lambda mb: self._logp(model, mb)[0])
         finally:
             if moved:
@@ -862,19 +1176,26 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     def _logp(
         self, model: nn.Module, micro: Mapping[str, torch.Tensor], *, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kw = dict(
+            want_entropy=entropy,
+            entropy_grad=self.entropy_grad,
+            chunk_tokens=self.chunk_tokens,
+            top_p=self.top_p,
+        )
+        if self.settings.packing:
+            inputs, select, rows, cols = _packed_device_inputs(micro, self.device)
+            tokens = micro["response_ids"][rows, cols][None].to(self.device)
+            with self.opt.autocast():
+                logp, ent = model(inputs, tokens, 0, self.temperature, select=select, **kw)
+            shape = micro["response_ids"].shape
+            rows, cols = rows.to(self.device), cols.to(self.device)
+            return unpack(logp[0], rows, cols, shape), (
+                None if ent is None else unpack(ent[0], rows, cols, shape)
+            )
         inputs, plen = _device_inputs(micro, self.device)
         tokens = micro["response_ids"].to(self.device)
         with self.opt.autocast():
-            return model(
-                inputs,
-                tokens,
-                plen,
-                self.temperature,
-                want_entropy=entropy,
-                entropy_grad=self.entropy_grad,
-                chunk_tokens=self.chunk_tokens,
-                top_p=self.top_p,
-            )
+            return model(inputs, tokens, plen, self.temperature, **kw)
 
     def update(
         self,
@@ -893,17 +1214,39 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """HF-named CPU tensors in the compute dtype (float32 masters cast once here). Under
-        FSDP every worker of the group must call it (the shards are gathered)."""
+        FSDP every worker of the group must call it (the shards are gathered). With LoRA: the
+        adapters only (:func:`lora_adapter_tensors`), or the merged weights for engines that
+        take full weights."""
+        if self.lora is not None:
+            if self.sync_adapters:
+                return lora_adapter_tensors(self.lm, self.dtype)
+            return merged_lora_weights(self.lm, self.dtype)
         return {
             k: v.to(dtype=self.dtype) if v.is_floating_point() else v
             for k, v in full_state_dict(self.lm).items()
         }
 
     def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
-        """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer."""
+        """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer. With LoRA:
+        the PEFT adapter (and, with ``exportMerged``, the merged model under ``merged/``)."""
+        if self.lora is not None:
+            if shard.is_dp_leader:
+                self._export_lora(Path(directory))
+            return
         weights = self.export_weights()  # collective under FSDP
         if shard.is_dp_leader:
             save_pretrained(self.lm, weights, directory, self.model_dir)
+
+    def _export_lora(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.lm.save_pretrained(str(out))  # adapter_config.json + adapter_model.safetensors
+        with suppress(OSError, ValueError):  # a model directory without a tokenizer
+            load_tokenizer(self.model_dir).save_pretrained(str(out))
+        if self.lora is not None and self.lora.export_merged:
+            plain = load_causal_lm(self.model_dir, "float32")
+            save_pretrained(
+                plain, merged_lora_weights(self.lm, self.dtype), out / "merged", self.model_dir
+            )
 
 
 class TorchValueTrainer(_OptimisedState, ValueTrainer):
@@ -925,7 +1268,10 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.dtype = torch_dtype(dtype)
+        self.settings = settings
         self.model = load_value_model(model_dir, "float32", seed=seed)
+        if settings.packing:
+            check_packing_support(self.model.backbone)
         if settings.gradient_checkpointing:
             activation_checkpointing(self.model.backbone)
         self.opt = _Optimised(
@@ -940,6 +1286,16 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.model.train()
 
     def _forward(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.settings.packing:
+            inputs, select, rows, cols = _packed_device_inputs(micro, self.device)
+            with self.opt.autocast():
+                values = self.model(**inputs)
+            return unpack(
+                values[0, select].float(),
+                rows.to(self.device),
+                cols.to(self.device),
+                micro["response_ids"].shape,
+            )
         inputs, plen = _device_inputs(micro, self.device)
         tlen = micro["response_ids"].shape[1]
         with self.opt.autocast():

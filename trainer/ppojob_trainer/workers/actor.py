@@ -16,11 +16,11 @@ from typing import Any
 import ray
 import torch
 
-from ppojob_api.training import Algorithm, TrainerConfig
+from ppojob_api.training import Algorithm, TrainerConfig, TrainingSettings
 
 from .. import algorithms as A
 from ..backends.base import PolicyTrainer, ShardIdentity
-from .group import overlap, shard_range
+from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
 
 Part = tuple[int, int, Any]  # (start, end, ObjectRef of a rollout batch)
@@ -93,7 +93,42 @@ def make_policy_trainer(
         dp_size=shard.dp_size,
         device=device,
         offload_reference=cfg.training.offload_reference,
+        lora=cfg.model.lora,
+        # torch engines apply adapters; sglang engines take the merged weights
+        sync_adapters=cfg.roles.rollout.backend == "torch",
     )
+
+
+def balances_tokens(settings: TrainingSettings, shard: ShardIdentity, group: Any) -> bool:
+    """Whether a role's workers take token-balanced shares of each mini-batch from the whole
+    step (with ``maxTokensPerMicroBatch`` over several data-parallel workers) instead of
+    their own contiguous range of samples."""
+    return (
+        settings.max_tokens_per_micro_batch is not None and shard.dp_size > 1 and group is not None
+    )
+
+
+def mini_batch_rows(
+    batch: Mapping[str, torch.Tensor],
+    mini: int,
+    shard: ShardIdentity,
+    gen: torch.Generator,
+    balanced: bool,
+) -> list[torch.Tensor]:
+    """This worker's rows of ``batch`` for each mini-batch of one epoch (``mini`` samples per
+    worker). Unbalanced: ``batch`` is this worker's range, shuffled and cut. Balanced:
+    ``batch`` is the whole step, shuffled alike on every worker (same seed), each mini-batch
+    dealt over the workers by tokens (:func:`~.group.balanced_shares`), so no worker waits
+    on one holding the long samples."""
+    n = batch["response_ids"].shape[0]
+    if not balanced:
+        order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
+        return [order[s : s + mini] for s in range(0, n, mini)]
+    size = mini * shard.dp_size
+    order = torch.randperm(n, generator=gen) if n > size else torch.arange(n)
+    tokens = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+    shares = balanced_shares(tokens, order.tolist(), size, shard.dp_size, shard.dp_rank)
+    return [torch.tensor(s, dtype=torch.long) for s in shares]
 
 
 def role_metrics(metrics: Mapping[str, float], role: str) -> dict[str, float]:
@@ -258,6 +293,7 @@ class ActorWorker:
             else None
         )
         self.batch: dict[str, torch.Tensor] | None = None
+        self.whole: dict[str, torch.Tensor] | None = None
         self.received_values: torch.Tensor | None = None
 
     # -- step phase 1: log-probs and advantages ------------------------------------------------
@@ -323,6 +359,15 @@ class ActorWorker:
         )
         batch["advantages"], batch["returns"] = adv, ret
         self.batch = batch
+        self.whole = None
+        if balances_tokens(self.cfg.training, self.shard, self.group):
+            # every worker holds the whole step's training rows, to take a token-balanced share
+            width = full["response_mask"].shape[1]
+            whole = dict(full)
+            for key in ("old_logprobs", "ref_logprobs", "advantages", "is_weights"):
+                if key in batch:
+                    whole[key] = gather_rows(batch[key], width, self.group)
+            self.whole = whole
         metrics["adv_abs_sum"] = float((adv.abs() * mask).sum())
         metrics["tokens"] = float(mask.sum())
         returns_refs = None
@@ -361,10 +406,10 @@ class ActorWorker:
             raise RuntimeError("ActorWorker.train called before prepare")
         cfg, algo = self.cfg, self.cfg.algorithm
         tr = cfg.training
+        source = self.whole if self.whole is not None else self.batch
         skip = ("values", "returns", "versions")
-        batch = {k: v for k, v in self.batch.items() if k not in skip}
+        batch = {k: v for k, v in source.items() if k not in skip}
         batch["response_mask"] = batch["response_mask"].bool()
-        local = batch["response_ids"].shape[0]
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
         micro = tr.micro_batch_size or mini
         kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"
@@ -410,10 +455,9 @@ class ActorWorker:
 
         parts: list[dict[str, float]] = []
         gen = torch.Generator().manual_seed(cfg.training.seed * 1_000_003 + step)
+        balanced = self.whole is not None
         for _ in range(tr.ppo_epochs):
-            order = torch.randperm(local, generator=gen) if local > mini else torch.arange(local)
-            for s in range(0, local, mini):
-                idx = order[s : s + mini]
+            for idx in mini_batch_rows(batch, mini, self.shard, gen, balanced):
                 mb = {k: v[idx] for k, v in batch.items()}
                 out = self.trainer.update(mb, loss_fn, micro, agg=algo.loss_aggregation)
                 parts.append(role_metrics(out, "actor"))

@@ -14,7 +14,15 @@ from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A
 from ..backends.base import ShardIdentity, ValueTrainer
-from .actor import Part, fetch_range, planned_updates, role_metrics
+from .actor import (
+    Part,
+    balances_tokens,
+    fetch_range,
+    gather_rows,
+    mini_batch_rows,
+    planned_updates,
+    role_metrics,
+)
 from .group import overlap, shard_range
 
 
@@ -54,9 +62,11 @@ class CriticWorker:
         self.cfg = cfg
         self.shard = shard
         self.settings = cfg.critic_training()
+        self.group = group
         self.trainer = make_value_trainer(cfg, model_dir, group, shard, device)
         self.range = shard_range(cfg.data.samples_per_step, shard.dp_size, shard.dp_rank)
         self.batch: dict[str, torch.Tensor] | None = None
+        self.whole: dict[str, torch.Tensor] | None = None
 
     def compute_values(
         self, parts: Sequence[Part], actor_ranges: Sequence[tuple[int, int]]
@@ -68,6 +78,9 @@ class CriticWorker:
         values = self.trainer.values(batch)
         batch["old_values"] = values
         self.batch = batch
+        self.whole = None
+        if balances_tokens(self.settings, self.shard, self.group):
+            self.whole = fetch_range(parts, 0, self.cfg.data.samples_per_step)
         refs: list[Any] = []
         for a_range in actor_ranges:
             ov = overlap((lo, hi), a_range)
@@ -107,8 +120,13 @@ class CriticWorker:
         }
         batch["response_mask"] = batch["response_mask"].bool()
         batch["returns"] = torch.cat(pieces, 0)
+        if self.whole is not None:  # the whole step, for token-balanced shares
+            w = self.whole["response_mask"].shape[1]
+            per_token = {k: gather_rows(batch[k], w, self.group) for k in ("old_values", "returns")}
+            batch = {k: self.whole[k] for k in ("prompt_ids", "prompt_mask", "response_ids")}
+            batch["response_mask"] = self.whole["response_mask"].bool()
+            batch.update(per_token)
         s = self.settings
-        local = batch["response_ids"].shape[0]
         mini = (s.mini_batch_size or self.cfg.data.samples_per_step) // self.shard.dp_size
         micro = s.micro_batch_size or mini
         clip = self.cfg.algorithm.value_clip
@@ -128,11 +146,7 @@ class CriticWorker:
         parts: list[dict[str, float]] = []
         for _ in range(updates):
             for _ in range(s.ppo_epochs):
-                order = (
-                    torch.randperm(local, generator=gen) if local > mini else torch.arange(local)
-                )
-                for st in range(0, local, mini):
-                    idx = order[st : st + mini]
+                for idx in mini_batch_rows(batch, mini, self.shard, gen, self.whole is not None):
                     mb = {k: v[idx] for k, v in batch.items()}
                     out = self.trainer.update(mb, loss_fn, micro, agg=agg)
                     parts.append(role_metrics(out, "critic"))

@@ -14,6 +14,7 @@ by those ranges (:func:`overlap`), never by worker index.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -184,3 +185,38 @@ def data_parallel_group(group: Any, shard: ShardIdentity) -> Any:
 
 def _same_shard(a: ShardIdentity, b: ShardIdentity) -> bool:
     return (a.tp_rank, a.pp_rank, a.cp_rank) == (b.tp_rank, b.pp_rank, b.cp_rank)
+
+
+def balanced_split(tokens: Sequence[int], parts: int) -> list[list[int]]:
+    """Positions ``0 .. len(tokens)-1`` dealt into ``parts`` lists of equal size (``parts``
+    must divide the count) with balanced token sums: longest first, each round of ``parts``
+    positions gives its longest to the part with the fewest tokens so far (a part never
+    takes two of one round). Every list is in ascending order."""
+    n = len(tokens)
+    if parts < 1 or n % parts:
+        raise ValueError(f"balanced_split: {n} samples do not split into {parts} equal parts")
+    order = sorted(range(n), key=lambda i: (-tokens[i], i))
+    out: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for r in range(0, n, parts):
+        for i, p in zip(
+            order[r : r + parts], sorted(range(parts), key=lambda p: (load[p], p)), strict=True
+        ):
+            out[p].append(i)
+            load[p] += tokens[i]
+    return [sorted(o) for o in out]
+
+
+def balanced_shares(
+    tokens: Sequence[int], order: Sequence[int], mini_batch: int, dp: int, rank: int
+) -> list[list[int]]:
+    """Worker ``rank``'s samples of each mini-batch of a step, balanced by tokens over the
+    ``dp`` data-parallel workers: the step's samples in ``order`` (the same on every worker)
+    cut into mini-batches of ``mini_batch`` (all workers together), each dealt by
+    :func:`balanced_split` of its samples' ``tokens``."""
+    shares = []
+    for s in range(0, len(order), mini_batch):
+        mb = list(order[s : s + mini_batch])
+        split = balanced_split([tokens[i] for i in mb], dp)
+        shares.append([mb[j] for j in split[rank]])
+    return shares

@@ -1,0 +1,132 @@
+"""Checks of the efficiency settings: packing and token-budget micro-batches (per role: the
+actor's in ``spec.training``, the critic's with its overrides)."""
+
+from __future__ import annotations
+
+from ppojob_api.problems import Problem, SpecError
+from ppojob_api.training import TrainingHalf, TrainingSettings
+
+
+def _role_settings(
+    half: TrainingHalf, prefix: str
+) -> list[tuple[str, dict[str, str], str, TrainingSettings]]:
+    """(role, field -> path of the field that sets it, backend, settings) of each trained
+    role."""
+    from ppojob_api.overrides import apply_critic_overrides, overridable_field
+
+    fields = {"packing": "packing", "max_tokens_per_micro_batch": "maxTokensPerMicroBatch"}
+    roles = half.roles
+    own = {camel: f"{prefix}.training.{camel}" for camel in fields.values()}
+    out = [("actor", own, roles.actor.backend, half.training)]
+    critic = roles.effective_critic(half.algorithm.needs_critic)
+    if critic is not None:
+        try:
+            settings = apply_critic_overrides(half.training, critic.overrides)
+        except SpecError:  # bad overrides have their own problems
+            settings = half.training
+        paths = dict(own)
+        for key in critic.overrides:
+            name = overridable_field(key)
+            if name in fields:
+                paths[fields[name]] = f"{prefix}.roles.critic.overrides.{key}"
+        out.append(("critic", paths, critic.backend, settings))
+    return out
+
+
+def check_packing(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """Packing and token budgets are torch-backend features; a budget below the longest
+    possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
+    problems: list[Problem] = []
+    longest = half.data.max_prompt_length + half.data.max_response_length
+    for name, paths, backend, s in _role_settings(half, prefix):
+        if backend != "torch":
+            for field, on in (
+                ("packing", s.packing),
+                ("maxTokensPerMicroBatch", s.max_tokens_per_micro_batch is not None),
+            ):
+                if on:
+                    problems.append(
+                        Problem(
+                            paths[field],
+                            f"the {name} runs the megatron backend, which does not implement "
+                            f"{field}",
+                            f"unset {field} for the {name}, or use backend: torch",
+                        )
+                    )
+            continue
+        budget = s.max_tokens_per_micro_batch
+        if budget is not None and budget < longest:
+            problems.append(
+                Problem(
+                    paths["maxTokensPerMicroBatch"],
+                    f"a sequence of the {name} may have {longest} tokens (data.maxPromptLength "
+                    f"+ data.maxResponseLength), more than the budget of {budget}",
+                    f"set maxTokensPerMicroBatch to at least {longest}",
+                )
+            )
+    return problems
+
+
+BUILTIN_LINEAR_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""The linear layers of the built-in models (Llama and Qwen2 blocks; a trainer test keeps this in
+step with ``models.py``)."""
+
+
+def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """LoRA is a torch-backend feature of the actor, without FSDP; its target modules must name
+    linear layers (for a built-in model, known here; for any other, when the trainer loads
+    it)."""
+    lora = half.model.lora
+    if lora is None:
+        return []
+    path = f"{prefix}.model.lora"
+    problems: list[Problem] = []
+    if half.roles.actor.backend != "torch":
+        problems.append(
+            Problem(
+                path,
+                "LoRA is implemented in the torch backend only, but the actor runs megatron",
+                "use backend: torch for the actor, or remove model.lora",
+            )
+        )
+    if half.training.sharding == "fsdp":
+        problems.append(
+            Problem(
+                f"{prefix}.training.sharding",
+                "LoRA trains only small adapters, which each worker keeps whole; FSDP sharding "
+                "of a LoRA actor is not implemented",
+                "set sharding: none, or remove model.lora",
+            )
+        )
+    targets = lora.target_modules
+    if "all-linear" in targets and len(targets) > 1:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "all-linear already names every linear layer",
+                "give either [all-linear] or a list of module names",
+            )
+        )
+    builtin = (
+        half.model.path.removeprefix("builtin:") if half.model.path.startswith("builtin:") else None
+    )
+    for i, name in enumerate(targets):
+        if name == "all-linear":
+            continue
+        if builtin is not None and name not in BUILTIN_LINEAR_MODULES:
+            problems.append(
+                Problem(
+                    f"{path}.targetModules[{i}]",
+                    f"{name!r} is not a linear layer of builtin:{builtin}",
+                    f"use some of {', '.join(BUILTIN_LINEAR_MODULES)}, or all-linear",
+                )
+            )
+    return problems
