@@ -167,4 +167,9 @@ def _fix_for(err: dict[str, Any]) -> str:
     for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if key in ctx:
             return f"use a value {word} {ctx[key]}"
+    if err.get("type") == "too_short" and "min_length" in ctx:
+        n = ctx["min_length"]
+        return f"give at least {n} item{'s' if n != 1 else ''}, or remove the field"
+    if err.get("type") == "too_long" and "max_length" in ctx:
+        return f"give at most {ctx['max_length']} items"
     return ""

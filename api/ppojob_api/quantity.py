@@ -86,7 +86,14 @@ def _quantity(value: Any, fix: str) -> tuple[float, Any]:
 
 
 def _cpu(value: Any) -> float:
-    return _quantity(value, _CPU_FIX)[0]
+    number = _quantity(value, _CPU_FIX)[0]
+    if number < 0.001:  # the pod would get cpu: 0 (Kubernetes counts CPU in whole millicores)
+        raise PydanticCustomError(
+            "k8s_quantity",
+            "{shown} is less than 1m, Kubernetes' smallest CPU unit (the pod would get 0)",
+            {"shown": repr(value)[:40], "fix": 'use at least 0.001 cores ("1m")'},
+        )
+    return number
 
 
 MIN_MEMORY = 2**20

@@ -133,6 +133,7 @@ QUANTITIES_ACCEPTED = [
     (CPU, "1.5", 1.5),
     (CPU, "1e0", 1.0),
     (HEAD_CPU, "250m", 0.25),
+    (HEAD_CPU, "1m", 0.001),  # Kubernetes' smallest CPU unit
     (MEMORY, "2Gi", "2Gi"),
     (MEMORY, "2e9", "2e9"),
     (MEMORY, 2e9, "2000000000"),  # a YAML float: the bytes kubectl sends
@@ -159,6 +160,8 @@ QUANTITIES_REFUSED = [
     (CPU, [1], "got list", "write cores"),
     (CPU, "1e3m", "is not a Kubernetes quantity", "write cores"),  # one suffix or exponent
     (CPU, "2000", "less than or equal to 1024", "use a value <= 1024"),
+    (CPU, 0.0001, "less than 1m, Kubernetes' smallest CPU unit", '"1m"'),
+    (CPU, "0.4m", "less than 1m", "at least 0.001 cores"),
     (MEMORY, 2048, "2,048 bytes, too little for a container (a bare number is bytes", "2Gi"),
     (MEMORY, "2048", "a bare number is bytes, as in Kubernetes", '"2048Mi"'),
     (MEMORY, "2 Gi", "is not a Kubernetes quantity", '"16Gi" (2^30 bytes each)'),
@@ -398,3 +401,13 @@ def test_a_key_indented_too_little_is_told_where_it_belongs(text: str, path: str
 
 def test_a_key_at_its_right_depth_loads() -> None:
     assert load_manifests(SPEC + "  roles: {actor: {replicas: 1}}\n  training: {steps: 3}\n")
+
+
+def test_a_list_too_short_says_how_to_fix_it() -> None:
+    """pydantic's length errors carry a fix like every other message."""
+    doc = set_path(TINY, "spec.model.lora", {"rank": 8, "targetModules": []})
+    with pytest.raises(SpecError) as info:
+        validate_manifest(doc)
+    (problem,) = info.value.problems
+    assert problem.path == "spec.model.lora.targetModules"
+    assert problem.fix == "give at least 1 item, or remove the field", problem
