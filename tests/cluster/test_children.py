@@ -188,7 +188,7 @@ def test_an_object_we_do_not_own_is_never_adopted(cp, operator, ns):
     assert children["configmap"]["data"] != stray["data"]
 
 
-@pytest.mark.parametrize("made", [2, 6], ids=["first-two", "all-but-the-status"])
+@pytest.mark.parametrize("made", [2, 7], ids=["first-two", "all-but-the-status"])
 def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, made):
     """The children a previous operator run made before it died (the first two in creation
     order; or all of them, the RayJob too, but not the status) are kept as they are (same uid:
@@ -202,7 +202,7 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
         stored = job(cp, "half", ns)
         uid = stored["metadata"]["uid"]
         children = builders.build_children(validate_manifest(stored), namespace=ns, uid=uid)
-        assert [c["kind"] for c in children][-1] == "RayJob" and len(children) == 6
+        assert [c["kind"] for c in children][-1] == "RayJob" and len(children) == 7
         made_before = children[:made]
         cp.apply(made_before)
         kept = {}
@@ -211,6 +211,7 @@ def test_an_operator_that_died_half_way_leaves_no_duplicate(cp, operator, ns, ma
                 "Role": "role.rbac.authorization.k8s.io",
                 "RoleBinding": "rolebinding.rbac.authorization.k8s.io",
                 "PodDisruptionBudget": "poddisruptionbudget.policy",
+                "NetworkPolicy": "networkpolicy.networking.k8s.io",
                 "RayJob": "rayjob.ray.io",
             }.get(c["kind"], c["kind"].lower())
             name = c["metadata"]["name"]
