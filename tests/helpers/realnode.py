@@ -262,23 +262,30 @@ state = "{self.state / "state"}"
             60,
             "containerd",
         )
+        # earlier builds of these images go first, and their layers with them (``--sync`` runs
+        # containerd's garbage collection now): the store keeps only what this run uses
+        wanted = set(images.values())
         present = self.ctr("images", "list", "--quiet").split()
+        stale = [r for r in present if r.startswith("localhost/ppojob-") and r not in wanted]
+        if stale:
+            self.ctr("images", "remove", "--sync", *stale)
         for ref in images.values():
             if ref not in present:
                 self._import(ref)
             self.imported.append(ref)
-        # earlier builds of these images: the store keeps only what this run uses
-        wanted = set(self.imported)
-        stale = [
-            ref
-            for ref in self.ctr("images", "list", "--quiet").split()
-            if ref.startswith("localhost/ppojob-") and ref not in wanted
-        ]
-        if stale:
-            self.ctr("images", "remove", *stale)
 
     def _import(self, ref: str) -> None:
         """buildah's image ``ref`` into containerd through a pipe (no archive on disk)."""
+        number, unit = run("buildah", "images", "--format", "{{.Size}}", ref).split()[:2]
+        size = float(number) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(unit)
+        root = CACHE / "containerd"
+        need, free = 2 * size + 2**30, shutil.disk_usage(root).free  # the layers, then unpacked
+        if free < need:
+            raise ControlPlaneError(
+                f"importing {ref} needs about {need / 2**30:.1f} GiB free under {root} (its layers "
+                f"and their unpacked copy), {free / 2**30:.1f} GiB is: free disk space "
+                f"(rm -rf {root} empties this cache when no test runs)"
+            )
         push = subprocess.Popen(
             ["buildah", "push", "--quiet", ref, f"docker-archive:/dev/stdout:{ref}"],
             stdout=subprocess.PIPE,
