@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
 
 from ppojob_api.problems import Problem, SpecError
@@ -406,10 +407,25 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         metrics.JOBS.set(key, desired.get("phase"))
         wrote = False
         transition = None
+        seen = {k: (body.get("status") or {}).get(k) for k in edited}
         if patch:
+            before = newest_known(st.stored, body)
             got = await k8s.apatch_job_status(key[0], key[1], patch)
             if got is None:
                 return False  # the PPOJob is gone
+            # an outside write that landed between the read above and this patch, on a key the
+            # patch left alone, is in the answer: put back in the same pass, or it would be taken
+            # for the operator's own from now on
+            slipped = edited_meanwhile(before, patch, got.get("status") or {}, desired)
+            if slipped:
+                seen.update({k: (got.get("status") or {}).get(k) for k in slipped})
+                edited = [*edited, *slipped]
+                again = await k8s.apatch_job_status(
+                    key[0], key[1], {k: desired.get(k) for k in slipped}
+                )
+                if again is None:
+                    return False
+                got = again
             st.written = desired
             rv = _resource_version(got)
             if rv is not None:
@@ -421,7 +437,6 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
     if transition is not None:
         await _phase_event(st, body, *transition)
     if edited and wrote:
-        seen = body.get("status") or {}
         shown = ", ".join(f"{k}={seen.get(k)!r}" for k in edited)
         msg = (
             f"status keys the operator owns were changed from outside ({shown}); restored. Only "
@@ -450,6 +465,44 @@ def outside_edits(stored: tuple[int, dict[str, Any]] | None, body: dict[str, Any
         return []
     status = body.get("status") or {}
     return [k for k in OPERATOR_KEYS if status.get(k) != stored[1].get(k)]
+
+
+def newest_known(stored: tuple[int, dict[str, Any]] | None, body: dict[str, Any]) -> dict[str, Any]:
+    """The operator's status keys as last known: from its own last write's answer, unless the
+    watched ``body`` is newer."""
+    rv = _resource_version(body)
+    if stored is not None and (rv is None or rv <= stored[0]):
+        return dict(stored[1])
+    status = body.get("status") or {}
+    return {k: status.get(k) for k in OPERATOR_KEYS}
+
+
+def merge_patched(current: Any, patch: Any) -> Any:
+    """``current`` after a JSON merge patch (RFC 7386): objects merge key by key, null deletes,
+    anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(current) if isinstance(current, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patched(out.get(k), v)
+    return out
+
+
+def edited_meanwhile(
+    before: dict[str, Any], patch: dict[str, Any], after: dict[str, Any], desired: dict[str, Any]
+) -> list[str]:
+    """The operator's status keys that the API server's answer to ``patch`` holds with values
+    neither ``before`` nor the patch gave them (written from outside in between), and that
+    differ from what the operator wants (``desired``)."""
+    out = []
+    for k in OPERATOR_KEYS:
+        want = merge_patched(before.get(k), patch[k]) if k in patch else before.get(k)
+        if after.get(k) != want and after.get(k) != desired.get(k):
+            out.append(k)
+    return out
 
 
 def _running_message(desired: dict[str, Any]) -> str:
@@ -810,7 +863,8 @@ async def held_workload(rayjob: dict[str, Any]) -> list[dict[str, Any]] | None:
         return None
     try:
         found = await find_workload(rayjob)
-    except k8s.ApiError as exc:
+    except (k8s.ApiError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        # only an explanation: the status is synced without it (the next event tries again)
         log.warning(
             "cannot read the Kueue Workload of RayJob %s: %s", rayjob["metadata"]["name"], exc
         )

@@ -113,6 +113,27 @@ def test_status_the_operator_owns_is_restored_after_an_outside_edit(cluster):
         assert "phase='Succeeded'" in edited["message"] and edited["type"] == "Warning"
 
 
+def test_an_outside_edit_between_the_operators_read_and_write_is_restored(cluster, monkeypatch):
+    """An outside write landing after the operator read the job and before its own status patch,
+    on a key that patch leaves alone (here status.gpus during the Pending -> Running write), is
+    put back in the same pass, with a Warning event; it is not taken for the operator's own."""
+    original = k8s.apatch_job_status
+    forged = []
+
+    async def racing(namespace, name, status):
+        if status.get("phase") == "Running" and not forged:
+            forged.append(await original(namespace, name, {"gpus": 99}))
+        return await original(namespace, name, status)
+
+    monkeypatch.setattr(k8s, "apatch_job_status", racing)
+    with Operator(cluster.url, ["ns1"]):
+        start_running_job()
+        assert forged and forged[0]["status"]["gpus"] == 99  # the edit did land in between
+        [edited] = wait_for(lambda: [e for e in events() if e["reason"] == "StatusEdited"])
+        assert "gpus=99" in edited["message"]
+        assert job_status()["gpus"] == 0 and job_status()["phase"] == "Running"
+
+
 def test_create_makes_children_and_follows_rayjob_status(cluster):
     with Operator(cluster.url, ["ns1"]):
         create_job()
