@@ -126,6 +126,9 @@ class JobState:
     """Retries in a row."""
     attempts: int = 0
     """YuniKorn applications made (resumes, retries)."""
+    unplaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Pods the scheduler cannot place (PodScheduled False): name -> (Ray cluster, the
+    scheduler's message)."""
     lost_pods: dict[str, list[str]] = field(default_factory=dict)
     """Per Ray cluster: its pods deleted while it ran, one line each ("pod X was deleted"):
     the failure of that attempt is then a disruption (a lost pod), not the trainer's error."""
@@ -346,6 +349,7 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
         trainer_error = None
         expired = False
         queued = ("", "")
+        sched = "none"
         if problems:
             desired = None
             if rj is not None:  # a started job edited into an invalid spec
@@ -390,6 +394,7 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
                 scheduler=sched,
                 trainer_error=None if previous is not base else trainer_error,
                 workload=st.workload,
+                unplaced=_unplaced(st, cluster),
             )
             started = _run_started({**base, "progress": progress})
             deadline = restarts.queue_deadline(job, rj, desired["phase"], started)
@@ -434,6 +439,8 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
             wrote = True
             if "phase" in patch:
                 transition = (base.get("phase"), desired)
+                if desired.get("phase") == "Running" and rj is not None:
+                    _observe_admission(rj, sched)
     if transition is not None:
         await _phase_event(st, body, *transition)
     if edited and wrote:
@@ -447,6 +454,22 @@ async def sync_status(state: State, st: JobState, rayjob: dict[str, Any] | None 
     if expired:
         await _queue_timeout(state, st, body, *queued)
     return wrote
+
+
+def _observe_admission(rayjob: dict[str, Any], scheduler: str) -> None:
+    """The attempt's wait from its RayJob's creation to a running trainer (the metric)."""
+    created = restarts.epoch((rayjob.get("metadata") or {}).get("creationTimestamp"))
+    if created is not None:
+        metrics.ADMISSION_WAIT.labels(scheduler).observe(max(0.0, time.time() - created))
+
+
+def _unplaced(st: JobState, cluster: str) -> str | None:
+    """The scheduler's message for the first (by name) pod of ``cluster`` it cannot place."""
+    for name in sorted(st.unplaced):
+        pod_cluster, message = st.unplaced[name]
+        if pod_cluster == cluster:
+            return message
+    return None
 
 
 def _resource_version(obj: dict[str, Any]) -> int | None:
@@ -1063,8 +1086,18 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     if not name:
         return
     st = state.get((meta.get("namespace") or "", name))
+    cluster = labels.get("ray.io/cluster") or ""
+    if st is not None:  # the scheduler's word on the pod (None once placed, or gone)
+        gone = type == "DELETED" or meta.get("deletionTimestamp")
+        said = None if gone else restarts.unschedulable([pod])
+        was = st.unplaced.get(meta.get("name") or "")
+        if said is None:
+            st.unplaced.pop(meta.get("name") or "", None)
+        else:
+            st.unplaced[meta.get("name") or ""] = (cluster, said)
+        if (was[1] if was else None) != said:
+            await sync_status(state, st)
     if type == "DELETED" or meta.get("deletionTimestamp"):
-        cluster = labels.get("ray.io/cluster") or ""
         phase = ((st.body or {}).get("status") or {}).get("phase") if st is not None else None
         line = f"pod {meta.get('name')} was deleted"
         if st is not None and phase == "Running" and line not in st.lost_pods.get(cluster, []):
@@ -1142,11 +1175,20 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     def _waiting(body: Any, type: str | None = None, **_: Any) -> bool:
         if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
             return True
-        statuses = (body.get("status") or {}).get("containerStatuses") or []
-        statuses += (body.get("status") or {}).get("initContainerStatuses") or []
-        return any("waiting" in (cs.get("state") or {}) for cs in statuses)
+        status = body.get("status") or {}
+        statuses = status.get("containerStatuses") or []
+        statuses += status.get("initContainerStatuses") or []
+        if any("waiting" in (cs.get("state") or {}) for cs in statuses):
+            return True
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                return True  # the scheduler cannot place it
+        meta = body.get("metadata") or {}
+        st = state.get((meta.get("namespace") or "", (meta.get("labels") or {}).get(JOB_LABEL)))
+        return st is not None and meta.get("name") in st.unplaced  # placed since
 
-    # Only pods with a container waiting (filtered before kopf invokes and logs the handler)
+    # Only pods with a container waiting or not placed (filtered before kopf invokes and logs
+    # the handler)
     @kopf.on.event(
         "", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, when=_waiting, registry=registry
     )

@@ -30,6 +30,13 @@ API_ERRORS = Counter(
     "Kubernetes API requests of the operator that failed, by operation.",
     ["operation"],
 )
+ADMISSION_WAIT = Histogram(
+    "ppojob_admission_wait_seconds",
+    "Seconds from an attempt's RayJob creation until its trainer runs (queueing and admission, "
+    "scheduling, image pulls, Ray start-up), by gang scheduler; one observation per attempt.",
+    ["scheduler"],
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400),
+)
 LATENCY = Histogram(
     "ppojob_reconcile_duration_seconds",
     "Handler run time, by handler.",

@@ -131,7 +131,8 @@ def restart_delay(status: dict[str, Any], delay_seconds: int, now_s: float) -> f
     return max(0.0, at + delay_seconds - now_s)
 
 
-def _epoch(raw: object) -> float | None:
+def epoch(raw: object) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time (``2026-01-02T03:04:05Z``); None if not one."""
     from datetime import datetime
 
     try:
@@ -147,9 +148,9 @@ def queue_deadline(job: PPOJob, rayjob: dict[str, Any], phase: str, started: boo
     limit = job.spec.scheduling.queue_timeout_seconds
     if limit is None or started or phase not in ("Pending", "Initializing") or job.spec.suspend:
         return None
-    created = _epoch((rayjob.get("metadata") or {}).get("creationTimestamp"))
+    created = epoch((rayjob.get("metadata") or {}).get("creationTimestamp"))
     if created is None:  # (an emulator without creation times: KubeRay's start of the attempt)
-        created = _epoch((rayjob.get("status") or {}).get("startTime"))
+        created = epoch((rayjob.get("status") or {}).get("startTime"))
     return None if created is None else created + limit
 
 
@@ -172,7 +173,7 @@ def queue_timeout_message(
     out = f"not running {limit}s after its RayJob was made (spec.scheduling.queueTimeoutSeconds)"
     out += f"; it was {reason}" + (f": {message}" if message else "")
     why = unschedulable(pods)
-    return out + (f"; {why}" if why else "")
+    return out + (f"; {why}" if why and why not in out else "")
 
 
 __all__ = [
@@ -180,6 +181,7 @@ __all__ = [
     "attempt_failed",
     "attempt_of",
     "decision",
+    "epoch",
     "failure_cause",
     "next_attempt",
     "pending_restart",

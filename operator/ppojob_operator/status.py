@@ -90,6 +90,10 @@ def kueue_waiting(conditions: list[dict[str, Any]] | None) -> tuple[str, str] | 
     return None
 
 
+WAITING_FOR_PODS = ("RayJobInitializing", "RayJobWaiting", "RayJobRetrying", "Submitting")
+"""Reasons of an Initializing job that a pod the scheduler cannot place explains better."""
+
+
 def phase_of(
     rayjob: dict[str, Any],
     *,
@@ -241,9 +245,11 @@ def desired_status(
     scheduler: str = "none",
     trainer_error: str | None = None,
     workload: list[dict[str, Any]] | None = None,
+    unplaced: str | None = None,
 ) -> dict[str, Any]:
     """The operator's part of a valid, started job's status, from its RayJob (``workload``: the
-    conditions of its Kueue Workload while Kueue holds it).
+    conditions of its Kueue Workload while Kueue holds it; ``unplaced``: the scheduler's word on
+    a pod of the attempt it cannot place, ``pod X: 0/3 nodes are available: ...``).
 
     ``trainer_error`` is the trainer's own account of a failure (``status.progress.error``, one
     line naming the field and the cause); a failed job's condition carries it."""
@@ -258,6 +264,9 @@ def desired_status(
     if last and not last.get("recreated") and phase == "Failed":
         # the failed attempt is being replaced (restarts.py): not a failed job
         phase, reason, message = "Initializing", last.get("reason", "Restarting"), last["message"]
+    elif unplaced and phase == "Initializing" and reason in WAITING_FOR_PODS:
+        reason = "Unschedulable"
+        message = f"the scheduler cannot place every pod of the job yet: {unplaced}"
     st = rayjob.get("status") or {}
     g = generation
     try:

@@ -61,6 +61,28 @@ def test_gang_is_all_or_nothing(cp, operator, ns):
     assert all(x["spec"]["schedulerName"] == SP_SCHEDULER for x in refused)
     assert not [x["metadata"]["name"] for x in pods(cp, "big", ns) if bound(x)]
 
+    # the PPOJob says why it waits, in the scheduler's own words on one of its pods
+    def said(found):
+        return {
+            f"pod {x['metadata']['name']}: {c['message']}"
+            for x in found
+            for c in x["status"].get("conditions") or []
+            if c["type"] == "PodScheduled" and c["status"] == "False"
+        }
+
+    status = wait_until(
+        lambda: (
+            (s := (cp.get("ppojob", "big", ns) or {}).get("status") or {}).get("reason")
+            == "Unschedulable"
+            and s
+        ),
+        60,
+        "the PPOJob's reason Unschedulable",
+    )
+    [running] = [c for c in status["conditions"] if c["type"] == "Running"]
+    words = said(refused) | said(pods(cp, "big", ns))  # (the scheduler may have reworded it)
+    assert any(running["message"].endswith(m) for m in words), (running["message"], words)
+
     # the missing capacity arrives: every pod of the gang is bound
     _pool_nodes(cp, pool, {f"{pool}-c": 4})
     wait_until(

@@ -134,6 +134,59 @@ def test_an_outside_edit_between_the_operators_read_and_write_is_restored(cluste
         assert job_status()["gpus"] == 0 and job_status()["phase"] == "Running"
 
 
+def test_a_pod_the_scheduler_cannot_place_is_the_reason_the_job_waits(cluster):
+    """While the Ray cluster starts, a pod of it that the scheduler cannot place (its
+    PodScheduled condition False) names the wait: reason Unschedulable with the scheduler's
+    message; once placed, the job is back to plain Initializing."""
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        set_rayjob_status({"jobDeploymentStatus": "Initializing", "rayClusterName": "demo-abc"})
+        wait_for(phase_is("Initializing"))
+        said = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+        unplaced = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+        pod = job_pod({"conditions": [{**unplaced, "message": said}]})
+        pod["metadata"]["labels"]["ray.io/cluster"] = "demo-abc"
+        kube.request("POST", "/api/v1/namespaces/ns1/pods", pod)
+        wait_for(lambda: job_status().get("reason") == "Unschedulable")
+        running = next(c for c in job_status()["conditions"] if c["type"] == "Running")
+        assert running["reason"] == "Unschedulable"
+        assert f"pod demo-head-x: {said}" in running["message"]
+        placed = {"conditions": [{"type": "PodScheduled", "status": "True"}]}
+        kube.patch("v1", "Pod", "ns1", "demo-head-x", {"status": placed}, "status")
+        wait_for(lambda: job_status().get("reason") == "RayJobInitializing")
+
+
+def test_each_attempts_wait_to_run_is_observed_once(cluster):
+    """ppojob_admission_wait_seconds: from the attempt's RayJob creation to a running trainer,
+    observed once when the job turns Running (not again on later events of a running job)."""
+    import datetime as dt
+
+    from prometheus_client import REGISTRY
+
+    def sample(suffix):
+        labels = {"scheduler": "none"}
+        return REGISTRY.get_sample_value(f"ppojob_admission_wait_seconds_{suffix}", labels) or 0
+
+    count, total = sample("count"), sample("sum")
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        made = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=40)
+        stamp = made.strftime("%Y-%m-%dT%H:%M:%SZ")
+        kube.patch(*RJ, "ns1", "demo", {"metadata": {"creationTimestamp": stamp}})
+        set_rayjob_status({"jobDeploymentStatus": "Initializing"})
+        wait_for(phase_is("Initializing"))
+        set_rayjob_status({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+        wait_for(phase_is("Running"))
+        wait_for(lambda: sample("count") == count + 1)
+        assert 40 <= sample("sum") - total < 70
+        kube.patch(*PPO, "ns1", "demo", {"status": {"progress": {"step": 1}}}, "status")
+        set_rayjob_status({"jobDeploymentStatus": "Running", "message": "still"})
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["status"].get("message") == "still")
+    assert sample("count") == count + 1
+
+
 def test_create_makes_children_and_follows_rayjob_status(cluster):
     with Operator(cluster.url, ["ns1"]):
         create_job()
