@@ -4,6 +4,7 @@ every semantic check of both halves."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,24 @@ def prune_nulls(doc: dict[str, Any]) -> dict[str, Any]:
     return walk(doc, _schema())
 
 
-def load_manifests(text: str, source: str = "") -> list[PPOJob]:
-    """Parse a YAML stream of PPOJobs; raise SpecError listing every problem of every document."""
+def load_manifests(
+    text: str,
+    source: str = "",
+    sets: Sequence[tuple[str, Any]] = (),
+    unsets: Sequence[str] = (),
+) -> list[PPOJob]:
+    """Parse a YAML stream of PPOJobs (each with the ``--set``/``--unset`` changes applied, see
+    ``setflags``); raise SpecError listing every problem of every document."""
+    from ppojob_api.setflags import apply_spec_overrides
+
     docs = [d for d in load_yaml_documents(text, source) if d is not None] or [None]
+    if sets or unsets:
+        try:
+            docs = [
+                apply_spec_overrides(d, sets, unsets) if isinstance(d, dict) else d for d in docs
+            ]
+        except SpecError as exc:
+            raise SpecError(exc.problems, source) from None
     jobs, problems = [], []
     for i, doc in enumerate(docs):
         try:

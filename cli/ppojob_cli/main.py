@@ -14,8 +14,14 @@ from typing import Any
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from ppojob_api.problems import SpecError
+    from ppojob_api.setflags import parse_set
     from ppojob_api.validation import load_manifests
 
+    try:
+        sets = [parse_set(s) for s in args.sets]
+    except SpecError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
     failed = 0
     for name in args.files:
         path = Path(name)
@@ -26,7 +32,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             continue
         try:
-            jobs = load_manifests(text, source=name)
+            jobs = load_manifests(text, source=name, sets=sets, unsets=args.unsets)
         except SpecError as exc:
             print(str(exc), file=sys.stderr)
             failed += 1
@@ -155,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print each job's memory plan (GiB per GPU) and time plan (seconds per step "
         "and for the job, with its assumptions)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="check every job with a spec field set, as `ppojob run --set` would run it, e.g. "
+        "--set algorithm.advantageEstimator=grpo (VALUE is YAML; repeatable)",
+    )
+    p.add_argument(
+        "--unset",
+        dest="unsets",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="check every job with a spec field removed (it takes its default), e.g. --unset "
+        "roles.critic; repeatable",
     )
     p.set_defaults(func=_cmd_validate)
     p = sub.add_parser(
