@@ -23,6 +23,7 @@ from ppojob_api.checks.cluster import (
     check_colocated_capabilities,
     check_extended_resources,
     check_gpu_precision,
+    check_ray_memory,
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
@@ -1691,3 +1692,33 @@ def test_a_token_budget_below_the_longest_sequence_is_refused_by_validation() ->
     small = spec(training__maxTokensPerMicroBatch=16)
     paths = [p.path for p in checks.check_training_half(small)]
     assert "spec.training.maxTokensPerMicroBatch" in paths
+
+
+# --- the memory a Ray pod starts with (issue 23): the head and each role with pods of its own
+TABLE += [
+    (check_ray_memory, "250Mi head, 1Gi roles", {"head__memory": "250Mi"}, []),
+    (
+        check_ray_memory,
+        "a 64Mi head and a 249Mi actor",
+        {"head__memory": "64Mi", "roles__actor__resources": {"memory": "249Mi"}},
+        ["spec.head.memory", "spec.roles.actor.resources.memory"],
+    ),
+    (
+        check_ray_memory,
+        "a small critic and rollout with pods of their own",
+        {
+            "roles__critic": {"replicas": 1, "resources": {"memory": "100Mi"}},
+            "roles__rollout": {"replicas": 1, "resources": {"memory": "0.2Gi"}},
+        },
+        ["spec.roles.critic.resources.memory", "spec.roles.rollout.resources.memory"],
+    ),
+    (
+        check_ray_memory,
+        "colocated roles have no pods of their own (their resources are the actor's)",
+        {
+            "roles__critic": {"colocateWithActor": True, "resources": {"memory": "100Mi"}},
+            "roles__rollout": {"colocateWithActor": True, "resources": {"memory": "100Mi"}},
+        },
+        [],
+    ),
+]

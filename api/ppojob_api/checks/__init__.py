@@ -18,6 +18,7 @@ from ppojob_api.checks.cluster import (
     check_colocated_capabilities,
     check_extended_resources,
     check_gpu_precision,
+    check_ray_memory,
     check_scheduling,
 )
 from ppojob_api.checks.disruption import check_grace_period
@@ -95,6 +96,7 @@ CLUSTER_CHECKS: tuple[Check[PPOJobSpec], ...] = (
     check_pod_fields,
     check_grace_period,
     check_pod_template,
+    check_ray_memory,
 )
 """The checks of the cluster half (what only a PPOJob has)."""
 

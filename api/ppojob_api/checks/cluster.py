@@ -130,3 +130,35 @@ def check_gpu_precision(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]
             )
         ]
     return []
+
+
+RAY_NODE_MIN_MEMORY = 250 * 2**20
+"""The least memory a Ray pod starts with: Ray gives its object store 30 % of the pod's memory
+(``DEFAULT_OBJECT_STORE_MEMORY_PROPORTION``) and refuses less than 75 MiB
+(``OBJECT_STORE_MINIMUM_MEMORY_BYTES``), so ``ray start`` fails in a pod under 250 MiB."""
+
+
+def check_ray_memory(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
+    """The head's and every role's own pods' memory against what ``ray start`` needs."""
+    from ppojob_api.checks.sizes import quantity_bytes, shown_memory
+
+    pods = [(f"{prefix}.head.memory", spec.head.memory)]
+    roles = spec.roles
+    own = {"actor": roles.actor}
+    critic = roles.effective_critic(spec.algorithm.needs_critic)
+    if critic is not None and not critic.colocate_with_actor:
+        own["critic"] = critic
+    if not roles.rollout.colocate_with_actor:
+        own["rollout"] = roles.rollout
+    pods += [(f"{prefix}.roles.{n}.resources.memory", r.resources.memory) for n, r in own.items()]
+    return [
+        Problem(
+            path,
+            f"{shown_memory(memory)} is less than a Ray pod starts with: Ray's object store "
+            "takes 30% of the pod's memory and needs at least 75 MiB (ray start fails under 250Mi)",
+            "give the pod at least 512Mi; the head, which also runs the trainer's driver, 2Gi or "
+            "more",
+        )
+        for path, memory in pods
+        if quantity_bytes(memory) < RAY_NODE_MIN_MEMORY
+    ]

@@ -22,7 +22,8 @@ def _gib(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
-def _shown(memory: str) -> str:
+def shown_memory(memory: str) -> str:
+    """A memory quantity as a message shows it (a bare number says it is bytes)."""
     if is_bare_number(memory):
         return f"{memory} bytes (a bare number is bytes, as in Kubernetes: write 2Gi for 2 GiB)"
     return memory
@@ -75,7 +76,7 @@ def check_sizes(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 Problem(
                     f"{prefix}.roles.{where}.resources.memory",
                     f"the {name}'s {what} ({share} samples x {seq} tokens) needs at least "
-                    f"{_gib(need)}, more than the pod's {_shown(owner.resources.memory)}",
+                    f"{_gib(need)}, more than the pod's {shown_memory(owner.resources.memory)}",
                     "raise the memory, or lower rolloutBatchSize, samplesPerPrompt, "
                     "maxResponseLength or microBatchSize",
                 )
