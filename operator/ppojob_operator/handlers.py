@@ -860,9 +860,24 @@ async def reconcile_children(state: State, body: dict[str, Any]) -> list[dict[st
     rayjob = made[-1]
     if not rayjob.get("metadata", {}).get("annotations"):
         rayjob = children[-1]  # an emulator/server that dropped fields: fall back to ours
-    st.rayjob = rayjob
-    await sync_status(state, st, rayjob=rayjob)
+    # The RayJob watch may have delivered a newer copy already (KubeRay moves a new RayJob to
+    # Initializing within milliseconds): the answer to our POST must not replace it, or the
+    # status would go back to RayJobCreated and stay there until the RayJob changes again.
+    if not _newer_known(st.rayjob, rayjob):
+        st.rayjob = rayjob
+    await sync_status(state, st)
     return made
+
+
+def _newer_known(known: dict[str, Any] | None, answer: dict[str, Any]) -> bool:
+    """Whether ``known`` (the watch's copy) is a later version of the object ``answer`` is."""
+    if known is None:
+        return False
+    uids = ((known.get("metadata") or {}).get("uid"), (answer.get("metadata") or {}).get("uid"))
+    if None not in uids and uids[0] != uids[1]:
+        return False  # another object of that name (an earlier attempt's)
+    ours, theirs = _resource_version(answer), _resource_version(known)
+    return ours is not None and theirs is not None and theirs > ours
 
 
 # Newest first: Kueue serves v1beta2 from 0.15 and stores it from 0.16 (v1beta1 converted by its

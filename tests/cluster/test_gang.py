@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 from tests.helpers.cluster_jobs import bound, gpu_job, pods, unschedulable, wait_children
+from tests.helpers.cluster_jobs import status as status_of
 from tests.helpers.controlplane import SP_SCHEDULER, wait_until
 
 
@@ -71,11 +72,7 @@ def test_gang_is_all_or_nothing(cp, operator, ns):
         }
 
     status = wait_until(
-        lambda: (
-            (s := (cp.get("ppojob", "big", ns) or {}).get("status") or {}).get("reason")
-            == "Unschedulable"
-            and s
-        ),
+        lambda: (s := status_of(cp, "big", ns)).get("reason") == "Unschedulable" and s,
         60,
         "the PPOJob's reason Unschedulable",
     )

@@ -98,3 +98,15 @@ def test_a_workload_that_cannot_be_read_leaves_only_the_explanation_out(monkeypa
         "status": {"jobDeploymentStatus": "Suspended"},
     }
     assert asyncio.run(held_workload(rayjob)) is None
+
+
+def test_the_answer_to_a_post_never_replaces_a_newer_watched_copy() -> None:
+    from ppojob_operator.handlers import _newer_known
+
+    def rj(uid, rv):
+        return {"metadata": {"uid": uid, "resourceVersion": rv}}
+
+    assert _newer_known(rj("a", "12"), rj("a", "10"))  # KubeRay wrote since: keep the watch's
+    assert not _newer_known(rj("a", "10"), rj("a", "10"))
+    assert not _newer_known(None, rj("a", "10"))
+    assert not _newer_known(rj("old", "12"), rj("a", "10"))  # an earlier attempt's RayJob
