@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ppojob_api.base import HOOK_PATTERN, ApiModel
+from ppojob_api.base import HOOK_PATTERN, NAME_PATTERN, URL_PATTERN, ApiModel
 from ppojob_api.quantity import CpuQuantity, MemoryQuantity
 
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
@@ -446,9 +446,6 @@ class Algorithm(ApiModel):
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
-REWARD_NAME_PATTERN = r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$"
-
-
 class RewardModelSource(ApiModel):
     """A Hugging Face sequence-classification reward model (`AutoModelForSequenceClassification`
     saved with `num_labels=1`), run where the rewards are computed (in each rollout engine's
@@ -480,18 +477,18 @@ class HttpRewardSource(ApiModel):
     """A remote reward endpoint. The trainer POSTs JSON `{"prompts": [str], "completions": [str],
     "labels": [any]}` (one entry per sample, as a reward function gets them) and expects a 2xx
     answer `{"rewards": [number]}` with one finite number per sample, in order. Connection
-    failures, timeouts, 429 and 5xx answers are retried with exponential backoff; any other
+    failures, timeouts, 408, 429 and 5xx answers are retried with exponential backoff; any other
     answer, invalid JSON, a wrong count or a non-finite reward fails the step with one line
     naming this source."""
 
-    url: str = Field(min_length=1, pattern=r"^https?://\S+$")
+    url: str = Field(min_length=1, pattern=URL_PATTERN)
     """The endpoint, `http://` or `https://`, reachable from the rollout role's pods."""
 
     timeout_seconds: float = Field(30.0, gt=0, le=3600)
     """Timeout of one request (connecting and reading the answer)."""
 
     retries: int = Field(2, ge=0, le=20)
-    """Retries after a failed attempt (connection error, timeout, 429 or 5xx)."""
+    """Retries after a failed attempt (connection error, timeout, 408, 429 or 5xx)."""
 
     backoff_seconds: float = Field(1.0, ge=0, le=600)
     """Wait before the first retry; doubled before each further one."""
@@ -508,7 +505,7 @@ class HttpRewardSource(ApiModel):
 class RewardSource(ApiModel):
     """One source of the reward: exactly one of `function`, `model` and `http`."""
 
-    name: str | None = Field(None, pattern=REWARD_NAME_PATTERN)
+    name: str | None = Field(None, pattern=NAME_PATTERN)
     """Name in the metrics (`reward/<name>_mean`, the source's unweighted mean). Unset: the
     function's name (`builtin:<task>`: the task), `model` or `http`. Names must be unique."""
 

@@ -32,8 +32,12 @@ from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
 from .tasks import RewardScorer
 
 Scorer = Callable[[list[str], list[str], list[Any]], list[float]]
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-"""HTTP answers worth another attempt (the endpoint is busy or restarting)."""
+
+
+def retried(status: int) -> bool:
+    """Whether an HTTP answer is worth another attempt: 408, 429 and 5xx (the endpoint is busy,
+    restarting or failing for now)."""
+    return status in (408, 429) or status >= 500
 
 
 class RewardModelScorer:
@@ -133,7 +137,7 @@ class HttpRewardScorer:
     ``{"prompts": [str], "completions": [str], "labels": [any]}`` (labels that are not JSON are
     sent as strings), plus ``Authorization: Bearer <token>`` when ``tokenEnv`` names a variable.
     Answer: a 2xx status and ``{"rewards": [number, ...]}``, one finite number per sample, in
-    order. Connection errors, timeouts and the statuses of :data:`RETRY_STATUSES` are retried
+    order. Connection errors, timeouts and the statuses :func:`retried` names are retried
     ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time.
     """
 
@@ -188,7 +192,7 @@ class HttpRewardScorer:
                 except OSError:
                     detail = ""
                 why = f"answered HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-                if exc.code not in RETRY_STATUSES:
+                if not retried(exc.code):
                     raise ValueError(
                         f"{where} {why} (fix the request the endpoint refuses, or the url)"
                     ) from None

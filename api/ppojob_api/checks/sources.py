@@ -66,7 +66,12 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     at,
                     "needs exactly one of function, model and http"
                     + (f" (has {' and '.join(given)})" if given else " (has none)"),
-                    "give each source its own entry in rewards",
+                    (
+                        "give each source its own entry in rewards"
+                        if given
+                        else "set one: function: module:function, model: {path: DIR} or "
+                        "http: {url: URL}"
+                    ),
                 )
             )
         if src.weight == 0:
@@ -99,6 +104,8 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
         name = src.default_name()
+        if len(given) != 1:  # no name of its own to compare
+            continue
         if name in seen:
             p.append(
                 Problem(
