@@ -388,3 +388,23 @@ def test_a_model_and_an_http_source_combine(endpoint: Endpoint, reward_model: Pa
     total, parts = make_reward(data, data.prompts).score(PROMPTS, COMPLETIONS, LABELS)
     assert list(parts) == ["model", "http"] and parts["http"] == [1.0] * 5
     assert total == pytest.approx([0.5 * m + 3.0 for m in parts["model"]])
+
+
+def test_preflight_names_a_missing_reward_model_and_an_unloadable_function(
+    tmp_path: Path, reward_model: Path
+) -> None:
+    """`ppojob run` finds both before it starts Ray."""
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.preflight import preflight
+
+    def problems(*sources: dict[str, Any]) -> list[str]:
+        return preflight(TrainerConfig.model_validate({"data": {"rewards": list(sources)}}))
+
+    assert problems({"function": "builtin:count-up"}, {"model": {"path": str(reward_model)}}) == []
+    missing = str(tmp_path / "no-rm")
+    found = problems({"function": "no_such_mod_rw:score"}, {"model": {"path": missing}})
+    assert found == [
+        f"data.rewards[1].model.path: reward model directory {missing!r} does not exist",
+        found[1],
+    ]
+    assert found[1].startswith("data.rewards[0].function: 'no_such_mod_rw:score'")
