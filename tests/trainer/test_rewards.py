@@ -423,3 +423,26 @@ def test_each_source_mean_is_over_every_engine_sample() -> None:
     prep[0][1].update({"logprob_diff_sum": 0.0, "logprob_diff_max": 0.0})
     out = PPOTrainer._metrics([gen(4, 2.0, 8.0), gen(12, 6.0, -4.0)], prep, [], [], [])
     assert out["reward/mean"] == 0.5 and out["reward/model_mean"] == 0.25
+
+
+def test_a_cut_off_answer_is_retried_then_named() -> None:
+    """An endpoint that closes the connection mid-answer (a status line and nothing else)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+
+        def serve() -> None:
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with pytest.raises(ValueError) as info:
+            _scorer(url, retries=1, backoff_seconds=0)(["p"], ["c"], [None])
+        thread.join(10)
+    msg = str(info.value)
+    assert "failed 2 time(s), last: broken answer (IncompleteRead" in msg and "\n" not in msg

@@ -16,6 +16,7 @@ source of weight 1. Every scorer returns one finite float per sample, or raises 
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -196,6 +197,9 @@ class HttpRewardScorer:
                     raise ValueError(
                         f"{where} {why} (fix the request the endpoint refuses, or the url)"
                     ) from None
+                continue
+            except http.client.HTTPException as exc:  # a malformed or cut-off answer
+                why = f"broken answer ({type(exc).__name__}: {exc})"
                 continue
             except (TimeoutError, urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
