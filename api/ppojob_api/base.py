@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 HOOK_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"
+URL_PATTERN = r"^https?://\S+$"
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$"
+"""A name that keys metrics (a reward source's): lowercase, at most 63 characters."""
 
 
 class ApiModel(BaseModel):

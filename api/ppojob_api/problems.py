@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from ppojob_api.base import HOOK_PATTERN
+from ppojob_api.base import HOOK_PATTERN, NAME_PATTERN, URL_PATTERN
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,13 @@ def _fix_for(err: dict[str, Any]) -> str:
     if "pattern" in ctx:
         if ctx["pattern"] == HOOK_PATTERN:
             return "write it as `package.module:function`"
+        if ctx["pattern"] == URL_PATTERN:
+            return "write an http:// or https:// URL"
+        if ctx["pattern"] == NAME_PATTERN:
+            return (
+                "use lowercase letters, digits, '-', '_' and '.', starting and ending with a "
+                "letter or digit, at most 63 characters"
+            )
         return f"match the pattern {ctx['pattern']}"
     for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if key in ctx:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ppojob_api.base import HOOK_PATTERN, ApiModel
+from ppojob_api.base import HOOK_PATTERN, NAME_PATTERN, URL_PATTERN, ApiModel
 from ppojob_api.quantity import CpuQuantity, MemoryQuantity
 
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
@@ -446,6 +446,97 @@ class Algorithm(ApiModel):
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
+class RewardModelSource(ApiModel):
+    """A Hugging Face sequence-classification reward model (`AutoModelForSequenceClassification`
+    saved with `num_labels=1`), run where the rewards are computed (in each rollout engine's
+    process, on its device). It reads the prompt as the policy saw it (chat template applied when
+    data.applyChatTemplate is on) followed by the completion, tokenized with the reward model's
+    own tokenizer; its single output is the reward."""
+
+    path: str = Field(min_length=1)
+    """The reward model's directory (config.json, weights and tokenizer) in the trainer image or
+    a volume: absolute, or relative to the working directory. Hub ids are not downloaded for
+    reward models: download the model into a volume and give its directory."""
+
+    batch_size: int = Field(32, ge=1, le=65_536)
+    """Texts scored per forward pass."""
+
+    max_length: int = Field(4096, ge=1, le=1_048_576)
+    """Longest prompt + completion, in the reward model's tokens; a longer text loses its
+    beginning (the completion's end, which the model's score is read at, is kept)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of the reward model's weights. Unset: model.dtype."""
+
+    device: Literal["auto", "cpu"] = "auto"
+    """`auto`: the rollout engine's device (its GPU when the rollout role has GPUs, else the
+    CPU); `cpu`: always the CPU (no GPU memory, slower)."""
+
+
+class HttpRewardSource(ApiModel):
+    """A remote reward endpoint. The trainer POSTs JSON `{"prompts": [str], "completions": [str],
+    "labels": [any]}` (one entry per sample, as a reward function gets them) and expects a 2xx
+    answer `{"rewards": [number]}` with one finite number per sample, in order. Connection
+    failures, timeouts, 408, 429 and 5xx answers are retried with exponential backoff; any other
+    answer, invalid JSON, a wrong count or a non-finite reward fails the step with one line
+    naming this source."""
+
+    url: str = Field(min_length=1, pattern=URL_PATTERN)
+    """The endpoint, `http://` or `https://`, reachable from the rollout role's pods."""
+
+    timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    """Timeout of one request (connecting and reading the answer)."""
+
+    retries: int = Field(2, ge=0, le=20)
+    """Retries after a failed attempt (connection error, timeout, 408, 429 or 5xx)."""
+
+    backoff_seconds: float = Field(1.0, ge=0, le=600)
+    """Wait before the first retry; doubled before each further one."""
+
+    batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    """Samples per request. Unset: all of an engine's samples of the step in one request."""
+
+    token_env: str | None = Field(None, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    """Name of an environment variable holding a bearer token, sent as `Authorization: Bearer
+    <token>`. Never write the token into the PPOJob: fill the variable from a Secret with
+    spec.podTemplate.env (`valueFrom.secretKeyRef`)."""
+
+
+class RewardSource(ApiModel):
+    """One source of the reward: exactly one of `function`, `model` and `http`."""
+
+    name: str | None = Field(None, pattern=NAME_PATTERN)
+    """Name in the metrics (`reward/<name>_mean`, the source's unweighted mean). Unset: the
+    function's name (`builtin:<task>`: the task), `model` or `http`. Names must be unique."""
+
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """The reward is the sum over sources of weight x the source's reward."""
+
+    function: str | None = Field(None, min_length=1)
+    """`module:function` scoring a batch (as data.rewardFunction), or `builtin:<task>`."""
+
+    model: RewardModelSource | None = None
+    """A sequence-classification reward model."""
+
+    http: HttpRewardSource | None = None
+    """A remote reward endpoint."""
+
+    @property
+    def kind(self) -> str | None:
+        """`function`, `model` or `http` when exactly one is set, else None."""
+        kinds = [k for k in ("function", "model", "http") if getattr(self, k) is not None]
+        return kinds[0] if len(kinds) == 1 else None
+
+    def default_name(self) -> str:
+        """The name in the metrics: `name`, else one derived from the source."""
+        if self.name is not None:
+            return self.name
+        if self.function is not None:
+            tail = self.function.rsplit(":", 1)[-1]
+            return re.sub(r"[^a-z0-9_.-]", "_", tail.lower()) or "function"
+        return "model" if self.model is not None else "http"
+
+
 class DataSpec(ApiModel):
     """Prompts, reward and sampling."""
 
@@ -462,7 +553,12 @@ class DataSpec(ApiModel):
 
     reward_function: str | None = Field(None, min_length=1)
     """`module:function` scoring each completion, or `builtin:<task>`. Defaults to the built-in
-    task's reward."""
+    task's reward. The shorthand of `rewards: [{function: ...}]`; set one or the other."""
+
+    rewards: list[RewardSource] = Field(default_factory=list, max_length=16)
+    """Reward sources combined with weights: reward = sum of weight x source reward. Each is a
+    `function`, a reward `model` or an `http` endpoint; each step reports every source's mean as
+    `reward/<name>_mean`. Empty: rewardFunction (or the built-in task's reward)."""
 
     rollout_batch_size: int = Field(16, ge=1, le=1_000_000)
     """Prompts per training step."""

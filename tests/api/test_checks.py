@@ -53,6 +53,7 @@ from ppojob_api.checks.sources import (
     check_model_paths,
     check_prompts,
     check_reward_function,
+    check_rewards,
 )
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJobSpec
@@ -538,6 +539,56 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_reward_function,
         "not module:function",
         {"data__rewardFunction": "builtin:count-up", "data__prompts": "builtin:count-up"},
+        [],
+    ),
+    (
+        check_rewards,
+        "a function, a reward model and an endpoint, named apart",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [
+                {"function": "rewards:score"},
+                {"model": {"path": "/models/rm"}, "weight": 0.5},
+                {"http": {"url": "https://rm.example/score"}, "name": "judge"},
+                {"function": "builtin:count-up", "name": "model-2"},
+            ],
+        },
+        [],
+    ),
+    (
+        check_rewards,
+        "rewards beside rewardFunction",
+        {"data__rewardFunction": "m:f", "data__rewards": [{"function": "m:g"}]},
+        ["spec.data.rewards"],
+    ),
+    (
+        check_rewards,
+        "sources of no kind, two kinds, weight 0, bad function, URI model, duplicate name",
+        {
+            "data__rewards": [
+                {"weight": 1},
+                {"function": "m:f", "http": {"url": "http://rm/score"}},
+                {"function": "m:f", "weight": 0, "name": "f0"},
+                {"function": "rewards.py"},
+                {"model": {"path": "s3://bucket/rm"}},
+                {"model": {"path": "/models/rm2"}},
+                {"http": {"url": "http://:8080/score"}},
+            ]
+        },
+        [
+            "spec.data.rewards[0]",
+            "spec.data.rewards[1]",
+            "spec.data.rewards[2].weight",
+            "spec.data.rewards[3].function",
+            "spec.data.rewards[4].model.path",
+            "spec.data.rewards[5].name",
+            "spec.data.rewards[6].http.url",
+        ],
+    ),
+    (
+        check_prompts,
+        "a dataset with reward sources",
+        {"data__prompts": "/data/p.jsonl", "data__rewards": [{"function": "m:f"}]},
         [],
     ),
     (

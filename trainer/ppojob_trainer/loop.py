@@ -501,6 +501,10 @@ class PPOTrainer:
             "time/generate": max(g["metrics"]["time/generate"] for g in gens),
             "time/prepare": max(p[1]["time/prepare"] for p in prep),
         }
+        for key in gens[0]["metrics"]:  # data.rewards: each source's unweighted mean
+            if key.startswith("reward_sum/"):
+                name = key.removeprefix("reward_sum/")
+                out[f"reward/{name}_mean"] = sum(g["metrics"][key] for g in gens) / n
         if any("kl_sum" in p[1] for p in prep):
             out["kl/mean"] = sum(p[1].get("kl_sum", 0.0) for p in prep) / n
         tokens = sum(p[1]["tokens"] for p in prep)

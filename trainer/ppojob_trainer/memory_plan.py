@@ -19,6 +19,10 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
                  reference is the base model with the adapters off; / dp under FSDP)
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
                  (sglang without offload)
+``reward model`` each ``data.rewards`` model source on the engine's GPU (``device: auto``): its
+                 weights in its dtype (embedding, blocks and a one-output head; its shape read
+                 from its config.json, unknown when that is not readable here) and, while it
+                 scores, one batch's activations (batchSize x maxLength tokens, one block)
 
 A process's peak is its persistent parts plus its largest phase (actor update, critic update,
 generation). The Megatron figures assume its usual layout (bf16 parameters, float32 gradients
@@ -294,7 +298,35 @@ def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dic
     seq = data.max_prompt_length + data.max_response_length
     kv = rows * seq * shape.layers * 2 * shape.kv_dim * c
     logits = rows * shape.vocab * 4 * 3
-    return {"rollout weights": c * shape.params}, {"rollout KV cache": kv, "sampling": logits}, []
+    persistent = {"rollout weights": c * shape.params}
+    generation = {"rollout KV cache": kv, "sampling": logits}
+    return persistent, generation, []
+
+
+def _reward_model_parts(half: Any) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """(persistent, scoring-phase) bytes of the reward models an engine's GPU holds, and notes
+    on those whose shape is unknown."""
+    persistent: dict[str, float] = {}
+    scoring: dict[str, float] = {}
+    notes: list[str] = []
+    for i, src in enumerate(half.data.rewards):
+        rm = src.model
+        if rm is None or rm.device == "cpu":
+            continue
+        label = f"reward model {src.default_name()}"
+        rm_shape = resolve_shape(rm.path)
+        if rm_shape is None:
+            notes.append(f"data.rewards[{i}].model: shape unknown here (no readable config.json)")
+            continue
+        c = _BYTES[rm.dtype or half.model.dtype]
+        # a one-output score head in place of the LM head
+        params = rm_shape.params - (0 if rm_shape.tied else rm_shape.vocab * rm_shape.hidden)
+        persistent[f"{label} weights"] = c * (params + rm_shape.hidden)
+        tokens = rm.batch_size * rm.max_length
+        scoring[f"{label} scoring"] = (
+            tokens * c * (4 * rm_shape.hidden + 2 * rm_shape.kv_dim + 3 * rm_shape.intermediate)
+        )
+    return persistent, scoring, notes
 
 
 def plan_job(
@@ -339,19 +371,21 @@ def plan_job(
                 cp.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
             plans.append(cp)
     persistent, generation, notes = _rollout_parts(half, shape, gpu_bytes)
+    rm_persistent, rm_scoring, rm_notes = _reward_model_parts(half)
+    persistent.update(rm_persistent)
+    notes += rm_notes
     if roles.rollout.colocate_with_actor:
         p.persistent.update(persistent)
         if generation:
             p.phases["generation"] = generation
+        if rm_scoring:
+            p.phases["reward scoring"] = rm_scoring
+        p.notes += notes
     else:
-        plans.append(
-            ProcessPlan(
-                "rollout",
-                persistent=persistent,
-                phases={"generation": generation} if generation else {},
-                notes=notes,
-            )
-        )
+        phases = {"generation": generation} if generation else {}
+        if rm_scoring:
+            phases["reward scoring"] = rm_scoring
+        plans.append(ProcessPlan("rollout", persistent=persistent, phases=phases, notes=notes))
     plans.insert(0, p)
     return plans
 

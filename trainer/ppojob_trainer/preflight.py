@@ -65,6 +65,15 @@ def preflight(cfg: TrainerConfig) -> list[str]:
             problem = model_dir_problem(field, value)
             if problem:
                 problems.append(problem)
+    for i, src in enumerate(data.rewards):
+        if src.model is not None:
+            field, value = f"data.rewards[{i}].model.path", src.model.path
+            if not Path(value).expanduser().is_dir():
+                problems.append(f"{field}: reward model directory {value!r} does not exist")
+            else:
+                problem = model_dir_problem(field, value)
+                if problem:
+                    problems.append(problem)
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
@@ -80,6 +89,10 @@ def preflight(cfg: TrainerConfig) -> list[str]:
                 | {"gamma": 1.0, "lam": 1.0},
                 ADVANTAGE_CALL,
             ),
+        )
+        hooks += tuple(
+            (f"data.rewards[{i}].function", src.function, (["p"], ["c"], [None]), {}, REWARD_CALL)
+            for i, src in enumerate(data.rewards)
         )
         for field, path, args, kwargs, call in hooks:
             if not path or path.startswith("builtin:"):

@@ -297,26 +297,30 @@ def make_task(
 
 
 class RewardScorer:
-    """Scores completions with the configured reward (built-in or ``module:function``)."""
+    """Scores completions with a reward function (built-in or ``module:function``); errors name
+    ``field``, the config field the function came from."""
 
-    def __init__(self, reward_function: str | None, prompts: str) -> None:
+    def __init__(
+        self, reward_function: str | None, prompts: str, field: str = "data.rewardFunction"
+    ) -> None:
         spec = reward_function or prompts
         if spec.startswith(BUILTIN_PREFIX):
             name = spec[len(BUILTIN_PREFIX) :]
             if name not in BUILTIN_TASKS:
                 raise ValueError(
-                    f"data.rewardFunction: unknown built-in reward {spec!r}; "
+                    f"{field}: unknown built-in reward {spec!r}; "
                     f"use one of {[BUILTIN_PREFIX + t for t in BUILTIN_TASKS]}"
                 )
             self.fn: RewardFn = BUILTIN_TASKS[name][1]
         elif reward_function is None:
             raise ValueError(
-                "data.rewardFunction: a dataset needs a reward function; "
+                f"{field}: a dataset needs a reward function; "
                 "set rewardFunction: package.module:function"
             )
         else:
-            self.fn = load_function(spec, "data.rewardFunction")
+            self.fn = load_function(spec, field)
         self.name = spec
+        self.field = field
 
     def __call__(
         self, prompts: list[str], completions: list[str], labels: list[Any]
@@ -325,9 +329,9 @@ class RewardScorer:
             values = self.fn(list(prompts), list(completions), list(labels))
         except Exception as exc:
             raise ValueError(
-                f"data.rewardFunction: {self.name} raised {type(exc).__name__}: {exc}"
+                f"{self.field}: {self.name} raised {type(exc).__name__}: {exc}"
             ) from exc
         try:
             return validate_rewards(values, len(prompts), self.name).tolist()
         except ValueError as exc:  # name the field, as every other start-up or reward error does
-            raise ValueError(f"data.rewardFunction: {exc}") from None
+            raise ValueError(f"{self.field}: {exc}") from None

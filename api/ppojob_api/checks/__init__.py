@@ -48,6 +48,7 @@ from ppojob_api.checks.sources import (
     check_model_paths,
     check_prompts,
     check_reward_function,
+    check_rewards,
 )
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJobSpec
@@ -80,6 +81,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_kl_mode,
     check_kl_off,
     check_reward_function,
+    check_rewards,
     check_prompts,
     check_eval_prompts,
     check_model_paths,

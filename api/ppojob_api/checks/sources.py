@@ -4,6 +4,7 @@ model paths."""
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
@@ -18,25 +19,105 @@ def check_reward_function(half: TrainingHalf, prefix: str = "spec") -> list[Prob
     value = half.data.reward_function
     if value is None:
         return []
+    return _function_problem(value, f"{prefix}.data.rewardFunction")
+
+
+def _function_problem(value: str, path: str) -> list[Problem]:
+    """A reward function is a known built-in or a `module:function` hook."""
     if value.startswith("builtin:"):
         if value.removeprefix("builtin:") in BUILTIN_TASKS:
             return []
-        return [
-            Problem(
-                f"{prefix}.data.rewardFunction",
-                f"unknown built-in reward {value!r}",
-                _BUILTIN_TASK_FIX,
-            )
-        ]
+        return [Problem(path, f"unknown built-in reward {value!r}", _BUILTIN_TASK_FIX)]
     if re.match(HOOK_PATTERN, value):
         return []
     return [
         Problem(
-            f"{prefix}.data.rewardFunction",
+            path,
             f"{value!r} is not `module:function`",
             "write it as `package.module:function` or `builtin:<task>`",
         )
     ]
+
+
+def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """`rewards`: not beside rewardFunction; each source is exactly one of function, model and
+    http, of a non-zero weight, with a unique name, and its function, model path and URL are of
+    a form the trainer loads."""
+    data = half.data
+    path = f"{prefix}.data.rewards"
+    p: list[Problem] = []
+    if data.rewards and data.reward_function is not None:
+        p.append(
+            Problem(
+                path,
+                "rewards and rewardFunction are both set (rewardFunction is the shorthand of "
+                "one function source)",
+                f"move rewardFunction into rewards as {{function: {data.reward_function}}}, "
+                "or remove rewards",
+            )
+        )
+    seen: dict[str, int] = {}
+    for i, src in enumerate(data.rewards):
+        at = f"{path}[{i}]"
+        given = [k for k in ("function", "model", "http") if getattr(src, k) is not None]
+        if len(given) != 1:
+            p.append(
+                Problem(
+                    at,
+                    "needs exactly one of function, model and http"
+                    + (f" (has {' and '.join(given)})" if given else " (has none)"),
+                    (
+                        "give each source its own entry in rewards"
+                        if given
+                        else "set one: function: module:function, model: {path: DIR} or "
+                        "http: {url: URL}"
+                    ),
+                )
+            )
+        if src.weight == 0:
+            p.append(
+                Problem(
+                    f"{at}.weight",
+                    "a weight of 0 computes this source's reward and ignores it",
+                    "give it a non-zero weight, or remove the source",
+                )
+            )
+        if src.function is not None:
+            p += _function_problem(src.function, f"{at}.function")
+        if src.model is not None:
+            model_path = src.model.path
+            if model_path.startswith("builtin:") or "://" in model_path:
+                p.append(
+                    Problem(
+                        f"{at}.model.path",
+                        f"{model_path!r} is not a directory (reward models are loaded from a "
+                        "directory only)",
+                        "copy the reward model into the image or a volume and give its directory",
+                    )
+                )
+        if src.http is not None and not urlsplit(src.http.url).hostname:
+            p.append(
+                Problem(
+                    f"{at}.http.url",
+                    f"{src.http.url!r} names no host",
+                    "write it as http://host[:port]/path or https://...",
+                )
+            )
+        name = src.default_name()
+        if len(given) != 1:  # no name of its own to compare
+            continue
+        if name in seen:
+            p.append(
+                Problem(
+                    f"{at}.name",
+                    f"{name!r} is also the name of {path}[{seen[name]}] (names key the metrics "
+                    "reward/<name>_mean)",
+                    "give each source a unique name",
+                )
+            )
+        else:
+            seen[name] = i
+    return p
 
 
 def _format_problem(value: str, path: str) -> list[Problem]:
@@ -72,7 +153,7 @@ def check_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     bad_format = _format_problem(data.prompts, f"{prefix}.data.prompts")
     if bad_format:
         return bad_format
-    if data.reward_function is None:
+    if data.reward_function is None and not data.rewards:
         return [Problem(f"{prefix}.data.rewardFunction", *_NEEDS_REWARD)]
     return []
 
@@ -94,7 +175,7 @@ def check_eval_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem
     bad_format = _format_problem(ev, f"{prefix}.data.evalPrompts")
     if bad_format:
         return bad_format
-    if data.reward_function is None and data.prompts.startswith("builtin:"):
+    if data.reward_function is None and not data.rewards and data.prompts.startswith("builtin:"):
         # the prompts are a built-in task, whose reward scores only its own prompts: the
         # evaluation dataset is what needs the reward function
         return [
@@ -105,7 +186,7 @@ def check_eval_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem
                 "set rewardFunction: package.module:function, or use builtin:<task>",
             )
         ]
-    if data.reward_function is None:
+    if data.reward_function is None and not data.rewards:
         return [Problem(f"{prefix}.data.rewardFunction", *_NEEDS_REWARD)]
     return []
 

@@ -19,7 +19,8 @@ from ppojob_api.training import TrainerConfig
 
 from ..backends.base import GenerationEngine, ShardIdentity
 from ..models import load_tokenizer
-from ..tasks import Example, Prompt, RewardScorer
+from ..rewards import make_reward
+from ..tasks import Example, Prompt
 
 
 def make_engine(
@@ -113,10 +114,11 @@ class RolloutWorker:
         self.chat = uses_chat_template(self.tokenizer, cfg.data.apply_chat_template)
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device, visible_devices)
-        self.scorer = RewardScorer(cfg.data.reward_function, cfg.data.prompts)
+        # the reward sources live here, beside the engine (a reward model on its device)
+        self.scorer = make_reward(cfg.data, cfg.data.prompts, device, cfg.model.dtype)
         self.eval_scorer = (
-            RewardScorer(cfg.data.reward_function, cfg.data.eval_prompts)
-            if cfg.data.eval_prompts
+            make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
+            if cfg.data.eval_prompts and not cfg.data.rewards  # sources do not depend on it
             else self.scorer
         )
 
@@ -175,9 +177,8 @@ class RolloutWorker:
             seed=seed,
             **({"version": version, "interrupt": interrupt} if interrupt is not None else {}),
         )
-        scores = torch.tensor(
-            self.scorer(prompts, self.completions(gen.response_ids), labels), dtype=torch.float32
-        )
+        total, parts = self.scorer.score(prompts, self.completions(gen.response_ids), labels)
+        scores = torch.tensor(total, dtype=torch.float32)
         idx = torch.arange(first_sample, first_sample + len(prompts))
         batch = {
             "prompt_ids": ids,
@@ -200,6 +201,8 @@ class RolloutWorker:
             "length_sum": float(gen.lengths.sum()),
             "n": float(len(prompts)),
         }
+        if self.scorer.report_sources:  # each source's unweighted sum: reward/<name>_mean
+            metrics.update({f"reward_sum/{name}": float(sum(v)) for name, v in parts.items()})
         return batch, metrics
 
     def evaluate(self, examples: list[Example]) -> dict[str, float]:

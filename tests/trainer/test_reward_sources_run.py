@@ -1,0 +1,88 @@
+"""`ppojob run` with reward sources, end to end on a local Ray (2 short steps each): a tiny
+reward model combined with the built-in count-up function, and an HTTP endpoint on 127.0.0.1.
+Each step's reward is the weighted sum of its sources, each source's mean is in the metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ppojob_cli.main import main as ppojob
+from ppojob_trainer.progress import read_metrics
+from ppojob_trainer.tasks import count_up_answer
+from tests.trainer.test_rewards import build_reward_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "ppojob-tiny.yaml"
+SMALL = ["--set", "data.rolloutBatchSize=4", "--set", "training.miniBatchSize=32"]
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _run(out: Path, rewards: str) -> list[dict[str, Any]]:
+    argv = ["run", str(TINY), "--steps", "2", "--out", str(out), "--no-progress", *SMALL]
+    rc = ppojob([*argv, "--set", f"data.rewards={rewards}"])
+    assert rc == 0
+    return read_metrics(out)
+
+
+def test_a_reward_model_and_a_function_combined(tmp_path: Path) -> None:
+    rm = build_reward_model(tmp_path / "rm")
+    sources = f"[{{function: 'builtin:count-up'}}, {{model: {{path: '{rm}'}}, weight: 0.5}}]"
+    records = _run(tmp_path / "out", sources)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        count_up, model = r["reward/count-up_mean"], r["reward/model_mean"]
+        assert 0.0 <= count_up <= 1.0 and model != 0.0
+        assert r["reward_mean"] == pytest.approx(count_up + 0.5 * model, abs=1e-5)
+
+
+class _Judge(BaseHTTPRequestHandler):
+    """Rewards a completion by its share of the digit 5; records what it was sent."""
+
+    seen: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        rewards = [c.count("5") / 8 for c in body["completions"]]
+        type(self).seen.append({**body, "rewards": rewards})
+        answer = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def judge() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    _Judge.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/judge", _Judge.seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_http_reward_endpoint(tmp_path: Path, judge: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = judge
+    records = _run(tmp_path / "out", f"[{{http: {{url: '{url}', timeoutSeconds: 10}}, weight: 2}}]")
+    # one engine, one request per step, all of its 4 x 8 samples (the prompts: count-up digits)
+    assert len(seen) == 2 and all(len(s["prompts"]) == 32 for s in seen)
+    for s in seen:  # the labels are each prompt's reference answer
+        assert s["labels"] == [count_up_answer(p) for p in s["prompts"]]
+    for r, s in zip(records, seen, strict=True):
+        mean = sum(s["rewards"]) / 32
+        assert r["reward/http_mean"] == pytest.approx(mean)
+        assert r["reward_mean"] == pytest.approx(2 * mean)

@@ -1,0 +1,325 @@
+"""Reward sources and their weighted sum (``data.rewards``).
+
+A step's reward of a sample is ``sum_i weight_i x r_i``, over the sources of ``data.rewards``:
+
+``function``  a reward function (``module:function`` or ``builtin:<task>``), as
+              ``data.rewardFunction`` (:class:`ppojob_trainer.tasks.RewardScorer`)
+``model``     a Hugging Face sequence-classification reward model with one output
+              (:class:`RewardModelScorer`), held by the rollout engine's process, on its device
+``http``      a remote endpoint (:class:`HttpRewardScorer`): POST ``{"prompts", "completions",
+              "labels"}`` -> ``{"rewards": [...]}``
+
+``data.rewardFunction`` (or, unset, the built-in task's reward) is the shorthand of one function
+source of weight 1. Every scorer returns one finite float per sample, or raises a one-line
+``ValueError`` naming its field (``data.rewards[1].http.url: ...``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
+
+from .tasks import RewardScorer
+
+Scorer = Callable[[list[str], list[str], list[Any]], list[float]]
+
+
+def retried(status: int) -> bool:
+    """Whether an HTTP answer is worth another attempt: 408, 429 and 5xx (the endpoint is busy,
+    restarting or failing for now)."""
+    return status in (408, 429) or status >= 500
+
+
+class RewardModelScorer:
+    """A sequence-classification reward model (``num_labels=1``) scoring ``prompt +
+    completion``, in batches of ``batchSize``, on ``device``. Texts longer than ``maxLength``
+    tokens lose their beginning."""
+
+    def __init__(
+        self, spec: RewardModelSource, field: str, device: str, default_dtype: str
+    ) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        from .models import quiet_transformers, torch_dtype, trust_remote_code
+
+        self.field = field
+        where = f"{field}.path: {spec.path!r}"
+        path = Path(spec.path).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"{where} is not a directory here (relative to {os.getcwd()}); give the "
+                "directory of a reward model saved with save_pretrained, in the trainer image "
+                "or a volume"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{where} holds no config.json, so it is not a Hugging Face model directory "
+                "(write one with save_pretrained)"
+            )
+        quiet_transformers()
+        remote = trust_remote_code()
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
+        archs = list(getattr(config, "architectures", None) or [])
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(
+                f"{where} is not a sequence-classification model (architectures: {archs}); a "
+                "reward model is saved from AutoModelForSequenceClassification with num_labels=1"
+            )
+        if config.num_labels != 1:
+            raise ValueError(
+                f"{where} has {config.num_labels} outputs (num_labels); a reward model has one "
+                "(save it with num_labels=1)"
+            )
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+        if tok.pad_token is None:
+            raise ValueError(
+                f"{where}: its tokenizer has no pad, EOS or unknown token to pad batches with; "
+                "save the tokenizer with a pad token"
+            )
+        tok.truncation_side = "left"  # the score is read at the end of the text: keep it
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(path), dtype=torch_dtype(spec.dtype or default_dtype), trust_remote_code=remote
+        )
+        if model.config.pad_token_id is None:  # it finds each row's last token by the pad id
+            model.config.pad_token_id = tok.pad_token_id
+        self.device = "cpu" if spec.device == "cpu" else device
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tok
+        self.batch_size = spec.batch_size
+        self.max_length = spec.max_length
+        self._torch = torch
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> list[float]:
+        torch = self._torch
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        out: list[float] = []
+        with torch.inference_mode():
+            for lo in range(0, len(texts), self.batch_size):
+                enc = self.tokenizer(
+                    texts[lo : lo + self.batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                ).to(self.device)
+                logits = self.model(
+                    input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
+                ).logits
+                out += logits[:, 0].float().cpu().tolist()
+        bad = next((i for i, v in enumerate(out) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{self.field}.path: the reward model scored sample {bad} {out[bad]} (not "
+                "finite); check its weights and dtype (float16 overflows easily)"
+            )
+        return out
+
+
+class HttpRewardScorer:
+    """A remote reward endpoint.
+
+    Request: ``POST url`` with ``Content-Type: application/json`` and the body
+    ``{"prompts": [str], "completions": [str], "labels": [any]}`` (labels that are not JSON are
+    sent as strings), plus ``Authorization: Bearer <token>`` when ``tokenEnv`` names a variable.
+    Answer: a 2xx status and ``{"rewards": [number, ...]}``, one finite number per sample, in
+    order. Connection errors, timeouts and the statuses :func:`retried` names are retried
+    ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time.
+    """
+
+    def __init__(
+        self,
+        spec: HttpRewardSource,
+        field: str,
+        env: dict[str, str] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.spec = spec
+        self.field = field
+        self.sleep = sleep
+        self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if spec.token_env is not None:
+            token = (os.environ if env is None else env).get(spec.token_env)
+            if not token:
+                raise ValueError(
+                    f"{field}.tokenEnv: the environment variable {spec.token_env} is not set "
+                    "(or empty) in the trainer; fill it from a Secret with spec.podTemplate.env "
+                    "(valueFrom.secretKeyRef), or unset tokenEnv"
+                )
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> list[float]:
+        size = self.spec.batch_size or max(len(prompts), 1)
+        out: list[float] = []
+        for lo in range(0, len(prompts), size):
+            hi = lo + size
+            out += self._post(prompts[lo:hi], completions[lo:hi], labels[lo:hi])
+        return out
+
+    def _post(self, prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
+        spec, where = self.spec, f"{self.field}.url: POST {self.spec.url}"
+        body = json.dumps(
+            {"prompts": prompts, "completions": completions, "labels": labels}, default=str
+        ).encode()
+        attempts = spec.retries + 1
+        why = ""
+        for attempt in range(attempts):
+            if attempt:
+                self.sleep(spec.backoff_seconds * 2 ** (attempt - 1))
+            request = urllib.request.Request(spec.url, body, self.headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=spec.timeout_seconds) as answer:
+                    raw = answer.read()
+            except urllib.error.HTTPError as exc:
+                try:
+                    detail = exc.read(200).decode(errors="replace").strip().replace("\n", " ")
+                except OSError:
+                    detail = ""
+                why = f"answered HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
+                if not retried(exc.code):
+                    raise ValueError(
+                        f"{where} {why} (fix the request the endpoint refuses, or the url)"
+                    ) from None
+                continue
+            except http.client.HTTPException as exc:  # a malformed or cut-off answer
+                why = f"broken answer ({type(exc).__name__}: {exc})"
+                continue
+            except (TimeoutError, urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+                    why = f"no answer within timeoutSeconds ({spec.timeout_seconds:g} s)"
+                else:
+                    why = f"cannot connect ({reason})"
+                continue
+            return self._rewards(raw, len(prompts), where)
+        raise ValueError(
+            f"{where} failed {attempts} time(s), last: {why} (check that the endpoint is up and "
+            "reachable from the rollout role's pods, or raise retries / timeoutSeconds)"
+        )
+
+    @staticmethod
+    def _rewards(raw: bytes, n: int, where: str) -> list[float]:
+        """The ``rewards`` of an answer: ``n`` finite numbers, else a one-line error."""
+        try:
+            doc = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            shown = raw[:80].decode(errors="replace")
+            raise ValueError(
+                f"{where} answered with invalid JSON ({exc.msg}: {shown!r}); the endpoint must "
+                'answer {"rewards": [number, ...]}'
+            ) from None
+        values = doc.get("rewards") if isinstance(doc, dict) else None
+        if not isinstance(values, list):
+            raise ValueError(
+                f"{where} answered without a list under 'rewards'; the endpoint must answer "
+                '{"rewards": [number, ...]}, one number per sample'
+            )
+        if len(values) != n:
+            raise ValueError(
+                f"{where} answered {len(values)} rewards for {n} samples; it must answer one "
+                "reward per sample, in order"
+            )
+        out = []
+        for i, v in enumerate(values):
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+            if not ok or not math.isfinite(v):
+                raise ValueError(
+                    f"{where} answered rewards[{i}] = {v!r}, not a finite number; the endpoint "
+                    "must answer finite numbers (no null, NaN or Infinity)"
+                )
+            out.append(float(v))
+        return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """One reward source: its name in the metrics, its weight and its scorer."""
+
+    name: str
+    weight: float
+    scorer: Scorer
+
+
+class CombinedReward:
+    """The weighted sum of the reward sources. Called, it returns the rewards; :meth:`score`
+    also returns each source's (unweighted) rewards."""
+
+    def __init__(self, sources: Sequence[Source], report_sources: bool) -> None:
+        self.sources = list(sources)
+        self.report_sources = report_sources  # per-source metrics (data.rewards set)
+
+    def score(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """(the weighted sum per sample, each source's rewards per sample)."""
+        parts = {s.name: s.scorer(prompts, completions, labels) for s in self.sources}
+        total = [0.0] * len(prompts)
+        for s in self.sources:
+            for i, v in enumerate(parts[s.name]):
+                total[i] += s.weight * v
+        return total, parts
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> list[float]:
+        return self.score(prompts, completions, labels)[0]
+
+
+def make_reward(
+    data: DataSpec, prompts: str, device: str = "cpu", model_dtype: str = "float32"
+) -> CombinedReward:
+    """The reward of ``data``: its ``rewards`` sources, or the ``rewardFunction`` shorthand
+    (unset: the built-in task of ``prompts``). A model source is loaded onto ``device``."""
+    if not data.rewards:
+        return CombinedReward(
+            [Source("reward", 1.0, RewardScorer(data.reward_function, prompts))], False
+        )
+    if data.reward_function is not None:
+        raise ValueError(
+            "data.rewards: rewards and rewardFunction are both set; move rewardFunction into "
+            "rewards as {function: ...}, or remove rewards"
+        )
+    sources = []
+    for i, src in enumerate(data.rewards):
+        field = f"data.rewards[{i}]"
+        scorer: Scorer
+        if src.function is not None:
+            scorer = RewardScorer(src.function, prompts, field=f"{field}.function")
+        elif src.model is not None:
+            scorer = RewardModelScorer(src.model, f"{field}.model", device, model_dtype)
+        elif src.http is not None:
+            scorer = HttpRewardScorer(src.http, f"{field}.http")
+        else:
+            raise ValueError(f"{field}: needs exactly one of function, model and http")
+        sources.append(Source(src.default_name(), src.weight, scorer))
+    names = [s.name for s in sources]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"data.rewards: two sources are named {dup!r}; give each a unique name")
+    return CombinedReward(sources, True)
+
+
+__all__ = [
+    "CombinedReward",
+    "HttpRewardScorer",
+    "RewardModelScorer",
+    "Source",
+    "make_reward",
+]
