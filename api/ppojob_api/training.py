@@ -356,7 +356,8 @@ class DynamicSampling(ApiModel):
     data.rolloutBatchSize fresh prompts) until the step has rolloutBatchSize groups with
     differing rewards, or maxRounds rounds were generated. Every step reports
     dynamic_sampling/generation_rounds, dynamic_sampling/filtered_groups (groups left out),
-    dynamic_sampling/kept_groups and dynamic_sampling/short_groups."""
+    dynamic_sampling/kept_groups and dynamic_sampling/short_groups; reward/mean is then over
+    every sample generated in the step's rounds."""
 
     max_rounds: int = Field(4, ge=1, le=64)
     """Generation rounds per step at most, the first included (1: filter, never refill). When the
@@ -430,7 +431,9 @@ class Algorithm(ApiModel):
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = (
         "token-mean"
     )
-    """How per-token losses are reduced to one number."""
+    """How per-token losses are reduced to one number. `token-mean` is DAPO's token-level
+    policy-gradient loss (arXiv 2503.14476, section 3.3): every token of the step weighs the
+    same, whatever its sample's length. GSPO's objective is `seq-mean-token-mean`."""
 
     critic_warmup_steps: int = Field(0, ge=0)
     """Steps at the start during which only the critic trains."""
