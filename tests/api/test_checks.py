@@ -25,6 +25,11 @@ from ppojob_api.checks.cluster import (
     check_gpu_precision,
     check_scheduling,
 )
+from ppojob_api.checks.dapo import (
+    check_dynamic_sampling,
+    check_overlong_shaping,
+    check_policy_loss,
+)
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
@@ -33,11 +38,6 @@ from ppojob_api.checks.megatron import (
     check_megatron_devices,
     check_megatron_splits,
     check_megatron_top_p,
-)
-from ppojob_api.checks.dapo import (
-    check_dynamic_sampling,
-    check_overlong_shaping,
-    check_policy_loss,
 )
 from ppojob_api.checks.offpolicy import check_importance_sampling, check_staleness
 from ppojob_api.checks.pods import AFFINITY_TYPES, check_pod_fields

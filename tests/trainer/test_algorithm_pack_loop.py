@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.backends.base import Generation, ShardIdentity
 from ppojob_trainer.backends.torch_backend import _micro_weights
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.workers.actor import ActorWorker, loss_rows, merge_update_metrics
-from ppojob_trainer.workers.rollout import select_groups
+from ppojob_trainer.workers.rollout import RolloutWorker, select_groups
 
 TINY = yaml.safe_load(
     (Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml").read_text()
@@ -141,3 +141,27 @@ def test_policy_loss_gspo_selects_the_sequence_level_ratio() -> None:
     assert metrics["actor/seq_ratio_mean"] == pytest.approx(
         (math.exp(0.1) + math.exp(-0.1)) / 2, rel=1e-6
     )
+
+
+def test_the_rollout_adds_the_overlong_penalty_to_the_scores_and_flags_truncation() -> None:
+    cfg = _cfg(overlongShaping={"bufferLength": 4})  # the tiny example: maxResponseLength 8
+    worker = object.__new__(RolloutWorker)
+    worker.cfg, worker.special = cfg, {2}
+    stop = 2
+    ids = torch.tensor([[5, 6, stop, 0, 0, 0, 0, 0], [5] * 5 + [stop, 0, 0], [5] * 8])
+    lengths = torch.tensor([3, 6, 8])
+    worker.engine = SimpleNamespace(
+        generate=lambda *a, **kw: Generation(ids, ids != 0, torch.zeros(3, 8), lengths)
+    )
+    worker.encode = lambda prompts: (prompts, torch.ones(3, 1, dtype=torch.long), None)
+    worker.completions = lambda response_ids: ["c"] * 3
+    worker.scorer = lambda prompts, completions, labels: [1.0, 1.0, 0.5]
+    examples = [SimpleNamespace(prompt=p, label=None) for p in ("a", "b", "c")]
+    cfg.data.samples_per_prompt = 1
+    batch, metrics = worker.generate(examples, 0, seed=0)
+    # L_max 8, L_cache 4: lengths 3 -> 0, 6 -> (4 - 6) / 4 = -0.5, 8 -> -1
+    assert batch["scores"].tolist() == pytest.approx([1.0, 0.5, -0.5])
+    assert batch["truncated"].tolist() == [False, False, True]  # only the last has no stop
+    assert metrics["reward_sum"] == pytest.approx(2.5)  # the task's reward, unshaped
+    assert metrics["overlong_penalty_sum"] == pytest.approx(-1.5)
+    assert metrics["truncated_sum"] == 1.0

@@ -47,17 +47,35 @@ def test_gspo_with_dynamic_sampling_and_overlong_shaping_runs(tmp_path, capsys) 
         "algorithm.overlongShaping={bufferLength: 4}",
     )
     for r in records:
-        rounds = r["dynamic_sampling/generation_rounds"]
+        rounds, short = r["dynamic_sampling/generation_rounds"], r["dynamic_sampling/short_groups"]
         assert 1 <= rounds <= 3
-        assert r["dynamic_sampling/kept_groups"] + r["dynamic_sampling/short_groups"] == 4
+        assert r["dynamic_sampling/kept_groups"] + short == 4
+        assert short == 0 or rounds == 3  # refilled until full, or until the cap
+    # (seed 1: the untrained model's groups often score all 0; both steps needed a 2nd round
+    # and stopped there, full)
+    assert [r["dynamic_sampling/generation_rounds"] for r in records] == [2, 2]
+    assert all(r["dynamic_sampling/filtered_groups"] > 0 for r in records)
+    for r in records:
         # the untrained model's responses often run past 4 tokens, into the buffer (4, 8]
         assert r["reward/overlong_penalty_mean"] < 0
         assert "actor/seq_ratio_mean" in r
 
 
 @pytest.mark.slow
-def test_masking_truncated_samples_runs(tmp_path, capsys) -> None:
-    records = _run(tmp_path, capsys, "algorithm.maskTruncatedSamples=true")
+def test_masking_truncated_samples_and_a_step_dynamic_sampling_cannot_fill_run(
+    tmp_path, capsys
+) -> None:
+    """One round only: the step trains on its groups with differing rewards, the rest filled
+    with filtered groups left out of the loss, like the truncated samples."""
+    records = _run(
+        tmp_path,
+        capsys,
+        "algorithm.maskTruncatedSamples=true",
+        "algorithm.dynamicSampling={maxRounds: 1}",
+    )
     # (seed 1: 4 of the first step's 64 responses are cut at maxResponseLength)
     assert records[0]["response/truncated_share"] > 0
     assert all(0 <= r["response/truncated_share"] <= 1 for r in records)
+    for r in records:
+        assert r["dynamic_sampling/generation_rounds"] == 1
+        assert r["dynamic_sampling/short_groups"] == r["dynamic_sampling/filtered_groups"] > 0
