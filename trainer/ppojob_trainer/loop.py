@@ -441,8 +441,10 @@ class PPOTrainer:
                 + [m.pop("span/end") for m in [*critic_m, *actor_m]]
             ),
         )
-        metrics = self._metrics(generated or gens, prep, critic_m, actor_m, sync_s)
-        metrics.update(ds_metrics)
+        metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
+        if generated is not None:  # the rewards and lengths of every sample generated
+            metrics.update(self._generation_metrics(generated))
+            metrics.update(ds_metrics)
         metrics["policy/version"] = float(version)
         overlap = self._overlap(train_span, generated or gens)
         if algo.kl.coefficient > 0:
@@ -566,6 +568,22 @@ class PPOTrainer:
         return interval_overlap(train_span, spans)
 
     @staticmethod
+    def _generation_metrics(gens: list[dict[str, Any]]) -> dict[str, float]:
+        """Rewards and responses of the engines' results ``gens``."""
+        n = sum(g["metrics"]["n"] for g in gens)
+
+        def mean(key: str) -> float:
+            return sum(g["metrics"].get(key, 0.0) for g in gens) / n
+
+        return {
+            "reward/mean": mean("reward_sum"),
+            "reward/overlong_penalty_mean": mean("overlong_penalty_sum"),
+            "response/length": mean("length_sum"),
+            "response/truncated_share": mean("truncated_sum"),
+            "time/generate": max(g["metrics"].get("time/generate", 0.0) for g in gens),
+        }
+
+    @staticmethod
     def _metrics(
         gens: list[dict[str, Any]],
         prep: list[tuple[Any, dict[str, float]]],
@@ -574,18 +592,8 @@ class PPOTrainer:
         sync_s: list[float],
     ) -> dict[str, float]:
         n = sum(g["metrics"]["n"] for g in gens)
-        out = {
-            "reward/mean": sum(g["metrics"]["reward_sum"] for g in gens) / n,
-            "reward/overlong_penalty_mean": sum(
-                g["metrics"].get("overlong_penalty_sum", 0.0) for g in gens
-            )
-            / n,
-            "response/length": sum(g["metrics"]["length_sum"] for g in gens) / n,
-            "response/truncated_share": sum(g["metrics"].get("truncated_sum", 0.0) for g in gens)
-            / n,
-            "time/generate": max(g["metrics"]["time/generate"] for g in gens),
-            "time/prepare": max(p[1]["time/prepare"] for p in prep),
-        }
+        out = PPOTrainer._generation_metrics(gens)
+        out["time/prepare"] = max(p[1]["time/prepare"] for p in prep)
         if any("kl_sum" in p[1] for p in prep):
             out["kl/mean"] = sum(p[1].get("kl_sum", 0.0) for p in prep) / n
         tokens = sum(p[1]["tokens"] for p in prep)

@@ -187,10 +187,11 @@ class WorkerHost:
         batches = [ray.get(g["batch"]) for g in gens]
         k = self.cfg.data.samples_per_prompt
         batch = select_groups(batches, picks, first_sample, k)
-        n = float(batch["response_ids"].shape[0])
+        # (the loop reports the rewards of every generated sample, not these picked ones)
+        metrics = {"n": float(batch["response_ids"].shape[0])}
         return {
             "batch": ray.put(batch),
-            "metrics": {"n": n},
+            "metrics": metrics,
             "span": (min(g["span"][0] for g in gens), max(g["span"][1] for g in gens)),
             "version": min(g["version"] for g in gens),
         }
