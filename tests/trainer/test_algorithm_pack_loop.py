@@ -165,3 +165,31 @@ def test_the_rollout_adds_the_overlong_penalty_to_the_scores_and_flags_truncatio
     assert metrics["reward_sum"] == pytest.approx(2.5)  # the task's reward, unshaped
     assert metrics["overlong_penalty_sum"] == pytest.approx(-1.5)
     assert metrics["truncated_sum"] == 1.0
+
+
+def test_an_update_with_no_sample_in_the_loss_is_skipped_not_taken() -> None:
+    from ppojob_api.training import TrainingSettings
+    from ppojob_trainer.backends.torch_backend import _Optimised
+
+    module = torch.nn.Linear(2, 1)
+    opt = _Optimised(module, TrainingSettings(learningRate=0.1), 4, None, 1)
+    before = [p.detach().clone() for p in module.parameters()]
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mb = {
+        "response_ids": torch.zeros(2, 3, dtype=torch.long),
+        "response_mask": mask,
+        "prompt_ids": torch.zeros(2, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(2, 1, dtype=torch.bool),
+    }
+
+    def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
+        return module(torch.ones(1, 2)).sum(), {"pg_loss": 1.0}
+
+    skipped = opt.accumulate(
+        {**mb, "loss_mask": torch.zeros_like(mask)}, 2, "token-mean", micro_loss
+    )
+    assert skipped == {"skipped_updates": 1.0} and opt.updates == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    taken = opt.accumulate({**mb, "loss_mask": mask}, 2, "token-mean", micro_loss)
+    assert "skipped_updates" not in taken and opt.updates == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
