@@ -349,6 +349,40 @@ class ImportanceSampling(ApiModel):
     """The bound C of the weights (> 1; 2 is common at level token, larger at level sequence)."""
 
 
+class DynamicSampling(ApiModel):
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO", arXiv 2503.14476): a prompt group whose
+    samples all got the same reward has zero advantage under a group estimator and teaches
+    nothing, so it is left out of the step; the trainer generates more groups (rounds of
+    data.rolloutBatchSize fresh prompts) until the step has rolloutBatchSize groups with
+    differing rewards, or maxRounds rounds were generated. Every step reports
+    dynamic_sampling/generation_rounds, dynamic_sampling/filtered_groups (groups left out),
+    dynamic_sampling/kept_groups and dynamic_sampling/short_groups; reward/mean is then over
+    every sample generated in the step's rounds."""
+
+    max_rounds: int = Field(4, ge=1, le=64)
+    """Generation rounds per step at most, the first included (1: filter, never refill). When the
+    cap is hit the step trains on the groups it has: the missing ones are filled with filtered
+    groups whose samples are left out of the loss, and dynamic_sampling/short_groups says how
+    many were missing."""
+
+
+class OverlongShaping(ApiModel):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13): with L_max =
+    data.maxResponseLength and L_cache = bufferLength, a response of |y| tokens (its stop token
+    included) gets the penalty 0 when |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache
+    inside the buffer (reaching -1 at L_max) and -1 beyond, times penaltyFactor, added to its
+    reward before advantages (and before dynamic sampling compares a group's rewards).
+    reward/mean stays the task's reward; reward/overlong_penalty_mean reports the mean
+    penalty."""
+
+    buffer_length: int = Field(ge=1, le=1_048_576)
+    """L_cache: the last this many tokens below data.maxResponseLength are the punishment
+    buffer; must be smaller than data.maxResponseLength (DAPO: 4096 of 20480)."""
+
+    penalty_factor: float = Field(1.0, gt=0, le=100)
+    """Scale of the penalty (1 in the paper)."""
+
+
 class Algorithm(ApiModel):
     """The RL algorithm: advantage estimation, clipping, KL and critic schedule."""
 
@@ -364,10 +398,12 @@ class Algorithm(ApiModel):
     """GAE lambda."""
 
     clip_range_low: float = Field(0.2, gt=0, lt=1)
-    """Lower PPO clip range: the ratio is clipped below at 1 - clipRangeLow."""
+    """Lower PPO clip range: the ratio is clipped below at 1 - clipRangeLow. Any value in
+    (0, 1), including GSPO's small ones (3e-4)."""
 
     clip_range_high: float = Field(0.2, gt=0, le=10)
-    """Upper PPO clip range: the ratio is clipped above at 1 + clipRangeHigh ("clip higher")."""
+    """Upper PPO clip range: the ratio is clipped above at 1 + clipRangeHigh ("clip higher";
+    DAPO uses 0.28 with clipRangeLow 0.2, GSPO 4e-4)."""
 
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant c > 1 bounding the loss for negative advantages. Unset disables it."""
@@ -395,7 +431,9 @@ class Algorithm(ApiModel):
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = (
         "token-mean"
     )
-    """How per-token losses are reduced to one number."""
+    """How per-token losses are reduced to one number. `token-mean` is DAPO's token-level
+    policy-gradient loss (arXiv 2503.14476, section 3.3): every token of the step weighs the
+    same, whatever its sample's length. GSPO's objective is `seq-mean-token-mean`."""
 
     critic_warmup_steps: int = Field(0, ge=0)
     """Steps at the start during which only the critic trains."""
@@ -424,6 +462,30 @@ class Algorithm(ApiModel):
     (TIS) or masked (MIS) importance weights pi_old / pi_behaviour, per token or per sequence.
     Unset: none. Every step reports is/weight_mean and is/weight_max (before truncation or
     masking) and is/capped_share (the share of tokens truncated or masked)."""
+
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """The policy objective. `ppo`: the token-level clipped ratio pi_theta / pi_old. `gspo`:
+    Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071): one
+    length-normalised ratio per sample, s_i = exp(mean over its tokens of log pi_theta -
+    log pi_old), clipped at the sequence level, with the paper's GSPO-token gradient
+    s_i,t = sg[s_i] pi_theta(y_t) / sg[pi_theta(y_t)]. GSPO's clip ranges are small (the paper
+    uses clipRangeLow 3e-4 and clipRangeHigh 4e-4; both are accepted) and its objective averages
+    each sample's tokens, then the samples (lossAggregation seq-mean-token-mean). dualClip does
+    not apply to it."""
+
+    dynamic_sampling: DynamicSampling | None = None
+    """DAPO's dynamic sampling: filter prompt groups whose rewards are all equal and generate
+    more to refill the step. Needs a group estimator (grpo, rloo,
+    reinforce_plus_plus_baseline), samplesPerPrompt >= 2 and maxStaleness 0. Unset: off."""
+
+    overlong_shaping: OverlongShaping | None = None
+    """DAPO's soft overlong punishment of responses near data.maxResponseLength. Unset: off."""
+
+    mask_truncated_samples: bool = False
+    """DAPO's overlong filtering (arXiv 2503.14476, section 3.4): samples cut at
+    data.maxResponseLength without a stop token are left out of the policy loss (their tokens
+    count neither in the loss nor in its average). A step reports response/truncated_share
+    either way."""
 
     custom_advantage_function: str | None = Field(None, pattern=HOOK_PATTERN)
     """`module:function` computing advantages and returns instead of the estimator; loaded in the

@@ -26,6 +26,11 @@ from ppojob_api.checks.cluster import (
     check_ray_memory,
     check_scheduling,
 )
+from ppojob_api.checks.dapo import (
+    check_dynamic_sampling,
+    check_overlong_shaping,
+    check_policy_loss,
+)
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
@@ -331,6 +336,51 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_importance_sampling,
         "importanceSampling alone",
         {"algorithm__importanceSampling": {"level": "sequence", "mode": "mask", "cap": 5.0}},
+        [],
+    ),
+    # --- the algorithm pack (issue 25): DAPO and GSPO against the rest of the spec
+    (
+        check_dynamic_sampling,
+        "dynamic sampling with gae, one sample per prompt, staleness",
+        {
+            "algorithm__dynamicSampling": {},
+            "algorithm__maxStaleness": 1,
+            "data__samplesPerPrompt": 1,
+        },
+        ["spec.algorithm.dynamicSampling"] * 3,
+    ),
+    (
+        check_dynamic_sampling,
+        "dynamic sampling with grpo",
+        {"algorithm__advantageEstimator": "grpo", "algorithm__dynamicSampling": {"maxRounds": 2}},
+        [],
+    ),
+    (
+        check_overlong_shaping,
+        "an overlong buffer as long as the responses",
+        {"algorithm__overlongShaping": {"bufferLength": 64}, "data__maxResponseLength": 64},
+        ["spec.algorithm.overlongShaping.bufferLength"],
+    ),
+    (
+        check_overlong_shaping,
+        "an overlong buffer below the maximum length",
+        {"algorithm__overlongShaping": {"bufferLength": 63}, "data__maxResponseLength": 64},
+        [],
+    ),
+    (
+        check_policy_loss,
+        "gspo with a dual clip",
+        {"algorithm__policyLoss": "gspo", "algorithm__dualClip": 3.0},
+        ["spec.algorithm.dualClip"],
+    ),
+    (
+        check_policy_loss,
+        "gspo with its small clip ranges",
+        {
+            "algorithm__policyLoss": "gspo",
+            "algorithm__clipRangeLow": 3e-4,
+            "algorithm__clipRangeHigh": 4e-4,
+        },
         [],
     ),
     (

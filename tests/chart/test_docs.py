@@ -211,6 +211,7 @@ def _anchors(path: Path) -> set[str]:
 @pytest.mark.parametrize("page", PAGES)
 def test_links_resolve(page: str) -> None:
     text = re.sub(r"```.*?```", "", _read(page), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)  # code spans (a pattern such as `[a-z]([a-z])`)
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"[a-z]+://", target):
             continue
@@ -332,7 +333,7 @@ def test_gpu_examples_show_what_they_promise() -> None:
 PPOJOB_BLOCKS = {
     "README.md": (1, 0),
     "docs/gang-scheduling.md": (0, 4),
-    "docs/trainer-guide.md": (0, 4),
+    "docs/trainer-guide.md": (0, 5),
 }
 # The smallest PPOJob: what a spec fragment of the docs is merged into.
 BASE: dict[str, Any] = {

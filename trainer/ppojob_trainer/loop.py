@@ -351,6 +351,10 @@ class PPOTrainer:
         self.launched = max(self.launched, window.stop)
         current = self.pending.pop(step)
         ranges, gens, engines = current.ranges, current.gens, current.engines
+        generated: list[dict[str, Any]] | None = None  # every round's results (dynamic sampling)
+        ds_metrics: dict[str, float] = {}
+        if algo.dynamic_sampling is not None:
+            ranges, gens, engines, generated, ds_metrics = self._refill(step, current)
         version = self.syncs  # the actor's weights (and, at their sync, the engines')
         # Engines sharing the actor's GPUs free their weights and KV cache for training.
         if self.offload:
@@ -438,8 +442,11 @@ class PPOTrainer:
             ),
         )
         metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
+        if generated is not None:  # the rewards and lengths of every sample generated
+            metrics.update(self._generation_metrics(generated))
+            metrics.update(ds_metrics)
         metrics["policy/version"] = float(version)
-        overlap = self._overlap(train_span, gens)
+        overlap = self._overlap(train_span, generated or gens)
         if algo.kl.coefficient > 0:
             self.kl_ctl.update(metrics.get("kl/mean", 0.0), cfg.data.samples_per_step)
             metrics["kl/coef"] = self.kl_ctl.value
@@ -449,11 +456,83 @@ class PPOTrainer:
         metrics["time/tokens_per_second"] = tokens / metrics["time/step"]
         return metrics
 
-    def _launch_generation(self, step: int) -> _Generation:
+    def _refill(
+        self, step: int, first: _Generation
+    ) -> tuple[list[tuple[int, int]], list[Any], list[int], list[dict[str, Any]], dict]:
+        """DAPO's dynamic sampling: generate rounds of fresh prompts until the step has
+        ``rolloutBatchSize`` groups whose rewards differ (or ``maxRounds`` rounds), then have
+        each engine assemble its picked groups into one rollout part. Returns the step's
+        ranges, part refs and engines, every round's (small) results, and the metrics."""
+        import ray
+
+        from .algorithms import fill_step
+
+        cfg = self.cfg
+        need, k = cfg.data.rollout_batch_size, cfg.data.samples_per_prompt
+        max_rounds = cfg.algorithm.dynamic_sampling.max_rounds  # type: ignore[union-attr]
+        rounds: list[_Generation] = []
+        results: list[list[dict[str, Any]]] = []
+        kept = 0
+        while not rounds or (kept < need and len(rounds) < max_rounds):
+            gen = first if not rounds else self._launch_generation(step, len(rounds))
+            wait_or_name(
+                [("rollout", e, "generate", r) for e, r in zip(gen.engines, gen.gens, strict=True)],
+                cfg.stall_timeout_seconds,
+            )
+            rounds.append(gen)
+            results.append(ray.get(gen.gens))
+            kept += sum(len(res["informative"]) for res in results[-1])
+        fill = fill_step(
+            [
+                (
+                    [g for res in round_ for g in res["groups"]],
+                    [g for res in round_ for g in res["informative"]],
+                )
+                for round_ in results
+            ],
+            need,
+        )
+        # which engine generated each group of each round, and its result's place per engine
+        owner: dict[tuple[int, int], tuple[int, int]] = {}
+        per_engine: dict[int, list[Any]] = {}
+        for r, (gen, round_) in enumerate(zip(rounds, results, strict=True)):
+            for e, ref, res in zip(gen.engines, gen.gens, round_, strict=True):
+                refs = per_engine.setdefault(e, [])
+                for g in res["groups"]:
+                    owner[(r, g)] = (e, len(refs))
+                refs.append(ref)
+        picks: dict[int, list[tuple[int, int, bool]]] = {}
+        for r, g, in_loss in fill.picked:
+            e, pos = owner[(r, g)]
+            picks.setdefault(e, []).append((pos, g, in_loss))
+        ranges, parts, engines = [], [], []
+        lo = 0
+        for e in sorted(picks):
+            hi = lo + len(picks[e]) * k
+            host = self.hosts["rollout"][e]
+            parts.append(host.select_groups.remote(lo, picks[e], *per_engine[e]))
+            ranges.append((lo, hi))
+            engines.append(e)
+            lo = hi
+        metrics = {
+            "dynamic_sampling/generation_rounds": float(len(rounds)),
+            "dynamic_sampling/filtered_groups": float(fill.filtered),
+            "dynamic_sampling/kept_groups": float(need - fill.short),
+            "dynamic_sampling/short_groups": float(fill.short),
+        }
+        generated = [res for round_ in results for res in round_]
+        # rounds run one after another: generation time is their sum
+        metrics["time/generate"] = sum(
+            max(res["metrics"]["time/generate"] for res in round_) for round_ in results
+        )
+        return ranges, parts, engines, generated, metrics
+
+    def _launch_generation(self, step: int, round_: int = 0) -> _Generation:
         """Draw step ``step``'s prompts and launch their generation: each engine samples a
         contiguous range of prompts (an engine left without prompts sits the step out). An
         engine runs its calls in order, so it generates with the weights of the last sync
-        launched before this call."""
+        launched before this call. ``round_``: dynamic sampling's extra rounds of a step draw
+        fresh prompts, numbered after the earlier rounds' (group ids stay distinct)."""
         cfg = self.cfg
         n_prompts = cfg.data.rollout_batch_size
         k = cfg.data.samples_per_prompt
@@ -462,11 +541,13 @@ class PPOTrainer:
             data_state = (self.data_rng.getstate(), self.task.state())
         examples = self.task.sample(n_prompts, self.data_rng)
         parts, engines = [], []
+        offset = round_ * n_prompts
         for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
             if p_lo == p_hi:
                 continue
+            seed = _step_seed(cfg.training.seed, step, e + 1_000 * round_)
             ref = self.hosts["rollout"][e].generate.remote(
-                examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
+                examples[p_lo:p_hi], (offset + p_lo) * k, seed
             )
             parts.append((p_lo * k, p_hi * k, ref))
             engines.append(e)
@@ -487,6 +568,26 @@ class PPOTrainer:
         return interval_overlap(train_span, spans)
 
     @staticmethod
+    def _generation_metrics(gens: list[dict[str, Any]]) -> dict[str, float]:
+        """Rewards and responses of the engines' results ``gens``."""
+        n = sum(g["metrics"]["n"] for g in gens)
+
+        def mean(key: str) -> float:
+            return sum(g["metrics"].get(key, 0.0) for g in gens) / n
+
+        out = {
+            "reward/mean": mean("reward_sum"),
+            "reward/overlong_penalty_mean": mean("overlong_penalty_sum"),
+            "response/length": mean("length_sum"),
+            "response/truncated_share": mean("truncated_sum"),
+            "time/generate": max(g["metrics"].get("time/generate", 0.0) for g in gens),
+        }
+        for key in gens[0]["metrics"]:  # data.rewards: each source's unweighted mean
+            if key.startswith("reward_sum/"):
+                out[f"reward/{key.removeprefix('reward_sum/')}_mean"] = mean(key)
+        return out
+
+    @staticmethod
     def _metrics(
         gens: list[dict[str, Any]],
         prep: list[tuple[Any, dict[str, float]]],
@@ -495,16 +596,8 @@ class PPOTrainer:
         sync_s: list[float],
     ) -> dict[str, float]:
         n = sum(g["metrics"]["n"] for g in gens)
-        out = {
-            "reward/mean": sum(g["metrics"]["reward_sum"] for g in gens) / n,
-            "response/length": sum(g["metrics"]["length_sum"] for g in gens) / n,
-            "time/generate": max(g["metrics"]["time/generate"] for g in gens),
-            "time/prepare": max(p[1]["time/prepare"] for p in prep),
-        }
-        for key in gens[0]["metrics"]:  # data.rewards: each source's unweighted mean
-            if key.startswith("reward_sum/"):
-                name = key.removeprefix("reward_sum/")
-                out[f"reward/{name}_mean"] = sum(g["metrics"][key] for g in gens) / n
+        out = PPOTrainer._generation_metrics(gens)
+        out["time/prepare"] = max(p[1]["time/prepare"] for p in prep)
         if any("kl_sum" in p[1] for p in prep):
             out["kl/mean"] = sum(p[1].get("kl_sum", 0.0) for p in prep) / n
         tokens = sum(p[1]["tokens"] for p in prep)

@@ -21,6 +21,11 @@ from ppojob_api.checks.cluster import (
     check_ray_memory,
     check_scheduling,
 )
+from ppojob_api.checks.dapo import (
+    check_dynamic_sampling,
+    check_overlong_shaping,
+    check_policy_loss,
+)
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
@@ -65,6 +70,9 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_sglang_top_p_tis,
     check_staleness,
     check_importance_sampling,
+    check_dynamic_sampling,
+    check_overlong_shaping,
+    check_policy_loss,
     check_megatron_devices,
     check_megatron_splits,
     check_megatron_colocated_critic,

@@ -13,6 +13,7 @@ from .advantages import (
     register_advantage_estimator,
     shape_token_rewards,
 )
+from .dapo import StepFill, fill_step, informative_groups, overlong_penalty, truncated_rows
 from .hooks import function_name, load_function, run_custom_advantage, validate_rewards
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate
 from .losses import (
@@ -20,6 +21,7 @@ from .losses import (
     aggregate_loss,
     aggregation_count,
     entropy_from_logits,
+    gspo_policy_loss,
     kl_loss,
     policy_loss,
     value_loss,
@@ -41,6 +43,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "StalenessError",
+    "StepFill",
     "StepPlan",
     "aggregate_loss",
     "aggregation_count",
@@ -48,10 +51,13 @@ __all__ = [
     "compute_gae",
     "discounted_reverse_cumsum",
     "entropy_from_logits",
+    "fill_step",
     "function_name",
     "generation_window",
     "get_advantage_estimator",
+    "gspo_policy_loss",
     "importance_weights",
+    "informative_groups",
     "interval_overlap",
     "kl_estimate",
     "kl_loss",
@@ -61,6 +67,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "nucleus_mask",
+    "overlong_penalty",
     "plan_step",
     "policy_loss",
     "register_advantage_estimator",
@@ -69,6 +76,7 @@ __all__ = [
     "sampling_logprobs",
     "shape_token_rewards",
     "staleness_stats",
+    "truncated_rows",
     "validate_rewards",
     "value_loss",
 ]

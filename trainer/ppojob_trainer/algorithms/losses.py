@@ -27,6 +27,7 @@ __all__ = [
     "aggregate_loss",
     "aggregation_count",
     "entropy_from_logits",
+    "gspo_policy_loss",
     "kl_loss",
     "policy_loss",
     "value_loss",
@@ -135,20 +136,125 @@ def policy_loss(
     fn = "policy_loss"
     if agg not in AGG_MODES:
         raise ValueError(f"{fn}: unknown agg {agg!r}; expected one of {AGG_MODES}")
+    _check_clips(fn, clip_low, clip_high, dual_clip)
+    m = _check_inputs(fn, logprobs, old_logprobs, advantages, mask, entropy, weights)
+    log_ratio = _zero(logprobs - old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _surrogate(
+        log_ratio,
+        advantages,
+        m,
+        clip_low,
+        clip_high,
+        dual_clip,
+        agg,
+        entropy=entropy,
+        entropy_coef=entropy_coef,
+        weights=weights,
+    )
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    *,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO's clipped surrogate (Zheng et al. 2025, arXiv 2507.18071), in its GSPO-token form.
+
+    Per sample i, the length-normalised sequence ratio over its response tokens::
+
+        s_i = exp( (1 / |y_i|) * sum_t (logprobs_it - old_logprobs_it) )
+
+    and per token ``s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]``: its value is s_i (so clipping
+    happens per sequence), its gradient with respect to token t's log-prob is s_i (eq. 17)::
+
+        l_it = max(-A_it * s_it, -A_it * clamp(s_it, 1 - clip_low, 1 + clip_high))
+
+    then aggregated with ``agg`` (the paper: ``seq-mean-token-mean``). With every token of a
+    sample given the same advantage, the gradient equals GSPO's sequence-level one (eq. 10).
+    ``entropy``, ``entropy_coef`` and ``weights`` as in :func:`policy_loss`; metrics as there
+    (``clip_frac`` counts the tokens of clipped sequences; ``dual_clip_frac`` is 0) plus
+    ``seq_ratio_mean``: the mean of s_i over samples with a response token.
+    """
+    fn = "gspo_policy_loss"
+    if agg not in AGG_MODES:
+        raise ValueError(f"{fn}: unknown agg {agg!r}; expected one of {AGG_MODES}")
+    _check_clips(fn, clip_low, clip_high, None)
+    m = _check_inputs(fn, logprobs, old_logprobs, advantages, mask, entropy, weights)
+    token_log_ratio = _zero(logprobs - old_logprobs, m)
+    counts = m.sum(dim=1, keepdim=True)
+    seq_log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / counts.clamp_min(1)
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # value sg[log s_i]; gradient that of log pi(y_it) (GSPO-token)
+    lp = _zero(logprobs, m)
+    log_ratio = _zero(seq_log_ratio.detach() + lp - lp.detach(), m)
+    loss, metrics = _surrogate(
+        log_ratio,
+        advantages,
+        m,
+        clip_low,
+        clip_high,
+        None,
+        agg,
+        entropy=entropy,
+        entropy_coef=entropy_coef,
+        weights=weights,
+    )
+    # approx_kl stays the token-level k1 estimate of KL(old || new)
+    metrics["approx_kl"] = (_zero(-token_log_ratio, m).sum() / m.sum()).detach().to(torch.float32)
+    has = counts.squeeze(1) > 0
+    ratio = torch.exp(seq_log_ratio.squeeze(1).detach())
+    metrics["seq_ratio_mean"] = (_zero(ratio, has).sum() / has.sum()).to(torch.float32)
+    return loss, metrics
+
+
+def _check_clips(fn: str, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
     if not (0.0 <= float(clip_low) < 1.0):
         raise ValueError(f"{fn}: clip_low must be in [0, 1), got {clip_low!r}")
     if not (float(clip_high) >= 0.0 and math.isfinite(float(clip_high))):
         raise ValueError(f"{fn}: clip_high must be a finite number >= 0, got {clip_high!r}")
     if dual_clip is not None and not (float(dual_clip) > 1.0 and math.isfinite(dual_clip)):
         raise ValueError(f"{fn}: dual_clip must be a finite number > 1, got {dual_clip!r}")
+
+
+def _check_inputs(
+    fn: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
     if entropy is not None:
         tensors["entropy"] = entropy
     if weights is not None:
         tensors["weights"] = weights
-    m = _check_same(fn, mask, **tensors)
+    return _check_same(fn, mask, **tensors)
 
-    log_ratio = _zero(logprobs - old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+def _surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    m: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg: str,
+    *,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate of a per-token log-ratio (0 off the mask), aggregated."""
     ratio = torch.exp(log_ratio)
     adv = _zero(advantages, m)
     pg1 = -adv * ratio

@@ -434,13 +434,16 @@ class _Sharded:
 
         n = minibatch["response_ids"].shape[0]
         slices = _split(n, micro)
-        mask = minibatch.get("response_mask")
+        mask = minibatch.get("loss_mask", minibatch.get("response_mask"))
         counts = (
             [float(sl.stop - sl.start) for sl in slices]
             if mask is None
             else [float(aggregation_count(mask[sl], agg)) for sl in slices]
         )
-        weights = self._micro_weights(counts, self._dp_sum(sum(counts)))
+        total = self._dp_sum(sum(counts))
+        if total == 0 and "loss_mask" in minibatch:  # every sample left out of the loss
+            return {"skipped_updates": 1.0}
+        weights = self._micro_weights(counts, total)
         state = {"i": 0}
 
         def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:

@@ -492,17 +492,21 @@ def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: 
 
 def _micro_weights(
     minibatch: Mapping[str, torch.Tensor], slices: Sequence[torch.Tensor], agg: str, opt: _Optimised
-) -> list[float]:
+) -> list[float] | None:
     """:func:`accumulation_weights` of the micro-batches (row indices ``slices``) of
-    ``minibatch``."""
+    ``minibatch``, counted over its ``loss_mask`` when it has one (samples left out of the
+    loss); None when no worker's mini-batch has anything in the loss."""
     from ..algorithms import aggregation_count
 
-    mask = minibatch.get("response_mask")
+    mask = minibatch.get("loss_mask", minibatch.get("response_mask"))
     if mask is None:  # a loss without a mask: each row counts once
         counts = [float(len(sl)) for sl in slices]
     else:
         counts = [float(aggregation_count(mask[sl], agg)) for sl in slices]
-    return accumulation_weights(counts, opt.global_count(sum(counts)), opt.dp_size)
+    total = opt.global_count(sum(counts))
+    if total == 0 and "loss_mask" in minibatch:
+        return None
+    return accumulation_weights(counts, total, opt.dp_size)
 
 
 class _Optimised:
@@ -618,6 +622,8 @@ class _Optimised:
         )
         parts = []
         weights = _micro_weights(minibatch, slices, agg, self)
+        if weights is None:  # every sample of the mini-batch is left out of the loss
+            return {"skipped_updates": 1.0}
         for i, (sl, scale) in enumerate(zip(slices, weights, strict=True)):
             if self.sharded:  # reduce-scatter the gradients once, after the last micro-batch
                 self.module.set_requires_gradient_sync(i == len(slices) - 1)

@@ -272,6 +272,31 @@ def shard_advantages(
     return adv[lo:hi, :local_width], ret[lo:hi, :local_width]
 
 
+def loss_rows(batch: Mapping[str, torch.Tensor], algo: Algorithm) -> torch.Tensor | None:
+    """[b] bool: the samples the policy loss takes, or None for all of them. Left out: samples
+    cut at maxResponseLength (``maskTruncatedSamples``, DAPO's overlong filtering) and the
+    fillers of a step that dynamic sampling could not fill (``in_loss`` false)."""
+    keep = None
+    if algo.mask_truncated_samples and "truncated" in batch:
+        keep = ~batch["truncated"].bool()
+    if "in_loss" in batch:
+        in_loss = batch["in_loss"].bool()
+        keep = in_loss if keep is None else keep & in_loss
+    return keep
+
+
+def merge_update_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The metrics of a step's updates: each key's mean over the updates that report it;
+    ``*/skipped_updates`` (updates left out because no sample of their mini-batch was in the
+    loss) summed."""
+    keys = dict.fromkeys(k for p in parts for k in p)
+    out = {}
+    for k in keys:
+        vals = [p[k] for p in parts if k in p]
+        out[k] = sum(vals) if k.endswith("skipped_updates") else sum(vals) / len(vals)
+    return out
+
+
 class ActorWorker:
     """Role logic of one actor (policy) worker."""
 
@@ -407,9 +432,12 @@ class ActorWorker:
         cfg, algo = self.cfg, self.cfg.algorithm
         tr = cfg.training
         source = self.whole if self.whole is not None else self.batch
-        skip = ("values", "returns", "versions")
+        skip = ("values", "returns", "versions", "truncated", "in_loss")
         batch = {k: v for k, v in source.items() if k not in skip}
         batch["response_mask"] = batch["response_mask"].bool()
+        keep = loss_rows(source, algo)
+        if keep is not None:  # samples left out of the loss keep their tokens for the forward
+            batch["loss_mask"] = batch["response_mask"] & keep.unsqueeze(1)
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
         micro = tr.micro_batch_size or mini
         kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"
@@ -425,19 +453,31 @@ class ActorWorker:
                 weights = A.rollout_is_weights(
                     mb["old_logprobs"], mb["rollout_logprobs"], tis_cap
                 ).to(logp.device)
-            loss, m = A.policy_loss(
-                logp,
-                mb["old_logprobs"],
-                mb["advantages"],
-                mb["response_mask"],
-                algo.clip_range_low,
-                algo.clip_range_high,
-                algo.dual_clip,
+            mask = mb.get("loss_mask")
+            if mask is None or not bool(mask.any()):
+                # (a micro-batch with no sample in the loss weighs 0: any finite loss will do)
+                mask = mb["response_mask"]
+            clip = (algo.clip_range_low, algo.clip_range_high)
+            common = dict(
                 agg=algo.loss_aggregation,
                 entropy=ent,
                 entropy_coef=algo.entropy_coefficient,
                 weights=weights,
             )
+            if algo.policy_loss == "gspo":
+                loss, m = A.gspo_policy_loss(
+                    logp, mb["old_logprobs"], mb["advantages"], mask, *clip, **common
+                )
+            else:
+                loss, m = A.policy_loss(
+                    logp,
+                    mb["old_logprobs"],
+                    mb["advantages"],
+                    mask,
+                    *clip,
+                    algo.dual_clip,
+                    **common,
+                )
             # metrics stay tensors on the device: the backend reads them once per update
             metrics = {f"actor/{k}": v for k, v in m.items()}
             metrics["actor/pg_loss"] = loss.detach()
@@ -445,7 +485,7 @@ class ActorWorker:
                 kll = A.kl_loss(
                     logp,
                     mb["ref_logprobs"],
-                    mb["response_mask"],
+                    mask,
                     algo.kl.estimator,
                     algo.loss_aggregation,
                 )
@@ -461,4 +501,4 @@ class ActorWorker:
                 mb = {k: v[idx] for k, v in batch.items()}
                 out = self.trainer.update(mb, loss_fn, micro, agg=algo.loss_aggregation)
                 parts.append(role_metrics(out, "actor"))
-        return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+        return merge_update_metrics(parts)

@@ -164,11 +164,36 @@ class WorkerHost:
         metrics["time/generate"] = time.perf_counter() - t0
         # (wall-clock span and version: the driver measures generation/training overlap)
         span = (wall0, time.time())
+        from ..algorithms.dapo import informative_groups
+
         return {
             "batch": ray.put(batch),
             "metrics": metrics,
             "span": span,
             "version": self.policy_version,
+            # (group ids, and those whose rewards differ: dynamic sampling's filter)
+            "groups": batch["group_ids"].unique_consecutive().tolist(),
+            "informative": informative_groups(batch["scores"], batch["group_ids"]),
+        }
+
+    def select_groups(
+        self, first_sample: int, picks: list[tuple[int, int, bool]], *gens: Any
+    ) -> dict[str, Any]:
+        """Dynamic sampling: one rollout part of the step from the picked groups of this
+        engine's generation rounds ``gens`` (``picks``: index into ``gens``, group id, in the
+        loss), numbered from ``first_sample``."""
+        from .rollout import select_groups
+
+        batches = [ray.get(g["batch"]) for g in gens]
+        k = self.cfg.data.samples_per_prompt
+        batch = select_groups(batches, picks, first_sample, k)
+        # (the loop reports the rewards of every generated sample, not these picked ones)
+        metrics = {"n": float(batch["response_ids"].shape[0])}
+        return {
+            "batch": ray.put(batch),
+            "metrics": metrics,
+            "span": (min(g["span"][0] for g in gens), max(g["span"][1] for g in gens)),
+            "version": min(g["version"] for g in gens),
         }
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:

@@ -3,8 +3,10 @@
 A rollout batch is a dict of CPU tensors for a contiguous range of the step's samples:
 ``prompt_ids``/``prompt_mask`` [b, P] (left-padded), ``response_ids``/``response_mask`` [b, T],
 ``rollout_logprobs`` [b, T], ``versions`` [b, T] (the policy version of each token),
-``lengths`` [b], ``scores`` [b] float32, ``group_ids`` [b] and
-``sample_idx`` [b] (global sample numbers).
+``lengths`` [b], ``scores`` [b] float32 (the reward, plus DAPO's overlong penalty when
+``algorithm.overlongShaping`` is set), ``truncated`` [b] bool (cut at maxResponseLength without a
+stop token), ``group_ids`` [b] and ``sample_idx`` [b] (global sample numbers). A step assembled by
+dynamic sampling (:func:`select_groups`) also has ``in_loss`` [b] bool.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 
+from ..algorithms.dapo import overlong_penalty, truncated_rows
 from ..backends.base import GenerationEngine, ShardIdentity
 from ..models import load_tokenizer
 from ..rewards import make_reward
@@ -179,6 +182,16 @@ class RolloutWorker:
         )
         total, parts = self.scorer.score(prompts, self.completions(gen.response_ids), labels)
         scores = torch.tensor(total, dtype=torch.float32)
+        max_len = self.cfg.data.max_response_length
+        truncated = truncated_rows(gen.response_ids, gen.lengths, max_len, sorted(self.special))
+        reward = scores
+        shaping = self.cfg.algorithm.overlong_shaping
+        penalty = torch.zeros_like(scores)
+        if shaping is not None:  # DAPO's soft overlong punishment, added before advantages
+            penalty = overlong_penalty(
+                gen.lengths, max_len, shaping.buffer_length, shaping.penalty_factor
+            )
+            scores = scores + penalty
         idx = torch.arange(first_sample, first_sample + len(prompts))
         batch = {
             "prompt_ids": ids,
@@ -193,11 +206,14 @@ class RolloutWorker:
             ),
             "lengths": gen.lengths,
             "scores": scores,
+            "truncated": truncated,
             "group_ids": idx // k,
             "sample_idx": idx,
         }
         metrics = {
-            "reward_sum": float(scores.sum()),
+            "reward_sum": float(reward.sum()),
+            "overlong_penalty_sum": float(penalty.sum()),
+            "truncated_sum": float(truncated.sum()),
             "length_sum": float(gen.lengths.sum()),
             "n": float(len(prompts)),
         }
@@ -248,3 +264,28 @@ def cat_batches(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 def slice_batch(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
     """Rows ``lo:hi`` of every tensor of a batch."""
     return {k: v[lo:hi] for k, v in batch.items()}
+
+
+def select_groups(
+    batches: list[dict[str, torch.Tensor]],
+    picks: list[tuple[int, int, bool]],
+    first_sample: int,
+    group_size: int,
+) -> dict[str, torch.Tensor]:
+    """Dynamic sampling: the rows of the picked groups, ``(batch index, group id, in the loss)``
+    each, in the order picked, renumbered as samples ``first_sample...`` (groups
+    ``first_sample // group_size...``), with ``in_loss`` [b] bool per row."""
+    parts = []
+    for b, gid, in_loss in picks:
+        batch = batches[b]
+        rows = (batch["group_ids"] == gid).nonzero().squeeze(1)
+        if len(rows) != group_size:
+            raise ValueError(f"select_groups: group {gid} has {len(rows)} rows, not {group_size}")
+        part = {key: v[rows] for key, v in batch.items()}
+        part["in_loss"] = torch.full((len(rows),), bool(in_loss), dtype=torch.bool)
+        parts.append(part)
+    out = cat_batches(parts)
+    idx = torch.arange(first_sample, first_sample + out["response_ids"].shape[0])
+    out["sample_idx"] = idx
+    out["group_ids"] = idx // group_size
+    return out
