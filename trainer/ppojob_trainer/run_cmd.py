@@ -157,39 +157,41 @@ def train_locally(
     import ray
 
     owns_ray = not ray.is_initialized()  # a caller's (e.g. a test's) Ray is left running
+    # The run's last line (and exit code) is printed once Ray is down: a worker's log lines that
+    # Ray forwards late must not come after it.
+    ending: tuple[str, int] | None = None
     try:
         start_local_ray(num_cpus=num_cpus)
         result = train(cfg, out_dir, reporter)
     except Preempted as exc:
         reporter.fail(f"{exc.reason}: {exc}")
-        print(f"ppojob run: {exc.reason}: {exc}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        ending = f"ppojob run: {exc.reason}: {exc}", PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         reporter.fail("interrupted")  # ends the progress bar's line first
-        print(
+        ending = (
             "ppojob run: interrupted; run the same command again to resume from the newest "
             "checkpoint",
-            file=sys.stderr,
+            130,
         )
-        return 130
     except PlacementError as exc:
         reporter.fail(str(exc))
-        print(
+        ending = (
             f"ppojob run: cannot place the job on the local Ray: {exc}\n  locally: --num-cpus N "
             "gives the local Ray N logical CPUs (default: this machine's count)",
-            file=sys.stderr,
+            2,
         )
-        return 2
     except Exception as exc:
         log.debug("training failed", exc_info=True)
         message = describe_failure(exc)
         reporter.fail(message)
         head = "" if isinstance(exc, StartupError) else "training failed: "
-        print(f"ppojob run: {head}{message}", file=sys.stderr)
-        return 2
+        ending = f"ppojob run: {head}{message}", 2
     finally:
         if owns_ray:
             shutdown_ray()
+    if ending is not None:
+        print(ending[0], file=sys.stderr)
+        return ending[1]
     print(format_summary(cfg, result, out_dir, time.monotonic() - t0))
     return 0
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
@@ -697,12 +698,13 @@ class _Optimised:
         opts = StateDictOptions(ignore_frozen_params=self.frozen)
         model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(self.updates)}
-        dcp.save(
-            state,
-            checkpoint_id=str(directory),
-            process_group=self.group,
-            no_dist=self.group is None,
-        )
+        with _single_process_dcp(self.group is None):
+            dcp.save(
+                state,
+                checkpoint_id=str(directory),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
         self._forget_unstepped_state()
 
     def load_checkpoint(self, directory: Path | str) -> None:
@@ -717,12 +719,13 @@ class _Optimised:
         opts = StateDictOptions(ignore_frozen_params=self.frozen, strict=not self.frozen)
         model, optim = get_state_dict(self.module, self.optimizer, options=opts)
         state = {"model": model, "optimizer": optim, "updates": torch.tensor(0)}
-        dcp.load(
-            state,
-            checkpoint_id=str(directory),
-            process_group=self.group,
-            no_dist=self.group is None,
-        )
+        with _single_process_dcp(self.group is None):
+            dcp.load(
+                state,
+                checkpoint_id=str(directory),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
         set_state_dict(
             self.module,
             self.optimizer,
@@ -1384,3 +1387,15 @@ __all__ = [
     "top_p_filter",
     "trim_padding",
 ]
+
+
+@contextmanager
+def _single_process_dcp(single: bool) -> Iterator[None]:
+    """``torch.distributed.checkpoint`` with ``no_dist=True`` warns that it assumes one process;
+    a worker without a group is one process on purpose, so that warning is noise in its log."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled", category=UserWarning
+            )
+        yield
