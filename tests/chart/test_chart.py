@@ -227,9 +227,16 @@ def test_namespaced_rbac_splits_operator_rules(render) -> None:
     namespaces = ["team-a", "team-b"]
     objs = render(values={"watchNamespaces": namespaces})
     namespaced = [r for r in OPERATOR_RULES if not _is_cluster_scoped(r)]
-    crd_rules = [r for r in OPERATOR_RULES if "customresourcedefinitions" in r["resources"]]
+    cluster_rules = [r for r in OPERATOR_RULES if _is_cluster_scoped(r)]
     (cluster_role,) = _operator_rbac(objs, "ClusterRole")
-    assert cluster_role["rules"] == crd_rules, "namespaced mode: only kopf's CRD reads cluster-wide"
+    # namespaced mode: only kopf's reads of CRDs and namespaces cluster-wide (kopf lists and
+    # watches namespaces whenever it is not cluster-wide: kopf/_core/reactor/observation.py)
+    assert cluster_role["rules"] == cluster_rules
+    assert {res for r in cluster_role["rules"] for res in r["resources"]} == {
+        "customresourcedefinitions",
+        "namespaces",
+    }
+    assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
     roles = _operator_rbac(objs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
     for role in roles:
@@ -239,11 +246,9 @@ def test_namespaced_rbac_splits_operator_rules(render) -> None:
     for b in bindings:
         assert b["roleRef"]["kind"] == "Role"
         assert b["subjects"][0]["namespace"] == "ppojob-system"
-    # Together they grant every operator permission except watching Namespace objects, which
-    # kopf needs only when it watches the whole cluster.
+    # Together they grant every operator permission.
     granted = _triples(cluster_role["rules"]) | _triples(roles[0]["rules"])
-    wanted = _triples([r for r in OPERATOR_RULES if "namespaces" not in r["resources"]])
-    assert granted == wanted
+    assert granted == _triples(OPERATOR_RULES)
 
 
 def test_operator_rules_use_only_known_scopes() -> None:

@@ -37,9 +37,19 @@ _current: dict[str, Any] = {}
 class OperatorProcess:
     """`ppojob-operator` as a subprocess with the chart's ServiceAccount token."""
 
-    def __init__(self, cp: ControlPlane, kubeconfig: Path, extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        cp: ControlPlane,
+        kubeconfig: Path,
+        extra_args: list[str] | None = None,
+        namespaces: list[str] | None = None,
+        name: str = "ppojob-operator",
+    ):
         self.cp, self.kubeconfig = cp, kubeconfig
         self.extra_args = extra_args or []
+        # the chart's args: --all-namespaces, or one --namespace per watched namespace
+        self.scope = [f"--namespace={n}" for n in namespaces or []] or ["--all-namespaces"]
+        self.name = name
         self.comp: Component | None = None
         self.starts = 0
 
@@ -51,16 +61,17 @@ class OperatorProcess:
         )
         env["PYTHONUNBUFFERED"] = "1"
         self.starts += 1
-        name = "ppojob-operator" if self.starts == 1 else f"ppojob-operator-{self.starts}"
+        name = self.name if self.starts == 1 else f"{self.name}-{self.starts}"
+        health = free_port()
         self.comp = Component(
             name,
             [
                 sys.executable,
                 "-m",
                 "ppojob_operator",
-                "--all-namespaces",
+                *self.scope,
                 "--metrics-port=0",
-                f"--health-port={free_port()}",
+                f"--health-port={health}",
                 "--listen-address=127.0.0.1",
                 "--log-level=INFO",
                 *self.extra_args,
@@ -70,7 +81,6 @@ class OperatorProcess:
         )
         self.comp.start()
         self.cp.components[name] = self.comp
-        health = int(self.comp.argv[5].split("=")[1])
 
         def live() -> bool:
             assert self.comp is not None
@@ -91,12 +101,15 @@ class OperatorProcess:
             self.comp.stop()
 
 
-def chart_rbac(cp: ControlPlane) -> list[dict[str, Any]]:
-    """The chart's ServiceAccount and RBAC objects, rendered by helm."""
+def chart_rbac(
+    cp: ControlPlane, release: str = RELEASE, namespace: str = OPERATOR_NS, *values: str
+) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount and RBAC objects, rendered by helm (``values``: --set ...)."""
     import subprocess
 
+    sets = [a for v in values for a in ("--set", v)]
     proc = subprocess.run(
-        [str(cp.helm_bin), "template", RELEASE, str(CHART), "--namespace", OPERATOR_NS],
+        [str(cp.helm_bin), "template", release, str(CHART), "--namespace", namespace, *sets],
         capture_output=True,
         text=True,
         check=True,
