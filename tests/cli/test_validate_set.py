@@ -38,3 +38,21 @@ def test_malformed_and_pointless_overrides_name_the_flag(capsys) -> None:
     assert "--unset roles.nothing: the manifest has no spec.roles.nothing" in (
         capsys.readouterr().err
     )
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning_naming_the_field_set(capsys) -> None:
+    """lrWarmupSteps >= the optimizer updates of the whole run (the tiny example: 500 steps x
+    1 epoch x 2 mini-batches = 1000): valid, with a warning on the field the user wrote."""
+    assert main(["validate", TINY, "--set", "training.lrWarmupSteps=999"]) == 0
+    assert "lrWarmupSteps" not in capsys.readouterr().err
+    assert main(["validate", TINY, "--set", "training.lrWarmupSteps=1000"]) == 0
+    err = capsys.readouterr().err
+    actor, critic = [line for line in err.splitlines() if "warning:" in line]
+    assert "spec.training.lrWarmupSteps: 1000 warm-up updates, but the actor makes only 1000" in (
+        actor
+    )
+    assert "spec.training.lrWarmupSteps" in critic and "the critic makes only 1000" in critic
+    overrides = "roles.critic.overrides.lrWarmupSteps=4000"
+    assert main(["validate", TINY, "--set", overrides]) == 0
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert "spec.roles.critic.overrides.lrWarmupSteps: 4000" in line
