@@ -5,6 +5,7 @@ types)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import re
 from collections.abc import Sequence
@@ -130,3 +131,26 @@ def apply_spec_overrides(
     if problems:
         raise SpecError(problems)
     return out
+
+
+def add_set_arguments(parser: argparse.ArgumentParser, what: str = "set") -> None:
+    """``--set KEY=VALUE`` and ``--unset KEY`` (into ``sets`` and ``unsets``) of a command;
+    ``what`` starts their help ("set" for run, "check every job with" for validate)."""
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"{what} a spec field set before validation, e.g. --set "
+        "algorithm.advantageEstimator=grpo (VALUE is YAML; repeatable)",
+    )
+    parser.add_argument(
+        "--unset",
+        dest="unsets",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"{what} a spec field removed (it takes its default), e.g. --unset roles.critic; "
+        "repeatable",
+    )

@@ -176,6 +176,7 @@ VALIDATE_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppojob_api.setflags import add_set_arguments
     from ppojob_operator.scheduling import GANG_SCHEDULERS
 
     parser = argparse.ArgumentParser(
@@ -194,24 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print each job's memory plan (GiB per GPU) and time plan (seconds per step "
         "and for the job, with its assumptions)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="check every job with a spec field set, as `ppojob run --set` would run it, e.g. "
-        "--set algorithm.advantageEstimator=grpo (VALUE is YAML; repeatable)",
-    )
-    p.add_argument(
-        "--unset",
-        dest="unsets",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="check every job with a spec field removed (it takes its default), e.g. --unset "
-        "roles.critic; repeatable",
-    )
+    add_set_arguments(p, "check every job with")
     p.set_defaults(func=_cmd_validate)
     p = sub.add_parser(
         "crd",

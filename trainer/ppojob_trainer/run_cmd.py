@@ -29,6 +29,8 @@ log = logging.getLogger("ppojob_trainer.run")
 
 def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `run` subcommand to `ppojob`'s subparsers; it dispatches via `args.func`."""
+    from ppojob_api.setflags import add_set_arguments
+
     p = subparsers.add_parser(
         "run",
         help="train a PPOJob manifest locally (Ray bound to 127.0.0.1)",
@@ -45,23 +47,7 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="output directory (default: ./ppojob-out/<metadata.name>)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set a spec field before validation, e.g. --set algorithm.advantageEstimator=grpo "
-        "(VALUE is YAML; repeatable)",
-    )
-    p.add_argument(
-        "--unset",
-        dest="unsets",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="remove a spec field (it takes its default), e.g. --unset roles.critic; repeatable",
-    )
+    add_set_arguments(p, "run with")
     p.add_argument(
         "--num-cpus",
         metavar="N",
