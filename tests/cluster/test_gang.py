@@ -110,3 +110,38 @@ def test_gang_is_all_or_nothing(cp, operator, ns):
     )
     assert not [x["metadata"]["name"] for x in pods(cp, "small", ns) if bound(x)]
     assert all(map(bound, pods(cp, "big", ns)))
+
+
+def test_a_10_pod_gang_stuck_on_one_pod_frees_its_gpus_within_the_permit_timeout(cp, operator, ns):
+    """A gang of 10 pods (head and 9 GPU workers, 10 GPUs: as many as the pool's 10 one-GPU
+    nodes) whose last pod by name fits no node (the rollout worker needs 2 GPUs): the other 9
+    are placed and wait at Coscheduling's Permit holding 8 GPUs, since one pod of ten is within
+    the plugin's 10 % reject threshold. A 4-pod job needing 3 of those GPUs is bound once
+    spec.scheduling.permitTimeoutSeconds (5 s here) releases them: within a minute or so (27-55 s
+    measured), where with permitTimeoutSeconds: 600 it was still unbound after a minute."""
+    import time
+
+    pool = f"gang10-{uuid.uuid4().hex[:6]}"
+    _pool_nodes(cp, pool, {f"{pool}-{i}": 1 for i in range(10)})
+    big = gpu_job(
+        "big10", ns, scheduler="scheduler-plugins", actor=4, critic=4, rollout=1, pool=pool
+    )
+    big["spec"]["roles"]["rollout"]["resources"]["gpus"] = 2
+    big["spec"]["scheduling"]["permitTimeoutSeconds"] = 5
+    cp.apply(big)
+    wait_children(cp, "big10", ns)
+    pg = wait_until(
+        lambda: cp.get("podgroup.scheduling.x-k8s.io", "big10", ns), 30, "the job's PodGroup"
+    )
+    assert pg["spec"]["minMember"] == 10 and pg["spec"]["scheduleTimeoutSeconds"] == 5
+    wait_until(lambda: len(pods(cp, "big10", ns)) == 10, 60, "the gang's 10 pods")
+    t0 = time.monotonic()
+    small = gpu_job("small10", ns, scheduler="scheduler-plugins", actor=1, gpus=1, pool=pool)
+    cp.apply(small)
+    wait_until(
+        lambda: (p := pods(cp, "small10", ns)) and len(p) == 4 and all(map(bound, p)),
+        120,  # 27-55 s measured (each retry of the big gang holds its GPUs for another 5 s)
+        "every pod of the small job bound",
+    )
+    print(f"\nsmall job bound {time.monotonic() - t0:.1f}s after it was made")
+    assert not [x for x in pods(cp, "big10", ns) if bound(x)]
