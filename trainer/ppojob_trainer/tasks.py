@@ -17,7 +17,7 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
 ``calculator``
     The prompt is 4 random digits ``ABCD`` asking for the last two digits of AB + CD
     (``3748`` -> ``85``); the reward is the fraction of the 2 positions right in the model's
-    last turn (a guess scores about 0.1). Meant for multi-turn rollouts with ``data.agent.function:
+    last turn when it is exactly 2 characters, else 0 (a guess scores about 0.1). Meant for multi-turn rollouts with ``data.agent.function:
     builtin:calculator`` (see :mod:`ppojob_trainer.agent`): the model may call the calculator
     and copy its result.
 """
@@ -163,11 +163,13 @@ class CalculatorTask(Task):
 
 
 def calculator_reward(prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
-    """Fraction of the 2 answer digits right in the completion (the model's last turn)."""
-    return [
-        _positional_score(c, lab if lab is not None else f"{(int(p[:2]) + int(p[2:4])) % 100:02d}")
-        for p, c, lab in zip(prompts, completions, labels, strict=True)
-    ]
+    """Fraction of the 2 answer digits right in the completion (the model's last turn), 0 for
+    a completion that is not exactly 2 characters (a long string of guesses earns nothing)."""
+    out = []
+    for p, c, lab in zip(prompts, completions, labels, strict=True):
+        label = lab if lab is not None else f"{(int(p[:2]) + int(p[2:4])) % 100:02d}"
+        out.append(_positional_score(c, label) if len(c) == len(label) else 0.0)
+    return out
 
 
 class DatasetTask(Task):
