@@ -17,6 +17,7 @@ import kubernetes.client.models as models
 import pytest
 
 from ppojob_api import checks
+from ppojob_api.checks.agent import check_agent
 from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
 from ppojob_api.checks.cluster import (
     check_checkpoint_volume,
@@ -40,7 +41,6 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
-from ppojob_api.checks.agent import check_agent
 from ppojob_api.checks.offpolicy import check_importance_sampling, check_staleness
 from ppojob_api.checks.pods import AFFINITY_TYPES, check_pod_fields
 from ppojob_api.checks.podtemplate import check_pod_template
