@@ -17,9 +17,9 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
 ``calculator``
     The prompt is 4 random digits ``ABCD`` asking for the last two digits of AB + CD
     (``3748`` -> ``85``); the reward is the fraction of the 2 positions right in the model's
-    last turn when it is exactly 2 characters, else 0 (a guess scores about 0.1). Meant for multi-turn rollouts with ``data.agent.function:
-    builtin:calculator`` (see :mod:`ppojob_trainer.agent`): the model may call the calculator
-    and copy its result.
+    last turn when it is exactly 2 characters, else 0 (a guess scores about 0.1). Meant for
+    multi-turn rollouts with ``data.agent.function: builtin:calculator`` (see
+    :mod:`ppojob_trainer.agent`): the model may call the calculator and copy its result.
 """
 
 from __future__ import annotations
