@@ -240,6 +240,9 @@ def test_good_replies_come_back_in_order() -> None:
 def test_the_calculator_understands_a_text_call_and_reports_a_bad_one() -> None:
     ok = calculator_agent("0000", None, ["<calc>37+48</calc>"])
     assert ok == {"observation": "<result>85</result>", "done": False}
+    # only the first turn can be a call: a later turn is the answer, whatever its shape
+    assert calculator_agent("3748", None, ["", "7"]) == {"observation": None, "done": True}
+    assert calculator_agent("3748", None, ["7"])["observation"] == "85"
     bad = calculator_agent("0000", None, ["<calc>__import__('os')</calc>"])
     assert bad["observation"].startswith("<result>error: not an integer expression")
 
