@@ -606,10 +606,11 @@ class AgentSpec(ApiModel):
     tokens are part of the response (the model reads them) but carry no policy or value loss."""
 
     function: str = Field(min_length=1)
-    """`module:function` called as `fn(prompt, label, turns) -> {"observation": str | None,
-    "done": bool}` after each model turn (`turns`: the model's turns so far, decoded), in a
-    child process with a timeout; or `builtin:<agent>` (`builtin:calculator`). A crash,
-    timeout or malformed reply becomes the observation text, never a failed run."""
+    """`module:function` called as `fn(prompt, label, turns)` after each model turn (`turns`:
+    the model's turns so far, decoded), in a child process with a timeout, returning a dict
+    with `observation` (text, or None) and `done` (a bool); or `builtin:<agent>`
+    (`builtin:calculator`). A crash, timeout or malformed reply becomes the observation text,
+    never a failed run."""
 
     max_turns: int = Field(4, ge=1, le=64)
     """Most model turns per conversation."""

@@ -100,7 +100,7 @@ def test_a_two_turn_conversation_keeps_the_sampled_tokens_exactly() -> None:
     eos = tok.eos_token_id
     digit = {str(d): tok.convert_tokens_to_ids(str(d)) for d in range(10)}
     turn1 = [eos]  # the empty turn: a calculator call
-    turn2 = [digit["8"], digit["5"], eos]
+    turn2 = [digit["5"], eos]
     engine = ScriptedEngine([turn1, turn2], tok.pad_token_id)
     prompt = tok("3748")["input_ids"]
     (conv,) = run_conversations(
@@ -112,26 +112,26 @@ def test_a_two_turn_conversation_keeps_the_sampled_tokens_exactly() -> None:
         calculator_agent,
         max_turns=2,
         max_response_length=12,
-        max_tool_response_tokens=2,
+        max_tool_response_tokens=1,
         tool_timeout=10,
         temperature=1.0,
         top_p=1.0,
         seed=0,
         special=set(tok.all_special_ids),
     )
-    observation = [digit["8"], digit["5"]]
+    observation = [digit["5"]]
     assert conv.ids == turn1 + observation + turn2
-    assert conv.action == [True] + [False] * 2 + [True] * 3
+    assert conv.action == [True, False, True, True]
     # the model's tokens in the response are exactly what the engine sampled, in order
     assert [t for t, a in zip(conv.ids, conv.action, strict=True) if a] == turn1 + turn2
-    assert conv.logprobs == pytest.approx([-0.1, 0, 0, -0.1, -0.2, -0.3])
+    assert conv.logprobs == pytest.approx([-0.1, 0, -0.1, -0.2])
     # the second turn was sampled after the prompt, the first turn and the observation
     assert engine.prompts == [prompt, prompt + turn1 + observation]
-    assert conv.turns == ["", "85"]
+    assert conv.turns == ["", "5"]
     t = conversation_tensors([conv], tok.pad_token_id)
     assert t["action_mask"][0].tolist() == conv.action
     assert t["response_ids"][0].tolist() == conv.ids
-    assert calculator_reward(["3748"], [conv.turns[-1]], [None]) == [1.0]
+    assert calculator_reward(["3748"] * 3, [conv.turns[-1], "55", "4"], [None] * 3) == [1, 0, 0]
 
 
 # --- tools in child processes -----------------------------------------------------------------
@@ -230,9 +230,9 @@ def test_the_pool_reuses_its_processes_and_replaces_one_that_timed_out() -> None
 
 
 def test_good_replies_come_back_in_order() -> None:
-    replies = call_tools(calculator_agent, [("3748", None, [""]), ("0703", None, ["12"])], 10)
+    replies = call_tools(calculator_agent, [("3748", None, [""]), ("0703", None, ["1"])], 10)
     assert [(r.observation, r.done, r.error) for r in replies] == [
-        ("85", False, False),
+        ("5", False, False),
         (None, True, False),
     ]
 
@@ -241,18 +241,18 @@ def test_the_calculator_understands_a_text_call_and_reports_a_bad_one() -> None:
     ok = calculator_agent("0000", None, ["<calc>37+48</calc>"])
     assert ok == {"observation": "<result>85</result>", "done": False}
     # only the first turn can be a call: a later turn is the answer, whatever its shape
-    assert calculator_agent("3748", None, ["", "7"]) == {"observation": None, "done": True}
-    assert calculator_agent("3748", None, ["7"])["observation"] == "85"
+    assert calculator_agent("3748", None, ["", "77"]) == {"observation": None, "done": True}
+    assert calculator_agent("3748", None, ["77"])["observation"] == "5"
     bad = calculator_agent("0000", None, ["<calc>__import__('os')</calc>"])
     assert bad["observation"].startswith("<result>error: not an integer expression")
 
 
-def test_the_calculator_task_asks_for_two_digit_sums() -> None:
+def test_the_calculator_task_asks_for_the_last_digit_of_a_sum() -> None:
     import random
 
     for e in make_task("builtin:calculator").sample(20, random.Random(0)):
         a, b = int(e.prompt[:2]), int(e.prompt[2:])
-        assert len(e.prompt) == 4 and e.label == f"{(a + b) % 100:02d}"
+        assert len(e.prompt) == 4 and e.label == f"{(a + b) % 10}"
 
 
 # --- bad hooks --------------------------------------------------------------------------------

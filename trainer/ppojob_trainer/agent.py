@@ -19,14 +19,13 @@ before it is linked to the first model token after it, as if the observation wer
 zero-reward, zero-discount transition (verl's multi-turn GAE does the same).
 
 Built-in agent ``builtin:calculator`` (prompts ``builtin:calculator``): the prompt is four digits
-``ABCD`` asking for the last two digits of AB + CD (``3748`` -> ``85``, ``6071`` -> ``31``: every
-answer digit is uniform, so guessing scores 0.1 a digit and only adding, or the tool, does
-better). A first turn of exactly two digits is the model's answer; any other first turn calls
-the calculator (the character vocabulary of the built-in models has nothing to spell a call
-with, so the call is "not an answer", ``</s>`` alone the shortest), which replies with the
-answer's two digits; the model's next turn is its answer. A model with a text vocabulary may
-instead write ``<calc>37+48</calc>`` and gets ``<result>85</result>``. The reward is the
-fraction of the answer's two digits right in the model's last turn.
+``ABCD`` asking for the last digit of AB + CD (``3748`` -> ``5``: uniform, so a guess scores 0.1
+and only adding, or the tool, does better). A first turn of exactly one digit is the model's
+answer; any other first turn calls the calculator (the character vocabulary of the built-in
+models has nothing to spell a call with, so the call is "not an answer", ``</s>`` alone the
+shortest), which replies with the answer digit; the model's next turn is its answer. A model
+with a text vocabulary may instead write ``<calc>37+48</calc>`` and gets
+``<result>85</result>``. The reward is 1 when the model's last turn is the answer digit.
 """
 
 from __future__ import annotations
@@ -95,13 +94,13 @@ def calculator_question(prompt: str) -> str:
 
 
 def calculator_answer(prompt: str) -> str:
-    """The last two digits of a calculator prompt's sum: ``3748`` -> ``85``."""
-    return f"{calculate(calculator_question(prompt)) % 100:02d}"
+    """The last digit of a calculator prompt's sum: ``3748`` -> ``5``."""
+    return f"{calculate(calculator_question(prompt)) % 10}"
 
 
 def calculator_agent(prompt: str, label: Any, turns: list[str]) -> dict[str, Any]:
     """The environment of ``builtin:calculator``: ``<calc>expr</calc>``, or a first turn that is
-    not a two-digit answer, is a call, answered with the result; any other turn is the final
+    not a one-digit answer, is a call, answered with the result; any other turn is the final
     answer."""
     last = turns[-1]
     call = _CALL.search(last)
@@ -110,7 +109,7 @@ def calculator_agent(prompt: str, label: Any, turns: list[str]) -> dict[str, Any
             return {"observation": f"<result>{calculate(call.group(1))}</result>", "done": False}
         except ValueError as exc:
             return {"observation": f"<result>error: {exc}</result>", "done": False}
-    if len(turns) == 1 and not (len(last) == 2 and last.isdigit()):
+    if len(turns) == 1 and not (len(last) == 1 and last.isdigit()):
         return {"observation": calculator_answer(prompt), "done": False}
     return {"observation": None, "done": True}
 

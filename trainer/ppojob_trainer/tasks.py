@@ -15,9 +15,9 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
     The prompt is 5 random digits; the ideal completion is the same digits reversed
     (``31415`` -> ``51413``). The reward is the fraction of the 5 positions that are correct.
 ``calculator``
-    The prompt is 4 random digits ``ABCD`` asking for the last two digits of AB + CD
-    (``3748`` -> ``85``); the reward is the fraction of the 2 positions right in the model's
-    last turn when it is exactly 2 characters, else 0 (a guess scores about 0.1). Meant for
+    The prompt is 4 random digits ``ABCD`` asking for the last digit of AB + CD (``3748`` ->
+    ``5``); the reward is 1 when the model's last turn is exactly that digit, else 0 (a guess
+    scores about 0.1). Meant for
     multi-turn rollouts with ``data.agent.function: builtin:calculator`` (see
     :mod:`ppojob_trainer.agent`): the model may call the calculator and copy its result.
 """
@@ -37,7 +37,7 @@ from .algorithms.hooks import load_function, validate_rewards
 BUILTIN_PREFIX = "builtin:"
 COUNT_UP_LENGTH = 8
 REVERSE_LENGTH = 5
-CALCULATOR_ANSWER_LENGTH = 2
+CALCULATOR_ANSWER_LENGTH = 1
 EVAL_BUILTIN_SIZE, EVAL_BUILTIN_SEED = 64, 20_250_101  # the fixed eval set of a built-in task
 
 RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
@@ -158,16 +158,16 @@ class CalculatorTask(Task):
         out = []
         for _ in range(n):
             a, b = rng.randrange(100), rng.randrange(100)
-            out.append(Example(f"{a:02d}{b:02d}", f"{(a + b) % 100:02d}"))
+            out.append(Example(f"{a:02d}{b:02d}", f"{(a + b) % 10}"))
         return out
 
 
 def calculator_reward(prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
-    """Fraction of the 2 answer digits right in the completion (the model's last turn), 0 for
-    a completion that is not exactly 2 characters (a long string of guesses earns nothing)."""
+    """1 when the completion (the model's last turn) is exactly the answer digit, else 0 (a
+    long string of guesses earns nothing)."""
     out = []
     for p, c, lab in zip(prompts, completions, labels, strict=True):
-        label = lab if lab is not None else f"{(int(p[:2]) + int(p[2:4])) % 100:02d}"
+        label = lab if lab is not None else f"{(int(p[:2]) + int(p[2:4])) % 10}"
         out.append(_positional_score(c, label) if len(c) == len(label) else 0.0)
     return out
 
