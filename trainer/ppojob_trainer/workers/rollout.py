@@ -106,6 +106,8 @@ def render_prompt(tokenizer: Any, prompt: Prompt, chat: bool) -> str:
 class RolloutWorker:
     """Role logic of one generation engine."""
 
+    agent: ToolPool | None = None  # data.agent's hook in its tool processes (multi-turn)
+
     def __init__(
         self,
         cfg: TrainerConfig,
