@@ -37,7 +37,8 @@ BUILTIN_MEGATRON_SHAPES = {
     "tiny-qwen2": ("qwen2", 64, 256, 2, 4, 4, 14),
     "small-llama": ("llama", 128, 512, 5, 4, 4, 14),
 }
-BUILTIN_TASKS = ("count-up", "reverse")
+BUILTIN_TASKS = ("count-up", "reverse", "calculator")
+BUILTIN_AGENTS = ("calculator",)
 ESTIMATORS_WITHOUT_CRITIC = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 GROUP_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline", "rloo")
 # Estimators whose advantages are whitened over the step's tokens when normalizeAdvantages is unset
@@ -599,13 +600,38 @@ class RewardSource(ApiModel):
         return "model" if self.model is not None else "http"
 
 
+class AgentSpec(ApiModel):
+    """A multi-turn agent: the model's turn (sampled by the rollout engine), then the
+    environment's reply, until the agent says done or a budget runs out. The environment's
+    tokens are part of the response (the model reads them) but carry no policy or value loss."""
+
+    function: str = Field(min_length=1)
+    """`module:function` called as `fn(prompt, label, turns)` after each model turn (`turns`:
+    the model's turns so far, decoded), in a child process with a timeout, returning a dict
+    with `observation` (text, or None) and `done` (a bool); or `builtin:<agent>`
+    (`builtin:calculator`). A crash, timeout or malformed reply becomes the observation text,
+    never a failed run."""
+
+    max_turns: int = Field(4, ge=1, le=64)
+    """Most model turns per conversation."""
+
+    max_tool_response_tokens: int = Field(64, ge=1, le=1_048_576)
+    """An observation is cut to this many tokens (maxResponseLength bounds the whole
+    response, model and environment tokens together)."""
+
+    tool_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    """Wall-clock limit of one environment call (its child process is killed after it; CPU
+    time is limited to the same, address space to the trainer's plus 1 GiB)."""
+
+
 class DataSpec(ApiModel):
     """Prompts, reward and sampling."""
 
     prompts: str = Field("builtin:count-up", min_length=1)
     """Prompt dataset: a `.jsonl`, `.json` (a list of objects) or `.parquet` file, a directory
     written by `datasets`' `save_to_disk` (a DatasetDict's `train` split is used), all as paths
-    the trainer's pods can read, or `builtin:<task>` (`builtin:count-up`, `builtin:reverse`)."""
+    the trainer's pods can read, or `builtin:<task>` (`builtin:count-up`, `builtin:reverse`,
+    `builtin:calculator`)."""
 
     prompt_key: str = Field("prompt", min_length=1)
     """Column holding the prompt text in a dataset file."""
@@ -653,6 +679,10 @@ class DataSpec(ApiModel):
     """Render each prompt with the tokenizer's chat template (a plain string becomes one user
     message; a prompt given as chat messages `[{role, content}, ...]` needs the template).
     Unset: on exactly when the tokenizer has a chat template."""
+
+    agent: AgentSpec | None = None
+    """Multi-turn rollouts driven by an agent hook (tool calls and their results). Unset: one
+    model turn per sample. The reward function scores the model's last turn."""
 
     @property
     def samples_per_step(self) -> int:

@@ -17,6 +17,7 @@ import kubernetes.client.models as models
 import pytest
 
 from ppojob_api import checks
+from ppojob_api.checks.agent import check_agent
 from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
 from ppojob_api.checks.cluster import (
     check_checkpoint_volume,
@@ -1732,6 +1733,54 @@ def test_a_model_path_holding_a_semicolon_keeps_its_message_and_fix_apart() -> N
     (problem,) = check_model_paths(spec(model__path="s3://a; b/model"), "spec")
     assert problem.message.startswith("'s3://a; b/model': URIs are not loaded by the trainer")
     assert problem.fix.startswith("copy the model into the image or a volume")
+
+
+CALC = {"function": "builtin:calculator"}
+TABLE += [
+    # --- multi-turn agents (data.agent)
+    (check_agent, "no agent", {}, []),
+    (
+        check_agent,
+        "the calculator on its own task",
+        {"data__prompts": "builtin:calculator", "data__agent": CALC},
+        [],
+    ),
+    (
+        check_agent,
+        "a user hook on a dataset",
+        {"data__prompts": "/d.jsonl", "data__agent": {"function": "env.tools:step"}},
+        [],
+    ),
+    (
+        check_agent,
+        "an unknown built-in agent",
+        {"data__prompts": "builtin:calculator", "data__agent": {"function": "builtin:chess"}},
+        ["spec.data.agent.function"],
+    ),
+    (
+        check_agent,
+        "a hook that is not module:function",
+        {"data__agent": {"function": "tools.py"}},
+        ["spec.data.agent.function"],
+    ),
+    (
+        check_agent,
+        "the calculator on another task",
+        {"data__prompts": "builtin:count-up", "data__agent": CALC},
+        ["spec.data.agent.function"],
+    ),
+    (
+        check_agent,
+        "an agent on sglang and megatron",
+        {
+            "data__prompts": "builtin:calculator",
+            "data__agent": CALC,
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "roles__actor": MEGATRON_CPU,
+        },
+        ["spec.roles.rollout.backend", "spec.roles.actor.backend", "spec.roles.critic.backend"],
+    ),
+]
 
 
 # ---------------------------------------------------------------- what the user reads, verbatim

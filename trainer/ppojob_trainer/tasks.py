@@ -14,6 +14,12 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
 ``reverse``
     The prompt is 5 random digits; the ideal completion is the same digits reversed
     (``31415`` -> ``51413``). The reward is the fraction of the 5 positions that are correct.
+``calculator``
+    The prompt is 4 random digits ``ABCD`` asking for the last digit of AB + CD (``3748`` ->
+    ``5``); the reward is 1 when the model's last turn is exactly that digit, else 0 (a guess
+    scores about 0.1). Meant for
+    multi-turn rollouts with ``data.agent.function: builtin:calculator`` (see
+    :mod:`ppojob_trainer.agent`): the model may call the calculator and copy its result.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from .algorithms.hooks import load_function, validate_rewards
 BUILTIN_PREFIX = "builtin:"
 COUNT_UP_LENGTH = 8
 REVERSE_LENGTH = 5
+CALCULATOR_ANSWER_LENGTH = 1
 EVAL_BUILTIN_SIZE, EVAL_BUILTIN_SEED = 64, 20_250_101  # the fixed eval set of a built-in task
 
 RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
@@ -143,6 +150,28 @@ class ReverseTask(Task):
         return out
 
 
+class CalculatorTask(Task):
+    name = "calculator"
+    max_response_tokens = CALCULATOR_ANSWER_LENGTH
+
+    def sample(self, n: int, rng: random.Random) -> list[Example]:
+        out = []
+        for _ in range(n):
+            a, b = rng.randrange(100), rng.randrange(100)
+            out.append(Example(f"{a:02d}{b:02d}", f"{(a + b) % 10}"))
+        return out
+
+
+def calculator_reward(prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
+    """1 when the completion (the model's last turn) is exactly the answer digit, else 0 (a
+    long string of guesses earns nothing)."""
+    out = []
+    for p, c, lab in zip(prompts, completions, labels, strict=True):
+        label = lab if lab is not None else f"{(int(p[:2]) + int(p[2:4])) % 10}"
+        out.append(_positional_score(c, label) if len(c) == len(label) else 0.0)
+    return out
+
+
 class DatasetTask(Task):
     """Prompts from a dataset file, in epochs, shuffled per epoch when asked (seeded)."""
 
@@ -190,6 +219,7 @@ class DatasetTask(Task):
 BUILTIN_TASKS: dict[str, tuple[type[Task], RewardFn]] = {
     "count-up": (CountUpTask, count_up_reward),
     "reverse": (ReverseTask, reverse_reward),
+    "calculator": (CalculatorTask, calculator_reward),
 }
 
 

@@ -19,6 +19,7 @@ import torch
 from ppojob_api.training import Algorithm, TrainerConfig, TrainingSettings
 
 from .. import algorithms as A
+from ..agent import policy_mask
 from ..backends.base import PolicyTrainer, ShardIdentity
 from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
@@ -255,7 +256,7 @@ def shard_advantages(
     gathered, each worker computes the whole step's advantages and keeps its rows, so the result
     does not depend on the data-parallel size.
     """
-    mask = full["response_mask"]
+    mask = policy_mask(full)  # GAE skips the environment's tokens of a multi-turn response
     width = mask.shape[1]
     tr = gather_rows(token_rewards, width, group)
     vals = None if values is None else gather_rows(values, width, group)
@@ -283,6 +284,17 @@ def loss_rows(batch: Mapping[str, torch.Tensor], algo: Algorithm) -> torch.Tenso
         in_loss = batch["in_loss"].bool()
         keep = in_loss if keep is None else keep & in_loss
     return keep
+
+
+def policy_loss_mask(batch: Mapping[str, torch.Tensor], algo: Algorithm) -> torch.Tensor | None:
+    """[b, T] bool: the tokens the policy loss takes, or None for every response token. Left
+    out: the samples :func:`loss_rows` leaves out, and in a multi-turn batch the environment's
+    tokens (``action_mask`` false: the model reads them, it did not sample them)."""
+    keep = loss_rows(batch, algo)
+    if keep is None and "action_mask" not in batch:
+        return None
+    owned = policy_mask(batch)
+    return owned if keep is None else owned & keep.unsqueeze(1)
 
 
 def merge_update_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -343,7 +355,7 @@ class ActorWorker:
         algo = self.cfg.algorithm
         lo, hi = self.range
         batch = fetch_range(parts, lo, hi)
-        mask = batch["response_mask"]
+        mask = policy_mask(batch)  # multi-turn: the environment's tokens are not the policy's
         stale: dict[str, float] = {}
         if "versions" in batch:
             stale = A.staleness_stats(batch["versions"], mask, policy_version, algo.max_staleness)
@@ -432,12 +444,12 @@ class ActorWorker:
         cfg, algo = self.cfg, self.cfg.algorithm
         tr = cfg.training
         source = self.whole if self.whole is not None else self.batch
-        skip = ("values", "returns", "versions", "truncated", "in_loss")
+        skip = ("values", "returns", "versions", "truncated", "in_loss", "action_mask")
         batch = {k: v for k, v in source.items() if k not in skip}
         batch["response_mask"] = batch["response_mask"].bool()
-        keep = loss_rows(source, algo)
-        if keep is not None:  # samples left out of the loss keep their tokens for the forward
-            batch["loss_mask"] = batch["response_mask"] & keep.unsqueeze(1)
+        loss_mask = policy_loss_mask(source, algo)
+        if loss_mask is not None:  # tokens left out of the loss stay in the forward
+            batch["loss_mask"] = loss_mask
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
         micro = tr.micro_batch_size or mini
         kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"

@@ -13,6 +13,7 @@ import torch
 from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A
+from ..agent import policy_mask
 from ..backends.base import ShardIdentity, ValueTrainer
 from .actor import (
     Part,
@@ -120,11 +121,15 @@ class CriticWorker:
         }
         batch["response_mask"] = batch["response_mask"].bool()
         batch["returns"] = torch.cat(pieces, 0)
+        if "action_mask" in self.batch:  # multi-turn: no value loss on the environment's tokens
+            batch["loss_mask"] = policy_mask(self.batch)
         if self.whole is not None:  # the whole step, for token-balanced shares
             w = self.whole["response_mask"].shape[1]
             per_token = {k: gather_rows(batch[k], w, self.group) for k in ("old_values", "returns")}
             batch = {k: self.whole[k] for k in ("prompt_ids", "prompt_mask", "response_ids")}
             batch["response_mask"] = self.whole["response_mask"].bool()
+            if "action_mask" in self.whole:
+                batch["loss_mask"] = policy_mask(self.whole)
             batch.update(per_token)
         s = self.settings
         mini = (s.mini_batch_size or self.cfg.data.samples_per_step) // self.shard.dp_size
@@ -136,7 +141,12 @@ class CriticWorker:
             values: torch.Tensor, mb: Mapping[str, torch.Tensor]
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             loss, m = A.value_loss(
-                values, mb["old_values"], mb["returns"], mb["response_mask"], clip, agg=agg
+                values,
+                mb["old_values"],
+                mb["returns"],
+                mb.get("loss_mask", mb["response_mask"]),
+                clip,
+                agg=agg,
             )
             out = {f"critic/{k}": v for k, v in m.items()}  # read once per update
             out["critic/vf_loss"] = loss.detach()

@@ -6,7 +6,9 @@ A rollout batch is a dict of CPU tensors for a contiguous range of the step's sa
 ``lengths`` [b], ``scores`` [b] float32 (the reward, plus DAPO's overlong penalty when
 ``algorithm.overlongShaping`` is set), ``truncated`` [b] bool (cut at maxResponseLength without a
 stop token), ``group_ids`` [b] and ``sample_idx`` [b] (global sample numbers). A step assembled by
-dynamic sampling (:func:`select_groups`) also has ``in_loss`` [b] bool.
+dynamic sampling (:func:`select_groups`) also has ``in_loss`` [b] bool. A multi-turn batch
+(``data.agent``) also has ``action_mask`` [b, T] bool: True on the tokens the engine sampled,
+False on the environment's (see :mod:`ppojob_trainer.agent`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 
+from ..agent import ToolPool, conversation_tensors, load_agent, run_conversations
 from ..algorithms.dapo import overlong_penalty, truncated_rows
-from ..backends.base import GenerationEngine, ShardIdentity
+from ..backends.base import Generation, GenerationEngine, ShardIdentity
 from ..models import load_tokenizer
 from ..rewards import make_reward
 from ..tasks import Example, Prompt
@@ -103,6 +106,8 @@ def render_prompt(tokenizer: Any, prompt: Prompt, chat: bool) -> str:
 class RolloutWorker:
     """Role logic of one generation engine."""
 
+    agent: ToolPool | None = None  # data.agent's hook in its tool processes (multi-turn)
+
     def __init__(
         self,
         cfg: TrainerConfig,
@@ -123,6 +128,12 @@ class RolloutWorker:
             make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
             if cfg.data.eval_prompts and not cfg.data.rewards  # sources do not depend on it
             else self.scorer
+        )
+        agent = cfg.data.agent
+        self.agent = (
+            ToolPool(load_agent(agent.function), agent.tool_timeout_seconds)
+            if agent is not None
+            else None
         )
 
     def encode(self, prompts: list[Prompt]) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -152,6 +163,46 @@ class RolloutWorker:
             out.append(self.tokenizer.decode(row[:cut]))
         return out
 
+    def converse(
+        self,
+        prompts: list[str],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        labels: list[Any],
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> tuple[Generation, torch.Tensor, list[str], dict[str, float]]:
+        """Multi-turn rollouts (``data.agent``): (the generation, its ``action_mask``, the model's
+        last turn of each sample, tool-call metrics as sums)."""
+        agent = self.cfg.data.agent
+        assert agent is not None and self.agent is not None
+        rows = [r[m].tolist() for r, m in zip(ids, mask, strict=True)]
+        convs = run_conversations(
+            self.engine,
+            self.tokenizer,
+            rows,
+            prompts,
+            labels,
+            self.agent,
+            max_turns=agent.max_turns,
+            max_response_length=self.cfg.data.max_response_length,
+            max_tool_response_tokens=agent.max_tool_response_tokens,
+            tool_timeout=agent.tool_timeout_seconds,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            special=self.special,
+        )
+        t = conversation_tensors(convs, self.tokenizer.pad_token_id)
+        gen = Generation(t["response_ids"], t["response_mask"], t["rollout_logprobs"], t["lengths"])
+        metrics = {
+            "agent/turns_sum": float(sum(len(c.turns) for c in convs)),
+            "agent/env_calls_sum": float(sum(c.env_calls for c in convs)),
+            "agent/tool_errors_sum": float(sum(c.tool_errors for c in convs)),
+        }
+        return gen, t["action_mask"], [c.turns[-1] for c in convs], metrics
+
     def generate(
         self,
         examples: list[Example],
@@ -171,16 +222,23 @@ class RolloutWorker:
         k = self.cfg.data.samples_per_prompt
         labels = [e.label for e in examples for _ in range(k)]
         prompts, ids, mask = self.encode([e.prompt for e in examples for _ in range(k)])
-        gen = self.engine.generate(
-            ids,
-            mask,
-            max_new_tokens=self.cfg.data.max_response_length,
-            temperature=self.cfg.data.temperature,
-            top_p=self.cfg.data.top_p,
-            seed=seed,
-            **({"version": version, "interrupt": interrupt} if interrupt is not None else {}),
-        )
-        total, parts = self.scorer.score(prompts, self.completions(gen.response_ids), labels)
+        action_mask, agent_metrics = None, {}
+        if self.agent is not None:
+            gen, action_mask, completions, agent_metrics = self.converse(
+                prompts, ids, mask, labels, self.cfg.data.temperature, self.cfg.data.top_p, seed
+            )
+        else:
+            gen = self.engine.generate(
+                ids,
+                mask,
+                max_new_tokens=self.cfg.data.max_response_length,
+                temperature=self.cfg.data.temperature,
+                top_p=self.cfg.data.top_p,
+                seed=seed,
+                **({"version": version, "interrupt": interrupt} if interrupt is not None else {}),
+            )
+            completions = self.completions(gen.response_ids)
+        total, parts = self.scorer.score(prompts, completions, labels)
         scores = torch.tensor(total, dtype=torch.float32)
         max_len = self.cfg.data.max_response_length
         truncated = truncated_rows(gen.response_ids, gen.lengths, max_len, sorted(self.special))
@@ -210,7 +268,10 @@ class RolloutWorker:
             "group_ids": idx // k,
             "sample_idx": idx,
         }
+        if action_mask is not None:
+            batch["action_mask"] = action_mask
         metrics = {
+            **agent_metrics,
             "reward_sum": float(reward.sum()),
             "overlong_penalty_sum": float(penalty.sum()),
             "truncated_sum": float(truncated.sum()),
@@ -224,17 +285,20 @@ class RolloutWorker:
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
         """One greedy completion of each held-out example, scored; returns sums."""
         prompts, ids, mask = self.encode([e.prompt for e in examples])
-        gen = self.engine.generate(
-            ids,
-            mask,
-            max_new_tokens=self.cfg.data.max_response_length,
-            temperature=0.0,
-            top_p=1.0,
-            seed=0,
-        )
-        scores = self.eval_scorer(
-            prompts, self.completions(gen.response_ids), [e.label for e in examples]
-        )
+        labels = [e.label for e in examples]
+        if self.agent is not None:
+            _, _, completions, _ = self.converse(prompts, ids, mask, labels, 0.0, 1.0, 0)
+        else:
+            gen = self.engine.generate(
+                ids,
+                mask,
+                max_new_tokens=self.cfg.data.max_response_length,
+                temperature=0.0,
+                top_p=1.0,
+                seed=0,
+            )
+            completions = self.completions(gen.response_ids)
+        scores = self.eval_scorer(prompts, completions, labels)
         return {"reward_sum": float(sum(scores)), "n": float(len(prompts))}
 
 

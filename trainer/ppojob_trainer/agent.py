@@ -1,0 +1,437 @@
+"""Multi-turn agentic rollouts (``data.agent``): the model's turn, the environment's reply, ...
+
+An agent hook is ``fn(prompt: str, label, turns: list[str]) -> {"observation": str | None,
+"done": bool}``, called after every model turn with the model's turns so far (decoded, each cut
+at its first special token). ``done`` (or no observation) ends the conversation; otherwise the
+observation's tokens are appended to the response and the model takes its next turn. The hook
+runs in a child process (forked) with a wall-clock timeout, a CPU-time limit and an
+address-space limit (``resource``), so a tool that hangs, crashes or eats memory costs that
+sample one observation, never the run: a timeout, an exception, a dead child or a malformed
+reply becomes the observation text (``tool error: ...``).
+
+Token-in/token-out: the response of a sample is the concatenation of the tokens the engine
+sampled in each model turn (exactly those ids; nothing is re-tokenized) and of the observation
+tokens. ``action_mask`` [B, T] is True on the model's tokens and False on the environment's
+(and on padding); ``response_mask`` stays True on both, since the model reads the observations.
+The environment's tokens carry no policy loss, no value loss and no KL; advantages (GAE as
+well) run over the model's tokens only: an observation is skipped, so the last model token
+before it is linked to the first model token after it, as if the observation were a
+zero-reward, zero-discount transition (verl's multi-turn GAE does the same).
+
+Built-in agent ``builtin:calculator`` (prompts ``builtin:calculator``): the prompt is four digits
+``ABCD`` asking for the last digit of AB + CD (``3748`` -> ``5``: uniform, so a guess scores 0.1
+and only adding, or the tool, does better). A first turn of exactly one digit is the model's
+answer; any other first turn calls the calculator (the character vocabulary of the built-in
+models has nothing to spell a call with, so the call is "not an answer", ``</s>`` alone the
+shortest), which replies with the answer digit; the model's next turn is its answer. A model
+with a text vocabulary may instead write ``<calc>37+48</calc>`` and gets
+``<result>85</result>``. The reward is 1 when the model's last turn is the answer digit.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import multiprocessing
+import multiprocessing.connection
+import operator
+import os
+import re
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .algorithms.hooks import load_function
+
+AgentFn = Callable[[str, Any, list[str]], Any]
+BUILTIN_PREFIX = "builtin:"
+ADDRESS_SPACE_HEADROOM = 1 << 30  # a tool may map this much beyond the trainer's own size
+PARALLEL_TOOL_CALLS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in calculator
+# ---------------------------------------------------------------------------------------------
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+
+
+def calculate(expr: str) -> int:
+    """The value of an integer expression of ``+ - * //`` and parentheses (no names, no
+    calls); ValueError on anything else."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        raise ValueError(f"not an integer expression: {expr!r}")
+
+    if len(expr) > 200:
+        raise ValueError("expression longer than 200 characters")
+    try:
+        return ev(ast.parse(expr.strip(), mode="eval"))
+    except SyntaxError:
+        raise ValueError(f"not an integer expression: {expr!r}") from None
+
+
+def calculator_question(prompt: str) -> str:
+    """``3748`` -> ``37+48`` (``0703`` -> ``7+3``)."""
+    return f"{int(prompt[:2])}+{int(prompt[2:4])}"
+
+
+def calculator_answer(prompt: str) -> str:
+    """The last digit of a calculator prompt's sum: ``3748`` -> ``5``."""
+    return f"{calculate(calculator_question(prompt)) % 10}"
+
+
+def calculator_agent(prompt: str, label: Any, turns: list[str]) -> dict[str, Any]:
+    """The environment of ``builtin:calculator``: ``<calc>expr</calc>``, or a first turn that is
+    not a one-digit answer, is a call, answered with the result; any other turn is the final
+    answer."""
+    last = turns[-1]
+    call = _CALL.search(last)
+    if call is not None:
+        try:
+            return {"observation": f"<result>{calculate(call.group(1))}</result>", "done": False}
+        except ValueError as exc:
+            return {"observation": f"<result>error: {exc}</result>", "done": False}
+    if len(turns) == 1 and not (len(last) == 1 and last.isdigit()):
+        return {"observation": calculator_answer(prompt), "done": False}
+    return {"observation": None, "done": True}
+
+
+BUILTIN_AGENTS: dict[str, AgentFn] = {"calculator": calculator_agent}
+
+
+def load_agent(spec: str, field: str = "data.agent.function") -> AgentFn:
+    """The agent hook of ``spec``: ``builtin:<agent>`` or ``module:function``; errors name
+    ``field``."""
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_AGENTS:
+            raise ValueError(
+                f"{field}: unknown built-in agent {spec!r}; "
+                f"use one of {[BUILTIN_PREFIX + a for a in BUILTIN_AGENTS]}"
+            )
+        return BUILTIN_AGENTS[name]
+    return load_function(spec, field)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calls in child processes
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentReply:
+    """What the environment said after a model turn."""
+
+    observation: str | None
+    done: bool
+    error: bool = False
+
+
+def parse_reply(value: Any) -> AgentReply:
+    """An agent hook's return value as an :class:`AgentReply`; a malformed one becomes an
+    error observation."""
+    if not isinstance(value, dict):
+        return AgentReply(
+            f"tool error: the agent returned {type(value).__name__}, not a dict", False, True
+        )
+    obs = value.get("observation")
+    done = value.get("done", obs is None)
+    if obs is not None and not isinstance(obs, str):
+        return AgentReply(
+            f"tool error: observation is {type(obs).__name__}, not a string or None", False, True
+        )
+    if not isinstance(done, bool):
+        return AgentReply("tool error: done is not a bool", False, True)
+    return AgentReply(obs, done or obs is None)
+
+
+def _limit_address_space() -> None:
+    """In a tool process: address space limited to its size at the fork plus the headroom."""
+    try:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = size + ADDRESS_SPACE_HEADROOM
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    except (OSError, ValueError):
+        pass
+
+
+def _limit_cpu(timeout: float) -> None:
+    """In a tool process, before a call: ``timeout`` more CPU seconds (to the next whole
+    second, RLIMIT_CPU's unit), then SIGXCPU ends the process (the pool starts another)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = used.ru_utime + used.ru_stime
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft = math.ceil(spent + max(1.0, timeout))
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _serve(fn: AgentFn, timeout: float, conn: Any) -> None:
+    """A tool process: run ``fn(*args)`` for each ``args`` received, answer ``(ok, value)``."""
+    _limit_address_space()
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            _limit_cpu(timeout)
+            out: tuple[bool, Any] = (True, fn(*args))
+        except BaseException as exc:  # everything a tool does wrong is an observation
+            out = (False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(out)
+        except Exception as exc:  # an unpicklable reply
+            conn.send((False, f"the reply could not be sent back ({type(exc).__name__}: {exc})"))
+
+
+class ToolPool:
+    """``size`` forked processes running an agent hook, each call with a wall-clock ``timeout``
+    (the process is killed after it and another started), a CPU-time limit of the same and an
+    address-space limit. Forked once and reused: a fork of a trainer process costs tens of
+    milliseconds, more than most tool calls."""
+
+    def __init__(self, fn: AgentFn, timeout: float, size: int = PARALLEL_TOOL_CALLS) -> None:
+        self.fn, self.timeout, self.size = fn, timeout, size
+        self.ctx = multiprocessing.get_context("fork")
+        self.workers: list[tuple[Any, Any] | None] = [None] * size
+
+    def _worker(self, k: int) -> tuple[Any, Any]:
+        if self.workers[k] is None:
+            mine, theirs = self.ctx.Pipe()
+            proc = self.ctx.Process(
+                target=_serve, args=(self.fn, self.timeout, theirs), daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self.workers[k] = (proc, mine)
+        return self.workers[k]  # type: ignore[return-value]
+
+    def _drop(self, k: int, wait: float = 0.0) -> int | None:
+        """End worker ``k`` (after up to ``wait`` seconds for it to exit by itself); its exit
+        code (None if it was still running)."""
+        entry = self.workers[k]
+        self.workers[k] = None
+        if entry is None:
+            return None
+        proc, conn = entry
+        if wait:
+            proc.join(wait)
+        code = proc.exitcode
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        conn.close()
+        return code
+
+    def map(self, calls: Sequence[tuple[Any, ...]]) -> list[AgentReply]:
+        """``fn(*args)`` for each of ``calls``, in order. A timeout, an exception, a dead
+        process or a malformed reply is an error :class:`AgentReply` saying so."""
+        out: list[AgentReply | None] = [None] * len(calls)
+        queue = list(range(len(calls)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (call, deadline)
+        while queue or busy:
+            for k in range(self.size):
+                if k not in busy and queue:
+                    i = queue.pop()
+                    conn = self._worker(k)[1]
+                    try:
+                        conn.send(calls[i])
+                    except (BrokenPipeError, OSError):  # it died between two calls
+                        self._drop(k)
+                        self._worker(k)[1].send(calls[i])
+                    busy[k] = (i, time.monotonic() + self.timeout)
+            wait_s = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+            conns = {self.workers[k][1]: k for k in busy}  # type: ignore[index]
+            ready = multiprocessing.connection.wait(list(conns), timeout=wait_s)
+            for conn in ready:
+                k = conns[conn]  # type: ignore[index]
+                i, _ = busy.pop(k)
+                try:
+                    ok, value = conn.recv()
+                except (EOFError, OSError):
+                    code = self._drop(k, wait=2.0)
+                    out[i] = AgentReply(
+                        f"tool error: the tool process died (exit code {code})", False, True
+                    )
+                else:
+                    out[i] = (
+                        parse_reply(value)
+                        if ok
+                        else AgentReply(f"tool error: {value}", False, True)
+                    )
+            now = time.monotonic()
+            for k, (i, deadline) in list(busy.items()):
+                if now >= deadline:
+                    busy.pop(k)
+                    self._drop(k)
+                    out[i] = AgentReply(
+                        f"tool error: timed out after {self.timeout:g} s", False, True
+                    )
+        return [r for r in out if r is not None]
+
+    def close(self) -> None:
+        """End every tool process."""
+        for k in range(self.size):
+            self._drop(k)
+
+
+def call_tools(
+    fn: AgentFn,
+    calls: Sequence[tuple[Any, ...]],
+    timeout: float,
+    parallel: int = PARALLEL_TOOL_CALLS,
+) -> list[AgentReply]:
+    """``fn(*args)`` for each of ``calls`` in a fresh :class:`ToolPool` (closed after)."""
+    pool = ToolPool(fn, timeout, max(1, min(parallel, len(calls))))
+    try:
+        return pool.map(calls)
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversation loop
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    """One sample's response so far: token ids, which of them the model sampled, their
+    sampling log-probs, and the model's turns as text."""
+
+    ids: list[int]
+    action: list[bool]
+    logprobs: list[float]
+    turns: list[str]
+    done: bool = False
+    tool_errors: int = 0
+    env_calls: int = 0
+
+
+def run_conversations(
+    engine: Any,
+    tokenizer: Any,
+    prompt_rows: list[list[int]],
+    prompts: list[str],
+    labels: list[Any],
+    agent: AgentFn | ToolPool,
+    *,
+    max_turns: int,
+    max_response_length: int,
+    max_tool_response_tokens: int,
+    tool_timeout: float,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    special: set[int],
+) -> list[Conversation]:
+    """Drive every sample's conversation to its end: each round samples the next model turn of
+    every open conversation in one engine call (prompt + response so far, left-padded), then
+    asks the agent (in child processes) for the observations. A conversation ends when the
+    agent says done, after ``max_turns`` model turns, or when its response reaches
+    ``max_response_length`` tokens (an observation is cut to what is left). ``agent``: the
+    hook, or a :class:`ToolPool` running it (kept open for the next call)."""
+    convs = [Conversation([], [], [], []) for _ in prompt_rows]
+    pad = tokenizer.pad_token_id
+    pool = agent if isinstance(agent, ToolPool) else ToolPool(agent, tool_timeout)
+    for turn in range(max_turns):
+        open_ = [i for i, c in enumerate(convs) if not c.done]
+        if not open_:
+            break
+        rows = [prompt_rows[i] + convs[i].ids for i in open_]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for j, r in enumerate(rows):
+            ids[j, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[j, width - len(r) :] = True
+        budget = max(max_response_length - len(convs[i].ids) for i in open_)
+        gen = engine.generate(
+            ids,
+            mask,
+            max_new_tokens=budget,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed * 1_000_003 + turn,
+        )
+        for j, i in enumerate(open_):
+            c = convs[i]
+            left = max_response_length - len(c.ids)
+            n = min(int(gen.lengths[j]), left)
+            new = gen.response_ids[j, :n].tolist()
+            c.ids += new
+            c.action += [True] * n
+            c.logprobs += gen.logprobs[j, :n].tolist()
+            cut = next((k for k, t in enumerate(new) if t in special), len(new))
+            c.turns.append(tokenizer.decode(new[:cut]))
+            if len(c.ids) >= max_response_length or turn + 1 == max_turns:
+                c.done = True
+        asking = [i for i in open_ if not convs[i].done]
+        replies = pool.map([(prompts[i], labels[i], list(convs[i].turns)) for i in asking])
+        for i, reply in zip(asking, replies, strict=True):
+            c = convs[i]
+            c.env_calls += 1
+            c.tool_errors += int(reply.error)
+            if reply.done or reply.observation is None:
+                c.done = True
+                continue
+            obs = tokenizer(reply.observation, add_special_tokens=False)["input_ids"]
+            obs = obs[: min(max_tool_response_tokens, max_response_length - len(c.ids))]
+            c.ids += obs
+            c.action += [False] * len(obs)
+            c.logprobs += [0.0] * len(obs)
+            if len(c.ids) >= max_response_length:
+                c.done = True
+    if pool is not agent:
+        pool.close()
+    return convs
+
+
+def conversation_tensors(convs: list[Conversation], pad_id: int) -> dict[str, torch.Tensor]:
+    """``response_ids``, ``response_mask``, ``action_mask``, ``rollout_logprobs`` [B, T]
+    (right-padded) and ``lengths`` [B] of finished conversations."""
+    width = max(1, max(len(c.ids) for c in convs))
+    b = len(convs)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    resp = torch.zeros((b, width), dtype=torch.bool)
+    action = torch.zeros((b, width), dtype=torch.bool)
+    logp = torch.zeros((b, width), dtype=torch.float32)
+    for i, c in enumerate(convs):
+        n = len(c.ids)
+        ids[i, :n] = torch.tensor(c.ids, dtype=torch.long)
+        resp[i, :n] = True
+        action[i, :n] = torch.tensor(c.action, dtype=torch.bool)
+        logp[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    lengths = torch.tensor([len(c.ids) for c in convs], dtype=torch.long)
+    return {
+        "response_ids": ids,
+        "response_mask": resp,
+        "action_mask": action,
+        "rollout_logprobs": logp,
+        "lengths": lengths,
+    }
+
+
+def policy_mask(batch: Any) -> torch.Tensor:
+    """The tokens the policy owns: ``response_mask``, and ``action_mask`` where the batch is
+    multi-turn (environment tokens left out)."""
+    mask = batch["response_mask"].bool()
+    action = batch.get("action_mask") if hasattr(batch, "get") else None
+    return mask if action is None else mask & action.bool()
