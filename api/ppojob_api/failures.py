@@ -67,6 +67,12 @@ _PERMANENT_PATTERNS = [
     )
 ]
 
+_SUBMITTER_EXIT = re.compile(r"\bcontainer [\w.-]*submitter terminated with exit code \d+", re.I)
+"""KubeRay's line for a failed SidecarMode submitter container (``ray-job-submitter``). The
+submitter runs ``ray job submit``, which exits 1 both when the Ray job failed, whatever the
+trainer's own exit code (75 after a preemption included), and when it could not submit or
+follow the job: its code is never read as the trainer's."""
+
 
 def classify(message: str, *, exit_code: int | None = None) -> FailureClass:
     """The class of a failed attempt from what is known of it: the trainer's exit code when one
@@ -76,7 +82,7 @@ def classify(message: str, *, exit_code: int | None = None) -> FailureClass:
         return "Disruption"
     if exit_code == CONFIG_EXIT_CODE:
         return "Permanent"
-    text = message or ""
+    text = _SUBMITTER_EXIT.sub("submitter container failed", message or "")
     if any(p.search(text) for p in _DISRUPTION_PATTERNS):
         return "Disruption"
     if any(p.search(text) for p in _PERMANENT_PATTERNS):

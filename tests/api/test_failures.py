@@ -45,10 +45,13 @@ CLASSES = [
         "Application",
     ),
     ("a Ray worker died: OOMKilled", None, "Application"),
+    # the submitter's `ray job submit` exits 1 whether the Ray job failed or it could not
+    # submit: never the trainer's exit code 1 (a refused config)
     (
-        "SubmissionFailed: Ray head pod container submitter terminated with exit code 1: Error",
+        "SubmissionFailed: Ray head pod container ray-job-submitter terminated with exit code "
+        "1: Error",
         None,
-        "Permanent",
+        "Application",
     ),
     (
         "SubmissionFailed: Ray head pod container submitter terminated with exit code 2: Error",

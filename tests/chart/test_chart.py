@@ -39,6 +39,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "imagePullSecrets": [{"name": "regcred"}],
     },
+    "kuberay-unset": {"kuberay": {"batchScheduler": ""}},
     "metrics-off": {"metrics": {"enabled": False}, "rbac": {"aggregateToDefaultRoles": False}},
     "servicemonitor": {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
@@ -167,9 +168,8 @@ def test_values_schema_rejects(helm: Path, bad: str) -> None:
 def test_default_gang_scheduler_must_agree_with_kuberay(helm: Path) -> None:
     """Issue 10, item 7: a volcano default on a KubeRay told to have no batchScheduler is a
     chart error, not a cluster of refused jobs."""
-    out = run_helm(
-        helm, "template", "x", str(CHART), "--set", "defaultGangScheduler=volcano", check=False
-    )
+    sets = ["--set", "defaultGangScheduler=volcano", "--set", "kuberay.batchScheduler="]
+    out = run_helm(helm, "template", "x", str(CHART), *sets, check=False)
     assert out.returncode != 0 and "kuberay.batchScheduler" in out.stderr
 
 
@@ -304,7 +304,10 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     assert parsed.metrics_port == (8080 if metrics_on else 0)
     assert parsed.gang_scheduler == (VALUE_SETS[name].get("defaultGangScheduler") or None)
     kuberay = VALUE_SETS[name].get("kuberay", {})
-    assert parsed.kuberay_batch_scheduler == (kuberay.get("batchScheduler") or "none")
+    # auto (the default) finds no KubeRay without a cluster (plain `helm template`): not told
+    told = kuberay.get("batchScheduler", "auto")
+    want = None if told in ("auto", "unknown") else told or "none"
+    assert parsed.kuberay_batch_scheduler == want
     assert parsed.kuberay_sidecar_mode == kuberay.get("sidecarMode", "auto")
     sidecar = {"auto": None, "supported": True, "unsupported": False}
     assert config.sidecar_supported is sidecar[kuberay.get("sidecarMode", "auto")]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
+
 import pytest
 
 from tests.helpers.cluster_jobs import (
@@ -352,6 +355,78 @@ def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
     assert condition(st, "Restarted")["reason"] == "RestartingAfterDisruption"
     events = cp.get("event", namespace=ns)["items"]
     assert any(e["reason"] == "RestartingAfterDisruption" and e["type"] == "Normal" for e in events)
+    after = wait_until(four_running, 90, "the next attempt's 4 pods Running")
+    assert {p["metadata"]["uid"] for p in after}.isdisjoint(p["metadata"]["uid"] for p in before)
+
+
+def test_a_failed_submitter_container_retries_the_job_counted(cp, operator, ns):
+    """The head pod's ``ray-job-submitter`` container ends with exit code 1 (``ray job submit``
+    could not follow the job): the real KubeRay fails the RayJob with SubmissionFailed, and the
+    failure policy retries it as an application error, counted against backoffLimit (1 here),
+    never as the trainer's exit code 1 (a refused config, which would fail at once)."""
+    doc = gpu_job("sf", ns, actor=1, critic=1, rollout=1)
+    doc["spec"]["backoffLimit"] = 1
+    cp.apply(doc)
+
+    def four_running() -> list:
+        p = pods(cp, "sf", ns)
+        return p if len(p) == 4 and all(map(running, p)) else []
+
+    def deployment_status() -> str:
+        return ((cp.get("rayjob.ray.io", "sf", ns) or {}).get("status") or {}).get(
+            "jobDeploymentStatus", ""
+        )
+
+    before = wait_until(four_running, 90, "4 pods Running")
+    wait_until(lambda: deployment_status() == "Running", 60, "the RayJob Running")
+    (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
+    statuses = head["status"]["containerStatuses"]
+    assert "ray-job-submitter" in {c["name"] for c in statuses}
+    # finished now: KubeRay reads a submitter that ended over 30 s ago as a grace-period timeout
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    failed = {
+        "name": "ray-job-submitter",
+        "state": {
+            "terminated": {
+                "exitCode": 1,
+                "reason": "Error",
+                "startedAt": now,
+                "finishedAt": now,
+            }
+        },
+    }
+    patch = {"status": {"containerStatuses": [failed]}}
+    cp.kubectl(
+        "patch",
+        "pod",
+        head["metadata"]["name"],
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        json.dumps(patch),
+    )
+
+    def next_attempt() -> dict | None:
+        rj = cp.get("rayjob.ray.io", "sf", ns) or {}
+        ann = (rj.get("metadata") or {}).get("annotations") or {}
+        return rj if ann.get("ppojob.io/attempt") == "1" else None
+
+    wait_until(next_attempt, 60, "the next attempt's RayJob")
+    st = wait_until(
+        lambda: (s := status(cp, "sf", ns)).get("lastRestart", {}).get("recreated") and s,
+        30,
+        "lastRestart.recreated",
+    )
+    assert (st["restarts"], st["disruptions"]) == (1, 0)
+    last = st["lastRestart"]
+    assert (last["failureClass"], last["reason"]) == ("Application", "RestartingAfterError")
+    assert "SubmissionFailed" in last["message"] and "ray-job-submitter" in last["message"]
+    assert st["phase"] != "Failed"
+    assert condition(st, "Restarted")["reason"] == "RestartingAfterError"
+    events = cp.get("event", namespace=ns)["items"]
+    assert any(e["reason"] == "RestartingAfterError" for e in events)
     after = wait_until(four_running, 90, "the next attempt's 4 pods Running")
     assert {p["metadata"]["uid"] for p in after}.isdisjoint(p["metadata"]["uid"] for p in before)
 

@@ -691,24 +691,7 @@ class ControlPlane:
                 "--v=1",
             ],
         )
-        ray_metrics, ray_probe = free_port(), free_port()
-        env = {**os.environ, "KUBECONFIG": kc}
-        ray = self._spawn(
-            "kuberay-operator",
-            [
-                str(self.bin / "kuberay-operator"),
-                f"--metrics-addr=127.0.0.1:{ray_metrics}",
-                f"--health-probe-bind-address=127.0.0.1:{ray_probe}",
-                "--enable-leader-election=false",
-                # KubeRay polls each RayJob's Ray dashboard. Directly, that is an HTTP call to
-                # <head-svc>.<ns>.svc.cluster.local, a DNS query to the machine's resolver (not
-                # on loopback). Through the API server's service proxy instead, the call goes to
-                # 127.0.0.1 and ends there: no endpoints controller runs, so the head Service
-                # has no Endpoints and the API server answers 503 without connecting anywhere.
-                "--use-kubernetes-proxy",
-            ],
-            env=env,
-        )
+        ray = self._spawn_kuberay("kuberay-operator", [])
         kwok: Component | None = None
         if not self.real_nodes:
             kwok = self._spawn(
@@ -728,11 +711,7 @@ class ControlPlane:
         self._wait_https(sched, f"https://127.0.0.1:{sched_port}/readyz")
         self._wait_https(sp, f"https://127.0.0.1:{sp_port}/readyz")
 
-        def ray_ok() -> bool:
-            ray.check_alive()
-            return _http_get(f"http://127.0.0.1:{ray_probe}/readyz")[0] == 200
-
-        wait_until(ray_ok, 90, "kuberay-operator /readyz")
+        self._wait_kuberay(ray)
         # the service-account controller is running once `default` has its ServiceAccount
         wait_until(
             lambda: kcm.check_alive() and self.get("serviceaccount", "default", "default"),
@@ -741,6 +720,50 @@ class ControlPlane:
         )
         if kwok is not None:
             kwok.check_alive()
+
+    def _spawn_kuberay(self, name: str, extra_args: list[str]) -> Component:
+        ray_metrics, ray_probe = free_port(), free_port()
+        env = {**os.environ, "KUBECONFIG": str(self.admin_kubeconfig)}
+        ray = self._spawn(
+            name,
+            [
+                str(self.bin / "kuberay-operator"),
+                f"--metrics-addr=127.0.0.1:{ray_metrics}",
+                f"--health-probe-bind-address=127.0.0.1:{ray_probe}",
+                "--enable-leader-election=false",
+                # KubeRay polls each RayJob's Ray dashboard. Directly, that is an HTTP call to
+                # <head-svc>.<ns>.svc.cluster.local, a DNS query to the machine's resolver (not
+                # on loopback). Through the API server's service proxy instead, the call goes to
+                # 127.0.0.1 and ends there: no endpoints controller runs, so the head Service
+                # has no Endpoints and the API server answers 503 without connecting anywhere.
+                "--use-kubernetes-proxy",
+                *extra_args,
+            ],
+            env=env,
+        )
+        ray.probe = ray_probe  # type: ignore[attr-defined]
+        return ray
+
+    def _wait_kuberay(self, ray: Component) -> None:
+        probe = ray.probe  # type: ignore[attr-defined]
+
+        def ray_ok() -> bool:
+            ray.check_alive()
+            return _http_get(f"http://127.0.0.1:{probe}/readyz")[0] == 200
+
+        wait_until(ray_ok, 90, f"{ray.name} /readyz")
+
+    def restart_kuberay(self, extra_args: list[str] | None = None) -> Component:
+        """Stop the running KubeRay operator and start one with ``extra_args`` added (e.g.
+        ``--batch-scheduler=volcano``); no arguments: KubeRay as the control plane starts it."""
+        for name, comp in list(self.components.items()):
+            if name.startswith("kuberay-operator"):
+                comp.stop()
+                del self.components[name]
+        self._kuberay_starts = getattr(self, "_kuberay_starts", 1) + 1
+        ray = self._spawn_kuberay(f"kuberay-operator-{self._kuberay_starts}", extra_args or [])
+        self._wait_kuberay(ray)
+        return ray
 
     # ---- nodes
     def add_gpu_nodes(

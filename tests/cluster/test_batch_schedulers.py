@@ -1,0 +1,241 @@
+"""KubeRay's batch schedulers, for real: what KubeRay v1.5 itself creates for our RayJob when it
+runs with ``--batch-scheduler=volcano`` or ``--batch-scheduler=yunikorn``, checked against the
+gang our builders compute; and the chart reading that setting from a KubeRay Deployment.
+
+Volcano's and YuniKorn's own controllers cannot be built here (their Go modules are refused by
+the module proxy), so their pods stay Pending: these tests prove KubeRay's side of the contract
+(the PodGroup or task groups it writes from our RayJob), not Volcano's or YuniKorn's placement.
+The session's KubeRay and ppojob operator step aside for the module and come back after it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ppojob_api.checks.sizes import quantity_bytes
+from ppojob_api.spec import PPOJob
+from ppojob_operator import builders, scheduling
+from tests.cluster.conftest import OperatorProcess
+from tests.helpers.cluster_jobs import gpu_job, pods, status, wait_children
+from tests.helpers.controlplane import RESOURCES, wait_until
+from tests.helpers.helm import CHART
+
+RESOURCES.setdefault(
+    "podgroup.scheduling.volcano.sh", ("apis/scheduling.volcano.sh/v1beta1", "podgroups", True)
+)
+RESOURCES.setdefault("deployment.apps", ("apis/apps/v1", "deployments", True))
+VOLCANO_CRD = Path(__file__).parent / "crds" / "volcano-podgroups.yaml"
+PRIORITY = "ppojob-test-gang-high"
+
+
+def stored(cp, name: str, ns: str) -> PPOJob:
+    doc = cp.get("ppojobs.ppojob.io", name, ns)
+    return PPOJob.model_validate(doc, by_alias=True, by_name=False)
+
+
+def amounts(resources: dict[str, Any]) -> dict[str, float]:
+    """A ResourceList as numbers (KubeRay and our builders write the same amount differently)."""
+    return {k: quantity_bytes(str(v)) for k, v in resources.items() if quantity_bytes(str(v))}
+
+
+@pytest.fixture()
+def kuberay_with(cp, operator, request):
+    """Run KubeRay with ``--batch-scheduler=<name>`` and an operator told so, then restore."""
+    started: list[OperatorProcess] = []
+
+    def start(name: str) -> OperatorProcess:
+        cp.restart_kuberay([f"--batch-scheduler={name}"])
+        operator.stop()
+        op = OperatorProcess(
+            cp,
+            operator.kubeconfig,
+            extra_args=[f"--kuberay-batch-scheduler={name}"],
+            name=f"ppojob-operator-{name}-{uuid.uuid4().hex[:4]}",
+        )
+        started.append(op)
+        op.start()
+        return op
+
+    try:
+        yield start
+    finally:
+        for op in started:
+            op.stop()
+        cp.restart_kuberay([])
+        operator.start()
+
+
+def test_kuberay_with_volcano_makes_the_podgroup_our_builders_compute(cp, kuberay_with, ns):
+    cp.kubectl("apply", "-f", str(VOLCANO_CRD))
+    cp.kubectl("wait", "--for=condition=Established", "crd/podgroups.scheduling.volcano.sh")
+    cp.apply(
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": PRIORITY},
+            "value": 1000,
+        }
+    )
+    try:
+        kuberay_with("volcano")
+        doc = gpu_job("vol", ns, scheduler="volcano", actor=2, critic=1, rollout=1, queue="q1")
+        doc["spec"]["scheduling"]["priorityClassName"] = PRIORITY
+        cp.apply(doc)
+        wait_children(cp, "vol", ns)
+        pg = wait_until(
+            lambda: cp.get("podgroup.scheduling.volcano.sh", "ray-vol-pg", ns),
+            60,
+            "KubeRay's Volcano PodGroup ray-vol-pg",
+        )
+        job = stored(cp, "vol", ns)
+        count, totals = scheduling.gang_totals(builders.gang_members(job))
+        spec = pg["spec"]
+        # what KubeRay made from our RayJob is the gang we compute: head + 4 workers, and
+        # their requests plus the SidecarMode submitter's (KubeRay adds it to minResources)
+        assert spec["minMember"] == count == 5
+        assert amounts(spec["minResources"]) == amounts(totals)
+        assert spec["queue"] == "q1" and spec["priorityClassName"] == PRIORITY
+        [ref] = pg["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"]) == ("RayJob", "vol")
+        # every pod goes to Volcano, in that PodGroup, with the queue
+        got = wait_until(lambda: len(p := pods(cp, "vol", ns)) == 5 and p, 60, "the 5 pods")
+        for p in got:
+            assert p["spec"]["schedulerName"] == "volcano"
+            assert p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "ray-vol-pg"
+            assert p["metadata"]["labels"]["volcano.sh/queue-name"] == "q1"
+            assert p["spec"]["priorityClassName"] == PRIORITY
+        # a job this KubeRay cannot run is refused, not queued for ever
+        cp.apply(gpu_job("plain", ns, scheduler="none", actor=1, critic=1, rollout=1))
+        st = wait_until(
+            lambda: (s := status(cp, "plain", ns)).get("reason") == "BatchSchedulerMismatch" and s,
+            60,
+            "BatchSchedulerMismatch on a gangScheduler: none job",
+        )
+        assert st["phase"] == "Failed"
+        assert cp.get("rayjob.ray.io", "plain", ns) is None
+    finally:
+        cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "priorityclass", PRIORITY, "--wait=false", check=False)
+
+
+def test_kuberay_with_yunikorn_writes_the_task_groups_our_builders_compute(cp, kuberay_with, ns):
+    kuberay_with("yunikorn")
+    doc = gpu_job("yk", ns, scheduler="yunikorn", actor=2, critic=1, rollout=1, queue="root.ml")
+    cp.apply(doc)
+    wait_children(cp, "yk", ns)
+    rj = cp.get("rayjob.ray.io", "yk", ns)
+    app = rj["metadata"]["labels"]["yunikorn.apache.org/app-id"]
+    assert app == scheduling.yunikorn_app_id(
+        ns, "yk", cp.get("ppojobs.ppojob.io", "yk", ns)["metadata"]["uid"], 0
+    )
+    got = wait_until(lambda: len(p := pods(cp, "yk", ns)) == 5 and p, 60, "the 5 pods")
+    want = sorted(
+        (m.replicas, sorted(amounts(m.requests).items()))
+        for m in builders.gang_members(stored(cp, "yk", ns))
+    )
+    timeout = stored(cp, "yk", ns).spec.scheduling.timeout_seconds
+    for p in got:
+        meta = p["metadata"]
+        assert p["spec"]["schedulerName"] == "yunikorn"
+        # YuniKorn's own pod labels, which KubeRay derives from ours
+        assert meta["labels"]["applicationId"] == app and meta["labels"]["queue"] == "root.ml"
+        groups = json.loads(meta["annotations"]["yunikorn.apache.org/task-groups"])
+        have = sorted((g["minMember"], sorted(amounts(g["minResource"]).items())) for g in groups)
+        assert have == want, (have, want)
+        names = {g["name"] for g in groups}
+        assert meta["annotations"]["yunikorn.apache.org/task-group-name"] in names
+        assert meta["annotations"]["yunikorn.apache.org/schedulingPolicyParameters"] == (
+            f"placeholderTimeoutInSeconds={timeout} gangSchedulingStyle=Hard"
+        )
+    cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
+
+
+def kuberay_deployment(name: str, ns: str, args: list[str], **extra: Any) -> dict[str, Any]:
+    """A KubeRay operator Deployment as KubeRay's chart writes it (replicas 0: never runs)."""
+    labels = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": name}
+    container = {"name": "kuberay-operator", "image": "kuberay/operator:v1.5.0"}
+    container.update(command=["/manager"], args=args, **extra.pop("container", {}))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [container], **extra},
+            },
+        },
+    }
+
+
+def chart_flag(cp, *sets: str) -> str | None:
+    """The --kuberay-batch-scheduler value the chart renders against the live API server."""
+    argv = [str(cp.helm_bin), "template", "x", str(CHART), "--dry-run=server"]
+    argv += [f"--kubeconfig={cp.admin_kubeconfig}"]
+    for s in sets:
+        argv += ["--set", s]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout
+    [dep] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+    flags = [
+        a.split("=", 1)[1]
+        for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        if a.startswith("--kuberay-batch-scheduler=")
+    ]
+    return flags[0] if flags else None
+
+
+def test_the_chart_reads_kuberays_batch_scheduler_from_its_deployment(cp, ns):
+    """``kuberay.batchScheduler: auto`` (the default) at install time: what KubeRay's own
+    Deployment says, however KubeRay's chart wrote it; nothing to check when there is no single
+    answer."""
+    other = f"kr-{uuid.uuid4().hex[:6]}"
+    cp.kubectl("create", "namespace", other)
+    try:
+        assert chart_flag(cp) is None  # no KubeRay Deployment: not checked
+        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--batch-scheduler=volcano"]))
+        assert chart_flag(cp) == "volcano"
+        assert chart_flag(cp, "kuberay.batchScheduler=") == "none"  # as written wins
+        assert chart_flag(cp, "watchNamespaces={a}") is None  # may not list every Deployment
+        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--batch-scheduler", "yunikorn"]))
+        assert chart_flag(cp) == "yunikorn"
+        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--enable-batch-scheduler"]))
+        assert chart_flag(cp) == "volcano"
+        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--metrics-addr=:8080"]))
+        assert chart_flag(cp) == "none"
+        # KubeRay's chart with configuration.enabled: flags ignored, the file decides
+        cp.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "kuberay-operator-config", "namespace": ns},
+                "data": {"config.yaml": "batchScheduler: yunikorn\nreconcileConcurrency: 1\n"},
+            }
+        )
+        mount = {"name": "operator-config", "mountPath": "/etc/kuberay", "readOnly": True}
+        cp.apply(
+            kuberay_deployment(
+                "kuberay-operator",
+                ns,
+                ["--config", "/etc/kuberay/config.yaml", "--batch-scheduler=volcano"],
+                container={"volumeMounts": [mount]},
+                volumes=[
+                    {"name": "operator-config", "configMap": {"name": "kuberay-operator-config"}}
+                ],
+            )
+        )
+        assert chart_flag(cp) == "yunikorn"
+        # two KubeRays that disagree: no single answer
+        cp.apply(kuberay_deployment("kuberay", other, ["--batch-scheduler=volcano"]))
+        assert chart_flag(cp) is None
+    finally:
+        cp.kubectl("delete", "deployment", "--all", "-n", ns, check=False)
+        cp.kubectl("delete", "namespace", other, "--wait=false", check=False)
