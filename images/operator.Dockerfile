@@ -11,7 +11,9 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# pyproject.toml's readme: a one-line stand-in, so editing the README never rebuilds an image
+RUN echo "ppojob: PPO training of language models as a Kubernetes-native job" > README.md
 COPY api/ api/
 COPY cli/ cli/
 COPY operator/ operator/

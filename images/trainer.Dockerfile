@@ -67,7 +67,8 @@ COPY api/ api/
 COPY cli/ cli/
 COPY operator/ operator/
 COPY trainer/ trainer/
-COPY README.md ./
+# pyproject.toml's readme: a one-line stand-in, so editing the README never rebuilds an image
+RUN echo "ppojob: PPO training of language models as a Kubernetes-native job" > README.md
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --no-deps ".[${EXTRAS}]" \
  && python -c "import torch, ray, ppojob_trainer; print('torch', torch.__version__, 'ray', ray.__version__)" \

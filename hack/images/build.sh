@@ -110,7 +110,7 @@ image_key() {
   {
     echo "$base $*"
     cat "$root_dir/$dockerfile"
-    (cd "$root_dir" && git ls-files -co --exclude-standard -- pyproject.toml README.md \
+    (cd "$root_dir" && git ls-files -co --exclude-standard -- pyproject.toml \
       constraints.txt constraints-gpu.txt api cli operator trainer | LC_ALL=C sort |
       while read -r f; do [ -f "$f" ] && sha256sum "$f"; done)
   } | sha256sum | cut -c1-12
