@@ -11,7 +11,7 @@ problem with its field path and a fix; `SpecError` carries them as a `ValueError
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -801,8 +801,15 @@ class Training(TrainingSettings):
 # ---------------------------------------------------------------------------------------------
 # The training half and the trainer config
 # ---------------------------------------------------------------------------------------------
-class TrackerSpec(ApiModel):
-    """An experiment tracker the trainer logs to, besides metrics.jsonl and the PPOJob status."""
+class SecretRef(ApiModel):
+    """A reference to a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """Secret name."""
+
+
+class TensorBoardTracker(ApiModel):
+    """TensorBoard event files."""
 
     type: Literal["tensorboard"]
     """`tensorboard`: TensorBoard event files (needs the `trackers` extra: `pip install
@@ -811,6 +818,68 @@ class TrackerSpec(ApiModel):
     log_dir: str = Field("tensorboard", min_length=1)
     """Directory of the event files. A relative path is inside the run's output directory
     (`<checkpointDir>/output` on spec.checkpointVolume)."""
+
+
+class MlflowTracker(ApiModel):
+    """An MLflow run: every step's metrics, the resolved config as parameters, the reward curve
+    and metrics.jsonl as artifacts (MLflow's client, `mlflow-skinny`, in the `trackers`
+    extra)."""
+
+    type: Literal["mlflow"]
+    """`mlflow`: an MLflow tracking server or store."""
+
+    tracking_uri: str = Field(min_length=1)
+    """Where runs are recorded: `http(s)://host:port` of a tracking server, `databricks`, or a
+    store URI such as `file:/path` (MLflow's MLFLOW_TRACKING_URI)."""
+
+    experiment_name: str | None = Field(None, min_length=1, max_length=500)
+    """The experiment of the run (created when missing). Unset: the PPOJob's name."""
+
+    run_name: str | None = Field(None, min_length=1, max_length=128)
+    """The run's name. Unset: the PPOJob's name."""
+
+    secret_ref: SecretRef | None = None
+    """The tracker's credentials: a Secret whose every key becomes an environment variable of
+    the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and WANDB_BASE_URL for a self-hosted
+    server). `ppojob run` reads them from its own environment."""
+
+
+class WandbTracker(ApiModel):
+    """A Weights & Biases run: every step's metrics, the resolved config, the reward curve and
+    metrics.jsonl as an artifact (`wandb`, in the `trackers` extra)."""
+
+    type: Literal["wandb"]
+    """`wandb`: Weights & Biases."""
+
+    project: str = Field(min_length=1, max_length=128)
+    """The W&B project (created when missing)."""
+
+    entity: str | None = Field(None, min_length=1)
+    """The user or team owning the project. Unset: the API key's default entity."""
+
+    run_name: str | None = Field(None, min_length=1, max_length=128)
+    """The run's name. Unset: the PPOJob's name."""
+
+    mode: Literal["online", "offline"] = "online"
+    """`online` sends to the W&B server (WANDB_BASE_URL, default api.wandb.ai); `offline`
+    writes the run under `dir` only, to upload later with `wandb sync`."""
+
+    dir: str = Field("wandb", min_length=1)
+    """Directory of W&B's run files. A relative path is inside the run's output directory."""
+
+    secret_ref: SecretRef | None = None
+    """The tracker's credentials: a Secret whose every key becomes an environment variable of
+    the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and WANDB_BASE_URL for a self-hosted
+    server). `ppojob run` reads them from its own environment."""
+
+
+TrackerSpec = Annotated[
+    TensorBoardTracker | MlflowTracker | WandbTracker, Field(discriminator="type")
+]
+"""An experiment tracker the trainer logs to, besides metrics.jsonl and the PPOJob status."""
+TRACKER_TYPES = ("tensorboard", "mlflow", "wandb")
 
 
 class TrainingHalf(ApiModel):
@@ -832,8 +901,10 @@ class TrainingHalf(ApiModel):
     """Steps, optimisation and checkpoints."""
 
     trackers: list[TrackerSpec] = Field(default_factory=list)
-    """Experiment trackers: every step's metrics under the names of metrics.jsonl, the resolved
-    config at the start. A tracker that cannot be written is a warning, never a failed run."""
+    """Experiment trackers (`type`: tensorboard, mlflow or wandb): every step's metrics under
+    the names of metrics.jsonl, the resolved config at the start. Credentials come from a
+    Secret (secretRef), never from the PPOJob. A tracker that cannot be reached or written is a
+    warning, never a failed run."""
 
 
 class TrainerConfig(TrainingHalf):
