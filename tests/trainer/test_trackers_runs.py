@@ -31,8 +31,14 @@ from tests.helpers.wandb_records import offline_run
 
 TINY = yaml.safe_load((ROOT / "examples" / "ppojob-tiny.yaml").read_text())
 STEPS = [
-    {"reward/mean": 0.25, "kl/mean": 0.5, "time/step": 1.5, "note": "text"},
-    {"reward/mean": 0.75, "kl/mean": 0.25, "time/step": 1.0, "critic/vf_loss": 0.125},
+    {"reward/mean": 0.25, "kl/mean": 0.5, "kl/coef": 0.1, "time/step": 1.5, "note": "text"},
+    {
+        "reward/mean": 0.75,
+        "kl/mean": 0.25,
+        "kl/coef": 0.1,
+        "time/step": 1.0,
+        "critic/vf_loss": 0.125,
+    },
 ]
 
 
@@ -89,12 +95,17 @@ def test_mlflow_run_read_back_with_the_mlflow_client(tmp_path: Path) -> None:
     assert run.info.status == "FINISHED" and run.info.run_name == "ppojob"
     assert client.get_experiment(run.info.experiment_id).name == "e"
     # every step's metrics, under the names of metrics.jsonl
+    # (`kl` beside `kl/coef` keeps the loop's name, kl/mean: the file store cannot hold both)
     history = {
-        key: [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, key)]
+        key: [
+            (m.step, m.value)
+            for m in client.get_metric_history(tracker.run_id, "kl/mean" if key == "kl" else key)
+        ]
         for key in _numeric_names(out)
     }
     assert history["reward_mean"] == [(1, 0.25), (2, 0.75)]
     assert history["kl"] == [(1, 0.5), (2, 0.25)]
+    assert history["kl/coef"] == [(1, 0.1), (2, 0.1)]
     assert history["time/step"] == [(1, 1.5), (2, 1.0)]
     assert history["value_loss"] == [(2, 0.125)]
     assert "note" not in run.data.metrics
@@ -254,3 +265,52 @@ def test_wandb_online_without_an_api_key_is_one_warning_not_a_prompt(
     warning = _one_warning(caplog)
     assert "tracker wandb (p, online): start failed" in warning and "WANDB_API_KEY" in warning
     assert not list(tmp_path.glob("wandb/wandb/*run-*"))
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_ppojob_run_logs_to_every_tracker_and_survives_an_unreachable_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ppojob run` end to end (two short steps on the local Ray): the file-store MLflow run and
+    the offline W&B run hold what metrics.jsonl holds; an MLflow server that is down is one
+    warning and exit code 0."""
+    from mlflow import MlflowClient
+
+    from ppojob_cli.main import main as ppojob
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    store, down = f"file:{tmp_path / 'mlruns'}", f"http://127.0.0.1:{_closed_port()}"
+    doc = {
+        **TINY,
+        "spec": {
+            **TINY["spec"],
+            "trackers": [
+                {"type": "mlflow", "trackingUri": store, "runName": "tiny"},
+                {"type": "wandb", "project": "ppo-demo", "mode": "offline"},
+                {"type": "mlflow", "trackingUri": down},
+            ],
+        },
+    }
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    small = ["--set", "data.rolloutBatchSize=4", "--set", "training.miniBatchSize=32"]
+    rc = ppojob(["run", str(job), "--steps", "2", "--out", str(out), "--no-progress", *small])
+    assert rc == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "tracker " in line]
+    assert len(warnings) == 1 and f"tracker mlflow ({down}): start failed" in warnings[0]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name(TINY["metadata"]["name"]).experiment_id]
+    )
+    assert run.info.run_name == "tiny" and run.info.status == "FINISHED"
+    rewards = client.get_metric_history(run.info.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in rewards] == [(r["step"], r["reward_mean"]) for r in records]
+    assert "reward_curve.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    wb = offline_run(out / "wandb")
+    assert [wb["history"][r["step"]]["reward_mean"] for r in records] == [
+        r["reward_mean"] for r in records
+    ]
+    assert wb["exit_code"] == 0

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ppojob_trainer.progress import (
+    ALIASES,
     CURVE_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
@@ -258,6 +259,7 @@ class MlflowReporter(TrackerReporter):
         self.run_id: str | None = None
         self._client: Any = None
         self._last_step = 0
+        self._grouped: set[str] = set()
         self._state = _state_file(out_dir, "mlflow", tracking_uri, experiment_name, run_name)
 
     def _open(self, total_steps: int, start_step: int) -> None:
@@ -297,11 +299,27 @@ class MlflowReporter(TrackerReporter):
         text = yaml.safe_dump(self.config, sort_keys=False)
         client.log_text(self.run_id, text, "ppojob/config.yaml")
 
+    def _names(self, keys: list[str]) -> dict[str, str]:
+        """The MLflow name of each metric: its metrics.jsonl name, except a name that is also
+        the group of others (`kl` beside `kl/coef`), which MLflow's file-based stores cannot
+        hold both of (`metrics/kl` would be a file and a directory): it keeps the loop's own
+        name (`kl/mean`), or gets `/value`, from the first step it is a group on."""
+        names = {k: mlflow_key(k) for k in keys}
+        groups = {n.rsplit("/", i)[0] for n in names.values() for i in range(1, n.count("/") + 1)}
+        for key, name in names.items():
+            if name in groups:
+                self._grouped.add(name)
+            if name in self._grouped:
+                own = [a for a in ALIASES.get(key, ()) if a.startswith(f"{name}/")]
+                names[key] = mlflow_key(own[0]) if own else f"{name}/value"
+        return names
+
     def _log(self, step: int, scalars: dict[str, float], prefix: str = "") -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(mlflow_key(prefix + k), v, now, step) for k, v in scalars.items()]
+        names = self._names([prefix + k for k in scalars])
+        metrics = [Metric(names[prefix + k], v, now, step) for k, v in scalars.items()]
         if metrics:
             self._client.log_batch(self.run_id, metrics=metrics)
         self._last_step = max(self._last_step, step)
