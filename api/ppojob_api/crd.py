@@ -152,24 +152,18 @@ def _merge_members(members: list[dict[str, Any]]) -> dict[str, Any]:
     """A discriminated union (pydantic's `oneOf`) as one structural object: every member's
     properties, the discriminator's enum of every tag, required only what all members require.
     Defaults are dropped (the API server would fill one member's default into the others; the
-    operator's validation fills them per member), and a property of some members says which."""
+    operator's validation fills them per member). Members share their tag's description and
+    say in each of their fields' descriptions which members have it."""
     tag_field = next(iter(members[0]["properties"]))  # each member's first field is its tag
     tags = [v for m in members for v in m["properties"][tag_field].get("enum", [])]
     props: dict[str, Any] = {}
-    owners: dict[str, list[str]] = {}
-    for member, tag in zip(members, tags, strict=True):
+    for member in members:
         for name, prop in member["properties"].items():
-            owners.setdefault(name, []).append(tag)
             props.setdefault(name, {k: v for k, v in prop.items() if k != "default"})
-    props[tag_field] = {
-        "type": "string",
-        "enum": tags,
-        "description": " ".join(m["properties"][tag_field].get("description", "") for m in members),
-    }
-    for name, who in owners.items():
-        if name != tag_field and len(who) < len(members):
-            text = props[name].get("description", "")
-            props[name]["description"] = f"{text} (type: {', '.join(who)})".strip()
+    texts = list(dict.fromkeys(m["properties"][tag_field].get("description") for m in members))
+    props[tag_field] = {"type": "string", "enum": tags}
+    if texts != [None]:
+        props[tag_field]["description"] = " ".join(t for t in texts if t)
     required = set.intersection(*(set(m.get("required", [])) for m in members))
     out: dict[str, Any] = {"type": "object", "properties": props}
     if required:

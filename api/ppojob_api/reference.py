@@ -85,7 +85,7 @@ def _type_name(annotation: Any) -> str:
     if origin is typing.Annotated:
         return _type_name(get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):  # a discriminated union of models
-        return "(" + " or ".join(_type_name(a) for a in get_args(annotation)) + ")"
+        return "one of " + ", ".join(_type_name(a) for a in get_args(annotation))
     if _is_model(annotation):
         return f"[{annotation.__name__}](#{_anchor(annotation)})"
     if origin is Literal:

@@ -812,12 +812,13 @@ class TensorBoardTracker(ApiModel):
     """TensorBoard event files."""
 
     type: Literal["tensorboard"]
-    """`tensorboard`: TensorBoard event files (needs the `trackers` extra: `pip install
-    'ppojob[trackers]'`)."""
+    """The tracker: `tensorboard` (TensorBoard event files), `mlflow` (an MLflow tracking server
+    or store) or `wandb` (Weights & Biases); the other fields depend on it. All need the
+    `trackers` extra (`pip install 'ppojob[trackers]'`)."""
 
     log_dir: str = Field("tensorboard", min_length=1)
-    """Directory of the event files. A relative path is inside the run's output directory
-    (`<checkpointDir>/output` on spec.checkpointVolume)."""
+    """TensorBoard: directory of the event files. A relative path is inside the run's output
+    directory (`<checkpointDir>/output` on spec.checkpointVolume)."""
 
 
 class MlflowTracker(ApiModel):
@@ -826,23 +827,26 @@ class MlflowTracker(ApiModel):
     extra)."""
 
     type: Literal["mlflow"]
-    """`mlflow`: an MLflow tracking server or store."""
+    """The tracker: `tensorboard` (TensorBoard event files), `mlflow` (an MLflow tracking server
+    or store) or `wandb` (Weights & Biases); the other fields depend on it. All need the
+    `trackers` extra (`pip install 'ppojob[trackers]'`)."""
 
     tracking_uri: str = Field(min_length=1)
-    """Where runs are recorded: `http(s)://host:port` of a tracking server, `databricks`, or a
-    store URI such as `file:/path` (MLflow's MLFLOW_TRACKING_URI)."""
+    """MLflow: where runs are recorded: `http(s)://host:port` of a tracking server,
+    `databricks`, or a store URI such as `file:/path` (MLflow's MLFLOW_TRACKING_URI)."""
 
     experiment_name: str | None = Field(None, min_length=1, max_length=500)
-    """The experiment of the run (created when missing). Unset: the PPOJob's name."""
+    """MLflow: the experiment of the run (created when missing). Unset: the PPOJob's name."""
 
     run_name: str | None = Field(None, min_length=1, max_length=128)
-    """The run's name. Unset: the PPOJob's name."""
+    """MLflow, W&B: the run's name. Unset: the PPOJob's name."""
 
     secret_ref: SecretRef | None = None
-    """The tracker's credentials: a Secret whose every key becomes an environment variable of
-    the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and
-    MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and WANDB_BASE_URL for a self-hosted
-    server). `ppojob run` reads them from its own environment."""
+    """MLflow, W&B: the tracker's credentials, a Secret whose every key becomes an environment
+    variable of the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and
+    WANDB_BASE_URL for a self-hosted server). `ppojob run` reads them from its own
+    environment."""
 
 
 class WandbTracker(ApiModel):
@@ -850,29 +854,33 @@ class WandbTracker(ApiModel):
     metrics.jsonl as an artifact (`wandb`, in the `trackers` extra)."""
 
     type: Literal["wandb"]
-    """`wandb`: Weights & Biases."""
+    """The tracker: `tensorboard` (TensorBoard event files), `mlflow` (an MLflow tracking server
+    or store) or `wandb` (Weights & Biases); the other fields depend on it. All need the
+    `trackers` extra (`pip install 'ppojob[trackers]'`)."""
 
     project: str = Field(min_length=1, max_length=128)
-    """The W&B project (created when missing)."""
+    """W&B: the project (created when missing)."""
 
     entity: str | None = Field(None, min_length=1)
-    """The user or team owning the project. Unset: the API key's default entity."""
+    """W&B: the user or team owning the project. Unset: the API key's default entity."""
 
     run_name: str | None = Field(None, min_length=1, max_length=128)
-    """The run's name. Unset: the PPOJob's name."""
+    """MLflow, W&B: the run's name. Unset: the PPOJob's name."""
 
     mode: Literal["online", "offline"] = "online"
-    """`online` sends to the W&B server (WANDB_BASE_URL, default api.wandb.ai); `offline`
+    """W&B: `online` sends to the W&B server (WANDB_BASE_URL, default api.wandb.ai); `offline`
     writes the run under `dir` only, to upload later with `wandb sync`."""
 
     dir: str = Field("wandb", min_length=1)
-    """Directory of W&B's run files. A relative path is inside the run's output directory."""
+    """W&B: directory of the run's files. A relative path is inside the run's output
+    directory."""
 
     secret_ref: SecretRef | None = None
-    """The tracker's credentials: a Secret whose every key becomes an environment variable of
-    the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and
-    MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and WANDB_BASE_URL for a self-hosted
-    server). `ppojob run` reads them from its own environment."""
+    """MLflow, W&B: the tracker's credentials, a Secret whose every key becomes an environment
+    variable of the trainer's head pod (mlflow: MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; wandb: WANDB_API_KEY, and
+    WANDB_BASE_URL for a self-hosted server). `ppojob run` reads them from its own
+    environment."""
 
 
 TrackerSpec = Annotated[

@@ -72,5 +72,5 @@ def test_the_crd_holds_every_members_fields_and_no_member_default() -> None:
     assert props["type"]["enum"] == ["tensorboard", "mlflow", "wandb"]
     assert {"logDir", "trackingUri", "project", "mode", "dir", "secretRef"} <= set(props)
     assert not [name for name, prop in props.items() if "default" in prop]
-    assert props["trackingUri"]["description"].endswith("(type: mlflow)")
+    assert props["trackingUri"]["description"].startswith("MLflow: ")
     assert "token" not in props and "apiKey" not in props
