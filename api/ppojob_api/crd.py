@@ -97,7 +97,10 @@ def structural_schema(schema: dict[str, Any]) -> dict[str, Any]:
             return conv(merged)
         out: dict[str, Any] = {}
         nullable = False
-        if "anyOf" in node:
+        if "oneOf" in node:
+            out = _merge_members([conv(o) for o in node.pop("oneOf")])
+            out.update(conv(node))  # the use site's description
+        elif "anyOf" in node:
             options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
             if len(options) != 1:
                 raise ValueError(f"cannot express a union of {len(options)} types structurally")
@@ -143,6 +146,29 @@ def structural_schema(schema: dict[str, Any]) -> dict[str, Any]:
         return out
 
     return conv(schema)
+
+
+def _merge_members(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """A discriminated union (pydantic's `oneOf`) as one structural object: every member's
+    properties, the discriminator's enum of every tag, required only what all members require.
+    Defaults are dropped (the API server would fill one member's default into the others; the
+    operator's validation fills them per member). Members share their tag's description and
+    say in each of their fields' descriptions which members have it."""
+    tag_field = next(iter(members[0]["properties"]))  # each member's first field is its tag
+    tags = [v for m in members for v in m["properties"][tag_field].get("enum", [])]
+    props: dict[str, Any] = {}
+    for member in members:
+        for name, prop in member["properties"].items():
+            props.setdefault(name, {k: v for k, v in prop.items() if k != "default"})
+    texts = list(dict.fromkeys(m["properties"][tag_field].get("description") for m in members))
+    props[tag_field] = {"type": "string", "enum": tags}
+    if texts != [None]:
+        props[tag_field]["description"] = " ".join(t for t in texts if t)
+    required = set.intersection(*(set(m.get("required", [])) for m in members))
+    out: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        out["required"] = [n for n in props if n in required]
+    return out
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -40,24 +40,124 @@ def pydantic_problems(exc: Exception, prefix: str = "") -> list[Problem]:
     """Turn a pydantic ValidationError into Problems with camelCase field paths."""
     problems = []
     for err in exc.errors():  # type: ignore[attr-defined]
+        loc, _ = _resolve(exc, tuple(err["loc"]))
         parts = [prefix] if prefix else []
-        for loc in err["loc"]:
-            if isinstance(loc, int):
-                parts[-1:] = [f"{parts[-1]}[{loc}]"] if parts else [f"[{loc}]"]
-            elif not (isinstance(loc, str) and "[" in loc and loc.endswith("]")):
-                parts.append(str(loc))
-        path = ".".join(parts) or prefix or "<root>"
+        for part in loc:
+            if isinstance(part, int):
+                parts[-1:] = [f"{parts[-1]}[{part}]"] if parts else [f"[{part}]"]
+            elif not (isinstance(part, str) and "[" in part and part.endswith("]")):
+                parts.append(str(part))
         kind = err["type"]
+        ctx = err.get("ctx") or {}
+        if kind in ("union_tag_invalid", "union_tag_not_found"):
+            parts.append(str(ctx.get("discriminator", "type")).strip("'"))
+        path = ".".join(parts) or prefix or "<root>"
         if kind == "extra_forbidden":
-            problems.append(Problem(path, "unknown field", _unknown_field_fix(exc, err["loc"])))
+            key = str(err["loc"][-1]) if err["loc"] else ""
+            if _norm(key) in _CREDENTIAL_KEYS and "secretRef" in _siblings(exc, err["loc"]):
+                problems.append(
+                    Problem(
+                        path,
+                        "credentials never go in a PPOJob (whoever can read the job could read "
+                        "them)",
+                        "put the value in a Secret (e.g. under the key WANDB_API_KEY or "
+                        "MLFLOW_TRACKING_TOKEN) and name the Secret in secretRef",
+                    )
+                )
+            else:
+                problems.append(Problem(path, "unknown field", _unknown_field_fix(exc, err["loc"])))
         elif kind == "missing":
             problems.append(Problem(path, "required field is missing", "add it"))
+        elif kind == "union_tag_invalid":
+            problems.append(
+                Problem(
+                    path,
+                    f"unknown type {ctx.get('tag')!r}",
+                    f"use one of {ctx.get('expected_tags')}",
+                )
+            )
+        elif kind == "union_tag_not_found":
+            problems.append(
+                Problem(
+                    path,
+                    "required field is missing",
+                    f"add it: one of {_tags(exc, tuple(err['loc']), parts[-1])}",
+                )
+            )
         else:
             got = err.get("input")
             shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
             got_part = "" if kind == "k8s_quantity" else f" (got {shown[:80]})"  # it says
             problems.append(Problem(path, f"{err['msg']}{got_part}", _fix_for(err)))
     return problems
+
+
+_CREDENTIAL_KEYS = {
+    "token",
+    "apikey",
+    "apitoken",
+    "accesstoken",
+    "password",
+    "secret",
+    "key",
+    "wandbapikey",
+    "mlflowtrackingtoken",
+    "mlflowtrackingpassword",
+}
+"""Keys (normalised) refused with a pointer to secretRef where an object has one."""
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """Every API model a field's annotation holds (a union's members, list items, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _tag_of(model: type[BaseModel], part: Any) -> bool:
+    """Whether `part` is the tag of `model` in a discriminated union (the value of one of its
+    Literal fields), which pydantic puts in an error's location."""
+    if not isinstance(part, str) or any(
+        part in (n, f.alias) for n, f in model.model_fields.items()
+    ):
+        return False
+    return any(
+        get_origin(f.annotation) is Literal and part in get_args(f.annotation)
+        for f in model.model_fields.values()
+    )
+
+
+def _resolve(exc: Exception, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[type[BaseModel]]]:
+    """`loc` without the tags of discriminated unions, and the model(s) it ends at."""
+    root = _model_named(getattr(exc, "title", ""))
+    models: list[type[BaseModel]] = [root] if root is not None else []
+    out: list[Any] = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(part)
+            continue
+        tagged = [m for m in models if len(models) > 1 and _tag_of(m, part)]
+        if tagged:
+            models = tagged[:1]
+            continue
+        out.append(part)
+        field = next(
+            (f for m in models for n, f in m.model_fields.items() if part in (n, f.alias)), None
+        )
+        models = _models_in(field.annotation) if field is not None else []
+    return tuple(out), models
+
+
+def _tags(exc: Exception, loc: tuple[Any, ...], field: str) -> str:
+    """The tags (values of `field`) of the discriminated union at `loc` (resolved)."""
+    _, models = _resolve(exc, loc)
+    tags = [
+        str(get_args(f.annotation)[0])
+        for m in models
+        for n, f in m.model_fields.items()
+        if field in (n, f.alias) and get_origin(f.annotation) is Literal
+    ]
+    return ", ".join(tags) or "the documented types"
 
 
 def _norm(key: str) -> str:
@@ -92,13 +192,8 @@ def _siblings(exc: Exception, loc: tuple[Any, ...]) -> list[str]:
 
 
 def _model_at(exc: Exception, loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    model = _model_named(getattr(exc, "title", ""))
-    for part in loc:
-        if model is None or isinstance(part, int):
-            continue
-        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
-        model = _model_in(field.annotation) if field is not None else None
-    return model
+    _, models = _resolve(exc, loc)
+    return models[0] if models else None
 
 
 def _deeper(model: type[BaseModel] | None, key: str, depth: int = 2) -> str | None:

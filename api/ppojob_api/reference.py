@@ -82,6 +82,10 @@ def _type_name(annotation: Any) -> str:
     origin = get_origin(annotation)
     if annotation is ObjectMeta:
         return f"[ObjectMeta]({_K8S_META})"
+    if origin is typing.Annotated:
+        return _type_name(get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):  # a discriminated union of models
+        return "one of " + ", ".join(_type_name(a) for a in get_args(annotation))
     if _is_model(annotation):
         return f"[{annotation.__name__}](#{_anchor(annotation)})"
     if origin is Literal:
@@ -259,7 +263,7 @@ def reference_markdown() -> str:
         model = t.model
         out += ["", f"### {model.__name__}", ""]
         if t.paths != [""]:
-            shown = ", ".join(f"`{p}`" for p in t.paths)
+            shown = ", ".join(f"`{p}`" for p in dict.fromkeys(t.paths))
             out += [f"Used at: {shown}", ""]
         out += [_one_line(model.__doc__), ""]
         if model is PPOJobSpec:

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from ppojob_api.base import ApiModel
 from ppojob_api.quantity import CpuQuantity, MemoryQuantity
-from ppojob_api.training import Toleration, TrainingHalf
+from ppojob_api.training import SecretRef, Toleration, TrainingHalf
 
 RAY_VERSION = "2.60.0"
 """The Ray release in the trainer image: the one source of truth. `constraints.txt` pins
@@ -66,13 +66,6 @@ class Scheduling(ApiModel):
     PodGroup's scheduleTimeoutSeconds; the plugin's own default is 60). Keep it short: while it
     runs, one pod that cannot fit keeps the others' GPUs from every other job. The smaller of
     this and timeoutSeconds applies."""
-
-
-class SecretRef(ApiModel):
-    """A reference to a Secret in the job's namespace."""
-
-    name: str = Field(min_length=1)
-    """Secret name."""
 
 
 class PVCSource(ApiModel):

@@ -365,6 +365,19 @@ def _env(job_role: str, extra: list[Any], grace: int) -> list[dict[str, Any]]:
     return env
 
 
+def tracker_env_from(job: PPOJob) -> list[dict[str, Any]]:
+    """The head container's ``envFrom`` of the trackers' Secrets (``spec.trackers[].secretRef``),
+    each once: their keys (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...) become variables of the
+    trainer's driver only, never of the worker pods that run user code."""
+    out: list[dict[str, Any]] = []
+    for tracker in job.spec.trackers:
+        ref = getattr(tracker, "secret_ref", None)
+        entry = {"secretRef": {"name": ref.name}} if ref is not None else None
+        if entry is not None and entry not in out:
+            out.append(entry)
+    return out
+
+
 def _pod_template(
     job: PPOJob,
     *,
@@ -420,8 +433,11 @@ def _pod_template(
     container["env"] += [
         dump(v) for v in extra.env if v.name not in {e["name"] for e in container["env"]}
     ]
-    if extra.env_from:
-        container["envFrom"] = [dump(r) for r in extra.env_from]
+    env_from = [dump(r) for r in extra.env_from]
+    if group_role == "head":  # the trainer's driver, which alone talks to the trackers
+        env_from += [r for r in tracker_env_from(job) if r not in env_from]
+    if env_from:
+        container["envFrom"] = env_from
     pod["volumes"] += [dict(v) for v in extra.volumes]
     container["volumeMounts"] += [dump(m) for m in extra.volume_mounts]
     if group_role == "head":

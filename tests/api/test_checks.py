@@ -61,6 +61,7 @@ from ppojob_api.checks.sources import (
     check_reward_function,
     check_rewards,
 )
+from ppojob_api.checks.trackers import check_trackers
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJobSpec
 
@@ -1779,6 +1780,55 @@ TABLE += [
             "roles__actor": MEGATRON_CPU,
         },
         ["spec.roles.rollout.backend", "spec.roles.actor.backend", "spec.roles.critic.backend"],
+    ),
+]
+
+
+# --- experiment trackers: values their libraries and Kubernetes accept, no credentials
+MLFLOW = {"type": "mlflow", "trackingUri": "http://mlflow.mlflow.svc:5000"}
+WANDB = {"type": "wandb", "project": "ppo-demo", "secretRef": {"name": "wandb-key"}}
+TABLE += [
+    (
+        check_trackers,
+        "every tracker, well formed",
+        {
+            "trackers": [
+                {"type": "tensorboard"},
+                MLFLOW,
+                {**MLFLOW, "trackingUri": "databricks"},
+                WANDB,
+            ]
+        },
+        [],
+    ),
+    (
+        check_trackers,
+        "a file store",
+        {"trackers": [{**MLFLOW, "trackingUri": "file:/data/mlruns"}]},
+        [],
+    ),
+    (
+        check_trackers,
+        "a tracking URI without a scheme, one with a password, one without a host",
+        {
+            "trackers": [
+                {**MLFLOW, "trackingUri": "mlflow.svc:5000/x y"},
+                {**MLFLOW, "trackingUri": "mlruns"},
+                {**MLFLOW, "trackingUri": "https://me:hunter2@mlflow.example.com"},
+                {**MLFLOW, "trackingUri": "http:///api"},
+            ]
+        },
+        [f"spec.trackers[{i}].trackingUri" for i in range(4)],
+    ),
+    (
+        check_trackers,
+        "a W&B project with a slash, an entity with a colon, a Secret name in capitals",
+        {
+            "trackers": [
+                {**WANDB, "project": "team/ppo", "entity": "a:b", "secretRef": {"name": "Key"}}
+            ]
+        },
+        ["spec.trackers[0].project", "spec.trackers[0].entity", "spec.trackers[0].secretRef.name"],
     ),
 ]
 

@@ -169,6 +169,14 @@ VALID: dict[str, dict[str, Any]] = {
         },
         training={"miniBatchSize": 32},
     ),
+    # one member's default (logDir, dir, mode) must not be stored into the others
+    "trackers:every-type": base_manifest(
+        trackers=[
+            {"type": "tensorboard"},
+            {"type": "mlflow", "trackingUri": "http://mlflow:5000", "secretRef": {"name": "ml"}},
+            {"type": "wandb", "project": "p", "mode": "offline"},
+        ]
+    ),
     "grpo:kl-off-written-out": base_manifest(
         algorithm={"advantageEstimator": "grpo", "kl": {"coefficient": 0}, "dualClip": 3}
     ),

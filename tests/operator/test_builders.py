@@ -885,3 +885,47 @@ def test_network_policy_flag_errors_name_the_problem(value, error):
 
     with pytest.raises(ValueError, match=error):
         network_settings(value)
+
+
+def test_tracker_secrets_reach_the_head_container_only(tmp_path, capsys, validate_child):
+    """spec.trackers[].secretRef: each Secret once, as envFrom of the head's container (where the
+    trainer's driver logs to the trackers), after the podTemplate's; no worker pod gets it."""
+    from ppojob_cli.main import main as ppojob
+
+    template = {"envFrom": [{"configMapRef": {"name": "settings"}}]}
+    trackers = [
+        {"type": "tensorboard"},
+        {"type": "mlflow", "trackingUri": "http://mlflow:5000", "secretRef": {"name": "ml"}},
+        {"type": "wandb", "project": "p", "secretRef": {"name": "wb"}},
+        {"type": "wandb", "project": "q", "secretRef": {"name": "ml"}},
+    ]
+    job = make(trackers=trackers, podTemplate=template)
+    children = builders.build_children(job, namespace="ns1")
+    for child in children:
+        validate_child(child)
+    rj = children[-1]["spec"]["rayClusterSpec"]
+    head = rj["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["envFrom"] == [
+        {"configMapRef": {"name": "settings"}},
+        {"secretRef": {"name": "ml"}},
+        {"secretRef": {"name": "wb"}},
+    ]
+    assert rj["workerGroupSpecs"]
+    for group in rj["workerGroupSpecs"]:
+        assert group["template"]["spec"]["containers"][0]["envFrom"] == template["envFrom"]
+    without = builders.build_children(make(trackers=trackers[:1]), namespace="ns1")[-1]
+    assert (
+        "envFrom"
+        not in without["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][
+            0
+        ]
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        yaml.safe_dump(base_manifest(**{**LAYOUTS["gae-default-critic"], "trackers": trackers}))
+    )
+    assert ppojob(["render", str(path)]) == 0
+    rendered = list(yaml.safe_load_all(capsys.readouterr().out))
+    (rayjob,) = [d for d in rendered if d and d["kind"] == "RayJob"]
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["envFrom"] == [{"secretRef": {"name": "ml"}}, {"secretRef": {"name": "wb"}}]

@@ -56,6 +56,7 @@ from ppojob_api.checks.sources import (
     check_reward_function,
     check_rewards,
 )
+from ppojob_api.checks.trackers import check_trackers
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJobSpec
 from ppojob_api.training import TrainingHalf
@@ -96,6 +97,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_eval_prompts,
     check_model_paths,
     check_sizes,
+    check_trackers,
 )
 """The checks of the training half (what `ppojob run` and the trainer's config file get)."""
 
