@@ -39,6 +39,8 @@ BUILTIN_MEGATRON_SHAPES = {
 }
 BUILTIN_TASKS = ("count-up", "reverse", "calculator")
 BUILTIN_AGENTS = ("calculator",)
+BUILTIN_TOOLS = ("calculate",)
+TOOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 ESTIMATORS_WITHOUT_CRITIC = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 GROUP_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline", "rloo")
 # Estimators whose advantages are whitened over the step's tokens when normalizeAdvantages is unset
@@ -600,17 +602,47 @@ class RewardSource(ApiModel):
         return "model" if self.model is not None else "http"
 
 
+class ToolSpec(ApiModel):
+    """A tool the model may call, declared to it through the tokenizer's chat template
+    (`apply_chat_template(..., tools=...)`, as an OpenAI-style function description)."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    """The function name the model calls (letters, digits, `_` and `-`; unique)."""
+
+    description: str = Field("", max_length=4096)
+    """What the tool does, shown to the model."""
+
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    """JSON schema of the arguments: `{type: object, properties: {...}, required: [...]}`. A
+    call's arguments are checked against it (required names, unknown names, the JSON types of
+    `properties` and `enum`); a mismatch is the model's observation, not a call."""
+
+    function: str = Field(min_length=1)
+    """`module:function` called with the arguments as keywords, in a child process with
+    toolTimeoutSeconds; its return value (a string, or JSON-encoded) is the tool message. Or
+    `builtin:calculate` (`expression`: an integer expression of `+ - * //` and parentheses)."""
+
+
 class AgentSpec(ApiModel):
     """A multi-turn agent: the model's turn (sampled by the rollout engine), then the
     environment's reply, until the agent says done or a budget runs out. The environment's
-    tokens are part of the response (the model reads them) but carry no policy or value loss."""
+    tokens are part of the response (the model reads them) but carry no policy or value loss.
+    The environment is either a hook (`function`) or declared `tools`."""
 
-    function: str = Field(min_length=1)
+    function: str | None = Field(None, min_length=1)
     """`module:function` called as `fn(prompt, label, turns)` after each model turn (`turns`:
     the model's turns so far, decoded), in a child process with a timeout, returning a dict
     with `observation` (text, or None) and `done` (a bool); or `builtin:<agent>`
     (`builtin:calculator`). A crash, timeout or malformed reply becomes the observation text,
-    never a failed run."""
+    never a failed run. Set this or tools."""
+
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=64)
+    """Tools called through the model's own chat template (set this or function; needs a
+    tokenizer with a chat template): the prompt is rendered with `tools=`; each model turn's
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (or a turn that is one
+    such JSON object) are run and answered as `role: tool` messages rendered by the template; a
+    turn without a call ends the conversation. Malformed JSON, an unknown tool or wrong
+    arguments are answered with an error message, never a failed run."""
 
     max_turns: int = Field(4, ge=1, le=64)
     """Most model turns per conversation."""

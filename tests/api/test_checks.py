@@ -1736,6 +1736,17 @@ def test_a_model_path_holding_a_semicolon_keeps_its_message_and_fix_apart() -> N
 
 
 CALC = {"function": "builtin:calculator"}
+ADD_TOOL = {
+    "name": "add",
+    "description": "a + b",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+    "function": "my_tools:add",
+}
+CALC_TOOL = {"name": "calc", "function": "builtin:calculate"}
 TABLE += [
     # --- multi-turn agents (data.agent)
     (check_agent, "no agent", {}, []),
@@ -1779,6 +1790,61 @@ TABLE += [
             "roles__actor": MEGATRON_CPU,
         },
         ["spec.roles.rollout.backend", "spec.roles.actor.backend", "spec.roles.critic.backend"],
+    ),
+    # --- declared tools (data.agent.tools)
+    (
+        check_agent,
+        "declared tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"tools": [ADD_TOOL, CALC_TOOL]}},
+        [],
+    ),
+    (
+        check_agent,
+        "neither function nor tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"maxTurns": 2}},
+        ["spec.data.agent.function"],
+    ),
+    (
+        check_agent,
+        "function and tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"function": "e.t:s", "tools": [ADD_TOOL]}},
+        ["spec.data.agent"],
+    ),
+    (
+        check_agent,
+        "tools without the chat template",
+        {
+            "data__prompts": "/d.jsonl",
+            "data__applyChatTemplate": False,
+            "data__agent": {"tools": [ADD_TOOL]},
+        },
+        ["spec.data.agent.tools"],
+    ),
+    (
+        check_agent,
+        "bad tools",
+        {
+            "data__prompts": "/d.jsonl",
+            "data__agent": {
+                "tools": [
+                    ADD_TOOL,
+                    ADD_TOOL,
+                    {**ADD_TOOL, "name": "b", "function": "builtin:shell"},
+                    {**ADD_TOOL, "name": "c", "function": "tools.py"},
+                    {**ADD_TOOL, "name": "d", "parameters": {"type": "string"}},
+                    {**ADD_TOOL, "name": "e", "parameters": {"type": "object", "required": ["x"]}},
+                    {**ADD_TOOL, "name": "f", "parameters": {"type": "object", "properties": 1}},
+                ]
+            },
+        },
+        [
+            "spec.data.agent.tools[1].name",
+            "spec.data.agent.tools[2].function",
+            "spec.data.agent.tools[3].function",
+            "spec.data.agent.tools[4].parameters.type",
+            "spec.data.agent.tools[5].parameters.required",
+            "spec.data.agent.tools[6].parameters.properties",
+        ],
     ),
 ]
 
