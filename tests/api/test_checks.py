@@ -637,6 +637,57 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         ],
     ),
     (
+        check_rewards,
+        "judges: the policy, a built-in, a directory",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [
+                {"judge": {"model": "policy"}},
+                {
+                    "judge": {
+                        "model": "builtin:tiny-llama",
+                        "template": "{{json}} {prompt} -> {response} ({label})",
+                        "scorePattern": r"\[\[(\d+)\]\]",
+                        "minScore": -1,
+                        "maxScore": 1,
+                    },
+                    "name": "judge-2",
+                },
+                {"judge": {"model": "/models/judge"}, "name": "judge-3"},
+            ],
+        },
+        [],
+    ),
+    (
+        check_rewards,
+        "bad judges",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [
+                {"judge": {"model": "builtin:gpt", "scorePattern": "(\\d"}, "name": "a"},
+                {"judge": {"model": "s3://b/j", "scorePattern": "(a)(b)"}, "name": "b"},
+                {"judge": {"model": "policy", "template": "{prompt} {answer}"}, "name": "c"},
+                {"judge": {"model": "policy", "template": "{prompt} only"}, "name": "d"},
+                {"judge": {"model": "policy", "template": "{response} {"}, "name": "e"},
+                {"judge": {"model": "policy", "minScore": 1, "maxScore": 1}, "name": "f"},
+                {"judge": {"model": "policy", "defaultScore": 11}, "name": "g"},
+                {"judge": {"model": "policy"}, "http": {"url": "http://j/s"}, "name": "h"},
+            ],
+        },
+        [
+            "spec.data.rewards[0].judge.model",
+            "spec.data.rewards[0].judge.scorePattern",
+            "spec.data.rewards[1].judge.model",
+            "spec.data.rewards[1].judge.scorePattern",
+            "spec.data.rewards[2].judge.template",
+            "spec.data.rewards[3].judge.template",
+            "spec.data.rewards[4].judge.template",
+            "spec.data.rewards[5].judge.minScore",
+            "spec.data.rewards[6].judge.defaultScore",
+            "spec.data.rewards[7]",
+        ],
+    ),
+    (
         check_prompts,
         "a dataset with reward sources",
         {"data__prompts": "/data/p.jsonl", "data__rewards": [{"function": "m:f"}]},

@@ -135,7 +135,9 @@ class RolloutWorker:
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device, visible_devices)
         # the reward sources live here, beside the engine (a reward model on its device)
-        self.scorer = make_reward(cfg.data, cfg.data.prompts, device, cfg.model.dtype)
+        self.scorer = make_reward(
+            cfg.data, cfg.data.prompts, device, cfg.model.dtype, (self.engine, self.tokenizer)
+        )
         self.eval_scorer = (
             make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
             if cfg.data.eval_prompts and not cfg.data.rewards  # sources do not depend on it
@@ -310,6 +312,10 @@ class RolloutWorker:
         }
         if self.scorer.report_sources:  # each source's unweighted sum: reward/<name>_mean
             metrics.update({f"reward_sum/{name}": float(sum(v)) for name, v in parts.items()})
+            # judges' unparsed verdicts: reward/<name>_unparsed, a count over the step
+            metrics.update(
+                {f"reward_count/{k}": float(v) for k, v in self.scorer.last_counts.items()}
+            )
         return batch, metrics
 
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
