@@ -195,12 +195,10 @@ def test_calls_are_parsed_in_order_with_string_arguments() -> None:
     ]
 
 
-def test_a_template_that_is_not_prefix_stable_is_a_clear_error() -> None:
+def test_a_template_that_is_not_prefix_stable_is_a_clear_error_at_the_start() -> None:
     tok = chat_tokenizer(UNSTABLE_TEMPLATE)
     with pytest.raises(TemplateError) as info:
-        _converse(
-            tok, ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'] * 2
-        )
+        ChatTools(tok, TOOLS, 1, 8)  # before any conversation
     msg = str(info.value)
     assert msg.startswith("data.agent.tools: ") and "prefix-stable" in msg and "\n" not in msg
 

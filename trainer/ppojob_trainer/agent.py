@@ -647,6 +647,9 @@ class ChatTools:
                 table[t.name] = BUILTIN_TOOLS[name]
             else:
                 table[t.name] = load_function(t.function, where)
+        # a template that is not prefix-stable fails here, at the start, not at the first call
+        probe = [{"role": "user", "content": "probe"}]
+        self.environment_text(probe, "call", "call", [{"role": "tool", "content": "result"}])
         self.pool = ToolPool(lambda name, args: _dispatch(table, name, args), timeout)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
