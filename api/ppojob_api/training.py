@@ -39,6 +39,8 @@ BUILTIN_MEGATRON_SHAPES = {
 }
 BUILTIN_TASKS = ("count-up", "reverse", "calculator")
 BUILTIN_AGENTS = ("calculator",)
+BUILTIN_TOOLS = ("calculate",)
+TOOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 ESTIMATORS_WITHOUT_CRITIC = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 GROUP_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline", "rloo")
 # Estimators whose advantages are whitened over the step's tokens when normalizeAdvantages is unset
@@ -565,12 +567,67 @@ class HttpRewardSource(ApiModel):
     spec.podTemplate.env (`valueFrom.secretKeyRef`)."""
 
 
+JUDGE_PLACEHOLDERS = ("prompt", "response", "label")
+
+
+class JudgeRewardSource(ApiModel):
+    """A generative judge: a causal LM, run by a rollout engine (the torch engine the trainer
+    samples with), reads `template` filled with the prompt and the response and writes a
+    verdict; the first match of `scorePattern` in it is the reward, clamped to [minScore,
+    maxScore]. A verdict without a number scores defaultScore and is counted in
+    `reward/<name>_unparsed` (the step's count)."""
+
+    model: str = Field(min_length=1)
+    """`policy`: the policy's own rollout engine (its current weights, no extra memory);
+    `builtin:<model>` (seed 0); or the directory of a Hugging Face causal LM in the trainer
+    image or a volume (loaded once per rollout engine, on its device; hub ids are not
+    downloaded)."""
+
+    template: str = Field(
+        "Rate the response to the prompt from 0 to 10.\nPrompt: {prompt}\nResponse: "
+        "{response}\nScore:",
+        min_length=1,
+        max_length=65_536,
+    )
+    """The judge's prompt, a Python format string with `{prompt}`, `{response}` (required) and
+    `{label}`; write a literal brace as `{{` or `}}`. Rendered with the judge's chat template
+    when its tokenizer has one (applyChatTemplate)."""
+
+    score_pattern: str = Field(r"(-?\d+(?:\.\d+)?)", min_length=1, max_length=1024)
+    """Python regular expression with exactly one group, searched in the verdict (cut at its
+    first special token); the group's text, read as a number, is the score."""
+
+    min_score: float = 0.0
+    """Scores below are raised to this."""
+
+    max_score: float = 10.0
+    """Scores above are lowered to this."""
+
+    default_score: float = 0.0
+    """The score of a verdict in which the pattern finds no number (within [minScore,
+    maxScore])."""
+
+    max_new_tokens: int = Field(16, ge=1, le=65_536)
+    """Longest verdict, in the judge's tokens."""
+
+    temperature: float = Field(0.0, ge=0, le=10)
+    """Sampling temperature of the verdict; 0: greedy."""
+
+    max_prompt_length: int = Field(4096, ge=1, le=1_048_576)
+    """Longest judge prompt, in the judge's tokens; a longer one loses its beginning."""
+
+    apply_chat_template: bool | None = None
+    """Render the judge prompt with the judge tokenizer's chat template (as one user message).
+    Unset: when the tokenizer has one."""
+
+
 class RewardSource(ApiModel):
-    """One source of the reward: exactly one of `function`, `model` and `http`."""
+    """One source of the reward: exactly one of `function`, `model`, `http` and `judge`."""
 
     name: str | None = Field(None, pattern=NAME_PATTERN)
     """Name in the metrics (`reward/<name>_mean`, the source's unweighted mean). Unset: the
-    function's name (`builtin:<task>`: the task), `model` or `http`. Names must be unique."""
+    function's name (`builtin:<task>`: the task), `model`, `http` or `judge`. Names must be
+    unique."""
 
     weight: float = Field(1.0, ge=-1000, le=1000)
     """The reward is the sum over sources of weight x the source's reward."""
@@ -584,10 +641,13 @@ class RewardSource(ApiModel):
     http: HttpRewardSource | None = None
     """A remote reward endpoint."""
 
+    judge: JudgeRewardSource | None = None
+    """A generative judge (an LLM asked for a score)."""
+
     @property
     def kind(self) -> str | None:
-        """`function`, `model` or `http` when exactly one is set, else None."""
-        kinds = [k for k in ("function", "model", "http") if getattr(self, k) is not None]
+        """`function`, `model`, `http` or `judge` when exactly one is set, else None."""
+        kinds = [k for k in REWARD_KINDS if getattr(self, k) is not None]
         return kinds[0] if len(kinds) == 1 else None
 
     def default_name(self) -> str:
@@ -597,20 +657,53 @@ class RewardSource(ApiModel):
         if self.function is not None:
             tail = self.function.rsplit(":", 1)[-1]
             return re.sub(r"[^a-z0-9_.-]", "_", tail.lower()) or "function"
-        return "model" if self.model is not None else "http"
+        return next((k for k in REWARD_KINDS[1:] if getattr(self, k) is not None), "http")
+
+
+REWARD_KINDS = ("function", "model", "http", "judge")
+
+
+class ToolSpec(ApiModel):
+    """A tool the model may call, declared to it through the tokenizer's chat template
+    (`apply_chat_template(..., tools=...)`, as an OpenAI-style function description)."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    """The function name the model calls (letters, digits, `_` and `-`; unique)."""
+
+    description: str = Field("", max_length=4096)
+    """What the tool does, shown to the model."""
+
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    """JSON schema of the arguments: `{type: object, properties: {...}, required: [...]}`. A
+    call's arguments are checked against it (required names, unknown names, the JSON types of
+    `properties` and `enum`); a mismatch is the model's observation, not a call."""
+
+    function: str = Field(min_length=1)
+    """`module:function` called with the arguments as keywords, in a child process with
+    toolTimeoutSeconds; its return value (a string, or JSON-encoded) is the tool message. Or
+    `builtin:calculate` (`expression`: an integer expression of `+ - * //` and parentheses)."""
 
 
 class AgentSpec(ApiModel):
     """A multi-turn agent: the model's turn (sampled by the rollout engine), then the
     environment's reply, until the agent says done or a budget runs out. The environment's
-    tokens are part of the response (the model reads them) but carry no policy or value loss."""
+    tokens are part of the response (the model reads them) but carry no policy or value loss.
+    The environment is either a hook (`function`) or declared `tools`."""
 
-    function: str = Field(min_length=1)
+    function: str | None = Field(None, min_length=1)
     """`module:function` called as `fn(prompt, label, turns)` after each model turn (`turns`:
     the model's turns so far, decoded), in a child process with a timeout, returning a dict
     with `observation` (text, or None) and `done` (a bool); or `builtin:<agent>`
     (`builtin:calculator`). A crash, timeout or malformed reply becomes the observation text,
-    never a failed run."""
+    never a failed run. Set this or tools."""
+
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=64)
+    """Tools called through the model's own chat template (set this or function; needs a
+    tokenizer with a chat template): the prompt is rendered with `tools=`; each model turn's
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (or a turn that is one
+    such JSON object) are run and answered as `role: tool` messages rendered by the template; a
+    turn without a call ends the conversation. Malformed JSON, an unknown tool or wrong
+    arguments are answered with an error message, never a failed run."""
 
     max_turns: int = Field(4, ge=1, le=64)
     """Most model turns per conversation."""
@@ -645,8 +738,9 @@ class DataSpec(ApiModel):
 
     rewards: list[RewardSource] = Field(default_factory=list, max_length=16)
     """Reward sources combined with weights: reward = sum of weight x source reward. Each is a
-    `function`, a reward `model` or an `http` endpoint; each step reports every source's mean as
-    `reward/<name>_mean`. Empty: rewardFunction (or the built-in task's reward)."""
+    `function`, a reward `model`, an `http` endpoint or a generative `judge`; each step reports
+    every source's mean as `reward/<name>_mean`. Empty: rewardFunction (or the built-in task's
+    reward)."""
 
     rollout_batch_size: int = Field(16, ge=1, le=1_000_000)
     """Prompts per training step."""

@@ -638,6 +638,57 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         ],
     ),
     (
+        check_rewards,
+        "judges: the policy, a built-in, a directory",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [
+                {"judge": {"model": "policy"}},
+                {
+                    "judge": {
+                        "model": "builtin:tiny-llama",
+                        "template": "{{json}} {prompt} -> {response} ({label})",
+                        "scorePattern": r"\[\[(\d+)\]\]",
+                        "minScore": -1,
+                        "maxScore": 1,
+                    },
+                    "name": "judge-2",
+                },
+                {"judge": {"model": "/models/judge"}, "name": "judge-3"},
+            ],
+        },
+        [],
+    ),
+    (
+        check_rewards,
+        "bad judges",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [
+                {"judge": {"model": "builtin:gpt", "scorePattern": "(\\d"}, "name": "a"},
+                {"judge": {"model": "s3://b/j", "scorePattern": "(a)(b)"}, "name": "b"},
+                {"judge": {"model": "policy", "template": "{prompt} {answer}"}, "name": "c"},
+                {"judge": {"model": "policy", "template": "{prompt} only"}, "name": "d"},
+                {"judge": {"model": "policy", "template": "{response} {"}, "name": "e"},
+                {"judge": {"model": "policy", "minScore": 1, "maxScore": 1}, "name": "f"},
+                {"judge": {"model": "policy", "defaultScore": 11}, "name": "g"},
+                {"judge": {"model": "policy"}, "http": {"url": "http://j/s"}, "name": "h"},
+            ],
+        },
+        [
+            "spec.data.rewards[0].judge.model",
+            "spec.data.rewards[0].judge.scorePattern",
+            "spec.data.rewards[1].judge.model",
+            "spec.data.rewards[1].judge.scorePattern",
+            "spec.data.rewards[2].judge.template",
+            "spec.data.rewards[3].judge.template",
+            "spec.data.rewards[4].judge.template",
+            "spec.data.rewards[5].judge.minScore",
+            "spec.data.rewards[6].judge.defaultScore",
+            "spec.data.rewards[7]",
+        ],
+    ),
+    (
         check_prompts,
         "a dataset with reward sources",
         {"data__prompts": "/data/p.jsonl", "data__rewards": [{"function": "m:f"}]},
@@ -1737,6 +1788,17 @@ def test_a_model_path_holding_a_semicolon_keeps_its_message_and_fix_apart() -> N
 
 
 CALC = {"function": "builtin:calculator"}
+ADD_TOOL = {
+    "name": "add",
+    "description": "a + b",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+    "function": "my_tools:add",
+}
+CALC_TOOL = {"name": "calc", "function": "builtin:calculate"}
 TABLE += [
     # --- multi-turn agents (data.agent)
     (check_agent, "no agent", {}, []),
@@ -1780,6 +1842,61 @@ TABLE += [
             "roles__actor": MEGATRON_CPU,
         },
         ["spec.roles.rollout.backend", "spec.roles.actor.backend", "spec.roles.critic.backend"],
+    ),
+    # --- declared tools (data.agent.tools)
+    (
+        check_agent,
+        "declared tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"tools": [ADD_TOOL, CALC_TOOL]}},
+        [],
+    ),
+    (
+        check_agent,
+        "neither function nor tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"maxTurns": 2}},
+        ["spec.data.agent.function"],
+    ),
+    (
+        check_agent,
+        "function and tools",
+        {"data__prompts": "/d.jsonl", "data__agent": {"function": "e.t:s", "tools": [ADD_TOOL]}},
+        ["spec.data.agent"],
+    ),
+    (
+        check_agent,
+        "tools without the chat template",
+        {
+            "data__prompts": "/d.jsonl",
+            "data__applyChatTemplate": False,
+            "data__agent": {"tools": [ADD_TOOL]},
+        },
+        ["spec.data.agent.tools"],
+    ),
+    (
+        check_agent,
+        "bad tools",
+        {
+            "data__prompts": "/d.jsonl",
+            "data__agent": {
+                "tools": [
+                    ADD_TOOL,
+                    ADD_TOOL,
+                    {**ADD_TOOL, "name": "b", "function": "builtin:shell"},
+                    {**ADD_TOOL, "name": "c", "function": "tools.py"},
+                    {**ADD_TOOL, "name": "d", "parameters": {"type": "string"}},
+                    {**ADD_TOOL, "name": "e", "parameters": {"type": "object", "required": ["x"]}},
+                    {**ADD_TOOL, "name": "f", "parameters": {"type": "object", "properties": 1}},
+                ]
+            },
+        },
+        [
+            "spec.data.agent.tools[1].name",
+            "spec.data.agent.tools[2].function",
+            "spec.data.agent.tools[3].function",
+            "spec.data.agent.tools[4].parameters.type",
+            "spec.data.agent.tools[5].parameters.required",
+            "spec.data.agent.tools[6].parameters.properties",
+        ],
     ),
 ]
 

@@ -288,3 +288,45 @@ def test_two_steps_of_the_calculator_example_run(tmp_path: Path, capsys: Any) ->
         assert 1.0 <= r["agent/turns_mean"] <= 2.0
         assert r["agent/tool_errors_mean"] == 0.0
         assert 0.0 <= r["reward_mean"] <= 1.0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_user_agent_hook_runs_end_to_end(tmp_path: Path, capsys: Any) -> None:
+    """``ppojob run`` with a ``module:function`` hook of the tests' own (tests/helpers/agent_hooks):
+    the hook answers each sample's first turn with ``999``. Every call it logged saw one model
+    turn of a dataset prompt; the step's tool calls are exactly the calls it logged; its tokens
+    are the environment's: the engine's and the actor's log-probs agree on the trained tokens
+    (the observation's rollout log-probs are 0, so counting them as trained would not)."""
+    import json
+
+    from ppojob_cli.main import main as ppojob
+    from ppojob_trainer.progress import read_metrics
+
+    log = tmp_path / "hook.jsonl"
+    data = tmp_path / "prompts.jsonl"
+    prompts = ["1234", "5678", "1357", "2468"]
+    data.write_text("".join(json.dumps({"prompt": p, "label": str(log)}) + "\n" for p in prompts))
+    out = tmp_path / "run"
+    sets = {
+        "data.prompts": str(data),
+        "data.agent.function": "tests.helpers.agent_hooks:nines",
+        "data.rewardFunction": "tests.helpers.agent_hooks:last_turn_nines",
+        "data.agent.maxToolResponseTokens": "3",
+        "data.maxResponseLength": "12",
+        "data.rolloutBatchSize": "4",
+        "data.samplesPerPrompt": "4",
+        "training.miniBatchSize": "16",
+    }
+    args = ["run", str(EXAMPLE), "--steps", "2", "--out", str(out), "--no-progress"]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    rc = ppojob(args)
+    assert rc == 0, capsys.readouterr().err
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls and all(c["prompt"] in prompts and len(c["turns"]) == 1 for c in calls)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert sum(r["agent/env_calls_mean"] * 16 for r in records) == pytest.approx(len(calls))
+    for r in records:
+        assert r["agent/tool_errors_mean"] == 0.0
+        assert r["rollout/logprob_diff_mean"] < 1e-4

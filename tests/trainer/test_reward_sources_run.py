@@ -86,3 +86,20 @@ def test_an_http_reward_endpoint(tmp_path: Path, judge: tuple[str, list[dict[str
         mean = sum(s["rewards"]) / 32
         assert r["reward/http_mean"] == pytest.approx(mean)
         assert r["reward_mean"] == pytest.approx(2 * mean)
+
+
+def test_a_generative_judge_on_the_policys_engine(tmp_path: Path) -> None:
+    """``judge: {model: policy}``: the policy's own engine writes a verdict after the prompt and
+    the response (the built-in models spell digits only); its first digit is the score."""
+    judge = (
+        "{judge: {model: policy, template: '{prompt}{response}', scorePattern: '(\\d)', "
+        "maxScore: 9, maxNewTokens: 2}, weight: 0.1}"
+    )
+    records = _run(tmp_path / "out", f"[{{function: 'builtin:count-up'}}, {judge}]")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        count_up, verdict = r["reward/count-up_mean"], r["reward/judge_mean"]
+        assert 0.0 <= verdict <= 9.0
+        n = 4 * 8  # rolloutBatchSize x samplesPerPrompt
+        assert r["reward/judge_unparsed"] in range(n + 1)
+        assert r["reward_mean"] == pytest.approx(count_up + 0.1 * verdict, abs=1e-5)

@@ -31,6 +31,7 @@ with a text vocabulary may instead write ``<calc>37+48</calc>`` and gets
 from __future__ import annotations
 
 import ast
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -40,7 +41,7 @@ import re
 import resource
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -323,15 +324,17 @@ class Conversation:
     done: bool = False
     tool_errors: int = 0
     env_calls: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat tools: the history
+    sampled: str = ""  # chat tools: the last turn's tokens decoded, special tokens included
 
 
 def run_conversations(
     engine: Any,
     tokenizer: Any,
     prompt_rows: list[list[int]],
-    prompts: list[str],
+    prompts: list[Any],
     labels: list[Any],
-    agent: AgentFn | ToolPool,
+    agent: AgentFn | ToolPool | None,
     *,
     max_turns: int,
     max_response_length: int,
@@ -341,16 +344,27 @@ def run_conversations(
     top_p: float,
     seed: int,
     special: set[int],
+    chat: ChatTools | None = None,
 ) -> list[Conversation]:
     """Drive every sample's conversation to its end: each round samples the next model turn of
     every open conversation in one engine call (prompt + response so far, left-padded), then
     asks the agent (in child processes) for the observations. A conversation ends when the
     agent says done, after ``max_turns`` model turns, or when its response reaches
     ``max_response_length`` tokens (an observation is cut to what is left). ``agent``: the
-    hook, or a :class:`ToolPool` running it (kept open for the next call)."""
+    hook, or a :class:`ToolPool` running it (kept open for the next call). ``chat``: the
+    declared tools instead of a hook (``agent`` None; ``prompts`` the prompts as given, a
+    string or chat messages): each turn's tool calls are answered through the chat template
+    (:class:`ChatTools`), a turn without a call ends the conversation."""
     convs = [Conversation([], [], [], []) for _ in prompt_rows]
     pad = tokenizer.pad_token_id
-    pool = agent if isinstance(agent, ToolPool) else ToolPool(agent, tool_timeout)
+    pool: ToolPool | None = None
+    if chat is not None:
+        for c, p in zip(convs, prompts, strict=True):
+            c.messages = chat.prompt_messages(p)
+    elif agent is None:
+        raise ValueError("run_conversations: an agent hook or chat tools are needed")
+    else:
+        pool = agent if isinstance(agent, ToolPool) else ToolPool(agent, tool_timeout)
     for turn in range(max_turns):
         open_ = [i for i, c in enumerate(convs) if not c.done]
         if not open_:
@@ -381,9 +395,15 @@ def run_conversations(
             c.logprobs += gen.logprobs[j, :n].tolist()
             cut = next((k for k, t in enumerate(new) if t in special), len(new))
             c.turns.append(tokenizer.decode(new[:cut]))
+            if chat is not None:
+                c.sampled = tokenizer.decode(new, skip_special_tokens=False)
             if len(c.ids) >= max_response_length or turn + 1 == max_turns:
                 c.done = True
         asking = [i for i in open_ if not convs[i].done]
+        if chat is not None:
+            _answer_with_tools(chat, tokenizer, [convs[i] for i in asking], max_response_length)
+            continue
+        assert pool is not None
         replies = pool.map([(prompts[i], labels[i], list(convs[i].turns)) for i in asking])
         for i, reply in zip(asking, replies, strict=True):
             c = convs[i]
@@ -399,9 +419,33 @@ def run_conversations(
             c.logprobs += [0.0] * len(obs)
             if len(c.ids) >= max_response_length:
                 c.done = True
-    if pool is not agent:
+    if pool is not None and pool is not agent:
         pool.close()
     return convs
+
+
+def _answer_with_tools(
+    chat: ChatTools, tokenizer: Any, convs: list[Conversation], max_response_length: int
+) -> None:
+    """Append to each conversation the template's rendering of the tool messages answering
+    its last turn (environment tokens), or end it when the turn calls nothing."""
+    answers = chat.respond([c.turns[-1] for c in convs])
+    for c, (messages, errors) in zip(convs, answers, strict=True):
+        if messages is None:
+            c.done = True
+            continue
+        c.env_calls += len(messages)
+        c.tool_errors += errors
+        text = chat.environment_text(c.messages, c.turns[-1], c.sampled, messages)
+        c.messages += [{"role": "assistant", "content": c.turns[-1]}, *messages]
+        env = tokenizer(text, add_special_tokens=False)["input_ids"]
+        left = max_response_length - len(c.ids)
+        if len(env) >= left:  # no room for another model turn after it
+            env = env[:left]
+            c.done = True
+        c.ids += env
+        c.action += [False] * len(env)
+        c.logprobs += [0.0] * len(env)
 
 
 def conversation_tensors(convs: list[Conversation], pad_id: int) -> dict[str, torch.Tensor]:
@@ -435,3 +479,254 @@ def policy_mask(batch: Any) -> torch.Tensor:
     mask = batch["response_mask"].bool()
     action = batch.get("action_mask") if hasattr(batch, "get") else None
     return mask if action is None else mask & action.bool()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tools through the model's own chat template (data.agent.tools)
+# ---------------------------------------------------------------------------------------------
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
+_SENTINEL = "\x00ppojob-assistant-content\x00"
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot carry a token-exact multi-turn conversation."""
+
+
+def builtin_calculate(expression: str) -> str:
+    """Tool ``builtin:calculate``: the value of an integer expression, as text."""
+    return str(calculate(expression))
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculate": builtin_calculate}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: a declared tool's name and arguments that match its schema."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+def check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
+    """Why ``args`` do not match a tool's parameter ``schema`` (required names, unknown names,
+    JSON types and ``enum`` of the properties), or None when they do."""
+    props = schema.get("properties", {}) or {}
+    missing = [r for r in schema.get("required", []) if r not in args]
+    if missing:
+        return f"missing required argument(s) {missing}"
+    unknown = [k for k in args if k not in props]
+    if unknown and schema.get("additionalProperties", False) is not True:
+        return f"unknown argument(s) {unknown}; the tool takes {sorted(props)}"
+    for k, v in args.items():
+        want = props.get(k, {}).get("type")
+        kinds = [want] if isinstance(want, str) else list(want or [])
+        if kinds and not any(_json_type_ok(v, t) for t in kinds):
+            return f"argument {k!r} is {type(v).__name__}, not {'/'.join(kinds)}"
+        allowed = props.get(k, {}).get("enum")
+        if allowed is not None and v not in allowed:
+            return f"argument {k!r} is {v!r}, not one of {allowed}"
+    return None
+
+
+def _json_type_ok(value: Any, kind: str) -> bool:
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(kind, (object,)))
+
+
+def parse_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall | str]:
+    """The tool calls of a model turn, in order: ``<tool_call>{json}</tool_call>`` blocks (an
+    unterminated last block included), or, without any, a turn that is one JSON object with a
+    ``name``. Each is a :class:`ToolCall` or, when it is malformed JSON, names an unknown tool
+    or has arguments that do not match the schema, the error text the model is answered
+    with. ``[]``: the turn calls nothing (its final answer)."""
+    bodies = [m.group(1) for m in _TOOL_CALL.finditer(text)]
+    if not bodies:
+        stripped = text.strip()
+        if not (stripped.startswith("{") and stripped.endswith("}") and '"name"' in stripped):
+            return []
+        bodies = [stripped]
+    out: list[ToolCall | str] = []
+    for body in bodies:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as exc:
+            out.append(f"error: the tool call is not valid JSON ({exc.msg} at {exc.pos})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            out.append('error: a tool call is {"name": ..., "arguments": {...}}')
+            continue
+        name = call["name"]
+        if name not in schemas:
+            out.append(f"error: unknown tool {name!r}; the tools are {sorted(schemas)}")
+            continue
+        args = call.get("arguments", call.get("parameters", {}))
+        if isinstance(args, str):  # OpenAI style: the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as exc:
+                out.append(f"error: the arguments of {name} are not valid JSON ({exc.msg})")
+                continue
+        if not isinstance(args, dict):
+            out.append(f"error: the arguments of {name} are not a JSON object")
+            continue
+        why = check_arguments(schemas[name], args)
+        out.append(f"error: {name}: {why}" if why else ToolCall(name, args))
+    return out
+
+
+def _dispatch(table: dict[str, Callable[..., Any]], name: str, args: dict[str, Any]) -> Any:
+    """In a tool process: call tool ``name`` and return its result as an agent reply."""
+    value = table[name](**args)
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return {"observation": text, "done": False}
+
+
+class ChatTools:
+    """The environment of ``data.agent.tools``: the tools declared through the tokenizer's chat
+    template, their calls parsed from each model turn, run in a :class:`ToolPool`, and their
+    results rendered back through the template as ``role: tool`` messages.
+
+    Environment tokens are incremental: the conversation is rendered with and without the new
+    tool messages and only the difference is tokenized and appended (after what the template
+    writes to close the model's turn, less what the model already sampled of it, e.g. its
+    end-of-turn token). The template must be prefix-stable (each rendering a prefix of the
+    next); one that is not raises :class:`TemplateError`."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: Sequence[Any],
+        timeout: float,
+        max_tool_response_tokens: int,
+        field: str = "data.agent.tools",
+    ) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(
+                f"{field}: tools are declared through the tokenizer's chat template, and the "
+                "model's tokenizer has none; use a model whose tokenizer_config.json has one, "
+                "or an agent function"
+            )
+        self.tokenizer = tokenizer
+        self.field = field
+        self.max_tool_response_tokens = max_tool_response_tokens
+        self.schemas = {t.name: dict(t.parameters) for t in tools}
+        self.declared = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": dict(t.parameters),
+                },
+            }
+            for t in tools
+        ]
+        table: dict[str, Callable[..., Any]] = {}
+        for i, t in enumerate(tools):
+            where = f"{field}[{i}].function"
+            if t.function.startswith(BUILTIN_PREFIX):
+                name = t.function[len(BUILTIN_PREFIX) :]
+                if name not in BUILTIN_TOOLS:
+                    raise ValueError(
+                        f"{where}: unknown built-in tool {t.function!r}; use one of "
+                        f"{[BUILTIN_PREFIX + n for n in BUILTIN_TOOLS]}"
+                    )
+                table[t.name] = BUILTIN_TOOLS[name]
+            else:
+                table[t.name] = load_function(t.function, where)
+        # a template that is not prefix-stable fails here, at the start, not at the first call
+        probe = [{"role": "user", "content": "probe"}]
+        self.environment_text(probe, "call", "call", [{"role": "tool", "content": "result"}])
+        self.pool = ToolPool(lambda name, args: _dispatch(table, name, args), timeout)
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """``messages`` rendered by the template with the tools declared."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.declared, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def prompt_messages(self, prompt: Any) -> list[dict[str, Any]]:
+        """A prompt as chat messages (a string is one user message)."""
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt]
+
+    def respond(self, turns: list[str]) -> list[tuple[list[dict[str, Any]] | None, int]]:
+        """For each model turn: (the tool messages answering it, or None when it calls
+        nothing; the number of calls that failed: malformed, refused or crashed)."""
+        parsed = [parse_tool_calls(t, self.schemas) for t in turns]
+        jobs = [(i, j, c) for i, p in enumerate(parsed) for j, c in enumerate(p)]
+        calls = [(c.name, c.arguments) for _, _, c in jobs if isinstance(c, ToolCall)]
+        replies = iter(self.pool.map(calls))
+        out: list[tuple[list[dict[str, Any]] | None, int]] = []
+        by_turn: dict[int, list[tuple[str, str, bool]]] = {}
+        for i, _, c in jobs:
+            if isinstance(c, ToolCall):
+                r = next(replies)
+                text = r.observation if r.observation is not None else ""
+                by_turn.setdefault(i, []).append((c.name, text, r.error))
+            else:
+                by_turn.setdefault(i, []).append(("", c, True))
+        for i, p in enumerate(parsed):
+            if not p:
+                out.append((None, 0))
+                continue
+            msgs = []
+            for name, text, _ in by_turn[i]:
+                msg = {"role": "tool", "content": self._cut(text)}
+                if name:
+                    msg["name"] = name
+                msgs.append(msg)
+            out.append((msgs, sum(int(e) for _, _, e in by_turn[i])))
+        return out
+
+    def _cut(self, text: str) -> str:
+        """A tool result cut to maxToolResponseTokens tokens."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_tool_response_tokens:
+            return text
+        return self.tokenizer.decode(ids[: self.max_tool_response_tokens])
+
+    def environment_text(
+        self,
+        history: list[dict[str, Any]],
+        content: str,
+        sampled: str,
+        tool_messages: list[dict[str, Any]],
+    ) -> str:
+        """The text between the model's turn (``sampled``: its tokens decoded, end-of-turn
+        token included; ``content``: its text) and the model's next turn: what the template
+        writes to close the turn (less its part the model sampled), the tool messages, and
+        the next turn's generation prompt. ``history``: the messages before the turn."""
+        turn = {"role": "assistant", "content": content}
+        before = self.render(history, True)
+        prev = self.render([*history, turn], False)
+        nxt = self.render([*history, turn, *tool_messages], True)
+        if not (prev.startswith(before) and nxt.startswith(prev)):
+            raise TemplateError(
+                f"{self.field}: the tokenizer's chat template is not prefix-stable (rendering "
+                "a conversation with one more message changes its beginning), so tool results "
+                "cannot be appended token-exactly; use a template that only appends, or an "
+                "agent function"
+            )
+        probe = self.render([*history, {"role": "assistant", "content": _SENTINEL}], False)
+        closing = probe[probe.rfind(_SENTINEL) + len(_SENTINEL) :]
+        k = next(k for k in range(len(closing), -1, -1) if sampled.endswith(closing[:k]))
+        return closing[k:] + nxt[len(prev) :]
+
+    def close(self) -> None:
+        """End the tool processes."""
+        self.pool.close()

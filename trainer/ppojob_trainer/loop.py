@@ -585,6 +585,9 @@ class PPOTrainer:
         for key in gens[0]["metrics"]:  # data.rewards: each source's unweighted mean
             if key.startswith("reward_sum/"):
                 out[f"reward/{key.removeprefix('reward_sum/')}_mean"] = mean(key)
+            elif key.startswith("reward_count/"):  # judges' unparsed verdicts: a count
+                count = sum(g["metrics"].get(key, 0.0) for g in gens)
+                out[f"reward/{key.removeprefix('reward_count/')}"] = count
             elif key.startswith("agent/") and key.endswith("_sum"):  # data.agent: per sample
                 out[key.removesuffix("_sum") + "_mean"] = mean(key)
         return out

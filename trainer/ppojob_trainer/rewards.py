@@ -8,6 +8,9 @@ A step's reward of a sample is ``sum_i weight_i x r_i``, over the sources of ``d
               (:class:`RewardModelScorer`), held by the rollout engine's process, on its device
 ``http``      a remote endpoint (:class:`HttpRewardScorer`): POST ``{"prompts", "completions",
               "labels"}`` -> ``{"rewards": [...]}``
+``judge``     a generative judge (:class:`JudgeScorer`): a causal LM on a rollout engine (the
+              policy's own, or one loaded for it) asked with a template, its score parsed with
+              a regular expression
 
 ``data.rewardFunction`` (or, unset, the built-in task's reward) is the shorthand of one function
 source of weight 1. Every scorer returns one finite float per sample, or raises a one-line
@@ -20,6 +23,7 @@ import http.client
 import json
 import math
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
+from ppojob_api.training import (
+    DataSpec,
+    HttpRewardSource,
+    JudgeRewardSource,
+    RewardModelSource,
+)
 
 from .tasks import RewardScorer
 
@@ -248,6 +257,137 @@ class HttpRewardScorer:
         return out
 
 
+class JudgeScorer:
+    """A generative judge (``judge``): ``template`` filled with each prompt, response and label
+    (rendered with the judge tokenizer's chat template when on), completed by ``engine`` (a
+    :class:`~ppojob_trainer.backends.base.GenerationEngine`: the policy's own, or one loaded
+    for the judge) in one batched call; the first match of ``scorePattern`` in each verdict
+    (cut at its first special token), clamped to [minScore, maxScore], is the reward. A
+    verdict without one scores ``defaultScore``; :attr:`last_unparsed` counts them in the
+    latest call (reported as ``reward/<name>_unparsed``)."""
+
+    def __init__(self, spec: JudgeRewardSource, field: str, engine: Any, tokenizer: Any) -> None:
+        self.spec, self.field = spec, field
+        self.engine, self.tokenizer = engine, tokenizer
+        try:
+            self.pattern = re.compile(spec.score_pattern)
+        except re.error as exc:
+            raise ValueError(f"{field}.scorePattern: does not compile ({exc})") from None
+        if self.pattern.groups != 1:
+            raise ValueError(
+                f"{field}.scorePattern: has {self.pattern.groups} groups; keep exactly one "
+                "around the number"
+            )
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.chat = has_template if spec.apply_chat_template is None else spec.apply_chat_template
+        if self.chat and not has_template:
+            raise ValueError(
+                f"{field}.applyChatTemplate: the judge's tokenizer has no chat template; set "
+                "applyChatTemplate: false"
+            )
+        self.pad = tokenizer.pad_token_id
+        if self.pad is None:
+            self.pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.special = set(tokenizer.all_special_ids)
+        if tokenizer.eos_token_id is not None:
+            self.special.add(int(tokenizer.eos_token_id))
+        self.calls = 0
+        self.last_unparsed = 0
+
+    def judge_prompt(self, prompt: str, completion: str, label: Any) -> str:
+        """The judge's prompt text of one sample."""
+        text = self.spec.template.format(
+            prompt=prompt, response=completion, label="" if label is None else label
+        )
+        if not self.chat:
+            return text
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+
+    def score_of(self, verdict: str) -> float | None:
+        """The clamped score in a verdict, or None when the pattern finds no finite number."""
+        match = self.pattern.search(verdict)
+        if match is None or match.group(1) is None:
+            return None
+        try:
+            value = float(match.group(1))
+        except ValueError:
+            return None
+        if not math.isfinite(value):
+            return None
+        return min(max(value, self.spec.min_score), self.spec.max_score)
+
+    def verdicts(self, prompts: list[str], completions: list[str], labels: list[Any]) -> list[str]:
+        """The judge's verdict on each sample, decoded and cut at its first special token."""
+        import torch
+
+        texts = [
+            self.judge_prompt(p, c, lab)
+            for p, c, lab in zip(prompts, completions, labels, strict=True)
+        ]
+        rows = self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]
+        keep = self.spec.max_prompt_length
+        rows = [list(r[-keep:]) for r in rows]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = True
+        self.calls += 1
+        gen = self.engine.generate(
+            ids,
+            mask,
+            max_new_tokens=self.spec.max_new_tokens,
+            temperature=self.spec.temperature,
+            top_p=1.0,
+            seed=7_919 * self.calls,
+        )
+        out = []
+        for row, n in zip(gen.response_ids.tolist(), gen.lengths.tolist(), strict=True):
+            row = row[:n]
+            cut = next((k for k, t in enumerate(row) if t in self.special), len(row))
+            out.append(self.tokenizer.decode(row[:cut]))
+        return out
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> list[float]:
+        if not prompts:
+            self.last_unparsed = 0
+            return []
+        scores = [self.score_of(v) for v in self.verdicts(prompts, completions, labels)]
+        self.last_unparsed = sum(s is None for s in scores)
+        return [self.spec.default_score if s is None else s for s in scores]
+
+
+def load_judge_engine(
+    spec: JudgeRewardSource, field: str, device: str, dtype: str
+) -> tuple[Any, Any]:
+    """(engine, tokenizer) of a judge model that is not the policy: ``builtin:<model>`` (seed
+    0) or a Hugging Face causal-LM directory, on the torch engine the trainer samples with."""
+    from .backends.torch_backend import TorchGenerationEngine
+    from .models import load_tokenizer, materialize_builtin
+
+    where = f"{field}.model: {spec.model!r}"
+    if spec.model.startswith("builtin:"):
+        path = materialize_builtin(spec.model.removeprefix("builtin:"), 0)
+    else:
+        path = Path(spec.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{where} is not a model directory here (no config.json; relative to "
+                f"{os.getcwd()}); give the directory of a causal LM saved with save_pretrained, "
+                "or use policy"
+            )
+    tok = load_tokenizer(path)
+    stop = set(tok.all_special_ids) | ({tok.eos_token_id} - {None})
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    engine = TorchGenerationEngine(path, dtype, stop_ids=sorted(stop), pad_id=pad, device=device)
+    return engine, tok
+
+
 @dataclass(frozen=True)
 class Source:
     """One reward source: its name in the metrics, its weight and its scorer."""
@@ -264,12 +404,18 @@ class CombinedReward:
     def __init__(self, sources: Sequence[Source], report_sources: bool) -> None:
         self.sources = list(sources)
         self.report_sources = report_sources  # per-source metrics (data.rewards set)
+        self.last_counts: dict[str, int] = {}  # judges' unparsed verdicts in the latest score
 
     def score(
         self, prompts: list[str], completions: list[str], labels: list[Any]
     ) -> tuple[list[float], dict[str, list[float]]]:
         """(the weighted sum per sample, each source's rewards per sample)."""
         parts = {s.name: s.scorer(prompts, completions, labels) for s in self.sources}
+        self.last_counts = {
+            f"{s.name}_unparsed": s.scorer.last_unparsed
+            for s in self.sources
+            if isinstance(s.scorer, JudgeScorer)
+        }
         total = [0.0] * len(prompts)
         for s in self.sources:
             for i, v in enumerate(parts[s.name]):
@@ -283,10 +429,16 @@ class CombinedReward:
 
 
 def make_reward(
-    data: DataSpec, prompts: str, device: str = "cpu", model_dtype: str = "float32"
+    data: DataSpec,
+    prompts: str,
+    device: str = "cpu",
+    model_dtype: str = "float32",
+    policy: tuple[Any, Any] | None = None,
 ) -> CombinedReward:
     """The reward of ``data``: its ``rewards`` sources, or the ``rewardFunction`` shorthand
-    (unset: the built-in task of ``prompts``). A model source is loaded onto ``device``."""
+    (unset: the built-in task of ``prompts``). A model source (and a judge's own model) is
+    loaded onto ``device``; ``policy``: the rollout engine and tokenizer a ``judge: {model:
+    policy}`` asks."""
     if not data.rewards:
         return CombinedReward(
             [Source("reward", 1.0, RewardScorer(data.reward_function, prompts))], False
@@ -306,8 +458,17 @@ def make_reward(
             scorer = RewardModelScorer(src.model, f"{field}.model", device, model_dtype)
         elif src.http is not None:
             scorer = HttpRewardScorer(src.http, f"{field}.http")
+        elif src.judge is not None:
+            where = f"{field}.judge"
+            if src.judge.model == "policy":
+                if policy is None:
+                    raise ValueError(f"{where}.model: policy, but no policy engine is here")
+                engine, tok = policy
+            else:
+                engine, tok = load_judge_engine(src.judge, where, device, model_dtype)
+            scorer = JudgeScorer(src.judge, where, engine, tok)
         else:
-            raise ValueError(f"{field}: needs exactly one of function, model and http")
+            raise ValueError(f"{field}: needs exactly one of function, model, http and judge")
         sources.append(Source(src.default_name(), src.weight, scorer))
     names = [s.name for s in sources]
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -319,6 +480,7 @@ def make_reward(
 __all__ = [
     "CombinedReward",
     "HttpRewardScorer",
+    "JudgeScorer",
     "RewardModelScorer",
     "Source",
     "make_reward",

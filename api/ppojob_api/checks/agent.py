@@ -7,7 +7,7 @@ import re
 
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
-from ppojob_api.training import BUILTIN_AGENTS, TrainingHalf
+from ppojob_api.training import BUILTIN_AGENTS, BUILTIN_TOOLS, AgentSpec, TrainingHalf
 
 
 def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
@@ -19,7 +19,26 @@ def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     path = f"{prefix}.data.agent"
     p: list[Problem] = []
     fn = agent.function
-    if fn.startswith("builtin:"):
+    if fn is not None and agent.tools:
+        p.append(
+            Problem(
+                path,
+                "function and tools are both set (the environment is one or the other)",
+                "keep function (a hook answering every turn) or tools (calls through the chat "
+                "template), not both",
+            )
+        )
+    if fn is None and not agent.tools:
+        p.append(
+            Problem(
+                f"{path}.function",
+                "an agent needs its environment: a function or tools",
+                "set function: module:function (or builtin:calculator), or declare tools",
+            )
+        )
+    if agent.tools:
+        p += _check_tools(half, agent, path)
+    if fn is not None and fn.startswith("builtin:"):
         name = fn.removeprefix("builtin:")
         if name not in BUILTIN_AGENTS:
             p.append(
@@ -37,7 +56,7 @@ def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     f"set data.prompts: builtin:{name}, or write your own agent hook",
                 )
             )
-    elif not re.match(HOOK_PATTERN, fn):
+    elif fn is not None and not re.match(HOOK_PATTERN, fn):
         p.append(
             Problem(
                 f"{path}.function",
@@ -69,3 +88,68 @@ def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
     return p
+
+
+def _check_tools(half: TrainingHalf, agent: AgentSpec, path: str) -> list[Problem]:
+    """Declared tools: unique names, a `module:function` or built-in implementation, an object
+    JSON schema of parameters, and a chat template to declare them through."""
+    p: list[Problem] = []
+    if half.data.apply_chat_template is False:
+        p.append(
+            Problem(
+                f"{path}.tools",
+                "tools are declared through the tokenizer's chat template, but "
+                "data.applyChatTemplate is false",
+                "unset data.applyChatTemplate (or set it true), or use an agent function",
+            )
+        )
+    seen: set[str] = set()
+    for i, tool in enumerate(agent.tools):
+        at = f"{path}.tools[{i}]"
+        if tool.name in seen:
+            p.append(Problem(f"{at}.name", f"two tools are named {tool.name!r}", "rename one"))
+        seen.add(tool.name)
+        fn = tool.function
+        if fn.startswith("builtin:"):
+            if fn.removeprefix("builtin:") not in BUILTIN_TOOLS:
+                p.append(
+                    Problem(
+                        f"{at}.function",
+                        f"unknown built-in tool {fn!r}",
+                        f"use one of {[f'builtin:{t}' for t in BUILTIN_TOOLS]} or module:function",
+                    )
+                )
+        elif not re.match(HOOK_PATTERN, fn):
+            p.append(
+                Problem(
+                    f"{at}.function",
+                    f"{fn!r} is not `module:function`",
+                    "write it as `package.module:function` or `builtin:<tool>`",
+                )
+            )
+        p += _check_parameters(tool.parameters, f"{at}.parameters")
+    return p
+
+
+def _check_parameters(schema: dict, at: str) -> list[Problem]:
+    """A tool's parameters: a JSON schema of type object whose `properties` is a mapping of
+    schemas and whose `required` names only those properties."""
+    fix = "write {type: object, properties: {NAME: {type: string}}, required: [NAME]}"
+    if schema.get("type") != "object":
+        return [Problem(f"{at}.type", f"is {schema.get('type')!r}, not 'object'", fix)]
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        return [Problem(f"{at}.properties", "is not a mapping of names to JSON schemas", fix)]
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        return [Problem(f"{at}.required", "is not a list of property names", fix)]
+    missing = [r for r in required if r not in props]
+    if missing:
+        return [
+            Problem(
+                f"{at}.required",
+                f"names {missing}, which are not in properties",
+                "declare them under properties or drop them from required",
+            )
+        ]
+    return []

@@ -4,11 +4,20 @@ model paths."""
 from __future__ import annotations
 
 import re
+import string
 from urllib.parse import urlsplit
 
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
-from ppojob_api.training import BUILTIN_TASKS, TrainingHalf, model_path_kind
+from ppojob_api.training import (
+    BUILTIN_MODELS,
+    BUILTIN_TASKS,
+    JUDGE_PLACEHOLDERS,
+    REWARD_KINDS,
+    JudgeRewardSource,
+    TrainingHalf,
+    model_path_kind,
+)
 
 _BUILTIN_TASK_FIX = f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}"
 _NEEDS_REWARD = ("a dataset needs a reward function", "set rewardFunction: package.module:function")
@@ -59,18 +68,18 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     seen: dict[str, int] = {}
     for i, src in enumerate(data.rewards):
         at = f"{path}[{i}]"
-        given = [k for k in ("function", "model", "http") if getattr(src, k) is not None]
+        given = [k for k in REWARD_KINDS if getattr(src, k) is not None]
         if len(given) != 1:
             p.append(
                 Problem(
                     at,
-                    "needs exactly one of function, model and http"
+                    "needs exactly one of function, model, http and judge"
                     + (f" (has {' and '.join(given)})" if given else " (has none)"),
                     (
                         "give each source its own entry in rewards"
                         if given
-                        else "set one: function: module:function, model: {path: DIR} or "
-                        "http: {url: URL}"
+                        else "set one: function: module:function, model: {path: DIR}, "
+                        "http: {url: URL} or judge: {model: policy}"
                     ),
                 )
             )
@@ -103,6 +112,8 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     "write it as http://host[:port]/path or https://...",
                 )
             )
+        if src.judge is not None:
+            p += _judge_problems(src.judge, f"{at}.judge")
         name = src.default_name()
         if len(given) != 1:  # no name of its own to compare
             continue
@@ -117,6 +128,98 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
             )
         else:
             seen[name] = i
+    return p
+
+
+def _judge_problems(judge: JudgeRewardSource, at: str) -> list[Problem]:
+    """A judge: a model it can load, a template with the placeholders it fills, a pattern that
+    compiles with one group, and a score range holding its default."""
+    p: list[Problem] = []
+    if judge.model != "policy":
+        if judge.model.startswith("builtin:"):
+            if judge.model.removeprefix("builtin:") not in BUILTIN_MODELS:
+                p.append(
+                    Problem(
+                        f"{at}.model",
+                        f"unknown built-in model {judge.model!r}",
+                        f"use policy, one of {[f'builtin:{m}' for m in BUILTIN_MODELS]} or a "
+                        "model directory",
+                    )
+                )
+        elif "://" in judge.model:
+            p.append(
+                Problem(
+                    f"{at}.model",
+                    f"{judge.model!r} is not a directory (judges are loaded from a directory)",
+                    "copy the judge model into the image or a volume and give its directory, "
+                    "or use policy",
+                )
+            )
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(judge.template) if f is not None]
+    except ValueError as exc:
+        p.append(
+            Problem(
+                f"{at}.template",
+                f"is not a format string ({exc})",
+                "write placeholders as {prompt} and {response}, a literal brace as {{ or }}",
+            )
+        )
+    else:
+        unknown = sorted({f for f in fields if f not in JUDGE_PLACEHOLDERS})
+        if unknown:
+            p.append(
+                Problem(
+                    f"{at}.template",
+                    f"has unknown placeholder(s) {unknown}",
+                    f"use only {['{' + f + '}' for f in JUDGE_PLACEHOLDERS]}; write a literal "
+                    "brace as {{ or }}",
+                )
+            )
+        elif "response" not in fields:
+            p.append(
+                Problem(
+                    f"{at}.template",
+                    "has no {response} placeholder, so the judge never sees the response",
+                    "put {response} (and {prompt}) in the template",
+                )
+            )
+    try:
+        groups = re.compile(judge.score_pattern).groups
+    except re.error as exc:
+        p.append(
+            Problem(
+                f"{at}.scorePattern",
+                f"does not compile ({exc})",
+                r"write a Python regular expression such as (-?\d+(?:\.\d+)?)",
+            )
+        )
+    else:
+        if groups != 1:
+            p.append(
+                Problem(
+                    f"{at}.scorePattern",
+                    f"has {groups} groups; the score is read from exactly one",
+                    "keep one capturing group around the number; make the others (?:...)",
+                )
+            )
+    if judge.min_score >= judge.max_score:
+        p.append(
+            Problem(
+                f"{at}.minScore",
+                f"{judge.min_score:g} is not below maxScore {judge.max_score:g}",
+                "give a range with minScore < maxScore",
+            )
+        )
+    elif not judge.min_score <= judge.default_score <= judge.max_score:
+        p.append(
+            Problem(
+                f"{at}.defaultScore",
+                f"{judge.default_score:g} is outside [minScore, maxScore] = "
+                f"[{judge.min_score:g}, {judge.max_score:g}]",
+                "give a default score within the range",
+            )
+        )
     return p
 
 

@@ -21,7 +21,13 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 
-from ..agent import ToolPool, conversation_tensors, load_agent, run_conversations
+from ..agent import (
+    ChatTools,
+    ToolPool,
+    conversation_tensors,
+    load_agent,
+    run_conversations,
+)
 from ..algorithms.dapo import overlong_penalty, truncated_rows
 from ..backends.base import Generation, GenerationEngine, ShardIdentity
 from ..models import load_tokenizer
@@ -88,7 +94,9 @@ def uses_chat_template(tokenizer: Any, setting: bool | None) -> bool:
     return setting
 
 
-def render_prompt(tokenizer: Any, prompt: Prompt, chat: bool) -> str:
+def render_prompt(
+    tokenizer: Any, prompt: Prompt, chat: bool, tools: list[dict[str, Any]] | None = None
+) -> str:
     """The text a prompt is tokenized from: a plain string as it is, or rendered with the
     tokenizer's chat template (a string becomes one user message; the template adds the
     assistant turn's header). Chat messages need the template."""
@@ -100,13 +108,17 @@ def render_prompt(tokenizer: Any, prompt: Prompt, chat: bool) -> str:
             )
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}  # data.agent.tools, declared by the template
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **extra
+    )
 
 
 class RolloutWorker:
     """Role logic of one generation engine."""
 
-    agent: ToolPool | None = None  # data.agent's hook in its tool processes (multi-turn)
+    # data.agent's environment (multi-turn): its hook in tool processes, or its declared tools
+    agent: ToolPool | ChatTools | None = None
 
     def __init__(
         self,
@@ -123,25 +135,33 @@ class RolloutWorker:
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device, visible_devices)
         # the reward sources live here, beside the engine (a reward model on its device)
-        self.scorer = make_reward(cfg.data, cfg.data.prompts, device, cfg.model.dtype)
+        self.scorer = make_reward(
+            cfg.data, cfg.data.prompts, device, cfg.model.dtype, (self.engine, self.tokenizer)
+        )
         self.eval_scorer = (
             make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
             if cfg.data.eval_prompts and not cfg.data.rewards  # sources do not depend on it
             else self.scorer
         )
         agent = cfg.data.agent
-        self.agent = (
-            ToolPool(load_agent(agent.function), agent.tool_timeout_seconds)
-            if agent is not None
-            else None
-        )
+        if agent is not None and agent.tools:
+            self.chat = True
+            self.agent = ChatTools(
+                self.tokenizer,
+                agent.tools,
+                agent.tool_timeout_seconds,
+                agent.max_tool_response_tokens,
+            )
+        elif agent is not None and agent.function is not None:
+            self.agent = ToolPool(load_agent(agent.function), agent.tool_timeout_seconds)
 
     def encode(self, prompts: list[Prompt]) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(prompt texts, ids, mask): each prompt rendered (chat template when on; a rendered
         template already holds its special tokens), tokenized and left-padded; a prompt longer
         than maxPromptLength keeps its end (and its BOS token, when there is one)."""
         tok = self.tokenizer
-        texts = [render_prompt(tok, p, self.chat) for p in prompts]
+        tools = self.agent.declared if isinstance(self.agent, ChatTools) else None
+        texts = [render_prompt(tok, p, self.chat, tools) for p in prompts]
         rows = [
             truncate_left(ids, self.cfg.data.max_prompt_length, tok.bos_token_id)
             for ids in tok(texts, add_special_tokens=not self.chat)["input_ids"]
@@ -172,19 +192,22 @@ class RolloutWorker:
         temperature: float,
         top_p: float,
         seed: int,
+        given: list[Prompt] | None = None,
     ) -> tuple[Generation, torch.Tensor, list[str], dict[str, float]]:
         """Multi-turn rollouts (``data.agent``): (the generation, its ``action_mask``, the model's
-        last turn of each sample, tool-call metrics as sums)."""
+        last turn of each sample, tool-call metrics as sums). ``given``: the prompts as given
+        (declared tools continue their chat messages)."""
         agent = self.cfg.data.agent
         assert agent is not None and self.agent is not None
+        chat = self.agent if isinstance(self.agent, ChatTools) else None
         rows = [r[m].tolist() for r, m in zip(ids, mask, strict=True)]
         convs = run_conversations(
             self.engine,
             self.tokenizer,
             rows,
-            prompts,
+            given if chat is not None and given is not None else prompts,
             labels,
-            self.agent,
+            None if chat is not None else self.agent,
             max_turns=agent.max_turns,
             max_response_length=self.cfg.data.max_response_length,
             max_tool_response_tokens=agent.max_tool_response_tokens,
@@ -193,6 +216,7 @@ class RolloutWorker:
             top_p=top_p,
             seed=seed,
             special=self.special,
+            chat=chat,
         )
         t = conversation_tensors(convs, self.tokenizer.pad_token_id)
         gen = Generation(t["response_ids"], t["response_mask"], t["rollout_logprobs"], t["lengths"])
@@ -221,11 +245,19 @@ class RolloutWorker:
         """
         k = self.cfg.data.samples_per_prompt
         labels = [e.label for e in examples for _ in range(k)]
-        prompts, ids, mask = self.encode([e.prompt for e in examples for _ in range(k)])
+        given = [e.prompt for e in examples for _ in range(k)]
+        prompts, ids, mask = self.encode(given)
         action_mask, agent_metrics = None, {}
         if self.agent is not None:
             gen, action_mask, completions, agent_metrics = self.converse(
-                prompts, ids, mask, labels, self.cfg.data.temperature, self.cfg.data.top_p, seed
+                prompts,
+                ids,
+                mask,
+                labels,
+                self.cfg.data.temperature,
+                self.cfg.data.top_p,
+                seed,
+                given,
             )
         else:
             gen = self.engine.generate(
@@ -280,6 +312,10 @@ class RolloutWorker:
         }
         if self.scorer.report_sources:  # each source's unweighted sum: reward/<name>_mean
             metrics.update({f"reward_sum/{name}": float(sum(v)) for name, v in parts.items()})
+            # judges' unparsed verdicts: reward/<name>_unparsed, a count over the step
+            metrics.update(
+                {f"reward_count/{k}": float(v) for k, v in self.scorer.last_counts.items()}
+            )
         return batch, metrics
 
     def evaluate(self, examples: list[Example]) -> dict[str, float]:
@@ -287,7 +323,8 @@ class RolloutWorker:
         prompts, ids, mask = self.encode([e.prompt for e in examples])
         labels = [e.label for e in examples]
         if self.agent is not None:
-            _, _, completions, _ = self.converse(prompts, ids, mask, labels, 0.0, 1.0, 0)
+            given = [e.prompt for e in examples]
+            _, _, completions, _ = self.converse(prompts, ids, mask, labels, 0.0, 1.0, 0, given)
         else:
             gen = self.engine.generate(
                 ids,
