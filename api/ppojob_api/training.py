@@ -801,6 +801,11 @@ class TrainingSettings(ApiModel):
     lr_warmup_steps: int = Field(0, ge=0)
     """Linear warmup, in optimizer updates."""
 
+    lr_decay_steps: int = Field(0, ge=0)
+    """Warmup-stable-decay: the cosine or linear decay to minLearningRate takes only the run's
+    last ``lrDecaySteps`` optimizer updates; before them the rate stays at learningRate. 0: the
+    decay spans every update after the warmup."""
+
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW)."""
 

@@ -101,13 +101,24 @@ def check_group_size(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
 
 
 def check_learning_rate(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """The schedule decays from learningRate to minLearningRate, never up."""
-    if half.training.min_learning_rate <= half.training.learning_rate:
-        return []
-    return [
-        Problem(
-            f"{prefix}.training.minLearningRate",
-            "exceeds learningRate",
-            "set minLearningRate <= learningRate",
+    """The schedule decays from learningRate to minLearningRate, never up; a decay length needs
+    a schedule that decays."""
+    t = half.training
+    out = []
+    if t.min_learning_rate > t.learning_rate:
+        out.append(
+            Problem(
+                f"{prefix}.training.minLearningRate",
+                "exceeds learningRate",
+                "set minLearningRate <= learningRate",
+            )
         )
-    ]
+    if t.lr_decay_steps and t.lr_scheduler == "constant":
+        out.append(
+            Problem(
+                f"{prefix}.training.lrDecaySteps",
+                "has no effect: lrScheduler is constant (nothing decays)",
+                "set lrScheduler: cosine or linear, or remove lrDecaySteps",
+            )
+        )
+    return out

@@ -159,6 +159,25 @@ def test_lr_schedules():
     assert lr_factor(5, TrainingSettings(learning_rate=1.0), 10) == 1.0
 
 
+def test_warmup_stable_decay():
+    """lrDecaySteps: the peak holds until the last N updates, which decay to the floor; without
+    it the decay spans every update after the warmup (unchanged)."""
+    kw = {"learning_rate": 1.0, "lr_warmup_steps": 2, "min_learning_rate": 0.1}
+    wsd = TrainingSettings(**kw, lr_scheduler="linear", lr_decay_steps=4)
+    factors = [lr_factor(i, wsd, 12) for i in range(13)]
+    assert factors[:2] == [0.5, 1.0]
+    assert factors[2:8] == [1.0] * 6  # stable
+    assert factors[8:] == pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1])  # linear over 4
+    cos = TrainingSettings(**kw, lr_scheduler="cosine", lr_decay_steps=4)
+    assert lr_factor(10, cos, 12) == pytest.approx(0.55)  # half-way down the cosine
+    # longer than the run after the warmup: the whole post-warmup decay, as without it
+    full = TrainingSettings(**kw, lr_scheduler="cosine")
+    long = TrainingSettings(**kw, lr_scheduler="cosine", lr_decay_steps=100)
+    assert [lr_factor(i, long, 12) for i in range(13)] == [
+        lr_factor(i, full, 12) for i in range(13)
+    ]
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batches_of_unequal_token_counts_give_the_full_batch_gradient(model_dir, tok, agg):
     """Gradient accumulation over micro-batches with 1 and 11 response tokens (1 and 2 non-empty

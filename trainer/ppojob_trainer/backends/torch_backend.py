@@ -97,13 +97,21 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def lr_factor(update: int, settings: TrainingSettings, total_updates: int) -> float:
-    """Multiplier of the peak learning rate at optimizer update ``update`` (0-based)."""
+    """Multiplier of the peak learning rate at optimizer update ``update`` (0-based): a linear
+    warmup over ``lr_warmup_steps``, then the peak, then the decay to ``min_learning_rate``
+    over the last ``lr_decay_steps`` updates (0: every update after the warmup)."""
     warm = settings.lr_warmup_steps
     if warm and update < warm:
         return (update + 1) / warm
     if settings.lr_scheduler == "constant" or total_updates <= warm:
         return 1.0
-    progress = min(1.0, (update - warm) / max(1, total_updates - warm))
+    span = total_updates - warm
+    if settings.lr_decay_steps:
+        span = min(span, settings.lr_decay_steps)
+    start = total_updates - span  # the first update of the decay
+    if update < start:
+        return 1.0
+    progress = min(1.0, (update - start) / max(1, span))
     floor = settings.min_learning_rate / settings.learning_rate
     if settings.lr_scheduler == "linear":
         return floor + (1 - floor) * (1 - progress)
