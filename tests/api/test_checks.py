@@ -538,6 +538,18 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         {"training__learningRate": 1e-6, "training__minLearningRate": 1e-6},
         [],
     ),
+    (
+        check_learning_rate,
+        "decay steps with a constant schedule",
+        {"training__lrDecaySteps": 100},
+        ["spec.training.lrDecaySteps"],
+    ),
+    (
+        check_learning_rate,
+        "decay steps with cosine",
+        {"training__lrDecaySteps": 100, "training__lrScheduler": "cosine"},
+        [],
+    ),
     # --- KL
     (
         check_kl_target,
