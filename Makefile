@@ -54,7 +54,7 @@ test: $(STAMP) control-plane
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=25
+	PY=$(PY) bash hack/test.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
