@@ -25,6 +25,12 @@ from tests.helpers.controlplane import ControlPlaneError, wait_until
 ROLES = ("actor", "critic", "rollout")
 
 
+def rayjob_deployment(cp, name: str, ns: str) -> str:
+    """The RayJob's jobDeploymentStatus ("" before KubeRay has written one)."""
+    rj = cp.get("rayjob.ray.io", name, ns) or {}
+    return (rj.get("status") or {}).get("jobDeploymentStatus", "")
+
+
 def test_children_then_kuberay_makes_the_cluster_and_pods(cp, operator, ns):
     cp.apply(gpu_job("demo", ns, actor=2, critic=1, rollout=1))
     children = wait_children(cp, "demo", ns)
@@ -334,6 +340,9 @@ def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
         return p if len(p) == 4 and all(map(running, p)) else []
 
     before = wait_until(four_running, 90, "4 pods Running")
+    # a head lost while the RayJob is still Initializing is only recreated by KubeRay's
+    # RayCluster controller: the job's attempt fails only once it runs
+    wait_until(lambda: rayjob_deployment(cp, "hp", ns) == "Running", 60, "the RayJob Running")
     (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
     cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{head['metadata']['name']}")
 
@@ -372,13 +381,8 @@ def test_a_failed_submitter_container_retries_the_job_counted(cp, operator, ns):
         p = pods(cp, "sf", ns)
         return p if len(p) == 4 and all(map(running, p)) else []
 
-    def deployment_status() -> str:
-        return ((cp.get("rayjob.ray.io", "sf", ns) or {}).get("status") or {}).get(
-            "jobDeploymentStatus", ""
-        )
-
     before = wait_until(four_running, 90, "4 pods Running")
-    wait_until(lambda: deployment_status() == "Running", 60, "the RayJob Running")
+    wait_until(lambda: rayjob_deployment(cp, "sf", ns) == "Running", 60, "the RayJob Running")
     (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
     statuses = head["status"]["containerStatuses"]
     assert "ray-job-submitter" in {c["name"] for c in statuses}
