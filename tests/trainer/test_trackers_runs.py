@@ -307,6 +307,24 @@ def test_wandb_run_file_is_complete_when_finish_returns_however_late_the_service
     assert run["summary"]["final_reward"] == 0.75
 
 
+def test_wandb_run_file_of_many_blocks_reads_back_whole(tmp_path: Path) -> None:
+    """The run file's reader (tests/helpers/wandb_records.py) on a file of many 32 KiB blocks:
+    a config record spanning three of them, 300 history records across block ends (with
+    padding wherever a block's tail is shorter than a chunk header)."""
+    blob = "".join(f"{i:05d}" for i in range(16000))  # 80 kB: a first, two middles, a last
+    reporter = WandbReporter("p", "big", tmp_path / "wandb", mode="offline", config={"b": blob})
+    reporter.start(300)
+    for step in range(1, 301):
+        reporter.report(step, {f"k{i}/v": step + i / 64 for i in range(24)})
+    reporter.finish({})
+    (path,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    assert path.stat().st_size > 8 * 32768
+    run = offline_run(tmp_path / "wandb")
+    assert run["config"]["b"] == blob and run["exit_code"] == 0
+    assert sorted(run["history"]) == list(range(1, 301))
+    assert all(r[f"k{i}/v"] == s + i / 64 for s, r in run["history"].items() for i in range(24))
+
+
 def test_wandb_online_without_an_api_key_is_one_warning_not_a_prompt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
