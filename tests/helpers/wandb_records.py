@@ -68,4 +68,8 @@ def offline_run(root: Path) -> dict[str, Any]:
             run["artifacts"][record.artifact.name] = files
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
+    assert "project" in run, (
+        f"{path} holds no run record ({path.stat().st_size} bytes): wandb's service has not "
+        "written it out yet"
+    )
     return run

@@ -7,6 +7,7 @@ offline and its service listens on loopback (or a Unix socket) only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -259,6 +260,69 @@ def test_wandb_offline_run_read_back_from_its_run_file(tmp_path: Path) -> None:
     # the output files as an artifact
     (files,) = run["artifacts"].values()
     assert {"reward_curve.png", "metrics.jsonl", "summary.json"} <= set(files)
+
+
+def test_wandb_run_file_is_complete_when_finish_returns_however_late_the_service_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run.finish()`` ends by only informing wandb's service that the run is over (no reply),
+    and the service writes the run file out when it handles that message. Here the service is
+    stopped (SIGSTOP) as that message goes out, as a loaded machine may leave it unscheduled,
+    and resumed only when someone waits for it through wandb's teardown (or at the test's end):
+    the reporter's finish must still return with the whole run in the file."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    stopped: list[psutil.Process] = []
+    inform_finish, teardown = ServiceConnection.inform_finish, ServiceConnection.teardown
+
+    def inform_finish_to_a_stopped_service(self: Any, run_id: str) -> None:
+        me = psutil.Process()
+        (core,) = [p for p in me.children(recursive=True) if p.name() == "wandb-core"]
+        core.suspend()
+        stopped.append(core)
+        inform_finish(self, run_id)
+
+    def teardown_resuming_it(self: Any, exit_code: int) -> int | None:
+        for core in stopped:
+            core.resume()
+        return teardown(self, exit_code)
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", inform_finish_to_a_stopped_service)
+    monkeypatch.setattr(ServiceConnection, "teardown", teardown_resuming_it)
+    reporter = WandbReporter("ppo-demo", "lagging", tmp_path / "wandb", mode="offline")
+    try:
+        reporter.start(2)
+        reporter.report(1, {"reward/mean": 0.5})
+        reporter.report(2, {"reward/mean": 0.75})
+        reporter.finish({"final_reward": 0.75})
+        assert stopped, "the service was stopped while the run ended"
+        run = offline_run(tmp_path / "wandb")
+    finally:
+        for core in stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                core.resume()
+    assert reporter.disabled is None
+    assert (run["project"], run["name"], run["exit_code"]) == ("ppo-demo", "lagging", 0)
+    assert {s: r["reward_mean"] for s, r in run["history"].items()} == {1: 0.5, 2: 0.75}
+    assert run["summary"]["final_reward"] == 0.75
+
+
+def test_wandb_run_file_of_many_blocks_reads_back_whole(tmp_path: Path) -> None:
+    """The run file's reader (tests/helpers/wandb_records.py) on a file of many 32 KiB blocks:
+    a config record spanning three of them, 300 history records across block ends (with
+    padding wherever a block's tail is shorter than a chunk header)."""
+    blob = "".join(f"{i:05d}" for i in range(16000))  # 80 kB: a first, two middles, a last
+    reporter = WandbReporter("p", "big", tmp_path / "wandb", mode="offline", config={"b": blob})
+    reporter.start(300)
+    for step in range(1, 301):
+        reporter.report(step, {f"k{i}/v": step + i / 64 for i in range(24)})
+    reporter.finish({})
+    (path,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    assert path.stat().st_size > 8 * 32768
+    run = offline_run(tmp_path / "wandb")
+    assert run["config"]["b"] == blob and run["exit_code"] == 0
+    assert sorted(run["history"]) == list(range(1, 301))
+    assert all(r[f"k{i}/v"] == s + i / 64 for s, r in run["history"].items() for i in range(24))
 
 
 def test_wandb_online_without_an_api_key_is_one_warning_not_a_prompt(

@@ -345,11 +345,33 @@ class MlflowReporter(TrackerReporter):
 # ---------------------------------------------------------------------------------------------
 # Weights & Biases
 # ---------------------------------------------------------------------------------------------
+def _wait_for_wandb_service() -> None:
+    """Return once wandb's service (``wandb-core``) has written out every finished run.
+
+    ``run.finish()`` does not wait for that: its last step only *informs* the service that the
+    run is over (a message with no reply), and the service's transaction-log writer holds the
+    current 32 KiB block in memory until it closes the run's stream on that message. A short
+    offline run's ``run-<id>.wandb`` is therefore just its 7-byte header when ``finish()``
+    returns, until the service gets scheduled. ``wandb.teardown()`` sends its own request after
+    that message on the same connection and waits for the service process to exit, which it
+    does only after closing every stream."""
+    import wandb
+
+    try:
+        wandb.teardown()
+    except SystemExit as exc:  # wandb exits its caller when the service exited with an error
+        raise RuntimeError(f"wandb's service exited with code {exc.code}") from None
+
+
 class WandbReporter(TrackerReporter):
     """A W&B run through ``wandb``: the config, metrics per step, the summary, and the output
-    files as an artifact (``<run id>-output``, type ``ppojob-output``)."""
+    files as an artifact (``<run id>-output``, type ``ppojob-output``). When the last open W&B
+    run of this process ends, the reporter waits for wandb's service to write it out (and stops
+    the service), so that the run's files are complete once ``finish`` or ``fail`` returns."""
 
     kind = "wandb"
+    _open_runs = 0
+    """This process's W&B runs that reporters have opened and not yet finished."""
 
     def __init__(
         self,
@@ -394,6 +416,7 @@ class WandbReporter(TrackerReporter):
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True),
         )
+        WandbReporter._open_runs += 1
         _write_state(self._state, self.run.id)
 
     def _log(self, step: int, scalars: dict[str, float]) -> None:
@@ -402,7 +425,7 @@ class WandbReporter(TrackerReporter):
     def _close(self, summary: dict[str, float] | None, error: str | None) -> None:
         import wandb
 
-        run, self.run = self.run, None
+        run = self.run
         if summary:
             run.summary.update(summary)
         files = [self.out_dir / n for n in OUTPUT_FILES] if self.out_dir is not None else []
@@ -412,12 +435,20 @@ class WandbReporter(TrackerReporter):
             for path in files:
                 artifact.add_file(str(path))
             run.log_artifact(artifact)
-        run.finish(exit_code=1 if error is not None else 0)
+        self._end(exit_code=1 if error is not None else 0)
 
     def _abort(self) -> None:
+        self._end(exit_code=1)
+
+    def _end(self, exit_code: int) -> None:
+        """Finish the run (if still open) and, after the last one, wait for its files."""
         run, self.run = self.run, None
-        if run is not None:
-            run.finish(exit_code=1)
+        if run is None:
+            return
+        WandbReporter._open_runs -= 1
+        run.finish(exit_code=exit_code)
+        if WandbReporter._open_runs == 0:
+            _wait_for_wandb_service()
 
 
 def tracker_reporters(cfg: Any, out_dir: Path) -> list[ProgressReporter]:
