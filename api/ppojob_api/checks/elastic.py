@@ -35,12 +35,13 @@ def check_elastic(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 "set roles.rollout.backend: torch, or unset elastic",
             )
         )
-    if rollout.resources.gpus > 1:
+    gpus = rollout.resources.gpus
+    if gpus > 1:
         found.append(
             Problem(
                 f"{prefix}.roles.rollout.resources.gpus",
-                f"elastic engines are counted in pods, one engine each, but {rollout.resources.gpus}"
-                " GPUs per pod would run that many engines in one pod",
+                f"elastic engines are counted in pods, one engine each, but {gpus} GPUs per pod "
+                "would run that many engines in one pod",
                 "set resources.gpus to 0 or 1 and scale with replicas, or unset elastic",
             )
         )
