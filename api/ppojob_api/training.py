@@ -296,7 +296,8 @@ class RolloutRole(_Role):
 
     elastic: ElasticRollout | None = None
     """Elastic engines (their own pods, torch backend): `replicas` engines start, between
-    minReplicas and maxReplicas; an engine lost mid-step does not fail the step. Unset: every
+    minReplicas and maxReplicas, and more join up to maxReplicas when there is room; the gang
+    holds minReplicas of them. An engine lost mid-step does not fail the step. Unset: every
     engine is part of the gang and losing one fails the step."""
 
 

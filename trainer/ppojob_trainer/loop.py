@@ -411,7 +411,7 @@ class PPOTrainer:
         lost_before = self.lost_engines
         if self.elastic is not None:  # engines started since join now (with current weights)
             self._top_up()
-            self._admit_engines()
+            self._ensure_engines()
         for j in window:
             self.pending[j] = self._launch_generation(j)
         self.launched = max(self.launched, window.stop)
