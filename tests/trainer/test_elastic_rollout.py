@@ -9,6 +9,7 @@ first sample number, policy version and a checksum of its weights."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,18 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + 
 @ray.remote(num_cpus=0)
 class Gate:
     """Logs every arrival; kills the caller at the ``kill_generate``-th generation and at the
-    ``kill_start``-th start (counted over all engines)."""
+    ``kill_start``-th start, and never answers the ``hold_start``-th start (counted over all
+    engines)."""
 
-    def __init__(self, kill_generate: int | None, kill_start: int | None) -> None:
+    def __init__(
+        self, kill_generate: int | None, kill_start: int | None, hold_start: int | None = None
+    ) -> None:
         self.kill = {"generate": kill_generate, "start": kill_start}
+        self.hold = hold_start
         self.count = {"generate": 0, "start": 0}
         self.log: list[dict[str, Any]] = []
 
-    def arrive(self, event: str, caller: Any, info: dict[str, Any]) -> None:
+    async def arrive(self, event: str, caller: Any, info: dict[str, Any]) -> None:
         self.count[event] += 1
         killed = self.count[event] == self.kill[event]
         self.log.append(
@@ -48,8 +53,10 @@ class Gate:
         )
         if killed:
             ray.kill(caller, no_restart=True)
+        if event == "start" and self.count[event] == self.hold:
+            await asyncio.Event().wait()  # an engine that never finishes starting
 
-    def arrivals(self) -> list[dict[str, Any]]:
+    async def arrivals(self) -> list[dict[str, Any]]:
         return self.log
 
 
@@ -60,6 +67,10 @@ def _cfg(elastic: dict[str, int]) -> Any:
     spec["roles"]["actor"]["resources"]["cpus"] = 1
     spec["roles"]["rollout"] = {"replicas": 2, "resources": {"cpus": 1}, "elastic": elastic}
     return config_from_doc(doc)
+
+
+STILL_STARTING: list[int] = []
+"""How many engines were still starting when the last :func:`_run` ended."""
 
 
 def _run(
@@ -75,6 +86,7 @@ def _run(
         for step in range(STEPS):
             history.append(trainer.step(step))
             trained.append(ray.get(trainer.hosts["actor"][0].trained_ids.remote()))
+        STILL_STARTING[:] = [len(trainer.starting)]
     finally:
         trainer.shutdown()
     return history, trained
@@ -141,3 +153,23 @@ def test_too_few_engines_left_fail_the_step_naming_the_role_and_the_counts(
     assert message.startswith("roles.rollout: 1 rollout engine(s) left, fewer than ")
     assert "elastic.minReplicas 2" in message
     assert "(1 lost, 1 failed to start, 0 still starting)" in message
+
+
+@pytest.mark.timeout(300)  # (a safety net: waiting for the held engine would take an hour)
+def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """replicas 2, minReplicas 1: the engine beyond the minimum starts outside the gang and never
+    finishes starting (the gate holds it); the run trains every step on the one engine it has,
+    without waiting for the other (startTimeoutSeconds is an hour)."""
+    cfg = _cfg({"minReplicas": 1, "maxReplicas": 2, "startTimeoutSeconds": 3600})
+    gate = Gate.options(name="gate-held").remote(None, None, 2)
+    history, trained = _run(cfg, gate, monkeypatch, "gate-held")
+    log = ray.get(gate.arrivals.remote())
+    ray.kill(gate)
+    n = cfg.data.samples_per_step
+    assert [sorted(ids) for ids, _ in trained] == [list(range(n))] * STEPS
+    assert [m["rollout/engines"] for m in history] == [1.0] * STEPS
+    assert STILL_STARTING == [1]  # the engine beyond the minimum, started but never joined
+    first_start = next(a["engine"] for a in log if a["event"] == "start")
+    assert {a["engine"] for a in log if a["event"] == "generate"} == {first_start}
