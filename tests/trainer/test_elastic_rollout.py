@@ -155,7 +155,7 @@ def test_too_few_engines_left_fail_the_step_naming_the_role_and_the_counts(
     assert "(1 lost, 1 failed to start, 0 still starting)" in message
 
 
-@pytest.mark.timeout(300)  # (a safety net: waiting for the held engine would take an hour)
+@pytest.mark.timeout(180, method="thread")  # (a safety net: waiting would take an hour)
 def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
