@@ -60,10 +60,11 @@ class Gate:
         return self.log
 
 
-def _cfg(elastic: dict[str, int]) -> Any:
+def _cfg(elastic: dict[str, int], critic_warmup: int = 0) -> Any:
     doc = yaml.safe_load(EXAMPLE.read_text())
     spec = doc["spec"]
     spec["training"].update(steps=STEPS, checkpointInterval=0)
+    spec["algorithm"]["criticWarmupSteps"] = critic_warmup
     spec["roles"]["actor"]["resources"]["cpus"] = 1
     spec["roles"]["rollout"] = {"replicas": 2, "resources": {"cpus": 1}, "elastic": elastic}
     return config_from_doc(doc)
@@ -161,8 +162,9 @@ def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
 ) -> None:
     """replicas 2, minReplicas 1: the engine beyond the minimum starts outside the gang and never
     finishes starting (the gate holds it); the run trains every step on the one engine it has,
-    without waiting for the other (startTimeoutSeconds is an hour)."""
-    cfg = _cfg({"minReplicas": 1, "maxReplicas": 2, "startTimeoutSeconds": 3600})
+    without waiting for the other (startTimeoutSeconds is an hour). (With a critic warm-up step:
+    a step without a weight sync.)"""
+    cfg = _cfg({"minReplicas": 1, "maxReplicas": 2, "startTimeoutSeconds": 3600}, 1)
     gate = Gate.options(name="gate-held").remote(None, None, 2)
     history, trained = _run(cfg, gate, monkeypatch, "gate-held")
     log = ray.get(gate.arrivals.remote())
@@ -170,6 +172,7 @@ def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
     n = cfg.data.samples_per_step
     assert [sorted(ids) for ids, _ in trained] == [list(range(n))] * STEPS
     assert [m["rollout/engines"] for m in history] == [1.0] * STEPS
+    assert "time/weight_sync" not in history[0] and "time/weight_sync" in history[1]
     assert STILL_STARTING == [1]  # the engine beyond the minimum, started but never joined
     first_start = next(a["engine"] for a in log if a["event"] == "start")
     assert {a["engine"] for a in log if a["event"] == "generate"} == {first_start}

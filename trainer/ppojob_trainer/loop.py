@@ -505,8 +505,8 @@ class PPOTrainer:
             out.append(flat[pos : pos + len(group)])
             pos += len(group)
         gens, prep, critic_m, actor_m, _, sync_s = out
-        if self.elastic is not None:
-            sync_s = self._collect_sync(sync_refs)
+        if self.elastic is not None:  # (no sync at a step whose actor does not train)
+            sync_s = self._collect_sync(sync_refs) if sync_refs else []
         prep = [prep[i] for i in self.leaders["actor"]]
         train_span = (
             min(p[1].pop("span/start") for p in prep),
