@@ -258,6 +258,24 @@ class CriticRole(_Role):
     GPU allocation or node counts are rejected: size the critic with its replicas and resources."""
 
 
+class ElasticRollout(ApiModel):
+    """Disaggregated rollout engines that may come and go without failing the job: an engine
+    lost mid-step loses only its in-flight prompts (generated again on the others), and a new
+    one takes the actor's current weights before it generates."""
+
+    min_replicas: int = Field(1, ge=1, le=4096)
+    """Fewest engines the job runs with: the trainer's gang waits for these only, and a step that
+    is left with fewer (and cannot start new ones in time) fails."""
+
+    max_replicas: int = Field(1, ge=1, le=4096)
+    """Most engines the job runs with: a lost engine is replaced up to this many, when there is
+    room for it."""
+
+    start_timeout_seconds: int = Field(120, ge=1, le=86400)
+    """How long the trainer waits for a new engine when fewer than minReplicas are left (with
+    at least minReplicas it never waits: a new engine joins the step after it is up)."""
+
+
 class RolloutRole(_Role):
     """The generation engines."""
 
@@ -277,6 +295,12 @@ class RolloutRole(_Role):
     weight_sync_bucket_mb: float = Field(512.0, gt=0, le=65536)
     """Weight sync moves the actor's weights to the engines in buckets of at most this many
     MiB (a larger tensor goes alone): the extra memory a sync needs on each side."""
+
+    elastic: ElasticRollout | None = None
+    """Elastic engines (their own pods, torch backend): `replicas` engines start, between
+    minReplicas and maxReplicas, and more join up to maxReplicas when there is room; the gang
+    holds minReplicas of them. An engine lost mid-step does not fail the step. Unset: every
+    engine is part of the gang and losing one fails the step."""
 
 
 class Roles(ApiModel):

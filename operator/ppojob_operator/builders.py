@@ -278,6 +278,15 @@ def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
     return out
 
 
+def scaling_bounds(role: str, spec: Any) -> tuple[int, int]:
+    """(minReplicas, maxReplicas) of a role's worker group: its replicas, or for elastic rollout
+    engines (``roles.rollout.elastic``) their bounds; the gang counts the minimum only."""
+    elastic = getattr(spec, "elastic", None) if role == "rollout" else None
+    if elastic is None:
+        return spec.replicas, spec.replicas
+    return elastic.min_replicas, elastic.max_replicas
+
+
 def _cpu(cpus: float) -> str:
     milli = round(cpus * 1000)
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
@@ -505,11 +514,11 @@ def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
         mem = quantity_bytes(head.memory) + SIDECAR_SUBMITTER_REQUESTS["memory"]
         head_requests = {"cpu": _cpu(cpu), "memory": str(round(mem))}
     members = [scheduling.GangMember(1, head_requests)]
-    for _, r in pod_roles(job):
+    for role_name, r in pod_roles(job):
         res = r.resources
         members.append(
             scheduling.GangMember(
-                r.replicas,
+                scaling_bounds(role_name, r)[0],  # (elastic engines: only their minimum)
                 _resources(res.cpus, res.memory, res.gpus, res.extra, res.hugepages)["requests"],
             )
         )
@@ -553,8 +562,8 @@ def ray_job(
             {
                 "groupName": role_name,
                 "replicas": r.replicas,
-                "minReplicas": r.replicas,
-                "maxReplicas": r.replicas,
+                "minReplicas": scaling_bounds(role_name, r)[0],
+                "maxReplicas": scaling_bounds(role_name, r)[1],
                 "rayStartParams": {
                     "resources": _ray_resources(
                         {ROLE_RESOURCE.format(role=role_name): max(res.gpus, 1)}

@@ -4,8 +4,9 @@ Each scheduler is one :class:`GangScheduler` in :data:`STRATEGIES` (name -> stra
 says what KubeRay's installation-wide ``batchScheduler`` must be for it and turns a job into a
 :class:`GangPlan`: labels for the RayJob (KubeRay copies them to the RayCluster it creates),
 labels, annotations and a scheduler name for every pod template, whether the RayJob must be
-created suspended, and any object we must create ourselves. Every pod of the job
-(the head and every worker, all with replicas = minReplicas = maxReplicas) is in the one gang;
+created suspended, and any object we must create ourselves. Every pod of the job (the head and
+every worker, all with replicas = minReplicas = maxReplicas, except an elastic rollout group,
+whose minReplicas pods only count) is in the one gang;
 with ``submissionMode: SidecarMode`` the submitter is a container of the head pod, so no pod
 lives outside it.
 

@@ -34,6 +34,7 @@ from ppojob_api.checks.dapo import (
 )
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
+from ppojob_api.checks.elastic import check_elastic
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -1958,6 +1959,55 @@ TABLE += [
             ]
         },
         ["spec.trackers[0].project", "spec.trackers[0].entity", "spec.trackers[0].secretRef.name"],
+    ),
+]
+
+
+ELASTIC = {"replicas": 2, "elastic": {"minReplicas": 1, "maxReplicas": 3}}
+TABLE += [
+    # --- elastic rollout engines (roles.rollout.elastic)
+    (check_elastic, "no elastic", {}, []),
+    (check_elastic, "elastic torch engines of their own", {"roles__rollout": ELASTIC}, []),
+    (
+        check_elastic,
+        "elastic and colocated",
+        {"roles__rollout": {"colocateWithActor": True, "elastic": {"maxReplicas": 2}}},
+        ["spec.roles.rollout.elastic"],
+    ),
+    (
+        check_elastic,
+        "elastic sglang engines",
+        {"roles__rollout": {**ELASTIC, "backend": "sglang", "resources": {"gpus": 1}}},
+        ["spec.roles.rollout.elastic"],
+    ),
+    (
+        check_elastic,
+        "elastic with two GPUs a pod",
+        {"roles__rollout": {**ELASTIC, "resources": {"gpus": 2}}},
+        ["spec.roles.rollout.resources.gpus"],
+    ),
+    (
+        check_elastic,
+        "min above max",
+        {"roles__rollout": {"replicas": 2, "elastic": {"minReplicas": 3, "maxReplicas": 2}}},
+        ["spec.roles.rollout.elastic.minReplicas"],
+    ),
+    (
+        check_elastic,
+        "replicas outside the bounds",
+        {"roles__rollout": {"replicas": 4, "elastic": {"minReplicas": 1, "maxReplicas": 3}}},
+        ["spec.roles.rollout.replicas"],
+    ),
+    (
+        check_elastic,
+        "elastic with dynamic sampling",
+        {
+            "roles__rollout": ELASTIC,
+            "algorithm__advantageEstimator": "grpo",
+            "data__samplesPerPrompt": 4,
+            "algorithm__dynamicSampling": {},
+        },
+        ["spec.roles.rollout.elastic"],
     ),
 ]
 

@@ -199,6 +199,43 @@ def test_scheduler_plugins_podgroup_sums_the_gang():
     assert pg["spec"]["minResources"]["memory"] == str((8 + 6 * 64) * 2**30)
 
 
+def test_elastic_rollout_group_has_its_bounds_and_the_gang_counts_its_minimum(validate_child):
+    """roles.rollout.elastic: the rollout worker group starts `replicas` pods and scales within
+    minReplicas..maxReplicas; the gang (here the scheduler-plugins PodGroup) holds the head, the
+    actor and the minimum of the rollout group only. The actor's group keeps fixed bounds."""
+    rollout = {"cpus": 4, "memory": "8Gi"}
+    job = validate_manifest(
+        base_manifest(
+            algorithm={"advantageEstimator": "grpo"},
+            roles={
+                "actor": {"replicas": 2, "resources": GPU},
+                "rollout": {
+                    "replicas": 3,
+                    "resources": rollout,
+                    "elastic": {"minReplicas": 1, "maxReplicas": 5},
+                },
+            },
+            scheduling=SCHEDULING["scheduler-plugins"],
+        )
+    )
+    children = builders.build_children(job, namespace="ns1")
+    for child in children:
+        validate_child(child)
+    rj = children[-1]
+    groups = {g["groupName"]: g for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    bounds = {n: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for n, g in groups.items()}
+    assert bounds == {"actor": (2, 2, 2), "rollout": (3, 1, 5)}
+    pg = by_kind(children)["PodGroup"]
+    assert pg["spec"]["minMember"] == 1 + 2 + 1  # head, actor pods, one rollout pod
+    assert pg["spec"]["minResources"]["cpu"] == "22500m"  # 2 + 0.5 (submitter) + 2 x 8 + 4
+    assert pg["spec"]["minResources"]["memory"] == str((8 + 2 * 64 + 8) * 2**30 + 200 * 2**20)
+    # without elastic, the same job's gang holds all three rollout pods
+    plain = json.loads(json.dumps(job.model_dump(by_alias=True, exclude_none=True)))
+    del plain["spec"]["roles"]["rollout"]["elastic"]
+    pg = by_kind(builders.build_children(validate_manifest(plain), namespace="ns1"))["PodGroup"]
+    assert pg["spec"]["minMember"] == 1 + 2 + 3
+
+
 def test_operator_default_scheduler_applies_only_when_spec_names_none():
     assert scheduling.effective_scheduler(make(), "volcano") == "volcano"
     explicit = validate_manifest(base_manifest(scheduling={"gangScheduler": "none"}))

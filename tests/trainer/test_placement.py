@@ -15,6 +15,8 @@ from ppojob_trainer.placement import (
     PlacementPlan,
     check_fits,
     cluster_pins_roles,
+    gang_config,
+    gang_needs,
     plan_placement,
     reserve_placement,
 )
@@ -106,6 +108,20 @@ def test_no_critic_for_grpo() -> None:
     plan = plan_placement(cfg_of(TINY, estimator="grpo"))
     assert set(plan.roles) == {"actor", "rollout"}
     assert plan.roles["actor"].share == {"CPU": 1.0}
+
+
+def test_elastic_engines_put_only_their_minimum_in_the_gang_and_the_group() -> None:
+    """roles.rollout.elastic: the trainer waits for (gang) and reserves (placement group)
+    minReplicas engines; without it, the config is planned as it is."""
+    elastic = {"replicas": 3, "elastic": {"minReplicas": 1, "maxReplicas": 4}}
+    cfg = cfg_of({"actor": {"replicas": 1}, "rollout": elastic})
+    gang = gang_config(cfg)
+    assert gang.roles.rollout.replicas == 1 and cfg.roles.rollout.replicas == 3
+    assert [(n.role, n.pods) for n in gang_needs(gang)] == [("actor", 1), ("rollout", 1)]
+    assert plan_placement(gang).roles["rollout"].count == 1
+    plain = cfg_of({"actor": {"replicas": 1}, "rollout": {"replicas": 3}})
+    assert gang_config(plain) is plain
+    assert plan_placement(gang_config(plain)).roles["rollout"].count == 3
 
 
 def test_bad_strategy_is_a_value_error() -> None:

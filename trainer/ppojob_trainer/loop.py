@@ -18,6 +18,7 @@ and critic may have different data-parallel sizes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -110,6 +111,42 @@ class _Generation:
     data_state: tuple[Any, dict[str, Any]] | None = None
     """The data order before this step's prompts were drawn (a checkpoint taken while it is
     in flight rewinds to it, so a resumed run draws the same prompts)."""
+    parts: list[_Part] | None = None
+    """Elastic engines: what each engine was given, to generate again elsewhere if it is lost
+    (``gens`` are then the refs of the results without their batches)."""
+
+
+@dataclass
+class _Part:
+    """One elastic engine's share of a step's generation."""
+
+    lo: int
+    hi: int
+    """The step's samples ``[lo, hi)``."""
+    examples: list[Any]
+    first_sample: int
+    seed: int
+    host: Any
+    batch: Any
+    """Ref of the batch (a return value of the call: owned by the driver, so it outlives the
+    engine)."""
+    info: Any
+    """Ref of the rest of the result (metrics, span, version)."""
+
+
+@dataclass
+class _Starting:
+    """An elastic engine being started: its host, placement-group slot (None: outside the
+    group) and the refs of its start-up calls."""
+
+    host: Any
+    slot: int | None
+    ready: Any
+    started: Any
+
+
+class RolloutCapacityError(RuntimeError):
+    """Fewer elastic rollout engines than ``minReplicas`` are left and none could be started."""
 
 
 def _step_seed(seed: int, step: int, engine: int) -> int:
@@ -122,7 +159,13 @@ class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, threads: dict[str, int] | None = None) -> None:
         import ray
 
-        from .placement import cluster_pins_roles, plan_placement, reserve_placement, wait_for_gang
+        from .placement import (
+            cluster_pins_roles,
+            gang_config,
+            plan_placement,
+            reserve_placement,
+            wait_for_gang,
+        )
 
         self.cfg = cfg
         algo, roles = cfg.algorithm, cfg.roles
@@ -132,8 +175,10 @@ class PPOTrainer:
         # for all of them (KubeRay submits before the workers join), then pin each role's
         # bundles to its own pods. A local Ray has no such resources. One timeout for both.
         budget = float(cfg.placement_timeout_seconds)
-        waited = wait_for_gang(cfg, budget)
-        plan = plan_placement(cfg, pin_roles=cluster_pins_roles(ray.cluster_resources()))
+        # (elastic engines: the gang and the group hold minReplicas engines, see gang_config)
+        gang = gang_config(cfg)
+        waited = wait_for_gang(gang, budget)
+        plan = plan_placement(gang, pin_roles=cluster_pins_roles(ray.cluster_resources()))
         self.placement = reserve_placement(plan, max(budget - waited, 1.0))
         self.all_hosts: list[Any] = []
         self.syncs = 0
@@ -145,6 +190,14 @@ class PPOTrainer:
         """Every step before this one has had its generation launched."""
         self.total_steps: int | None = None
         """The run's step count (:func:`train` sets it): no generation is launched past it."""
+        self.elastic = None if roles.rollout.colocate_with_actor else roles.rollout.elastic
+        """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
+        self.starting: list[_Starting] = []
+        """Elastic engines being started."""
+        self.lost_engines = 0
+        """Elastic engines lost so far."""
+        self.failed_starts = 0
+        """Elastic engines that could not start so far."""
         try:
             self._start(cfg, critic, threads)
         except BaseException:
@@ -157,7 +210,7 @@ class PPOTrainer:
         import ray
 
         from .models import cache_root
-        from .placement import engine_count, engine_tensor_size
+        from .placement import engine_count, engine_tensor_size, gang_config
         from .workers.host import RemoteWorkerHost
 
         algo, roles = cfg.algorithm, cfg.roles
@@ -166,7 +219,7 @@ class PPOTrainer:
 
         # Which roles share a process: colocated ones live with the actor worker of their rank;
         # a colocated engine, spanning `tp` actor GPUs, with the first actor worker of them.
-        tp, engines = engine_tensor_size(cfg), engine_count(cfg)
+        tp, engines = engine_tensor_size(cfg), engine_count(gang_config(cfg))
         a_world = roles.workers_of("actor")
         critic_with_actor = critic is not None and critic.colocate_with_actor
         self.colocated = roles.rollout.colocate_with_actor
@@ -213,10 +266,10 @@ class PPOTrainer:
                 cpus = opts["num_cpus"]
                 # Idle OpenMP threads must not spin: they would starve Ray's own threads of the
                 # few cores between two tasks (measured: +100 ms per step on 2 cores).
-                opts["runtime_env"] = {
-                    "env_vars": {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
-                }
+                opts["runtime_env"] = {"env_vars": _worker_env()}
                 nthreads = (threads or {}).get(owner) or max(1, round(cpus))
+                if owner == "rollout":  # (how an elastic engine is started later)
+                    self._engine_args = (cfg_json, nthreads, device, str(cache_root()))
                 handle = RemoteWorkerHost.options(**opts).remote(
                     cfg_json,
                     hosted,
@@ -263,7 +316,12 @@ class PPOTrainer:
 
             error = next(e for e in errors if e)
             raise StartupError(f"the rollout worker could not start: {error}")
-        if not self.colocated:
+        if self.elastic is not None:  # weights go through the object store (any engine count)
+            self.engine_slots = {id(h): i for i, h in enumerate(self.hosts["rollout"])}
+            self.free_slots: list[int] = []
+            self.engine_seq = len(self.hosts["rollout"])
+            self._top_up()
+        elif not self.colocated:
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -328,6 +386,10 @@ class PPOTrainer:
             for h in self.hosts["actor"]:
                 h.export.remote(self.syncs)
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
+        if self.elastic is not None:
+            self._sync_targets = list(self.hosts["rollout"])
+            loaded, joined = self._push_weights(self._sync_targets)
+            return [*loaded, *joined]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export
         sent = leader.broadcast_weights.remote(self.syncs, self.hosts["rollout"], WEIGHT_GROUP)
@@ -346,11 +408,18 @@ class PPOTrainer:
         #    an earlier step's start; with it, that of the later steps the admission window
         #    takes (their samples will be at most maxStaleness versions old when trained on).
         window = generation_window(step, self.launched, algo.max_staleness, self.total_steps)
+        lost_before = self.lost_engines
+        if self.elastic is not None:  # engines started since join now (with current weights)
+            self._top_up()
+            self._ensure_engines()
         for j in window:
             self.pending[j] = self._launch_generation(j)
         self.launched = max(self.launched, window.stop)
         current = self.pending.pop(step)
         ranges, gens, engines = current.ranges, current.gens, current.engines
+        requeued = 0
+        if self.elastic is not None:  # an engine lost now loses only its prompts (re-queued)
+            ranges, gens, engines, requeued = self._settle(current)
         generated: list[dict[str, Any]] | None = None  # every round's results (dynamic sampling)
         ds_metrics: dict[str, float] = {}
         if algo.dynamic_sampling is not None:
@@ -426,6 +495,9 @@ class PPOTrainer:
             ],
             cfg.stall_timeout_seconds,
         )
+        sync_refs = synced
+        if self.elastic is not None:  # an engine lost in the sync is dropped below
+            synced = []
         groups = [gens, prepared, critic_done, actor_done, woken, synced]
         flat = ray.get([ref for group in groups for ref in group])  # one round trip
         out, pos = [], 0
@@ -433,6 +505,8 @@ class PPOTrainer:
             out.append(flat[pos : pos + len(group)])
             pos += len(group)
         gens, prep, critic_m, actor_m, _, sync_s = out
+        if self.elastic is not None:  # (no sync at a step whose actor does not train)
+            sync_s = self._collect_sync(sync_refs) if sync_refs else []
         prep = [prep[i] for i in self.leaders["actor"]]
         train_span = (
             min(p[1].pop("span/start") for p in prep),
@@ -446,6 +520,10 @@ class PPOTrainer:
             metrics.update(self._generation_metrics(generated))
             metrics.update(ds_metrics)
         metrics["policy/version"] = float(version)
+        if self.elastic is not None:
+            metrics["rollout/engines"] = float(len(self.hosts["rollout"]))
+            metrics["rollout/requeued"] = float(requeued)
+            metrics["rollout/lost"] = float(self.lost_engines - lost_before)
         overlap = self._overlap(train_span, generated or gens)
         if algo.kl.coefficient > 0:
             self.kl_ctl.update(metrics.get("kl/mean", 0.0), cfg.data.samples_per_step)
@@ -542,17 +620,225 @@ class PPOTrainer:
         examples = self.task.sample(n_prompts, self.data_rng)
         parts, engines = [], []
         offset = round_ * n_prompts
+        elastic: list[_Part] | None = [] if self.elastic is not None else None
         for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
             if p_lo == p_hi:
                 continue
             seed = _step_seed(cfg.training.seed, step, e + 1_000 * round_)
-            ref = self.hosts["rollout"][e].generate.remote(
-                examples[p_lo:p_hi], (offset + p_lo) * k, seed
-            )
+            host = self.hosts["rollout"][e]
+            if elastic is not None:
+                part = self._generate_on(
+                    host, p_lo * k, examples[p_lo:p_hi], (offset + p_lo) * k, seed
+                )
+                elastic.append(part)
+                ref = part.info
+            else:
+                ref = host.generate.remote(examples[p_lo:p_hi], (offset + p_lo) * k, seed)
             parts.append((p_lo * k, p_hi * k, ref))
             engines.append(e)
         ranges = [(lo, hi) for lo, hi, _ in parts]
-        return _Generation(step, ranges, [ref for _, _, ref in parts], engines, data_state)
+        return _Generation(step, ranges, [ref for _, _, ref in parts], engines, data_state, elastic)
+
+    # ---- elastic engines ---------------------------------------------------------------------
+    def _generate_on(
+        self, host: Any, lo: int, examples: list[Any], first_sample: int, seed: int
+    ) -> _Part:
+        """Launch an elastic engine's share: samples ``[lo, lo + len(examples) * k)``."""
+        k = self.cfg.data.samples_per_prompt
+        batch, info = host.generate_elastic.remote(examples, first_sample, seed)
+        return _Part(lo, lo + len(examples) * k, examples, first_sample, seed, host, batch, info)
+
+    def _settle(self, gen: _Generation) -> tuple[list[tuple[int, int]], list[Any], list[int], int]:
+        """Wait for a step's elastic generation; the prompts of an engine lost meanwhile are
+        generated again, split over the engines left (and those started to replace it), under
+        their own sample numbers, so every prompt group is trained on once. Returns the
+        step's ranges, refs of its results (with their batches), engine numbers and the count
+        of prompts re-queued."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        k = self.cfg.data.samples_per_prompt
+        todo, done = list(gen.parts or []), []
+        requeued, attempt = 0, 0
+        while todo:
+            wait_or_name(
+                [("rollout", i, "generate", p.info) for i, p in enumerate(todo)],
+                self.cfg.stall_timeout_seconds,
+            )
+            lost = []
+            for part in todo:
+                try:
+                    done.append((part, ray.get(part.info)))
+                except RayActorError:
+                    lost.append(part)
+            if not lost:
+                break
+            self._drop_engines([p.host for p in lost])
+            self._ensure_engines()
+            attempt += 1
+            todo = []
+            live = self.hosts["rollout"]
+            for part in lost:
+                requeued += len(part.examples)
+                for j, (lo, hi) in enumerate(_ranges(len(part.examples), len(live))):
+                    if lo == hi:
+                        continue
+                    seed = _step_seed(part.seed, attempt, j)
+                    todo.append(
+                        self._generate_on(
+                            live[j],
+                            part.lo + lo * k,
+                            part.examples[lo:hi],
+                            part.first_sample + lo * k,
+                            seed,
+                        )
+                    )
+        done.sort(key=lambda d: d[0].lo)
+        ranges = [(p.lo, p.hi) for p, _ in done]
+        gens = [ray.put({**info, "batch": p.batch}) for p, info in done]
+        return ranges, gens, list(range(len(done))), requeued
+
+    def _drop_engines(self, hosts: list[Any]) -> None:
+        """Forget lost elastic engines (each once), free their placement-group slots and start
+        replacements where there is room."""
+        import ray
+
+        for host in hosts:
+            if not any(h is host for h in self.hosts["rollout"]):
+                continue  # (already dropped)
+            self.hosts["rollout"] = [h for h in self.hosts["rollout"] if h is not host]
+            self.all_hosts = [h for h in self.all_hosts if h is not host]
+            slot = self.engine_slots.pop(id(host), None)
+            if slot is not None:
+                self.free_slots.append(slot)
+            self.lost_engines += 1
+            log.warning(
+                "a rollout engine was lost; %d left (minReplicas %d)",
+                len(self.hosts["rollout"]),
+                self.elastic.min_replicas,  # type: ignore[union-attr]
+            )
+            try:  # (a process that is unreachable but alive must not hold its slot)
+                ray.kill(host)
+            except Exception:
+                log.debug("could not kill a lost engine", exc_info=True)
+        self.engine_groups = [[h] for h in self.hosts["rollout"]]
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Start elastic engines until live and starting ones make maxReplicas: each in a free
+        slot of the placement group, else outside it (it joins when there is room for it)."""
+        from .workers.host import RemoteWorkerHost
+
+        elastic = self.elastic
+        assert elastic is not None
+        cfg_json, nthreads, device, cache = self._engine_args
+        while len(self.hosts["rollout"]) + len(self.starting) < elastic.max_replicas:
+            slot = self.free_slots.pop(0) if self.free_slots else None
+            if slot is not None:
+                opts = self.placement.host_options("rollout", slot)
+            else:
+                whole = self.placement.worker_slice("rollout")
+                opts = {"num_cpus": whole.get("CPU", 0), "num_gpus": whole.get("GPU", 0)}
+                custom = {k: v for k, v in whole.items() if k not in ("CPU", "GPU")}
+                if custom:
+                    opts["resources"] = custom
+            opts["runtime_env"] = {"env_vars": _worker_env()}
+            rank = self.engine_seq % elastic.max_replicas
+            self.engine_seq += 1
+            host = RemoteWorkerHost.options(**opts).remote(
+                cfg_json, {"rollout": (rank, elastic.max_replicas)}, None, nthreads, device, cache
+            )
+            self.starting.append(
+                _Starting(host, slot, host.ready.remote(), host.start_rollout.remote(None))
+            )
+
+    def _admit_engines(self, wait_s: float = 0.0) -> None:
+        """Elastic engines whose start finished join: each first takes the current weights.
+        Waits up to ``wait_s`` seconds, and only while fewer than minReplicas are live; an
+        engine that failed to start is dropped (its slot is tried again later)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        elastic = self.elastic
+        assert elastic is not None
+        deadline = time.monotonic() + wait_s
+        while self.starting:
+            below = len(self.hosts["rollout"]) < elastic.min_replicas
+            timeout = max(deadline - time.monotonic(), 0.0) if below else 0.0
+            refs = [s.started for s in self.starting]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=False)
+            if not ready:
+                return
+            new = next(s for s in self.starting if s.started == ready[0])
+            self.starting.remove(new)
+            try:
+                ident = ray.get(new.ready)
+                error = ident.get("error") or ray.get(new.started)
+                if not error:  # the current weights, before it generates
+                    loaded, joined = self._push_weights([new.host])
+                    ray.get([*loaded, *joined])
+            except RayActorError as exc:
+                error = f"its process died ({type(exc).__name__})"
+            if error:
+                log.warning("a new rollout engine could not start: %s", error)
+                self.failed_starts += 1
+                if new.slot is not None:
+                    self.free_slots.append(new.slot)
+                try:
+                    ray.kill(new.host)
+                except Exception:
+                    log.debug("could not kill an engine that failed to start", exc_info=True)
+                continue
+            self.hosts["rollout"].append(new.host)
+            self.all_hosts.append(new.host)
+            self.engine_groups = [[h] for h in self.hosts["rollout"]]
+            if new.slot is not None:
+                self.engine_slots[id(new.host)] = new.slot
+
+    def _ensure_engines(self) -> None:
+        """At least minReplicas elastic engines, waiting for new ones only while there are
+        fewer (at most startTimeoutSeconds); else :class:`RolloutCapacityError`."""
+        elastic = self.elastic
+        assert elastic is not None
+        self._admit_engines(float(elastic.start_timeout_seconds))  # (waits only while below)
+        live = len(self.hosts["rollout"])
+        if live < elastic.min_replicas:
+            raise RolloutCapacityError(
+                f"roles.rollout: {live} rollout engine(s) left, fewer than "
+                f"elastic.minReplicas {elastic.min_replicas}, and no new one started within "
+                f"startTimeoutSeconds {elastic.start_timeout_seconds} "
+                f"({self.lost_engines} lost, "
+                f"{self.failed_starts} failed to start, "
+                f"{len(self.starting)} still starting); fix: give the rollout pods room "
+                "(or lower elastic.minReplicas)"
+            )
+
+    def _push_weights(self, engines: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The actor's current weights (policy ``self.syncs``) to elastic ``engines`` through
+        the object store: refs of their loads, and of the other actor workers' share of a
+        collective export."""
+        leader, *others = self.hosts["actor"]
+        joined = [h.join_export.remote(self.syncs) for h in others]
+        published = leader.publish_weights.remote(self.syncs)
+        return [e.load_weights.remote(self.syncs, published) for e in engines], joined
+
+    def _collect_sync(self, refs: list[Any]) -> list[float]:
+        """The durations of an elastic sync (:meth:`_sync_weights`); an engine lost in it is
+        dropped (a replacement takes the weights when it joins)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        engines = self._sync_targets
+        out, lost = [], []
+        for host, ref in zip(engines, refs[: len(engines)], strict=True):
+            try:
+                out.append(ray.get(ref))
+            except RayActorError:
+                lost.append(host)
+        out += ray.get(refs[len(engines) :])
+        if lost:
+            self._drop_engines(lost)
+        return out
 
     def _overlap(self, train_span: tuple[float, float], gens: list[dict[str, Any]]) -> float:
         """Seconds of this step's training (prepare to the end of the actor's update) during
@@ -564,7 +850,8 @@ class PPOTrainer:
 
         ahead = [ref for g in self.pending.values() for ref in g.gens]
         done, _ = ray.wait(ahead, num_returns=len(ahead), timeout=0) if ahead else ([], [])
-        spans = [tuple(g["span"]) for g in [*gens, *ray.get(done)]]
+        finished = ray.get(done) if self.elastic is None else _surviving(done)
+        spans = [tuple(g["span"]) for g in [*gens, *finished]]
         return interval_overlap(train_span, spans)
 
     @staticmethod
@@ -755,6 +1042,8 @@ class PPOTrainer:
         import ray
 
         hosts, self.all_hosts = list(getattr(self, "all_hosts", [])), []
+        hosts += [s.host for s in getattr(self, "starting", [])]
+        self.starting = []
         engines = list(getattr(self, "hosts", {}).get("rollout", []))
         try:  # engines own processes of their own (sglang): stop them before their host
             ray.get([h.close.remote() for h in engines], timeout=60)
@@ -768,6 +1057,30 @@ class PPOTrainer:
         placement = getattr(self, "placement", None)
         if placement is not None:
             placement.release()
+
+
+def _worker_env() -> dict[str, str]:
+    """Environment of the worker processes: idle OpenMP threads must not spin (they would starve
+    Ray's own threads of the few cores between two tasks: measured +100 ms per step on 2
+    cores); and the tests' fault-injection gate, when one is set."""
+    from .workers.host import FAULT_GATE_ENV
+
+    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
+    if os.environ.get(FAULT_GATE_ENV):
+        env[FAULT_GATE_ENV] = os.environ[FAULT_GATE_ENV]
+    return env
+
+
+def _surviving(refs: list[Any]) -> list[Any]:
+    """The values of finished ``refs``, less those of engines lost (elastic)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    out = []
+    for ref in refs:
+        with contextlib.suppress(RayActorError):
+            out.append(ray.get(ref))
+    return out
 
 
 def _as_rng_state(s: Any) -> tuple[Any, ...]:

@@ -29,6 +29,7 @@ from ppojob_api.checks.dapo import (
 )
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
+from ppojob_api.checks.elastic import check_elastic
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -71,6 +72,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_top_p,
     check_sglang_top_p_tis,
     check_staleness,
+    check_elastic,
     check_importance_sampling,
     check_dynamic_sampling,
     check_overlong_shaping,

@@ -124,6 +124,7 @@ class WorkerHost:
         when it cannot start (as :meth:`ready` does)."""
         if "rollout" not in self.roles:
             return None
+        _fault_gate("start")
         from .rollout import RolloutWorker
 
         path = None
@@ -157,6 +158,12 @@ class WorkerHost:
 
     # ---- step phases -------------------------------------------------------------------------
     def generate(self, examples: list[Any], first_sample: int, seed: int) -> dict[str, Any]:
+        batch, out = self._generate(examples, first_sample, seed)
+        return {"batch": ray.put(batch), **out}
+
+    def _generate(
+        self, examples: list[Any], first_sample: int, seed: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         t0, wall0 = time.perf_counter(), time.time()
         batch, metrics = self.rollout.generate(
             examples, first_sample, seed, version=self.policy_version
@@ -166,8 +173,7 @@ class WorkerHost:
         span = (wall0, time.time())
         from ..algorithms.dapo import informative_groups
 
-        return {
-            "batch": ray.put(batch),
+        return batch, {
             "metrics": metrics,
             "span": span,
             "version": self.policy_version,
@@ -175,6 +181,53 @@ class WorkerHost:
             "groups": batch["group_ids"].unique_consecutive().tolist(),
             "informative": informative_groups(batch["scores"], batch["group_ids"]),
         }
+
+    @ray.method(num_returns=2)
+    def generate_elastic(
+        self, examples: list[Any], first_sample: int, seed: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """:meth:`generate` for elastic engines: (the batch, the rest of the result) as two
+        return values, both owned by the caller (the driver), so a batch outlives an engine
+        lost after generating it (one this process put would die with it)."""
+        _fault_gate(
+            "generate",
+            first_sample=first_sample,
+            prompts=[e.prompt for e in examples],
+            version=self.policy_version,
+            checksum=self.engine_checksum(),
+        )
+        return self._generate(examples, first_sample, seed)
+
+    def publish_weights(self, sync_id: int) -> list[Any]:
+        """Elastic engines' sync, on the actor's leader: the actor's weights of sync ``sync_id``
+        put in the object store bucket by bucket (refs, on the CPU), for any number of engines,
+        including one started after the others."""
+        weights, plan = self._exported(sync_id)
+        refs = [ray.put(flatten(((n, weights[n]) for n in names), "cpu")) for names in plan]
+        self.drop_weights()
+        return refs
+
+    def load_weights(self, sync_id: int, buckets: list[Any]) -> float:
+        """An elastic engine takes the weights :meth:`publish_weights` put (``buckets``: their
+        refs); it then holds policy ``sync_id``. Returns seconds."""
+        t0 = time.perf_counter()
+        engine = self.rollout.engine
+        engine.begin_weight_update()
+        for i, ref in enumerate(buckets):
+            engine.update_weights_from_tensor([ray.get(ref)], flush_cache=i == len(buckets) - 1)
+        engine.end_weight_update()
+        self.policy_version = int(sync_id)
+        return time.perf_counter() - t0
+
+    def engine_checksum(self) -> float | None:
+        """A checksum of the torch engine's weights (the sum of every value, in float64), or
+        None without one; for the fault-injection tests only (None when none is set up)."""
+        if not os.environ.get(FAULT_GATE_ENV):
+            return None
+        model = getattr(getattr(self.rollout.engine, "inner", None), "model", None)
+        if model is None:
+            return None
+        return float(sum(float(t.double().sum()) for t in model.state_dict().values()))
 
     def select_groups(
         self, first_sample: int, picks: list[tuple[int, int, bool]], *gens: Any
@@ -478,6 +531,11 @@ class WorkerHost:
         """(sample indices, values) the actor received at the last step (tests only)."""
         return self.actor.batch["sample_idx"], self.actor.received_values
 
+    def trained_ids(self) -> tuple[list[int], list[int]]:
+        """(sample numbers, group ids) of the actor's samples of the last step (tests only)."""
+        batch = self.actor.batch
+        return batch["sample_idx"].tolist(), batch["group_ids"].tolist()
+
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The torch engine's current weights (tests only)."""
         return {
@@ -492,6 +550,20 @@ class WorkerHost:
     def computed_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample indices, values) the critic computed at the last step (tests only)."""
         return self.critic.batch["sample_idx"], self.critic.batch["old_values"]
+
+
+FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
+"""Fault injection for tests: the name of a Ray actor that an engine's process asks before it
+starts and before each elastic generation (``gate.arrive(event, this actor, info)``) and waits
+for; the tests' gate may kill the engine right there. Unset (always, outside tests): nothing."""
+
+
+def _fault_gate(event: str, **info: Any) -> None:
+    name = os.environ.get(FAULT_GATE_ENV)
+    if not name:
+        return
+    gate = ray.get_actor(name)
+    ray.get(gate.arrive.remote(event, ray.get_runtime_context().current_actor, info))
 
 
 def _undo_worker_niceness() -> None:
