@@ -575,3 +575,69 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
     after = steps_run(host)
     assert after[len(before)] == saved[-1] + 1, (saved, after)  # resumed from the checkpoint
     check_resumed(after, SUSPEND_STEPS, redone=0)
+
+
+# --------------------------------------------------------------------------- elastic rollout
+
+ELASTIC_STEPS = 200
+
+
+def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealCluster) -> None:
+    """Issue 24 on real pods: rollout engines in a worker group of their own (2 pods, elastic
+    between 1 and 2). One rollout pod is deleted mid-training: the job is not restarted and
+    does not fail; the trainer goes on with the engine left (its lost prompts generated again
+    there), KubeRay starts a new pod for the group, and every step runs exactly once."""
+    cluster, ns, name = real_cluster, "elastic", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    doc = ppojob(cluster, name, ns, ELASTIC_STEPS, claim="ckpt", interval=100)
+    # the node has 2 CPUs: head 0.3 (+ 0.5 for KubeRay's submitter), actor 0.6, 2 x 0.2
+    doc["spec"]["roles"] = {
+        "actor": {"replicas": 1, "resources": {"cpus": 0.6, "memory": "3Gi"}},
+        "rollout": {
+            "replicas": 2,
+            "resources": {"cpus": 0.2, "memory": "2Gi"},
+            "elastic": {"minReplicas": 1, "maxReplicas": 2},
+        },
+    }
+    apply(cluster, doc)
+    deleted: list[str] = []
+
+    def rollout_pods() -> list[dict[str, Any]]:
+        return [
+            p
+            for p in job_pods(cluster, ns)
+            if p["metadata"]["labels"].get("ray.io/group") == "rollout"
+            and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def both_engines_generate() -> bool:
+        try:
+            rows = metrics(host)
+        except OSError:  # not written yet
+            return False
+        return bool(rows) and rows[-1].get("rollout/engines") == 2
+
+    def disrupt(row: dict[str, str], job: dict[str, Any]) -> None:
+        if deleted or not both_engines_generate():
+            return
+        pods = rollout_pods()
+        if len(pods) == 2:
+            deleted.append(pods[0]["metadata"]["name"])
+            cluster.kubectl(
+                "delete", "pod", "-n", ns, deleted[0], "--wait=false", "--grace-period=0", "--force"
+            )
+
+    job, _ = watch(cluster, ns, name, 900, disrupt)
+    assert deleted, "the job ended before a rollout pod could be deleted"
+    status = job["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert not status.get("restarts") and not status.get("disruptions"), status
+    rows = metrics(host)
+    assert [r["step"] for r in rows] == list(range(1, ELASTIC_STEPS + 1))  # once each, no restart
+    engines = [r["rollout/engines"] for r in rows]
+    two = engines.index(2)
+    assert min(engines[two:]) == 1, engines  # one was lost, the job went on
+    assert sum(r["rollout/lost"] for r in rows) >= 1, [r["rollout/lost"] for r in rows]
+    # KubeRay replaced the pod (the group keeps its replicas)
+    assert len(wait_until(lambda: len(p := rollout_pods()) == 2 and p, 120, "2 rollout pods")) == 2

@@ -24,10 +24,10 @@ from ppojob_trainer.agent import (
     policy_mask,
     run_conversations,
 )
-from ppojob_trainer.backends.base import Generation
 from ppojob_trainer.models import build_char_tokenizer
 from ppojob_trainer.tasks import calculator_reward, make_task
 from ppojob_trainer.workers.actor import policy_loss_mask
+from tests.helpers.scripted_engine import ScriptedEngine
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny-calculator.yaml"
 
@@ -74,25 +74,6 @@ def test_gae_skips_environment_tokens() -> None:
 
 
 # --- token alignment --------------------------------------------------------------------------
-class ScriptedEngine:
-    """Returns fixed turns (ids and log-probs), recording the prompts it was given."""
-
-    def __init__(self, turns: list[list[int]], pad: int) -> None:
-        self.turns = turns
-        self.pad = pad
-        self.prompts: list[list[int]] = []
-
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> Generation:
-        self.prompts.append(ids[0][mask[0]].tolist())
-        turn = self.turns[len(self.prompts) - 1]
-        width = kw["max_new_tokens"]
-        out = torch.full((1, width), self.pad, dtype=torch.long)
-        out[0, : len(turn)] = torch.tensor(turn)
-        logp = torch.zeros(1, width)
-        logp[0, : len(turn)] = -torch.arange(1, len(turn) + 1, dtype=torch.float32) / 10
-        resp = torch.zeros(1, width, dtype=torch.bool)
-        resp[0, : len(turn)] = True
-        return Generation(out, resp, logp, torch.tensor([len(turn)]))
 
 
 def test_a_two_turn_conversation_keeps_the_sampled_tokens_exactly() -> None:

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from ppojob_trainer.agent import (
     ChatTools,
@@ -22,9 +21,9 @@ from ppojob_trainer.agent import (
     parse_tool_calls,
     run_conversations,
 )
-from ppojob_trainer.backends.base import Generation
 from ppojob_trainer.workers.rollout import render_prompt
 from tests.helpers.chat_tools import ADD_SCHEMA, UNSTABLE_TEMPLATE, chat_tokenizer
+from tests.helpers.scripted_engine import ScriptedEngine
 
 TOOLS = [
     SimpleNamespace(
@@ -52,27 +51,6 @@ TOOLS = [
 ]
 
 
-class ScriptedEngine:
-    """Returns fixed turns (ids and log-probs), recording the prompts it was given."""
-
-    def __init__(self, turns: list[list[int]], pad: int) -> None:
-        self.turns = turns
-        self.pad = pad
-        self.prompts: list[list[int]] = []
-
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> Generation:
-        self.prompts.append(ids[0][mask[0]].tolist())
-        turn = self.turns[len(self.prompts) - 1]
-        width = kw["max_new_tokens"]
-        out = torch.full((1, width), self.pad, dtype=torch.long)
-        out[0, : len(turn)] = torch.tensor(turn)
-        logp = torch.zeros(1, width)
-        logp[0, : len(turn)] = -torch.arange(1, len(turn) + 1, dtype=torch.float32) / 100
-        resp = torch.zeros(1, width, dtype=torch.bool)
-        resp[0, : len(turn)] = True
-        return Generation(out, resp, logp, torch.tensor([len(turn)]))
-
-
 def _converse(tok: Any, texts: list[str], question: str = "2+3?") -> tuple[Any, Any, Any, list]:
     """One conversation of scripted model turns (each text + the EOS token)."""
     chat = ChatTools(tok, TOOLS, timeout=10, max_tool_response_tokens=200)
@@ -80,7 +58,7 @@ def _converse(tok: Any, texts: list[str], question: str = "2+3?") -> tuple[Any, 
     prompt = tok(render_prompt(tok, question, True, chat.declared), add_special_tokens=False)
     prompt_ids = prompt["input_ids"]
     turns = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-    engine = ScriptedEngine(turns, tok.pad_token_id)
+    engine = ScriptedEngine(turns, tok.pad_token_id, logp_scale=100)
     try:
         (conv,) = run_conversations(
             engine,
