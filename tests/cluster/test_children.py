@@ -25,6 +25,22 @@ from tests.helpers.controlplane import ControlPlaneError, wait_until
 ROLES = ("actor", "critic", "rollout")
 
 
+def restarted(cp, name: str, ns: str) -> dict:
+    """Wait for the job's next attempt (its RayJob of attempt 1, made) and return its status."""
+
+    def next_attempt() -> dict | None:
+        rj = cp.get("rayjob.ray.io", name, ns) or {}
+        ann = (rj.get("metadata") or {}).get("annotations") or {}
+        return rj if ann.get("ppojob.io/attempt") == "1" else None
+
+    wait_until(next_attempt, 60, "the next attempt's RayJob")
+    return wait_until(
+        lambda: (s := status(cp, name, ns)).get("lastRestart", {}).get("recreated") and s,
+        30,
+        "lastRestart.recreated",
+    )
+
+
 def rayjob_deployment(cp, name: str, ns: str) -> str:
     """The RayJob's jobDeploymentStatus ("" before KubeRay has written one)."""
     rj = cp.get("rayjob.ray.io", name, ns) or {}
@@ -346,17 +362,7 @@ def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):
     (head,) = [p for p in before if p["metadata"]["labels"].get("ray.io/node-type") == "head"]
     cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{head['metadata']['name']}")
 
-    def next_attempt() -> dict | None:
-        rj = cp.get("rayjob.ray.io", "hp", ns) or {}
-        ann = (rj.get("metadata") or {}).get("annotations") or {}
-        return rj if ann.get("ppojob.io/attempt") == "1" else None
-
-    wait_until(next_attempt, 60, "the next attempt's RayJob")
-    st = wait_until(
-        lambda: (s := status(cp, "hp", ns)).get("lastRestart", {}).get("recreated") and s,
-        30,
-        "lastRestart.recreated",
-    )
+    st = restarted(cp, "hp", ns)
     assert (st["disruptions"], st["restarts"]) == (1, 0)
     assert st["lastRestart"]["reason"] == "RestartingAfterDisruption"
     assert "Ray head pod not found" in st["lastRestart"]["message"]
@@ -412,17 +418,7 @@ def test_a_failed_submitter_container_retries_the_job_counted(cp, operator, ns):
         json.dumps(patch),
     )
 
-    def next_attempt() -> dict | None:
-        rj = cp.get("rayjob.ray.io", "sf", ns) or {}
-        ann = (rj.get("metadata") or {}).get("annotations") or {}
-        return rj if ann.get("ppojob.io/attempt") == "1" else None
-
-    wait_until(next_attempt, 60, "the next attempt's RayJob")
-    st = wait_until(
-        lambda: (s := status(cp, "sf", ns)).get("lastRestart", {}).get("recreated") and s,
-        30,
-        "lastRestart.recreated",
-    )
+    st = restarted(cp, "sf", ns)
     assert (st["restarts"], st["disruptions"]) == (1, 0)
     last = st["lastRestart"]
     assert (last["failureClass"], last["reason"]) == ("Application", "RestartingAfterError")

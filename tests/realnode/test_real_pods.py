@@ -585,8 +585,11 @@ ELASTIC_STEPS = 200
 def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealCluster) -> None:
     """Issue 24 on real pods: rollout engines in a worker group of their own (2 pods, elastic
     between 1 and 2). One rollout pod is deleted mid-training: the job is not restarted and
-    does not fail; the trainer goes on with the engine left (its lost prompts generated again
-    there), KubeRay starts a new pod for the group, and every step runs exactly once."""
+    does not fail; the trainer goes on with the engine left (any prompts the lost one was
+    generating are generated again there: tests/trainer/test_elastic_rollout.py makes that
+    happen on cue), KubeRay starts a new pod for the group, and every step runs exactly once.
+    Seen: the second engine joined at step 108 (its pod started later), was lost at step 119,
+    and steps 120-200 ran on one engine."""
     cluster, ns, name = real_cluster, "elastic", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
