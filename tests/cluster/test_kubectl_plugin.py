@@ -12,30 +12,15 @@ cannot reach a kubelet for a KWOK node, answers with an error naming that pod.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import tomllib
 
 from tests.helpers.cluster_jobs import PPOJOB, gpu_job, pods, status, wait_children
-from tests.helpers.controlplane import ROOT, wait_until
+from tests.helpers.controlplane import wait_until
+from tests.helpers.kubectl_plugin import launcher, plugin_env
 
 ROLES = ("head", "actor", "critic", "rollout")
-
-
-def launcher(bindir: Path) -> Path:
-    """`kubectl-ppojob` as pip would install it, from pyproject's entry point."""
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    module, func = scripts["kubectl-ppojob"].split(":")
-    path = bindir / "kubectl-ppojob"
-    path.write_text(
-        f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n"
-    )
-    path.chmod(0o755)
-    return path
 
 
 @pytest.fixture()
@@ -43,12 +28,7 @@ def kubectl(cp, tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     launcher(bindir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-    env.pop("KUBECONFIG", None)
-    env["PATH"] = os.pathsep.join([str(bindir), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(
-        [*(str(ROOT / d) for d in ("api", "operator", "trainer", "cli")), env.get("PYTHONPATH", "")]
-    )
+    env = plugin_env(bindir)
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(

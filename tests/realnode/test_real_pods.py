@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.helpers.controlplane import ROOT, wait_until
+from tests.helpers.kubectl_plugin import launcher, plugin_env
 from tests.helpers.realnode import GATEWAY
 from tests.realnode.conftest import RealCluster, operator_pod
 
@@ -292,6 +293,21 @@ def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
             "the driver's output in the submitter's log",
         )
         seen["listeners"] = cluster.node.listeners()
+        # the kubectl plugin's logs, through the real kubectl, per role
+        bindir = cluster.workdir / "plugin-bin"
+        bindir.mkdir(exist_ok=True)
+        launcher(bindir)
+        plugin = [str(cluster.cp.kubectl_bin), "ppojob", "logs", name, "-n", ns]
+        plugin += [f"--kubeconfig={cluster.cp.admin_kubeconfig}"]
+        for role, extra in (("head", ["--container", "ray-job-submitter"]), ("rollout", [])):
+            got = subprocess.run(
+                [*plugin, "--role", role, *extra],
+                capture_output=True,
+                text=True,
+                env=plugin_env(bindir),
+                timeout=120,
+            )
+            seen[f"plugin logs {role}"] = (got.returncode, got.stdout, got.stderr)
         version = ["python", "-c", "import ray; print(ray.__version__)"]
         out = cluster.kubectl("exec", "-n", ns, head_name, "-c", "ray-head", "--", *version)
         seen["ray version"] = out.strip().splitlines()[-1]
@@ -389,6 +405,19 @@ def test_kubectl_logs_reach_the_head_pod(trained: dict[str, Any]) -> None:
     and the submitter's, which follows the driver's output (SidecarMode)."""
     assert "to view the status of the cluster" in trained["logs"].lower(), trained["logs"][-2000:]
     assert "step" in trained["submitter logs"].lower(), trained["submitter logs"][-2000:]
+
+
+def test_kubectl_ppojob_logs_reach_each_roles_pod(trained: dict[str, Any]) -> None:
+    """`kubectl ppojob logs --role ...` (the plugin, found on PATH by the real kubectl): the
+    driver's output from the head's submitter container, and a rollout's log from the actor's
+    pod it is colocated in, said so."""
+    code, out, err = trained["plugin logs head"]
+    # the driver's own line (the head's ray-head log has "step" in Ray's "Next steps" too)
+    assert code == 0 and "placement group" in out, (code, out[-2000:], err[-2000:])
+    code, out, err = trained["plugin logs rollout"]
+    assert code == 0, (code, out[-2000:], err[-2000:])
+    assert "role rollout runs in the actor's pods" in out, out[:500]
+    assert "ray" in out.lower(), out[-2000:]  # the worker pod's Ray log
 
 
 def test_pods_reach_only_their_subnet_and_services(trained: dict[str, Any]) -> None:
