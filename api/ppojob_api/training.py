@@ -268,8 +268,9 @@ class ElasticRollout(ApiModel):
     is left with fewer (and cannot start new ones in time) fails."""
 
     max_replicas: int = Field(1, ge=1, le=4096)
-    """Most engines the job runs with: a lost engine is replaced up to this many, when there is
-    room for it."""
+    """Most engines the job runs with: the trainer starts engines up to this many, and KubeRay's
+    in-tree autoscaler adds rollout pods for them while there is room (not under Kueue); a lost
+    engine is replaced."""
 
     start_timeout_seconds: int = Field(120, ge=1, le=86400)
     """How long the trainer waits for a new engine when fewer than minReplicas are left (with

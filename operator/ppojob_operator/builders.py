@@ -491,6 +491,26 @@ SIDECAR_SUBMITTER_REQUESTS = {"cpu": 0.5, "memory": 200 * 2**20}
 (its ``GetDefaultSubmitterContainer``: 500m CPU, 200Mi memory)."""
 
 
+AUTOSCALER_RESOURCES = {
+    "requests": {"cpu": "100m", "memory": "512Mi"},
+    "limits": {"cpu": "500m", "memory": "512Mi"},
+}
+"""Resources of the ``autoscaler`` container KubeRay adds to the head pod with in-tree
+autoscaling (``autoscalerOptions.resources``; KubeRay's own default is 500m / 512Mi requested,
+more than an idle Ray autoscaler uses)."""
+
+AUTOSCALER_IDLE_SECONDS = 60
+"""``autoscalerOptions.idleTimeoutSeconds``: a rollout pod with no engine on it for this long
+goes back (KubeRay's and Ray's default)."""
+
+
+def autoscaled(job: PPOJob, scheduler_allows: bool) -> bool:
+    """Whether KubeRay's in-tree autoscaler runs for the job: for elastic rollout engines in a
+    group of their own, when the gang scheduler allows it (``scheduler_allows``: not Kueue)."""
+    rollout = job.spec.roles.rollout
+    return rollout.elastic is not None and not rollout.colocate_with_actor and scheduler_allows
+
+
 def output_dir(job: PPOJob) -> str:
     """Where the trainer writes its log, metrics and summary: on the checkpoint volume when the
     job has one (so they outlive the pods, which are deleted ``ttlSecondsAfterFinished`` after
@@ -504,14 +524,20 @@ def default_entrypoint(job: PPOJob) -> str:
     return f"ppojob-train --config {CONFIG_DIR}/{CONFIG_KEY} --out {output_dir(job)}"
 
 
-def gang_members(job: PPOJob) -> list[scheduling.GangMember]:
+def gang_members(job: PPOJob, *, autoscaler: bool = False) -> list[scheduling.GangMember]:
     """Head and worker groups as gang members (replicas and per-pod requests). In SidecarMode
-    the head pod also holds KubeRay's submitter container, so its requests count too."""
+    the head pod also holds KubeRay's submitter container, and with ``autoscaler`` KubeRay's
+    autoscaler container (:data:`AUTOSCALER_RESOURCES`), so their requests count too."""
     head = job.spec.head
     head_requests = _resources(head.cpus, head.memory, 0)["requests"]
+    cpu, mem = head.cpus, quantity_bytes(head.memory)
     if job.spec.submission_mode == "SidecarMode":
-        cpu = head.cpus + SIDECAR_SUBMITTER_REQUESTS["cpu"]
-        mem = quantity_bytes(head.memory) + SIDECAR_SUBMITTER_REQUESTS["memory"]
+        cpu += SIDECAR_SUBMITTER_REQUESTS["cpu"]
+        mem += SIDECAR_SUBMITTER_REQUESTS["memory"]
+    if autoscaler:
+        cpu += quantity_bytes(AUTOSCALER_RESOURCES["requests"]["cpu"])
+        mem += quantity_bytes(AUTOSCALER_RESOURCES["requests"]["memory"])
+    if (cpu, mem) != (head.cpus, quantity_bytes(head.memory)):
         head_requests = {"cpu": _cpu(cpu), "memory": str(round(mem))}
     members = [scheduling.GangMember(1, head_requests)]
     for role_name, r in pod_roles(job):
@@ -603,6 +629,22 @@ def ray_job(
             "workerGroupSpecs": workers,
         },
     }
+    if autoscaled(job, gang.autoscaling):
+        # KubeRay's in-tree autoscaler (a container in the head pod) grows the elastic rollout
+        # group toward maxReplicas while the trainer's engines wait for room (Ray resource
+        # demand), and lets idle pods go; every other group has minReplicas = maxReplicas.
+        body["rayClusterSpec"]["enableInTreeAutoscaling"] = True
+        body["rayClusterSpec"]["autoscalerOptions"] = {
+            "upscalingMode": "Default",
+            "idleTimeoutSeconds": AUTOSCALER_IDLE_SECONDS,
+            "resources": {k: dict(v) for k, v in AUTOSCALER_RESOURCES.items()},
+            "imagePullPolicy": spec.image_pull_policy,
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "runAsNonRoot": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+        }
     if spec.active_deadline_seconds is not None:
         body["activeDeadlineSeconds"] = spec.active_deadline_seconds
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": body}
@@ -634,7 +676,9 @@ def build_children(
         name=name,
         namespace=namespace,
         scheduler=scheduler,
-        members=gang_members(job),
+        members=gang_members(
+            job, autoscaler=autoscaled(job, scheduling.strategy(scheduler).autoscaling)
+        ),
         owner_refs=owner_refs,
         uid=uid,
         attempt=attempt,

@@ -121,6 +121,9 @@ class GangPlan:
     scheduler_name: str | None = None
     create_suspended: bool = False
     objects: list[dict[str, Any]] = field(default_factory=list)
+    autoscaling: bool = True
+    """Whether KubeRay's in-tree autoscaler may run for an elastic rollout group
+    (:attr:`GangScheduler.autoscaling`)."""
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,13 @@ class GangScheduler:
     name: str = ""
     kuberay_batch_scheduler: str = ""
     owns_suspend: bool = False
+    autoscaling: bool = True
+    """Whether the scheduler lets KubeRay's in-tree autoscaler grow and shrink a worker group
+    (``enableInTreeAutoscaling``), as an elastic rollout group needs."""
 
     def plan(self, gang: GangJob) -> GangPlan:
         """The labels, annotations, scheduler name and extra objects of one job's children."""
-        return GangPlan()
+        return GangPlan(autoscaling=self.autoscaling)
 
     def attempt_labels(
         self, namespace: str, name: str, uid: str | None, attempt: int | str
@@ -211,6 +217,10 @@ class Kueue(GangScheduler):
 
     name = "kueue"
     owns_suspend = True
+    # Kueue 0.17's RayJob webhook refuses enableInTreeAutoscaling unless its
+    # ElasticJobsViaWorkloadSlices gate is on and the job opts in (raycluster/common.go): an
+    # elastic rollout group under Kueue keeps the replicas it started with.
+    autoscaling = False
 
     def plan(self, gang: GangJob) -> GangPlan:
         sched = gang.job.spec.scheduling

@@ -127,6 +127,74 @@ def test_kuberay_with_volcano_makes_the_podgroup_our_builders_compute(cp, kubera
         cp.kubectl("delete", "priorityclass", PRIORITY, "--wait=false", check=False)
 
 
+def test_an_elastic_rollout_group_runs_kuberays_autoscaler_and_volcano_counts_its_minimum(
+    cp, kuberay_with, ns
+):
+    """Issue 24: an elastic rollout group turns on KubeRay's in-tree autoscaler. What KubeRay v1.5
+    makes of it: an ``autoscaler`` container in the head pod (``ray kuberay-autoscaler``, with our
+    resources), its Role bound to the head's (our trainer's) service account, and, since its
+    autoscaler is on, a Volcano PodGroup counting the group's minReplicas: the gang our builders
+    compute. KubeRay's minResources leave the autoscaler container out (its
+    ``CalculateMinResources`` reads the head's template, where KubeRay has not added it)."""
+    kuberay_with("volcano")
+    cp.kubectl("apply", "-f", str(VOLCANO_CRD))
+    cp.kubectl("wait", "--for=condition=Established", "crd/podgroups.scheduling.volcano.sh")
+    doc = gpu_job("el", ns, scheduler="volcano", actor=1, critic=1, rollout=2, queue="q1")
+    doc["spec"]["algorithm"] = {"advantageEstimator": "grpo"}
+    del doc["spec"]["roles"]["critic"]
+    doc["spec"]["roles"]["rollout"]["elastic"] = {"minReplicas": 1, "maxReplicas": 3}
+    cp.apply(doc)
+    try:
+        wait_children(cp, "el", ns)
+        pg = wait_until(
+            lambda: cp.get("podgroup.scheduling.volcano.sh", "ray-el-pg", ns),
+            60,
+            "KubeRay's Volcano PodGroup ray-el-pg",
+        )
+        job = stored(cp, "el", ns)
+        count, totals = scheduling.gang_totals(builders.gang_members(job, autoscaler=True))
+        assert pg["spec"]["minMember"] == count == 1 + 1 + 1  # head, actor, rollout minimum
+        own = builders.AUTOSCALER_RESOURCES["requests"]
+        expected = {
+            k: v - quantity_bytes(own[k]) if k in own else v for k, v in amounts(totals).items()
+        }
+        assert amounts(pg["spec"]["minResources"]) == expected
+        rj = cp.get("rayjob.ray.io", "el", ns)
+        cluster_name = rj["status"]["rayClusterName"]
+        cluster = cp.get("raycluster.ray.io", cluster_name, ns)
+        assert cluster["spec"]["enableInTreeAutoscaling"] is True
+        group = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}["rollout"]
+        assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 3)
+        # the head pod runs KubeRay's autoscaler beside the Ray head, with our resources
+        head = wait_until(
+            lambda: [
+                p
+                for p in pods(cp, "el", ns)
+                if p["metadata"]["labels"].get("ray.io/node-type") == "head"
+            ],
+            60,
+            "the head pod",
+        )[0]
+        containers = {c["name"]: c for c in head["spec"]["containers"]}
+        autoscaler = containers["autoscaler"]
+        assert "ray kuberay-autoscaler" in " ".join(autoscaler["args"])
+        assert amounts(autoscaler["resources"]["requests"]) == amounts(own)
+        assert autoscaler["image"] == containers["ray-head"]["image"]
+        # KubeRay's autoscaler Role, bound to the service account the head pod runs as (ours)
+        sa = head["spec"]["serviceAccountName"]
+        assert sa == builders.trainer_name("el")
+        binding = wait_until(
+            lambda: cp.get("rolebinding.rbac.authorization.k8s.io", cluster_name, ns),
+            60,
+            "KubeRay's autoscaler RoleBinding",
+        )
+        assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", sa)]
+        rules = cp.get("role.rbac.authorization.k8s.io", cluster_name, ns)["rules"]
+        assert any("rayclusters" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    finally:
+        cp.kubectl("delete", "ppojob", "el", "-n", ns, "--wait=false", check=False)
+
+
 def test_kuberay_with_yunikorn_writes_the_task_groups_our_builders_compute(cp, kuberay_with, ns):
     kuberay_with("yunikorn")
     doc = gpu_job("yk", ns, scheduler="yunikorn", actor=2, critic=1, rollout=1, queue="root.ml")

@@ -227,13 +227,48 @@ def test_elastic_rollout_group_has_its_bounds_and_the_gang_counts_its_minimum(va
     assert bounds == {"actor": (2, 2, 2), "rollout": (3, 1, 5)}
     pg = by_kind(children)["PodGroup"]
     assert pg["spec"]["minMember"] == 1 + 2 + 1  # head, actor pods, one rollout pod
-    assert pg["spec"]["minResources"]["cpu"] == "22500m"  # 2 + 0.5 (submitter) + 2 x 8 + 4
-    assert pg["spec"]["minResources"]["memory"] == str((8 + 2 * 64 + 8) * 2**30 + 200 * 2**20)
-    # without elastic, the same job's gang holds all three rollout pods
+    # 2 + 0.5 (submitter) + 0.1 (KubeRay's autoscaler) + 2 x 8 + 4
+    assert pg["spec"]["minResources"]["cpu"] == "22600m"
+    assert pg["spec"]["minResources"]["memory"] == str(
+        (8 + 2 * 64 + 8) * 2**30 + 200 * 2**20 + 512 * 2**20
+    )
+    cluster = rj["spec"]["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is True  # the autoscaler grows the rollout group
+    assert cluster["autoscalerOptions"]["resources"] == builders.AUTOSCALER_RESOURCES
+    # without elastic, the same job's gang holds all three rollout pods, and no autoscaler runs
     plain = json.loads(json.dumps(job.model_dump(by_alias=True, exclude_none=True)))
     del plain["spec"]["roles"]["rollout"]["elastic"]
-    pg = by_kind(builders.build_children(validate_manifest(plain), namespace="ns1"))["PodGroup"]
+    children = builders.build_children(validate_manifest(plain), namespace="ns1")
+    pg = by_kind(children)["PodGroup"]
     assert pg["spec"]["minMember"] == 1 + 2 + 3
+    assert pg["spec"]["minResources"]["cpu"] == "30500m"  # 2 + 0.5 + 2 x 8 + 3 x 4
+    assert "enableInTreeAutoscaling" not in children[-1]["spec"]["rayClusterSpec"]
+
+
+def test_an_elastic_group_under_kueue_runs_no_autoscaler(validate_child):
+    """Kueue 0.17 refuses ``enableInTreeAutoscaling`` on the RayJobs it manages (outside its
+    workload-slicing gate): under Kueue the elastic group keeps its replicas, and the head's
+    gang member holds no autoscaler container."""
+    job = validate_manifest(
+        base_manifest(
+            algorithm={"advantageEstimator": "grpo"},
+            roles={
+                "actor": {"replicas": 1, "resources": GPU},
+                "rollout": {
+                    "replicas": 2,
+                    "resources": {"cpus": 4, "memory": "8Gi"},
+                    "elastic": {"minReplicas": 1, "maxReplicas": 3},
+                },
+            },
+            scheduling=SCHEDULING["kueue"],
+        )
+    )
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    validate_child(rj)
+    assert "enableInTreeAutoscaling" not in rj["spec"]["rayClusterSpec"]
+    assert "autoscalerOptions" not in rj["spec"]["rayClusterSpec"]
+    autoscaler = builders.gang_members(job, autoscaler=True)[0].requests
+    assert builders.gang_members(job)[0].requests != autoscaler
 
 
 def test_operator_default_scheduler_applies_only_when_spec_names_none():
