@@ -485,6 +485,16 @@ class Algorithm(ApiModel):
     on, so none is ever discarded. Every token carries the version that generated it; the step
     reports staleness/mean, staleness/max and time/overlap_share."""
 
+    partial_rollout: bool = False
+    """Partial (interruptible) rollout, with maxStaleness > 0: a weight sync reaches the engines
+    while they generate, and each loads the new weights between two tokens and samples the rest
+    of its in-flight responses from them (re-encoding the tokens so far), instead of finishing
+    them with the old ones. A sample's tokens may then come from several policy versions, each
+    token tagged with its own, so the off-policy correction stays exact token by token; the
+    actor's weights reach the engines through Ray's object store. Torch engines, single-turn
+    generation. Reported: rollout/switched_share (the share of samples whose tokens span more
+    than one version)."""
+
     importance_sampling: ImportanceSampling | None = None
     """Off-policy correction (decoupled PPO objective) for stale or mismatched samples: truncated
     (TIS) or masked (MIS) importance weights pi_old / pi_behaviour, per token or per sequence.

@@ -42,7 +42,11 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
-from ppojob_api.checks.offpolicy import check_importance_sampling, check_staleness
+from ppojob_api.checks.offpolicy import (
+    check_importance_sampling,
+    check_partial_rollout,
+    check_staleness,
+)
 from ppojob_api.checks.pods import AFFINITY_TYPES, check_pod_fields
 from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
@@ -327,6 +331,27 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         check_staleness,
         "colocated engine, on-policy",
         {"roles__rollout": {"colocateWithActor": True}, "algorithm__maxStaleness": 0},
+        [],
+    ),
+    (
+        check_partial_rollout,
+        "partial rollout, on-policy, on sglang, with an agent",
+        {
+            "algorithm__partialRollout": True,
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "data__prompts": "builtin:calculator",
+            "data__agent": {"function": "builtin:calculator"},
+        },
+        [
+            "spec.algorithm.partialRollout",
+            "spec.algorithm.partialRollout",
+            "spec.algorithm.partialRollout",
+        ],
+    ),
+    (
+        check_partial_rollout,
+        "partial rollout with staleness on torch engines",
+        {"algorithm__partialRollout": True, "algorithm__maxStaleness": 1},
         [],
     ),
     (

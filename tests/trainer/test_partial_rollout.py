@@ -5,10 +5,15 @@ recorded log-probs is exact token by token."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
+import ray
 import torch
+import yaml
 
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer import models
@@ -17,6 +22,7 @@ from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.backends.torch_backend import full_inputs
 
 SWITCH = 3  # the update arrives before the 4th token
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"
 
 
 def _teacher_forced(model: torch.nn.Module, batch: dict[str, torch.Tensor], temp: float):
@@ -81,3 +87,84 @@ def test_a_weight_update_mid_generation_switches_the_token_versions(
     w, _ = importance_weights(new, got, mask, level="token", mode="truncate", cap=1e3)
     torch.testing.assert_close(w[late], torch.ones_like(w[late]), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(w[early], (new[early] - old[early]).exp(), atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the Ray loop: a sync offered while the engine generates reaches that generation
+# ---------------------------------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class TokenGate:
+    """Hears of every token of every partial-rollout generation; holds the first token of the
+    second generation (the second distinct seed) until :meth:`release`, so a weight sync is
+    sure to be offered while that generation is in flight."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int] = []
+        self.released = asyncio.Event()
+        self.held = 0
+        self.log: list[dict[str, Any]] = []
+
+    async def arrive(self, event: str, caller: Any, info: dict[str, Any]) -> None:
+        self.log.append({"event": event, **info})
+        if event != "token":
+            return
+        if info["seed"] not in self.seeds:
+            self.seeds.append(info["seed"])
+            if len(self.seeds) == 2:
+                self.held += 1
+                await self.released.wait()
+
+    async def release(self) -> int:
+        self.released.set()
+        return self.held
+
+    async def arrivals(self) -> list[dict[str, Any]]:
+        return self.log
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_sync_offered_mid_generation_reaches_it_in_the_ray_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """maxStaleness 1 with partialRollout: step 1's generation, launched at step 0's start, is
+    held at its first token until step 0 has trained and offered sync 1. It then goes on with
+    sync 1's weights: its first token is one version old, the rest current (with the
+    synchronous hand-over, an engine runs a sync only after the generation in progress, so
+    every token would be one version old). The engine ends holding the actor's weights."""
+    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.manifest import config_from_doc
+    from ppojob_trainer.workers.host import FAULT_GATE_ENV
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = doc["spec"]
+    spec["training"].update(steps=2, checkpointInterval=0)
+    spec["algorithm"].update(maxStaleness=1, partialRollout=True, criticWarmupSteps=0)
+    spec["roles"]["actor"]["resources"]["cpus"] = 1
+    spec["roles"]["rollout"] = {"resources": {"cpus": 1}}
+    cfg = config_from_doc(doc)
+    gate = TokenGate.options(name="token-gate").remote()
+    monkeypatch.setenv(FAULT_GATE_ENV, "token-gate")
+    trainer = PPOTrainer(cfg)
+    trainer.total_steps = 2
+    try:
+        first = trainer.step(0)  # returns with step 1's generation held at its first token
+        assert ray.get(gate.release.remote()) == 1, "step 1's generation was never held"
+        second = trainer.step(1)
+        engine = ray.get(trainer.hosts["rollout"][0].rollout_weights.remote())
+        actor = ray.get(trainer.hosts["actor"][0].actor_weights.remote())
+    finally:
+        trainer.shutdown()
+        log = ray.get(gate.arrivals.remote())
+        ray.kill(gate)
+    assert first["staleness/max"] == 0.0 and first["rollout/switched_share"] == 0.0
+    # step 1: the first token sampled by version 0, every later one by version 1 (the actor's)
+    assert second["policy/version"] == 1.0
+    assert second["rollout/switched_share"] > 0.5, second
+    assert 0.0 < second["staleness/share_1"] < 0.5 < second["staleness/share_0"], second
+    tokens = [a for a in log if a["event"] == "token"]
+    seeds = list(dict.fromkeys(a["seed"] for a in tokens))
+    held = [a for a in tokens if a["seed"] == seeds[1]]  # step 1's generation
+    assert held[0]["version"] == 0 and held[-1]["version"] == 1  # loaded between two tokens
+    # the engine holds the weights of the last sync (2, offered after step 1 trained)
+    for name, tensor in actor.items():
+        torch.testing.assert_close(engine[name].float(), tensor.float(), atol=1e-6, rtol=0)

@@ -191,6 +191,8 @@ class PPOTrainer:
         self.total_steps: int | None = None
         """The run's step count (:func:`train` sets it): no generation is launched past it."""
         self.elastic = None if roles.rollout.colocate_with_actor else roles.rollout.elastic
+        self.partial = cfg.algorithm.partial_rollout and not roles.rollout.colocate_with_actor
+        """Partial rollout: syncs are offered to engines mid-generation (object store)."""
         """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
         self.starting: list[_Starting] = []
         """Elastic engines being started."""
@@ -270,7 +272,8 @@ class PPOTrainer:
                 nthreads = (threads or {}).get(owner) or max(1, round(cpus))
                 if owner == "rollout":  # (how an elastic engine is started later)
                     self._engine_args = (cfg_json, nthreads, device, str(cache_root()))
-                handle = RemoteWorkerHost.options(**opts).remote(
+                host_class = self._engine_class() if owner == "rollout" else RemoteWorkerHost
+                handle = host_class.options(**opts).remote(
                     cfg_json,
                     hosted,
                     rendezvous,
@@ -321,7 +324,7 @@ class PPOTrainer:
             self.free_slots: list[int] = []
             self.engine_seq = len(self.hosts["rollout"])
             self._top_up()
-        elif not self.colocated:
+        elif not self.colocated and not self.partial:
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -388,7 +391,10 @@ class PPOTrainer:
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
         if self.elastic is not None:
             self._sync_targets = list(self.hosts["rollout"])
-            loaded, joined = self._push_weights(self._sync_targets)
+            loaded, joined = self._push_weights(self._sync_targets, offer=self.partial)
+            return [*loaded, *joined]
+        if self.partial:  # offered beside the generation in progress, loaded between tokens
+            loaded, joined = self._push_weights(self.hosts["rollout"], offer=True)
             return [*loaded, *joined]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export
@@ -745,7 +751,7 @@ class PPOTrainer:
             opts["runtime_env"] = {"env_vars": _worker_env()}
             rank = self.engine_seq % elastic.max_replicas
             self.engine_seq += 1
-            host = RemoteWorkerHost.options(**opts).remote(
+            host = self._engine_class().options(**opts).remote(
                 cfg_json, {"rollout": (rank, elastic.max_replicas)}, None, nthreads, device, cache
             )
             self.starting.append(
@@ -813,14 +819,32 @@ class PPOTrainer:
                 "(or lower elastic.minReplicas)"
             )
 
-    def _push_weights(self, engines: list[Any]) -> tuple[list[Any], list[Any]]:
-        """The actor's current weights (policy ``self.syncs``) to elastic ``engines`` through
-        the object store: refs of their loads, and of the other actor workers' share of a
-        collective export."""
+    def _engine_class(self) -> Any:
+        """The Ray actor class of a rollout engine's process: with partial rollout one with a
+        ``sync`` concurrency group, where weights are offered while the engine's own calls
+        (one at a time, in order) generate."""
+        from .workers.host import PartialRolloutHost, RemoteWorkerHost
+
+        return PartialRolloutHost if self.partial else RemoteWorkerHost
+
+    def _push_weights(
+        self, engines: list[Any], *, offer: bool = False
+    ) -> tuple[list[Any], list[Any]]:
+        """The actor's current weights (policy ``self.syncs``) to ``engines`` through the object
+        store: refs of their loads (``offer``: of their offers, which a generation in progress
+        takes between two tokens), and of the other actor workers' share of a collective
+        export."""
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]
         published = leader.publish_weights.remote(self.syncs)
-        return [e.load_weights.remote(self.syncs, published) for e in engines], joined
+        if offer:
+            sends = [
+                e.offer_weights.options(concurrency_group="sync").remote(self.syncs, published)
+                for e in engines
+            ]
+        else:
+            sends = [e.load_weights.remote(self.syncs, published) for e in engines]
+        return sends, joined
 
     def _collect_sync(self, refs: list[Any]) -> list[float]:
         """The durations of an elastic sync (:meth:`_sync_weights`); an engine lost in it is
@@ -869,6 +893,8 @@ class PPOTrainer:
             "response/truncated_share": mean("truncated_sum"),
             "time/generate": max(g["metrics"].get("time/generate", 0.0) for g in gens),
         }
+        if "switched_sum" in gens[0]["metrics"]:  # partial rollout: samples spanning versions
+            out["rollout/switched_share"] = mean("switched_sum")
         for key in gens[0]["metrics"]:  # data.rewards: each source's unweighted mean
             if key.startswith("reward_sum/"):
                 out[f"reward/{key.removeprefix('reward_sum/')}_mean"] = mean(key)

@@ -37,7 +37,11 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
-from ppojob_api.checks.offpolicy import check_importance_sampling, check_staleness
+from ppojob_api.checks.offpolicy import (
+    check_importance_sampling,
+    check_partial_rollout,
+    check_staleness,
+)
 from ppojob_api.checks.pods import check_pod_fields
 from ppojob_api.checks.podtemplate import check_pod_template
 from ppojob_api.checks.roles import (
@@ -72,6 +76,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_top_p,
     check_sglang_top_p_tis,
     check_staleness,
+    check_partial_rollout,
     check_elastic,
     check_importance_sampling,
     check_dynamic_sampling,

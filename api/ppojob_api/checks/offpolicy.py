@@ -37,3 +37,43 @@ def check_importance_sampling(half: TrainingHalf, prefix: str = "spec") -> list[
             "correction)",
         )
     ]
+
+
+def check_partial_rollout(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """Partial rollout interrupts generations in flight at a weight sync: there are some only
+    with maxStaleness > 0, and only the torch engine's single-turn generation takes new
+    weights between two tokens."""
+    algo = half.algorithm
+    if not algo.partial_rollout:
+        return []
+    field = f"{prefix}.algorithm.partialRollout"
+    found: list[Problem] = []
+    if algo.max_staleness == 0:
+        found.append(
+            Problem(
+                field,
+                "partial rollout lets a weight sync interrupt generations in flight, but with "
+                "maxStaleness 0 no generation runs during a sync",
+                "set algorithm.maxStaleness to 1 or more, or partialRollout: false",
+            )
+        )
+    if half.roles.rollout.backend != "torch":
+        found.append(
+            Problem(
+                field,
+                f"partial rollout is implemented for torch engines, not "
+                f"{half.roles.rollout.backend} (its generations finish with the weights they "
+                "started with)",
+                "set roles.rollout.backend: torch, or partialRollout: false",
+            )
+        )
+    if half.data.agent is not None:
+        found.append(
+            Problem(
+                field,
+                "multi-turn agent rollouts (data.agent) take new weights between turns, not "
+                "between two tokens of a turn",
+                "unset data.agent, or set partialRollout: false",
+            )
+        )
+    return found

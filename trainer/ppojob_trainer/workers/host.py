@@ -10,6 +10,7 @@ what the methods return to the driver is refs and float metrics.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -50,6 +51,9 @@ class WorkerHost:
         self.roles = dict(roles)
         self.policy_version = 0
         """The weight sync this process's engine holds (0: the initial weights)."""
+        self._offer: tuple[int, list[Any]] | None = None
+        """Partial rollout: the newest weights offered (:meth:`offer_weights`), not loaded yet."""
+        self._offer_lock = threading.Lock()
         try:
             self._init(cfg_json, roles, rendezvous, threads, device, cache_dir)
         except Exception as exc:
@@ -165,9 +169,22 @@ class WorkerHost:
         self, examples: list[Any], first_sample: int, seed: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         t0, wall0 = time.perf_counter(), time.time()
+        partial = self.cfg.algorithm.partial_rollout
+        if partial:  # weights offered since the last generation, before it starts
+            self._load_offer()
+        version = self.policy_version  # (the oldest of its tokens')
         batch, metrics = self.rollout.generate(
-            examples, first_sample, seed, version=self.policy_version
+            examples,
+            first_sample,
+            seed,
+            version=version,
+            **({"interrupt": self._interrupt(first_sample, seed)} if partial else {}),
         )
+        if partial:  # samples whose tokens came from more than one policy version
+            mask = batch["response_mask"].bool()
+            top = batch["versions"].masked_fill(~mask, -1).amax(1)
+            low = batch["versions"].masked_fill(~mask, 2**31 - 1).amin(1)
+            metrics["switched_sum"] = float((top > low).sum())
         metrics["time/generate"] = time.perf_counter() - t0
         # (wall-clock span and version: the driver measures generation/training overlap)
         span = (wall0, time.time())
@@ -176,7 +193,7 @@ class WorkerHost:
         return batch, {
             "metrics": metrics,
             "span": span,
-            "version": self.policy_version,
+            "version": version,
             # (group ids, and those whose rewards differ: dynamic sampling's filter)
             "groups": batch["group_ids"].unique_consecutive().tolist(),
             "informative": informative_groups(batch["scores"], batch["group_ids"]),
@@ -219,6 +236,50 @@ class WorkerHost:
         self.policy_version = int(sync_id)
         return time.perf_counter() - t0
 
+    def offer_weights(self, sync_id: int, buckets: list[Any]) -> float:
+        """Partial rollout (``algorithm.partialRollout``): the weights :meth:`publish_weights`
+        put for sync ``sync_id``, offered to this engine. The driver calls it in the ``sync``
+        concurrency group, so it runs beside a generation in progress, which loads them between
+        two tokens (:meth:`_take_offer`) and samples the rest from them; otherwise the next
+        generation loads them first. A newer offer replaces one not loaded yet. Returns 0.0 (no
+        wait: the load happens in the engine's own time)."""
+        with self._offer_lock:
+            if self._offer is None or self._offer[0] < int(sync_id):
+                self._offer = (int(sync_id), list(buckets))
+        return 0.0
+
+    def _take_offer(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The offered weights (version, name -> tensor), once; None when none is waiting."""
+        with self._offer_lock:
+            offer, self._offer = self._offer, None
+        if offer is None:
+            return None
+        sync_id, buckets = offer
+        weights: dict[str, torch.Tensor] = {}
+        for ref in buckets:
+            weights.update(ray.get(ref).tensors())
+        self.policy_version = sync_id
+        return sync_id, weights
+
+    def _interrupt(self, first_sample: int, seed: int) -> Any:
+        """The hook a partial-rollout generation asks between two tokens (:meth:`_take_offer`;
+        with the tests' fault gate set, the gate first hears of each token)."""
+        gated = bool(os.environ.get(FAULT_GATE_ENV))
+
+        def between_tokens() -> tuple[int, dict[str, torch.Tensor]] | None:
+            if gated:
+                info = {"first_sample": first_sample, "seed": seed, "version": self.policy_version}
+                _fault_gate("token", **info)
+            return self._take_offer()
+
+        return between_tokens
+
+    def _load_offer(self) -> None:
+        """Load offered weights now (before a generation, an evaluation or a test's read)."""
+        offer = self._take_offer()
+        if offer is not None:
+            self.rollout.engine.update_weights(offer[1])
+
     def engine_checksum(self) -> float | None:
         """A checksum of the torch engine's weights (the sum of every value, in float64), or
         None without one; for the fault-injection tests only (None when none is set up)."""
@@ -250,6 +311,8 @@ class WorkerHost:
         }
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:
+        if self.cfg.algorithm.partial_rollout:
+            self._load_offer()
         return self.rollout.evaluate(examples)
 
     # Results of earlier phases arrive as top-level arguments, which Ray resolves before the call
@@ -538,6 +601,8 @@ class WorkerHost:
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The torch engine's current weights (tests only)."""
+        if self.cfg.algorithm.partial_rollout:
+            self._load_offer()
         return {
             k: v.detach().cpu().clone()
             for k, v in self.rollout.engine.inner.model.state_dict().items()
@@ -554,8 +619,9 @@ class WorkerHost:
 
 FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
 """Fault injection for tests: the name of a Ray actor that an engine's process asks before it
-starts and before each elastic generation (``gate.arrive(event, this actor, info)``) and waits
-for; the tests' gate may kill the engine right there. Unset (always, outside tests): nothing."""
+starts, before each elastic generation and, with partial rollout, between two tokens
+(``gate.arrive(event, this actor, info)``) and waits for; the tests' gate may kill the engine or
+hold it right there. Unset (always, outside tests): nothing."""
 
 
 def _fault_gate(event: str, **info: Any) -> None:
@@ -605,3 +671,7 @@ class RecordedEngine:
 
 
 RemoteWorkerHost = ray.remote(WorkerHost)
+PartialRolloutHost = ray.remote(concurrency_groups={"sync": 1})(WorkerHost)
+"""A rollout engine's process with partial rollout: its calls run one at a time, in order, in
+Ray's default concurrency group, and :meth:`WorkerHost.offer_weights` in a ``sync`` group of
+one thread beside them (Ray takes concurrency groups only where the actor class is defined)."""
