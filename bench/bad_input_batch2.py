@@ -10,9 +10,17 @@ example with `--set`/`--unset` flags (`cli-*`). Each is judged as the generated 
 (tests/helpers/bad_manifests.py `judge`): *clear* = refused with every problem one line, with a
 fix, naming a field of the input or the schema; *accepted* = validate accepts (and the trainer's
 loader too). An entry written as bad (`expect` a field) counts as answered clearly when it is
-*clear*; a valid entry (`expect` None) when it is *accepted*. Also counted (stricter): a clear
-refusal with a problem at the field the entry expects. Prints each verdict, both shares and the
-slowest verdict.
+*clear*; a valid entry (`expect` None) when it is *accepted*; a legal but doubtful one
+(`expect` "warn FIELD") when it is accepted with a warning of `ppojob validate` naming FIELD.
+Also counted (stricter): a clear refusal with a problem at the field the entry expects. Prints
+each verdict, both shares and the slowest verdict; tests/bench/test_bad_input_batch2.py holds
+every entry to its answer.
+
+Measured 2026-12-02 (2 shared cores): before the fixes, as first written, 81 of 85 answered
+clearly (95%; slowest verdict 0.026 s); two entries were then re-judged (each says why at its
+entry), which makes the before figure 82 of 85. After the fixes: 85 of 85, 83 of them at the
+expected field (the other two: a tab named by its line, and `parallelism` for `tensor`);
+slowest verdict 0.09 s.
 
     PYTHONPATH=api:operator:trainer:cli:. python -m bench.bad_input_batch2
 """
@@ -20,17 +28,22 @@ slowest verdict.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.helpers.bad_manifests import judge
+from ppojob_api.checks.batches import schedule_warnings
+from ppojob_api.validation import load_manifests
+from tests.helpers.bad_manifests import Verdict, judge
 
 TINY = (Path(__file__).parents[1] / "examples" / "ppojob-tiny.yaml").read_text()
 
 # (name, kind, text, cli args, expect): kind "patch" merges text into the tiny example's spec,
 # "raw" is the whole file; expect is the field a clear answer must name, None for a valid entry.
+# expect: the field a clear refusal names, None for a valid entry, "warn FIELD" for one accepted
+# with a warning naming FIELD.
 CASES: list[tuple[str, str, str, list[str], str | None]] = [
     # --- Kubernetes-level fields -------------------------------------------------------------
     (
@@ -551,7 +564,10 @@ CASES: list[tuple[str, str, str, list[str], str | None]] = [
         "patch",
         "training: {lrDecaySteps: 5000}\n",
         [],
-        "spec.training.lrDecaySteps",
+        # written expecting a refusal; answered with a warning instead (the trainer decays over
+        # every update after the warm-up, as documented): refusing it would refuse every
+        # shortened run (`--steps 10`) of a manifest with a decay
+        "warn spec.training.lrDecaySteps",
     ),
     (
         "decay-with-constant",
@@ -791,7 +807,9 @@ CASES: list[tuple[str, str, str, list[str], str | None]] = [
         "patch",
         "",
         ["--set", "spec.training.steps=10"],
-        "spec.training.steps",
+        # written expecting a refusal; a leading `spec.` is accepted and names the same field
+        # (ppojob_api.setflags), which a user means: valid
+        None,
     ),
     ("cli-set-no-equals", "patch", "", ["--set", "data.rolloutBatchSize"], "--set"),
     ("cli-unset-typo", "patch", "", ["--unset", "training.stepz"], "training.stepz"),
@@ -835,6 +853,15 @@ def at_expected(lines: list[str], expect: str) -> bool:
     return False
 
 
+def warns(text: str, field: str) -> bool:
+    """Whether `ppojob validate` warns about `field` (the schedule warnings it prints)."""
+    return any(
+        w.startswith(field + ":")
+        for job in load_manifests(text)
+        for w in schedule_warnings(job.spec)
+    )
+
+
 def _flags(args: list[str]) -> tuple[list[str], list[str]]:
     sets, unsets = [], []
     for flag, value in zip(args[::2], args[1::2], strict=True):
@@ -842,24 +869,43 @@ def _flags(args: list[str]) -> tuple[list[str], list[str]]:
     return sets, unsets
 
 
-def main() -> None:
-    clear = strict = 0
-    slowest = 0.0
+@dataclass
+class Outcome:
+    name: str
+    ok: bool  # answered clearly
+    at_field: bool  # and, for a refusal, at the field the entry expects
+    verdict: Verdict
+
+
+def outcomes() -> list[Outcome]:
+    """Every entry's verdict and whether it is the answer the entry expects."""
+    out = []
     for name, kind, text, args, expect in CASES:
         sets, unsets = _flags(args)
         verdict = judge(manifest(kind, text), sets=sets, unsets=unsets)
-        slowest = max(slowest, verdict.seconds)
         if expect is None:
-            ok = ok_strict = verdict.kind == "accepted"
+            ok = at_field = verdict.kind == "accepted"
+        elif expect.startswith("warn "):
+            ok = verdict.kind == "accepted" and warns(manifest(kind, text), expect[5:])
+            at_field = ok
         else:
             ok = verdict.kind == "clear"
-            ok_strict = ok and at_expected(verdict.lines, expect)
-        clear += ok
-        strict += ok_strict
-        first = verdict.lines[0] if verdict.lines else verdict.why or "(accepted)"
-        mark = "clear" if ok_strict else ("clear~" if ok else verdict.kind)
-        print(f"{mark:8} {name}: {first[:200]}")
-    n = len(CASES)
+            at_field = ok and at_expected(verdict.lines, expect)
+        out.append(Outcome(name, ok, at_field, verdict))
+    return out
+
+
+def main() -> None:
+    results = outcomes()
+    for r in results:
+        v = r.verdict
+        first = v.lines[0] if v.lines else v.why or "(accepted)"
+        mark = "clear" if r.at_field else ("clear~" if r.ok else v.kind)
+        print(f"{mark:8} {r.name}: {first[:200]}")
+    n = len(results)
+    clear = sum(r.ok for r in results)
+    strict = sum(r.at_field for r in results)
+    slowest = max(r.verdict.seconds for r in results)
     print(
         f"\n{clear} of {n} answered clearly ({clear / n:.0%}); at the expected field: {strict} "
         f"of {n} ({strict / n:.0%}); slowest {slowest:.3f}s"
