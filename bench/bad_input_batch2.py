@@ -13,7 +13,7 @@ loader too). An entry written as bad (`expect` a field) counts as answered clear
 *clear*; a valid entry (`expect` None) when it is *accepted*; a legal but doubtful one
 (`expect` "warn FIELD") when it is accepted with a warning of `ppojob validate` naming FIELD.
 Also counted (stricter): a clear refusal with a problem at the field the entry expects. Prints
-each verdict, both shares and the slowest verdict; tests/bench/test_bad_input_batch2.py holds
+each verdict, both shares and the slowest verdict; tests/bench/test_bench_bad_input_batch2.py holds
 every entry to its answer.
 
 Measured 2026-12-02 (2 shared cores): before the fixes, as first written, 81 of 85 answered

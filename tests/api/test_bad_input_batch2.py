@@ -70,7 +70,30 @@ VOLUMES: list[tuple[str, dict[str, Any], list[str]]] = [
         },
         [f"{V}.ephemeral.volumeClaimTemplate.spec.selector.matchExpressions[0].operator"],
     ),
+    (
+        "a CSI attribute that is a number",
+        {"csi": {"driver": "d", "volumeAttributes": {"size": 10}}},
+        [f"{V}.csi.volumeAttributes.size"],
+    ),
+    (
+        "a claim's storage request that is no quantity",
+        {
+            "ephemeral": {
+                "volumeClaimTemplate": {"spec": {"resources": {"requests": {"storage": True}}}}
+            }
+        },
+        [f"{V}.ephemeral.volumeClaimTemplate.spec.resources.requests.storage"],
+    ),
     # valid neighbours
+    (
+        "a claim's storage request as a bare number (bytes)",
+        {
+            "ephemeral": {
+                "volumeClaimTemplate": {"spec": {"resources": {"requests": {"storage": 1000000}}}}
+            }
+        },
+        [],
+    ),
     (
         "an emptyDir in memory with a size",
         {"emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
@@ -177,6 +200,16 @@ AFFINITY: list[tuple[str, dict[str, Any], list[str]]] = [
         [],
     ),
 ]
+
+
+def test_a_non_string_label_in_a_selector_is_refused_once() -> None:
+    spec = _spec(head={"affinity": _term(labelSelector={"matchLabels": {"app": 1}})})
+    [problem] = check_pod_fields(spec)
+    assert (problem.path, problem.message, problem.fix) == (
+        f"{A}.labelSelector.matchLabels.app",
+        "must be a string",
+        "quote it",
+    )
 
 
 @pytest.mark.parametrize(

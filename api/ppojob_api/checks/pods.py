@@ -130,9 +130,14 @@ SELECTOR_OPERATORS = {
 }
 
 
-QUANTITY_FIELDS = {("V1EmptyDirVolumeSource", "sizeLimit"), ("V1ResourceFieldSelector", "divisor")}
-"""Fields the client types `str` that hold a resource.Quantity, which JSON also takes as a
-number."""
+QUANTITY_FIELDS = {
+    ("V1EmptyDirVolumeSource", "sizeLimit"): "quantity",
+    ("V1ResourceFieldSelector", "divisor"): "quantity",
+    ("V1VolumeResourceRequirements", "limits"): "Dict[str, quantity]",
+    ("V1VolumeResourceRequirements", "requests"): "Dict[str, quantity]",
+}
+"""Fields the client types `str` (or a map of `str`) that hold resource.Quantity values, which
+JSON also takes as numbers."""
 
 
 def _shape_problem(value: Any, type_: str, path: str, explain: str) -> Problem | None:
@@ -142,6 +147,7 @@ def _shape_problem(value: Any, type_: str, path: str, explain: str) -> Problem |
         "int": int,
         "bool": bool,
         "Dict[str, str]": dict,
+        "Dict[str, quantity]": dict,
         "quantity": (str, int, float),
     }.get(type_)
     if type_.startswith("List["):
@@ -157,7 +163,8 @@ def _shape_problem(value: Any, type_: str, path: str, explain: str) -> Problem |
         int: "a whole number",
         bool: "true or false",
     }.get(want, "a quantity such as 1Gi")
-    return Problem(path, f"must be {article}", f"see `kubectl explain {explain}`")
+    fix = "quote it" if want is str else f"see `kubectl explain {explain}`"
+    return Problem(path, f"must be {article}", fix)
 
 
 def _requirement_problems(req: dict[str, Any], type_: str, path: str, field: bool) -> list[Problem]:
@@ -279,12 +286,10 @@ def _rules(value: dict[str, Any], type_: str, path: str) -> list[Problem]:
                 k8s_rules.qualified_name(str(k)),
                 "use a label key such as app.kubernetes.io/name",
             )
-            if isinstance(v, str):
+            if isinstance(v, str):  # (the walk refuses any other value)
                 p += _one(
                     f"{path}.matchLabels.{k}", v, k8s_rules.label_value(v), "use the label's value"
                 )
-            else:
-                p.append(Problem(f"{path}.matchLabels.{k}", "must be a string", "quote it"))
     return p
 
 
@@ -305,6 +310,13 @@ def _walk(
             q
             for i, item in enumerate(value)
             for q in _walk(item, inner, f"{path}[{i}]", types, explain, field)
+        ]
+    if type_ in ("Dict[str, str]", "Dict[str, quantity]"):
+        kind = type_[10:-1]
+        return [
+            q
+            for k, item in value.items()
+            if (q := _shape_problem(item, kind, f"{path}.{k}", explain)) is not None
         ]
     if not type_.startswith("V1"):
         return []
@@ -329,8 +341,7 @@ def _walk(
             )
             continue
         inner_type = fields[key]
-        if (type_, key) in QUANTITY_FIELDS:
-            inner_type = "quantity"
+        inner_type = QUANTITY_FIELDS.get((type_, key), inner_type)
         p += _walk(item, inner_type, f"{path}.{key}", types, explain, field or key == "matchFields")
     if type_ in SELECTOR_OPERATORS:
         p += _requirement_problems(value, type_, path, field)
