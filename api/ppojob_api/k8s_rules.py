@@ -47,6 +47,19 @@ _IMAGE = re.compile(
 )
 
 
+def dns1123_label(value: str) -> list[str]:
+    """IsDNS1123Label (a namespace's name: ValidateNamespaceName)."""
+    errs = []
+    if len(value) > DNS1123_LABEL_MAX:
+        errs.append(f"must be no more than {DNS1123_LABEL_MAX} characters")
+    if not _DNS1123_LABEL.match(value):
+        errs.append(
+            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or "
+            "'-', and must start and end with an alphanumeric character"
+        )
+    return errs
+
+
 def dns1123_subdomain(value: str) -> list[str]:
     """IsDNS1123Subdomain."""
     errs = []

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from ppojob_api.problems import Problem, SpecError
+from ppojob_api.yamlio import yaml_problem
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -35,12 +36,13 @@ def parse_set(item: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
+        found = yaml_problem(exc, raw)  # one line: "line 1, column 16: not valid YAML: ..."
         raise SpecError(
             [
                 Problem(
                     f"--set {key}",
-                    f"value is not valid YAML: {exc}",
-                    "quote it, e.g. --set 'data.prompts=\"a b.jsonl\"'",
+                    f"value {raw[:60]!r}, {found.message}",
+                    f"{found.fix}, or quote a string, e.g. --set 'data.prompts=\"a b.jsonl\"'",
                 )
             ]
         ) from None

@@ -226,7 +226,8 @@ class PodTemplate(ApiModel):
             "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
         },
     )
-    """Extra Kubernetes volumes (each a `Volume` as in a pod spec, with a unique `name`)."""
+    """Extra Kubernetes volumes (each a `Volume` as in a pod spec, with a unique `name` and one
+    source); `ppojob validate` checks every level of each by Kubernetes' Volume schema."""
 
     volume_mounts: list[VolumeMount] = Field(default_factory=list)
     """Where the extra volumes appear in every trainer container."""

@@ -839,7 +839,8 @@ class TrainingSettings(ApiModel):
     lr_decay_steps: int = Field(0, ge=0)
     """Warmup-stable-decay: the cosine or linear decay to minLearningRate takes only the run's
     last ``lrDecaySteps`` optimizer updates; before them the rate stays at learningRate. 0: the
-    decay spans every update after the warmup."""
+    decay spans every update after the warmup, as does a value longer than the updates after
+    the warmup (a shortened run, `--steps 10`; `ppojob validate` warns)."""
 
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW)."""

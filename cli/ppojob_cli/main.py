@@ -86,34 +86,12 @@ def _memory_warnings(name: str, jobs: list) -> None:
 
 
 def warmup_warnings(job: Any) -> list[str]:
-    """A learning-rate warm-up at least as long as the run's optimizer updates: the learning
-    rate never reaches its peak (legal, but hardly meant)."""
-    from ppojob_api.validation import trainer_config_from_spec
+    """Learning-rate schedules that are legal but hardly meant: a warm-up at least as long as
+    the run's optimizer updates, a decay longer than the updates after it
+    (ppojob_api.checks.batches.schedule_warnings, the trainer's own count of updates)."""
+    from ppojob_api.checks.batches import schedule_warnings
 
-    cfg = trainer_config_from_spec(job.spec, job_name=job.metadata.name)
-    roles = [("actor", "spec.training", cfg.training)]
-    critic = cfg.roles.effective_critic(cfg.algorithm.needs_critic)
-    if critic is not None:
-        from ppojob_api.overrides import overridable_field
-
-        own = any(overridable_field(k) == "lr_warmup_steps" for k in critic.overrides or {})
-        where = "spec.roles.critic.overrides" if own else "spec.training"  # (inherited)
-        roles.append(("critic", where, cfg.critic_training()))
-    out = []
-    for role, where, settings in roles:
-        warm = settings.lr_warmup_steps
-        if not warm:
-            continue
-        from ppojob_trainer.workers.actor import planned_updates  # (imports torch: only here)
-
-        total = planned_updates(cfg, role)
-        if warm >= total:
-            out.append(
-                f"{where}.lrWarmupSteps: {warm} warm-up updates, but the {role} makes only "
-                f"{total} optimizer updates in the whole run (steps x ppoEpochs x mini-batches "
-                "per step): its learning rate never reaches learningRate; lower lrWarmupSteps"
-            )
-    return out
+    return schedule_warnings(job.spec)
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:

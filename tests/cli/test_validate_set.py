@@ -56,3 +56,19 @@ def test_a_warmup_longer_than_the_run_is_a_warning_naming_the_field_set(capsys) 
     assert main(["validate", TINY, "--set", overrides]) == 0
     [line] = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
     assert "spec.roles.critic.overrides.lrWarmupSteps: 4000" in line
+
+
+def test_a_decay_longer_than_the_run_is_a_warning_naming_the_field_set(capsys) -> None:
+    """lrDecaySteps longer than the updates after the warm-up (the tiny example: 1000 updates,
+    20 of warm-up): valid (the trainer decays over the 980), with a warning; a shortened run of
+    the example (`--set training.steps=100`) is valid too, warned the same way."""
+    assert main(["validate", TINY, "--set", "training.lrDecaySteps=980"]) == 0
+    assert "lrDecaySteps" not in capsys.readouterr().err
+    assert main(["validate", TINY, "--set", "training.lrDecaySteps=5000"]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning: spec.training.lrDecaySteps" in line]
+    assert len(warnings) == 2  # the actor and the critic (colocated, inheriting spec.training)
+    assert "5000 decay updates, but the actor makes only 980 optimizer updates after" in err
+    assert main(["validate", TINY, "--set", "training.steps=100"]) == 0
+    err = capsys.readouterr().err  # 200 updates: 180 after the warm-up
+    assert "spec.training.lrDecaySteps: 400 decay updates, but the actor makes only 180" in err

@@ -13,6 +13,7 @@ import re
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from ppojob_api.problems import SpecError
+from ppojob_api.setflags import parse_set
 from ppojob_api.validation import _schema, load_manifests, load_trainer_config
 
 _PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
@@ -91,13 +93,15 @@ def names_a_field(path: str, docs: list[Any], text: str = "") -> bool:
     return _in_schema(_schema(), parts)
 
 
-def judge(text: str | bytes) -> Verdict:
-    """`ppojob validate`'s verdict on `text`, timed, and what a user would make of it."""
+def judge(text: str | bytes, sets: Sequence[str] = (), unsets: Sequence[str] = ()) -> Verdict:
+    """`ppojob validate`'s verdict on `text` (with `--set` items `sets` and `--unset` keys
+    `unsets`), timed, and what a user would make of it."""
     t0 = time.monotonic()
     try:
         if isinstance(text, bytes):
             text = text.decode()
-        jobs = load_manifests(text, source="m.yaml")
+        parsed = [parse_set(s) for s in sets]
+        jobs = load_manifests(text, source="m.yaml", sets=parsed, unsets=unsets)
     except UnicodeDecodeError:
         return Verdict("clear", time.monotonic() - t0, ["not UTF-8 (the CLI says so)"])
     except SpecError as exc:
@@ -106,6 +110,8 @@ def judge(text: str | bytes) -> Verdict:
         try:
             # keys as written (`on:` is the key "on" here, not True)
             docs = [d for d in yaml.load_all(text, Loader=yaml.BaseLoader) if d not in (None, "")]
+            if sets or unsets:  # the fields a --set adds are fields of the input too
+                docs = [_with_sets(d, sets) for d in docs]
         except Exception:  # the YAML itself is broken: the problem names <file>
             docs = []
         for p in exc.problems:
@@ -119,6 +125,20 @@ def judge(text: str | bytes) -> Verdict:
     seconds = time.monotonic() - t0
     why = trainer_refusal(jobs)
     return Verdict("accepted" if not why else "crash", seconds, [], why)
+
+
+def _with_sets(doc: Any, sets: Sequence[str]) -> Any:
+    if not isinstance(doc, dict):
+        return doc
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        parts = key.split(".")
+        node = doc.setdefault("metadata" if parts[0] == "metadata" else "spec", {})
+        for part in parts[1:] if parts[0] in ("spec", "metadata") else parts:
+            if not isinstance(node, dict):
+                break
+            node = node.setdefault(part, {})
+    return doc
 
 
 def trainer_refusal(jobs: list[Any]) -> str:

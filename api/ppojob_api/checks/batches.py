@@ -100,6 +100,75 @@ def check_group_size(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     ]
 
 
+def role_training(half: TrainingHalf, role: str) -> TrainingSettings:
+    """The training settings of ``role``: spec.training for the actor, with the critic's
+    overrides on top for the critic."""
+    critic = half.roles.effective_critic(half.algorithm.needs_critic)
+    if role == "critic" and critic is not None:
+        return apply_critic_overrides(half.training, critic.overrides)
+    return half.training
+
+
+def planned_updates(half: TrainingHalf, role: str) -> int:
+    """Optimizer updates ``role`` ("actor" or "critic") makes over the whole run: the length of
+    its learning-rate schedule (the trainer's and validate's one count).
+
+    Actor: the steps it trains at (all but the critic warm-up ones when there is a critic)
+    x ``ppoEpochs`` x mini-batches per step. Critic: steps x ``criticUpdatesPerStep`` x its own
+    ``ppoEpochs`` x its own mini-batches per step (its settings with the critic overrides).
+    """
+    algo = half.algorithm
+    has_critic = half.roles.effective_critic(algo.needs_critic) is not None
+    n = half.data.samples_per_step
+    settings = role_training(half, role)
+    per_pass = settings.ppo_epochs * (n // (settings.mini_batch_size or n))
+    steps = half.training.steps
+    if role == "critic":
+        return steps * algo.critic_updates_per_step * per_pass if has_critic else 0
+    trained = max(steps - algo.critic_warmup_steps, 0) if has_critic else steps
+    return trained * per_pass
+
+
+def schedule_warnings(half: TrainingHalf, prefix: str = "spec") -> list[str]:
+    """Learning-rate schedules that are legal but hardly meant, as warnings naming the field the
+    user wrote (a critic override, else spec.training): a warm-up at least as long as the run's
+    optimizer updates (the rate never reaches learningRate), and a warmup-stable-decay longer
+    than the updates after the warm-up (the decay then spans all of them, as lrDecaySteps 0: a
+    short run of a long job's manifest, `--steps 10`, is the usual case)."""
+    critic = half.roles.effective_critic(half.algorithm.needs_critic)
+    roles: dict[str, dict[str | None, str]] = {"actor": {}}
+    if critic is not None and not check_critic_overrides(critic.overrides, "critic"):
+        roles["critic"] = {overridable_field(str(k)): str(k) for k in critic.overrides}
+    out: list[str] = []
+    for role, written in roles.items():
+        settings = role_training(half, role)
+        total = planned_updates(half, role)
+
+        def where(field: str, name: str, written: dict[str | None, str] = written) -> str:
+            if name in written:
+                return f"{prefix}.roles.critic.overrides.{written[name]}"
+            return f"{prefix}.training.{field}"
+
+        warm = settings.lr_warmup_steps
+        if warm and warm >= total:
+            out.append(
+                f"{where('lrWarmupSteps', 'lr_warmup_steps')}: {warm} warm-up updates, but the "
+                f"{role} makes only {total} optimizer updates in the whole run (steps x "
+                "ppoEpochs x mini-batches per step): its learning rate never reaches "
+                "learningRate; lower lrWarmupSteps"
+            )
+            continue
+        decay = settings.lr_decay_steps
+        if decay and settings.lr_scheduler != "constant" and decay > total - warm:
+            out.append(
+                f"{where('lrDecaySteps', 'lr_decay_steps')}: {decay} decay updates, but the "
+                f"{role} makes only {total - warm} optimizer updates after its {warm} warm-up "
+                f"updates: the decay spans those {total - warm} (as lrDecaySteps 0); set "
+                f"lrDecaySteps <= {total - warm} for a stable phase before it"
+            )
+    return out
+
+
 def check_learning_rate(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """The schedule decays from learningRate to minLearningRate, never up; a decay length needs
     a schedule that decays."""

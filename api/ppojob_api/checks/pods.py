@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from ppojob_api import k8s_rules
+from ppojob_api.k8s_types import VOLUME_TYPES
 from ppojob_api.problems import Problem
 from ppojob_api.quantity import quantity_value
 from ppojob_api.spec import PPOJobSpec
@@ -129,16 +130,41 @@ SELECTOR_OPERATORS = {
 }
 
 
-def _shape_problem(value: Any, type_: str, path: str) -> Problem | None:
-    want = {"str": str, "int": int, "Dict[str, str]": dict}.get(type_)
+QUANTITY_FIELDS = {
+    ("V1EmptyDirVolumeSource", "sizeLimit"): "quantity",
+    ("V1ResourceFieldSelector", "divisor"): "quantity",
+    ("V1VolumeResourceRequirements", "limits"): "Dict[str, quantity]",
+    ("V1VolumeResourceRequirements", "requests"): "Dict[str, quantity]",
+}
+"""Fields the client types `str` (or a map of `str`) that hold resource.Quantity values, which
+JSON also takes as numbers."""
+
+
+def _shape_problem(value: Any, type_: str, path: str, explain: str) -> Problem | None:
+    want: Any = {
+        "str": str,
+        "datetime": str,
+        "int": int,
+        "bool": bool,
+        "Dict[str, str]": dict,
+        "Dict[str, quantity]": dict,
+        "quantity": (str, int, float),
+    }.get(type_)
     if type_.startswith("List["):
         want = list
     elif type_.startswith("V1"):
         want = dict
-    if want is None or (isinstance(value, want) and not isinstance(value, bool)):
+    if want is None or (isinstance(value, want) and (want is bool or not isinstance(value, bool))):
         return None
-    article = {dict: "a mapping", list: "a list", str: "a string", int: "a whole number"}[want]
-    return Problem(path, f"must be {article}", "see `kubectl explain pod.spec.affinity`")
+    article = {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        int: "a whole number",
+        bool: "true or false",
+    }.get(want, "a quantity such as 1Gi")
+    fix = "quote it" if want is str else f"see `kubectl explain {explain}`"
+    return Problem(path, f"must be {article}", fix)
 
 
 def _requirement_problems(req: dict[str, Any], type_: str, path: str, field: bool) -> list[Problem]:
@@ -163,6 +189,10 @@ def _requirement_problems(req: dict[str, Any], type_: str, path: str, field: boo
         p.append(Problem(f"{path}.values", f"operator {op} takes no values", "remove values"))
     elif op in ("Gt", "Lt") and len(values) != 1:
         p.append(Problem(f"{path}.values", f"operator {op} takes one value", "give one number"))
+    if type_ == "V1LabelSelectorRequirement":  # ValidateLabelSelectorRequirement
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                p += _one(f"{path}.values[{i}]", v, k8s_rules.label_value(v), "use a label value")
     key = req.get("key")
     if field:
         if key != "metadata.name":
@@ -197,6 +227,41 @@ def _rules(value: dict[str, Any], type_: str, path: str) -> list[Problem]:
             Problem(f"{path}.nodeSelectorTerms", "needs at least one term", "add a term or remove")
         )
     if type_ == "V1PodAffinityTerm":
+        for i, ns in enumerate(value.get("namespaces") or []):
+            if isinstance(ns, str):
+                p += _one(
+                    f"{path}.namespaces[{i}]",
+                    ns,
+                    k8s_rules.dns1123_label(ns),
+                    "use a namespace's name (kubectl get namespaces)",
+                )
+        keys = {"matchLabelKeys": value.get("matchLabelKeys") or []}
+        keys["mismatchLabelKeys"] = value.get("mismatchLabelKeys") or []
+        for name, listed in keys.items():
+            if listed and value.get("labelSelector") is None:
+                p.append(
+                    Problem(
+                        f"{path}.{name}",
+                        "must not be set without a labelSelector (it adds to the selector)",
+                        "add a labelSelector, or remove it",
+                    )
+                )
+            for i, k in enumerate(listed):
+                if isinstance(k, str):
+                    p += _one(
+                        f"{path}.{name}[{i}]",
+                        k,
+                        k8s_rules.qualified_name(k),
+                        "use a pod label key such as app.kubernetes.io/instance",
+                    )
+                if name == "matchLabelKeys" and k in keys["mismatchLabelKeys"]:
+                    p.append(
+                        Problem(
+                            f"{path}.matchLabelKeys[{i}]",
+                            f"{k!r} is in both matchLabelKeys and mismatchLabelKeys",
+                            "keep it in one of them",
+                        )
+                    )
         key = value.get("topologyKey")
         if not isinstance(key, str) or not key:
             p.append(
@@ -221,41 +286,63 @@ def _rules(value: dict[str, Any], type_: str, path: str) -> list[Problem]:
                 k8s_rules.qualified_name(str(k)),
                 "use a label key such as app.kubernetes.io/name",
             )
-            if isinstance(v, str):
+            if isinstance(v, str):  # (the walk refuses any other value)
                 p += _one(
                     f"{path}.matchLabels.{k}", v, k8s_rules.label_value(v), "use the label's value"
                 )
-            else:
-                p.append(Problem(f"{path}.matchLabels.{k}", "must be a string", "quote it"))
     return p
 
 
-def _walk(value: Any, type_: str, path: str, field: bool = False) -> list[Problem]:
-    bad = _shape_problem(value, type_, path)
+def _walk(
+    value: Any,
+    type_: str,
+    path: str,
+    types: dict[str, dict[str, str]],
+    explain: str,
+    field: bool = False,
+) -> list[Problem]:
+    bad = _shape_problem(value, type_, path, explain)
     if bad is not None:
         return [bad]
     if type_.startswith("List["):
         inner = type_[5:-1]
         return [
-            q for i, item in enumerate(value) for q in _walk(item, inner, f"{path}[{i}]", field)
+            q
+            for i, item in enumerate(value)
+            for q in _walk(item, inner, f"{path}[{i}]", types, explain, field)
+        ]
+    if type_ in ("Dict[str, str]", "Dict[str, quantity]"):
+        kind = type_[10:-1]
+        return [
+            q
+            for k, item in value.items()
+            if (q := _shape_problem(item, kind, f"{path}.{k}", explain)) is not None
         ]
     if not type_.startswith("V1"):
         return []
-    fields = AFFINITY_TYPES[type_]
+    fields = types[type_]
     p: list[Problem] = []
     for key, item in value.items():
         if key not in fields:
             near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            name = type_[2:]
+            listed = f" ({', '.join(fields)})" if len(fields) <= 8 else ""
             p.append(
                 Problem(
                     f"{path}.{key}",
-                    f"not a field of a Kubernetes {name} ({', '.join(fields)})",
-                    f"did you mean `{near[0]}`?" if near else "remove it",
+                    f"not a field of a Kubernetes {type_[2:]}{listed}",
+                    f"did you mean `{near[0]}`?"
+                    if near
+                    else (
+                        "remove it"
+                        if listed
+                        else f"remove it (its fields: kubectl explain {explain})"
+                    ),
                 )
             )
             continue
-        p += _walk(item, fields[key], f"{path}.{key}", field or key == "matchFields")
+        inner_type = fields[key]
+        inner_type = QUANTITY_FIELDS.get((type_, key), inner_type)
+        p += _walk(item, inner_type, f"{path}.{key}", types, explain, field or key == "matchFields")
     if type_ in SELECTOR_OPERATORS:
         p += _requirement_problems(value, type_, path, field)
     return p + _rules(value, type_, path)
@@ -264,8 +351,28 @@ def _walk(value: Any, type_: str, path: str, field: bool = False) -> list[Proble
 def affinity_problems(affinity: dict[str, Any], path: str) -> list[Problem]:
     """A Kubernetes affinity checked at every level: misspelt keys, wrong shapes, and the value
     rules the API server applies (selector operators and their values, weights 1-100, topology
-    keys, label keys and values)."""
-    return _walk(affinity, "V1Affinity", path)
+    keys, namespaces, label keys and values)."""
+    return _walk(affinity, "V1Affinity", path, AFFINITY_TYPES, "pod.spec.affinity")
+
+
+VOLUME_SOURCES = tuple(k for k in VOLUME_TYPES["V1Volume"] if k != "name")
+
+
+def volume_problems(volume: dict[str, Any], path: str) -> list[Problem]:
+    """A Kubernetes Volume checked at every level against the client's models (misspelt keys,
+    wrong shapes, the label-selector rules), with exactly one source (validateVolumeSource: a
+    volume without one would be defaulted to an emptyDir, and two are refused)."""
+    p = _walk(volume, "V1Volume", path, VOLUME_TYPES, "pod.spec.volumes")
+    sources = [k for k in volume if k in VOLUME_SOURCES]
+    if len(sources) > 1:
+        p.append(
+            Problem(
+                path,
+                f"has {len(sources)} sources ({', '.join(sources)}); a volume has exactly one",
+                "keep one, or make each its own volume",
+            )
+        )
+    return p
 
 
 def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
@@ -306,7 +413,7 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             f"{prefix}.scheduling.queue",
             sched.queue,
             yunikorn_queue(sched.queue),
-            "use the queue's path from YuniKorn's queues.yaml, e.g. root.team-a",
+            "use the queue's full path from YuniKorn's queues.yaml, e.g. root.team-a",
         )
     vol = spec.checkpoint_volume
     if vol is not None and vol.nfs is not None and not posixpath.isabs(vol.nfs.path):
@@ -322,20 +429,31 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
 
 ROLES = ("actor", "critic", "rollout")
 
-YUNIKORN_QUEUE_PART = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-"""yunikorn-core's QueueNameRegExp (pkg/common/configs): each dot-separated part of a queue path."""
+YUNIKORN_QUEUE_NAME = re.compile(r"^[a-zA-Z0-9_:#/@-]{1,64}$")
+"""yunikorn-core's QueueNameRegExp (pkg/common/configs/configvalidator.go, since 1.6: before,
+`^[a-zA-Z0-9_-]{1,64}$`). ':', '#', '/' and '@' are refused anyway: the queue travels as the
+value of the label yunikorn.apache.org/queue, which checks/cluster.py checks as a label value."""
 
 
 def yunikorn_queue(queue: str) -> list[str]:
-    """A YuniKorn queue path as KubeRay hands it over, the value of the pods' label
-    ``yunikorn.apache.org/queue`` (checks/cluster.py checks it as a label value): each
-    dot-separated part a YuniKorn queue name."""
-    bad = [part for part in queue.split(".") if not YUNIKORN_QUEUE_PART.match(part)]
-    if not bad:
+    """A YuniKorn queue as its placement rule (`provided`) reads the pods' queue label: a fully
+    qualified path `root.a.b` is split at the dots and each part must be a queue name; any
+    other value is one child queue name, its dots replaced by `_dot_` (placement/rule.go
+    replaceDot), created under the parent rule's queue."""
+    if queue.startswith("root."):
+        bad = [part for part in queue.split(".") if not YUNIKORN_QUEUE_NAME.match(part)]
+        if not bad:
+            return []
+        return [
+            "each part of a YuniKorn queue path root.a.b is 1 to 64 letters, digits, '-' or "
+            f"'_' (not {bad[0]!r})"
+        ]
+    name = queue.replace(".", "_dot_")
+    if YUNIKORN_QUEUE_NAME.match(name):
         return []
     return [
-        "each part of a YuniKorn queue path is 1 to 64 letters, digits, '-' or '_' "
-        f"(not {bad[0]!r})"
+        f"a queue not starting with root. is one YuniKorn queue name, {name[:80]!r} with its dots "
+        "written as _dot_: 1 to 64 letters, digits, '-' or '_'"
     ]
 
 

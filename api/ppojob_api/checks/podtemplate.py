@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from ppojob_api.checks.pods import volume_problems
 from ppojob_api.metadata import check_label_value
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJobSpec
@@ -100,6 +101,7 @@ def check_pod_template(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             )
         if len(vol) < 2:
             p.append(Problem(field, "has no source", "add one, e.g. secret: {secretName: x}"))
+        p += volume_problems(vol, field)
         names.append(name)
     own = (*OWN_PATHS, spec.training.checkpoint_dir)
     for i, m in enumerate(t.volume_mounts):

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from ppojob_api.checks.batches import planned_updates as api_planned_updates
 from ppojob_api.training import Algorithm, TrainerConfig, TrainingSettings
 
 from .. import algorithms as A
@@ -146,30 +147,9 @@ def updates_per_step(n: int, mini_batch_size: int | None, epochs: int) -> int:
 
 def planned_updates(cfg: TrainerConfig, role: str) -> int:
     """Optimizer updates ``role`` ("actor" or "critic") makes over the whole run: the length of
-    its learning-rate schedule.
-
-    Actor: the steps it trains at (all but the critic warm-up ones when there is a critic)
-    x ``ppoEpochs`` x mini-batches per step. Critic: steps x ``criticUpdatesPerStep`` x its own
-    ``ppoEpochs`` x its own mini-batches per step (its settings with the critic overrides).
-    """
-    algo = cfg.algorithm
-    has_critic = cfg.roles.effective_critic(algo.needs_critic) is not None
-    n = cfg.data.samples_per_step
-    settings = cfg.critic_training() if role == "critic" else cfg.training
-    per_pass = updates_per_step(n, settings.mini_batch_size, settings.ppo_epochs)
-    total = 0
-    for step in range(cfg.training.steps):
-        plan = A.plan_step(
-            step,
-            has_critic=has_critic,
-            critic_warmup_steps=algo.critic_warmup_steps,
-            critic_updates_per_step=algo.critic_updates_per_step,
-        )
-        if role == "critic":
-            total += plan.critic_updates * per_pass
-        elif plan.actor_trains:
-            total += per_pass
-    return total
+    its learning-rate schedule (ppojob_api.checks.batches.planned_updates, the count `ppojob
+    validate` warns with)."""
+    return api_planned_updates(cfg, role)
 
 
 def step_advantages(
