@@ -145,6 +145,18 @@ class _Starting:
     started: Any
 
 
+def adapters_through_store(cfg: TrainerConfig) -> bool:
+    """Whether disaggregated engines take the actor's weights through the object store rather
+    than a broadcast: LoRA adapters for SGLang engines, which load an adapter only from tensors
+    handed to them (SGLang 0.5.23 has no LoRA load from a broadcast group); adapters are small."""
+    rollout = cfg.roles.rollout
+    return (
+        cfg.model.lora is not None
+        and rollout.backend == "sglang"
+        and not rollout.colocate_with_actor
+    )
+
+
 class RolloutCapacityError(RuntimeError):
     """Fewer elastic rollout engines than ``minReplicas`` are left and none could be started."""
 
@@ -321,7 +333,7 @@ class PPOTrainer:
             self.free_slots: list[int] = []
             self.engine_seq = len(self.hosts["rollout"])
             self._top_up()
-        elif not self.colocated:
+        elif not self.colocated and not adapters_through_store(self.cfg):
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -386,7 +398,7 @@ class PPOTrainer:
             for h in self.hosts["actor"]:
                 h.export.remote(self.syncs)
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
-        if self.elastic is not None:
+        if self.elastic is not None or adapters_through_store(self.cfg):
             self._sync_targets = list(self.hosts["rollout"])
             loaded, joined = self._push_weights(self._sync_targets)
             return [*loaded, *joined]
