@@ -187,3 +187,21 @@ def test_disaggregated_sglang_engines_take_adapters_through_the_object_store():
     assert not adapters_through_store(cfg(backend="torch", resources={"gpus": 0}))
     no_lora = cfg().model_copy(update={"model": cfg().model.model_copy(update={"lora": None})})
     assert not adapters_through_store(no_lora)
+
+
+def test_a_lora_actor_exports_only_its_adapters_for_sglang_engines(tmp_path):
+    """The actor's trainer for an sglang rollout exports adapter tensors (which the host renames
+    to PEFT's), not the merged model: the point of the adapter-only sync."""
+    from ppojob_trainer import models
+    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.backends.sglang_backend import PEFT_PREFIX, peft_adapter_tensors
+    from ppojob_trainer.workers.actor import make_policy_trainer
+
+    cfg = spec_with(["q_proj", "v_proj"])
+    model_dir = models.materialize_builtin("tiny-llama", 5, tmp_path)
+    trainer = make_policy_trainer(cfg, model_dir, None, ShardIdentity("actor"), "cpu", 1)
+    weights = trainer.export_weights()
+    # q and v of both blocks, A and B each
+    assert len(weights) == 2 * 2 * 2 and all(k.endswith((".lora_A", ".lora_B")) for k in weights)
+    peft = peft_adapter_tensors(weights)
+    assert sorted(peft) == sorted(f"{PEFT_PREFIX}{k}.weight" for k in weights)
