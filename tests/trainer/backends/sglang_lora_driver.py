@@ -119,7 +119,9 @@ def lora_manager(server_args: dict[str, Any]) -> Any:
     m.embed_tokens_module = m.lm_head_module = None
     m.init_lora_adapters(None)
     # check_lora_server_args makes lora_target_modules a set before the manager sees it
-    m.init_lora_shapes(server_args["max_lora_rank"], set(server_args["lora_target_modules"]))
+    m.init_lora_shapes(
+        server_args.get("max_lora_rank"), set(server_args.get("lora_target_modules", ()))
+    )
     names = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp"}
     names["down_proj"] = "mlp"
     m.lora_modules = [
@@ -171,6 +173,14 @@ class InProcessEngine:
         if result.success:
             asyncio.run(self.registry.register(ref))
         return result
+
+    def begin_weight_update(self) -> tuple[bool, str]:  # Engine has them; an adapter needs none
+        self.calls.append("begin_weight_update")
+        return True, ""
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        self.calls.append("end_weight_update")
+        return True, ""
 
     def unload_lora_adapter(self, lora_name: str) -> Any:
         from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
@@ -267,8 +277,8 @@ def sync(targets: list[str], versions: int = 2, store: bool = False) -> dict[str
                 host.load_weights(v, host.publish_weights(v))
             else:
                 host.sync_colocated(v, [])
-        except RuntimeError as exc:
-            errors.append(str(exc))
+        except Exception as exc:  # SGLang's refusal (RuntimeError from the adapter) or a crash
+            errors.append(f"{type(exc).__name__}: {exc}")
             break
     out["errors"] = errors
     out["engine_calls"] = list(engine.calls)
@@ -286,6 +296,7 @@ def sync(targets: list[str], versions: int = 2, store: bool = False) -> dict[str
         return out
     lora_id = asyncio.run(engine.registry.acquire(sb.LORA_ADAPTER_NAME))
     out["loaded_ids"] = len(manager.loras)
+    out["names_sglang_parsed"] = sorted(next(iter(manager.loras.values())).layers[0].weights)
     out["registry_resolves_newest"] = lora_id == next(iter(manager.loras))
     manager.fetch_new_loras({lora_id})  # a batch naming the adapter: its weights enter the pool
     merged = merged_lora_weights(model, torch.float32)

@@ -88,6 +88,12 @@ def test_each_sync_replaces_the_adapter_under_one_name_without_a_weight_session(
     r = run[case]
     assert r["engine_calls"] == ["generate", "load(policy)", "unload(policy)", "load(policy)"]
     assert r["loaded_ids"] == 1 and r["registry_resolves_newest"] is True
+    # PEFT's names reach SGLang's parser (its q/k/v and gate/up stacking keeps their form)
+    prefix = "base_model.model.model.layers.0."
+    assert r["names_sglang_parsed"] and all(
+        n.startswith(prefix) and n.endswith((".lora_A.weight", ".lora_B.weight"))
+        for n in r["names_sglang_parsed"]
+    ), r["names_sglang_parsed"]
     assert r["load_again"] == [
         False,
         "Failed to load LoRA adapter policy because it is already loaded",
@@ -205,3 +211,41 @@ def test_a_lora_actor_exports_only_its_adapters_for_sglang_engines(tmp_path):
     assert len(weights) == 2 * 2 * 2 and all(k.endswith((".lora_A", ".lora_B")) for k in weights)
     peft = peft_adapter_tensors(weights)
     assert sorted(peft) == sorted(f"{PEFT_PREFIX}{k}.weight" for k in weights)
+
+
+def test_the_lora_buffers_shard_like_their_base_layers_across_tensor_parallel_ranks():
+    """SGLang's ``get_lora_A_shape`` / ``get_lora_B_shape`` (``lora/mem_pool.py``) split the
+    input of row-parallel layers (o_proj, down_proj) and the output of column-parallel ones
+    (qkv_proj, gate_up_proj) over ``tp``: o and down's A, qkv and gate_up's B halve at tp 2."""
+    shape = Shape(16, 2, 4, 2, 32, 50)
+    r, layers = 4, 2
+    full = shape.sglang_lora_pool(r, ["q_proj", "v_proj", "o_proj", "down_proj"], 1, 1)
+    half = shape.sglang_lora_pool(r, ["q_proj", "v_proj", "o_proj", "down_proj"], 1, 2)
+    # qkv B: (16 + 2 x 8) x 4 -> halves; o A: 4 x 16; down A: 4 x 32
+    assert full - half == layers * r * ((16 + 16) + 16 + 32) // 2
+
+
+def test_an_adapter_sglang_refuses_to_load_fails_the_sync(run):
+    """SGLang answers a failed load with ``LoRAUpdateOutput(success=False)`` (here: q_proj
+    without v_proj, its q/k/v stacking reads v_proj's tensors); the sync raises instead of
+    leaving the engine on the previous adapter or none."""
+    assert run["outcomes"]["q_proj"].startswith(
+        "load: RuntimeError: sglang LoRA load failed: 'base_model.model.model.layers.0."
+        "self_attn.v_proj.lora_A.weight'"
+    ), run["outcomes"]["q_proj"]
+
+
+def test_an_adapter_sync_in_several_buckets_or_by_broadcast_is_refused():
+    """SGLang loads an adapter in one call from tensors handed to it: a bucket that is not the
+    sync's last, or a broadcast, would leave it half-loaded or not at all."""
+    from ppojob_api.training import LoraSpec
+    from ppojob_trainer.backends.sglang_backend import SGLangGenerationEngine
+
+    engine = SGLangGenerationEngine.__new__(SGLangGenerationEngine)
+    engine.engine, engine.lora = None, LoraSpec()
+    with pytest.raises(RuntimeError, match="loads an adapter in one call"):
+        engine.update_weights_from_tensor([b"payload"], flush_cache=False)
+    with pytest.raises(RuntimeError, match="no adapter from a broadcast"):
+        engine.update_weights_from_distributed(
+            ["x"], ["float32"], [[1]], group_name="g", flush_cache=True
+        )
