@@ -98,8 +98,8 @@ class ModelSpec(ApiModel):
     lora: LoraSpec | None = None
     """Train the actor as low-rank adapters on its frozen base model (torch backend). The
     reference policy is then the base model with the adapters disabled (no second copy), and
-    the weight sync sends only the adapters to torch rollout engines (an sglang engine gets
-    the merged weights). Unset: full fine-tuning."""
+    the weight sync sends only the adapters (an sglang engine loads them with its LoRA adapter
+    loading). Unset: full fine-tuning."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with

@@ -279,6 +279,43 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         {"model__path": "/models/x", "model__lora": {"targetModules": ["c_attn"]}},
         [],
     ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q/k/v, o and the MLP, or all-linear",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["q_proj", "v_proj", "gate_proj", "down_proj"]},
+        },
+        [],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: a layer SGLang serves no adapter on",
+        {
+            "model__path": "/models/x",
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["c_attn", "q_proj", "v_proj"]},
+        },
+        ["spec.model.lora.targetModules[0]"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: k_proj without q_proj, up_proj without gate_proj",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["k_proj", "v_proj", "up_proj"]},
+        },
+        ["spec.model.lora.targetModules", "spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q_proj without v_proj",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["q_proj", "k_proj"]},
+        },
+        ["spec.model.lora.targetModules"],
+    ),
     # --- megatron
     (
         check_megatron_top_p,

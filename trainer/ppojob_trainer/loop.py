@@ -145,6 +145,18 @@ class _Starting:
     started: Any
 
 
+def adapters_through_store(cfg: TrainerConfig) -> bool:
+    """Whether disaggregated engines take the actor's weights through the object store rather
+    than a broadcast: LoRA adapters for SGLang engines, which load an adapter only from tensors
+    handed to them (SGLang 0.5.23 has no LoRA load from a broadcast group); adapters are small."""
+    rollout = cfg.roles.rollout
+    return (
+        cfg.model.lora is not None
+        and rollout.backend == "sglang"
+        and not rollout.colocate_with_actor
+    )
+
+
 class RolloutCapacityError(RuntimeError):
     """Fewer elastic rollout engines than ``minReplicas`` are left and none could be started."""
 
@@ -324,7 +336,7 @@ class PPOTrainer:
             self.free_slots: list[int] = []
             self.engine_seq = len(self.hosts["rollout"])
             self._top_up()
-        elif not self.colocated and not self.partial:
+        elif not self.colocated and not self.partial and not adapters_through_store(self.cfg):
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -389,7 +401,7 @@ class PPOTrainer:
             for h in self.hosts["actor"]:
                 h.export.remote(self.syncs)
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
-        if self.elastic is not None:
+        if self.elastic is not None or adapters_through_store(self.cfg):
             self._sync_targets = list(self.hosts["rollout"])
             loaded, joined = self._push_weights(self._sync_targets, offer=self.partial)
             return [*loaded, *joined]
@@ -733,7 +745,6 @@ class PPOTrainer:
     def _top_up(self) -> None:
         """Start elastic engines until live and starting ones make maxReplicas: each in a free
         slot of the placement group, else outside it (it joins when there is room for it)."""
-        from .workers.host import RemoteWorkerHost
 
         elastic = self.elastic
         assert elastic is not None
@@ -751,8 +762,17 @@ class PPOTrainer:
             opts["runtime_env"] = {"env_vars": _worker_env()}
             rank = self.engine_seq % elastic.max_replicas
             self.engine_seq += 1
-            host = self._engine_class().options(**opts).remote(
-                cfg_json, {"rollout": (rank, elastic.max_replicas)}, None, nthreads, device, cache
+            host = (
+                self._engine_class()
+                .options(**opts)
+                .remote(
+                    cfg_json,
+                    {"rollout": (rank, elastic.max_replicas)},
+                    None,
+                    nthreads,
+                    device,
+                    cache,
+                )
             )
             self.starting.append(
                 _Starting(host, slot, host.ready.remote(), host.start_rollout.remote(None))

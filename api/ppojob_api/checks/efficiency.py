@@ -80,6 +80,59 @@ BUILTIN_LINEAR_MODULES = (
 step with ``models.py``)."""
 
 
+SGLANG_LORA_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+)
+"""The dense-model linear layers SGLang 0.5.23 serves adapters on (its
+``SUPPORTED_LORA_TARGET_MODULES`` but the embeddings and MLA/MoE ones; a contract test keeps this
+in step with the pinned release)."""
+
+
+def _sglang_lora_problems(targets: list[str], path: str) -> list[Problem]:
+    """What SGLang 0.5.23's adapter loading cannot take (``lora/lora.py``: it stacks q/k/v
+    adapters starting from q_proj and reading v_proj, zero-filling only k_proj; an up_proj
+    adapter is stacked with its gate_proj, alone it matches no buffer)."""
+    if targets == ["all-linear"]:
+        return []
+    problems = [
+        Problem(
+            f"{path}.targetModules[{i}]",
+            f"{name!r} is no layer SGLang 0.5.23 serves LoRA adapters on",
+            f"use some of {', '.join(SGLANG_LORA_MODULES)} (or all-linear), or backend: torch "
+            "for the rollout",
+        )
+        for i, name in enumerate(targets)
+        if name not in SGLANG_LORA_MODULES
+    ]
+    names = set(targets)
+    if names & {"q_proj", "k_proj", "v_proj"} and not {"q_proj", "v_proj"} <= names:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "SGLang 0.5.23 stacks attention adapters as q/k/v and needs q_proj and v_proj "
+                "among them (only k_proj may be left out)",
+                "add q_proj and v_proj to targetModules, or use backend: torch for the rollout",
+            )
+        )
+    if "up_proj" in names and "gate_proj" not in names:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "SGLang 0.5.23 serves an up_proj adapter only stacked with gate_proj's",
+                "add gate_proj to targetModules, or use backend: torch for the rollout",
+            )
+        )
+    return problems
+
+
 def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """LoRA is a torch-backend feature of the actor, without FSDP; its target modules must name
     linear layers (for a built-in model, known here; for any other, when the trainer loads
@@ -129,4 +182,6 @@ def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     f"use some of {', '.join(BUILTIN_LINEAR_MODULES)}, or all-linear",
                 )
             )
+    if half.roles.rollout.backend == "sglang":
+        problems += _sglang_lora_problems(list(targets), path)
     return problems

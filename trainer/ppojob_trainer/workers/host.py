@@ -401,8 +401,16 @@ class WorkerHost:
         """The actor's weights for sync ``sync_id`` and their bucket plan (exported once)."""
         if self._weights is None or self._weights[0] != sync_id:
             weights = self.actor.trainer.export_weights()
-            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-            self._weights = (sync_id, weights, plan_weight_buckets(weights, limit))
+            if self.cfg.model.lora is not None and self.cfg.roles.rollout.backend == "sglang":
+                from ..backends.sglang_backend import peft_adapter_tensors
+
+                # SGLang loads an adapter in one call: PEFT names, one bucket
+                weights = peft_adapter_tensors(weights)
+                plan = [list(weights)]
+            else:
+                limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+                plan = plan_weight_buckets(weights, limit)
+            self._weights = (sync_id, weights, plan)
         return self._weights[1], self._weights[2]
 
     def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
