@@ -974,17 +974,36 @@ class PPOTrainer:
         return bool(self.eval_examples) and (done % every == 0 or done == total)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts, split over the engines, scored."""
+        """Greedy completions of the held-out prompts, split over the engines, scored. Elastic
+        engines: the prompts of an engine lost meanwhile are evaluated again on the others
+        (greedy decoding with the same weights gives the same completions)."""
         import ray
+        from ray.exceptions import RayActorError
 
-        engines, examples = self.hosts["rollout"], self.eval_examples
-        refs = [
-            engines[e].evaluate.remote(examples[lo:hi])
-            for e, (lo, hi) in enumerate(_ranges(len(examples), len(engines)))
-            if hi > lo
-        ]
-        outs = ray.get(refs)
-        return {"eval/reward_mean": sum(o["reward_sum"] for o in outs) / len(examples)}
+        examples = self.eval_examples
+        todo, total = [(0, len(examples))], 0.0
+        while todo:
+            if self.elastic is not None:  # (at least minReplicas, or RolloutCapacityError)
+                self._ensure_engines()
+            engines = self.hosts["rollout"]
+            calls = [
+                (engines[e], lo + a, lo + b, engines[e].evaluate.remote(examples[lo + a : lo + b]))
+                for lo, hi in todo
+                for e, (a, b) in enumerate(_ranges(hi - lo, len(engines)))
+                if b > a
+            ]
+            todo, lost = [], []
+            for host, lo, hi, ref in calls:
+                try:
+                    total += ray.get(ref)["reward_sum"]
+                except RayActorError:
+                    if self.elastic is None:
+                        raise
+                    lost.append(host)
+                    todo.append((lo, hi))
+            if lost:
+                self._drop_engines(lost)
+        return {"eval/reward_mean": total / len(examples)}
 
     # ------------------------------------------------------------------------------------------
     def trained_roles(self) -> list[str]:

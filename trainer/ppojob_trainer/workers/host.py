@@ -311,6 +311,7 @@ class WorkerHost:
         }
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:
+        _fault_gate("evaluate", prompts=[e.prompt for e in examples])
         if self.cfg.algorithm.partial_rollout:
             self._load_offer()
         return self.rollout.evaluate(examples)
@@ -627,9 +628,9 @@ class WorkerHost:
 
 FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
 """Fault injection for tests: the name of a Ray actor that an engine's process asks before it
-starts, before each elastic generation and, with partial rollout, between two tokens
-(``gate.arrive(event, this actor, info)``) and waits for; the tests' gate may kill the engine or
-hold it right there. Unset (always, outside tests): nothing."""
+starts, before each elastic generation, before each evaluation and, with partial rollout,
+between two tokens (``gate.arrive(event, this actor, info)``) and waits for; the tests' gate
+may kill the engine or hold it right there. Unset (always, outside tests): nothing."""
 
 
 def _fault_gate(event: str, **info: Any) -> None:
