@@ -8,7 +8,8 @@ the same mixed-length batch (a sample without response among them): log-probs, r
 log-probs, values, one update's loss and the gradient it accumulated (each rank's local shard,
 captured before the optimizer step). A third pair, on a batch with skewed lengths (one sample
 of 40 tokens among short ones), compares the gradient of one whole-mini-batch micro-batch with
-that of micro-batches sized by a 40-token budget, padded and packed. Rank 0 writes the max abs
+that of micro-batches sized by a 40-token budget, padded and packed (and their log-probs,
+in the batch's row order). Rank 0 writes the max abs
 differences as JSON (the worst rank's); ``test_megatron_packing.py`` asserts on them.
 """
 
@@ -125,6 +126,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     skewed = mixed_batch(*SKEWED, seed=1)
     n = len(SKEWED[0])
     budget_grads: dict[str, list] = {}
+    budget_logp: dict[str, torch.Tensor] = {}
     for name, training in (
         ("whole", {}),
         ("padded", {"maxTokensPerMicroBatch": BUDGET}),
@@ -137,11 +139,16 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         _capture(actor, grads)
         micros = len(actor.m.plan(skewed, None))
         out[f"budget_{name}_micro_batches"] = micros
+        budget_logp[name] = actor.logprobs(skewed)  # the no-grad forward under the budget
         actor.update(skewed, ppo_policy_loss, n)
         budget_grads[name] = grads[0]
         ps.destroy_model_parallel()
     out["budget_padded_grad_rel"] = _grad_diff(budget_grads["whole"], budget_grads["padded"])
     out["budget_packed_grad_rel"] = _grad_diff(budget_grads["whole"], budget_grads["packed"])
+    smask = skewed["response_mask"]
+    for name in ("padded", "packed"):
+        diff = _diff(budget_logp[name][smask], budget_logp["whole"][smask])
+        out[f"budget_{name}_logp_max_abs"] = diff
     return out
 
 

@@ -32,11 +32,15 @@ class MetaModel(torch.nn.Module):
         return torch.zeros(b, length, 1, device="meta") + self.w
 
 
-def meta_shard(width: int) -> mb_._Sharded:
+def meta_shard(width: int, packing: bool = False) -> mb_._Sharded:
     m = mb_._Sharded.__new__(mb_._Sharded)
     m.shard = ShardIdentity("actor")
     m.device, m.gpu, m.first, m.last = torch.device("meta"), False, True, True
     m.sequence_parallel, m.ddp, m.ps = False, None, SimpleNamespace()
+    m.te = False
+    m.settings = SimpleNamespace(
+        micro_batch_size=None, max_tokens_per_micro_batch=None, packing=packing
+    )
     m.model = MetaModel(width)
     m._step = lambda: {}  # the optimizer step is not what is checked here
     return m
@@ -66,10 +70,12 @@ def meta_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mb_, "vocab_parallel_logprobs", logprobs)
 
 
-def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logprobs):
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logprobs, packing):
+    """Padded and packed micro-batches (the packed row's index, positions and mask too)."""
     actor = mb_.MegatronPolicyTrainer.__new__(mb_.MegatronPolicyTrainer)
     actor.temperature, actor.need_entropy, actor.entropy_grad = 1.0, False, False
-    actor.m = meta_shard(VOCAB)
+    actor.m = meta_shard(VOCAB, packing)
     seen: list[set[str]] = []
 
     def loss_fn(logp, ent, mbatch):  # type: ignore[no-untyped-def]

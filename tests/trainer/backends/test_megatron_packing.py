@@ -77,7 +77,8 @@ def test_packed_and_token_budget_micro_batches_match_padded_on_megatron(tmp_path
     mask: packed and padded micro-batches give the same log-probs (policy and reference),
     values, losses and gradients (actor with an entropy bonus, critic); micro-batches sized by a
     40-token budget on skewed lengths (3 padded, 2 packed) accumulate the gradient of one
-    micro-batch holding the whole mini-batch. Measured differences ~3e-7 (fp32 summation
+    micro-batch holding the whole mini-batch, and the same log-probs in the batch's row order.
+    Measured differences ~3e-7 (fp32 summation
     order); a sequence attending across a boundary or a loss weighed by rows instead of tokens
     is off by ~1e-2 or more."""
     model_dir = models.materialize_builtin("tiny-llama", 5, tmp_path / "cache")
@@ -104,3 +105,5 @@ def test_packed_and_token_budget_micro_batches_match_padded_on_megatron(tmp_path
         assert micro_batches == [1, 3, 2], (name, r)
         assert r["budget_padded_grad_rel"] < 1e-5, (name, r)
         assert r["budget_packed_grad_rel"] < 1e-5, (name, r)
+        assert r["budget_padded_logp_max_abs"] < 1e-5, (name, r)
+        assert r["budget_packed_logp_max_abs"] < 1e-5, (name, r)

@@ -396,7 +396,8 @@ class _Sharded:
     def _inputs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The micro-batch ``mb`` (padded to its own longest prompt and response) with the
         model's inputs: ``_ids`` [b, L] left-aligned rows, or with ``packing`` [1, N] one packed
-        row (``_pos``: positions restarting per sequence); ``_index`` [b, T]: the position of
+        row (``_pos``: positions restarting per sequence, ``_lengths``: the sequences' lengths);
+        ``_index`` [b, T]: the position of
         the output that predicts each response token (in the packed row: 0 for padding)."""
         from .torch_backend import pack_rows, trim_padding
 
@@ -415,6 +416,7 @@ class _Sharded:
         index[rows, cols] = select
         mb["_ids"], mb["_pos"] = ids.to(self.device), pos.to(self.device)
         mb["_index"] = index.to(self.device)
+        mb["_lengths"] = torch.tensor(packed_lengths(pos))  # on the CPU: no device sync
         return mb
 
     def run(
@@ -450,7 +452,7 @@ class _Sharded:
                 mask = None if self.gpu else _causal_mask(length, self.device)
                 out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
             elif te:  # pragma: no cover - Transformer Engine needs CUDA
-                params = packed_seq_params(packed_lengths(mb["_pos"]), self.device)
+                params = packed_seq_params(mb["_lengths"].tolist(), self.device)
                 out = module(
                     input_ids=mb["_ids"],
                     position_ids=mb["_pos"],
@@ -458,7 +460,7 @@ class _Sharded:
                     packed_seq_params=params,
                 )
             else:
-                mask = block_causal_mask(packed_lengths(mb["_pos"]), self.device)
+                mask = block_causal_mask(mb["_lengths"].tolist(), self.device)
                 with rope_positions(module, mb["_pos"]):
                     out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
 
