@@ -26,8 +26,11 @@ class MetaModel(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(width, device="meta"))
+        self.input_devices: set[str] = set()
 
-    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        inputs = [input_ids, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+        self.input_devices |= {str(t.device) for t in inputs}
         b, length = input_ids.shape
         return torch.zeros(b, length, 1, device="meta") + self.w
 
@@ -84,6 +87,7 @@ def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logpro
 
     actor.update(batch(), loss_fn, micro_batch_size=2)
     assert seen == [{"meta"}, {"meta"}]
+    assert actor.m.model.input_devices == {"meta"}  # ids, positions, mask
 
 
 def test_the_critic_loss_gets_its_micro_batch_on_the_values_device():
