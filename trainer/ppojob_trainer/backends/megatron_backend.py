@@ -25,7 +25,18 @@ Two optimizer paths:
 
 Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
 which gives each token the position the Hugging Face model gives it under left padding and needs
-only the causal mask.
+only the causal mask. Each micro-batch is padded to its own longest prompt and response.
+
+Packing (``training.packing``): a micro-batch's sequences concatenated into one row without
+padding (:func:`~.torch_backend.pack_rows`), positions restarting per sequence. Under Transformer
+Engine's layer spec the row goes in as ``thd`` with ``PackedSeqParams``
+(:func:`packed_seq_params`: ``cu_seqlens`` at the boundaries; its varlen attention and RoPE
+restart per sequence); megatron-core's local attention takes no ``PackedSeqParams``
+(``DotProductAttention`` asserts it is None), so there the row gets a block-diagonal causal mask
+(:func:`block_causal_mask`) and rotary positions restarting per sequence
+(:func:`rope_positions`: ``GPTModel`` asks its rotary embedding for positions 0..N-1 whatever
+its ``position_ids``). Micro-batches by tokens (``maxTokensPerMicroBatch``): the torch
+backend's planner (:func:`~.torch_backend.micro_batch_rows`), the loss weights unchanged.
 """
 
 from __future__ import annotations
