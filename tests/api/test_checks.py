@@ -250,14 +250,23 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_packing,
-        "packing and a budget with a megatron actor",
+        "packing and a budget with a megatron actor and critic",
         {
             "roles__actor": MEGATRON_CPU,
-            "roles__critic": {"overrides": {"packing": False}},
+            "roles__critic": {**MEGATRON_CPU, "colocateWithActor": True},
             "training__packing": True,
             "training__maxTokensPerMicroBatch": 4096,
         },
-        ["spec.training.packing", "spec.training.maxTokensPerMicroBatch"],
+        [],
+    ),
+    (
+        check_packing,
+        "packing with a context-parallel megatron actor",
+        {
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"context": 2}},
+            "training__packing": True,
+        },
+        ["spec.training.packing"],
     ),
     # --- LoRA
     (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),

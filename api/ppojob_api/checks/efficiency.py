@@ -4,20 +4,20 @@ actor's in ``spec.training``, the critic's with its overrides)."""
 from __future__ import annotations
 
 from ppojob_api.problems import Problem, SpecError
-from ppojob_api.training import TrainingHalf, TrainingSettings
+from ppojob_api.training import Parallelism, TrainingHalf, TrainingSettings
 
 
 def _role_settings(
     half: TrainingHalf, prefix: str
-) -> list[tuple[str, dict[str, str], str, TrainingSettings]]:
-    """(role, field -> path of the field that sets it, backend, settings) of each trained
+) -> list[tuple[str, dict[str, str], Parallelism, TrainingSettings]]:
+    """(role, field -> path of the field that sets it, parallelism, settings) of each trained
     role."""
     from ppojob_api.overrides import apply_critic_overrides, overridable_field
 
     fields = {"packing": "packing", "max_tokens_per_micro_batch": "maxTokensPerMicroBatch"}
     roles = half.roles
     own = {camel: f"{prefix}.training.{camel}" for camel in fields.values()}
-    out = [("actor", own, roles.actor.backend, half.training)]
+    out = [("actor", own, roles.actor.parallelism, half.training)]
     critic = roles.effective_critic(half.algorithm.needs_critic)
     if critic is not None:
         try:
@@ -29,31 +29,26 @@ def _role_settings(
             name = overridable_field(key)
             if name in fields:
                 paths[fields[name]] = f"{prefix}.roles.critic.overrides.{key}"
-        out.append(("critic", paths, critic.backend, settings))
+        out.append(("critic", paths, critic.parallelism, settings))
     return out
 
 
 def check_packing(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """Packing and token budgets are torch-backend features; a budget below the longest
-    possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
+    """Packing and token budgets run on both backends, but a packed row is not split over
+    context-parallel ranks (megatron needs each sequence padded for that); a budget below the
+    longest possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
     problems: list[Problem] = []
     longest = half.data.max_prompt_length + half.data.max_response_length
-    for name, paths, backend, s in _role_settings(half, prefix):
-        if backend != "torch":
-            for field, on in (
-                ("packing", s.packing),
-                ("maxTokensPerMicroBatch", s.max_tokens_per_micro_batch is not None),
-            ):
-                if on:
-                    problems.append(
-                        Problem(
-                            paths[field],
-                            f"the {name} runs the megatron backend, which does not implement "
-                            f"{field}",
-                            f"unset {field} for the {name}, or use backend: torch",
-                        )
-                    )
-            continue
+    for name, paths, parallelism, s in _role_settings(half, prefix):
+        if s.packing and parallelism.context > 1:
+            problems.append(
+                Problem(
+                    paths["packing"],
+                    f"the {name} packs sequences and splits them over {parallelism.context} "
+                    "context-parallel ranks, which is not implemented",
+                    f"set packing: false for the {name}, or parallelism.context: 1",
+                )
+            )
         budget = s.max_tokens_per_micro_batch
         if budget is not None and budget < longest:
             problems.append(
