@@ -24,26 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron_cases import _cfg  # (this script's directory is on sys.path)
 
 SKEWED = ([2, 3, 1, 4, 2, 3], [38, 2, 5, 1, 3, 6])
 BUDGET = 40
-
-
-def _cfg(tp: int, pp: int, **training: Any) -> Any:
-    from ppojob_api.training import TrainerConfig
-
-    par = {"tensor": tp, "pipeline": pp}
-    return TrainerConfig.model_validate(
-        {
-            "roles": {
-                "actor": {"replicas": 2, "backend": "megatron", "parallelism": par},
-                "critic": {"colocateWithActor": True, "backend": "megatron", "parallelism": par},
-            },
-            "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
-            "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
-            "training": {"learningRate": 1e-2, "seed": 3, **training},
-        }
-    )
 
 
 def _value_loss(values, mb):  # type: ignore[no-untyped-def]

@@ -10,45 +10,23 @@ need it skip, saying how to fill it; under CI (``CI=true``) they fail.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import ppojob_api
-import ppojob_trainer
 from ppojob_api.checks.efficiency import check_lora
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.loop import adapters_through_store
 from ppojob_trainer.memory_plan import Shape
+from tests.helpers.sglang_runtime import run_driver
 
 DRIVER = Path(__file__).with_name("sglang_lora_driver.py")
 TOLERANCE = 1e-5  # float32, the same products summed in another order
 
 
-def runtime_dir() -> Path:
-    env = os.environ.get("PPOJOB_SGLANG_RUNTIME")
-    return Path(env) if env else Path(sys.prefix) / "test-cache" / "sglang-runtime"
-
-
 @pytest.fixture(scope="module")
 def run() -> dict:
-    folder = runtime_dir()
-    if not (folder / "sglang" / "srt").is_dir():
-        message = f"no SGLang runtime in {folder}: fill it with `make install`"
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-            pytest.fail(f"{message} (under CI a missing cache is an error)")
-        pytest.skip(message)
-    ours = [str(Path(m.__file__).parents[1]) for m in (ppojob_api, ppojob_trainer)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *ours])}
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_driver(DRIVER)
 
 
 def layer_keys(*names: str) -> list[str]:
