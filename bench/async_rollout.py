@@ -12,6 +12,10 @@ one row per run:
 ``async-1``     that placement with algorithm.maxStaleness 1: the engine generates step k+1
                 while the actor trains on step k
 ``async-2``     the same with maxStaleness 2
+``async-1-partial``  maxStaleness 1 with algorithm.partialRollout: a weight sync reaches the
+                generation in flight, which samples its remaining tokens with the new weights
+``async-1-is``  maxStaleness 1 with the decoupled PPO objective's token-level truncated
+                importance weights (cap 2)
 
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
 pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
@@ -58,6 +62,12 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "sync-split": (*SPLIT, "algorithm.maxStaleness=0"),
     "async-1": (*SPLIT, "algorithm.maxStaleness=1"),
     "async-2": (*SPLIT, "algorithm.maxStaleness=2"),
+    "async-1-partial": (*SPLIT, "algorithm.maxStaleness=1", "algorithm.partialRollout=true"),
+    "async-1-is": (
+        *SPLIT,
+        "algorithm.maxStaleness=1",
+        "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
+    ),
 }
 THRESHOLD, WINDOW, HOLD, LAST = 0.9, 10, 10, 10
 
@@ -69,7 +79,7 @@ def _config(config: str, seed: int, steps: int) -> Any:
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["training"].update(seed=seed, steps=steps)
     for setting in CONFIGS[config]:
-        path, value = setting.split("=")
+        path, value = setting.split("=", 1)
         node = doc["spec"]
         *parents, leaf = path.split(".")
         for key in parents:
