@@ -170,7 +170,10 @@ def test_default_gang_scheduler_must_agree_with_kuberay(helm: Path) -> None:
     chart error, not a cluster of refused jobs."""
     sets = ["--set", "defaultGangScheduler=volcano", "--set", "kuberay.batchScheduler="]
     out = run_helm(helm, "template", "x", str(CHART), *sets, check=False)
-    assert out.returncode != 0 and "kuberay.batchScheduler" in out.stderr
+    assert out.returncode != 0, out.stdout[-500:]
+    # the value, where it came from (here the chart value, not a detection) and the fix
+    assert 'but it is "none" (set in kuberay.batchScheduler)' in out.stderr, out.stderr
+    assert "start KubeRay with --batch-scheduler=volcano" in out.stderr, out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
