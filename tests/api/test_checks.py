@@ -2145,6 +2145,12 @@ def test_sglang_top_p_with_importance_sampling_is_refused_by_validation() -> Non
     assert "spec.algorithm.tisCap" in [p.path for p in checks.check_training_half(doubled)]
 
 
+def test_reward_workers_without_a_reward_model_are_refused_by_validation() -> None:
+    """check_reward_role runs in validation (registered), not only when called by name."""
+    lonely = spec(roles__reward={"replicas": 1})
+    assert "spec.roles.reward" in [p.path for p in checks.check_training_half(lonely)]
+
+
 def test_the_affinity_table_is_kubernetes_own() -> None:
     """checks/pods.py's table of core/v1 Affinity (every type it reaches, every field and its
     type) is exactly what the `kubernetes` client's models say."""
