@@ -799,7 +799,7 @@ class PPOTrainer:
                     host,
                     slot,
                     host.ready.remote(),
-                    host.start_rollout.remote(None, self.reward_hosts or None),
+                    host.start_rollout.remote(None, getattr(self, "reward_hosts", None) or None),
                 )
             )
 
