@@ -61,7 +61,9 @@ print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") \
 for d in p["optional-dependencies"][e]]))' "$EXTRAS" > /tmp/requirements.txt \
  && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
-# Then the project itself, without dependencies (all present), and a check that it imports.
+# Then the project itself, without dependencies (all present), and a check that it imports, as
+# does the Ray autoscaler KubeRay runs from this image for elastic rollout groups
+# (`ray kuberay-autoscaler` in the head pod).
 # (DL3013: the project itself, from the build context; its dependencies are pinned above.)
 COPY api/ api/
 COPY cli/ cli/
@@ -72,7 +74,8 @@ RUN echo "ppojob: PPO training of language models as a Kubernetes-native job" > 
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --no-deps ".[${EXTRAS}]" \
  && python -c "import torch, ray, ppojob_trainer; print('torch', torch.__version__, 'ray', ray.__version__)" \
- && ppojob-train --help > /dev/null
+ && ppojob-train --help > /dev/null \
+ && python -c "import ray.autoscaler._private.kuberay.run_autoscaler"
 
 RUN groupadd --gid 10001 ppojob \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/ppojob --shell /bin/bash ppojob \

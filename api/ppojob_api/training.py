@@ -98,8 +98,8 @@ class ModelSpec(ApiModel):
     lora: LoraSpec | None = None
     """Train the actor as low-rank adapters on its frozen base model (torch backend). The
     reference policy is then the base model with the adapters disabled (no second copy), and
-    the weight sync sends only the adapters to torch rollout engines (an sglang engine gets
-    the merged weights). Unset: full fine-tuning."""
+    the weight sync sends only the adapters (an sglang engine loads them with its LoRA adapter
+    loading). Unset: full fine-tuning."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. Use `bfloat16` on GPUs, `float32` on CPU. The torch backend trains with
@@ -900,9 +900,11 @@ class TrainingSettings(ApiModel):
     """Pack each micro-batch's sequences into one row without padding (position ids restarting
     per sequence, no attention across sequences: varlen kernels under flash attention, a
     block-diagonal causal mask otherwise) for log-probs, values, the reference and training.
-    Same results as padding, less compute when lengths differ. Torch backend, Hugging Face
+    Same results as padding, less compute when lengths differ. Torch backend: Hugging Face
     models whose attention mask comes from transformers' masking utilities (Llama, Qwen2,
-    Mistral, ...)."""
+    Mistral, ...). Megatron backend: Transformer Engine's varlen attention (`thd`) where it
+    is installed, a block-diagonal causal mask on megatron-core's local attention otherwise;
+    not with context parallelism."""
 
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Size micro-batches (with and without gradient) by tokens instead of samples: each holds
@@ -910,7 +912,8 @@ class TrainingSettings(ApiModel):
     when packed; samples x the longest prompt + the longest response when padded), longest
     samples first. microBatchSize / forwardMicroBatchSize, when set, still cap the samples per
     micro-batch. The loss is normalised exactly as with sample micro-batches. Must be at least
-    maxPromptLength + maxResponseLength. Unset: micro-batches by samples. Torch backend."""
+    maxPromptLength + maxResponseLength. Unset: micro-batches by samples. Torch and megatron
+    backends."""
 
     sharding: Literal["none", "fsdp"] = "none"
     """Torch backend across a role's data-parallel workers: `none` keeps a full replica (model,

@@ -251,14 +251,23 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_packing,
-        "packing and a budget with a megatron actor",
+        "packing and a budget with a megatron actor and critic",
         {
             "roles__actor": MEGATRON_CPU,
-            "roles__critic": {"overrides": {"packing": False}},
+            "roles__critic": {**MEGATRON_CPU, "colocateWithActor": True},
             "training__packing": True,
             "training__maxTokensPerMicroBatch": 4096,
         },
-        ["spec.training.packing", "spec.training.maxTokensPerMicroBatch"],
+        [],
+    ),
+    (
+        check_packing,
+        "packing with a context-parallel megatron actor",
+        {
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"context": 2}},
+            "training__packing": True,
+        },
+        ["spec.training.packing"],
     ),
     # --- LoRA
     (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),
@@ -279,6 +288,43 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         "LoRA targets of a model directory are checked when it loads",
         {"model__path": "/models/x", "model__lora": {"targetModules": ["c_attn"]}},
         [],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q/k/v, o and the MLP, or all-linear",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["q_proj", "v_proj", "gate_proj", "down_proj"]},
+        },
+        [],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: a layer SGLang serves no adapter on",
+        {
+            "model__path": "/models/x",
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["c_attn", "q_proj", "v_proj"]},
+        },
+        ["spec.model.lora.targetModules[0]"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: k_proj without q_proj, up_proj without gate_proj",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["k_proj", "v_proj", "up_proj"]},
+        },
+        ["spec.model.lora.targetModules", "spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q_proj without v_proj",
+        {
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+            "model__lora": {"targetModules": ["q_proj", "k_proj"]},
+        },
+        ["spec.model.lora.targetModules"],
     ),
     # --- megatron
     (

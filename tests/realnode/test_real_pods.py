@@ -612,22 +612,24 @@ ELASTIC_STEPS = 200
 
 
 def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealCluster) -> None:
-    """Issue 24 on real pods: rollout engines in a worker group of their own (2 pods, elastic
-    between 1 and 2). One rollout pod is deleted mid-training: the job is not restarted and
-    does not fail; the trainer goes on with the engine left (any prompts the lost one was
-    generating are generated again there: tests/trainer/test_elastic_rollout.py makes that
-    happen on cue), KubeRay starts a new pod for the group, and every step runs exactly once.
-    Seen: the second engine joined at step 108 (its pod started later), was lost at step 119,
-    and steps 120-200 ran on one engine."""
+    """Issue 24 on real pods: rollout engines in a worker group of their own, elastic between 1
+    and 2, started with 1 pod. The trainer asks for a second engine, and KubeRay's in-tree
+    autoscaler (a container of the head pod, reading that Ray demand) raises the group to 2 pods:
+    nothing else writes the RayCluster's replicas. Once both engines generate, one rollout pod
+    is deleted: the job is not restarted and does not fail; the trainer goes on with the engine
+    left (any prompts the lost one was generating are generated again there:
+    tests/trainer/test_elastic_rollout.py makes that happen on cue), a new pod comes for the
+    group, and every step runs exactly once."""
     cluster, ns, name = real_cluster, "elastic", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
     doc = ppojob(cluster, name, ns, ELASTIC_STEPS, claim="ckpt", interval=100)
-    # the node has 2 CPUs: head 0.3 (+ 0.5 for KubeRay's submitter), actor 0.6, 2 x 0.2
+    # the node has 2 CPUs: the operator 0.1, head 0.3 (+ 0.5 for KubeRay's submitter, + 0.1
+    # for its autoscaler), actor 0.5, 2 x 0.2
     doc["spec"]["roles"] = {
-        "actor": {"replicas": 1, "resources": {"cpus": 0.6, "memory": "3Gi"}},
+        "actor": {"replicas": 1, "resources": {"cpus": 0.5, "memory": "3Gi"}},
         "rollout": {
-            "replicas": 2,
+            "replicas": 1,  # the autoscaler adds the second pod
             "resources": {"cpus": 0.2, "memory": "2Gi"},
             "elastic": {"minReplicas": 1, "maxReplicas": 2},
         },
@@ -650,9 +652,48 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
             return False
         return bool(rows) and rows[-1].get("rollout/engines") == 2
 
+    scaled: list[int] = []  # the rollout group's replicas once both engines generate
+    head_containers: list[str] = []
+
+    seen: dict[str, Any] = {}  # the last look at the group (told when the test fails)
+
     def disrupt(row: dict[str, str], job: dict[str, Any]) -> None:
+        if not deleted:
+            seen["rollout pods"] = [
+                (p["metadata"]["name"], p["status"].get("phase"), p["status"].get("conditions"))
+                for p in rollout_pods()
+            ]
+            rj = cluster.cp.get("rayjob.ray.io", name, ns) or {}
+            rc_name = (rj.get("status") or {}).get("rayClusterName")
+            rc = cluster.cp.get("raycluster.ray.io", rc_name, ns) if rc_name else None
+            if rc:
+                seen["replicas"] = [
+                    (g["groupName"], g.get("replicas")) for g in rc["spec"]["workerGroupSpecs"]
+                ]
+            seen["looks"] = seen.get("looks", 0) + 1
+            head = pod_of(cluster, ns, "head") if seen["looks"] % 10 == 0 else None
+            if head is not None and any(
+                c["name"] == "autoscaler" for c in head["spec"]["containers"]
+            ):
+                seen["autoscaler log"] = cluster.kubectl(
+                    "logs",
+                    "-n",
+                    ns,
+                    head["metadata"]["name"],
+                    "-c",
+                    "autoscaler",
+                    "--tail=8",
+                    check=False,
+                )
         if deleted or not both_engines_generate():
             return
+        if not scaled:
+            rj = cluster.cp.get("rayjob.ray.io", name, ns)
+            rc = cluster.cp.get("raycluster.ray.io", rj["status"]["rayClusterName"], ns)
+            groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+            scaled.append(groups["rollout"]["replicas"])
+            head = pod_of(cluster, ns, "head") or {"spec": {"containers": []}}
+            head_containers.extend(c["name"] for c in head["spec"]["containers"])
         pods = rollout_pods()
         if len(pods) == 2:
             deleted.append(pods[0]["metadata"]["name"])
@@ -661,7 +702,10 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
             )
 
     job, _ = watch(cluster, ns, name, 900, disrupt)
-    assert deleted, "the job ended before a rollout pod could be deleted"
+    assert deleted, f"the job ended before a rollout pod could be deleted: {seen}"
+    # the group was made with 1 pod; KubeRay's autoscaler (in the head pod) raised it to 2
+    assert scaled == [2], scaled
+    assert "autoscaler" in head_containers, head_containers
     status = job["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     assert not status.get("restarts") and not status.get("disruptions"), status
@@ -671,5 +715,5 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
     two = engines.index(2)
     assert min(engines[two:]) == 1, engines  # one was lost, the job went on
     assert sum(r["rollout/lost"] for r in rows) >= 1, [r["rollout/lost"] for r in rows]
-    # KubeRay replaced the pod (the group keeps its replicas)
+    # a new pod came for the group (it keeps its 2 replicas)
     assert len(wait_until(lambda: len(p := rollout_pods()) == 2 and p, 120, "2 rollout pods")) == 2

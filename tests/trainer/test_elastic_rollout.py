@@ -33,16 +33,20 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + 
 
 @ray.remote(num_cpus=0)
 class Gate:
-    """Logs every arrival; kills the caller at the ``kill_generate``-th generation and at the
-    ``kill_start``-th start, and never answers the ``hold_start``-th start (counted over all
-    engines)."""
+    """Logs every arrival; kills the caller at the ``kill_generate``-th generation, the
+    ``kill_start``-th start and the ``kill_evaluate``-th evaluation, and never answers the
+    ``hold_start``-th start (counted over all engines)."""
 
     def __init__(
-        self, kill_generate: int | None, kill_start: int | None, hold_start: int | None = None
+        self,
+        kill_generate: int | None,
+        kill_start: int | None,
+        hold_start: int | None = None,
+        kill_evaluate: int | None = None,
     ) -> None:
-        self.kill = {"generate": kill_generate, "start": kill_start}
+        self.kill = {"generate": kill_generate, "start": kill_start, "evaluate": kill_evaluate}
         self.hold = hold_start
-        self.count = {"generate": 0, "start": 0}
+        self.count = {"generate": 0, "start": 0, "evaluate": 0}
         self.log: list[dict[str, Any]] = []
 
     async def arrive(self, event: str, caller: Any, info: dict[str, Any]) -> None:
@@ -176,3 +180,35 @@ def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
     assert STILL_STARTING == [1]  # the engine beyond the minimum, started but never joined
     first_start = next(a["engine"] for a in log if a["event"] == "start")
     assert {a["engine"] for a in log if a["event"] == "generate"} == {first_start}
+
+
+def test_an_engine_killed_while_it_evaluates_costs_the_evaluation_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """min = max = 2: an engine killed inside its share of an evaluation; its prompts are
+    evaluated again on the engines left (a replacement joins first, minReplicas being 2), and
+    the figure equals that of an evaluation nobody disturbed (greedy, same weights)."""
+    cfg = _cfg({"minReplicas": 2, "maxReplicas": 2, "startTimeoutSeconds": 300})
+    cfg.data.eval_prompts = cfg.data.prompts
+    monkeypatch.setenv(FAULT_GATE_ENV, "gate-eval")
+    gate = Gate.options(name="gate-eval").remote(None, None, None, 1)
+    trainer = PPOTrainer(cfg)
+    trainer.total_steps = STEPS
+    try:
+        trainer.step(0)
+        disturbed = trainer.evaluate()
+        engines = len(trainer.hosts["rollout"])
+        undisturbed = trainer.evaluate()
+    finally:
+        trainer.shutdown()
+    log = ray.get(gate.arrivals.remote())
+    ray.kill(gate)
+    evals = [a for a in log if a["event"] == "evaluate"]
+    (killed,) = [a for a in evals if a["killed"]]
+    assert killed["prompts"], "the killed engine had no prompts to evaluate"
+    assert trainer.lost_engines == 1 and engines == 2
+    # the lost share ran again elsewhere: every prompt evaluated in the first evaluation
+    first = evals[: len(evals) - 2]  # (the second evaluation's two shares last)
+    again = [p for a in first if not a["killed"] for p in a["prompts"]]
+    assert sorted(again) == sorted(e.prompt for e in trainer.eval_examples)
+    assert disturbed == undisturbed

@@ -145,6 +145,18 @@ class _Starting:
     started: Any
 
 
+def adapters_through_store(cfg: TrainerConfig) -> bool:
+    """Whether disaggregated engines take the actor's weights through the object store rather
+    than a broadcast: LoRA adapters for SGLang engines, which load an adapter only from tensors
+    handed to them (SGLang 0.5.23 has no LoRA load from a broadcast group); adapters are small."""
+    rollout = cfg.roles.rollout
+    return (
+        cfg.model.lora is not None
+        and rollout.backend == "sglang"
+        and not rollout.colocate_with_actor
+    )
+
+
 class RolloutCapacityError(RuntimeError):
     """Fewer elastic rollout engines than ``minReplicas`` are left and none could be started."""
 
@@ -330,7 +342,7 @@ class PPOTrainer:
             self.free_slots: list[int] = []
             self.engine_seq = len(self.hosts["rollout"])
             self._top_up()
-        elif not self.colocated and not self.partial:
+        elif not self.colocated and not self.partial and not adapters_through_store(self.cfg):
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -421,7 +433,7 @@ class PPOTrainer:
             for h in self.hosts["actor"]:
                 h.export.remote(self.syncs)
             return [g[0].sync_colocated.remote(self.syncs, g[1:]) for g in self.engine_groups]
-        if self.elastic is not None:
+        if self.elastic is not None or adapters_through_store(self.cfg):
             self._sync_targets = list(self.hosts["rollout"])
             loaded, joined = self._push_weights(self._sync_targets, offer=self.partial)
             return [*loaded, *joined]
@@ -999,17 +1011,36 @@ class PPOTrainer:
         return bool(self.eval_examples) and (done % every == 0 or done == total)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts, split over the engines, scored."""
+        """Greedy completions of the held-out prompts, split over the engines, scored. Elastic
+        engines: the prompts of an engine lost meanwhile are evaluated again on the others
+        (greedy decoding with the same weights gives the same completions)."""
         import ray
+        from ray.exceptions import RayActorError
 
-        engines, examples = self.hosts["rollout"], self.eval_examples
-        refs = [
-            engines[e].evaluate.remote(examples[lo:hi])
-            for e, (lo, hi) in enumerate(_ranges(len(examples), len(engines)))
-            if hi > lo
-        ]
-        outs = ray.get(refs)
-        return {"eval/reward_mean": sum(o["reward_sum"] for o in outs) / len(examples)}
+        examples = self.eval_examples
+        todo, total = [(0, len(examples))], 0.0
+        while todo:
+            if self.elastic is not None:  # (at least minReplicas, or RolloutCapacityError)
+                self._ensure_engines()
+            engines = self.hosts["rollout"]
+            calls = [
+                (engines[e], lo + a, lo + b, engines[e].evaluate.remote(examples[lo + a : lo + b]))
+                for lo, hi in todo
+                for e, (a, b) in enumerate(_ranges(hi - lo, len(engines)))
+                if b > a
+            ]
+            todo, lost = [], []
+            for host, lo, hi, ref in calls:
+                try:
+                    total += ray.get(ref)["reward_sum"]
+                except RayActorError:
+                    if self.elastic is None:
+                        raise
+                    lost.append(host)
+                    todo.append((lo, hi))
+            if lost:
+                self._drop_engines(lost)
+        return {"eval/reward_mean": total / len(examples)}
 
     # ------------------------------------------------------------------------------------------
     def trained_roles(self) -> list[str]:

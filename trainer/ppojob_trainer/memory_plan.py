@@ -18,7 +18,7 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
 ``reference``    the frozen reference in the compute dtype (0 when offloaded or with LoRA, whose
                  reference is the base model with the adapters off; / dp under FSDP)
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
-                 (sglang without offload)
+                 (sglang without offload; with LoRA a note gives its LoRA buffers' share of it)
 ``reward model`` each ``data.rewards`` model source on the engine's GPU (``device: auto``), or on
                  each reward worker's GPU when ``roles.reward`` is set (a ``reward`` process): its
                  weights in its dtype (embedding, blocks and a one-output head; its shape read
@@ -92,6 +92,31 @@ class Shape:
         }
         names = list(dims) if "all-linear" in targets else targets
         return self.layers * sum(rank * sum(dims[n]) for n in names if n in dims)
+
+    def sglang_lora_pool(self, rank: int, targets: list[str], dtype_bytes: int, tp: int) -> int:
+        """Bytes of SGLang's LoRA buffers on one of an engine's ``tp`` GPUs for one adapter slot
+        (``max_loras_per_batch: 1``) of ``rank`` (``lora/mem_pool.py`` ``init_buffers``): per
+        block and stacked module (q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``) A
+        ``[c x rank, in]`` and B ``[out, rank]``, sharded like the base layer (the input of
+        o/down, the output of qkv/gate_up); ``all-linear`` (SGLang's ``all``) also has the
+        embedding's and the LM head's, ``rank x (vocab + hidden)`` each."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        # stacked module -> (HF names, c, in, out, row parallel)
+        stacked = {
+            "qkv_proj": (("q_proj", "k_proj", "v_proj"), 3, h, h + 2 * kv, False),
+            "o_proj": (("o_proj",), 1, h, h, True),
+            "gate_up_proj": (("gate_proj", "up_proj"), 2, h, 2 * i, False),
+            "down_proj": (("down_proj",), 1, i, h, True),
+        }
+        every = "all-linear" in targets
+        total = 0
+        for names, c, d_in, d_out, row in stacked.values():
+            if every or any(n in targets for n in names):
+                d_in, d_out = (d_in // tp, d_out) if row else (d_in, d_out // tp)
+                total += self.layers * rank * (c * d_in + d_out)
+        if every:
+            total += 2 * rank * (self.vocab + self.hidden)
+        return total * dtype_bytes
 
 
 def _qwen(h: int, n: int, heads: int, kv: int, i: int, v: int, tied: bool) -> Shape:
@@ -291,9 +316,17 @@ def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dic
     c = _BYTES[half.model.dtype]
     if ro.backend == "sglang":
         frac = ro.gpu_memory_fraction * gpu_bytes
+        notes = []
+        if half.model.lora is not None:  # allocated before the KV cache is sized
+            lora = half.model.lora
+            pool = shape.sglang_lora_pool(lora.rank, lora.target_modules, c, ro.parallelism.tensor)
+            notes.append(
+                f"the sglang engine's LoRA buffers take {pool / 2**20:.1f} MiB of its memory "
+                "fraction (from its KV cache)"
+            )
         if ro.colocate_with_actor and ro.offload:
-            return {}, {"rollout (sglang, released while training)": frac}, []
-        return {"rollout (sglang memory fraction)": frac}, {}, []
+            return {}, {"rollout (sglang, released while training)": frac}, notes
+        return {"rollout (sglang memory fraction)": frac}, {}, notes
     engines = roles.workers_of("rollout")
     rows = -(-data.rollout_batch_size // engines) * data.samples_per_prompt
     seq = data.max_prompt_length + data.max_response_length

@@ -4,20 +4,20 @@ actor's in ``spec.training``, the critic's with its overrides)."""
 from __future__ import annotations
 
 from ppojob_api.problems import Problem, SpecError
-from ppojob_api.training import TrainingHalf, TrainingSettings
+from ppojob_api.training import Parallelism, TrainingHalf, TrainingSettings
 
 
 def _role_settings(
     half: TrainingHalf, prefix: str
-) -> list[tuple[str, dict[str, str], str, TrainingSettings]]:
-    """(role, field -> path of the field that sets it, backend, settings) of each trained
+) -> list[tuple[str, dict[str, str], Parallelism, TrainingSettings]]:
+    """(role, field -> path of the field that sets it, parallelism, settings) of each trained
     role."""
     from ppojob_api.overrides import apply_critic_overrides, overridable_field
 
     fields = {"packing": "packing", "max_tokens_per_micro_batch": "maxTokensPerMicroBatch"}
     roles = half.roles
     own = {camel: f"{prefix}.training.{camel}" for camel in fields.values()}
-    out = [("actor", own, roles.actor.backend, half.training)]
+    out = [("actor", own, roles.actor.parallelism, half.training)]
     critic = roles.effective_critic(half.algorithm.needs_critic)
     if critic is not None:
         try:
@@ -29,31 +29,26 @@ def _role_settings(
             name = overridable_field(key)
             if name in fields:
                 paths[fields[name]] = f"{prefix}.roles.critic.overrides.{key}"
-        out.append(("critic", paths, critic.backend, settings))
+        out.append(("critic", paths, critic.parallelism, settings))
     return out
 
 
 def check_packing(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """Packing and token budgets are torch-backend features; a budget below the longest
-    possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
+    """Packing and token budgets run on both backends, but a packed row is not split over
+    context-parallel ranks (megatron needs each sequence padded for that); a budget below the
+    longest possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
     problems: list[Problem] = []
     longest = half.data.max_prompt_length + half.data.max_response_length
-    for name, paths, backend, s in _role_settings(half, prefix):
-        if backend != "torch":
-            for field, on in (
-                ("packing", s.packing),
-                ("maxTokensPerMicroBatch", s.max_tokens_per_micro_batch is not None),
-            ):
-                if on:
-                    problems.append(
-                        Problem(
-                            paths[field],
-                            f"the {name} runs the megatron backend, which does not implement "
-                            f"{field}",
-                            f"unset {field} for the {name}, or use backend: torch",
-                        )
-                    )
-            continue
+    for name, paths, parallelism, s in _role_settings(half, prefix):
+        if s.packing and parallelism.context > 1:
+            problems.append(
+                Problem(
+                    paths["packing"],
+                    f"the {name} packs sequences and splits them over {parallelism.context} "
+                    "context-parallel ranks, which is not implemented",
+                    f"set packing: false for the {name}, or parallelism.context: 1",
+                )
+            )
         budget = s.max_tokens_per_micro_batch
         if budget is not None and budget < longest:
             problems.append(
@@ -78,6 +73,59 @@ BUILTIN_LINEAR_MODULES = (
 )
 """The linear layers of the built-in models (Llama and Qwen2 blocks; a trainer test keeps this in
 step with ``models.py``)."""
+
+
+SGLANG_LORA_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+)
+"""The dense-model linear layers SGLang 0.5.23 serves adapters on (its
+``SUPPORTED_LORA_TARGET_MODULES`` but the embeddings and MLA/MoE ones; a contract test keeps this
+in step with the pinned release)."""
+
+
+def _sglang_lora_problems(targets: list[str], path: str) -> list[Problem]:
+    """What SGLang 0.5.23's adapter loading cannot take (``lora/lora.py``: it stacks q/k/v
+    adapters starting from q_proj and reading v_proj, zero-filling only k_proj; an up_proj
+    adapter is stacked with its gate_proj, alone it matches no buffer)."""
+    if targets == ["all-linear"]:
+        return []
+    problems = [
+        Problem(
+            f"{path}.targetModules[{i}]",
+            f"{name!r} is no layer SGLang 0.5.23 serves LoRA adapters on",
+            f"use some of {', '.join(SGLANG_LORA_MODULES)} (or all-linear), or backend: torch "
+            "for the rollout",
+        )
+        for i, name in enumerate(targets)
+        if name not in SGLANG_LORA_MODULES
+    ]
+    names = set(targets)
+    if names & {"q_proj", "k_proj", "v_proj"} and not {"q_proj", "v_proj"} <= names:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "SGLang 0.5.23 stacks attention adapters as q/k/v and needs q_proj and v_proj "
+                "among them (only k_proj may be left out)",
+                "add q_proj and v_proj to targetModules, or use backend: torch for the rollout",
+            )
+        )
+    if "up_proj" in names and "gate_proj" not in names:
+        problems.append(
+            Problem(
+                f"{path}.targetModules",
+                "SGLang 0.5.23 serves an up_proj adapter only stacked with gate_proj's",
+                "add gate_proj to targetModules, or use backend: torch for the rollout",
+            )
+        )
+    return problems
 
 
 def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
@@ -129,4 +177,6 @@ def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     f"use some of {', '.join(BUILTIN_LINEAR_MODULES)}, or all-linear",
                 )
             )
+    if half.roles.rollout.backend == "sglang":
+        problems += _sglang_lora_problems(list(targets), path)
     return problems

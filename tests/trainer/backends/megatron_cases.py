@@ -32,10 +32,13 @@ from pathlib import Path
 import torch
 
 
-def _cfg(tp: int, pp: int, micro: int | None) -> object:
+def _cfg(tp: int, pp: int, micro: int | None = None, **training: object) -> object:
+    """A megatron actor and colocated critic of ``tp`` x ``pp`` over two processes; ``training``
+    adds to (or replaces) the training settings of these cases."""
     from ppojob_api.training import TrainerConfig
 
     par = {"tensor": tp, "pipeline": pp}
+    settings = {"learningRate": 1e-2, "seed": 3, "microBatchSize": micro, **training}
     return TrainerConfig.model_validate(
         {
             "roles": {
@@ -44,13 +47,7 @@ def _cfg(tp: int, pp: int, micro: int | None) -> object:
             },
             "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
             "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
-            "training": {
-                "learningRate": 1e-2,
-                "microBatchSize": micro,
-                "gradClip": 0.5,
-                "adamEps": 1e-3,
-                "seed": 3,
-            },
+            "training": settings,
         }
     )
 
@@ -132,7 +129,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2
-    cfg = _cfg(tp, pp, micro)
+    cfg = _cfg(tp, pp, micro, gradClip=0.5, adamEps=1e-3)
     shard = _layout(rank, tp, pp, world)
     out: dict[str, object] = {}
     n = 8

@@ -144,6 +144,7 @@ def gpu_shard(shape, initial: dict, rank: int):  # type: ignore[no-untyped-def]
     )
     m.device, m.gpu, m.first, m.last = torch.device("cpu"), False, True, True
     m.sequence_parallel, m.ps, m.ddp, m.updates, m.total_updates = False, ps, None, 0, 10
+    m.te = False  # megatron-core's local layer spec
     m.settings = TrainerConfig.model_validate(
         {"training": {"learningRate": 1e-2, "adamEps": 1e-6, "gradClip": 1.0}}
     ).training
@@ -218,6 +219,7 @@ def main() -> None:
     m.shard, m.shape, m.config, m.model, m.value = shard, shape, config, model, False
     m.device, m.gpu, m.first, m.last = torch.device("cpu"), False, True, True
     m.sequence_parallel, m.ps, m.ddp = False, ps, None
+    m.te = False
     m.settings = SimpleNamespace(
         learning_rate=1e-3,
         weight_decay=0.0,
@@ -225,6 +227,9 @@ def main() -> None:
         adam_beta2=0.999,
         adam_eps=1e-8,
         grad_clip=1.0,
+        micro_batch_size=None,
+        max_tokens_per_micro_batch=None,
+        packing=False,
     )
     m._wrap_ddp()
     m.optimizer = SimpleNamespace(zero_grad=lambda: None)

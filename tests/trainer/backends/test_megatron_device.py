@@ -26,17 +26,24 @@ class MetaModel(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(width, device="meta"))
+        self.input_devices: set[str] = set()
 
-    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        inputs = [input_ids, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+        self.input_devices |= {str(t.device) for t in inputs}
         b, length = input_ids.shape
         return torch.zeros(b, length, 1, device="meta") + self.w
 
 
-def meta_shard(width: int) -> mb_._Sharded:
+def meta_shard(width: int, packing: bool = False) -> mb_._Sharded:
     m = mb_._Sharded.__new__(mb_._Sharded)
     m.shard = ShardIdentity("actor")
     m.device, m.gpu, m.first, m.last = torch.device("meta"), False, True, True
     m.sequence_parallel, m.ddp, m.ps = False, None, SimpleNamespace()
+    m.te = False
+    m.settings = SimpleNamespace(
+        micro_batch_size=None, max_tokens_per_micro_batch=None, packing=packing
+    )
     m.model = MetaModel(width)
     m._step = lambda: {}  # the optimizer step is not what is checked here
     return m
@@ -66,10 +73,12 @@ def meta_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mb_, "vocab_parallel_logprobs", logprobs)
 
 
-def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logprobs):
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logprobs, packing):
+    """Padded and packed micro-batches (the packed row's index, positions and mask too)."""
     actor = mb_.MegatronPolicyTrainer.__new__(mb_.MegatronPolicyTrainer)
     actor.temperature, actor.need_entropy, actor.entropy_grad = 1.0, False, False
-    actor.m = meta_shard(VOCAB)
+    actor.m = meta_shard(VOCAB, packing)
     seen: list[set[str]] = []
 
     def loss_fn(logp, ent, mbatch):  # type: ignore[no-untyped-def]
@@ -78,6 +87,7 @@ def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logpro
 
     actor.update(batch(), loss_fn, micro_batch_size=2)
     assert seen == [{"meta"}, {"meta"}]
+    assert actor.m.model.input_devices == {"meta"}  # ids, positions, mask
 
 
 def test_the_critic_loss_gets_its_micro_batch_on_the_values_device():

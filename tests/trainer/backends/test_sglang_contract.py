@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from ppojob_api.training import TrainerConfig
+from ppojob_api.checks.efficiency import SGLANG_LORA_MODULES
+from ppojob_api.training import LoraSpec, TrainerConfig
 from ppojob_trainer.backends import sglang_backend as adapter
 from ppojob_trainer.backends.weight_sync import TensorMeta
 
@@ -262,11 +263,34 @@ def test_engine_is_exported_and_every_server_arg_the_adapter_sets_exists(sglang)
     }
     known = server_args_fields(sglang)
     assert {"model_path", "tp_size"} <= known, "ServerArgs fields not found: parser broken"
-    for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2})):
+    lora = tiny_cfg()
+    lora.model.lora = LoraSpec(rank=8)
+    for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2}), lora):
         args = adapter.engine_args(cfg, Path("/models/m"), (30001, 30002))
         assert {"port", "nccl_port"} <= set(args)
         assert set(args) <= known, f"unknown ServerArgs fields {sorted(set(args) - known)}"
     assert args["tp_size"] == 2 and args["trust_remote_code"] is True
+    assert args["enable_lora"] is True and args["max_lora_rank"] == 8
+
+
+def test_the_lora_target_modules_we_allow_are_sglangs(sglang):
+    """``check_lora``'s list for sglang engines and the ``all`` we send for ``all-linear`` are
+    among SGLang's ``SUPPORTED_LORA_TARGET_MODULES`` / ``LORA_TARGET_ALL_MODULES`` (the choices
+    of ``--lora-target-modules``)."""
+    tree = sglang.tree(sglang.module_file("sglang.srt.utils.common"))
+    values = {
+        t.id: n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    supported = strings_in(values["SUPPORTED_LORA_TARGET_MODULES"])
+    assert {"q_proj", "lm_head"} <= supported, "SUPPORTED_LORA_TARGET_MODULES: parser broken"
+    assert set(SGLANG_LORA_MODULES) <= supported, set(SGLANG_LORA_MODULES) - supported
+    assert values["LORA_TARGET_ALL_MODULES"].value == adapter.LORA_TARGET_ALL
+    args = adapter.lora_server_args(LoraSpec(target_modules=["all-linear"]))
+    assert args["lora_target_modules"] == [adapter.LORA_TARGET_ALL]
 
 
 def test_every_sampling_param_the_adapter_sends_exists(sglang):

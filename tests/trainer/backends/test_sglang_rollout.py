@@ -208,8 +208,9 @@ class RecordingEngine:
         RecordingEngine.made.append({"args": kwargs, "env": env})
         self.params: list = []
 
-    def generate(self, input_ids, sampling_params, return_logprob):  # type: ignore[no-untyped-def]
+    def generate(self, input_ids, sampling_params, return_logprob, lora_path=None):  # type: ignore[no-untyped-def]
         self.params.append(sampling_params)
+        self.lora_path = lora_path
         return [{"meta_info": {"output_token_logprobs": [(-0.5, 7, "")]}} for _ in input_ids]
 
 

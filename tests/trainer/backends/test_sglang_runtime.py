@@ -11,40 +11,18 @@ Without the folder the test skips, saying how to fill it; under CI (``CI=true``)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import ppojob_api
-import ppojob_trainer
+from tests.helpers.sglang_runtime import run_driver
 
 DRIVER = Path(__file__).with_name("sglang_runtime_driver.py")
 
 
-def runtime_dir() -> Path:
-    env = os.environ.get("PPOJOB_SGLANG_RUNTIME")
-    return Path(env) if env else Path(sys.prefix) / "test-cache" / "sglang-runtime"
-
-
 @pytest.fixture(scope="module")
 def run() -> dict:
-    folder = runtime_dir()
-    if not (folder / "sglang" / "srt").is_dir():
-        message = f"no SGLang runtime in {folder}: fill it with `make install`"
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-            pytest.fail(f"{message} (under CI a missing cache is an error)")
-        pytest.skip(message)
-    ours = [str(Path(m.__file__).parents[1]) for m in (ppojob_api, ppojob_trainer)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *ours])}
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_driver(DRIVER)
 
 
 def test_a_colocated_sync_loads_our_buckets_inside_a_session_of_sglangs_own_updater(run):

@@ -25,7 +25,18 @@ Two optimizer paths:
 
 Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
 which gives each token the position the Hugging Face model gives it under left padding and needs
-only the causal mask.
+only the causal mask. Each micro-batch is padded to its own longest prompt and response.
+
+Packing (``training.packing``): a micro-batch's sequences concatenated into one row without
+padding (:func:`~.torch_backend.pack_rows`), positions restarting per sequence. Under Transformer
+Engine's layer spec the row goes in as ``thd`` with ``PackedSeqParams``
+(:func:`packed_seq_params`: ``cu_seqlens`` at the boundaries; its varlen attention and RoPE
+restart per sequence); megatron-core's local attention takes no ``PackedSeqParams``
+(``DotProductAttention`` asserts it is None), so there the row gets a block-diagonal causal mask
+(:func:`block_causal_mask`) and rotary positions restarting per sequence
+(:func:`rope_positions`: ``GPTModel`` asks its rotary embedding for positions 0..N-1 whatever
+its ``position_ids``). Micro-batches by tokens (``maxTokensPerMicroBatch``): the torch
+backend's planner (:func:`~.torch_backend.micro_batch_rows`), the loss weights unchanged.
 """
 
 from __future__ import annotations
@@ -90,6 +101,71 @@ def left_aligned(
 
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(length, length, device=device).triu(1).bool()[None, None]
+
+
+def packed_lengths(positions: torch.Tensor) -> list[int]:
+    """The lengths of the sequences of one packed row, from its ``positions`` (restarting at 0
+    for every sequence, :func:`~.torch_backend.pack_rows`)."""
+    pos = positions.reshape(-1)
+    starts = (pos == 0).nonzero().flatten().tolist()
+    return [b - a for a, b in zip(starts, [*starts[1:], pos.numel()], strict=True)]
+
+
+def block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[1, 1, N, N] bool, megatron's convention (True: masked out): each of the packed
+    sequences of ``lengths`` attends causally to itself and to no other."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    same = seg[:, None] == seg[None, :]
+    causal = torch.ones(len(seg), len(seg), dtype=torch.bool).tril()
+    return (~(same & causal)).to(device)[None, None]
+
+
+def packed_seq_params(lengths: list[int], device: torch.device) -> Any:
+    """megatron-core's ``PackedSeqParams`` of one packed row (``thd``: Transformer Engine's
+    varlen attention, and RoPE restarted per sequence): the cumulative sequence boundaries
+    ``cu_seqlens`` [0, l1, l1 + l2, ..., N] (int32) and the longest sequence, the same for
+    queries and keys (self-attention; no context parallelism, so no per-sequence padding)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    cu = cu.to(device)
+    longest = max(lengths)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+@contextmanager
+def rope_positions(module: Any, positions: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the rotary embeddings of ``module`` (megatron-core's ``GPTModel``
+    computes them for positions 0..N-1 of the row, whatever its ``position_ids``) rotate token
+    k by ``positions[k]`` instead: the packed row's positions, restarting per sequence, as the
+    Hugging Face model and the padded row give them (megatron's local attention takes no
+    ``PackedSeqParams``)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    pos = positions.reshape(-1)
+    ropes = [m for m in module.modules() if type(m) is RotaryEmbedding]
+
+    def restarted(rope: Any) -> Callable[..., torch.Tensor]:
+        def forward(max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+            emb = RotaryEmbedding.forward(rope, int(pos.max()) + 1, *args, **kwargs)
+            return emb[pos.to(emb.device)]
+
+        return forward
+
+    for rope in ropes:
+        rope.forward = restarted(rope)
+    try:
+        yield
+    finally:
+        for rope in ropes:
+            del rope.forward
 
 
 def _split(n: int, size: int) -> list[slice]:
@@ -161,6 +237,9 @@ class _Sharded:
 
         hf = self._load_hf(model_dir, seed, dtype_name)
         self.model = self._new_model(build_model, hf)
+        # Transformer Engine's layer spec (its varlen attention takes packed rows as ``thd``),
+        # else megatron-core's local attention (packed rows: a block-diagonal mask)
+        self.te = any(k.endswith(TE_NORMS[0][1]) for k in self.model.state_dict())
         self.reference = None
         if frozen_copy:
             self.reference = self._new_model(build_model, hf).eval()
@@ -313,35 +392,88 @@ class _Sharded:
         return self.ddp if self.ddp is not None else self.model
 
     # -- forward and backward ------------------------------------------------------------------
+    def plan(self, batch: Mapping[str, torch.Tensor], max_rows: int | None) -> list[torch.Tensor]:
+        """Row indices of ``batch``'s micro-batches: ``max_rows`` rows at a time, or with
+        ``maxTokensPerMicroBatch`` the torch backend's token-budget planner
+        (:func:`~.torch_backend.micro_batch_rows`: first-fit decreasing when packed); every
+        rank of a model-parallel group plans the same batch alike."""
+        from .torch_backend import micro_batch_rows
+
+        s = self.settings
+        return micro_batch_rows(
+            batch, s.max_tokens_per_micro_batch, packing=s.packing, max_rows=max_rows
+        )
+
+    def _inputs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch ``mb`` (padded to its own longest prompt and response) with the
+        model's inputs: ``_ids`` [b, L] left-aligned rows, or with ``packing`` [1, N] one packed
+        row (``_pos``: positions restarting per sequence, ``_lengths``: the sequences' lengths);
+        ``_index`` [b, T]: the position of
+        the output that predicts each response token (in the packed row: 0 for padding)."""
+        from .torch_backend import pack_rows, trim_padding
+
+        mb, _ = trim_padding(mb)
+        pad_to = self.shard.tp_size if self.sequence_parallel else 1
+        if not self.settings.packing:
+            ids, index = left_aligned(mb, pad_to)
+            mb["_ids"], mb["_index"] = ids.to(self.device), index.to(self.device)
+            return mb
+        ids, pos, select, rows, cols = pack_rows(mb)
+        tail = -ids.shape[1] % pad_to  # one more sequence of padding (sequence parallelism)
+        if tail:
+            ids = torch.cat([ids, ids.new_zeros(1, tail)], 1)
+            pos = torch.cat([pos, torch.arange(tail)[None]], 1)
+        index = torch.zeros(mb["response_ids"].shape, dtype=torch.long)
+        index[rows, cols] = select
+        mb["_ids"], mb["_pos"] = ids.to(self.device), pos.to(self.device)
+        mb["_index"] = index.to(self.device)
+        mb["_lengths"] = torch.tensor(packed_lengths(pos))  # on the CPU: no device sync
+        return mb
+
     def run(
         self,
         batch: Mapping[str, torch.Tensor],
-        micro: int,
+        plan: int | list[torch.Tensor],
         head: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
         *,
         forward_only: bool,
         reference: bool = False,
     ) -> list[Any]:
-        """Run ``batch`` in micro-batches of ``micro`` rows through megatron-core's schedule.
+        """Run ``batch`` in micro-batches (the row indices of ``plan``, or runs of ``plan``
+        rows) through megatron-core's schedule, each padded to its own longest sequence, or
+        packed into one row with ``packing``.
 
         ``head(output, micro_batch)`` runs on the last stage and returns ``(loss, payload)``;
-        the payloads of the micro-batches come back (on the last stage; [] elsewhere)."""
+        the payloads of the micro-batches come back in ``plan``'s order (on the last stage; []
+        elsewhere). ``output`` is [b, L, ...], or [1, N, ...] for a packed row: read it at
+        ``micro_batch["_index"]`` with :func:`_at_index`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         model = self.reference if reference else self._train_module
-        pad_to = self.shard.tp_size if self.sequence_parallel else 1
-        ids, index = left_aligned(batch, pad_to)
-        n, length = ids.shape
-        mask = None if self.gpu else _causal_mask(length, self.device)
-        micros = []
-        for sl in _split(n, micro):
-            mb = {k: v[sl] for k, v in batch.items()}
-            mb["_ids"], mb["_index"] = ids[sl].to(self.device), index[sl].to(self.device)
-            micros.append(mb)
+        n = batch["response_ids"].shape[0]
+        if isinstance(plan, int):
+            plan = [torch.arange(sl.start, sl.stop) for sl in _split(n, plan)]
+        micros = [self._inputs({k: v[idx] for k, v in batch.items()}) for idx in plan]
+        packed, te = self.settings.packing, self.te
 
         def step(data: Iterator[dict[str, torch.Tensor]], module: Any) -> tuple[Any, Any]:
             mb = next(data)
-            out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
+            length = mb["_ids"].shape[1]
+            if not packed:
+                mask = None if self.gpu else _causal_mask(length, self.device)
+                out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
+            elif te:  # pragma: no cover - Transformer Engine needs CUDA
+                params = packed_seq_params(mb["_lengths"].tolist(), self.device)
+                out = module(
+                    input_ids=mb["_ids"],
+                    position_ids=mb["_pos"],
+                    attention_mask=None,
+                    packed_seq_params=params,
+                )
+            else:
+                mask = block_causal_mask(mb["_lengths"].tolist(), self.device)
+                with rope_positions(module, mb["_pos"]):
+                    out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 loss, payload = head(output, mb)
@@ -356,10 +488,23 @@ class _Sharded:
             data_iterator=iter(micros),
             model=[model],
             num_microbatches=len(micros),
-            seq_length=length,
-            micro_batch_size=micro,
+            seq_length=max(mb["_ids"].shape[1] for mb in micros),
+            micro_batch_size=max(mb["_ids"].shape[0] for mb in micros),
             forward_only=forward_only,
         )
+
+    @staticmethod
+    def assemble(plan: list[torch.Tensor], parts: list[torch.Tensor], width: int) -> Any:
+        """The [B, width] result of the micro-batches' [b, T'] ``parts`` (rows ``plan``), in
+        the batch's row order; None where ``parts`` is empty (not the last stage)."""
+        from .torch_backend import _pad_columns
+
+        if not parts:
+            return None
+        out = torch.zeros(sum(len(idx) for idx in plan), width, dtype=parts[0].dtype)
+        for idx, part in zip(plan, parts, strict=True):
+            out[idx] = _pad_columns(part, width)
+        return out
 
     def _cpu_schedule(
         self,
@@ -433,12 +578,13 @@ class _Sharded:
         from ..algorithms import aggregation_count
 
         n = minibatch["response_ids"].shape[0]
-        slices = _split(n, micro)
+        budget = self.settings.max_tokens_per_micro_batch
+        plan = self.plan(minibatch, self.settings.micro_batch_size if budget is not None else micro)
         mask = minibatch.get("loss_mask", minibatch.get("response_mask"))
         counts = (
-            [float(sl.stop - sl.start) for sl in slices]
+            [float(len(idx)) for idx in plan]
             if mask is None
-            else [float(aggregation_count(mask[sl], agg)) for sl in slices]
+            else [float(aggregation_count(mask[idx], agg)) for idx in plan]
         )
         total = self._dp_sum(sum(counts))
         if total == 0 and "loss_mask" in minibatch:  # every sample left out of the loss
@@ -450,14 +596,13 @@ class _Sharded:
             i = state["i"]
             state["i"] += 1
             loss, metrics = micro_loss(output, mb)
-            rows = (slices[i].stop - slices[i].start) / n
-            return loss * weights[i], (rows, metrics)
+            return loss * weights[i], (len(plan[i]) / n, metrics)
 
         self.model.train()
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-        parts = self.run(minibatch, micro, head, forward_only=False)
+        parts = self.run(minibatch, plan, head, forward_only=False)
         out: dict[str, float] = {}
         for rows, metrics in parts:
             for k, v in metrics.items():
@@ -732,6 +877,14 @@ def _select(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return output.gather(1, idx)
 
 
+def _at_index(output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``output`` [b, L, ...] (or [1, N, ...] for a packed row) at the micro-batch's
+    ``_index`` [b, T]: [b, T, ...]."""
+    if "_pos" in mb:
+        return output[0][mb["_index"]]
+    return _select(output, mb["_index"])
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] with ``logits`` split over the tensor-parallel vocabulary."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -808,7 +961,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
     def _scaled_logits(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The response positions' logits over this rank's vocabulary slice, in float32, divided
         by the sampling temperature (in bf16 the quotient would lose all but 8 mantissa bits)."""
-        return _select(output, mb["_index"]).float() / self.temperature
+        return _at_index(output, mb).float() / self.temperature
 
     def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
         logits = self._scaled_logits(output, mb)
@@ -827,10 +980,11 @@ class MegatronPolicyTrainer(PolicyTrainer):
             logp = self._token_logprobs(output, mb).cpu()
             return output.new_zeros(()), logp
 
+        plan = self.m.plan(batch, self.micro or n)
         with _eval_mode(model):
-            parts = self.m.run(batch, self.micro or n, head, forward_only=True, reference=reference)
-        out = torch.cat(parts, 0) if parts else None
-        return self.m.from_last_stage(out)
+            parts = self.m.run(batch, plan, head, forward_only=True, reference=reference)
+        width = batch["response_ids"].shape[1]
+        return self.m.from_last_stage(self.m.assemble(plan, parts, width))
 
     def update(
         self,
@@ -896,7 +1050,7 @@ class MegatronValueTrainer(ValueTrainer):
 
     @staticmethod
     def _values(output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _select(output.squeeze(-1), mb["_index"]).float()
+        return _at_index(output.squeeze(-1), mb).float()
 
     @torch.no_grad()
     def values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -905,9 +1059,11 @@ class MegatronValueTrainer(ValueTrainer):
         def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
             return output.new_zeros(()), self._values(output, mb).cpu()
 
+        plan = self.m.plan(batch, self.micro or n)
         with _eval_mode(self.m.model):
-            parts = self.m.run(batch, self.micro or n, head, forward_only=True)
-        return self.m.from_last_stage(torch.cat(parts, 0) if parts else None)
+            parts = self.m.run(batch, plan, head, forward_only=True)
+        width = batch["response_ids"].shape[1]
+        return self.m.from_last_stage(self.m.assemble(plan, parts, width))
 
     def update(
         self,

@@ -20,6 +20,14 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
   (a CUDA IPC handle; SGLang's rank ``i`` deserializes only payload ``i``).
 - Disaggregated weight sync: ``init_weights_update_group`` once (rank 0 the actor's leader),
   then ``update_weights_from_distributed`` per bucket while the leader broadcasts its tensors.
+- LoRA (``spec.model.lora``): the engine starts with SGLang's LoRA pool (:func:`lora_server_args`)
+  and each sync sends the adapters only, in PEFT names (:func:`peft_adapter_tensors`), as ONE
+  ``load_lora_adapter_from_tensors`` under the fixed name :data:`LORA_ADAPTER_NAME` after
+  ``unload_lora_adapter`` of the previous version (SGLang refuses to load a name that is loaded;
+  its unload waits for the requests using the adapter to finish). No weight-update session: SGLang
+  0.5.23 gates only ``update_weights_from_*`` with one, and the base weights never change. A
+  disaggregated engine takes the adapters through the object store (SGLang has no LoRA load from
+  a broadcast). Every generate request names the adapter once one is loaded (``lora_path``).
 
 Every SGLang name used here is in :data:`ENGINE_CALLS`, :data:`RUNTIME_IMPORTS`,
 :func:`engine_args`, :func:`sampling_params` and :data:`OUTPUT_FIELDS`;
@@ -34,13 +42,16 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import missing_backend
 from .base import Generation, GenerationEngine
 from .weight_sync import FlatBucket
+
+if TYPE_CHECKING:
+    from ppojob_api.training import LoraSpec
 
 SGLANG_VERSION = "0.5.23"
 """The release the adapter is checked against (``pyproject.toml``: ``gpu`` extra)."""
@@ -90,6 +101,62 @@ def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None)
         "trust_remote_code": cfg.model.trust_remote_code,
         # sleep/wake needs SGLang's memory saver (torch_memory_saver)
         "enable_memory_saver": rollout.colocate_with_actor and rollout.offload,
+        **(lora_server_args(cfg.model.lora) if cfg.model.lora is not None else {}),
+    }
+
+
+LORA_ADAPTER_NAME = "policy"
+"""The name the actor's adapter is loaded under (the same every sync: unload, then load)."""
+
+LORA_TARGET_ALL = "all"
+"""SGLang's spelling of every supported linear layer (``--lora-target-modules all``); PEFT's
+``all-linear`` is not among its choices."""
+
+
+def lora_server_args(lora: LoraSpec) -> dict[str, Any]:
+    """``ServerArgs`` fields of SGLang's LoRA pool for the actor's adapter: one adapter of
+    ``lora.rank`` on ``lora.target_modules`` (SGLang needs both up front when no adapter is
+    given at start), one adapter slot per batch (every request uses the same one)."""
+    targets = list(lora.target_modules)
+    return {
+        "enable_lora": True,
+        "max_lora_rank": lora.rank,
+        "lora_target_modules": [LORA_TARGET_ALL] if targets == ["all-linear"] else targets,
+        "max_loras_per_batch": 1,
+    }
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The torch backend's adapter export (``<module>.lora_A`` / ``<module>.lora_B``, HF module
+    names) in PEFT's names, which SGLang's ``LoRAAdapter`` parses (the layer index from
+    ``layers.<i>.``, the projection from the module name, A or B from ``lora_A``/``lora_B``):
+    ``base_model.model.<module>.lora_A.weight``."""
+    from .torch_backend import LORA_A, LORA_B
+
+    out = {}
+    for name, t in adapters.items():
+        if not name.endswith((LORA_A, LORA_B)):
+            raise ValueError(f"adapter sync: {name!r} is no LoRA tensor")
+        out[f"{PEFT_PREFIX}{name}.weight"] = t
+    return out
+
+
+def lora_config_dict(lora: LoraSpec) -> dict[str, Any]:
+    """The PEFT ``adapter_config.json`` SGLang's ``LoRAConfig.from_dict`` reads with our tensors.
+    Our export multiplies B by alpha / r already, and SGLang scales B A by its
+    ``lora_alpha / r``: so ``lora_alpha`` is ``r`` here (a scaling of 1), not the spec's alpha."""
+    targets = list(lora.target_modules)
+    return {
+        "peft_type": "LORA",
+        "r": lora.rank,
+        "lora_alpha": lora.rank,
+        "target_modules": "all-linear" if targets == ["all-linear"] else targets,
+        "bias": "none",
+        "use_dora": False,
+        "task_type": "CAUSAL_LM",
     }
 
 
@@ -173,6 +240,8 @@ ENGINE_CALLS = (
     "update_weights_from_tensor",
     "init_weights_update_group",
     "update_weights_from_distributed",
+    "load_lora_adapter_from_tensors",
+    "unload_lora_adapter",
     "shutdown",
 )
 """The ``sglang.Engine`` methods called below (the contract tests also read the calls and their
@@ -181,6 +250,11 @@ keywords from this module's source)."""
 
 class SGLangGenerationEngine(GenerationEngine):
     """One SGLang engine (tensor parallel inside it) per rollout engine slot."""
+
+    lora: LoraSpec | None = None
+    """The actor's adapters (``spec.model.lora``): syncs load them, requests name them."""
+    adapter_loaded = False
+    """Whether the engine holds the actor's adapter (none before the first sync)."""
 
     def __init__(
         self,
@@ -199,6 +273,8 @@ class SGLangGenerationEngine(GenerationEngine):
         self.stop_ids = sorted(set(stop_ids))
         rollout = cfg.roles.rollout
         self.offload = rollout.colocate_with_actor and rollout.offload
+        self.lora = cfg.model.lora
+        self.adapter_loaded = False
 
     def generate(
         self,
@@ -215,12 +291,44 @@ class SGLangGenerationEngine(GenerationEngine):
             sampling_params(max_new_tokens, temperature, top_p, self.stop_ids, row_seed)
             for row_seed in row_seeds(seed, len(prompts))
         ]
-        outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        outs = self.engine.generate(
+            input_ids=prompts,
+            sampling_params=params,
+            return_logprob=True,
+            lora_path=self.lora_paths(len(prompts)),
+        )
         return generation_from_outputs(outs, max_new_tokens, self.pad_id)
+
+    def lora_paths(self, rows: int) -> list[str | None] | None:
+        """``lora_path`` of a generate call: the adapter's name for every row once the actor's
+        adapter is loaded; None before (the base model: the actor's adapter starts at B = 0)."""
+        return [LORA_ADAPTER_NAME] * rows if self.adapter_loaded else None
+
+    def load_adapter(self, tensors: Any, load_format: str | None) -> None:
+        """The actor's new adapter version: unload the loaded one (SGLang waits for requests
+        using it), then load this one under the same name. ``tensors``: PEFT-named CPU tensors
+        (SGLang serializes them per rank), or one flattened-bucket payload per rank."""
+        assert self.lora is not None
+        if self.adapter_loaded:
+            _check_lora(self.engine.unload_lora_adapter(lora_name=LORA_ADAPTER_NAME), "unload")
+            self.adapter_loaded = False
+        _check_lora(
+            self.engine.load_lora_adapter_from_tensors(
+                lora_name=LORA_ADAPTER_NAME,
+                tensors=tensors,
+                config_dict=lora_config_dict(self.lora),
+                load_format=load_format,
+            ),
+            "load",
+        )
+        self.adapter_loaded = True
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """All weights at once, from this process (a single-GPU engine in this process), in a
-        session of its own."""
+        session of its own; with LoRA, the adapter."""
+        if self.lora is not None:
+            self.load_adapter(dict(named_tensors), None)
+            return
         self.begin_weight_update()
         _check(
             self.engine.update_weights_from_tensor(
@@ -231,12 +339,22 @@ class SGLangGenerationEngine(GenerationEngine):
         self.end_weight_update()
 
     def begin_weight_update(self) -> None:
-        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        if self.lora is None:  # an adapter load needs no session (base weights stay)
+            _check(self.engine.begin_weight_update(), "begin_weight_update")
 
     def end_weight_update(self) -> None:
-        _check(self.engine.end_weight_update(), "end_weight_update")
+        if self.lora is None:
+            _check(self.engine.end_weight_update(), "end_weight_update")
 
     def update_weights_from_tensor(self, payloads: Sequence[Any], *, flush_cache: bool) -> None:
+        if self.lora is not None:
+            if not flush_cache:  # the host plans one bucket for an adapter
+                raise RuntimeError("adapter sync: SGLang loads an adapter in one call, not buckets")
+            if all(isinstance(p, FlatBucket) for p in payloads):  # the object store's copy
+                self.load_adapter(dict(payloads[0].tensors()), None)
+            else:
+                self.load_adapter(list(payloads), FLATTENED_BUCKET)
+            return
         _check(
             self.engine.update_weights_from_tensor(
                 named_tensors=list(payloads), load_format=FLATTENED_BUCKET, flush_cache=flush_cache
@@ -274,6 +392,8 @@ class SGLangGenerationEngine(GenerationEngine):
         group_name: str,
         flush_cache: bool,
     ) -> None:
+        if self.lora is not None:  # the loop sends adapters through the object store
+            raise RuntimeError("adapter sync: SGLang loads no adapter from a broadcast")
         _check(
             self.engine.update_weights_from_distributed(
                 names=list(names),
@@ -304,6 +424,15 @@ def _check(result: Any, what: str) -> None:
         raise RuntimeError(f"sglang {what} returned {result!r}, not (success, message)")
     if not result[0]:
         raise RuntimeError(f"sglang {what} failed: {result[1]}")
+
+
+def _check_lora(result: Any, what: str) -> None:
+    """SGLang's LoRA calls return a ``LoRAUpdateOutput`` (``success``, ``error_message``); a
+    failure raises (the engine would sample from the previous adapter, or none)."""
+    if not hasattr(result, "success"):
+        raise RuntimeError(f"sglang LoRA {what} returned {result!r}, not a LoRAUpdateOutput")
+    if not result.success:
+        raise RuntimeError(f"sglang LoRA {what} failed: {result.error_message}")
 
 
 def generation_from_outputs(

@@ -96,8 +96,8 @@ def make_policy_trainer(
         device=device,
         offload_reference=cfg.training.offload_reference,
         lora=cfg.model.lora,
-        # torch engines apply adapters; sglang engines take the merged weights
-        sync_adapters=cfg.roles.rollout.backend == "torch",
+        # both engines take the adapters only (sglang: its LoRA adapter loading)
+        sync_adapters=True,
     )
 
 

@@ -316,6 +316,7 @@ class WorkerHost:
         }
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:
+        _fault_gate("evaluate", prompts=[e.prompt for e in examples])
         if self.cfg.algorithm.partial_rollout:
             self._load_offer()
         return self.rollout.evaluate(examples)
@@ -406,8 +407,16 @@ class WorkerHost:
         """The actor's weights for sync ``sync_id`` and their bucket plan (exported once)."""
         if self._weights is None or self._weights[0] != sync_id:
             weights = self.actor.trainer.export_weights()
-            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-            self._weights = (sync_id, weights, plan_weight_buckets(weights, limit))
+            if self.cfg.model.lora is not None and self.cfg.roles.rollout.backend == "sglang":
+                from ..backends.sglang_backend import peft_adapter_tensors
+
+                # SGLang loads an adapter in one call: PEFT names, one bucket
+                weights = peft_adapter_tensors(weights)
+                plan = [list(weights)]
+            else:
+                limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+                plan = plan_weight_buckets(weights, limit)
+            self._weights = (sync_id, weights, plan)
         return self._weights[1], self._weights[2]
 
     def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
@@ -624,9 +633,9 @@ class WorkerHost:
 
 FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
 """Fault injection for tests: the name of a Ray actor that an engine's process asks before it
-starts, before each elastic generation and, with partial rollout, between two tokens
-(``gate.arrive(event, this actor, info)``) and waits for; the tests' gate may kill the engine or
-hold it right there. Unset (always, outside tests): nothing."""
+starts, before each elastic generation, before each evaluation and, with partial rollout,
+between two tokens (``gate.arrive(event, this actor, info)``) and waits for; the tests' gate
+may kill the engine or hold it right there. Unset (always, outside tests): nothing."""
 
 
 def _fault_gate(event: str, **info: Any) -> None:
