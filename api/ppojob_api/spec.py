@@ -512,4 +512,6 @@ def total_gpus(spec: PPOJobSpec) -> int:
         total += critic.total_gpus()
     if not roles.rollout.colocate_with_actor:
         total += roles.rollout.total_gpus()
+    if roles.reward is not None:
+        total += roles.reward.total_gpus()
     return total

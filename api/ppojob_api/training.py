@@ -304,8 +304,19 @@ class RolloutRole(_Role):
     engine is part of the gang and losing one fails the step."""
 
 
+class RewardRole(_Role):
+    """Reward-model workers: every `data.rewards[].model` source is loaded on each of these
+    workers (one per GPU, or one per replica on CPU) instead of in every rollout engine's
+    process, and the engines send them the texts to score (prompt and completion strings, by
+    Ray actor calls from the engine's process, never through the driver). Each engine splits a
+    step's samples into one contiguous part per reward worker and sends the parts at once; a
+    worker scores its part in batches of the source's batchSize. Judges and HTTP sources stay
+    in the engines. The workers are data parallel only: leave `parallelism` unset."""
+
+
 class Roles(ApiModel):
-    """The three roles of PPO. Each is data parallel over its workers."""
+    """The roles of PPO (actor, critic, rollout) and the optional reward-model workers. Each is
+    data parallel over its workers."""
 
     actor: ActorRole = Field(default_factory=ActorRole)
     """The policy being trained."""
@@ -315,6 +326,11 @@ class Roles(ApiModel):
 
     rollout: RolloutRole = Field(default_factory=RolloutRole)
     """The generation engines."""
+
+    reward: RewardRole | None = None
+    """Workers of their own (pods, in the gang) holding the reward models of data.rewards and
+    scoring every engine's samples. Unset: each rollout engine loads the reward models in its
+    own process, on its own device."""
 
     def effective_critic(self, needs_critic: bool) -> CriticRole | None:
         """The critic the trainer runs: the given one, a colocated default, or none."""
@@ -326,6 +342,8 @@ class Roles(ApiModel):
         """Worker count of a role, following colocation."""
         if role == "actor":
             return self.actor.workers()
+        if role == "reward":
+            return self.reward.workers() if self.reward is not None else 0
         spec = self.effective_critic(needs_critic) if role == "critic" else self.rollout
         if spec is None:
             return 0
@@ -548,10 +566,10 @@ class Algorithm(ApiModel):
 # ---------------------------------------------------------------------------------------------
 class RewardModelSource(ApiModel):
     """A Hugging Face sequence-classification reward model (`AutoModelForSequenceClassification`
-    saved with `num_labels=1`), run where the rewards are computed (in each rollout engine's
-    process, on its device). It reads the prompt as the policy saw it (chat template applied when
-    data.applyChatTemplate is on) followed by the completion, tokenized with the reward model's
-    own tokenizer; its single output is the reward."""
+    saved with `num_labels=1`), run on the reward workers when spec.roles.reward is set, else in
+    each rollout engine's process, on its device. It reads the prompt as the policy saw it (chat
+    template applied when data.applyChatTemplate is on) followed by the completion, tokenized
+    with the reward model's own tokenizer; its single output is the reward."""
 
     path: str = Field(min_length=1)
     """The reward model's directory (config.json, weights and tokenizer) in the trainer image or
@@ -569,8 +587,9 @@ class RewardModelSource(ApiModel):
     """Dtype of the reward model's weights. Unset: model.dtype."""
 
     device: Literal["auto", "cpu"] = "auto"
-    """`auto`: the rollout engine's device (its GPU when the rollout role has GPUs, else the
-    CPU); `cpu`: always the CPU (no GPU memory, slower)."""
+    """`auto`: the device of the process holding the model (a reward worker's GPU when
+    roles.reward is set and has GPUs; else the rollout engine's GPU when the rollout role has
+    GPUs; else the CPU); `cpu`: always the CPU (no GPU memory, slower)."""
 
 
 class HttpRewardSource(ApiModel):

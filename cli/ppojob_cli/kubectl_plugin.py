@@ -28,7 +28,7 @@ from typing import Any
 from ppojob_api.spec import GROUP, PLURAL, VERSION
 from ppojob_operator.builders import JOB_LABEL, ROLE_LABEL
 
-ROLES = ("head", "actor", "critic", "rollout")
+ROLES = ("head", "actor", "critic", "rollout", "reward")
 TERMINAL = ("Succeeded", "Failed", "Invalid")
 
 
@@ -507,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p = sub.add_parser("logs", parents=[common], help="logs of a role's pods")
     p.add_argument("name")
-    p.add_argument("--role", required=True, choices=("actor", "critic", "rollout", "head"))
+    p.add_argument(
+        "--role", required=True, choices=("actor", "critic", "rollout", "reward", "head")
+    )
     p.add_argument("--container", help="container (default: the pod's first)")
     p.add_argument("--tail", type=int, help="last N lines of each pod")
     p = sub.add_parser("watch", parents=[common], help="live phase, step, reward, tokens/s")

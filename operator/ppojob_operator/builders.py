@@ -275,6 +275,8 @@ def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
         out.append(("critic", critic))
     if not spec.roles.rollout.colocate_with_actor:
         out.append(("rollout", spec.roles.rollout))
+    if spec.roles.reward is not None:  # reward-model workers: pods of their own, in the gang
+        out.append(("reward", spec.roles.reward))
     return out
 
 

@@ -64,6 +64,7 @@ from ppojob_api.checks.sources import (
     check_model_paths,
     check_prompts,
     check_reward_function,
+    check_reward_role,
     check_rewards,
 )
 from ppojob_api.checks.trackers import check_trackers
@@ -2083,6 +2084,79 @@ TABLE += [
 ]
 
 
+# --- roles.reward: reward-model workers of their own
+RM = {"model": {"path": "/models/rm"}}
+TABLE += [
+    (
+        check_reward_role,
+        "two GPU reward workers holding a reward model",
+        {
+            "roles__reward": {"replicas": 2, "resources": {"gpus": 1}},
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [{"function": "m:f"}, RM],
+        },
+        [],
+    ),
+    (
+        check_reward_role,
+        "no reward role, a reward model in the engines",
+        {"data__rewards": [RM]},
+        [],
+    ),
+    (
+        check_reward_role,
+        "reward workers without a reward model, with tensor parallelism",
+        {
+            "roles__reward": {"parallelism": {"tensor": 2}, "resources": {"gpus": 2}},
+            "data__rewards": [{"function": "builtin:count-up"}],
+        },
+        ["spec.roles.reward", "spec.roles.reward.parallelism"],
+    ),
+    (
+        check_reward_role,
+        "a GPU reward worker whose only reward model runs on the CPU",
+        {
+            "roles__reward": {"resources": {"gpus": 1}},
+            "data__rewards": [{"model": {"path": "/models/rm", "device": "cpu"}}],
+        },
+        ["spec.roles.reward.resources.gpus"],
+    ),
+    (
+        check_reward_role,
+        "reward workers and no data.rewards",
+        {"roles__reward": {"replicas": 1}},
+        ["spec.roles.reward"],
+    ),
+    (
+        check_env,
+        "a reward worker sets CUDA_VISIBLE_DEVICES",
+        {
+            "roles__reward": {"env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]},
+            "data__rewards": [RM],
+        },
+        ["spec.roles.reward.env[0].name"],
+    ),
+    (
+        check_extended_resources,
+        "a reward worker asks for cpu as an extended resource",
+        {"roles__reward": {"resources": {"extra": {"cpu": 1}}}, "data__rewards": [RM]},
+        ["spec.roles.reward.resources.extra.cpu"],
+    ),
+    (
+        check_ray_memory,
+        "a reward worker pod of 100Mi",
+        {"roles__reward": {"resources": {"memory": "100Mi"}}, "data__rewards": [RM]},
+        ["spec.roles.reward.resources.memory"],
+    ),
+    (
+        check_pod_fields,
+        "a reward worker's bad node selector",
+        {"roles__reward": {"nodeSelector": {"bad key!": "x"}}, "data__rewards": [RM]},
+        ["spec.roles.reward.nodeSelector"],
+    ),
+]
+
+
 # ---------------------------------------------------------------- what the user reads, verbatim
 MESSAGES = Path(__file__).with_name("check_messages.txt")
 
@@ -2115,6 +2189,12 @@ def test_sglang_top_p_with_importance_sampling_is_refused_by_validation() -> Non
         algorithm__tisCap=2.0,
     )
     assert "spec.algorithm.tisCap" in [p.path for p in checks.check_training_half(doubled)]
+
+
+def test_reward_workers_without_a_reward_model_are_refused_by_validation() -> None:
+    """check_reward_role runs in validation (registered), not only when called by name."""
+    lonely = spec(roles__reward={"replicas": 1})
+    assert "spec.roles.reward" in [p.path for p in checks.check_training_half(lonely)]
 
 
 def test_the_affinity_table_is_kubernetes_own() -> None:

@@ -245,6 +245,42 @@ def test_elastic_rollout_group_has_its_bounds_and_the_gang_counts_its_minimum(va
     assert "enableInTreeAutoscaling" not in children[-1]["spec"]["rayClusterSpec"]
 
 
+REWARD_JOB = {
+    "algorithm": {"advantageEstimator": "grpo"},
+    "roles": {
+        "actor": {"replicas": 2, "resources": GPU},
+        "rollout": {"colocateWithActor": True},
+        "reward": {
+            "replicas": 3,
+            "resources": {"gpus": 1, "cpus": 4, "memory": "16Gi"},
+            "nodeSelector": {"pool": "reward"},
+        },
+    },
+    "data": {"prompts": "/data/p.jsonl", "rewards": [{"model": {"path": "/models/rm"}}]},
+}
+
+
+def test_reward_workers_are_a_worker_group_counted_in_the_gang(validate_child):
+    """roles.reward: a `reward` worker group of its replicas, advertising `ppojob-reward` (one
+    unit per GPU), placed by its own nodeSelector, and every one of its pods and GPUs counted
+    in the gang (here the scheduler-plugins PodGroup)."""
+    job = validate_manifest(base_manifest(**REWARD_JOB, scheduling=SCHEDULING["scheduler-plugins"]))
+    children = builders.build_children(job, namespace="ns1")
+    for child in children:
+        validate_child(child)
+    groups = {g["groupName"]: g for g in children[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert list(groups) == ["actor", "reward"]
+    reward = groups["reward"]
+    assert (reward["replicas"], reward["minReplicas"], reward["maxReplicas"]) == (3, 3, 3)
+    assert _advertised(reward)["ppojob-reward"] == 1.0
+    assert reward["template"]["spec"]["nodeSelector"]["pool"] == "reward"
+    pg = by_kind(children)["PodGroup"]
+    assert pg["spec"]["minMember"] == 1 + 2 + 3  # head, actor pods, reward pods
+    assert pg["spec"]["minResources"]["nvidia.com/gpu"] == str(2 * 2 + 3 * 1)
+    assert pg["spec"]["minResources"]["cpu"] == "30500m"  # 2 + 0.5 (submitter) + 2 x 8 + 3 x 4
+    assert total_gpus(job.spec) == 7
+
+
 def test_an_elastic_group_under_kueue_runs_no_autoscaler(validate_child):
     """Kueue 0.17 refuses ``enableInTreeAutoscaling`` on the RayJobs it manages (outside its
     workload-slicing gate): under Kueue the elastic group keeps its replicas, and the head's
@@ -538,7 +574,7 @@ CPU_ROLES = {
 }
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "cpu-fractional"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cpu-fractional", "reward-workers"])
 def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
     """The trainer pins each bundle to its role's pods with one unit of `ppojob-<role>`: every
     role pod must advertise one unit per worker on it, CPUs for its bundles, and the head none
@@ -548,6 +584,8 @@ def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
 
     if layout == "cpu-fractional":
         job = validate_manifest(base_manifest(**CPU_ROLES))
+    elif layout == "reward-workers":
+        job = validate_manifest(base_manifest(**REWARD_JOB))
     else:
         job = make(layout)
     rj = builders.build_children(job, namespace="ns1")[-1]

@@ -124,6 +124,28 @@ def test_elastic_engines_put_only_their_minimum_in_the_gang_and_the_group() -> N
     assert plan_placement(gang_config(plain)).roles["rollout"].count == 3
 
 
+def test_reward_workers_own_bundles_after_the_engines_and_are_in_the_gang() -> None:
+    """roles.reward: one bundle per reward GPU (one per replica on CPU), after the others,
+    pinned to `ppojob-reward` pods, and the trainer waits for those pods; unset, none."""
+    roles = {
+        "actor": {"replicas": 1, "resources": {"gpus": 2, "cpus": 8}},
+        "rollout": {"colocateWithActor": True},
+        "reward": {"replicas": 2, "resources": {"gpus": 1, "cpus": 3}},
+    }
+    cfg = cfg_of(roles, estimator="grpo")
+    plan = plan_placement(cfg, pin_roles=True)
+    assert plan.bundles[2:] == [{"GPU": 1.0, "CPU": 3.0, "ppojob-reward": 1.0}] * 2
+    reward = plan.roles["reward"]
+    assert (reward.offset, reward.count, reward.owner) == (2, 2, "reward")
+    assert [(n.role, n.pods, n.per_pod) for n in gang_needs(cfg)] == [
+        ("actor", 1, 2),
+        ("reward", 2, 1),
+    ]
+    cpu = cfg_of({**TINY, "reward": {"replicas": 3, "resources": {"cpus": 0.5}}})
+    assert plan_placement(cpu).bundles[2:] == [{"CPU": 0.5}] * 3
+    assert "reward" not in plan_placement(cfg_of(TINY)).roles
+
+
 def test_bad_strategy_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="strategy"):
         plan_placement(cfg_of(TINY), strategy="TIGHT")

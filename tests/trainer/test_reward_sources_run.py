@@ -1,6 +1,7 @@
 """`ppojob run` with reward sources, end to end on a local Ray (2 short steps each): a tiny
 reward model combined with the built-in count-up function, and an HTTP endpoint on 127.0.0.1.
-Each step's reward is the weighted sum of its sources, each source's mean is in the metrics."""
+Each step's reward is the weighted sum of its sources, each source's mean is in the metrics; a
+reward model on reward workers of its own (``roles.reward``) scores as in the engine."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ SMALL = ["--set", "data.rolloutBatchSize=4", "--set", "training.miniBatchSize=32
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def _run(out: Path, rewards: str) -> list[dict[str, Any]]:
-    argv = ["run", str(TINY), "--steps", "2", "--out", str(out), "--no-progress", *SMALL]
+def _run(out: Path, rewards: str, extra: tuple[str, ...] | list[str] = ()) -> list[dict[str, Any]]:
+    argv = ["run", str(TINY), "--steps", "2", "--out", str(out), "--no-progress", *SMALL, *extra]
     rc = ppojob([*argv, "--set", f"data.rewards={rewards}"])
     assert rc == 0
     return read_metrics(out)
@@ -103,3 +104,21 @@ def test_a_generative_judge_on_the_policys_engine(tmp_path: Path) -> None:
         n = 4 * 8  # rolloutBatchSize x samplesPerPrompt
         assert r["reward/judge_unparsed"] in range(n + 1)
         assert r["reward_mean"] == pytest.approx(count_up + 0.1 * verdict, abs=1e-5)
+
+
+def test_a_reward_model_on_reward_workers_scores_as_in_the_engines(tmp_path: Path) -> None:
+    """``roles.reward``: the reward model runs on two reward workers of their own, the engine
+    sends them its samples' texts, and each step's scores are those of the same model loaded
+    in the engine's process (the colocated path): same seed, same samples, same rewards."""
+    rm = build_reward_model(tmp_path / "rm")
+    sources = f"[{{model: {{path: '{rm}', batchSize: 5}}}}]"
+    here = _run(tmp_path / "colocated", sources)
+    workers = ["--set", "roles.reward={replicas: 2, resources: {cpus: 0.5, memory: 1Gi}}"]
+    remote = _run(tmp_path / "remote", sources, workers)
+    assert [r["step"] for r in remote] == [1, 2]
+    for a, b in zip(here, remote, strict=True):
+        assert "reward/model_remote" not in a  # the engine scored them itself
+        assert b["reward/model_remote"] == 32  # every sample of the step, on the workers
+        assert b["reward/model_mean"] != 0.0
+        assert b["reward/model_mean"] == pytest.approx(a["reward/model_mean"], rel=1e-5)
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-5)

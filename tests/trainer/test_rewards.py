@@ -21,7 +21,13 @@ import torch
 
 from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
 from ppojob_trainer import memory_plan as M
-from ppojob_trainer.rewards import HttpRewardScorer, RewardModelScorer, make_reward
+from ppojob_trainer.rewards import (
+    HttpRewardScorer,
+    RemoteRewardModelScorer,
+    RewardModelScorer,
+    make_reward,
+    reward_parts,
+)
 from ppojob_trainer.tasks import count_up_reward
 
 
@@ -220,6 +226,70 @@ def test_the_memory_plan_counts_a_reward_model_on_the_engine_gpu(reward_model: P
     assert on_gpu.phases["reward scoring"]["reward model rm scoring"] > 0
     off = plan(device="cpu")
     assert "reward model rm weights" not in off.persistent and "reward scoring" not in off.phases
+
+
+def test_with_reward_workers_the_memory_plan_moves_the_reward_model_off_the_engine(
+    reward_model: Path,
+) -> None:
+    """roles.reward: the engine's GPU holds no reward model; each reward worker's GPU (a
+    `reward` process of the plan) holds it instead."""
+    from ppojob_api.training import TrainerConfig
+
+    cfg = TrainerConfig.model_validate(
+        {
+            "roles": {"rollout": {"resources": {"gpus": 1}}, "reward": {"resources": {"gpus": 1}}},
+            "data": {"rewards": [{"model": {"path": str(reward_model)}, "name": "rm"}]},
+        }
+    )
+    plans = {p.name: p for p in M.plan_job(cfg)}
+    assert "reward model rm weights" not in plans["rollout"].persistent
+    assert "reward scoring" not in plans["rollout"].phases
+    assert plans["reward"].persistent["reward model rm weights"] > 0
+    assert plans["reward"].phases["reward scoring"]["reward model rm scoring"] > 0
+
+
+@pytest.mark.parametrize(
+    ("n", "workers", "first", "parts"),
+    [
+        (32, 2, 0, [(0, 0, 16), (1, 16, 32)]),
+        (10, 3, 0, [(0, 0, 4), (1, 4, 7), (2, 7, 10)]),
+        (10, 3, 4, [(1, 0, 4), (2, 4, 7), (0, 7, 10)]),  # engine 4 starts at worker 1
+        (2, 4, 3, [(3, 0, 1), (0, 1, 2)]),  # fewer samples than workers: no empty call
+        (0, 2, 0, []),
+    ],
+)
+def test_an_engines_samples_are_split_into_one_contiguous_part_per_reward_worker(
+    n: int, workers: int, first: int, parts: list[tuple[int, int, int]]
+) -> None:
+    assert reward_parts(n, workers, first) == parts
+
+
+class _FakeWorker:
+    """A reward worker's ``score`` as the engine calls it (``.remote`` returning the answer)."""
+
+    def __init__(self, seen: list[tuple[int, int, list[str]]], k: int) -> None:
+        self.score = self
+        self.seen, self.k = seen, k
+
+    def remote(self, source: int, prompts: list[str], completions: list[str]) -> list[float]:
+        self.seen.append((self.k, source, completions))
+        return [float(len(p + c)) for p, c in zip(prompts, completions, strict=True)]
+
+
+def test_a_remote_reward_model_source_sends_each_part_to_its_worker_and_joins_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: list(refs))
+    seen: list[tuple[int, int, list[str]]] = []
+    scorer = RemoteRewardModelScorer(
+        [_FakeWorker(seen, 0), _FakeWorker(seen, 1)], 3, "data.rewards[3].model", first=1
+    )
+    out = scorer(PROMPTS, COMPLETIONS, [None] * 5)
+    assert out == [float(len(p + c)) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    assert seen == [(1, 3, COMPLETIONS[:3]), (0, 3, COMPLETIONS[3:])]
+    assert scorer.last_remote == 5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -296,8 +296,10 @@ class PPOTrainer:
                 for r in hosted:
                     self.hosts[r].append(handle)
                 all_hosts.append(handle)
+        self.reward_hosts = self._start_reward(cfg_json, threads)
         self.identities = ray.get([h.ready.remote() for h in all_hosts])
-        failed = [i for i in self.identities if "error" in i]
+        reward_ids = ray.get([h.ready.remote() for h in self.reward_hosts])
+        failed = [i for i in [*self.identities, *reward_ids] if "error" in i]
         if failed:
             from .errors import StartupError
 
@@ -325,7 +327,11 @@ class PPOTrainer:
         def visible(group: list[Any]) -> list[str] | None:
             return [g for h in group for g in gpus[id(h)]] if len(group) > 1 else None
 
-        errors = ray.get([g[0].start_rollout.remote(visible(g)) for g in self.engine_groups])
+        # (roles.reward: every engine gets the reward workers' handles and asks them itself)
+        rewarders = self.reward_hosts or None
+        errors = ray.get(
+            [g[0].start_rollout.remote(visible(g), rewarders) for g in self.engine_groups]
+        )
         if any(errors):
             from .errors import StartupError
 
@@ -358,6 +364,32 @@ class PPOTrainer:
             if kl.target is not None
             else FixedKLController(kl.coefficient)
         )
+
+    def _start_reward(self, cfg_json: str, threads: dict[str, int] | None) -> list[Any]:
+        """The reward workers of ``roles.reward`` (none when unset), one per worker slot of the
+        role's bundles, each loading every model source of data.rewards on its device."""
+        from .workers.reward import RemoteRewardHost
+
+        spec = self.cfg.roles.reward
+        if spec is None:
+            return []
+        device = "cuda" if spec.resources.gpus > 0 else "cpu"
+        world = self.cfg.roles.workers_of("reward")
+        hosts = []
+        for rank in range(world):
+            opts = self.placement.host_options("reward", rank)
+            opts["runtime_env"] = {"env_vars": _worker_env()}
+            nthreads = (threads or {}).get("reward") or max(1, round(opts["num_cpus"]))
+            hosts.append(
+                RemoteRewardHost.options(**opts).remote(cfg_json, rank, world, nthreads, device)
+            )
+        return hosts
+
+    def reward_scored(self) -> list[int]:
+        """Samples each reward worker scored so far (``roles.reward``; empty when unset)."""
+        import ray
+
+        return ray.get([h.scored_count.remote() for h in self.reward_hosts])
 
     def _init_weight_group(self, tp: int) -> None:
         """Disaggregated engines: one weight-update group of the actor's leader (rank 0) and
@@ -775,7 +807,12 @@ class PPOTrainer:
                 )
             )
             self.starting.append(
-                _Starting(host, slot, host.ready.remote(), host.start_rollout.remote(None))
+                _Starting(
+                    host,
+                    slot,
+                    host.ready.remote(),
+                    host.start_rollout.remote(None, getattr(self, "reward_hosts", None) or None),
+                )
             )
 
     def _admit_engines(self, wait_s: float = 0.0) -> None:
@@ -1107,6 +1144,8 @@ class PPOTrainer:
         import ray
 
         hosts, self.all_hosts = list(getattr(self, "all_hosts", [])), []
+        hosts += getattr(self, "reward_hosts", [])
+        self.reward_hosts = []
         hosts += [s.host for s in getattr(self, "starting", [])]
         self.starting = []
         engines = list(getattr(self, "hosts", {}).get("rollout", []))

@@ -19,7 +19,8 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
                  reference is the base model with the adapters off; / dp under FSDP)
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
                  (sglang without offload; with LoRA a note gives its LoRA buffers' share of it)
-``reward model`` each ``data.rewards`` model source on the engine's GPU (``device: auto``): its
+``reward model`` each ``data.rewards`` model source on the engine's GPU (``device: auto``), or on
+                 each reward worker's GPU when ``roles.reward`` is set (a ``reward`` process): its
                  weights in its dtype (embedding, blocks and a one-output head; its shape read
                  from its config.json, unknown when that is not readable here) and, while it
                  scores, one batch's activations (batchSize x maxLength tokens, one block)
@@ -405,6 +406,11 @@ def plan_job(
             plans.append(cp)
     persistent, generation, notes = _rollout_parts(half, shape, gpu_bytes)
     rm_persistent, rm_scoring, rm_notes = _reward_model_parts(half)
+    if roles.reward is not None:  # the reward workers hold them, not the engines
+        if roles.reward.resources.gpus > 0 and (rm_persistent or rm_notes):
+            phases = {"reward scoring": rm_scoring} if rm_scoring else {}
+            plans.append(ProcessPlan("reward", dict(rm_persistent), phases, list(rm_notes)))
+        rm_persistent, rm_scoring, rm_notes = {}, {}, []
     persistent.update(rm_persistent)
     notes += rm_notes
     if roles.rollout.colocate_with_actor:

@@ -5,7 +5,10 @@ A step's reward of a sample is ``sum_i weight_i x r_i``, over the sources of ``d
 ``function``  a reward function (``module:function`` or ``builtin:<task>``), as
               ``data.rewardFunction`` (:class:`ppojob_trainer.tasks.RewardScorer`)
 ``model``     a Hugging Face sequence-classification reward model with one output
-              (:class:`RewardModelScorer`), held by the rollout engine's process, on its device
+              (:class:`RewardModelScorer`), held by the rollout engine's process, on its device;
+              with ``roles.reward`` held by the reward workers instead
+              (:class:`~ppojob_trainer.workers.reward.RewardHost`), which the engine asks
+              (:class:`RemoteRewardModelScorer`)
 ``http``      a remote endpoint (:class:`HttpRewardScorer`): POST ``{"prompts", "completions",
               "labels"}`` -> ``{"rewards": [...]}``
 ``judge``     a generative judge (:class:`JudgeScorer`): a causal LM on a rollout engine (the
@@ -137,6 +140,71 @@ class RewardModelScorer:
                 f"{self.field}.path: the reward model scored sample {bad} {out[bad]} (not "
                 "finite); check its weights and dtype (float16 overflows easily)"
             )
+        return out
+
+
+def reward_parts(n: int, workers: int, first: int = 0) -> list[tuple[int, int, int]]:
+    """How ``n`` samples are split over ``workers`` reward workers: ``(worker, lo, hi)``, one
+    contiguous near-equal part per worker (fewer parts when ``n < workers``), the parts handed
+    to the workers from ``first`` on (an engine's rank: engines with few samples then use
+    different workers)."""
+    if workers < 1:
+        raise ValueError(f"reward_parts: {workers} reward workers")
+    parts = min(n, workers)
+    out = []
+    for k in range(parts):
+        base, extra = divmod(n, parts)
+        lo = k * base + min(k, extra)
+        hi = lo + base + (1 if k < extra else 0)
+        out.append(((first + k) % workers, lo, hi))
+    return out
+
+
+class RemoteRewardModelScorer:
+    """A model source scored on the reward workers (``roles.reward``): the engine splits its
+    samples with :func:`reward_parts`, sends each part's prompt and completion strings to its
+    worker by an actor call (all parts at once, straight from the engine's process, never
+    through the driver), and joins the answers in order. Labels are not sent (a reward model
+    reads the text only)."""
+
+    def __init__(self, workers: Sequence[Any], source: int, field: str, first: int = 0) -> None:
+        if not workers:
+            raise ValueError(f"{field}: roles.reward is set, but no reward worker is running")
+        self.workers = list(workers)
+        self.source = source
+        self.field = field
+        self.first = first
+        self.last_remote = 0
+        """Samples the reward workers scored in the latest call (``reward/<name>_remote``)."""
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[Any]
+    ) -> list[float]:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        from .errors import one_line
+
+        parts = reward_parts(len(prompts), len(self.workers), self.first)
+        refs = [
+            self.workers[w].score.remote(self.source, prompts[lo:hi], completions[lo:hi])
+            for w, lo, hi in parts
+        ]
+        try:
+            answers = ray.get(refs)
+        except RayTaskError as exc:  # the worker's own one-line error (names the field)
+            raise ValueError(one_line(exc.cause) if exc.cause else one_line(exc)) from None
+        except RayActorError as exc:
+            raise ValueError(
+                f"{self.field}: a reward worker (roles.reward) died ({type(exc).__name__}); "
+                "see its log, and give roles.reward more memory if it was OOMKilled"
+            ) from None
+        out: list[float] = []
+        for (_, lo, hi), got in zip(parts, answers, strict=True):
+            if len(got) != hi - lo:
+                raise ValueError(f"{self.field}: a reward worker answered {len(got)} of {hi - lo}")
+            out += got
+        self.last_remote = len(out)
         return out
 
 
@@ -404,7 +472,8 @@ class CombinedReward:
     def __init__(self, sources: Sequence[Source], report_sources: bool) -> None:
         self.sources = list(sources)
         self.report_sources = report_sources  # per-source metrics (data.rewards set)
-        self.last_counts: dict[str, int] = {}  # judges' unparsed verdicts in the latest score
+        # judges' unparsed verdicts and remote model sources' samples in the latest score
+        self.last_counts: dict[str, int] = {}
 
     def score(
         self, prompts: list[str], completions: list[str], labels: list[Any]
@@ -416,6 +485,13 @@ class CombinedReward:
             for s in self.sources
             if isinstance(s.scorer, JudgeScorer)
         }
+        self.last_counts.update(  # roles.reward: samples its workers scored
+            {
+                f"{s.name}_remote": s.scorer.last_remote
+                for s in self.sources
+                if isinstance(s.scorer, RemoteRewardModelScorer)
+            }
+        )
         total = [0.0] * len(prompts)
         for s in self.sources:
             for i, v in enumerate(parts[s.name]):
@@ -434,11 +510,14 @@ def make_reward(
     device: str = "cpu",
     model_dtype: str = "float32",
     policy: tuple[Any, Any] | None = None,
+    reward_workers: Sequence[Any] | None = None,
+    engine_rank: int = 0,
 ) -> CombinedReward:
     """The reward of ``data``: its ``rewards`` sources, or the ``rewardFunction`` shorthand
     (unset: the built-in task of ``prompts``). A model source (and a judge's own model) is
     loaded onto ``device``; ``policy``: the rollout engine and tokenizer a ``judge: {model:
-    policy}`` asks."""
+    policy}`` asks. ``reward_workers`` (``roles.reward``): the reward workers' handles, which
+    score the model sources instead (``engine_rank`` chooses the first worker of a split)."""
     if not data.rewards:
         return CombinedReward(
             [Source("reward", 1.0, RewardScorer(data.reward_function, prompts))], False
@@ -454,6 +533,8 @@ def make_reward(
         scorer: Scorer
         if src.function is not None:
             scorer = RewardScorer(src.function, prompts, field=f"{field}.function")
+        elif src.model is not None and reward_workers is not None:
+            scorer = RemoteRewardModelScorer(reward_workers, i, f"{field}.model", engine_rank)
         elif src.model is not None:
             scorer = RewardModelScorer(src.model, f"{field}.model", device, model_dtype)
         elif src.http is not None:
@@ -481,7 +562,9 @@ __all__ = [
     "CombinedReward",
     "HttpRewardScorer",
     "JudgeScorer",
+    "RemoteRewardModelScorer",
     "RewardModelScorer",
     "Source",
     "make_reward",
+    "reward_parts",
 ]

@@ -59,6 +59,7 @@ from ppojob_api.checks.sources import (
     check_model_paths,
     check_prompts,
     check_reward_function,
+    check_reward_role,
     check_rewards,
 )
 from ppojob_api.checks.trackers import check_trackers
@@ -99,6 +100,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_kl_off,
     check_reward_function,
     check_rewards,
+    check_reward_role,
     check_agent,
     check_prompts,
     check_eval_prompts,

@@ -131,6 +131,45 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     return p
 
 
+def check_reward_role(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """`roles.reward` holds the reward models of data.rewards: it needs one, its GPUs need a
+    model that runs on them, and its workers are data parallel only (each holds whole
+    models)."""
+    role = half.roles.reward
+    if role is None:
+        return []
+    path = f"{prefix}.roles.reward"
+    p: list[Problem] = []
+    if not any(src.model is not None for src in half.data.rewards):
+        p.append(
+            Problem(
+                path,
+                "its workers hold the reward models of data.rewards, but no source there has a "
+                "model",
+                "add a source {model: {path: DIR}} to data.rewards, or remove roles.reward",
+            )
+        )
+    models = [src.model for src in half.data.rewards if src.model is not None]
+    if role.resources.gpus > 0 and models and all(m.device == "cpu" for m in models):
+        p.append(
+            Problem(
+                f"{path}.resources.gpus",
+                f"{role.resources.gpus} GPU(s) per reward worker, but every reward model of "
+                "data.rewards runs on the CPU (device: cpu), so they would stay idle",
+                "set roles.reward.resources.gpus: 0, or the models' device: auto",
+            )
+        )
+    if role.parallelism.model_parallel > 1 or role.parallelism.sequence_parallel:
+        p.append(
+            Problem(
+                f"{path}.parallelism",
+                "reward workers are data parallel only (each holds whole reward models)",
+                "remove roles.reward.parallelism; add replicas or GPUs for more throughput",
+            )
+        )
+    return p
+
+
 def _judge_problems(judge: JudgeRewardSource, at: str) -> list[Problem]:
     """A judge: a model it can load, a template with the placeholders it fills, a pattern that
     compiles with one group, and a score range holding its default."""

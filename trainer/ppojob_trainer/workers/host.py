@@ -121,11 +121,14 @@ class WorkerHost:
         self._staged: Any = None  # the bucket an engine may still be reading (CUDA IPC)
         self._weight_group: tuple[Any, str] | None = None
 
-    def start_rollout(self, visible_devices: list[str] | None = None) -> str | None:
+    def start_rollout(
+        self, visible_devices: list[str] | None = None, reward_workers: list[Any] | None = None
+    ) -> str | None:
         """Start the generation engine of the hosted rollout slot (after :meth:`ready`, so that
         a colocated engine spanning several GPUs knows its bundle's GPUs: ``visible_devices``,
-        this process's own first). Returns None, or one line naming the field and the cause
-        when it cannot start (as :meth:`ready` does)."""
+        this process's own first). ``reward_workers``: the handles of the reward workers
+        (``roles.reward``) that score the model sources. Returns None, or one line naming the
+        field and the cause when it cannot start (as :meth:`ready` does)."""
         if "rollout" not in self.roles:
             return None
         _fault_gate("start")
@@ -135,7 +138,9 @@ class WorkerHost:
         try:
             path = resolve_model_path(self.cfg.model.path, self.cfg.training.seed)
             shard = identity("rollout", *self.roles["rollout"])
-            self.rollout = RolloutWorker(self.cfg, shard, path, self.device, visible_devices)
+            self.rollout = RolloutWorker(
+                self.cfg, shard, path, self.device, visible_devices, reward_workers
+            )
         except Exception as exc:
             return naming("model.path", exc, str(path) if path is not None else self.cfg.model.path)
         self.rollout.engine = RecordedEngine(self.rollout.engine, self.events)

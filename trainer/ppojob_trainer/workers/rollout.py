@@ -127,6 +127,7 @@ class RolloutWorker:
         model_dir: Path,
         device: str,
         visible_devices: list[str] | None = None,
+        reward_workers: list[Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard = shard
@@ -134,9 +135,16 @@ class RolloutWorker:
         self.chat = uses_chat_template(self.tokenizer, cfg.data.apply_chat_template)
         self.special = set(stop_token_ids(self.tokenizer))
         self.engine = make_engine(cfg, model_dir, self.tokenizer, device, visible_devices)
-        # the reward sources live here, beside the engine (a reward model on its device)
+        # the reward sources live here, beside the engine (a reward model on its device), or,
+        # with roles.reward, the model sources on the reward workers (``reward_workers``)
         self.scorer = make_reward(
-            cfg.data, cfg.data.prompts, device, cfg.model.dtype, (self.engine, self.tokenizer)
+            cfg.data,
+            cfg.data.prompts,
+            device,
+            cfg.model.dtype,
+            (self.engine, self.tokenizer),
+            reward_workers,
+            shard.dp_rank,
         )
         self.eval_scorer = (
             make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
