@@ -55,8 +55,9 @@ class Gate:
         self.log.append(
             {"event": event, "engine": caller._actor_id.hex(), "killed": killed, **info}
         )
-        if killed:
+        if killed:  # (and never answered: the kill lands before the caller could go on)
             ray.kill(caller, no_restart=True)
+            await asyncio.Event().wait()
         if event == "start" and self.count[event] == self.hold:
             await asyncio.Event().wait()  # an engine that never finishes starting
 
