@@ -43,3 +43,69 @@ def test_tool_calls_run_on_sandbox_workers_and_the_run_is_the_engines_own(
         for key in SAME:
             assert b[key] == a[key], key
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-6, abs=1e-9)
+
+
+CALC_TOOL = {
+    "name": "calc",
+    "description": "The value of an integer expression",
+    "parameters": {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+    "function": "builtin:calculate",
+}
+
+
+def test_an_engines_calls_are_split_over_the_sandbox_workers_and_answered_in_order() -> None:
+    """Two sandbox workers running declared tools: an engine's five calls go out as one
+    contiguous part per worker (its first part to the worker of its rank: 2 calls to worker 1,
+    3 to worker 0), each runs in that worker's tool processes (a bad expression is an error
+    reply, not a failure), and the replies come back in the calls' order, from processes other
+    than the engine's."""
+    import os
+
+    import ray
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.agent import RemoteToolPool
+    from ppojob_trainer.workers.sandbox import RemoteSandboxHost
+
+    cfg = TrainerConfig.model_validate({"data": {"agent": {"tools": [CALC_TOOL]}}})
+    hosts = [
+        RemoteSandboxHost.options(num_cpus=0.1).remote(cfg.model_dump_json(), r, 2)
+        for r in range(2)
+    ]
+    try:
+        ids = ray.get([h.ready.remote() for h in hosts])
+        assert all("error" not in i and i["pid"] != os.getpid() for i in ids), ids
+        pool = RemoteToolPool(hosts, first=1)
+        exprs = ["1+1", "2*3", "__import__('os')", "7//2", "10-4"]
+        replies = pool.map([("calc", {"expression": e}) for e in exprs])
+        assert [r.observation for r in replies[:2]] == ["2", "6"]
+        assert replies[2].error and "not an integer expression" in (replies[2].observation or "")
+        assert [r.observation for r in replies[3:]] == ["3", "6"]
+        assert not any(r.error for i, r in enumerate(replies) if i != 2)
+        assert ray.get([h.call_count.remote() for h in hosts]) == [3, 2]
+        assert pool.remote_calls == 5
+    finally:
+        for h in hosts:
+            ray.kill(h)
+
+
+def test_a_sandbox_worker_that_cannot_load_its_agent_says_so_in_one_line() -> None:
+    """A hook the sandbox worker cannot import is its startup error (the trainer's
+    StartupError), one line naming the field."""
+    import ray
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.workers.sandbox import RemoteSandboxHost
+
+    cfg = TrainerConfig.model_validate({"data": {"agent": {"function": "no_such_module:f"}}})
+    host = RemoteSandboxHost.options(num_cpus=0.1).remote(cfg.model_dump_json(), 0, 1)
+    try:
+        ident = ray.get(host.ready.remote())
+        assert ident["roles"] == ["sandbox"]
+        assert ident["error"].startswith("data.agent.function") and "\n" not in ident["error"]
+    finally:
+        ray.kill(host)

@@ -300,15 +300,18 @@ class RemoteToolPool:
     """The tool calls of an engine sent to the sandbox workers (``roles.sandbox``): each
     :meth:`map` splits its calls into one contiguous part per worker and sends the parts at
     once, by Ray actor calls from the engine's process; each worker runs its part in its own
-    :class:`ToolPool` (same timeout and limits) and answers the replies in order. What crosses
+    :class:`ToolPool` (same timeout and limits) and answers the replies in order. ``first``:
+    the worker this engine's first part goes to (its data-parallel rank, so that engines with
+    few calls spread out). What crosses
     the process boundary is the calls' arguments (the prompt and turns as strings, the label)
     and the replies, never through the driver. A worker lost mid-call fails the call with one
     line naming roles.sandbox."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Sequence[Any], first: int = 0) -> None:
         if not workers:
             raise ValueError("RemoteToolPool: no sandbox workers")
-        self.workers = list(workers)
+        k = first % len(workers)  # (engines start at different workers: few calls spread out)
+        self.workers = [*workers[k:], *workers[:k]]
         self.remote_calls = 0
         """Calls answered by a sandbox worker in another process (``agent/sandbox_calls``)."""
 

@@ -156,7 +156,7 @@ class RolloutWorker:
         agent = cfg.data.agent
         # the environment's calls run here in tool processes of this engine, or, with
         # roles.sandbox, on the sandbox workers (``sandbox_workers``)
-        remote = RemoteToolPool(sandbox_workers) if sandbox_workers else None
+        remote = RemoteToolPool(sandbox_workers, shard.dp_rank) if sandbox_workers else None
         if agent is not None and agent.tools:
             self.chat = True
             self.agent = ChatTools(
