@@ -2165,12 +2165,12 @@ SANDBOX_AGENT = {
 TABLE += [
     (
         check_sandbox_role,
-        "three sandbox workers under gVisor running the calculator's calls",
+        "three sandbox workers under gVisor (a dotted RuntimeClass name) running the calculator",
         {
             "roles__sandbox": {
                 "replicas": 3,
                 "resources": {"cpus": 2},
-                "runtimeClassName": "gvisor",
+                "runtimeClassName": "runsc.gvisor.dev",
             },
             **SANDBOX_AGENT,
         },

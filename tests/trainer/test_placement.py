@@ -153,19 +153,20 @@ def test_sandbox_workers_own_cpu_bundles_after_the_others_and_are_in_the_gang() 
         "actor": {"replicas": 1, "resources": {"gpus": 2, "cpus": 8}},
         "rollout": {"colocateWithActor": True},
         "reward": {"replicas": 1, "resources": {"gpus": 1, "cpus": 3}},
-        "sandbox": {"replicas": 2, "resources": {"cpus": 1.5}},
+        "sandbox": {"replicas": 3, "resources": {"cpus": 1.5}},
     }
     cfg = cfg_of(roles, estimator="grpo")
     plan = plan_placement(cfg, pin_roles=True)
-    assert plan.bundles[3:] == [{"CPU": 1.5, "ppojob-sandbox": 1.0}] * 2
+    assert plan.bundles[3:] == [{"CPU": 1.5, "ppojob-sandbox": 1.0}] * 3
     sandbox = plan.roles["sandbox"]
-    assert (sandbox.offset, sandbox.count, sandbox.owner) == (3, 2, "sandbox")
+    assert (sandbox.offset, sandbox.count, sandbox.owner) == (3, 3, "sandbox")
     assert [(n.role, n.pods, n.per_pod, n.gpus) for n in gang_needs(cfg)][-1] == (
         "sandbox",
-        2,
+        3,
         1,
         False,
     )
+    assert cfg.roles.workers_of("sandbox") == 3  # (the sandbox workers the trainer starts)
     assert "sandbox" not in plan_placement(cfg_of(TINY)).roles
 
 
