@@ -109,3 +109,47 @@ def test_a_sandbox_worker_that_cannot_load_its_agent_says_so_in_one_line() -> No
         assert ident["error"].startswith("data.agent.function") and "\n" not in ident["error"]
     finally:
         ray.kill(host)
+
+
+def test_declared_tools_answer_through_the_template_as_in_the_engine() -> None:
+    """``data.agent.tools`` with ``roles.sandbox``: the engine's :class:`ChatTools` parses the
+    calls and renders the replies as before, but the calls run on the sandbox worker (its
+    tool processes): the same tool messages and error counts as the engine's own tool
+    processes give, for a good call, a crashing one and a turn without a call."""
+    import ray
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.agent import ChatTools, RemoteToolPool
+    from ppojob_trainer.workers.sandbox import RemoteSandboxHost
+    from tests.helpers.chat_tools import ADD_SCHEMA, chat_tokenizer
+
+    tools = [
+        {"name": "add", "parameters": ADD_SCHEMA, "function": "tests.helpers.chat_tools:add"},
+        {
+            "name": "divide",
+            "parameters": ADD_SCHEMA,
+            "function": "tests.helpers.chat_tools:divide",
+        },
+    ]
+    cfg = TrainerConfig.model_validate({"data": {"agent": {"tools": tools}}})
+    host = RemoteSandboxHost.options(num_cpus=0.1).remote(cfg.model_dump_json(), 0, 1)
+    try:
+        assert "error" not in ray.get(host.ready.remote())
+        tok = chat_tokenizer()
+        spec = cfg.data.agent
+        assert spec is not None
+        here = ChatTools(tok, spec.tools, 10, 200)
+        there = ChatTools(tok, spec.tools, 10, 200, pool=RemoteToolPool([host]))
+        turns = [
+            '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+            '<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 0}}</tool_call>',
+            "The answer is 5",
+        ]
+        expected = here.respond(turns)
+        assert expected[0] == ([{"role": "tool", "content": "5", "name": "add"}], 0)
+        assert expected[1][1] == 1 and expected[2] == (None, 0)
+        assert there.respond(turns) == expected
+        assert ray.get(host.call_count.remote()) == 2  # the two calls, on the sandbox worker
+        here.close()
+    finally:
+        ray.kill(host)
