@@ -514,4 +514,6 @@ def total_gpus(spec: PPOJobSpec) -> int:
         total += roles.rollout.total_gpus()
     if roles.reward is not None:
         total += roles.reward.total_gpus()
+    if roles.sandbox is not None:
+        total += roles.sandbox.total_gpus()
     return total

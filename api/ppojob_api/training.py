@@ -314,9 +314,25 @@ class RewardRole(_Role):
     in the engines. The workers are data parallel only: leave `parallelism` unset."""
 
 
+class SandboxRole(_Role):
+    """Sandbox workers: the environment of `data.agent` (its hook, or its declared tools) runs
+    on these workers' pods instead of beside every rollout engine. Each worker keeps the same
+    pool of tool processes (forked, each call with toolTimeoutSeconds, a CPU-time and an
+    address-space limit); the engines send each round's calls to the workers by Ray actor calls
+    from the engine's process (JSON strings in and out, never through the driver), split into
+    one contiguous part per worker. On a cluster the pods get `runtimeClassName` and a
+    NetworkPolicy of their own that allows egress only to the job's pods and to DNS (enforced
+    by CNIs that implement NetworkPolicy egress). CPU only: leave `resources.gpus` and
+    `parallelism` unset."""
+
+    runtime_class_name: str | None = None
+    """The RuntimeClass of the sandbox pods (e.g. `gvisor`, `kata`: a RuntimeClass the cluster
+    has, `kubectl get runtimeclasses`). Unset: the cluster's default runtime."""
+
+
 class Roles(ApiModel):
-    """The roles of PPO (actor, critic, rollout) and the optional reward-model workers. Each is
-    data parallel over its workers."""
+    """The roles of PPO (actor, critic, rollout) and the optional reward-model and sandbox
+    workers. Each is data parallel over its workers."""
 
     actor: ActorRole = Field(default_factory=ActorRole)
     """The policy being trained."""
@@ -332,6 +348,11 @@ class Roles(ApiModel):
     scoring every engine's samples. Unset: each rollout engine loads the reward models in its
     own process, on its own device."""
 
+    sandbox: SandboxRole | None = None
+    """Workers of their own (pods, in the gang) running data.agent's tool calls for every
+    engine, optionally under their own RuntimeClass and with egress limited to the job's pods.
+    Unset: each rollout engine runs them in tool processes of its own."""
+
     def effective_critic(self, needs_critic: bool) -> CriticRole | None:
         """The critic the trainer runs: the given one, a colocated default, or none."""
         if not needs_critic:
@@ -342,8 +363,9 @@ class Roles(ApiModel):
         """Worker count of a role, following colocation."""
         if role == "actor":
             return self.actor.workers()
-        if role == "reward":
-            return self.reward.workers() if self.reward is not None else 0
+        if role in ("reward", "sandbox"):
+            extra = getattr(self, role)
+            return extra.workers() if extra is not None else 0
         spec = self.effective_critic(needs_critic) if role == "critic" else self.rollout
         if spec is None:
             return 0

@@ -28,7 +28,7 @@ from typing import Any
 from ppojob_api.spec import GROUP, PLURAL, VERSION
 from ppojob_operator.builders import JOB_LABEL, ROLE_LABEL
 
-ROLES = ("head", "actor", "critic", "rollout", "reward")
+ROLES = ("head", "actor", "critic", "rollout", "reward", "sandbox")
 TERMINAL = ("Succeeded", "Failed", "Invalid")
 
 
@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", parents=[common], help="logs of a role's pods")
     p.add_argument("name")
     p.add_argument(
-        "--role", required=True, choices=("actor", "critic", "rollout", "reward", "head")
+        "--role", required=True, choices=("actor", "critic", "rollout", "reward", "sandbox", "head")
     )
     p.add_argument("--container", help="container (default: the pod's first)")
     p.add_argument("--tail", type=int, help="last N lines of each pod")

@@ -266,6 +266,39 @@ def network_policy(
     }
 
 
+DNS_PEER: dict[str, Any] = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+}
+"""The cluster's DNS pods (kube-dns or CoreDNS: both carry ``k8s-app: kube-dns``)."""
+DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+
+
+def sandbox_network_policy(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
+    """``roles.sandbox``: egress of the sandbox pods (they run the agent's tool calls) only to
+    the job's own pods (Ray's GCS on the head, the other raylets and object stores, the engines
+    that call them) and to the cluster's DNS (UDP and TCP 53 of the kube-dns pods); nothing else,
+    the internet, the API server and other namespaces included. Egress only: ingress stays as
+    the job's NetworkPolicy says. Enforced only by CNIs that implement NetworkPolicy egress
+    (Calico, Cilium, ...); elsewhere it is accepted and ignored."""
+    name = job.metadata.name or ""
+    meta = _meta(name, namespace, name, uid)
+    meta["name"] = f"{name}-sandbox"
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": {"matchLabels": {JOB_LABEL: name, ROLE_LABEL: "sandbox"}},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {"to": [{"podSelector": {"matchLabels": {JOB_LABEL: name}}}]},
+                {"to": [DNS_PEER], "ports": DNS_PORTS},
+            ],
+        },
+    }
+
+
 def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
     """(role, role spec) of every role that needs pods of its own, in group order."""
     spec = job.spec
@@ -277,6 +310,8 @@ def pod_roles(job: PPOJob) -> list[tuple[str, Any]]:
         out.append(("rollout", spec.roles.rollout))
     if spec.roles.reward is not None:  # reward-model workers: pods of their own, in the gang
         out.append(("reward", spec.roles.reward))
+    if spec.roles.sandbox is not None:  # tool-call workers: pods of their own, in the gang
+        out.append(("sandbox", spec.roles.sandbox))
     return out
 
 
@@ -402,6 +437,7 @@ def _pod_template(
     capabilities: list[str] | None = None,
     affinity: dict[str, Any] | None = None,
     hugepages: dict[str, str] | None = None,
+    runtime_class_name: str | None = None,
 ) -> dict[str, Any]:
     spec = job.spec
     name = job.metadata.name or ""
@@ -465,6 +501,8 @@ def _pod_template(
         pod["tolerations"] = [dump(t) for t in tolerations]
     if affinity:
         pod["affinity"] = dict(affinity)
+    if runtime_class_name:  # roles.sandbox: e.g. gvisor or kata
+        pod["runtimeClassName"] = runtime_class_name
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
     if gang.scheduler_name:
@@ -609,6 +647,7 @@ def ray_job(
                     capabilities=r.capabilities,
                     affinity=r.affinity,
                     hugepages=res.hugepages,
+                    runtime_class_name=getattr(r, "runtime_class_name", None),
                 ),
             }
         )
@@ -669,7 +708,8 @@ def build_children(
     """Every child of a valid PPOJob, in creation order (the RayJob last). ``attempt`` counts
     the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each);
     ``restart`` is the number of restarts made (the RayJob's ``ppojob.io/attempt``);
-    ``network``: the NetworkPolicy's settings, None for none (``--network-policy=off``)."""
+    ``network``: the NetworkPolicy's settings, None for none (``--network-policy=off``). The
+    sandbox pods' egress policy (``roles.sandbox``) is the job's own: made whatever ``network``."""
     name = job.metadata.name or ""
     scheduler = scheduling.effective_scheduler(job, gang_default)
     owner_refs = [owner_reference(name, uid)] if uid else None
@@ -696,6 +736,11 @@ def build_children(
             else []
         ),
         *([network_policy(job, namespace, uid, network)] if network is not None else []),
+        *(
+            [sandbox_network_policy(job, namespace, uid)]
+            if job.spec.roles.sandbox is not None
+            else []
+        ),
         *gang.objects,
         ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint, restart=restart),
     ]

@@ -17,7 +17,7 @@ import kubernetes.client.models as models
 import pytest
 
 from ppojob_api import checks
-from ppojob_api.checks.agent import check_agent
+from ppojob_api.checks.agent import check_agent, check_sandbox_role
 from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
 from ppojob_api.checks.cluster import (
     check_checkpoint_volume,
@@ -2157,6 +2157,105 @@ TABLE += [
 ]
 
 
+# --- roles.sandbox: the agent's tool calls on workers of their own
+SANDBOX_AGENT = {
+    "data__prompts": "builtin:calculator",
+    "data__agent": {"function": "builtin:calculator"},
+}
+TABLE += [
+    (
+        check_sandbox_role,
+        "three sandbox workers under gVisor (a dotted RuntimeClass name) running the calculator",
+        {
+            "roles__sandbox": {
+                "replicas": 3,
+                "resources": {"cpus": 2},
+                "runtimeClassName": "runsc.gvisor.dev",
+            },
+            **SANDBOX_AGENT,
+        },
+        [],
+    ),
+    (
+        check_sandbox_role,
+        "no sandbox role, the tools in the engines",
+        SANDBOX_AGENT,
+        [],
+    ),
+    (
+        check_sandbox_role,
+        "sandbox workers with declared tools",
+        {
+            "roles__sandbox": {"replicas": 1},
+            "data__agent": {
+                "tools": [
+                    {
+                        "name": "calc",
+                        "function": "builtin:calculator",
+                        "parameters": {"type": "object"},
+                    }
+                ]
+            },
+        },
+        [],
+    ),
+    (
+        check_sandbox_role,
+        "sandbox workers and no data.agent",
+        {"roles__sandbox": {"replicas": 1}},
+        ["spec.roles.sandbox"],
+    ),
+    (
+        check_sandbox_role,
+        "a sandbox worker with a GPU and tensor parallelism",
+        {
+            "roles__sandbox": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
+            **SANDBOX_AGENT,
+        },
+        ["spec.roles.sandbox.resources.gpus", "spec.roles.sandbox.parallelism"],
+    ),
+    (
+        check_sandbox_role,
+        "a runtime class name in capitals",
+        {"roles__sandbox": {"runtimeClassName": "gVisor"}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.runtimeClassName"],
+    ),
+    (
+        check_sandbox_role,
+        "a runtime class name ending in a dot",
+        {"roles__sandbox": {"runtimeClassName": "kata."}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.runtimeClassName"],
+    ),
+    (
+        check_env,
+        "a sandbox worker sets RAY_ADDRESS",
+        {"roles__sandbox": {"env": [{"name": "RAY_ADDRESS", "value": "x"}]}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.env[0].name"],
+    ),
+    (
+        check_extended_resources,
+        "a sandbox worker asks for memory as an extended resource",
+        {"roles__sandbox": {"resources": {"extra": {"memory": 1}}}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.resources.extra.memory"],
+    ),
+    (
+        check_ray_memory,
+        "a sandbox worker pod of 100Mi",
+        {"roles__sandbox": {"resources": {"memory": "100Mi"}}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.resources.memory"],
+    ),
+    (
+        check_pod_fields,
+        "a sandbox worker's bad toleration",
+        {
+            "roles__sandbox": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]},
+            **SANDBOX_AGENT,
+        },
+        ["spec.roles.sandbox.tolerations[0].key"],
+    ),
+]
+
+
 # ---------------------------------------------------------------- what the user reads, verbatim
 MESSAGES = Path(__file__).with_name("check_messages.txt")
 
@@ -2195,6 +2294,12 @@ def test_reward_workers_without_a_reward_model_are_refused_by_validation() -> No
     """check_reward_role runs in validation (registered), not only when called by name."""
     lonely = spec(roles__reward={"replicas": 1})
     assert "spec.roles.reward" in [p.path for p in checks.check_training_half(lonely)]
+
+
+def test_sandbox_workers_without_an_agent_are_refused_by_validation() -> None:
+    """check_sandbox_role runs in validation (registered), not only when called by name."""
+    lonely = spec(roles__sandbox={"replicas": 1})
+    assert "spec.roles.sandbox" in [p.path for p in checks.check_training_half(lonely)]
 
 
 def test_the_affinity_table_is_kubernetes_own() -> None:

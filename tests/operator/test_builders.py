@@ -281,6 +281,95 @@ def test_reward_workers_are_a_worker_group_counted_in_the_gang(validate_child):
     assert total_gpus(job.spec) == 7
 
 
+SANDBOX_JOB = {
+    "algorithm": {"advantageEstimator": "grpo"},
+    "roles": {
+        "actor": {"replicas": 2, "resources": GPU},
+        "rollout": {"colocateWithActor": True},
+        "sandbox": {
+            "replicas": 3,
+            "resources": {"cpus": 2, "memory": "4Gi"},
+            "runtimeClassName": "gvisor",
+            "tolerations": [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    },
+    "data": {"prompts": "builtin:calculator", "agent": {"function": "builtin:calculator"}},
+}
+
+
+def test_sandbox_workers_are_a_worker_group_under_their_runtime_class_in_the_gang(
+    validate_child,
+):
+    """roles.sandbox: a `sandbox` worker group of its replicas, advertising `ppojob-sandbox`,
+    its pods under the role's RuntimeClass (the other roles' pods under the default runtime),
+    with the role's tolerations, and every one of its pods counted in the gang (here the
+    scheduler-plugins PodGroup)."""
+    job = validate_manifest(
+        base_manifest(**SANDBOX_JOB, scheduling=SCHEDULING["scheduler-plugins"])
+    )
+    children = builders.build_children(job, namespace="ns1")
+    for child in children:
+        validate_child(child)
+    groups = {g["groupName"]: g for g in children[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert list(groups) == ["actor", "sandbox"]
+    sandbox = groups["sandbox"]
+    assert (sandbox["replicas"], sandbox["minReplicas"], sandbox["maxReplicas"]) == (3, 3, 3)
+    assert _advertised(sandbox)["ppojob-sandbox"] == 1.0
+    pod = sandbox["template"]["spec"]
+    assert pod["runtimeClassName"] == "gvisor"
+    assert pod["tolerations"][0]["key"] == "sandbox"
+    assert sandbox["template"]["metadata"]["labels"][builders.ROLE_LABEL] == "sandbox"
+    assert "runtimeClassName" not in groups["actor"]["template"]["spec"]
+    head = children[-1]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert "runtimeClassName" not in head
+    pg = by_kind(children)["PodGroup"]
+    assert pg["spec"]["minMember"] == 1 + 2 + 3  # head, actor pods, sandbox pods
+    assert pg["spec"]["minResources"]["cpu"] == "24500m"  # 2 + 0.5 (submitter) + 2 x 8 + 3 x 2
+    assert total_gpus(job.spec) == 4
+
+
+def test_sandbox_pods_may_reach_only_the_jobs_pods_and_dns():
+    """roles.sandbox: a second NetworkPolicy, selecting the job's sandbox pods only, of type
+    Egress, whose only rules are: any port to the job's own pods (Ray's GCS on the head, the
+    raylets and object stores, the engines) and port 53 (UDP and TCP) to kube-system's DNS
+    pods. It is made even with the operator's ingress policy off; without roles.sandbox there
+    is none."""
+    job = validate_manifest(base_manifest(**SANDBOX_JOB))
+    policies = [
+        c for c in builders.build_children(job, namespace="ns1") if c["kind"] == "NetworkPolicy"
+    ]
+    assert [p["metadata"]["name"] for p in policies] == ["demo", "demo-sandbox"]
+    spec = policies[1]["spec"]
+    assert spec == {
+        "podSelector": {
+            "matchLabels": {builders.JOB_LABEL: "demo", builders.ROLE_LABEL: "sandbox"}
+        },
+        "policyTypes": ["Egress"],
+        "egress": [
+            {"to": [{"podSelector": {"matchLabels": {builders.JOB_LABEL: "demo"}}}]},
+            {
+                "to": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": "kube-system"}
+                        },
+                        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                    }
+                ],
+                "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+            },
+        ],
+    }
+    # the job's pods carry the label its egress rule allows, the sandbox pods the one it selects
+    rj = builders.build_children(job, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    head_labels = rj["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert head_labels[builders.JOB_LABEL] == "demo"
+    off = builders.build_children(job, namespace="ns1", network=None)
+    assert [c["metadata"]["name"] for c in off if c["kind"] == "NetworkPolicy"] == ["demo-sandbox"]
+    plain = [c for c in builders.build_children(make(), namespace="ns1")]
+    assert [c["metadata"]["name"] for c in plain if c["kind"] == "NetworkPolicy"] == ["demo"]
+
+
 def test_an_elastic_group_under_kueue_runs_no_autoscaler(validate_child):
     """Kueue 0.17 refuses ``enableInTreeAutoscaling`` on the RayJobs it manages (outside its
     workload-slicing gate): under Kueue the elastic group keeps its replicas, and the head's
@@ -574,7 +663,7 @@ CPU_ROLES = {
 }
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "cpu-fractional", "reward-workers"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cpu-fractional", "reward-workers", "sandbox"])
 def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
     """The trainer pins each bundle to its role's pods with one unit of `ppojob-<role>`: every
     role pod must advertise one unit per worker on it, CPUs for its bundles, and the head none
@@ -586,6 +675,8 @@ def test_pods_hold_exactly_the_trainers_pinned_bundles(layout):
         job = validate_manifest(base_manifest(**CPU_ROLES))
     elif layout == "reward-workers":
         job = validate_manifest(base_manifest(**REWARD_JOB))
+    elif layout == "sandbox":
+        job = validate_manifest(base_manifest(**SANDBOX_JOB))
     else:
         job = make(layout)
     rj = builders.build_children(job, namespace="ns1")[-1]

@@ -146,6 +146,30 @@ def test_reward_workers_own_bundles_after_the_engines_and_are_in_the_gang() -> N
     assert "reward" not in plan_placement(cfg_of(TINY)).roles
 
 
+def test_sandbox_workers_own_cpu_bundles_after_the_others_and_are_in_the_gang() -> None:
+    """roles.sandbox: one CPU bundle per replica, after the reward workers', pinned to
+    `ppojob-sandbox` pods, and the trainer waits for those pods; unset, none."""
+    roles = {
+        "actor": {"replicas": 1, "resources": {"gpus": 2, "cpus": 8}},
+        "rollout": {"colocateWithActor": True},
+        "reward": {"replicas": 1, "resources": {"gpus": 1, "cpus": 3}},
+        "sandbox": {"replicas": 3, "resources": {"cpus": 1.5}},
+    }
+    cfg = cfg_of(roles, estimator="grpo")
+    plan = plan_placement(cfg, pin_roles=True)
+    assert plan.bundles[3:] == [{"CPU": 1.5, "ppojob-sandbox": 1.0}] * 3
+    sandbox = plan.roles["sandbox"]
+    assert (sandbox.offset, sandbox.count, sandbox.owner) == (3, 3, "sandbox")
+    assert [(n.role, n.pods, n.per_pod, n.gpus) for n in gang_needs(cfg)][-1] == (
+        "sandbox",
+        3,
+        1,
+        False,
+    )
+    assert cfg.roles.workers_of("sandbox") == 3  # (the sandbox workers the trainer starts)
+    assert "sandbox" not in plan_placement(cfg_of(TINY)).roles
+
+
 def test_bad_strategy_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="strategy"):
         plan_placement(cfg_of(TINY), strategy="TIGHT")

@@ -31,6 +31,7 @@ with a text vocabulary may instead write ``<calc>37+48</calc>`` and gets
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import math
 import multiprocessing
@@ -295,6 +296,74 @@ class ToolPool:
             self._drop(k)
 
 
+class RemoteToolPool:
+    """The tool calls of an engine sent to the sandbox workers (``roles.sandbox``): each
+    :meth:`map` splits its calls into one contiguous part per worker and sends the parts at
+    once, by Ray actor calls from the engine's process; each worker runs its part in its own
+    :class:`ToolPool` (same timeout and limits) and answers the replies in order. ``first``:
+    the worker this engine's first part goes to (its data-parallel rank, so that engines with
+    few calls spread out). What crosses
+    the process boundary is the calls' arguments (the prompt and turns as strings, the label)
+    and the replies, never through the driver. A worker lost mid-call fails the call with one
+    line naming roles.sandbox."""
+
+    def __init__(self, workers: Sequence[Any], first: int = 0) -> None:
+        if not workers:
+            raise ValueError("RemoteToolPool: no sandbox workers")
+        k = first % len(workers)  # (engines start at different workers: few calls spread out)
+        self.workers = [*workers[k:], *workers[:k]]
+        self.remote_calls = 0
+        """Calls answered by a sandbox worker in another process (``agent/sandbox_calls``)."""
+
+    def map(self, calls: Sequence[tuple[Any, ...]]) -> list[AgentReply]:
+        """``fn(*args)`` for each of ``calls``, in order, on the sandbox workers."""
+        import ray
+
+        n = len(self.workers)
+        bounds = [len(calls) * w // n for w in range(n + 1)]
+        refs = [
+            (w, self.workers[w].call.remote([list(c) for c in calls[lo:hi]]))
+            for w, (lo, hi) in enumerate(itertools.pairwise(bounds))
+            if hi > lo
+        ]
+        out: list[AgentReply] = []
+        for w, ref in refs:
+            try:
+                pid, replies = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(
+                    f"roles.sandbox: sandbox worker {w} did not answer its tool calls "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                ) from None
+            out += [AgentReply(*r) for r in replies]
+            if pid != os.getpid():
+                self.remote_calls += len(replies)
+        return out
+
+    def close(self) -> None:
+        """Nothing to end here: the sandbox workers keep their tool processes."""
+
+
+class SandboxTools:
+    """The environment of ``data.agent`` on a sandbox worker: the hook, or the declared tools'
+    functions, in a :class:`ToolPool` of this process."""
+
+    def __init__(self, agent: Any) -> None:
+        if agent.tools:
+            table = tool_table(agent.tools)
+            fn: AgentFn = lambda name, args: _dispatch(table, name, args)  # noqa: E731
+        else:
+            fn = load_agent(agent.function)
+        self.pool = ToolPool(fn, agent.tool_timeout_seconds)
+
+    def call(self, calls: list[list[Any]]) -> list[tuple[str | None, bool, bool]]:
+        """The replies to ``calls`` (each the arguments of one call), in order."""
+        return [(r.observation, r.done, r.error) for r in self.pool.map([tuple(c) for c in calls])]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 def call_tools(
     fn: AgentFn,
     calls: Sequence[tuple[Any, ...]],
@@ -334,7 +403,7 @@ def run_conversations(
     prompt_rows: list[list[int]],
     prompts: list[Any],
     labels: list[Any],
-    agent: AgentFn | ToolPool | None,
+    agent: AgentFn | ToolPool | RemoteToolPool | None,
     *,
     max_turns: int,
     max_response_length: int,
@@ -357,14 +426,16 @@ def run_conversations(
     (:class:`ChatTools`), a turn without a call ends the conversation."""
     convs = [Conversation([], [], [], []) for _ in prompt_rows]
     pad = tokenizer.pad_token_id
-    pool: ToolPool | None = None
+    pool: ToolPool | RemoteToolPool | None = None
     if chat is not None:
         for c, p in zip(convs, prompts, strict=True):
             c.messages = chat.prompt_messages(p)
     elif agent is None:
         raise ValueError("run_conversations: an agent hook or chat tools are needed")
     else:
-        pool = agent if isinstance(agent, ToolPool) else ToolPool(agent, tool_timeout)
+        pool = (
+            agent if isinstance(agent, ToolPool | RemoteToolPool) else ToolPool(agent, tool_timeout)
+        )
     for turn in range(max_turns):
         open_ = [i for i, c in enumerate(convs) if not c.done]
         if not open_:
@@ -587,6 +658,26 @@ def parse_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[Tool
     return out
 
 
+def tool_table(
+    tools: Sequence[Any], field: str = "data.agent.tools"
+) -> dict[str, Callable[..., Any]]:
+    """Each declared tool's function by the tool's name; errors name ``field[i].function``."""
+    table: dict[str, Callable[..., Any]] = {}
+    for i, t in enumerate(tools):
+        where = f"{field}[{i}].function"
+        if t.function.startswith(BUILTIN_PREFIX):
+            name = t.function[len(BUILTIN_PREFIX) :]
+            if name not in BUILTIN_TOOLS:
+                raise ValueError(
+                    f"{where}: unknown built-in tool {t.function!r}; use one of "
+                    f"{[BUILTIN_PREFIX + n for n in BUILTIN_TOOLS]}"
+                )
+            table[t.name] = BUILTIN_TOOLS[name]
+        else:
+            table[t.name] = load_function(t.function, where)
+    return table
+
+
 def _dispatch(table: dict[str, Callable[..., Any]], name: str, args: dict[str, Any]) -> Any:
     """In a tool process: call tool ``name`` and return its result as an agent reply."""
     value = table[name](**args)
@@ -612,6 +703,7 @@ class ChatTools:
         timeout: float,
         max_tool_response_tokens: int,
         field: str = "data.agent.tools",
+        pool: RemoteToolPool | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
@@ -634,23 +726,15 @@ class ChatTools:
             }
             for t in tools
         ]
-        table: dict[str, Callable[..., Any]] = {}
-        for i, t in enumerate(tools):
-            where = f"{field}[{i}].function"
-            if t.function.startswith(BUILTIN_PREFIX):
-                name = t.function[len(BUILTIN_PREFIX) :]
-                if name not in BUILTIN_TOOLS:
-                    raise ValueError(
-                        f"{where}: unknown built-in tool {t.function!r}; use one of "
-                        f"{[BUILTIN_PREFIX + n for n in BUILTIN_TOOLS]}"
-                    )
-                table[t.name] = BUILTIN_TOOLS[name]
-            else:
-                table[t.name] = load_function(t.function, where)
         # a template that is not prefix-stable fails here, at the start, not at the first call
         probe = [{"role": "user", "content": "probe"}]
         self.environment_text(probe, "call", "call", [{"role": "tool", "content": "result"}])
-        self.pool = ToolPool(lambda name, args: _dispatch(table, name, args), timeout)
+        self.pool: ToolPool | RemoteToolPool
+        if pool is not None:  # roles.sandbox: the functions are loaded and run there
+            self.pool = pool
+        else:
+            table = tool_table(tools, field)
+            self.pool = ToolPool(lambda name, args: _dispatch(table, name, args), timeout)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         """``messages`` rendered by the template with the tools declared."""

@@ -297,9 +297,10 @@ class PPOTrainer:
                     self.hosts[r].append(handle)
                 all_hosts.append(handle)
         self.reward_hosts = self._start_reward(cfg_json, threads)
+        self.sandbox_hosts = self._start_sandbox(cfg_json)
         self.identities = ray.get([h.ready.remote() for h in all_hosts])
-        reward_ids = ray.get([h.ready.remote() for h in self.reward_hosts])
-        failed = [i for i in [*self.identities, *reward_ids] if "error" in i]
+        extra_ids = ray.get([h.ready.remote() for h in [*self.reward_hosts, *self.sandbox_hosts]])
+        failed = [i for i in [*self.identities, *extra_ids] if "error" in i]
         if failed:
             from .errors import StartupError
 
@@ -328,9 +329,14 @@ class PPOTrainer:
             return [g for h in group for g in gpus[id(h)]] if len(group) > 1 else None
 
         # (roles.reward: every engine gets the reward workers' handles and asks them itself)
+        # (roles.sandbox: and the sandbox workers' handles, to send them its tool calls)
         rewarders = self.reward_hosts or None
+        sandboxes = self.sandbox_hosts or None
         errors = ray.get(
-            [g[0].start_rollout.remote(visible(g), rewarders) for g in self.engine_groups]
+            [
+                g[0].start_rollout.remote(visible(g), rewarders, sandboxes)
+                for g in self.engine_groups
+            ]
         )
         if any(errors):
             from .errors import StartupError
@@ -384,6 +390,27 @@ class PPOTrainer:
                 RemoteRewardHost.options(**opts).remote(cfg_json, rank, world, nthreads, device)
             )
         return hosts
+
+    def _start_sandbox(self, cfg_json: str) -> list[Any]:
+        """The sandbox workers of ``roles.sandbox`` (none when unset), one per worker slot of
+        the role's bundles, each with its pool of tool processes for data.agent."""
+        from .workers.sandbox import RemoteSandboxHost
+
+        if self.cfg.roles.sandbox is None:
+            return []
+        world = self.cfg.roles.workers_of("sandbox")
+        hosts = []
+        for rank in range(world):
+            opts = self.placement.host_options("sandbox", rank)
+            opts["runtime_env"] = {"env_vars": _worker_env()}
+            hosts.append(RemoteSandboxHost.options(**opts).remote(cfg_json, rank, world))
+        return hosts
+
+    def sandbox_calls(self) -> list[int]:
+        """Tool calls each sandbox worker answered so far (``roles.sandbox``; empty when unset)."""
+        import ray
+
+        return ray.get([h.call_count.remote() for h in self.sandbox_hosts])
 
     def reward_scored(self) -> list[int]:
         """Samples each reward worker scored so far (``roles.reward``; empty when unset)."""
@@ -811,7 +838,11 @@ class PPOTrainer:
                     host,
                     slot,
                     host.ready.remote(),
-                    host.start_rollout.remote(None, getattr(self, "reward_hosts", None) or None),
+                    host.start_rollout.remote(
+                        None,
+                        getattr(self, "reward_hosts", None) or None,
+                        getattr(self, "sandbox_hosts", None) or None,
+                    ),
                 )
             )
 
@@ -1146,11 +1177,14 @@ class PPOTrainer:
         hosts, self.all_hosts = list(getattr(self, "all_hosts", [])), []
         hosts += getattr(self, "reward_hosts", [])
         self.reward_hosts = []
+        sandboxes = list(getattr(self, "sandbox_hosts", []))
+        hosts += sandboxes
+        self.sandbox_hosts = []
         hosts += [s.host for s in getattr(self, "starting", [])]
         self.starting = []
         engines = list(getattr(self, "hosts", {}).get("rollout", []))
         try:  # engines own processes of their own (sglang): stop them before their host
-            ray.get([h.close.remote() for h in engines], timeout=60)
+            ray.get([h.close.remote() for h in [*engines, *sandboxes]], timeout=60)
         except Exception:  # a dead or stuck host: killing it below is all that is left
             log.debug("could not close every engine", exc_info=True)
         for h in hosts:

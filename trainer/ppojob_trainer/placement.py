@@ -4,12 +4,12 @@ Separate groups per role can each reserve part of the cluster and wait forever f
 one group reserves everything at once or nothing.
 
 Layout (`plan_placement`, pure): the roles that own bundles come in the order actor, critic,
-rollout, reward (`roles.reward`, never colocated), each with a contiguous range of bundles. A
-colocated critic or rollout owns no bundles: it uses the actor's range, and every role on a bundle
-requests an equal fractional share of each worker's slice of it (actor + colocated critic on a GPU
-bundle: `{"GPU": 0.5}` each; with a colocated rollout too: a third each). The process hosting a
-worker requests the whole slice (`ReservedPlacement.host_options`): colocated roles live in
-that one process.
+rollout, reward (`roles.reward`), sandbox (`roles.sandbox`; these two never colocated), each
+with a contiguous range of bundles. A colocated critic or rollout owns no bundles: it uses the
+actor's range, and every role on a bundle requests an equal fractional share of each worker's
+slice of it (actor + colocated critic on a GPU bundle: `{"GPU": 0.5}` each; with a colocated
+rollout too: a third each). The process hosting a worker requests the whole slice
+(`ReservedPlacement.host_options`): colocated roles live in that one process.
 
 Bundle shapes:
 - GPU role (`resources.gpus = g > 0`): one bundle per GPU, `{"GPU": 1, "CPU": cpus / g}`, one
@@ -57,7 +57,7 @@ from typing import Any
 
 from ppojob_api.training import TrainerConfig
 
-ROLES = ("actor", "critic", "rollout", "reward")
+ROLES = ("actor", "critic", "rollout", "reward", "sandbox")
 SHARE_PRECISION = 10_000  # Ray stores resources with 4 decimal places
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,8 @@ def gang_needs(cfg: TrainerConfig) -> list[GangNeed]:
         specs.append(("rollout", roles.rollout))
     if roles.reward is not None:
         specs.append(("reward", roles.reward))
+    if roles.sandbox is not None:
+        specs.append(("sandbox", roles.sandbox))
     return [
         GangNeed(role, spec.replicas, max(spec.resources.gpus, 1), spec.resources.gpus > 0)
         for role, spec in specs
@@ -299,6 +301,7 @@ def plan_placement(
         "critic": roles.effective_critic(cfg.algorithm.needs_critic),
         "rollout": roles.rollout,
         "reward": roles.reward,  # (reward-model workers: bundles of their own, when set)
+        "sandbox": roles.sandbox,  # (tool-call workers: bundles of their own, when set)
     }
     tp = engine_tensor_size(cfg)
     colocated_rollout = roles.rollout.colocate_with_actor

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from ppojob_api.checks.agent import check_agent
+from ppojob_api.checks.agent import check_agent, check_sandbox_role
 from ppojob_api.checks.batches import check_batches, check_group_size, check_learning_rate
 from ppojob_api.checks.cluster import (
     check_checkpoint_volume,
@@ -102,6 +102,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_rewards,
     check_reward_role,
     check_agent,
+    check_sandbox_role,
     check_prompts,
     check_eval_prompts,
     check_model_paths,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from ppojob_api import k8s_rules
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
 from ppojob_api.training import BUILTIN_AGENTS, BUILTIN_TOOLS, AgentSpec, TrainingHalf
@@ -153,3 +154,51 @@ def _check_parameters(schema: dict, at: str) -> list[Problem]:
             )
         ]
     return []
+
+
+def check_sandbox_role(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """`roles.sandbox` runs data.agent's tool calls: it needs an agent, runs on CPUs only
+    (its tool processes use no GPU), is data parallel only, and its runtimeClassName names a
+    RuntimeClass (a DNS-1123 subdomain)."""
+    role = half.roles.sandbox
+    if role is None:
+        return []
+    path = f"{prefix}.roles.sandbox"
+    p: list[Problem] = []
+    if half.data.agent is None:
+        p.append(
+            Problem(
+                path,
+                "its workers run the tool calls of data.agent, but data.agent is unset",
+                "set data.agent (a function or tools), or remove roles.sandbox",
+            )
+        )
+    if role.resources.gpus > 0:
+        p.append(
+            Problem(
+                f"{path}.resources.gpus",
+                f"{role.resources.gpus} GPU(s) per sandbox worker, but its tool processes run "
+                "on the CPU, so they would stay idle",
+                "set roles.sandbox.resources.gpus: 0 (give it cpus instead)",
+            )
+        )
+    if role.parallelism.model_parallel > 1 or role.parallelism.sequence_parallel:
+        p.append(
+            Problem(
+                f"{path}.parallelism",
+                "sandbox workers hold no model: they are data parallel only",
+                "remove roles.sandbox.parallelism; add replicas for more tool throughput",
+            )
+        )
+    name = role.runtime_class_name
+    if name is not None:
+        errs = k8s_rules.dns1123_subdomain(name)
+        if errs:
+            p.append(
+                Problem(
+                    f"{path}.runtimeClassName",
+                    f"{name!r}: {errs[0]}",
+                    "use a RuntimeClass's name (kubectl get runtimeclasses), e.g. gvisor",
+                )
+            )
+    return p

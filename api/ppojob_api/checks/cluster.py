@@ -53,7 +53,7 @@ def check_colocated_capabilities(spec: PPOJobSpec, prefix: str = "spec") -> list
 def check_extended_resources(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
     """`resources.extra` holds extended resources (domain/name) in whole units."""
     p: list[Problem] = []
-    for name in ("actor", "critic", "rollout", "reward"):
+    for name in ("actor", "critic", "rollout", "reward", "sandbox"):
         role = getattr(spec.roles, name)
         for res, qty in (role.resources.extra if role is not None else {}).items():
             field = f"{prefix}.roles.{name}.resources.extra.{res}"
@@ -152,6 +152,8 @@ def check_ray_memory(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
         own["rollout"] = roles.rollout
     if roles.reward is not None:
         own["reward"] = roles.reward
+    if roles.sandbox is not None:
+        own["sandbox"] = roles.sandbox
     pods += [(f"{prefix}.roles.{n}.resources.memory", r.resources.memory) for n, r in own.items()]
     return [
         Problem(

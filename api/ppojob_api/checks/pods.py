@@ -427,7 +427,7 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
     return p
 
 
-ROLES = ("actor", "critic", "rollout", "reward")
+ROLES = ("actor", "critic", "rollout", "reward", "sandbox")
 
 YUNIKORN_QUEUE_NAME = re.compile(r"^[a-zA-Z0-9_:#/@-]{1,64}$")
 """yunikorn-core's QueueNameRegExp (pkg/common/configs/configvalidator.go, since 1.6: before,

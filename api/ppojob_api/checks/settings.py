@@ -28,7 +28,7 @@ names in this list."""
 def check_env(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """A role's env neither sets a reserved variable nor the same one twice."""
     p: list[Problem] = []
-    for name in ("actor", "critic", "rollout", "reward"):
+    for name in ("actor", "critic", "rollout", "reward", "sandbox"):
         role = getattr(half.roles, name)
         if role is None:
             continue

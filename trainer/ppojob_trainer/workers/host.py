@@ -122,13 +122,18 @@ class WorkerHost:
         self._weight_group: tuple[Any, str] | None = None
 
     def start_rollout(
-        self, visible_devices: list[str] | None = None, reward_workers: list[Any] | None = None
+        self,
+        visible_devices: list[str] | None = None,
+        reward_workers: list[Any] | None = None,
+        sandbox_workers: list[Any] | None = None,
     ) -> str | None:
         """Start the generation engine of the hosted rollout slot (after :meth:`ready`, so that
         a colocated engine spanning several GPUs knows its bundle's GPUs: ``visible_devices``,
         this process's own first). ``reward_workers``: the handles of the reward workers
-        (``roles.reward``) that score the model sources. Returns None, or one line naming the
-        field and the cause when it cannot start (as :meth:`ready` does)."""
+        (``roles.reward``) that score the model sources; ``sandbox_workers``: those of the
+        sandbox workers (``roles.sandbox``) that run data.agent's tool calls. Returns None,
+        or one line naming the field and the cause when it cannot start (as :meth:`ready`
+        does)."""
         if "rollout" not in self.roles:
             return None
         _fault_gate("start")
@@ -139,7 +144,13 @@ class WorkerHost:
             path = resolve_model_path(self.cfg.model.path, self.cfg.training.seed)
             shard = identity("rollout", *self.roles["rollout"])
             self.rollout = RolloutWorker(
-                self.cfg, shard, path, self.device, visible_devices, reward_workers
+                self.cfg,
+                shard,
+                path,
+                self.device,
+                visible_devices,
+                reward_workers,
+                sandbox_workers,
             )
         except Exception as exc:
             return naming("model.path", exc, str(path) if path is not None else self.cfg.model.path)

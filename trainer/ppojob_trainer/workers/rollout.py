@@ -23,6 +23,7 @@ from ppojob_api.training import TrainerConfig
 
 from ..agent import (
     ChatTools,
+    RemoteToolPool,
     ToolPool,
     conversation_tensors,
     load_agent,
@@ -118,7 +119,7 @@ class RolloutWorker:
     """Role logic of one generation engine."""
 
     # data.agent's environment (multi-turn): its hook in tool processes, or its declared tools
-    agent: ToolPool | ChatTools | None = None
+    agent: ToolPool | RemoteToolPool | ChatTools | None = None
 
     def __init__(
         self,
@@ -128,6 +129,7 @@ class RolloutWorker:
         device: str,
         visible_devices: list[str] | None = None,
         reward_workers: list[Any] | None = None,
+        sandbox_workers: list[Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard = shard
@@ -152,6 +154,9 @@ class RolloutWorker:
             else self.scorer
         )
         agent = cfg.data.agent
+        # the environment's calls run here in tool processes of this engine, or, with
+        # roles.sandbox, on the sandbox workers (``sandbox_workers``)
+        remote = RemoteToolPool(sandbox_workers, shard.dp_rank) if sandbox_workers else None
         if agent is not None and agent.tools:
             self.chat = True
             self.agent = ChatTools(
@@ -159,9 +164,10 @@ class RolloutWorker:
                 agent.tools,
                 agent.tool_timeout_seconds,
                 agent.max_tool_response_tokens,
+                pool=remote,
             )
         elif agent is not None and agent.function is not None:
-            self.agent = ToolPool(load_agent(agent.function), agent.tool_timeout_seconds)
+            self.agent = remote or ToolPool(load_agent(agent.function), agent.tool_timeout_seconds)
 
     def encode(self, prompts: list[Prompt]) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(prompt texts, ids, mask): each prompt rendered (chat template when on; a rendered
@@ -209,6 +215,8 @@ class RolloutWorker:
         assert agent is not None and self.agent is not None
         chat = self.agent if isinstance(self.agent, ChatTools) else None
         rows = [r[m].tolist() for r, m in zip(ids, mask, strict=True)]
+        pool = self.agent.pool if isinstance(self.agent, ChatTools) else self.agent
+        remote_before = pool.remote_calls if isinstance(pool, RemoteToolPool) else None
         convs = run_conversations(
             self.engine,
             self.tokenizer,
@@ -233,6 +241,9 @@ class RolloutWorker:
             "agent/env_calls_sum": float(sum(c.env_calls for c in convs)),
             "agent/tool_errors_sum": float(sum(c.tool_errors for c in convs)),
         }
+        if remote_before is not None:  # roles.sandbox: calls the sandbox workers answered
+            assert isinstance(pool, RemoteToolPool)
+            metrics["agent/sandbox_calls_sum"] = float(pool.remote_calls - remote_before)
         return gen, t["action_mask"], [c.turns[-1] for c in convs], metrics
 
     def generate(
