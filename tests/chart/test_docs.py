@@ -333,7 +333,7 @@ def test_gpu_examples_show_what_they_promise() -> None:
 PPOJOB_BLOCKS = {
     "README.md": (1, 0),
     "docs/gang-scheduling.md": (0, 4),
-    "docs/trainer-guide.md": (0, 9),
+    "docs/trainer-guide.md": (0, 10),
 }
 # The smallest PPOJob: what a spec fragment of the docs is merged into.
 BASE: dict[str, Any] = {
