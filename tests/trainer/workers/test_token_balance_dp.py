@@ -3,19 +3,21 @@
 With ``maxTokensPerMicroBatch`` each mini-batch of the step is dealt to the data-parallel
 workers by tokens (:func:`ppojob_trainer.workers.actor.mini_batch_rows`, the actor's and the
 critic's path), each worker cuts its share into token-budget micro-batches and the torch
-backend weighs their losses by the global token count. On a step whose long samples all sit in
-worker 0's contiguous range (the unbalanced split gives it several times worker 1's tokens):
+backend weighs their losses by the global token count. The step (16 samples, one mini-batch,
+two epochs) has its long samples in worker 0's contiguous range, so today's split without a
+budget gives worker 0 several times worker 1's tokens, and so would any cut of the step's
+order. Checked:
 
-(a) every mini-batch's two shares differ by at most one sequence's tokens (the longest of that
-    mini-batch), every sample is trained exactly once per epoch, and the shares are the same
-    size;
-(b) the gradient the optimizer steps with (after the all-reduce), the gradient norm and the
-    updated weights equal those of ONE process training today's way: the whole mini-batch,
-    padded, no token budget, no group (fp32: gradients within 1e-5,
-    weights within 1e-4 after two AdamW steps of lr 1e-2: AdamW amplifies rounding in
-    near-zero gradients), padded and packed micro-batches, replicas
-    and FSDP2 alike. Both workers share the weighting code, so only the single process can
-    catch a normalisation bug.
+(a) the two workers' shares differ by at most one sequence's tokens (the step's longest),
+    are the same size, and together hold every sample exactly once per epoch;
+(b) the gradients the optimizer steps with (after the all-reduce), the gradient norms and
+    the updated weights equal those of ONE process training today's way, on the whole
+    mini-batch, padded, without a token budget or a group: gradients within 5e-5 (fp32 sums
+    in another order; the second epoch's at weights that AdamW moved), weights within 1e-3
+    (a tenth of one AdamW step of lr 1e-2: its normalised step amplifies the rounding in
+    near-zero gradients). Padded and packed micro-batches, replicas and FSDP2.
+    Both workers share the weighting code, so only the single process can catch a
+    normalisation bug.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 pytestmark = pytest.mark.slow
 WORLD = 2
-MINI = 4  # samples per worker per mini-batch: 8 per mini-batch, 2 mini-batches per epoch
+MINI = 8  # samples per worker per mini-batch: the step (16) is one mini-batch, in step order
+EPOCHS = 2
 BUDGET = 48  # tokens per micro-batch (the longest sample: 4 + 40)
 # worker 0's contiguous range (samples 0-7) holds the long responses, worker 1's the short
 PROMPT_LENS = [3, 1, 4, 2, 3, 4, 1, 2, 2, 3, 1, 4, 2, 1, 3, 4]
@@ -90,7 +93,7 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
             model_dir,
             "float32",
             settings,
-            total_updates=n // (MINI * WORLD),
+            total_updates=EPOCHS,
             temperature=1.0,
             need_reference=False,
             entropy_grad=True,
@@ -108,7 +111,7 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
         )
         assert balances_tokens(settings, shard, group)
         gen = torch.Generator().manual_seed(5)
-        shares = mini_batch_rows(batch, MINI, shard, gen, True)
+        shares = [r for _ in range(EPOCHS) for r in mini_batch_rows(batch, MINI, shard, gen, True)]
         # the reference: one process, no group, each whole mini-batch padded (today's update)
         single = trainer(TrainingSettings(learning_rate=1e-2, grad_clip=None))
         dp = trainer(settings, group=group, dp_size=WORLD)
@@ -161,9 +164,10 @@ def results(tmp_path_factory) -> list[dict]:
 def test_shares_balance_tokens_within_one_sequence(results, case):
     tokens = _tokens(_batch())
     shares = [r[case]["shares"] for r in results]
-    assert len(shares[0]) == len(shares[1]) == len(tokens) // (MINI * WORLD)
+    assert len(shares[0]) == len(shares[1]) == EPOCHS
     # every sample exactly once per epoch, each worker the same number per mini-batch
-    assert sorted(i for s in shares for mb in s for i in mb) == list(range(len(tokens)))
+    for e in range(EPOCHS):
+        assert sorted(shares[0][e] + shares[1][e]) == list(range(len(tokens)))
     for a, b in zip(*shares, strict=True):
         assert len(a) == len(b) == MINI
         loads = [sum(tokens[i] for i in a), sum(tokens[i] for i in b)]
@@ -178,12 +182,12 @@ def test_shares_balance_tokens_within_one_sequence(results, case):
 def test_gradients_equal_one_process_training_the_whole_mini_batch(results, case):
     for r in results:
         got = r[case]
-        assert len(got["dp_grads"]) == len(got["single_grads"]) == 2
+        assert len(got["dp_grads"]) == len(got["single_grads"]) == EPOCHS
         for dp_g, single_g in zip(got["dp_grads"], got["single_grads"], strict=True):
             for a, b in zip(dp_g, single_g, strict=True):
                 assert float(b.abs().max()) > 0
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
         for single_norm, dp_norm in got["norms"]:
             assert dp_norm == pytest.approx(single_norm, rel=1e-5, abs=1e-7)
         for k, v in got["single_weights"].items():
-            torch.testing.assert_close(got["dp_weights"][k], v, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got["dp_weights"][k], v, atol=1e-3, rtol=0)
