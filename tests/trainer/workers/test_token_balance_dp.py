@@ -6,7 +6,7 @@ critic's path), each worker cuts its share into token-budget micro-batches and t
 backend weighs their losses by the global token count. The step (16 samples, one mini-batch,
 two epochs) has its long samples in worker 0's contiguous range, so today's split without a
 budget gives worker 0 several times worker 1's tokens, and so would any cut of the step's
-order. Checked:
+order or a deal by sample counts alone. Checked:
 
 (a) the two workers' shares differ by at most one sequence's tokens (the step's longest),
     are the same size, and together hold every sample exactly once per epoch;
@@ -32,10 +32,11 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 MINI = 8  # samples per worker per mini-batch: the step (16) is one mini-batch, in step order
 EPOCHS = 2
-BUDGET = 48  # tokens per micro-batch (the longest sample: 4 + 40)
-# worker 0's contiguous range (samples 0-7) holds the long responses, worker 1's the short
+BUDGET = 48  # tokens per micro-batch (the longest sample: 3 + 40)
+# the long responses sit at even positions of worker 0's contiguous range (samples 0-7): a
+# split by ranges and a split by sample counts alone (alternating) both give worker 0 all four
 PROMPT_LENS = [3, 1, 4, 2, 3, 4, 1, 2, 2, 3, 1, 4, 2, 1, 3, 4]
-RESPONSE_LENS = [40, 33, 29, 25, 22, 18, 3, 2, 1, 3, 2, 4, 1, 2, 5, 36]
+RESPONSE_LENS = [40, 2, 36, 3, 33, 1, 30, 2, 3, 1, 4, 2, 5, 1, 2, 3]
 CASES = [("none", False), ("none", True), ("fsdp", True)]
 
 
