@@ -70,6 +70,17 @@ class LoraSpec(ApiModel):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input in training."""
 
+    modules_to_save: list[Literal["lm_head", "embed_tokens"]] = Field(
+        default_factory=list, max_length=2
+    )
+    """Modules trained in full next to the adapters (PEFT's `modules_to_save`): `lm_head` (the
+    output head) and/or `embed_tokens`. A model whose head was never trained (a randomly
+    initialised one, such as the built-in models, or new tokens) cannot learn through adapters
+    alone: its frozen head caps what the policy can express. Their full weights then train,
+    checkpoint and go with the adapters at each weight sync (torch engines; SGLang engines
+    load adapters only, so this is refused with them); the reference policy uses the original
+    modules."""
+
     export_merged: bool = False
     """The Hugging Face export (`training.exportHuggingFace`) writes the adapter (PEFT's
     `adapter_config.json` + `adapter_model.safetensors`); with this, also the base model with

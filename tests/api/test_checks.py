@@ -273,6 +273,21 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),
     (
         check_lora,
+        "LoRA training the head in full, torch engines",
+        {"model__lora": {"modulesToSave": ["lm_head"]}},
+        [],
+    ),
+    (
+        check_lora,
+        "LoRA training the head in full on sglang engines, a module named twice",
+        {
+            "model__lora": {"modulesToSave": ["lm_head", "lm_head"]},
+            "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
+        },
+        ["spec.model.lora.modulesToSave", "spec.model.lora.modulesToSave"],
+    ),
+    (
+        check_lora,
         "LoRA on a megatron actor with FSDP",
         {"model__lora": {}, "roles__actor": MEGATRON_CPU, "training__sharding": "fsdp"},
         ["spec.model.lora", "spec.training.sharding"],

@@ -305,7 +305,12 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
         lm_head=role == "actor",
         accumulation=-(-per_worker // micro),
         tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
-        lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora else 0,
+        lora_params=(
+            shape.lora_params(lora.rank, lora.target_modules)
+            + shape.vocab * shape.hidden * len(set(lora.modules_to_save))  # trained in full
+            if lora
+            else 0
+        ),
     )
 
 

@@ -154,6 +154,23 @@ def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 "set sharding: none, or remove model.lora",
             )
         )
+    if lora.modules_to_save and half.roles.rollout.backend == "sglang":
+        problems.append(
+            Problem(
+                f"{path}.modulesToSave",
+                "SGLang engines load LoRA adapters only, not the full weights of "
+                f"{', '.join(lora.modules_to_save)}",
+                "remove modulesToSave, or use roles.rollout.backend: torch",
+            )
+        )
+    if len(set(lora.modules_to_save)) < len(lora.modules_to_save):
+        problems.append(
+            Problem(
+                f"{path}.modulesToSave",
+                "a module is named twice",
+                "name each of lm_head and embed_tokens at most once",
+            )
+        )
     targets = lora.target_modules
     if "all-linear" in targets and len(targets) > 1:
         problems.append(

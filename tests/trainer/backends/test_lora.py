@@ -191,3 +191,40 @@ def test_engines_without_adapter_loading_get_the_merged_weights(trained):
     delta = lora[key + ".lora_B"] @ lora[key + ".lora_A"]
     assert delta.abs().max() > 0
     torch.testing.assert_close(full[f"{key}.weight"], base + delta)
+
+
+def test_modules_to_save_train_in_full_and_go_with_the_adapters(model_dir):
+    """modulesToSave [lm_head]: the head trains in full next to the adapters (a randomly
+    initialised head caps what adapters alone can learn), the sync sends its whole weight with
+    the adapters, the engine then holds the merged policy, and the reference keeps the original
+    head."""
+    trainer = _trainer(model_dir, modules_to_save=["lm_head"])
+    head0 = trainer.lm.get_base_model().lm_head.original_module.weight.detach().clone()
+    batch = _batch()
+    for _ in range(2):
+        trainer.update(batch, _policy_loss, 5)
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("lm_head.modules_to_save" in n for n in trained)
+    sent = trainer.export_weights()
+    assert not torch.equal(sent["lm_head.weight"], head0)  # the trained head goes along
+    full = merged_lora_weights(trainer.lm, torch.float32)
+    torch.testing.assert_close(full["lm_head.weight"], sent["lm_head.weight"])
+    tok = models.load_tokenizer(model_dir)
+    engine = TorchGenerationEngine(model_dir, "float32", tok.all_special_ids, tok.pad_token_id)
+    engine.update_weights(sent)
+    state = engine.model.state_dict()
+    for k, v in full.items():
+        torch.testing.assert_close(state[k], v, atol=1e-6, rtol=1e-5)
+    # the reference is the base model: its original head, not the trained copy
+    assert torch.equal(trainer.lm.get_base_model().lm_head.original_module.weight, head0)
+    plain = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+    )
+    mask = batch["response_mask"]
+    ref = trainer.logprobs(batch, reference=True)
+    torch.testing.assert_close(ref[mask], plain.logprobs(batch)[mask], atol=1e-5, rtol=1e-5)

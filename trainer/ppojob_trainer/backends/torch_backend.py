@@ -898,7 +898,15 @@ class TorchGenerationEngine(GenerationEngine):
         (kept from the first adapter update) plus ``B @ A``."""
         params = self.model.state_dict(keep_vars=True)
         if any(k.endswith((LORA_A, LORA_B)) for k in named_tensors):
-            self._apply_adapters(params, named_tensors)
+            adapters = {k: v for k, v in named_tensors.items() if k.endswith((LORA_A, LORA_B))}
+            self._apply_adapters(params, adapters)
+            full = {k: v for k, v in named_tensors.items() if k not in adapters}
+            unknown = sorted(set(full) - set(params))
+            if unknown:  # (modulesToSave: whole weights next to the adapters)
+                raise ValueError(f"update_weights: no weights {unknown[:5]}")
+            with torch.no_grad():
+                for name, value in full.items():
+                    params[name].copy_(value)
             return
         missing = sorted(set(params) - set(named_tensors))
         if missing:
@@ -1035,10 +1043,19 @@ def apply_lora(lm: nn.Module, lora: LoraSpec) -> nn.Module:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
+        modules_to_save=list(lora.modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     return get_peft_model(lm, config)
+
+
+def _saved_modules(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(HF name, trained copy) of each module trained in full (``modulesToSave``)."""
+    for name, module in peft_model.named_modules():
+        copies = getattr(module, "modules_to_save", None)
+        if isinstance(copies, nn.ModuleDict) and "default" in copies:
+            yield name.removeprefix("base_model.model."), copies["default"]
 
 
 def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -1057,6 +1074,9 @@ def lora_adapter_tensors(peft_model: nn.Module, dtype: torch.dtype) -> dict[str,
         b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
         out[name + LORA_A] = a.to("cpu", dtype)
         out[name + LORA_B] = b.to("cpu", dtype)
+    for name, module in _saved_modules(peft_model):  # modulesToSave: their full weights
+        for key, value in module.state_dict().items():
+            out[f"{name}.{key}"] = value.detach().to("cpu", dtype)
     return out
 
 
@@ -1065,8 +1085,9 @@ def merged_lora_weights(peft_model: nn.Module, dtype: torch.dtype) -> dict[str, 
     CPU tensors in ``dtype`` (floating point ones): for engines that take full weights."""
     base = {}
     for k, v in peft_model.get_base_model().state_dict().items():
-        if ".lora_" not in k:
-            base[k.replace(".base_layer.", ".")] = v.detach().to("cpu")
+        if ".lora_" not in k and ".original_module." not in k:  # (modulesToSave: the copy)
+            name = k.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+            base[name] = v.detach().to("cpu")
     for name, layer in _lora_layers(peft_model):
         a = layer.lora_A["default"].weight.detach().float().cpu()
         b = layer.lora_B["default"].weight.detach().float().cpu() * layer.scaling["default"]
