@@ -38,6 +38,19 @@ def _trainer(model_dir, **kw):
     )
 
 
+def _base_logprobs(model_dir, batch) -> torch.Tensor:
+    """The log-probs of the base model without adapters (a plain full-weights actor)."""
+    plain = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+    )
+    return plain.logprobs(batch)
+
+
 @pytest.fixture(scope="module")
 def trained(model_dir):
     """A LoRA actor after two updates, with the base weights before them."""
@@ -63,15 +76,7 @@ def test_the_reference_is_the_base_model_with_adapters_disabled(trained, model_d
     trainer, _, batch = trained
     assert trainer.reference is None  # no second copy
     mask = batch["response_mask"]
-    plain = TorchPolicyTrainer(
-        model_dir,
-        "float32",
-        TrainingSettings(),
-        total_updates=1,
-        temperature=1.0,
-        need_reference=False,
-    )
-    base = plain.logprobs(batch)
+    base = _base_logprobs(model_dir, batch)
     ref = trainer.logprobs(batch, reference=True)
     policy = trainer.logprobs(batch)
     torch.testing.assert_close(ref[mask], base[mask], atol=1e-5, rtol=1e-5)
@@ -217,14 +222,7 @@ def test_modules_to_save_train_in_full_and_go_with_the_adapters(model_dir):
         torch.testing.assert_close(state[k], v, atol=1e-6, rtol=1e-5)
     # the reference is the base model: its original head, not the trained copy
     assert torch.equal(trainer.lm.get_base_model().lm_head.original_module.weight, head0)
-    plain = TorchPolicyTrainer(
-        model_dir,
-        "float32",
-        TrainingSettings(),
-        total_updates=1,
-        temperature=1.0,
-        need_reference=False,
-    )
     mask = batch["response_mask"]
     ref = trainer.logprobs(batch, reference=True)
-    torch.testing.assert_close(ref[mask], plain.logprobs(batch)[mask], atol=1e-5, rtol=1e-5)
+    base = _base_logprobs(model_dir, batch)
+    torch.testing.assert_close(ref[mask], base[mask], atol=1e-5, rtol=1e-5)
