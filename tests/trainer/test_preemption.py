@@ -119,6 +119,33 @@ def test_stop_file_requests_a_stop_and_the_running_file_goes(tmp_path, monkeypat
     assert not running.exists()
 
 
+@pytest.fixture()
+def default_sigint():
+    """SIGINT handled as a trainer process handles it (Python's default: KeyboardInterrupt),
+    whatever an earlier test of this pytest process left installed (``interrupt_main`` does
+    nothing under SIG_DFL or SIG_IGN)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_trainer_process_handles_sigint_by_default() -> None:
+    """What the abandon timer relies on, in a process as the trainer starts it (with Ray)."""
+    code = (
+        "import signal, ray\n"
+        "ray.init(num_cpus=1, include_dashboard=False)\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+        "ray.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout
+
+
+@pytest.mark.usefixtures("default_sigint")
 def test_a_step_that_outlives_the_grace_period_is_abandoned() -> None:
     stop = StopSignal(grace_seconds=2.1)  # 0.1 s before the margin runs out
     stop.in_step = True
