@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The test suite as `make test` and CI run it. The real-node tests (tests/realnode/: PPOJobs in
-# real pods on a kubelet built here, mostly waiting for pods to start) run in a second pytest
-# process alongside everything else, so their waits overlap the rest of the suite. Both must
+# The test suite as `make test` and CI run it: one pytest over everything (PPOJOB_TESTS_SEQUENTIAL
+# is the old name of this default and still accepted). PPOJOB_TESTS_PARALLEL=1 runs the
+# real-node tests (tests/realnode/: PPOJobs in real pods on a kubelet built here, mostly waiting
+# for pods to start) in a second pytest process alongside everything else, so their waits
+# overlap the rest: faster, but on 2 cores the load then made timing-bound tests fail (a
+# kubectl call over 60 s, a gloo rendezvous timing out), so it is not the default. Both must
 # pass; the real-node output is printed after the main output (and kept in
-# build/realnode-tests.log). PPOJOB_TESTS_SEQUENTIAL=1 runs one pytest over everything instead.
-# Exit code: the main run's if it failed, else the real-node run's (pytest's 5, "no tests
-# collected", included).
+# build/realnode-tests.log). Exit code: the main run's if it failed, else the real-node run's
+# (pytest's 5, "no tests collected", included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PY:-.venv/bin/python}"
-if [ -n "${PPOJOB_TESTS_SEQUENTIAL:-}" ]; then
+if [ -z "${PPOJOB_TESTS_PARALLEL:-}" ]; then
   exec "$py" -m pytest -q --durations=25
 fi
 mkdir -p build

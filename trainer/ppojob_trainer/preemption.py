@@ -139,6 +139,12 @@ def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
             stop.request("SIGTERM")
 
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        # The abandon timer interrupts the step through SIGINT's Python handler
+        # (``_thread.interrupt_main``), which does nothing while SIGINT is ignored: as it is in
+        # a process started in the background of a non-interactive shell.
+        previous_int = signal.getsignal(signal.SIGINT)
+        if not callable(previous_int):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     running = os.environ.get(RUNNING_FILE_ENV)
     if running:
         try:
@@ -158,5 +164,6 @@ def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
         stop.cancel()
         if main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGINT, previous_int)
         if running:
             Path(running).unlink(missing_ok=True)
