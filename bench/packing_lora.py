@@ -12,7 +12,8 @@ through the torch backend's real ``TorchPolicyTrainer`` (the actor), in this pro
 
 Packing (``--part packing``): 32 sequences per update, prompts of 8..32 tokens and responses
 of 8..256 tokens drawn uniformly (seeded): a skewed task where the longest response is ~32x
-the shortest. Three ways to cut the same mini-batch, all with the same memory bound of
+the shortest. Three ways to cut the same mini-batch (and a fourth for comparison, below), all
+with the same memory bound of
 ``8 x (32 + 256) = 2304`` tokens per micro-batch:
   - ``padded``: 8 samples per micro-batch in the batch's order, each padded to its own
     longest prompt and response (today's default: ``microBatchSize: 8``);
@@ -33,10 +34,11 @@ gradients, AdamW moments, the reference copy); and the bytes one weight sync sen
 rollout engines (``export_weights()``, float32 here: in bfloat16 both halve, the ratio stays).
 
 The machine is shared (2 cores, other jobs running): times are noisy; ratios within one run
-are what to read. CPU attention has no varlen kernel: a packed row attends through a
-block-diagonal mask over the whole row, so packing saves the padded tokens' MLP and projection
-work but pays attention over the packed length (on a GPU flash-attention's varlen kernel does
-not).
+are what to read (``--threads 1`` is steadier on a loaded machine: two threads of one process
+wait on each other there). CPU attention has no varlen kernel; with packing the trainer switches
+the model's ``sdpa`` attention to ``packed_attention``, which attends within each sequence of
+the packed row in turn. The row ``packed, dense mask`` measures the way before it, for
+comparison: transformers' block-diagonal mask over the whole row, quadratic in its length.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
@@ -54,6 +57,7 @@ sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
 import torch  # noqa: E402
 
 from ppojob_api.training import LoraSpec, TrainingSettings  # noqa: E402
+from ppojob_trainer.backends import torch_backend  # noqa: E402
 from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer  # noqa: E402
 
 BUDGET = 8 * (32 + 256)
@@ -149,20 +153,25 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
         "padded": dict(micro_batch_size=8),
         "padded+budget": dict(max_tokens_per_micro_batch=BUDGET),
         "packed+budget": dict(packing=True, max_tokens_per_micro_batch=BUDGET),
+        "packed, dense mask": dict(packing=True, max_tokens_per_micro_batch=BUDGET),
     }
     out = {}
     for name, kw in layouts.items():
-        t = trainer(model_dir, **kw)
+        if name == "packed, dense mask":  # the model keeps sdpa: the block-diagonal mask
+            with mock.patch.object(torch_backend, "use_packed_attention", lambda m: False):
+                t = trainer(model_dir, **kw)
+        else:
+            t = trainer(model_dir, **kw)
         fwd = timed(lambda t=t: t.logprobs(batch), repeats)
         upd = timed(lambda t=t: t.update(batch, loss_fn, 8), repeats)
         out[name] = {"logprobs_s": fwd, "update_s": upd, "tok_s": tokens / upd}
         print(
-            f"  {name:14s} log-probs {fwd:6.2f} s ({tokens / fwd:7.0f} tok/s)   "
+            f"  {name:18s} log-probs {fwd:6.2f} s ({tokens / fwd:7.0f} tok/s)   "
             f"update {upd:6.2f} s ({tokens / upd:7.0f} tok/s)",
             flush=True,
         )
     base = out["padded"]
-    for name in ("padded+budget", "packed+budget"):
+    for name in ("padded+budget", "packed+budget", "packed, dense mask"):
         o = out[name]
         print(
             f"  {name} vs padded: update {base['update_s'] / o['update_s']:.2f}x tokens/s, "

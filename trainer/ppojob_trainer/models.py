@@ -327,12 +327,16 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention: Any,
     ) -> torch.Tensor:
+        """``attention``: keyword arguments for the backbone's attention (a packed row's
+        ``cu_seq_lens_q``...)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **attention,
         )
         # a fresh tensor, not a view: an FSDP root's outputs carry its backward hooks
         return self.value_head(out.last_hidden_state).squeeze(-1).float().clone()

@@ -54,6 +54,7 @@ from .base import (
     ValueLossFn,
     ValueTrainer,
 )
+from .packed_attention import use_packed_attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1104,10 +1105,19 @@ def _packed_device_inputs(
     the CPU."""
     ids, pos, select, rows, cols = pack_rows(batch)
     nb = device.type == "cuda"
-    inputs: dict[str, torch.Tensor | None] = {
+    starts = torch.nonzero(pos[0] == 0).flatten()
+    cu = torch.cat([starts, torch.tensor([pos.shape[1]])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    inputs: dict[str, Any] = {
         "input_ids": ids.to(device, non_blocking=nb),
         "attention_mask": None,
         "position_ids": pos.to(device, non_blocking=nb),
+        # the sequences' boundaries, as flash-attention's varlen kernels and the CPU's
+        # per-sequence attention (packed_attention) take them
+        "cu_seq_lens_q": cu.to(device, non_blocking=nb),
+        "cu_seq_lens_k": cu.to(device, non_blocking=nb),
+        "max_length_q": longest,
+        "max_length_k": longest,
     }
     return inputs, select.to(device, non_blocking=nb), rows, cols
 
@@ -1150,6 +1160,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         lm = load_causal_lm(model_dir, "float32")  # master weights in float32
         if settings.packing:
             check_packing_support(lm)
+            use_packed_attention(lm)
         if settings.gradient_checkpointing:
             activation_checkpointing(lm)
         self.lora = lora
@@ -1170,7 +1181,10 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         self.reference: nn.Module | None = None
         self.reference_device = self.device
         if need_reference and lora is None:  # with LoRA: the base model, adapters disabled
-            ref = CausalLMLogprobs(load_causal_lm(model_dir, dtype)).eval()
+            ref_lm = load_causal_lm(model_dir, dtype)
+            if settings.packing:
+                use_packed_attention(ref_lm)
+            ref = CausalLMLogprobs(ref_lm).eval()
             ref.requires_grad_(False)
             offload = offload_reference and self.device.type != "cpu"
             if self.opt.sharded:
@@ -1310,6 +1324,7 @@ class TorchValueTrainer(_OptimisedState, ValueTrainer):
         self.model = load_value_model(model_dir, "float32", seed=seed)
         if settings.packing:
             check_packing_support(self.model.backbone)
+            use_packed_attention(self.model.backbone)
         if settings.gradient_checkpointing:
             activation_checkpointing(self.model.backbone)
         self.opt = _Optimised(

@@ -1,0 +1,198 @@
+"""The per-sequence attention of packed rows (``packed_attention``): the same outputs as the
+dense block-diagonal mask it replaces, and never a score across the row (what makes packing pay
+on the CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ppojob_api.training import TrainingSettings
+from ppojob_trainer import models
+from ppojob_trainer.backends import packed_attention as pa
+from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+from tests.helpers.batches import PROMPT_LENS, RESPONSE_LENS, mixed_batch, ppo_policy_loss
+
+LENGTHS = [5, 3, 9, 5, 3, 1]  # sequences of one length are stacked: out of row order
+
+
+def _qkv(heads: int, kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n, d = sum(LENGTHS), 8
+    q = torch.randn(1, heads, n, d, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, n, d, generator=g, requires_grad=True)
+    v = torch.randn(1, kv_heads, n, d, generator=g, requires_grad=True)
+    return q, k, v
+
+
+def _positions() -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in LENGTHS])[None]
+
+
+def _dense(q, k, v, window: int | None = None) -> torch.Tensor:
+    """Block-diagonal causal (optionally windowed) attention over the whole row, [1, T, H, d]."""
+    seq = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    i = torch.arange(seq.numel())
+    mask = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        mask &= i[:, None] - i[None, :] < window
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dense_up_to", [0, 1_000])
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
+def test_per_sequence_attention_equals_the_block_diagonal_mask(
+    window, boundaries, dense_up_to, monkeypatch
+):
+    """Grouped-query heads (4 query heads on 2 key/value heads), with and without a sliding
+    window, boundaries from cumulative lengths or from restarting positions, per sequence or
+    (a short row) in one call: outputs and gradients equal the dense mask's."""
+    monkeypatch.setattr(pa, "DENSE_ROW_TOKENS", dense_up_to)
+    q, k, v = _qkv(4, 2)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    if boundaries == "cu_seq_lens":
+        kw = {"cu_seq_lens_q": torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])}
+    else:
+        kw = {"position_ids": _positions()}
+    out, _ = pa.packed_attention_forward(module, q, k, v, None, sliding_window=window, **kw)
+    ref = _dense(q, k, v, window)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_offsets_and_a_bad_cover():
+    n = sum(LENGTHS)
+    want = [0, 5, 8, 17, 22, 25, 26]
+    assert pa.segment_offsets({"position_ids": _positions()}, n) == want
+    assert pa.segment_offsets({"cu_seq_lens_q": torch.tensor(want)}, n) == want
+    assert pa.segment_offsets({}, n) == [0, n]  # an unpacked row: one sequence
+    with pytest.raises(ValueError, match="does not cover the row's 26 positions"):
+        pa.segment_offsets({"cu_seq_lens_q": torch.tensor([0, 5, 20])}, n)
+
+
+def test_a_padded_batch_is_plain_sdpa():
+    """With a padding mask (a padded batch) the implementation is transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = _qkv(2, 2, seed=1)
+    mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool).tril()
+    mask[..., :3] = False  # three padded key positions
+    mask[..., :3, 0] = True  # (rows that would be empty attend to something)
+    module = SimpleNamespace(num_key_value_groups=1, is_causal=True, training=False)
+    out, _ = pa.packed_attention_forward(module, q, k, v, mask, position_ids=_positions())
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask)
+    assert torch.equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return models.materialize_builtin("tiny-qwen2", 5, tmp_path_factory.mktemp("cache"))
+
+
+def _key_lengths(monkeypatch) -> list[int]:
+    """The key length of every scaled-dot-product attention call from now on."""
+    seen: list[int] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, *a, **kw):
+        seen.append(k.shape[-2])
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def test_packed_training_never_attends_across_the_row(model_dir, monkeypatch):
+    """With packing, the actor (log-probs, reference, update) and the critic attend within one
+    sequence at a time: no attention call's key length exceeds the longest sequence, though
+    the packed row is several times longer (a row longer than ``DENSE_ROW_TOKENS``; here 0)."""
+    monkeypatch.setattr(pa, "DENSE_ROW_TOKENS", 0)
+    batch = mixed_batch()
+    longest = max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True))
+    row = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+    settings = TrainingSettings(learning_rate=1e-2, packing=True, micro_batch_size=5)
+    actor = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=1, temperature=0.7, need_reference=True
+    )
+    critic = TorchValueTrainer(model_dir, "float32", settings, total_updates=1, seed=3)
+    seen = _key_lengths(monkeypatch)
+    actor.logprobs(batch)
+    actor.logprobs(batch, reference=True)
+    actor.update(batch, ppo_policy_loss, 5)
+    critic.values(batch)
+    assert seen, "no attention call was recorded"
+    assert max(seen) == longest < row
+
+
+def test_gradient_checkpointing_recomputes_per_sequence(model_dir, monkeypatch):
+    """Activation checkpointing recomputes each block in backward: the recomputation gets the
+    sequences' boundaries too (they travel as keyword arguments, not as state)."""
+    batch = mixed_batch()
+    longest = max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True))
+    grads = []
+    monkeypatch.setattr(pa, "DENSE_ROW_TOKENS", 0)
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    for checkpointing in (False, True):
+        settings = TrainingSettings(
+            learning_rate=1e-2,
+            packing=True,
+            micro_batch_size=5,
+            gradient_checkpointing=checkpointing,
+        )
+        actor = TorchPolicyTrainer(
+            model_dir, "float32", settings, total_updates=1, temperature=0.7, need_reference=False
+        )
+        got: list = []
+
+        def capture(into=got, actor=actor):
+            into.append([p.grad.clone() for p in actor.opt.params])
+            return {}
+
+        actor.opt.step = capture
+        seen = _key_lengths(monkeypatch)
+        actor.update(batch, ppo_policy_loss, 5)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real_sdpa)
+        assert max(seen) == longest
+        grads.append(got[0])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_a_short_row_is_one_call_with_the_block_mask(model_dir, monkeypatch):
+    """Below ``DENSE_ROW_TOKENS`` a packed row is one attention call over the whole row (a call
+    per sequence would cost more there), with the same log-probs as per sequence."""
+    batch = mixed_batch()
+    row = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+    settings = TrainingSettings(learning_rate=1e-2, packing=True, micro_batch_size=5)
+    actor = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=1, temperature=0.7, need_reference=False
+    )
+    seen = _key_lengths(monkeypatch)
+    dense = actor.logprobs(batch)
+    assert set(seen) == {row}
+    seen.clear()
+    monkeypatch.setattr(pa, "DENSE_ROW_TOKENS", 0)
+    per_sequence = actor.logprobs(batch)
+    assert max(seen) < row
+    torch.testing.assert_close(dense, per_sequence, atol=1e-6, rtol=1e-5)
+
+
+def test_only_an_sdpa_model_is_switched(model_dir):
+    """flash-attention (varlen kernels already) and eager (maybe there for soft-capping) stay."""
+    sdpa = models.load_causal_lm(model_dir, "float32")
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert pa.use_packed_attention(sdpa)
+    assert sdpa.config._attn_implementation == pa.NAME
+    eager = models.load_causal_lm(model_dir, "float32")
+    eager.set_attn_implementation("eager")
+    assert not pa.use_packed_attention(eager)
+    assert eager.config._attn_implementation == "eager"
