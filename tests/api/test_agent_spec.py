@@ -1,6 +1,6 @@
 """`data.agent` in a manifest (issue 25, multi-turn rollouts): the example is valid, each bad
-field gets one line naming it and a fix, and backends that cannot mask the environment's
-tokens out of the loss are refused."""
+field gets one line naming it and a fix, and a rollout backend that drives no agent turns is
+refused."""
 
 from __future__ import annotations
 
@@ -80,16 +80,17 @@ def test_a_user_hook_is_accepted() -> None:
     assert _problems(doc) == []
 
 
-@pytest.mark.parametrize(
-    ("path", "value", "field"),
-    [
-        ("spec.roles.rollout.backend", "sglang", "spec.roles.rollout.backend"),
-        ("spec.roles.actor.backend", "megatron", "spec.roles.actor.backend"),
-    ],
-)
-def test_backends_that_cannot_mask_environment_tokens_are_refused(
-    path: str, value: str, field: str
-) -> None:
-    problems = [p for p in _problems(set_path(EXAMPLE, path, value)) if "data.agent" in p]
-    assert len(problems) == 1 and problems[0].startswith(f"{field}: "), problems
+def test_a_rollout_backend_that_drives_no_agent_turns_is_refused() -> None:
+    doc = set_path(EXAMPLE, "spec.roles.rollout.backend", "sglang")
+    problems = [p for p in _problems(doc) if "data.agent" in p]
+    assert len(problems) == 1 and problems[0].startswith("spec.roles.rollout.backend: "), problems
     assert "\n" not in problems[0]
+
+
+def test_megatron_actor_and_critic_take_an_agent() -> None:
+    """The workers hand megatron the environment-token loss mask as they do the torch backend
+    (tests/trainer/backends/test_megatron.py trains the example on both)."""
+    doc = set_path(EXAMPLE, "spec.roles.actor.backend", "megatron")
+    doc = set_path(doc, "spec.algorithm.advantageEstimator", "gae")
+    doc = set_path(doc, "spec.roles.critic", {"backend": "megatron", "colocateWithActor": True})
+    assert [p for p in _problems(doc) if "data.agent" in p or "backend" in p] == []

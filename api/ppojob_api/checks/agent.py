@@ -65,7 +65,6 @@ def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 "write it as `package.module:function` or `builtin:<agent>`",
             )
         )
-    why = "cannot mask the environment's tokens out of the loss yet"
     if half.roles.rollout.backend != "torch":
         p.append(
             Problem(
@@ -75,19 +74,6 @@ def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 "use backend: torch for the rollout role, or remove data.agent",
             )
         )
-    roles = [("actor", half.roles.actor)]
-    critic = half.roles.effective_critic(half.algorithm.needs_critic)
-    if critic is not None:
-        roles.append(("critic", critic))
-    for name, role in roles:
-        if role.backend != "torch":
-            p.append(
-                Problem(
-                    f"{prefix}.roles.{name}.backend",
-                    f"{role.backend} {why} (data.agent)",
-                    f"use backend: torch for the {name} role, or remove data.agent",
-                )
-            )
     return p
 
 

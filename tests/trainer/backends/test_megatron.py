@@ -387,3 +387,38 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     assert {"value_head.weight", "value_head.bias"} <= set(state["critic"]["model"])
     second = train(cfg, tmp_path / "run", _Quiet())
     assert second.steps == 3 and len(second.history) == 1
+
+
+@pytest.mark.slow
+def test_multi_turn_on_megatron_trains_as_on_the_torch_backend(local_ray, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Two steps of the multi-turn calculator example (the calculator's tokens in the response
+    with no loss) with actor and critic on megatron train exactly as on the torch backend: the
+    workers' loss mask reaches megatron's loss and its normalisation."""
+    import yaml
+
+    from ppojob_trainer.loop import train
+    from ppojob_trainer.manifest import config_from_doc
+
+    monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
+    doc = yaml.safe_load((ROOT / "examples" / "ppojob-tiny-calculator.yaml").read_text())
+    doc["spec"]["algorithm"]["advantageEstimator"] = "gae"
+    doc["spec"]["training"]["steps"] = 2
+    doc["spec"]["training"]["microBatchSize"] = 16  # micro-batches weighted by loss tokens
+    runs = {}
+    for backend in ("torch", "megatron"):
+        spec = yaml.safe_load(yaml.safe_dump(doc))["spec"]
+        spec["roles"]["actor"] = {"backend": backend, "resources": {"cpus": 1, "memory": "2Gi"}}
+        spec["roles"]["critic"] = {"backend": backend, "colocateWithActor": True}
+        cfg = config_from_doc({**doc, "spec": spec})
+        runs[backend] = train(cfg, tmp_path / backend, _Quiet()).history
+    keys = (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/kl_loss",
+        "critic/vf_loss",
+        "critic/grad_norm",
+    )
+    for torch_step, meg_step in zip(runs["torch"], runs["megatron"], strict=True):
+        assert torch_step["agent/env_calls_mean"] > 0  # the environment's tokens were there
+        for k in keys:
+            assert meg_step[k] == pytest.approx(torch_step[k], rel=1e-4, abs=1e-6), k
