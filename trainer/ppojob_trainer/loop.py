@@ -1202,10 +1202,12 @@ def _worker_env() -> dict[str, str]:
     Ray's own threads of the few cores between two tasks: measured +100 ms per step on 2
     cores); and the tests' fault-injection gate, when one is set."""
     from .workers.host import FAULT_GATE_ENV
+    from .workers.reward import REWARD_FAULT_GATE_ENV
 
     env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
-    if os.environ.get(FAULT_GATE_ENV):
-        env[FAULT_GATE_ENV] = os.environ[FAULT_GATE_ENV]
+    for gate in (FAULT_GATE_ENV, REWARD_FAULT_GATE_ENV):
+        if os.environ.get(gate):
+            env[gate] = os.environ[gate]
     return env
 
 
