@@ -29,6 +29,7 @@ import os
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,18 @@ from ppojob_api.training import (
 from .tasks import RewardScorer
 
 Scorer = Callable[[list[str], list[str], list[Any]], list[float]]
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages show it: without the credentials it may hold (``user:password@``
+    is dropped, each query value is ``***``)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{k}=***" if sep else k
+        for k, sep, _ in (q.partition("=") for q in parts.query.split("&") if q)
+    )
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def retried(status: int) -> bool:
@@ -273,7 +286,10 @@ class HttpRewardScorer:
     sent as strings), plus ``Authorization: Bearer <token>`` when ``tokenEnv`` names a variable.
     Answer: a 2xx status and ``{"rewards": [number, ...]}``, one finite number per sample, in
     order. Connection errors, timeouts and the statuses :func:`retried` names are retried
-    ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time.
+    ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time. Each attempt
+    has ``timeoutSeconds`` in all (connecting, and reading the whole answer: an endpoint that
+    trickles its answer is cut off too). Messages show the URL without credentials
+    (:func:`shown_url`: validation refuses ``user:password@``, query values are hidden).
     """
 
     def __init__(
@@ -287,6 +303,7 @@ class HttpRewardScorer:
         self.field = field
         self.sleep = sleep
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        self.shown = shown_url(spec.url)
         if spec.token_env is not None:
             token = (os.environ if env is None else env).get(spec.token_env)
             if not token:
@@ -308,7 +325,7 @@ class HttpRewardScorer:
         return out
 
     def _post(self, prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
-        spec, where = self.spec, f"{self.field}.url: POST {self.spec.url}"
+        spec, where = self.spec, f"{self.field}.url: POST {self.shown}"
         body = json.dumps(
             {"prompts": prompts, "completions": completions, "labels": labels}, default=str
         ).encode()
@@ -318,9 +335,10 @@ class HttpRewardScorer:
             if attempt:
                 self.sleep(spec.backoff_seconds * 2 ** (attempt - 1))
             request = urllib.request.Request(spec.url, body, self.headers, method="POST")
+            deadline = time.monotonic() + spec.timeout_seconds
             try:
                 with urllib.request.urlopen(request, timeout=spec.timeout_seconds) as answer:
-                    raw = answer.read()
+                    raw = _read_until(answer, deadline)
             except urllib.error.HTTPError as exc:
                 try:
                     detail = exc.read(200).decode(errors="replace").strip().replace("\n", " ")
@@ -380,6 +398,22 @@ class HttpRewardScorer:
                 )
             out.append(float(v))
         return out
+
+
+def _read_until(answer: Any, deadline: float) -> bytes:
+    """The whole body of ``answer``, or :class:`TimeoutError` once ``deadline`` (a monotonic
+    time) has passed: the socket's timeout bounds each read only, not a trickled answer."""
+    chunks = []
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer took longer than timeoutSeconds")
+        chunk = answer.read1(65_536)
+        if not chunk:
+            missing = getattr(answer, "length", None)
+            if missing:  # (read1 does not tell a cut-off answer: read does)
+                raise http.client.IncompleteRead(b"".join(chunks), missing)
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 class JudgeScorer:
