@@ -566,6 +566,14 @@ class CombinedReward:
         # judges' unparsed verdicts and remote model sources' samples in the latest score
         self.last_counts: dict[str, int] = {}
 
+    def set_reward_workers(self, workers: Sequence[Any]) -> None:
+        """``roles.reward``: the model sources score on ``workers`` from now on (the trainer
+        started replacements of lost ones)."""
+        for s in self.sources:
+            if isinstance(s.scorer, RemoteRewardModelScorer) and workers:
+                s.scorer.workers = list(workers)
+                s.scorer.started = len(workers)
+
     def score(
         self, prompts: list[str], completions: list[str], labels: list[Any]
     ) -> tuple[list[float], dict[str, list[float]]]:
