@@ -634,7 +634,9 @@ class HttpRewardSource(ApiModel):
     naming this source."""
 
     url: str = Field(min_length=1, pattern=URL_PATTERN)
-    """The endpoint, `http://` or `https://`, reachable from the rollout role's pods."""
+    """The endpoint, `http://` or `https://`, reachable from the rollout role's pods. No
+    credentials in it (`user:password@` is refused: a manifest is not a secret; use tokenEnv);
+    messages show it without its query values."""
 
     timeout_seconds: float = Field(30.0, gt=0, le=3600)
     """Timeout of one request (connecting and reading the answer)."""

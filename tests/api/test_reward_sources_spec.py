@@ -55,6 +55,12 @@ def test_the_stored_form_gets_the_same_verdict() -> None:
     [
         ({"http": {"url": "ftp://rm/score"}}, "spec.data.rewards[0].http.url", "write an http://"),
         ({"http": {"url": "http://rm", "retries": -1}}, "spec.data.rewards[0].http.retries", ">="),
+        (
+            {"http": {"url": "https://bob:hunter2@rm/score"}},
+            "spec.data.rewards[0].http.url",
+            "credentials never go in a PPOJob",
+        ),
+        ({"http": {"url": "https://bob@rm/score"}}, "spec.data.rewards[0].http.url", "tokenEnv"),
         ({"modle": {"path": "/rm"}}, "spec.data.rewards[0].modle", "unknown field"),
         ({"model": {"path": "/rm", "device": "gpu"}}, "spec.data.rewards[0].model.device", "auto"),
         ({"model": {}}, "spec.data.rewards[0].model.path", "required field is missing"),
@@ -71,6 +77,7 @@ def test_a_bad_field_of_a_source_is_one_line_naming_it(source: Any, path: str, w
     problems = _problems(set_path(TINY, "spec.data.rewards", [source]))
     assert len(problems) == 1 and problems[0].startswith(f"{path}: "), problems
     assert words in problems[0] and "\n" not in problems[0]
+    assert "hunter2" not in problems[0]
 
 
 def test_rewards_and_reward_function_together_are_refused_in_one_line() -> None:

@@ -108,3 +108,59 @@ def test_lora_counts_adapter_grads_and_moments_and_no_reference_copy():
     _, budget = load_manifest(tiny, [("training.maxTokensPerMicroBatch", 96)])
     small = M.plan_job(budget)[0].phases[update]["actor activations"]
     assert small == pytest.approx(acts * 96 / (64 * 12))
+
+
+def _judge_plans(judge: dict, **roles: dict) -> dict[str, M.ProcessPlan]:
+    from ppojob_api.training import TrainerConfig
+
+    cfg = TrainerConfig.model_validate(
+        {
+            "model": {"path": "builtin:tiny-llama", "dtype": "bfloat16"},
+            "roles": {"rollout": {"replicas": 2, "resources": {"gpus": 1}}, **roles},
+            "data": {
+                "rolloutBatchSize": 16,
+                "samplesPerPrompt": 8,
+                "rewards": [{"judge": {"maxPromptLength": 100, "maxNewTokens": 12, **judge}}],
+            },
+        }
+    )
+    return {p.name: p for p in M.plan_job(cfg)}
+
+
+def test_a_generative_judge_of_its_own_is_counted_on_each_engine_gpu():
+    """A judge model (not the policy) loaded on each engine: its weights in model.dtype, and
+    while it judges the engine's 8 x 8 samples, a KV cache of 100 + 12 tokens each and the
+    sampling logits, in a phase of its own. roles.reward does not move it off the engines."""
+    small = M.KNOWN_SHAPES["builtin:small-llama"]
+    rollout = _judge_plans({"model": "builtin:small-llama"})["rollout"]
+    assert rollout.persistent["judge judge weights"] == 2 * small.params
+    rows = 16 // 2 * 8
+    kv = rows * (100 + 12) * small.layers * 2 * small.kv_dim * 2
+    assert rollout.phases["judge judge judging"] == {
+        "judge judge KV cache": kv,
+        "judge judge sampling": rows * small.vocab * 4 * 3,
+    }
+    assert rollout.peak >= sum(rollout.persistent.values()) + kv
+    with_workers = _judge_plans({"model": "builtin:small-llama"}, reward={"resources": {"gpus": 1}})
+    assert "reward" not in with_workers
+    assert with_workers["rollout"].persistent["judge judge weights"] == 2 * small.params
+
+
+def test_a_policy_judge_adds_only_its_kv_cache_and_an_unknown_one_a_note(tmp_path):
+    tiny = M.KNOWN_SHAPES["builtin:tiny-llama"]
+    rollout = _judge_plans({"model": "policy"})["rollout"]
+    assert not any(k.startswith("judge") for k in rollout.persistent)
+    kv = rollout.phases["judge judge judging"]["judge judge KV cache"]
+    assert kv == 64 * 112 * tiny.layers * 2 * tiny.kv_dim * 2
+    colocated = _judge_plans(
+        {"model": "policy"},
+        actor={"resources": {"gpus": 1}},
+        rollout={"colocateWithActor": True},
+    )
+    assert "rollout" not in colocated
+    assert colocated["actor"].phases["judge judge judging"]["judge judge KV cache"] == 2 * kv
+    on_sglang = _judge_plans({"model": "policy"}, rollout={"backend": "sglang", "replicas": 2})
+    assert "judge judge judging" not in on_sglang["rollout"].phases  # its memory fraction
+    unknown = _judge_plans({"model": str(tmp_path / "nowhere")})["rollout"]
+    assert unknown.notes == ["data.rewards[0].judge.model: shape unknown here"]
+    assert "judge judge judging" not in unknown.phases

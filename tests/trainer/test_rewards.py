@@ -27,6 +27,7 @@ from ppojob_trainer.rewards import (
     RewardModelScorer,
     make_reward,
     reward_parts,
+    shown_url,
 )
 from ppojob_trainer.tasks import count_up_reward
 
@@ -524,3 +525,58 @@ def test_a_cut_off_answer_is_retried_then_named() -> None:
         thread.join(10)
     msg = str(info.value)
     assert "failed 2 time(s), last: broken answer (IncompleteRead" in msg and "\n" not in msg
+
+
+def test_a_failure_names_the_url_without_its_query_values(endpoint: Endpoint) -> None:
+    """A token in the query string (``?key=...``) is not repeated in the one-line error (nor
+    would ``user:password@`` be: validation refuses it, :func:`shown_url` drops it)."""
+    url = endpoint.url + "?key=abc123&dry"
+    endpoint.script = [(400, b"no")]
+    with pytest.raises(ValueError) as info:
+        _scorer(url, retries=0)(["p"], ["c"], [None])
+    msg = str(info.value)
+    assert msg.startswith(f"data.rewards[1].http.url: POST {endpoint.url}?key=***&dry answered")
+    assert "abc123" not in msg
+    assert endpoint.requests  # (the request itself went to the URL as written)
+
+
+def test_an_answer_trickled_past_the_timeout_is_cut_off() -> None:
+    """The endpoint answers its headers at once, then one byte of its body every 20 ms (each
+    read is quick, the whole answer would take 20 s): the attempt ends at timeoutSeconds."""
+    body = _rewards([1]).ljust(1000)
+    stop = threading.Event()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                try:
+                    conn.sendall(head)
+                    for i in range(len(body)):
+                        if stop.wait(0.02):
+                            return
+                        conn.sendall(body[i : i + 1])
+                except OSError:  # the client hung up: what this test wants
+                    return
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            with pytest.raises(ValueError) as info:
+                _scorer(url, retries=0, timeout_seconds=0.5)(["p"], ["c"], [None])
+        finally:
+            stop.set()
+            thread.join(10)
+    assert "failed 1 time(s), last: no answer within timeoutSeconds (0.5 s)" in str(info.value)
+
+
+def test_shown_url_drops_credentials() -> None:
+    assert shown_url("https://u:p@h.example:8443/a/b?t=1&x") == "https://h.example:8443/a/b?t=***&x"
+    assert shown_url("http://h/score") == "http://h/score"

@@ -212,6 +212,8 @@ class PPOTrainer:
         """Elastic engines lost so far."""
         self.failed_starts = 0
         """Elastic engines that could not start so far."""
+        self.reward_replaced = 0
+        """Reward workers (roles.reward) found lost and started again so far."""
         try:
             self._start(cfg, critic, threads)
         except BaseException:
@@ -296,7 +298,9 @@ class PPOTrainer:
                 for r in hosted:
                     self.hosts[r].append(handle)
                 all_hosts.append(handle)
+        self._reward_args: dict[int, tuple[dict[str, Any], tuple[Any, ...]]] = {}
         self.reward_hosts = self._start_reward(cfg_json, threads)
+        self.reward_ranks = list(range(len(self.reward_hosts)))
         self.sandbox_hosts = self._start_sandbox(cfg_json)
         self.identities = ray.get([h.ready.remote() for h in all_hosts])
         extra_ids = ray.get([h.ready.remote() for h in [*self.reward_hosts, *self.sandbox_hosts]])
@@ -386,10 +390,65 @@ class PPOTrainer:
             opts = self.placement.host_options("reward", rank)
             opts["runtime_env"] = {"env_vars": _worker_env()}
             nthreads = (threads or {}).get("reward") or max(1, round(opts["num_cpus"]))
-            hosts.append(
-                RemoteRewardHost.options(**opts).remote(cfg_json, rank, world, nthreads, device)
-            )
+            args = (cfg_json, rank, world, nthreads, device)
+            hosts.append(RemoteRewardHost.options(**opts).remote(*args))
+            self._reward_args[rank] = (opts, args)
         return hosts
+
+    def _replace_reward_workers(self) -> None:
+        """``roles.reward``: reward workers found lost (their process gone; the engines already
+        sent their parts to the others) are started again in their slot, and every engine
+        scores on the new set: a step after a loss has the role's full capacity. A replacement
+        that cannot start is left out (the engines go on with the workers left)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from .workers.reward import RemoteRewardHost
+
+        if not self.reward_hosts:
+            return
+        pings = [h.scored_count.remote() for h in self.reward_hosts]
+        dead = []
+        for i, ping in enumerate(pings):
+            try:
+                ray.get(ping)
+            except RayActorError:
+                dead.append(i)
+        if not dead:
+            return
+        new = {}
+        for i in dead:
+            with contextlib.suppress(Exception):  # (a process unreachable but alive)
+                ray.kill(self.reward_hosts[i])
+            opts, args = self._reward_args[self.reward_ranks[i]]
+            new[i] = RemoteRewardHost.options(**opts).remote(*args)
+        hosts, ranks = [], []
+        for i, (host, rank) in enumerate(zip(self.reward_hosts, self.reward_ranks, strict=True)):
+            if i in new:
+                ref = new[i].ready.remote()
+                limit = self.cfg.stall_timeout_seconds  # (None: wait)
+                error = "not ready within stallTimeoutSeconds"
+                try:
+                    if ray.wait([ref], timeout=limit)[0]:
+                        error = ray.get(ref).get("error")
+                except RayActorError as exc:
+                    error = f"its process died ({type(exc).__name__})"
+                if error:
+                    log.warning("roles.reward: a new reward worker could not start: %s", error)
+                    with contextlib.suppress(Exception):
+                        ray.kill(new[i])
+                    continue
+                host = new[i]
+                self.reward_replaced += 1
+            hosts.append(host)
+            ranks.append(rank)
+        log.warning(
+            "roles.reward: %d reward worker(s) were lost, %d started again",
+            len(dead),
+            len(hosts) - len(self.reward_hosts) + len(dead),
+        )
+        self.reward_hosts, self.reward_ranks = hosts, ranks
+        ray.get([g[0].set_reward_workers.remote(self.reward_hosts) for g in self.engine_groups])
 
     def _start_sandbox(self, cfg_json: str) -> list[Any]:
         """The sandbox workers of ``roles.sandbox`` (none when unset), one per worker slot of
@@ -486,6 +545,7 @@ class PPOTrainer:
         #    takes (their samples will be at most maxStaleness versions old when trained on).
         window = generation_window(step, self.launched, algo.max_staleness, self.total_steps)
         lost_before = self.lost_engines
+        self._replace_reward_workers()  # (roles.reward: lost ones started again)
         if self.elastic is not None:  # engines started since join now (with current weights)
             self._top_up()
             self._ensure_engines()
@@ -1202,10 +1262,12 @@ def _worker_env() -> dict[str, str]:
     Ray's own threads of the few cores between two tasks: measured +100 ms per step on 2
     cores); and the tests' fault-injection gate, when one is set."""
     from .workers.host import FAULT_GATE_ENV
+    from .workers.reward import REWARD_FAULT_GATE_ENV
 
     env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
-    if os.environ.get(FAULT_GATE_ENV):
-        env[FAULT_GATE_ENV] = os.environ[FAULT_GATE_ENV]
+    for gate in (FAULT_GATE_ENV, REWARD_FAULT_GATE_ENV):
+        if os.environ.get(gate):
+            env[gate] = os.environ[gate]
     return env
 
 

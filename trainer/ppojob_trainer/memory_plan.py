@@ -24,6 +24,13 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
                  weights in its dtype (embedding, blocks and a one-output head; its shape read
                  from its config.json, unknown when that is not readable here) and, while it
                  scores, one batch's activations (batchSize x maxLength tokens, one block)
+``judge``        each generative ``judge`` source of ``data.rewards``, on the rollout engine's GPU
+                 (a judge runs on the engines, roles.reward or not): a judge model of its own
+                 (not ``policy``) holds its weights in model.dtype (its shape from its
+                 config.json or a built-in, unknown otherwise); while it judges, the torch
+                 engine's KV cache and sampling logits for the engine's samples x (its
+                 maxPromptLength + maxNewTokens) tokens, one phase per judge (``policy`` on
+                 sglang: inside its memory fraction, nothing more)
 
 A process's peak is its persistent parts plus its largest phase (actor update, critic update,
 generation). The Megatron figures assume its usual layout (bf16 parameters, float32 gradients
@@ -368,6 +375,41 @@ def _reward_model_parts(half: Any) -> tuple[dict[str, float], dict[str, float], 
     return persistent, scoring, notes
 
 
+def _judge_parts(
+    half: Any, shape: Shape
+) -> tuple[dict[str, float], dict[str, dict[str, float]], list[str]]:
+    """(persistent bytes, one phase per judge, notes) of the generative judges an engine's GPU
+    holds and runs (``shape``: the policy's, which a ``policy`` judge is)."""
+    roles, data = half.roles, half.data
+    c = _BYTES[half.model.dtype]
+    rows = -(-data.rollout_batch_size // roles.workers_of("rollout")) * data.samples_per_prompt
+    persistent: dict[str, float] = {}
+    phases: dict[str, dict[str, float]] = {}
+    notes: list[str] = []
+    for i, src in enumerate(data.rewards):
+        judge = src.judge
+        if judge is None:
+            continue
+        label = f"judge {src.default_name()}"
+        if judge.model == "policy":
+            if roles.rollout.backend == "sglang":
+                continue  # its verdicts use the engine's own KV pool (its memory fraction)
+            j_shape = shape
+        else:
+            found = resolve_shape(judge.model)
+            if found is None:
+                notes.append(f"data.rewards[{i}].judge.model: shape unknown here")
+                continue
+            j_shape = found
+            persistent[f"{label} weights"] = c * j_shape.params
+        seq = judge.max_prompt_length + judge.max_new_tokens
+        phases[f"{label} judging"] = {
+            f"{label} KV cache": rows * seq * j_shape.layers * 2 * j_shape.kv_dim * c,
+            f"{label} sampling": rows * j_shape.vocab * 4 * 3,
+        }
+    return persistent, phases, notes
+
+
 def plan_job(
     half: Any, gpu_gib: float = DEFAULT_GPU_GIB, shape: Shape | None = None
 ) -> list[ProcessPlan]:
@@ -418,17 +460,22 @@ def plan_job(
         rm_persistent, rm_scoring, rm_notes = {}, {}, []
     persistent.update(rm_persistent)
     notes += rm_notes
+    judge_persistent, judging, judge_notes = _judge_parts(half, shape)
+    persistent.update(judge_persistent)
+    notes += judge_notes
     if roles.rollout.colocate_with_actor:
         p.persistent.update(persistent)
         if generation:
             p.phases["generation"] = generation
         if rm_scoring:
             p.phases["reward scoring"] = rm_scoring
+        p.phases.update(judging)
         p.notes += notes
     else:
         phases = {"generation": generation} if generation else {}
         if rm_scoring:
             phases["reward scoring"] = rm_scoring
+        phases.update(judging)
         plans.append(ProcessPlan("rollout", persistent=persistent, phases=phases, notes=notes))
     plans.insert(0, p)
     return plans

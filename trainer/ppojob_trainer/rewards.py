@@ -29,6 +29,7 @@ import os
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,18 @@ from ppojob_api.training import (
 from .tasks import RewardScorer
 
 Scorer = Callable[[list[str], list[str], list[Any]], list[float]]
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages show it: without the credentials it may hold (``user:password@``
+    is dropped, each query value is ``***``)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{k}=***" if sep else k
+        for k, sep, _ in (q.partition("=") for q in parts.query.split("&") if q)
+    )
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def retried(status: int) -> bool:
@@ -165,17 +178,46 @@ class RemoteRewardModelScorer:
     samples with :func:`reward_parts`, sends each part's prompt and completion strings to its
     worker by an actor call (all parts at once, straight from the engine's process, never
     through the driver), and joins the answers in order. Labels are not sent (a reward model
-    reads the text only)."""
+    reads the text only).
 
-    def __init__(self, workers: Sequence[Any], source: int, field: str, first: int = 0) -> None:
+    A worker lost mid-call (its process died: killed, OOMKilled, its pod gone) is dropped for
+    good (later calls split over the workers left) and its part is sent again to the workers
+    left, cut at its ``batch_size`` batches (:meth:`resplit`): each worker scores the same
+    batches as the lost one would have, so the scores are those of an undisturbed call. Only
+    when no worker is left does the call fail, with one line naming roles.reward."""
+
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        source: int,
+        field: str,
+        first: int = 0,
+        batch_size: int = 1,
+    ) -> None:
         if not workers:
             raise ValueError(f"{field}: roles.reward is set, but no reward worker is running")
         self.workers = list(workers)
+        self.started = len(self.workers)
         self.source = source
         self.field = field
         self.first = first
+        self.batch_size = max(1, batch_size)
+        self.lost = 0
+        """Reward workers found lost so far (by this engine)."""
         self.last_remote = 0
         """Samples the reward workers scored in the latest call (``reward/<name>_remote``)."""
+        self.last_resent = 0
+        """Samples sent again in the latest call, their worker lost (``reward/<name>_resent``)."""
+
+    def resplit(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Samples ``lo:hi`` (a lost worker's part) over the workers left: ``(worker, lo,
+        hi)``, cut only at the part's own batch boundaries (``lo + m x batch_size``)."""
+        size = self.batch_size
+        chunks = -(-(hi - lo) // size)
+        return [
+            (w, lo + a * size, min(lo + b * size, hi))
+            for w, a, b in reward_parts(chunks, len(self.workers), self.first)
+        ]
 
     def __call__(
         self, prompts: list[str], completions: list[str], labels: list[Any]
@@ -185,27 +227,55 @@ class RemoteRewardModelScorer:
 
         from .errors import one_line
 
-        parts = reward_parts(len(prompts), len(self.workers), self.first)
-        refs = [
-            self.workers[w].score.remote(self.source, prompts[lo:hi], completions[lo:hi])
-            for w, lo, hi in parts
+        parts = [
+            (self.workers[w], lo, hi)
+            for w, lo, hi in reward_parts(len(prompts), len(self.workers), self.first)
         ]
-        try:
-            answers = ray.get(refs)
-        except RayTaskError as exc:  # the worker's own one-line error (names the field)
-            raise ValueError(one_line(exc.cause) if exc.cause else one_line(exc)) from None
-        except RayActorError as exc:
-            raise ValueError(
-                f"{self.field}: a reward worker (roles.reward) died ({type(exc).__name__}); "
-                "see its log, and give roles.reward more memory if it was OOMKilled"
-            ) from None
-        out: list[float] = []
-        for (_, lo, hi), got in zip(parts, answers, strict=True):
-            if len(got) != hi - lo:
-                raise ValueError(f"{self.field}: a reward worker answered {len(got)} of {hi - lo}")
-            out += got
+        got: dict[int, list[float]] = {}
+        resent = 0
+        while parts:
+            refs = [
+                h.score.remote(self.source, prompts[lo:hi], completions[lo:hi])
+                for h, lo, hi in parts
+            ]
+            lost = []
+            for (h, lo, hi), ref in zip(parts, refs, strict=True):
+                try:
+                    answer = ray.get(ref)
+                except RayTaskError as exc:  # the worker's own one-line error (names the field)
+                    raise ValueError(one_line(exc.cause) if exc.cause else one_line(exc)) from None
+                except RayActorError:  # its process is gone: its part goes elsewhere
+                    lost.append((h, lo, hi))
+                    continue
+                if len(answer) != hi - lo:
+                    raise ValueError(
+                        f"{self.field}: a reward worker answered {len(answer)} of {hi - lo}"
+                    )
+                got[lo] = answer
+            if not lost:
+                break
+            self._drop([h for h, _, _ in lost])
+            parts = []
+            for _, lo, hi in lost:
+                resent += hi - lo
+                parts += [(self.workers[w], a, b) for w, a, b in self.resplit(lo, hi)]
+        out = [v for lo in sorted(got) for v in got[lo]]
         self.last_remote = len(out)
+        self.last_resent = resent
         return out
+
+    def _drop(self, dead: list[Any]) -> None:
+        """Forget lost workers (each once); no worker left fails the call."""
+        for h in dead:
+            if any(w is h for w in self.workers):
+                self.workers = [w for w in self.workers if w is not h]
+                self.lost += 1
+        if not self.workers:
+            raise ValueError(
+                f"{self.field}: roles.reward: all {self.started} reward worker(s) were lost "
+                f"({self.lost} lost, 0 left), so the step cannot be scored; see their logs, and "
+                "give roles.reward more memory if they were OOMKilled"
+            )
 
 
 class HttpRewardScorer:
@@ -216,7 +286,10 @@ class HttpRewardScorer:
     sent as strings), plus ``Authorization: Bearer <token>`` when ``tokenEnv`` names a variable.
     Answer: a 2xx status and ``{"rewards": [number, ...]}``, one finite number per sample, in
     order. Connection errors, timeouts and the statuses :func:`retried` names are retried
-    ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time.
+    ``retries`` times, waiting ``backoffSeconds`` and then twice as long each time. Each attempt
+    has ``timeoutSeconds`` in all (connecting, and reading the whole answer: an endpoint that
+    trickles its answer is cut off too). Messages show the URL without credentials
+    (:func:`shown_url`: validation refuses ``user:password@``, query values are hidden).
     """
 
     def __init__(
@@ -230,6 +303,7 @@ class HttpRewardScorer:
         self.field = field
         self.sleep = sleep
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        self.shown = shown_url(spec.url)
         if spec.token_env is not None:
             token = (os.environ if env is None else env).get(spec.token_env)
             if not token:
@@ -251,7 +325,7 @@ class HttpRewardScorer:
         return out
 
     def _post(self, prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
-        spec, where = self.spec, f"{self.field}.url: POST {self.spec.url}"
+        spec, where = self.spec, f"{self.field}.url: POST {self.shown}"
         body = json.dumps(
             {"prompts": prompts, "completions": completions, "labels": labels}, default=str
         ).encode()
@@ -261,9 +335,10 @@ class HttpRewardScorer:
             if attempt:
                 self.sleep(spec.backoff_seconds * 2 ** (attempt - 1))
             request = urllib.request.Request(spec.url, body, self.headers, method="POST")
+            deadline = time.monotonic() + spec.timeout_seconds
             try:
                 with urllib.request.urlopen(request, timeout=spec.timeout_seconds) as answer:
-                    raw = answer.read()
+                    raw = _read_until(answer, deadline)
             except urllib.error.HTTPError as exc:
                 try:
                     detail = exc.read(200).decode(errors="replace").strip().replace("\n", " ")
@@ -323,6 +398,22 @@ class HttpRewardScorer:
                 )
             out.append(float(v))
         return out
+
+
+def _read_until(answer: Any, deadline: float) -> bytes:
+    """The whole body of ``answer``, or :class:`TimeoutError` once ``deadline`` (a monotonic
+    time) has passed: the socket's timeout bounds each read only, not a trickled answer."""
+    chunks = []
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer took longer than timeoutSeconds")
+        chunk = answer.read1(65_536)
+        if not chunk:
+            missing = getattr(answer, "length", None)
+            if missing:  # (read1 does not tell a cut-off answer: read does)
+                raise http.client.IncompleteRead(b"".join(chunks), missing)
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 class JudgeScorer:
@@ -475,6 +566,14 @@ class CombinedReward:
         # judges' unparsed verdicts and remote model sources' samples in the latest score
         self.last_counts: dict[str, int] = {}
 
+    def set_reward_workers(self, workers: Sequence[Any]) -> None:
+        """``roles.reward``: the model sources score on ``workers`` from now on (the trainer
+        started replacements of lost ones)."""
+        for s in self.sources:
+            if isinstance(s.scorer, RemoteRewardModelScorer) and workers:
+                s.scorer.workers = list(workers)
+                s.scorer.started = len(workers)
+
     def score(
         self, prompts: list[str], completions: list[str], labels: list[Any]
     ) -> tuple[list[float], dict[str, list[float]]]:
@@ -485,13 +584,10 @@ class CombinedReward:
             for s in self.sources
             if isinstance(s.scorer, JudgeScorer)
         }
-        self.last_counts.update(  # roles.reward: samples its workers scored
-            {
-                f"{s.name}_remote": s.scorer.last_remote
-                for s in self.sources
-                if isinstance(s.scorer, RemoteRewardModelScorer)
-            }
-        )
+        for s in self.sources:  # roles.reward: samples its workers scored, and sent again
+            if isinstance(s.scorer, RemoteRewardModelScorer):
+                self.last_counts[f"{s.name}_remote"] = s.scorer.last_remote
+                self.last_counts[f"{s.name}_resent"] = s.scorer.last_resent
         total = [0.0] * len(prompts)
         for s in self.sources:
             for i, v in enumerate(parts[s.name]):
@@ -534,7 +630,9 @@ def make_reward(
         if src.function is not None:
             scorer = RewardScorer(src.function, prompts, field=f"{field}.function")
         elif src.model is not None and reward_workers is not None:
-            scorer = RemoteRewardModelScorer(reward_workers, i, f"{field}.model", engine_rank)
+            scorer = RemoteRewardModelScorer(
+                reward_workers, i, f"{field}.model", engine_rank, src.model.batch_size
+            )
         elif src.model is not None:
             scorer = RewardModelScorer(src.model, f"{field}.model", device, model_dtype)
         elif src.http is not None:

@@ -104,7 +104,17 @@ def check_rewards(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                         "copy the reward model into the image or a volume and give its directory",
                     )
                 )
-        if src.http is not None and not urlsplit(src.http.url).hostname:
+        url = urlsplit(src.http.url) if src.http is not None else None
+        if url is not None and (url.username is not None or url.password is not None):
+            p.append(
+                Problem(
+                    f"{at}.http.url",
+                    "credentials never go in a PPOJob, the reward endpoint's URL included",
+                    "remove user:password@ and send a bearer token with tokenEnv, filled from a "
+                    "Secret (spec.podTemplate.env, valueFrom.secretKeyRef)",
+                )
+            )
+        elif src.http is not None and url is not None and not url.hostname:
             p.append(
                 Problem(
                     f"{at}.http.url",

@@ -157,6 +157,12 @@ class WorkerHost:
         self.rollout.engine = RecordedEngine(self.rollout.engine, self.events)
         return None
 
+    def set_reward_workers(self, workers: list[Any]) -> None:
+        """``roles.reward``: the reward workers this engine's model sources score on from now on
+        (the trainer replaced lost ones)."""
+        if self.rollout is not None:
+            self.rollout.scorer.set_reward_workers(workers)
+
     def calls(self) -> list[str]:
         """The calls this process ran so far, oldest first (``engine.generate``,
         ``engine.release_memory``, ``actor.train``...): the order of a step, checked by tests."""

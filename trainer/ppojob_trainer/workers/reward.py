@@ -69,6 +69,7 @@ class RewardHost:
     def score(self, source: int, prompts: list[str], completions: list[str]) -> list[float]:
         """The rewards of ``data.rewards[source]`` (a model source) for ``prompt + completion``
         of each sample, in order."""
+        _fault_gate(source, prompts, self.rank)
         scorer = self.models.get(source)
         if scorer is None:
             raise ValueError(f"data.rewards[{source}]: not a model source held by this worker")
@@ -79,6 +80,22 @@ class RewardHost:
     def scored_count(self) -> int:
         """Samples this worker scored so far (tests check that the engines use it)."""
         return self.scored
+
+
+REWARD_FAULT_GATE_ENV = "PPOJOB_REWARD_FAULT_GATE"
+"""Fault injection for tests: the name of a Ray actor that a reward worker asks before each
+:meth:`RewardHost.score` (``gate.arrive("score", this actor, info)``) and waits for; the tests'
+gate may kill the worker right there, inside its share of a step. Unset (always, outside
+tests): nothing."""
+
+
+def _fault_gate(source: int, prompts: list[str], rank: int) -> None:
+    name = os.environ.get(REWARD_FAULT_GATE_ENV)
+    if not name:
+        return
+    gate = ray.get_actor(name)
+    info = {"source": source, "prompts": list(prompts), "rank": rank}
+    ray.get(gate.arrive.remote("score", ray.get_runtime_context().current_actor, info))
 
 
 RemoteRewardHost = ray.remote(RewardHost)
