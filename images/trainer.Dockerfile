@@ -12,7 +12,7 @@
 # Your own code (reward functions, custom advantage functions, datasets) goes into an image built
 # FROM this one: see docs/trainer-guide.md, "Custom hooks".
 
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 # trainer,gpu: torch, ray, transformers, megatron-core, sglang. trainer alone: the CPU path.

@@ -132,3 +132,19 @@ def test_the_gpu_image_uses_the_gpu_pins_with_the_same_ray():
             )
             got = (Path(tmp) / "constraints.txt").read_text()
             assert got == (REPO / wanted).read_text(), extras
+
+
+def test_the_gpu_base_images_cuda_is_the_one_sglang_is_built_for():
+    """The GPU image's CUDA toolkit (its base image) has the CUDA major version sglang's wheel
+    requires (``cuda-python>=13``, its ``[cu13]`` kernels; torch 2.14.1's wheels are CUDA 13
+    builds): extensions built in the image (sglang's, megatron's) compile with that nvcc, and
+    torch's extension builder refuses an nvcc of another major version."""
+    dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile, re.M).group(1)
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-cudnn-devel-ubuntu\d+\.\d+", base)
+    assert match, f"the GPU base image {base} is not a CUDA devel image with cuDNN"
+    cuda = next(r for r in sglang_requirements() if canonicalize_name(r.name) == "cuda-python")
+    floor = min(Version(s.version) for s in cuda.specifier if s.operator in (">=", "=="))
+    assert int(match.group(1)) == floor.major, (base, str(cuda))
+    kernels = {r.name for r in sglang_requirements() if f"cu{floor.major}" in r.extras}
+    assert kernels, "sglang's CUDA kernels name no CUDA major version"
