@@ -187,7 +187,8 @@ class Parallelism(ApiModel):
     """Pipeline-parallel size (megatron backend)."""
 
     context: int = Field(1, ge=1, le=64)
-    """Context-parallel size (megatron backend)."""
+    """Context-parallel size. Reserved: the megatron backend does not split sequences over
+    context-parallel ranks yet, so validation refuses a value above 1 for megatron roles."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: split the activations outside the tensor-parallel layers
@@ -247,7 +248,7 @@ class ActorRole(_Role):
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend: `torch` (Hugging Face models, CPU or GPU, data parallel) or `megatron`
     (megatron-core, Llama and Qwen2 architectures: tensor and pipeline parallel on CPU in float32
-    or on GPUs; context parallel on GPUs only)."""
+    or on GPUs; no context parallelism yet)."""
 
 
 class CriticRole(_Role):
@@ -933,13 +934,13 @@ class TrainingSettings(ApiModel):
 
     packing: bool = False
     """Pack each micro-batch's sequences into one row without padding (position ids restarting
-    per sequence, no attention across sequences: varlen kernels under flash attention, a
-    block-diagonal causal mask otherwise) for log-probs, values, the reference and training.
+    per sequence, no attention across sequences: varlen kernels under flash attention, else
+    attention one sequence length at a time (rows over 512 tokens) or a block-diagonal causal
+    mask) for log-probs, values, the reference and training.
     Same results as padding, less compute when lengths differ. Torch backend: Hugging Face
     models whose attention mask comes from transformers' masking utilities (Llama, Qwen2,
     Mistral, ...). Megatron backend: Transformer Engine's varlen attention (`thd`) where it
-    is installed, a block-diagonal causal mask on megatron-core's local attention otherwise;
-    not with context parallelism."""
+    is installed, a block-diagonal causal mask on megatron-core's local attention otherwise."""
 
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Size micro-batches (with and without gradient) by tokens instead of samples: each holds

@@ -261,13 +261,10 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         [],
     ),
     (
-        check_packing,
-        "packing with a context-parallel megatron actor",
-        {
-            "roles__actor": {**GPU_ACTOR, "parallelism": {"context": 2}},
-            "training__packing": True,
-        },
-        ["spec.training.packing"],
+        check_megatron_devices,
+        "context parallelism on GPUs (not implemented by the megatron backend)",
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"context": 2}}},
+        ["spec.roles.actor.parallelism.context"],
     ),
     # --- LoRA
     (check_lora, "LoRA on a torch actor", {"model__lora": {"rank": 4}}, []),

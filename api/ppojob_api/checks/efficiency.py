@@ -34,21 +34,12 @@ def _role_settings(
 
 
 def check_packing(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """Packing and token budgets run on both backends, but a packed row is not split over
-    context-parallel ranks (megatron needs each sequence padded for that); a budget below the
+    """Packing and token budgets run on both backends (context parallelism, which would split a
+    packed row, is refused for megatron roles: ``check_megatron_devices``); a budget below the
     longest possible sequence (maxPromptLength + maxResponseLength) could never hold it."""
     problems: list[Problem] = []
     longest = half.data.max_prompt_length + half.data.max_response_length
-    for name, paths, parallelism, s in _role_settings(half, prefix):
-        if s.packing and parallelism.context > 1:
-            problems.append(
-                Problem(
-                    paths["packing"],
-                    f"the {name} packs sequences and splits them over {parallelism.context} "
-                    "context-parallel ranks, which is not implemented",
-                    f"set packing: false for the {name}, or parallelism.context: 1",
-                )
-            )
+    for name, paths, _, s in _role_settings(half, prefix):
         budget = s.max_tokens_per_micro_batch
         if budget is not None and budget < longest:
             problems.append(

@@ -37,21 +37,24 @@ def check_megatron_top_p(half: TrainingHalf, prefix: str = "spec") -> list[Probl
 
 
 def check_megatron_devices(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """What a megatron role cannot do without GPUs (context parallelism, half precision) and
-    sequence parallelism without tensor-parallel GPUs."""
+    """What a megatron role cannot do: context parallelism (not implemented), half precision
+    without GPUs, sequence parallelism without tensor-parallel GPUs."""
     roles = half.roles
     p: list[Problem] = []
     for name, spec in megatron_roles(half):
         rpath = f"{prefix}.roles.{name}"
         owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
         gpus, mp = owner.resources.gpus, spec.parallelism
-        if gpus == 0 and mp.context > 1:
+        if mp.context > 1:
             p.append(
                 Problem(
                     f"{rpath}.parallelism.context",
-                    "context parallelism needs GPUs (megatron-core runs it with "
-                    "Transformer Engine's attention), but resources.gpus is 0",
-                    "set context: 1, or give the role GPUs",
+                    f"context parallelism ({mp.context}) is not implemented by the megatron "
+                    "backend: megatron-core expects each context-parallel rank to hold its "
+                    "own part of every sequence, and the backend gives every rank the whole "
+                    "sequence",
+                    "set context: 1 (tensor and pipeline parallelism, and packing with "
+                    "maxTokensPerMicroBatch, bound the memory of long sequences)",
                 )
             )
         if mp.sequence_parallel and (gpus == 0 or mp.tensor == 1):

@@ -280,7 +280,7 @@ def test_megatron_tensor_parallel_on_cpu_is_valid() -> None:
             None,
             {},
             "spec.roles.actor.parallelism.context",
-            "context parallelism needs GPUs",
+            "context parallelism (2) is not implemented by the megatron backend",
         ),
         (MEG, None, {"dtype": "bfloat16"}, "spec.model.dtype", "set model.dtype: float32"),
         (
