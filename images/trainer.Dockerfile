@@ -61,6 +61,15 @@ print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") \
 for d in p["optional-dependencies"][e]]))' "$EXTRAS" > /tmp/requirements.txt \
  && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
+# With the gpu extra, Transformer Engine (megatron-core's fused layers and varlen attention),
+# pinned in constraints-gpu.txt: its torch extension is an sdist that compiles with the base
+# image's nvcc against the torch installed above, so without build isolation (an isolated build
+# would fetch another torch).
+# hadolint ignore=DL3013
+RUN case ",${EXTRAS}," in \
+      *,gpu,*) pip install --no-cache-dir --no-build-isolation -c constraints.txt \
+                 "transformer-engine[pytorch,core-cu13]" ;; \
+    esac
 # Then the project itself, without dependencies (all present), and a check that it imports, as
 # does the Ray autoscaler KubeRay runs from this image for elastic rollout groups
 # (`ray kuberay-autoscaler` in the head pod).

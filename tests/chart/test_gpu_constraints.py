@@ -148,3 +148,31 @@ def test_the_gpu_base_images_cuda_is_the_one_sglang_is_built_for():
     assert int(match.group(1)) == floor.major, (base, str(cuda))
     kernels = {r.name for r in sglang_requirements() if f"cu{floor.major}" in r.extras}
     assert kernels, "sglang's CUDA kernels name no CUDA major version"
+
+
+def test_the_gpu_image_installs_the_transformer_engine_megatron_builds_against():
+    """Transformer Engine is pinned within the range megatron-core's own `dev` extra names
+    (its fused layers and the `thd` varlen attention of packing), every TE package at one
+    version, and the image installs it with the gpu extra only, without build isolation (its
+    torch extension compiles against the image's torch)."""
+    gpu = pins("constraints-gpu.txt")
+    te = [
+        Requirement(r)
+        for r in metadata.requires("megatron-core") or []
+        if canonicalize_name(Requirement(r).name) == "transformer-engine"
+    ]
+    assert te, "megatron-core names no Transformer Engine version"
+    assert all(gpu["transformer-engine"] in r.specifier for r in te), (gpu, [str(r) for r in te])
+    versions = {v for k, v in gpu.items() if k.startswith("transformer-engine")}
+    assert (
+        versions == {gpu["transformer-engine"]}
+        and len([k for k in gpu if k.startswith("transformer-engine")]) == 3
+    )
+    dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
+    (step,) = [
+        block
+        for block in dockerfile.split("\nRUN ")
+        if "transformer-engine" in block and "pip install" in block
+    ]
+    assert "--no-build-isolation" in step and "-c constraints.txt" in step
+    assert "*,gpu,*)" in step  # the CPU variant does not build it
