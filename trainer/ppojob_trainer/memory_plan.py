@@ -215,7 +215,7 @@ class TrainedModel:
 
     @property
     def fsdp(self) -> bool:
-        return self.backend == "torch" and self.sharding == "fsdp" and self.dp > 1
+        return self.backend == "torch" and self.sharding == "fsdp"  # one worker too
 
     @property
     def params(self) -> int:
