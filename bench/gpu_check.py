@@ -19,6 +19,13 @@ Sections (``--sections``, default all), each printing its figures, then one tabl
               place the micro-batches); log-prob forward and update times, tokens/s, MFU;
               save -> load -> step: a fresh trainer loaded from the checkpoint makes the same
               next update (max |w_resumed - w| printed; 0 expected).
+``fsdp``      FSDP2 with a world of one (a file-store group: gloo on CPU, nccl on a GPU): the
+              torch backend's ``TorchPolicyTrainer`` with ``sharding: fsdp`` (DTensor float32
+              masters, bf16 compute through FSDP's mixed precision, a sharded reference)
+              updated through the actor's real losses (clipped policy loss + low-var KL); its
+              sharded checkpoint saved, loaded by a fresh trainer (max |w_loaded - w|: 0) and
+              both stepped on the same batch (max |w_resumed - w|: 0 on a CPU; on a GPU at most
+              1% of the update's own max |dw|, backward's summation order).
 
 MFU: model FLOPs counted by ``bench/flops.py`` on the micro-batches the backend actually runs:
 every block's matmuls on every processed position, causal attention pairs, the vocabulary head
@@ -372,11 +379,138 @@ def megatron(args: argparse.Namespace) -> dict[str, float]:
     return figures
 
 
+def fsdp(args: argparse.Namespace) -> dict[str, float]:
+    """The fsdp section (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppojob_api.training import TrainingSettings
+    from ppojob_trainer import algorithms as A
+    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, full_state_dict
+    from ppojob_trainer.models import quiet_transformers
+
+    quiet_transformers()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+
+    def weights(model) -> dict[str, torch.Tensor]:  # copies (on a CPU they would alias)
+        return {k: v.clone() for k, v in full_state_dict(model).items()}
+
+    shape = dict(
+        hidden_size=64 if args.tiny else 2048,
+        intermediate_size=256 if args.tiny else 8192,
+        num_hidden_layers=2 if args.tiny else 16,
+        num_attention_heads=4 if args.tiny else 32,
+        num_key_value_heads=2 if args.tiny else 8,
+        vocab_size=128 if args.tiny else 128256,
+    )
+    b, p_len, r_len = args.batch, args.prompt_len, args.response_len
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(3, shape["vocab_size"], (b, p_len), generator=g),
+        "prompt_mask": torch.ones(b, p_len, dtype=torch.bool),
+        "response_ids": torch.randint(3, shape["vocab_size"], (b, r_len), generator=g),
+        "response_mask": torch.ones(b, r_len, dtype=torch.bool),
+        "advantages": torch.randn(b, r_len, generator=g),
+    }
+
+    def policy_loss(logp, ent, mb):  # the actor's losses: clipped policy loss + KL to the ref
+        loss, m = A.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"])
+        kl = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"], "low_var_kl", "token-mean")
+        return loss + 0.001 * kl, {"pg_loss": loss.detach(), **m}
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # a world of one through a file store: no listener
+        store = dist.FileStore(str(Path(tmp) / "store"), 1)
+        dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=0, world_size=1)
+        try:
+            group = dist.new_group([0])
+            cfg = LlamaConfig(
+                **shape, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0
+            )
+            torch.manual_seed(0)
+            LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(Path(tmp) / "model")
+            settings = TrainingSettings(
+                learning_rate=1e-5, micro_batch_size=args.micro_batch, sharding="fsdp"
+            )
+            make = lambda: TorchPolicyTrainer(  # noqa: E731
+                Path(tmp) / "model",
+                "bfloat16",
+                settings,
+                total_updates=4,
+                temperature=1.0,
+                need_reference=True,
+                group=group,
+                dp_size=1,
+                device=str(device),
+            )
+            actor = make()
+            _expect(actor.opt.sharded, "fsdp: the actor was not wrapped with FSDP2")
+            kinds = {type(q).__name__ for q in actor.model.parameters()}
+            _expect(kinds == {"DTensor"}, f"fsdp: parameters are {sorted(kinds)}, not DTensors")
+            batch["old_logprobs"] = actor.logprobs(batch)
+            batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
+            before = weights(actor.model)
+            sync()
+            t0 = time.perf_counter()
+            metrics = actor.update(batch, policy_loss, args.micro_batch)
+            sync()
+            t_update = time.perf_counter() - t0
+            for key, val in metrics.items():
+                _expect(math.isfinite(val), f"fsdp: metric {key} = {val}")
+            after = weights(actor.model)
+            moved = max(float((after[k] - before[k]).abs().max()) for k in after)
+            # save -> load -> step: a fresh FSDP2 trainer loaded from the sharded checkpoint
+            # makes the uninterrupted one's next update
+            shard = ShardIdentity("actor")
+            actor.save_checkpoint(Path(tmp) / "ckpt", shard)
+            resumed = make()
+            resumed.load_checkpoint(Path(tmp) / "ckpt", shard)
+            loaded = weights(resumed.model)
+            load_diff = max(float((loaded[k] - after[k]).abs().max()) for k in after)
+            actor.update(batch, policy_loss, args.micro_batch)
+            resumed.update(batch, policy_loss, args.micro_batch)
+            a, r = weights(actor.model), weights(resumed.model)
+            resume_diff = max(float((a[k] - r[k]).abs().max()) for k in a)
+            masters = {q.dtype for q in actor.model.parameters()}
+            _expect(masters == {torch.float32}, f"fsdp: master weights are {masters}")
+        finally:
+            dist.destroy_process_group()
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    figures = {
+        "fsdp_update_s": t_update,
+        "fsdp_tokens_per_s": b * (p_len + r_len) / t_update,
+        "fsdp_update_max_abs": moved,
+        "fsdp_load_max_abs": load_diff,
+        "fsdp_resume_max_abs": resume_diff,
+        "fsdp_peak_memory_gib": _peak_memory(device),
+    }
+    print(
+        f"fsdp (FSDP2, world 1) on {name}: update {t_update:.3f} s "
+        f"(max |dw| {moved:.3g}, pg_loss {metrics['pg_loss']:.4f}); save -> load: max "
+        f"|w_loaded - w| {load_diff:.3g}; -> step: max |w_resumed - w| {resume_diff:.3g}"
+    )
+    _expect(moved > 0, "fsdp: the update did not change the weights")
+    _expect(load_diff == 0.0, f"fsdp: the loaded weights differ by {load_diff:.3g}")
+    # a GPU's backward may sum in another order (atomics); its step is still far from a revert
+    bound = 0.0 if not gpu else 1e-2 * moved
+    _expect(resume_diff <= bound, f"fsdp: a resumed trainer diverged by {resume_diff:.3g}")
+    return figures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny models (for a CPU run)")
-    ap.add_argument("--sections", default="torch,megatron", help="torch, megatron or both")
+    ap.add_argument(
+        "--sections", default="torch,fsdp,megatron", help="any of torch, fsdp, megatron"
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -388,7 +522,7 @@ def main() -> int:
     if args.tiny:
         args.batch, args.micro_batch = min(args.batch, 4), min(args.micro_batch, 2)
         args.prompt_len, args.response_len = min(args.prompt_len, 8), min(args.response_len, 8)
-    sections = {"torch": run, "megatron": megatron}
+    sections = {"torch": run, "fsdp": fsdp, "megatron": megatron}
     figures: dict[str, float] = {}
     try:
         for name in args.sections.split(","):

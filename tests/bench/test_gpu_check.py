@@ -1,5 +1,5 @@
 """bench/gpu_check.py's code path on the CPU (`--device cpu --tiny`): the GPU run uses the same
-backend classes, checks and report (its torch and megatron sections); only the model size, the
+backend classes, checks and report (its torch, fsdp and megatron sections); only the model size, the
 dtype of the megatron section and the device differ."""
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ def test_gpu_check_runs_its_steps_and_reports_on_the_cpu():
     assert "megatron on cpu (float32)" in out.stdout, out.stdout
     assert "save -> load -> step: max |w_resumed - w| 0" in out.stdout, out.stdout
     assert re.search(r"^megatron_resume_max_abs\s+0$", out.stdout, flags=re.M), out.stdout
+    # the fsdp section: FSDP2 (world of one) update through the actor's losses, its sharded
+    # checkpoint loaded by a fresh trainer, and both stepped alike
+    assert "fsdp (FSDP2, world 1) on cpu" in out.stdout, out.stdout
+    for row in ("fsdp_load_max_abs", "fsdp_resume_max_abs"):
+        assert re.search(rf"^{row}\s+0$", out.stdout, flags=re.M), out.stdout
+    moved = re.search(r"^fsdp_update_max_abs\s+(\S+)$", out.stdout, flags=re.M)
+    assert moved and float(moved.group(1)) > 0, out.stdout
     assert "tokens/s" in out.stdout and "training MFU" in out.stdout and "peak memory" in out.stdout
     # MFU = the counted model FLOPs / the time of the forwards and updates / the peak
     found = re.search(

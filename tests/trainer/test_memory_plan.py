@@ -164,3 +164,121 @@ def test_a_policy_judge_adds_only_its_kv_cache_and_an_unknown_one_a_note(tmp_pat
     unknown = _judge_plans({"model": str(tmp_path / "nowhere")})["rollout"]
     assert unknown.notes == ["data.rewards[0].judge.model: shape unknown here"]
     assert "judge judge judging" not in unknown.phases
+
+
+GRPO = ROOT / "examples" / "ppojob-grpo-kueue.yaml"  # sglang colocated with offload, 8 x 80 GB
+
+
+def _actor(path: Path, sets=()) -> tuple[M.ProcessPlan, float, object]:
+    _, cfg = load_manifest(path, list(sets))
+    gib = M.gpu_gib_of(cfg.roles.actor.node_selector)
+    return M.plan_job(cfg, gib)[0], gib, cfg
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_examples_verdict_follows_from_its_printed_numbers(path, capsys):
+    """Each example's plan, printed: its verdict (fits or not, per process and for a colocated
+    engine's wake) is the sum of the printed parts against the GPU, and `validate` warns
+    exactly when one does not fit."""
+    _, cfg = load_manifest(path)
+    gib = M.gpu_gib_of(cfg.roles.actor.node_selector)
+    plans = M.plan_job(cfg, gib)
+    with capsys.disabled():
+        print(f"\n{path.name} ({gib:.1f} GiB GPUs)\n{M.format_plan(plans, gib)}")
+    misfits = 0
+    for plan in plans:
+        total = sum(v for _, v in plan.rows())
+        assert total == pytest.approx(plan.peak)
+        misfits += total > gib * M.GiB
+        misfits += any(sum(parts.values()) > gib * M.GiB for parts in plan.wake.values())
+    assert bool(M.plan_warnings(cfg)) == bool(misfits)
+    if path == SEVEN_B:  # megatron, engines on their own GPUs: no wake; every process fits
+        assert not misfits and all(not p.wake for p in plans)
+        assert max(p.peak for p in plans) / M.GiB == pytest.approx(63.33, abs=0.01)
+
+
+def test_the_wake_follows_the_hosts_order_and_what_the_allocator_keeps():
+    """Colocated sglang with offload (the GRPO example): after training the allocator still
+    holds the update's blocks; the first empty cache returns all but the kept share; the engine's
+    weights wake, then the sync stages one 512 MiB bucket (the embedding is smaller), then the
+    cache is emptied and the KV cache wakes, never beside the bucket."""
+    plan, gib, cfg = _actor(GRPO)
+    ro, shape = cfg.roles.rollout, M.KNOWN_SHAPES["Qwen/Qwen2.5-1.5B"]
+    assert list(plan.wake) == [
+        "training done",
+        "empty cache",
+        "resume weights",
+        "weight sync",
+        "empty cache after sync",
+        "resume KV cache",
+    ]
+    totals = {k: sum(v.values()) for k, v in plan.wake.items()}
+    update = sum(plan.phases["actor update"].values())
+    assert totals["training done"] - totals["empty cache"] == pytest.approx(
+        (1 - M.ALLOCATOR_KEPT) * update
+    )
+    weights = 2 * shape.params / ro.parallelism.tensor
+    assert totals["resume weights"] - totals["empty cache"] == pytest.approx(weights)
+    bucket = plan.wake["weight sync"]["weight sync bucket"]
+    assert bucket == 512 * 2**20 > 2 * shape.vocab * shape.hidden
+    assert totals["empty cache after sync"] == pytest.approx(totals["resume weights"])
+    assert "sglang KV cache" not in plan.wake["weight sync"]
+    # SGLang's static memory is its fraction of what was free when it started (after the
+    # actor's weights and reference were loaded)
+    started = plan.persistent["actor weights"] + plan.persistent["reference"] + M.GiB
+    kv = plan.wake["resume KV cache"]["sglang KV cache"]
+    assert kv + weights == pytest.approx(ro.gpu_memory_fraction * (gib * M.GiB - started))
+    assert max(totals, key=totals.get) == "resume KV cache"
+    print({k: round(v / M.GiB, 2) for k, v in totals.items()}, plan.wake_max_fraction)
+
+
+def test_a_fraction_that_just_fits_wakes_and_one_just_above_is_named(tmp_path, capsys):
+    """The largest fraction whose wake fits, rounded down to a hundredth, fits with no
+    warning; a hundredth above it does not, at 'resume KV cache', and `ppojob validate`
+    prints one line naming roles.rollout.gpuMemoryFraction and the fraction that fits."""
+    from ppojob_cli.main import main
+
+    plan, gib, _ = _actor(GRPO)
+    best = plan.wake_max_fraction
+    below, above = int(best * 100) / 100, int(best * 100) / 100 + 0.01
+    fits, _, cfg = _actor(GRPO, [("roles.rollout.gpuMemoryFraction", below)])
+    assert fits.wake_over(gib * M.GiB) is None and not M.plan_warnings(cfg)
+    over, _, cfg = _actor(GRPO, [("roles.rollout.gpuMemoryFraction", above)])
+    step, total, excess = over.wake_over(gib * M.GiB)
+    assert step == "resume KV cache" and 0 < excess < 0.01 * gib * M.GiB
+    print(
+        f"fraction {below}: fits; {above}: {total / M.GiB:.2f} GiB, {excess / 2**20:.0f} MiB over"
+    )
+    (warning,) = M.plan_warnings(cfg)
+    assert warning.startswith("spec.roles.rollout: waking the colocated sglang engine needs")
+    assert f"gpuMemoryFraction to at most {best:.2f}" in warning
+
+    doc = yaml.safe_load(GRPO.read_text())
+    doc["spec"]["roles"]["rollout"]["gpuMemoryFraction"] = above
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(path)]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "waking" in ln]
+    assert len(lines) == 1 and "roles.rollout.gpuMemoryFraction" in lines[0]
+
+
+def test_a_sync_bucket_that_does_not_fit_names_the_bucket_size():
+    """A 60 GiB bucket beside the woken weights: the wake stops at 'weight sync', and the
+    warning names roles.rollout.weightSyncBucketMb; the same job with 512 MiB buckets fits."""
+    plan, gib, cfg = _actor(GRPO, [("roles.rollout.weightSyncBucketMb", 60 * 1024)])
+    step, _, _ = plan.wake_over(gib * M.GiB)
+    assert step == "weight sync"
+    (warning,) = M.plan_warnings(cfg)
+    assert "'weight sync'" in warning and "roles.rollout.weightSyncBucketMb" in warning
+    assert not M.plan_warnings(_actor(GRPO)[2])
+
+
+def test_training_that_leaves_no_room_to_wake_names_the_actors_layout():
+    """A 7B actor replicated on every GPU (no sharding) beside a colocated engine: its states
+    alone exceed the GPU, so the wake fails at its first step after training and the warning
+    points at the actor's layout, not the engine's fraction."""
+    plan, gib, cfg = _actor(GRPO, [("model.path", "Qwen/Qwen2.5-7B-Instruct")])
+    step, total, _ = plan.wake_over(gib * M.GiB)
+    assert step == "training done" and total > gib * M.GiB
+    warning = [w for w in M.plan_warnings(cfg) if "waking" in w]
+    assert len(warning) == 1 and "training.sharding: fsdp" in warning[0]

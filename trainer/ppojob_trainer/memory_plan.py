@@ -33,9 +33,26 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
                  sglang: inside its memory fraction, nothing more)
 
 A process's peak is its persistent parts plus its largest phase (actor update, critic update,
-generation). The Megatron figures assume its usual layout (bf16 parameters, float32 gradients
-and a distributed optimizer over the data-parallel group, activations split over tensor
-parallelism) and are marked as such.
+generation).
+
+A colocated sglang engine with ``offload`` also has a **wake** (:func:`wake_steps`): per GPU,
+what is reserved after each step of the host's order (``workers/host.py``: empty cache ->
+resume weights -> weight sync -> empty cache -> resume KV cache and CUDA graphs). Training's
+persistent parts stay; PyTorch's caching allocator keeps the update's freed blocks reserved
+until ``empty_cache``, which returns only whole free segments (a segment with one live block
+stays: :data:`ALLOCATOR_KEPT` of the update's transient bytes is assumed kept); the sync stages
+one bucket (``weightSyncBucketMb``, or the largest tensor when larger) on the GPU; the engine's
+weights are ``model.dtype`` / its tensor size; and its KV cache is what SGLang sized at start:
+its static memory (weights + KV) is ``gpuMemoryFraction`` x the memory free when it started
+(``kv_cache_configurator._profile_available_bytes``: free memory after loading the weights
+minus ``pre_model_load_memory x (1 - mem_fraction_static)``), and the actor's weights (and
+reference) were loaded before the engine started. Each process on a GPU (the worker, SGLang's
+scheduler) holds a CUDA context (:data:`CUDA_CONTEXT_BYTES`). SGLang's activations and CUDA
+graphs during generation come from outside its fraction and are not counted.
+
+The Megatron figures assume its usual layout (bf16 parameters, float32 gradients and a
+distributed optimizer over the data-parallel group, activations split over tensor parallelism)
+and are marked as such.
 """
 
 from __future__ import annotations
@@ -49,6 +66,11 @@ from typing import Any
 GiB = 1024**3
 LOGITS_CHUNK_TOKENS = 1024  # as ppojob_trainer.backends.torch_backend.LOGITS_CHUNK_TOKENS
 DEFAULT_GPU_GIB = 80.0
+ALLOCATOR_KEPT = 0.10
+"""Share of an update's freed (transient) bytes assumed still reserved after ``empty_cache``
+(fragmentation: the caching allocator releases only segments with no live block)."""
+CUDA_CONTEXT_BYTES = 0.5 * GiB
+"""A CUDA context and its kernels, per process on a GPU (an assumption, typical of H100s)."""
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -193,7 +215,7 @@ class TrainedModel:
 
     @property
     def fsdp(self) -> bool:
-        return self.backend == "torch" and self.sharding == "fsdp" and self.dp > 1
+        return self.backend == "torch" and self.sharding == "fsdp"  # one worker too
 
     @property
     def params(self) -> int:
@@ -264,6 +286,18 @@ class ProcessPlan:
     persistent: dict[str, float] = field(default_factory=dict)
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    wake: dict[str, dict[str, float]] = field(default_factory=dict)
+    """A colocated engine's wake, in order: step -> the parts reserved on the GPU after it."""
+    wake_max_fraction: float | None = None
+    """The largest gpuMemoryFraction whose wake fits the GPU (None: no wake modelled)."""
+
+    def wake_over(self, gpu_bytes: float) -> tuple[str, float, float] | None:
+        """The first wake step that does not fit ``gpu_bytes``: (step, its bytes, bytes over)."""
+        for step, parts in self.wake.items():
+            total = sum(parts.values())
+            if total > gpu_bytes:
+                return step, total, total - gpu_bytes
+        return None
 
     @property
     def peak_phase(self) -> str | None:
@@ -477,8 +511,53 @@ def plan_job(
             phases["reward scoring"] = rm_scoring
         phases.update(judging)
         plans.append(ProcessPlan("rollout", persistent=persistent, phases=phases, notes=notes))
+    ro = roles.rollout
+    if ro.colocate_with_actor and ro.backend == "sglang" and ro.offload:
+        p.wake, p.wake_max_fraction = wake_steps(half, shape, p, gpu_bytes)
+        # generating, the engine holds what it sized at start (its wake's last step)
+        awake = p.wake["resume KV cache"]
+        released = "rollout (sglang, released while training)"
+        p.phases["generation"][released] = awake["sglang weights"] + awake["sglang KV cache"]
     plans.insert(0, p)
     return plans
+
+
+UPDATE_PHASES = ("actor update", "critic update")
+WEIGHT_PARTS = ("actor weights", "critic weights", "reference")
+
+
+def wake_steps(
+    half: Any, shape: Shape, plan: ProcessPlan, gpu_bytes: float
+) -> tuple[dict[str, dict[str, float]], float]:
+    """The wake of a colocated sglang engine on one of the actor's GPUs, step by step in the
+    host's order (each step: every part reserved after it), and the largest
+    ``gpuMemoryFraction`` whose last step fits ``gpu_bytes``."""
+    ro = half.roles.rollout
+    c = _BYTES[half.model.dtype]
+    training = {k: v for k, v in plan.persistent.items() if not k.startswith("rollout")}
+    transient = max(
+        (sum(plan.phases[k].values()) for k in UPDATE_PHASES if k in plan.phases), default=0.0
+    )
+    contexts = {"cuda contexts (worker, sglang)": 2 * CUDA_CONTEXT_BYTES}
+    base = {**training, **contexts}
+    weights = c * shape.params / ro.parallelism.tensor
+    bucket = max(ro.weight_sync_bucket_mb * 2**20, c * shape.vocab * shape.hidden)
+    # SGLang sized its static memory when it started: after the actor's weights were loaded
+    at_start = sum(training.get(k, 0.0) for k in WEIGHT_PARTS) + sum(contexts.values())
+    free_at_start = gpu_bytes - at_start
+    kv = max(ro.gpu_memory_fraction * free_at_start - weights, 0.0)
+    kept = {"allocator: update blocks kept (fragmentation)": ALLOCATOR_KEPT * transient}
+    engine = {"sglang weights": weights}
+    steps = {
+        "training done": {**base, "allocator: update blocks cached": transient},
+        "empty cache": {**base, **kept},
+        "resume weights": {**base, **kept, **engine},
+        "weight sync": {**base, **kept, **engine, "weight sync bucket": bucket},
+        "empty cache after sync": {**base, **kept, **engine},
+        "resume KV cache": {**base, **kept, **engine, "sglang KV cache": kv},
+    }
+    room = gpu_bytes - sum(base.values()) - sum(kept.values())
+    return steps, room / free_at_start
 
 
 def gpu_gib_of(node_selector: dict[str, str]) -> float:
@@ -510,7 +589,32 @@ def plan_warnings(half: Any) -> list[str]:
                 "gradientCheckpointing, a smaller microBatchSize or offloadReference "
                 "(bench/memory.py prints the plan)"
             )
+        over = plan.wake_over(gib * GiB)
+        if over is not None:
+            out.append(_wake_warning(plan, gib, *over))
     return out
+
+
+def _wake_warning(plan: ProcessPlan, gib: float, step: str, total: float, over: float) -> str:
+    """One line: the wake step that does not fit, by how much, and the field to change."""
+    head = (
+        f"spec.roles.rollout: waking the colocated sglang engine needs {total / GiB:.1f} GiB "
+        f"per GPU at '{step}', {over / GiB:.1f} GiB more than its {gib:.0f} GiB; "
+    )
+    frac = plan.wake_max_fraction or 0.0
+    engine_weights = plan.wake[step].get("sglang weights", 0.0)
+    if step == "resume KV cache" and frac * (gib * GiB) > engine_weights:
+        return head + f"set roles.rollout.gpuMemoryFraction to at most {frac:.2f}"
+    if step == "weight sync":
+        return head + (
+            "lower roles.rollout.weightSyncBucketMb, or leave the actor less resident "
+            "(training.sharding: fsdp)"
+        )
+    return head + (
+        "the actor's states leave the engine too little: training.sharding: fsdp, "
+        "a smaller microBatchSize (less kept in the allocator), or a rollout on its own GPUs "
+        "(roles.rollout.colocateWithActor: false)"
+    )
 
 
 def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
@@ -525,6 +629,15 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
         for name, value in plan.rows():
             lines.append(f"    {name:<52} {value / GiB:9.3f} GiB")
         lines += [f"    note: {n}" for n in plan.notes]
+        if plan.wake:
+            over = plan.wake_over(gpu_gib * GiB)
+            lines.append(
+                "  wake of the colocated sglang engine: "
+                + (f"DOES NOT FIT at '{over[0]}'" if over else "fits")
+                + f" (gpuMemoryFraction at most {plan.wake_max_fraction:.2f})"
+            )
+            for step, parts in plan.wake.items():
+                lines.append(f"    {step:<52} {sum(parts.values()) / GiB:9.3f} GiB")
     return "\n".join(lines)
 
 
@@ -539,4 +652,5 @@ __all__ = [
     "plan_warnings",
     "resolve_shape",
     "shape_from_config",
+    "wake_steps",
 ]

@@ -537,7 +537,9 @@ class _Optimised:
     ) -> None:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
-        self.sharded = settings.sharding == "fsdp" and dp_size > 1 and group is not None
+        # FSDP2 whenever asked for and a group is given, one worker too (a world of one: the
+        # same wrapping, mixed precision and sharded checkpoints; bench/gpu_check.py runs it)
+        self.sharded = settings.sharding == "fsdp" and group is not None
         module.to(dtype=torch.float32)
         if self.sharded:  # fully_shard moves each unit to the device as it shards it
             mixed = compute_dtype if compute_dtype != torch.float32 else None
