@@ -203,6 +203,7 @@ class PPOTrainer:
         self.total_steps: int | None = None
         """The run's step count (:func:`train` sets it): no generation is launched past it."""
         self.elastic = None if roles.rollout.colocate_with_actor else roles.rollout.elastic
+        """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
         self.partial = cfg.algorithm.partial_rollout and not roles.rollout.colocate_with_actor
         """Partial rollout: syncs are offered to engines mid-generation (object store)."""
         self.deferred_sync = (
@@ -221,7 +222,6 @@ class PPOTrainer:
         generating a later step, joins it). The loads are waited on at the next step."""
         self.loading: list[Any] = []
         """Refs of the engines' loads of the last deferred sync, not waited on yet."""
-        """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
         self.starting: list[_Starting] = []
         """Elastic engines being started."""
         self.lost_engines = 0
