@@ -22,9 +22,15 @@ pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9
 for 10 steps (``bench/time_to_reward.py``'s criterion); ``to 0.9 s`` is its ``elapsed_seconds``
 (from the start of the run: Ray, placement and model start-up included), ``train s`` the same
 minus the start-up (elapsed at step 1 minus step 1's own time). Final reward: the mean reward of
-the last 10 steps. ``step s``: the median step time (steps 4 on; robust to other load). Speed-ups
-are the sync row's seconds over the row's, per seed, then averaged; ``mean step time`` compares
-the median step times. A run whose local Ray fails to start (an overloaded machine) is retried.
+the last 10 steps. ``step s``: the median step time (steps 4 on; robust to other load);
+``overlap`` and ``stale``: the mean over steps of ``time/overlap_share`` and ``staleness/mean``;
+``switch`` (partial rollout): the mean over steps of ``rollout/switched_share``, the share of a
+step's samples whose tokens came from more than one policy version; ``is w``, ``is max``,
+``capped`` (importance sampling): the mean over steps of ``is/weight_mean`` (the raw token
+weight's mean), the largest ``is/weight_max`` of the run and the mean of ``is/capped_share`` (a
+dash: the row does not have them). Speed-ups are the sync row's seconds over the row's, per
+seed, then averaged; ``mean step time`` compares the median step times.
+A run whose local Ray fails to start (an overloaded machine) is retried.
 The machine's 2 cores are shared with whatever else runs (the figures say so when it did):
 compare rows of one invocation, not figures across machines.
 
@@ -97,6 +103,12 @@ def run_one(config: str, seed: int, steps: int, out: Path) -> dict[str, float | 
     if code != 0:
         raise SystemExit(f"{config} seed {seed} failed (exit code {code})")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summarize(rows, wall)
+
+
+def summarize(rows: list[dict[str, Any]], wall: float) -> dict[str, float | None]:
+    """One row's figures from its run's metrics.jsonl records (the run directory is deleted
+    afterwards: every figure a row shows is taken here)."""
     rewards = [r["reward_mean"] for r in rows]
     at = crossing(rewards, THRESHOLD, WINDOW, HOLD)
     setup = rows[0]["elapsed_seconds"] - rows[0]["time/step"]
@@ -110,11 +122,35 @@ def run_one(config: str, seed: int, steps: int, out: Path) -> dict[str, float | 
         "overlap": sum(r.get("time/overlap_share", 0.0) for r in rows) / len(rows),
         "stale": sum(r.get("staleness/mean", 0.0) for r in rows) / len(rows),
         "wall": wall,
+        # partial rollout: the share of samples whose tokens span versions (mean over steps)
+        "switched": _mean(rows, "rollout/switched_share"),
+        # importance sampling: the mean raw weight, the largest one, the share capped
+        "is_mean": _mean(rows, "is/weight_mean"),
+        "is_max": max((r["is/weight_max"] for r in rows if "is/weight_max" in r), default=None),
+        "capped": _mean(rows, "is/capped_share"),
     }
 
 
-def _fmt(x: float | None, spec: str = "7.1f") -> str:
-    return "never" if x is None else format(x, spec)
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the steps that report it (None when none does)."""
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(x: float | None, spec: str = "7.1f", none: str = "never") -> str:
+    return none if x is None else format(x, spec)
+
+
+def row_line(config: str, seed: int, r: dict[str, float | None]) -> str:
+    """The printed row of one run (a dash: a figure the row does not have)."""
+    return (
+        f"{config:10} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
+        f"{_fmt(r['to'], '8.1f'):>8} {_fmt(r['train'], '8.1f'):>8} "
+        f"{r['final']:6.3f} {r['step_s']:7.3f} {r['overlap']:7.2f} "
+        f"{r['stale']:5.2f} {r['wall']:7.1f} {_fmt(r['switched'], '6.3f', '-'):>6} "
+        f"{_fmt(r['is_mean'], '5.3f', '-'):>5} {_fmt(r['is_max'], '7.2f', '-'):>7} "
+        f"{_fmt(r['capped'], '6.4f', '-'):>6}"
+    )
 
 
 def main() -> None:
@@ -130,7 +166,8 @@ def main() -> None:
     )
     print(
         f"{'config':10} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
-        f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7}"
+        f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7} {'switch':>6} {'is w':>5} "
+        f"{'is max':>7} {'capped':>6}"
     )
     from ppojob_trainer.runtime import shutdown_ray, start_local_ray
 
@@ -147,13 +184,7 @@ def main() -> None:
             for config in args.configs:
                 r = run_one(config, seed, args.steps, Path(tmp) / f"{config}-{seed}")
                 results[config, seed] = r
-                print(
-                    f"{config:10} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
-                    f"{_fmt(r['to'], '8.1f'):>8} {_fmt(r['train'], '8.1f'):>8} "
-                    f"{r['final']:6.3f} {r['step_s']:7.3f} {r['overlap']:7.2f} "
-                    f"{r['stale']:5.2f} {r['wall']:7.1f}",
-                    flush=True,
-                )
+                print(row_line(config, seed, r), flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if "sync" not in args.configs:
         return

@@ -74,10 +74,35 @@ def test_staleness_zero_reproduces_the_synchronous_loop_bit_for_bit(
 
 
 def test_staleness_one_overlaps_generation_with_training_within_the_bound(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # what each step waits for, and the engines' weight loads each step's sync queues
+    waited: list[set[Any]] = []
+    loads: list[list[Any]] = []
+    wait = loop.wait_or_name
+    push = loop.PPOTrainer._push_weights
+
+    def record_wait(calls: list[tuple[str, int, str, Any]], timeout: float) -> None:
+        waited.append({c[3] for c in calls if c[2] == "weight sync"})
+        wait(calls, timeout)
+
+    def record_push(self: Any, engines: list[Any], **kw: Any) -> tuple[list[Any], list[Any]]:
+        sends, joined = push(self, engines, **kw)
+        loads.append(sends)
+        return sends, joined
+
+    monkeypatch.setattr(loop, "wait_or_name", record_wait)
+    monkeypatch.setattr(loop.PPOTrainer, "_push_weights", record_push)
     result = train(_cfg(1, own_engine=True), tmp_path / "async", _Quiet())
     h = result.history
+    # the sync goes through the object store, one load per engine per step, and no step waits
+    # for its own sync's loads (queued on the engine ahead of its next generation): the next
+    # step does
+    assert len(waited) == len(loads) == STEPS and all(len(x) == 1 for x in loads)
+    for k in range(STEPS):
+        assert not waited[k] & set(loads[k]), k
+    for k in range(STEPS - 1):
+        assert set(loads[k]) <= waited[k + 1], k
     assert [m["policy/version"] for m in h] == [0.0, 1.0, 2.0]
     # step 0's samples come from the initial weights, every later step's from one version
     # before the actor's (generated while the actor trained the step before)

@@ -203,9 +203,25 @@ class PPOTrainer:
         self.total_steps: int | None = None
         """The run's step count (:func:`train` sets it): no generation is launched past it."""
         self.elastic = None if roles.rollout.colocate_with_actor else roles.rollout.elastic
+        """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
         self.partial = cfg.algorithm.partial_rollout and not roles.rollout.colocate_with_actor
         """Partial rollout: syncs are offered to engines mid-generation (object store)."""
-        """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
+        self.deferred_sync = (
+            cfg.algorithm.max_staleness > 0
+            and not roles.rollout.colocate_with_actor
+            and self.elastic is None
+            and not self.partial
+            and not adapters_through_store(cfg)
+            and roles.rollout.resources.gpus == 0
+        )
+        """Bounded staleness with engines of their own on CPUs: the actor's leader publishes each
+        sync's weights to the object store and the driver queues every engine's load of them
+        ahead of its next generation, without waiting for it (an engine runs the driver's calls
+        in order, so the version tags stay exact); neither the actor nor the driver waits for
+        the engines (a broadcast would hold the actor's leader until each engine, still
+        generating a later step, joins it). The loads are waited on at the next step."""
+        self.loading: list[Any] = []
+        """Refs of the engines' loads of the last deferred sync, not waited on yet."""
         self.starting: list[_Starting] = []
         """Elastic engines being started."""
         self.lost_engines = 0
@@ -352,7 +368,12 @@ class PPOTrainer:
             self.free_slots: list[int] = []
             self.engine_seq = len(self.hosts["rollout"])
             self._top_up()
-        elif not self.colocated and not self.partial and not adapters_through_store(self.cfg):
+        elif (
+            not self.colocated
+            and not self.partial
+            and not self.deferred_sync
+            and not adapters_through_store(self.cfg)
+        ):
             self._init_weight_group(tp)
         self.data_rng = random.Random(cfg.training.seed)
         from .algorithms import AdaptiveKLController, FixedKLController
@@ -526,6 +547,9 @@ class PPOTrainer:
         if self.partial:  # offered beside the generation in progress, loaded between tokens
             loaded, joined = self._push_weights(self.hosts["rollout"], offer=True)
             return [*loaded, *joined]
+        if self.deferred_sync:  # loads queued ahead of the engines' next generation
+            loaded, joined = self._push_weights(self.hosts["rollout"])
+            return [*loaded, *joined]
         leader, *others = self.hosts["actor"]
         joined = [h.join_export.remote(self.syncs) for h in others]  # a collective export
         sent = leader.broadcast_weights.remote(self.syncs, self.hosts["rollout"], WEIGHT_GROUP)
@@ -617,6 +641,13 @@ class PPOTrainer:
             after = [*prepared, *critic_done, *actor_done]
             woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
         synced = self._sync_weights() if plan.actor_trains or self.offload else []
+        # (deferred sync: this step waits for the loads of the previous step's sync, and the
+        #  loads of its own wait on the engines, ahead of their next generation)
+        loaded_before, self.loading = self.loading, []
+        if self.deferred_sync and synced:
+            n_engines = len(self.hosts["rollout"])
+            self.loading, synced = synced[:n_engines], synced[n_engines:]
+        synced = [*loaded_before, *synced]
 
         # 7. metrics (floats only; the driver never fetches a tensor), once every worker has
         #    reported; one that has not within the stall timeout is named (watchdog.py).
