@@ -439,9 +439,10 @@ class WorkerHost:
     def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
         """Bucket ``index`` of this process's copy of the actor's weights, on its device, as the
         engine takes it from this process: the bucket itself (an engine in this process), or a
-        serialized CUDA IPC handle for sglang. Kept alive until the next bucket."""
+        serialized CUDA IPC handle for sglang. Kept alive until the next bucket is staged or
+        the sync ends (:meth:`_release_staged`), both after the engine's call for it returned."""
         weights, plan = self._exported(sync_id)
-        self._staged = None
+        self._release_staged()  # the engine's call for the previous bucket has returned
         bucket = flatten(((n, weights[n]) for n in plan[index]), self.device)
         if self.cfg.roles.rollout.backend == "sglang":
             from ..backends.sglang_backend import serialize_bucket
@@ -468,7 +469,27 @@ class WorkerHost:
 
     def drop_weights(self) -> None:
         """Forget the exported weights and the last staged bucket (the sync is over)."""
-        self._weights = self._staged = None
+        self._weights = None
+        self._release_staged()
+
+    def _release_staged(self) -> None:
+        """Let go of the staged bucket once the engine's call that read it has returned.
+
+        SGLang's ``update_weights_from_tensor`` returns once its scheduler has *queued* the
+        copies out of our CUDA IPC memory (``load_weights``, then a CPU barrier: no device
+        synchronisation). torch keeps such a block out of the allocator while the engine holds
+        the handle (its receiver synchronises its stream before releasing it), but a block
+        freed here while a release is pending waits in torch's IPC limbo, where neither the
+        next bucket nor ``empty_cache`` before the KV cache wakes can take it. So: drop our
+        reference only now, finish this process's own device work on the bucket
+        (``synchronize``), and collect the released IPC blocks (``ipc_collect``), so the next
+        bucket never lands on memory still being read and the sync holds one bucket at most."""
+        if self._staged is None:
+            return
+        self._staged = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
 
     def export_ref(self, sync_id: int) -> list[Any] | None:
         """[ref of this worker's exported weights] when it has them (a collective export: the
