@@ -20,6 +20,7 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.backends import sglang_backend
+from ppojob_trainer.backends.weight_sync import WeightStream
 from ppojob_trainer.workers import host as host_module
 from ppojob_trainer.workers.host import WorkerHost
 
@@ -92,7 +93,10 @@ def test_each_bucket_outlives_the_engines_call_and_is_collected_before_the_next(
     host.device, host.events = "cpu", deque()
     host.rollout = types.SimpleNamespace(engine=Engine(log))
     host.actor = types.SimpleNamespace(
-        trainer=types.SimpleNamespace(export_weights=lambda: weights)
+        trainer=types.SimpleNamespace(
+            export_weights=lambda: weights,
+            export_weight_stream=lambda limit: WeightStream.of(weights, limit),
+        )
     )
     host._weights = host._staged = None
 
