@@ -242,6 +242,7 @@ def host_for(adapter: Any, weights: dict[str, torch.Tensor], bucket_bytes: int) 
     from collections import deque
 
     from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.backends.weight_sync import WeightStream
     from ppojob_trainer.workers.host import RecordedEngine, WorkerHost
 
     cfg = TrainerConfig.model_validate(
@@ -261,7 +262,10 @@ def host_for(adapter: Any, weights: dict[str, torch.Tensor], bucket_bytes: int) 
     host.cfg, host.device, host.events = cfg, "cpu", deque()
     host.rollout = types.SimpleNamespace(engine=RecordedEngine(adapter, host.events))
     host.actor = types.SimpleNamespace(
-        trainer=types.SimpleNamespace(export_weights=lambda: weights)
+        trainer=types.SimpleNamespace(
+            export_weights=lambda: weights,
+            export_weight_stream=lambda limit: WeightStream.of(weights, limit),
+        )
     )
     host._weights = host._staged = None
     return host

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .weight_sync import WeightStream
+
 # (logprobs [b, T], entropy [b, T] or None, mini-batch) -> (loss, metrics)
 PolicyLossFn = Callable[
     [torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor]],
@@ -215,6 +217,12 @@ class PolicyTrainer(ABC):
     export_is_collective: bool = False
     """True when :meth:`export_weights` (and :meth:`export_pretrained`) gather shards, so every
     worker of the role must call it; otherwise only the data-parallel leader does."""
+
+    def export_weight_stream(self, max_bytes: int) -> WeightStream:
+        """The weights of :meth:`export_weights` for a sync, bucket by bucket (buckets of at
+        most ``max_bytes``). Default: exported whole, then cut into buckets; a backend that
+        can gather one bucket at a time overrides it."""
+        return WeightStream.of(self.export_weights(), max_bytes)
 
     def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
         """Write this worker's part of the training state under ``directory`` (every worker of

@@ -55,6 +55,7 @@ from .base import (
     ValueTrainer,
 )
 from .packed_attention import use_packed_attention
+from .weight_sync import WeightStream, plan_buckets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,6 +483,33 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             v = v.full_tensor()
         out[k] = v.detach().to("cpu")
     return out
+
+
+def stream_state_dict(module: nn.Module, dtype: torch.dtype, max_bytes: int) -> WeightStream:
+    """:func:`full_state_dict` cast to ``dtype`` (floating tensors), made one bucket of at
+    most ``max_bytes`` at a time on the weights' own device: a shard is gathered
+    (``full_tensor``) only when its bucket is asked for, and nothing is copied to the CPU.
+    Every worker of an FSDP group must ask for every bucket, in order. The buckets are planned
+    from the global shapes, so every worker plans the same ones."""
+    state = module.state_dict()  # references to the parameters (or their shards): no copy
+
+    def out_dtype(v: torch.Tensor) -> torch.dtype:
+        return dtype if v.is_floating_point() else v.dtype
+
+    plan = plan_buckets(
+        ((k, v.numel() * out_dtype(v).itemsize) for k, v in state.items()), max_bytes
+    )
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k in names:
+            v = state[k]
+            if hasattr(v, "full_tensor"):
+                v = v.full_tensor()
+            out[k] = v.detach().to(dtype=out_dtype(v))
+        return out
+
+    return WeightStream(plan, produce)
 
 
 def accumulation_weights(counts: Sequence[float], global_count: float, dp_size: int) -> list[float]:
@@ -1279,6 +1307,14 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             k: v.to(dtype=self.dtype) if v.is_floating_point() else v
             for k, v in full_state_dict(self.lm).items()
         }
+
+    def export_weight_stream(self, max_bytes: int) -> WeightStream:
+        """:meth:`export_weights` in buckets of at most ``max_bytes``, each gathered when asked
+        for, on the weights' device (:func:`stream_state_dict`); with LoRA, the same tensors
+        as :meth:`export_weights` (adapters, or merged weights) planned into buckets."""
+        if self.lora is not None:
+            return WeightStream.of(self.export_weights(), max_bytes)
+        return stream_state_dict(self.lm, self.dtype, max_bytes)
 
     def export_pretrained(self, directory: Path | str, shard: ShardIdentity) -> None:
         """``save_pretrained`` of the policy (in ``model.dtype``) and its tokenizer. With LoRA:

@@ -14,7 +14,7 @@ field names against SGLang's source).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,68 @@ def flatten(named: Iterable[tuple[str, torch.Tensor]], device: str | torch.devic
         raise ValueError("cannot flatten an empty bucket")
     flat = torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0].to(device)
     return FlatBucket(flat, metas)
+
+
+class WeightStream:
+    """The actor's weights for one sync, made one bucket at a time in the plan's order.
+
+    A backend whose weights are sharded gathers a bucket's tensors only when it is asked for
+    it, on the device they live on, and lets go of the previous bucket first: the extra memory
+    of an export is one bucket (the largest tensor when it alone exceeds the bound), not the
+    model. Under FSDP every worker of the group asks for every bucket in the same order (each
+    gather is a collective). ``produce(names)`` makes one bucket, ``{name: tensor}``."""
+
+    def __init__(
+        self, plan: list[list[str]], produce: Callable[[list[str]], dict[str, torch.Tensor]]
+    ) -> None:
+        self.plan = plan
+        self._produce = produce
+        self._index = -1
+        self._current: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        weights: Mapping[str, torch.Tensor],
+        max_bytes: int | None = None,
+        plan: list[list[str]] | None = None,
+    ) -> WeightStream:
+        """A stream over weights already held whole (``plan``, else buckets of ``max_bytes``)."""
+        if plan is None:
+            if max_bytes is None:
+                raise ValueError("WeightStream.of needs a plan or a bucket size")
+            plan = plan_weight_buckets(weights, max_bytes)
+        return cls(plan, lambda names: {n: weights[n] for n in names})
+
+    def __bool__(self) -> bool:
+        return bool(self.plan)
+
+    def bucket(self, index: int) -> dict[str, torch.Tensor]:
+        """Bucket ``index``: the current one again, or the next (the one before is dropped)."""
+        if index == self._index and self._current is not None:
+            return self._current
+        if index != self._index + 1:
+            raise RuntimeError(
+                f"weight buckets are made in order: bucket {index} asked for after {self._index}"
+            )
+        self._current = None  # the previous bucket goes before this one is gathered
+        self._current = self._produce(self.plan[index])
+        self._index = index
+        return self._current
+
+    def drain(self) -> None:
+        """Make every bucket not made yet and drop it (a worker joining a collective export)."""
+        for i in range(self._index + 1, len(self.plan)):
+            self.bucket(i)
+            self._current = None
+
+    def materialise(self) -> dict[str, torch.Tensor]:
+        """Every bucket from the first, gathered into one CPU dict (the whole model)."""
+        out: dict[str, torch.Tensor] = {}
+        for i in range(len(self.plan)):
+            out.update((k, v.cpu()) for k, v in self.bucket(i).items())
+        self._current = None
+        return out
 
 
 def bucket_meta(

@@ -22,7 +22,7 @@ import torch
 from ppojob_api.training import TrainerConfig
 
 from ..backends.base import WAKE_AFTER_SYNC, WAKE_FOR_SYNC
-from ..backends.weight_sync import bucket_meta, flatten, init_custom_group, plan_weight_buckets
+from ..backends.weight_sync import WeightStream, bucket_meta, flatten, init_custom_group
 from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
 from .group import (
@@ -117,7 +117,7 @@ class WorkerHost:
                 self.critic = CriticWorker(cfg, shard, path, device, group)
             except Exception as exc:
                 raise RuntimeError(naming(field, exc, str(path))) from exc
-        self._weights: tuple[int, dict[str, torch.Tensor], list[list[str]]] | None = None
+        self._weights: tuple[int, WeightStream] | None = None
         self._staged: Any = None  # the bucket an engine may still be reading (CUDA IPC)
         self._weight_group: tuple[Any, str] | None = None
 
@@ -241,8 +241,8 @@ class WorkerHost:
         """Elastic engines' sync, on the actor's leader: the actor's weights of sync ``sync_id``
         put in the object store bucket by bucket (refs, on the CPU), for any number of engines,
         including one started after the others."""
-        weights, plan = self._exported(sync_id)
-        refs = [ray.put(flatten(((n, weights[n]) for n in names), "cpu")) for names in plan]
+        stream = self._exported(sync_id)
+        refs = [ray.put(flatten(stream.bucket(i).items(), "cpu")) for i in range(len(stream.plan))]
         self.drop_weights()
         return refs
 
@@ -420,29 +420,30 @@ class WorkerHost:
         self.rollout.engine.resume_memory(WAKE_FOR_SYNC)
 
     # ---- weight sync ---------------------------------------------------------------------------
-    def _exported(self, sync_id: int) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
-        """The actor's weights for sync ``sync_id`` and their bucket plan (exported once)."""
+    def _exported(self, sync_id: int) -> WeightStream:
+        """The actor's weights for sync ``sync_id``, bucket by bucket (one stream per sync: a
+        sharded backend gathers each bucket when it is staged, so no worker holds the model)."""
         if self._weights is None or self._weights[0] != sync_id:
-            weights = self.actor.trainer.export_weights()
+            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
             if self.cfg.model.lora is not None and self.cfg.roles.rollout.backend == "sglang":
                 from ..backends.sglang_backend import peft_adapter_tensors
 
                 # SGLang loads an adapter in one call: PEFT names, one bucket
-                weights = peft_adapter_tensors(weights)
-                plan = [list(weights)]
+                weights = peft_adapter_tensors(self.actor.trainer.export_weights())
+                stream = WeightStream.of(weights, plan=[list(weights)] if weights else [])
             else:
-                limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-                plan = plan_weight_buckets(weights, limit)
-            self._weights = (sync_id, weights, plan)
-        return self._weights[1], self._weights[2]
+                stream = self.actor.trainer.export_weight_stream(limit)
+            self._weights = (sync_id, stream)
+        return self._weights[1]
 
     def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
         """Bucket ``index`` of this process's copy of the actor's weights, on its device, as the
         engine takes it from this process: the bucket itself (an engine in this process), or a
-        serialized CUDA IPC handle for sglang. Kept alive until the next bucket."""
-        weights, plan = self._exported(sync_id)
-        self._staged = None
-        bucket = flatten(((n, weights[n]) for n in plan[index]), self.device)
+        serialized CUDA IPC handle for sglang. Kept alive until the next bucket is staged or
+        the sync ends (:meth:`_release_staged`), both after the engine's call for it returned."""
+        stream = self._exported(sync_id)
+        self._release_staged()  # the engine's call for the previous bucket has returned
+        bucket = flatten(stream.bucket(index).items(), self.device)
         if self.cfg.roles.rollout.backend == "sglang":
             from ..backends.sglang_backend import serialize_bucket
 
@@ -451,8 +452,9 @@ class WorkerHost:
         return bucket
 
     def export(self, sync_id: int) -> float:
-        """Export the actor's weights for sync ``sync_id`` now (kept for its buckets); every
-        actor worker calls it together when the export is a collective. Returns seconds."""
+        """Start the export of the actor's weights for sync ``sync_id`` (its buckets are made
+        as they are staged); every actor worker calls it before any sync asks for a bucket.
+        Returns seconds."""
         t0 = time.perf_counter()
         self._exported(sync_id)
         return time.perf_counter() - t0
@@ -462,42 +464,67 @@ class WorkerHost:
         gathers the weights on the leader); returns its seconds."""
         t0 = time.perf_counter()
         if self.actor.trainer.export_is_collective:
-            self._exported(sync_id)
+            self._exported(sync_id).drain()  # every bucket's gather, one bucket held at a time
             self.drop_weights()
         return time.perf_counter() - t0
 
     def drop_weights(self) -> None:
         """Forget the exported weights and the last staged bucket (the sync is over)."""
-        self._weights = self._staged = None
+        self._weights = None
+        self._release_staged()
+
+    def _release_staged(self) -> None:
+        """Let go of the staged bucket once the engine's call that read it has returned.
+
+        SGLang's ``update_weights_from_tensor`` returns once its scheduler has *queued* the
+        copies out of our CUDA IPC memory (``load_weights``, then a CPU barrier: no device
+        synchronisation). torch keeps such a block out of the allocator while the engine holds
+        the handle (its receiver synchronises its stream before releasing it), but a block
+        freed here while a release is pending waits in torch's IPC limbo, where neither the
+        next bucket nor ``empty_cache`` before the KV cache wakes can take it. So: drop our
+        reference only now, finish this process's own device work on the bucket
+        (``synchronize``), and collect the released IPC blocks (``ipc_collect``), so the next
+        bucket never lands on memory still being read and the sync holds one bucket at most."""
+        if self._staged is None:
+            return
+        self._staged = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
 
     def export_ref(self, sync_id: int) -> list[Any] | None:
         """[ref of this worker's exported weights] when it has them (a collective export: the
         leader's), else None; every actor worker calls it, so a collective completes."""
-        weights, _ = self._exported(sync_id)
-        return [ray.put(weights)] if weights else None
+        stream = self._exported(sync_id)
+        if not stream:
+            return None
+        weights = stream.materialise()  # kept whole: this worker's own sync reads it again
+        limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
+        self._weights = (sync_id, WeightStream.of(weights, limit))
+        return [ray.put(weights)]
 
     def sync_colocated(self, sync_id: int, peers: list[Any], gathered: Any = None) -> float:
         """Colocated sync, on the engine's process: bucket by bucket, this process and its
         ``peers`` (the other processes on the engine's GPUs, in tensor-parallel rank order) each
         stage the bucket on their GPU and the engine loads all of them at once."""
         t0 = time.perf_counter()
-        weights, plan = self._exported(sync_id)
-        if not weights and gathered:  # gathered on the leader: fetch its copy once
-            weights = ray.get(gathered[0])
+        stream = self._exported(sync_id)
+        if not stream and gathered:  # gathered on the leader: fetch its copy once
             limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-            plan = plan_weight_buckets(weights, limit)
-            self._weights = (sync_id, weights, plan)
-        if not weights:
+            stream = WeightStream.of(ray.get(gathered[0]), limit)
+            self._weights = (sync_id, stream)
+        if not stream:
             raise RuntimeError(
                 "colocated weight sync: this actor worker exported no weights (a backend that "
                 "gathers them on one worker, such as megatron, needs a rollout on its own GPUs)"
             )
         engine = self.rollout.engine
         engine.begin_weight_update()
-        for i in range(len(plan)):
+        n = len(stream.plan)
+        for i in range(n):
             refs = [p.stage_weight_bucket.remote(sync_id, i) for p in peers]
             payloads = [self.stage_weight_bucket(sync_id, i), *ray.get(refs)]
-            engine.update_weights_from_tensor(payloads, flush_cache=i == len(plan) - 1)
+            engine.update_weights_from_tensor(payloads, flush_cache=i == n - 1)
         engine.end_weight_update()
         self.policy_version = sync_id
         ray.get([p.drop_weights.remote() for p in peers])
@@ -538,14 +565,16 @@ class WorkerHost:
         t0 = time.perf_counter()
         group, backend = self._weight_group
         device = self.device if backend == "nccl" else "cpu"
-        weights, plan = self._exported(sync_id)
+        stream = self._exported(sync_id)
         ray.get([e.begin_weight_update.remote() for e in engines])
-        for i, names in enumerate(plan):
-            meta = bucket_meta(weights, names)
-            last = i == len(plan) - 1
+        for i, names in enumerate(stream.plan):
+            bucket = stream.bucket(i)
+            meta = bucket_meta(bucket, names)
+            last = i == len(stream.plan) - 1
             refs = [e.receive_weights.remote(*meta, group_name, last) for e in engines]
             for name in names:
-                dist.broadcast(weights[name].to(device).contiguous(), src=0, group=group)
+                dist.broadcast(bucket[name].to(device).contiguous(), src=0, group=group)
+            del bucket  # the stream drops it before it gathers the next
             ray.get(refs)
         ray.get([e.end_weight_update.remote(sync_id) for e in engines])
         self.drop_weights()
