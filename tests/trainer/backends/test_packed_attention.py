@@ -74,9 +74,41 @@ def test_segment_offsets_and_a_bad_cover():
     want = [0, 5, 8, 17, 22, 25, 26]
     assert pa.segment_offsets({"position_ids": _positions()}, n) == want
     assert pa.segment_offsets({"cu_seq_lens_q": torch.tensor(want)}, n) == want
-    assert pa.segment_offsets({}, n) == [0, n]  # an unpacked row: one sequence
+    with pytest.raises(ValueError, match="packing: the model's attention got neither"):
+        pa.segment_offsets({}, n)  # a model that drops the attention's keyword arguments
     with pytest.raises(ValueError, match="does not cover the row's 26 positions"):
         pa.segment_offsets({"cu_seq_lens_q": torch.tensor([0, 5, 20])}, n)
+
+
+def test_values_of_another_head_size_than_the_queries():
+    """Models whose value heads differ in size from their query heads (multi-head latent
+    attention: DeepSeek-V2/V3, MiniCPM3) attend per sequence too."""
+    g = torch.Generator().manual_seed(2)
+    n = sum(LENGTHS)
+    q = torch.randn(1, 2, n, 12, generator=g)
+    k = torch.randn(1, 2, n, 12, generator=g)
+    v = torch.randn(1, 2, n, 8, generator=g)
+    module = SimpleNamespace(num_key_value_groups=1, is_causal=True, training=False)
+    for dense_up_to in (0, 1_000):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pa, "DENSE_ROW_TOKENS", dense_up_to)
+            out, _ = pa.packed_attention_forward(module, q, k, v, None, position_ids=_positions())
+        assert out.shape == (1, n, 2, 8)
+        torch.testing.assert_close(out, _dense(q, k, v), atol=1e-6, rtol=1e-5)
+
+
+def test_the_mask_is_left_out_only_for_a_whole_row_without_padding_or_cache():
+    """No mask for a whole row (the attention finds the sequences); sdpa's mask for padding
+    and for a cache's earlier tokens (which the attention cannot rebuild)."""
+    common = dict(batch_size=1, mask_function=lambda b, h, q, kv: kv <= q, device="cpu")
+    assert pa.packed_attention_mask(q_length=6, kv_length=6, **common) is None
+    cached = pa.packed_attention_mask(
+        q_length=2, kv_length=6, q_offset=4, kv_offset=0, allow_is_causal_skip=False, **common
+    )
+    assert cached is not None and cached.shape[-2:] == (2, 6)
+    padding = torch.tensor([[False, True, True, True, True, True]])
+    padded = pa.packed_attention_mask(q_length=6, kv_length=6, attention_mask=padding, **common)
+    assert padded is not None and not bool(padded[0, 0, :, 0].any())
 
 
 def test_a_padded_batch_is_plain_sdpa():
@@ -196,3 +228,8 @@ def test_only_an_sdpa_model_is_switched(model_dir):
     eager.set_attn_implementation("eager")
     assert not pa.use_packed_attention(eager)
     assert eager.config._attn_implementation == "eager"
+    # a sliding window (which some models apply through the mask alone) keeps sdpa's mask
+    windowed = models.load_causal_lm(model_dir, "float32")
+    windowed.config.sliding_window, windowed.config.use_sliding_window = 4, True
+    assert not pa.use_packed_attention(windowed)
+    assert windowed.config._attn_implementation == "sdpa"

@@ -32,8 +32,9 @@ NAME = "ppojob_packed"
 
 def segment_offsets(kwargs: dict[str, Any], length: int) -> list[int]:
     """The start of every sequence of a row of ``length`` positions, then ``length``: from
-    ``cu_seq_lens_q`` if given, else from where ``position_ids`` [1, length] restart, else one
-    sequence."""
+    ``cu_seq_lens_q`` if given, else from where ``position_ids`` [1, length] restart. Neither
+    is an error: a model whose code drops the attention's keyword arguments would otherwise
+    attend across the packed sequences without a word."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         offsets = [int(x) for x in cu.tolist()]
@@ -50,7 +51,11 @@ def segment_offsets(kwargs: dict[str, Any], length: int) -> list[int]:
         row = pos.reshape(-1, length)[0]
         starts = (torch.nonzero(row[1:] != row[:-1] + 1).flatten() + 1).tolist()
         return [0, *starts, length]
-    return [0, length]
+    raise ValueError(
+        "packing: the model's attention got neither cu_seq_lens_q nor position_ids, so it "
+        "cannot tell the packed sequences apart (its code does not pass the attention's "
+        "keyword arguments through); set training.packing: false for this model"
+    )
 
 
 DENSE_ROW_TOKENS = 512
@@ -95,16 +100,24 @@ def packed_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     offsets = segment_offsets(kwargs, length)
-    if len(offsets) == 2 and (sliding_window is None or length <= sliding_window):
-        return sdpa_attention_forward(  # one sequence: plain causal attention
-            module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True
-        )
     rest = {
         k: v
         for k, v in kwargs.items()
         if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
         and k not in ("position_ids", "is_causal")
     }
+    if len(offsets) == 2 and (sliding_window is None or length <= sliding_window):
+        return sdpa_attention_forward(  # one sequence: plain causal attention
+            module,
+            query,
+            key,
+            value,
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **rest,
+        )
     if length <= DENSE_ROW_TOKENS:  # a short row: one call with the block-diagonal mask
         mask = block_causal_mask(offsets, sliding_window, query.device)
         return sdpa_attention_forward(
@@ -114,7 +127,7 @@ def packed_attention_forward(
     by_length: dict[int, list[int]] = {}
     for start, end in itertools.pairwise(offsets):
         by_length.setdefault(end - start, []).append(start)
-    batch, heads, _, dim = query.shape
+    batch, heads = query.shape[:2]
     order, outs = [], []
     for n, starts in by_length.items():
         index = (torch.tensor(starts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
@@ -123,8 +136,9 @@ def packed_attention_forward(
 
         def stacked(x: torch.Tensor, n: int = n, index: torch.Tensor = index) -> torch.Tensor:
             # [B, h, G*n, d] -> [B*G, h, n, d]
-            x = x.index_select(2, index).reshape(batch, x.shape[1], -1, n, dim)
-            return x.transpose(1, 2).reshape(-1, x.shape[1], n, dim)
+            # (the head size of each: values may differ from queries, as in MLA models)
+            x = x.index_select(2, index).reshape(batch, x.shape[1], -1, n, x.shape[-1])
+            return x.transpose(1, 2).reshape(-1, x.shape[1], n, x.shape[-1])
 
         mask = None
         if sliding_window is not None and n > sliding_window:
@@ -140,7 +154,8 @@ def packed_attention_forward(
             is_causal=mask is None,
             **rest,
         )
-        outs.append(out.reshape(batch, -1, heads, dim))  # [B*G, n, h, d] -> [B, G*n, h, d]
+        # [B*G, n, h, d] -> [B, G*n, h, d]
+        outs.append(out.reshape(batch, -1, heads, out.shape[-1]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     inverse = torch.empty(length, dtype=torch.long)
     inverse[torch.cat(order)] = torch.arange(length)
@@ -148,11 +163,14 @@ def packed_attention_forward(
 
 
 def packed_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """The mask transformers builds for ``ppojob_packed``: none without padding (the attention
-    finds the sequences itself), ``sdpa``'s with it."""
+    """The mask transformers builds for ``ppojob_packed``: none for a whole row without padding
+    or cache (the attention finds the sequences itself), ``sdpa``'s otherwise (padding, a
+    cache's earlier tokens)."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None:
+    whole = kwargs.get("q_length") is not None and kwargs.get("q_length") == kwargs.get("kv_length")
+    unshifted = int(kwargs.get("q_offset") or 0) == 0 and int(kwargs.get("kv_offset") or 0) == 0
+    if attention_mask is None and whole and unshifted:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
@@ -168,11 +186,20 @@ def register() -> None:
 
 def use_packed_attention(model: torch.nn.Module) -> bool:
     """Switch ``model`` (a transformers model) from ``sdpa`` to ``ppojob_packed``; leave any
-    other implementation (flash-attention's varlen kernels, eager) as it is. Returns whether
-    it switched."""
+    other implementation (flash-attention's varlen kernels, eager) as it is, and any model
+    whose mask carries more than causality and sequence boundaries (sliding-window or chunked
+    layers, which some models apply through the mask alone; bidirectional attention): those
+    keep sdpa's block-diagonal mask, correct if slower. Returns whether it switched
+    (transformers may decline, e.g. for a model whose source it cannot read)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    if not getattr(config, "is_causal", True):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return False
     register()
     model.set_attn_implementation(NAME)
-    return True
+    return model.config._attn_implementation == NAME
