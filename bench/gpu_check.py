@@ -270,6 +270,19 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return figures
 
 
+def _untied_shape(tiny: bool) -> dict[str, int]:
+    """The Llama config sizes of the megatron and fsdp sections: the tiny one, or the
+    Llama-3.2-1B shape with untied embeddings."""
+    return dict(
+        hidden_size=64 if tiny else 2048,
+        intermediate_size=256 if tiny else 8192,
+        num_hidden_layers=2 if tiny else 16,
+        num_attention_heads=4 if tiny else 32,
+        num_key_value_heads=2 if tiny else 8,
+        vocab_size=128 if tiny else 128256,
+    )
+
+
 def megatron(args: argparse.Namespace) -> dict[str, float]:
     """The megatron section (see the module docstring)."""
     import torch
@@ -283,14 +296,7 @@ def megatron(args: argparse.Namespace) -> dict[str, float]:
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     dtype = "bfloat16" if gpu else "float32"  # the megatron backend on CPU trains in float32
-    shape = dict(
-        hidden_size=64 if args.tiny else 2048,
-        intermediate_size=256 if args.tiny else 8192,
-        num_hidden_layers=2 if args.tiny else 16,
-        num_attention_heads=4 if args.tiny else 32,
-        num_key_value_heads=2 if args.tiny else 8,
-        vocab_size=128 if args.tiny else 128256,
-    )
+    shape = _untied_shape(args.tiny)
     cfg = TrainerConfig.model_validate(
         {
             "model": {"dtype": dtype},
@@ -398,14 +404,7 @@ def fsdp(args: argparse.Namespace) -> dict[str, float]:
     def weights(model) -> dict[str, torch.Tensor]:  # copies (on a CPU they would alias)
         return {k: v.clone() for k, v in full_state_dict(model).items()}
 
-    shape = dict(
-        hidden_size=64 if args.tiny else 2048,
-        intermediate_size=256 if args.tiny else 8192,
-        num_hidden_layers=2 if args.tiny else 16,
-        num_attention_heads=4 if args.tiny else 32,
-        num_key_value_heads=2 if args.tiny else 8,
-        vocab_size=128 if args.tiny else 128256,
-    )
+    shape = _untied_shape(args.tiny)
     b, p_len, r_len = args.batch, args.prompt_len, args.response_len
     g = torch.Generator().manual_seed(0)
     batch = {
