@@ -124,6 +124,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         MegatronPolicyTrainer,
         MegatronValueTrainer,
         _select,
+        output_weight,
     )
     from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
     from ppojob_trainer.models import load_causal_lm
@@ -155,7 +156,9 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     full["prompt_mask"] = torch.ones_like(full["prompt_ids"], dtype=torch.bool)
 
     def logits_head(output, mb):  # type: ignore[no-untyped-def]
-        return output.new_zeros(()), gather_from_tensor_model_parallel_region(output).cpu()
+        # (the actor's model ends at its final hidden states: project them here)
+        local = torch.nn.functional.linear(output, output_weight(actor.m.model))
+        return output.new_zeros(()), gather_from_tensor_model_parallel_region(local).cpu()
 
     with torch.no_grad():
         parts = actor.m.run(full, n, logits_head, forward_only=True)

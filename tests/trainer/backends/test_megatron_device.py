@@ -18,14 +18,19 @@ from ppojob_trainer.backends import megatron_backend as mb_
 from ppojob_trainer.backends.base import ShardIdentity
 
 VOCAB = 7
+HIDDEN = 5
 
 
 class MetaModel(torch.nn.Module):
-    """Logits [b, L, V] (or values [b, L, 1]) on the meta device, like a GPU model's output."""
+    """Hidden states [b, L, width] (the actor's: projected onto the vocabulary by its output
+    layer's weight) or values [b, L, 1] on the meta device, like a GPU model's output."""
+
+    share_embeddings_and_output_weights = False
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(width, device="meta"))
+        self.output_layer = torch.nn.Linear(width, VOCAB, bias=False, device="meta")
         self.input_devices: set[str] = set()
 
     def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
@@ -78,7 +83,8 @@ def test_the_actor_loss_gets_its_micro_batch_on_the_log_probs_device(meta_logpro
     """Padded and packed micro-batches (the packed row's index, positions and mask too)."""
     actor = mb_.MegatronPolicyTrainer.__new__(mb_.MegatronPolicyTrainer)
     actor.temperature, actor.need_entropy, actor.entropy_grad = 1.0, False, False
-    actor.m = meta_shard(VOCAB, packing)
+    actor.logits_chunk = 4  # several chunks per micro-batch
+    actor.m = meta_shard(HIDDEN, packing)
     seen: list[set[str]] = []
 
     def loss_fn(logp, ent, mbatch):  # type: ignore[no-untyped-def]
@@ -104,16 +110,21 @@ def test_the_critic_loss_gets_its_micro_batch_on_the_values_device():
 
 
 def test_bf16_logits_are_divided_by_the_temperature_in_float32(meta_logprobs):
-    """The model's bf16 logits become float32 before the temperature divides them (in bf16 the
-    quotient is rounded to 8 bits of mantissa: log-prob errors of ~1e-2)."""
+    """The bf16 projection's logits become float32 before the temperature divides them (in bf16
+    the quotient is rounded to 8 bits of mantissa: log-prob errors of ~1e-2), chunk by chunk."""
     actor = mb_.MegatronPolicyTrainer.__new__(mb_.MegatronPolicyTrainer)
-    actor.temperature = 0.7
+    actor.temperature, actor.logits_chunk = 0.7, 4
     g = torch.Generator().manual_seed(0)
-    output = (torch.randn(2, 6, 50, generator=g) * 8).to(torch.bfloat16)
+    output = (torch.randn(2, 6, 16, generator=g) * 2).to(torch.bfloat16)
+    weight = (torch.randn(50, 16, generator=g) * 2).to(torch.bfloat16)
+    model = SimpleNamespace(
+        share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=weight)
+    )
     mb = {
         "_index": torch.tensor([[1, 2, 3], [2, 3, 4]]),
         "response_ids": torch.tensor([[5] * 3] * 2),
     }
-    got = actor._token_logprobs(output, mb)
-    want = torch.log_softmax(mb_._select(output.float(), mb["_index"]) / 0.7, -1)[..., 5]
+    got, _ = actor._token_stats(model, output, mb)
+    logits = torch.nn.functional.linear(mb_._select(output, mb["_index"]), weight)
+    want = torch.log_softmax(logits.float() / 0.7, -1)[..., 5]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -4,8 +4,11 @@ Imported only when ``spec.roles.actor.backend`` or ``spec.roles.critic.backend``
 ``megatron``; megatron-core itself is imported inside the functions that need it.
 
 Each worker holds one tensor/pipeline-parallel shard of a megatron-core ``GPTModel`` converted
-from the Hugging Face checkpoint (:mod:`.megatron_convert`); the actor's log-probs come from the
-vocabulary-parallel logits without gathering the vocabulary; the critic is the same model with a
+from the Hugging Face checkpoint (:mod:`.megatron_convert`); the actor's model ends at its final
+hidden states (:func:`emit_hidden_states`) and its log-probs and entropy come from the
+vocabulary-parallel projection of the response positions, ``LOGITS_CHUNK_TOKENS`` at a time, each
+chunk recomputed in backward (:func:`chunked_vocab_stats`), never the micro-batch's whole
+[b, L, V/tp] logits nor the gathered vocabulary; the critic is the same model with a
 value head instead of the output layer. Forward and backward go through megatron-core's pipeline
 schedule (``get_forward_backward_func``: no pipelining at pipeline 1, 1F1B above). The loss
 functions are the shared ones (``ppojob_trainer.algorithms``), weighted per micro-batch exactly as
@@ -867,8 +870,13 @@ def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# Log-probs and entropy from vocabulary-parallel logits
+# Log-probs and entropy from vocabulary-parallel logits, a chunk of positions at a time
 # ---------------------------------------------------------------------------------------------
+LOGITS_CHUNK_TOKENS = 1024
+"""Positions whose vocabulary-parallel logits exist at once (:func:`chunked_vocab_stats`): a
+[1024, V/tp] float32 chunk, not the micro-batch's [b, L, V/tp] logits and their gradient."""
+
+
 def _select(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows of ``output`` [b, L, ...] at positions ``index`` [b, T]."""
     idx = index.view(*index.shape, *([1] * (output.dim() - 2))).expand(
@@ -896,30 +904,138 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, ``logits`` split over the vocabulary."""
+    """Entropy of softmax(logits) per position, ``logits`` split over the vocabulary.
+
+    Over tensor-parallel ranks from three all-reduced per-position numbers (the max, the sum
+    of exp(x - max) and of exp(x - max) * x; H = max + log z - ex / z), never the gathered
+    vocabulary. With ``grad`` the sums go through ``reduce_from_tensor_model_parallel_region``
+    (backward: the identity, each rank's gradient flowing to its own slice); the max is a
+    constant shift (H does not depend on it), so it carries no gradient."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() == 1:
         logp = torch.log_softmax(logits.float(), -1)
         return -(logp.exp() * logp).sum(-1)
-    if grad:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        full = gather_from_tensor_model_parallel_region(logits.float())
-        logp = torch.log_softmax(full, -1)
-        return -(logp.exp() * logp).sum(-1)
     import torch.distributed as dist
 
     group = ps.get_tensor_model_parallel_group()
-    x = logits.detach().float()
-    m = x.max(-1).values
+    x = logits.float() if grad else logits.detach().float()
+    m = x.detach().max(-1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = (x - m[..., None]).exp()
-    z = e.sum(-1)
-    ex = (e * x).sum(-1)
-    dist.all_reduce(z, group=group)
-    dist.all_reduce(ex, group=group)
+    z, ex = e.sum(-1), (e * x).sum(-1)
+    if grad:
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        z = reduce_from_tensor_model_parallel_region(z)
+        ex = reduce_from_tensor_model_parallel_region(ex)
+    else:
+        dist.all_reduce(z, group=group)
+        dist.all_reduce(ex, group=group)
     return m + z.log() - ex / z
+
+
+def _vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[n, V/tp] float32 logits of hidden states [n, h] over this rank's vocabulary slice
+    ``weight`` [V/tp, h], divided by the sampling temperature in float32 (in bf16 the quotient
+    would lose all but 8 mantissa bits)."""
+    return torch.nn.functional.linear(hidden, weight).float() / temperature
+
+
+def _chunk_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    entropy: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = _vocab_logits(hidden, weight, temperature)
+    logp = vocab_parallel_logprobs(logits, tokens)
+    if entropy is None:
+        return logp, logp.new_zeros(0)
+    if entropy == "grad":
+        return logp, vocab_parallel_entropy(logits, grad=True)
+    with torch.no_grad():
+        return logp, vocab_parallel_entropy(logits, grad=False)
+
+
+def chunked_vocab_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    *,
+    entropy: str | None = None,
+    chunk_tokens: int = LOGITS_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``tokens`` [b, T] (and with ``entropy`` "grad" or "nograd" the entropy)
+    from the final hidden states [b, T, h] and this rank's vocabulary slice ``weight``.
+
+    The projection runs ``chunk_tokens`` positions at a time and each chunk's [chunk, V/tp]
+    logits are reduced (megatron-core's vocabulary-parallel cross entropy, the entropy's sums)
+    before the next chunk's exist. With gradients each chunk is recomputed in backward
+    (``torch.utils.checkpoint``) instead of keeping its logits. Every tensor-parallel rank
+    holds the same hidden states, so every rank runs the same chunks and the same collectives
+    in the same order, forward and in the recomputation.
+    """
+    b, t, h = hidden.shape
+    n = b * t
+    flat, toks = hidden.reshape(n, h), tokens.reshape(n)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recompute = grad and n > chunk_tokens  # one chunk: nothing to free between chunks
+    lps, ents = [], []
+    for s in range(0, max(n, 1), chunk_tokens):
+        args = (flat[s : s + chunk_tokens], weight, toks[s : s + chunk_tokens], temperature)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            lp, ent = checkpoint(_chunk_stats, *args, entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args, entropy)
+        lps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(lps).view(b, t)
+    return logp, (torch.cat(ents).view(b, t) if entropy is not None else None)
+
+
+def emit_hidden_states(model: Any) -> None:
+    """Make the last stage of the GPT model ``model`` return its final hidden states [b, L, h]
+    instead of the vocabulary-parallel logits [b, L, V/tp] (:func:`chunked_vocab_stats` projects
+    them a chunk at a time).
+
+    ``GPTModel._postprocess`` calls ``output_layer(hidden [L, b, h], weight=<the embedding's
+    weight when tied>)`` and returns its first output transposed to [b, L, ...]; the output
+    layer (a ``ColumnParallelLinear``, its weight split over the vocabulary) is replaced by
+    what it does to its input before the matmul: the all-gather over the sequence under
+    sequence parallelism (backward: the reduce-scatter that sums the ranks' partial input
+    gradients), else the identity whose backward all-reduces them over tensor-parallel ranks.
+    Its weight stays where it is (``output_weight``), as do its state-dict keys."""
+    if not getattr(model, "post_process", False):
+        return
+    layer = model.output_layer
+
+    def forward(input_: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, group=layer.tp_group), None
+        if layer.disable_grad_reduce:
+            return input_, None
+        return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+
+    layer.forward = forward
+
+
+def output_weight(model: Any) -> torch.Tensor:
+    """The vocabulary-parallel projection [V/tp, h] of a last stage: the output layer's weight,
+    or the input embedding's where they are tied and this stage holds it (what ``GPTModel``
+    passes its output layer)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -956,16 +1072,32 @@ class MegatronPolicyTrainer(PolicyTrainer):
             sequence_parallel=cfg.roles.actor.parallelism.sequence_parallel,
             frozen_copy=need_reference,
         )
+        self.logits_chunk = LOGITS_CHUNK_TOKENS
+        for model in (self.m.model, self.m.reference):
+            if model is not None:
+                emit_hidden_states(model)
         self.micro = cfg.training.micro_batch_size
 
-    def _scaled_logits(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The response positions' logits over this rank's vocabulary slice, in float32, divided
-        by the sampling temperature (in bf16 the quotient would lose all but 8 mantissa bits)."""
-        return _at_index(output, mb).float() / self.temperature
-
-    def _token_logprobs(self, output: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        logits = self._scaled_logits(output, mb)
-        return vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
+    def _token_stats(
+        self,
+        model: Any,
+        output: torch.Tensor,
+        mb: Mapping[str, torch.Tensor],
+        entropy: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the response tokens (and their entropy) from ``model``'s final hidden
+        states ``output`` [b, L, h] (:func:`emit_hidden_states`) at the response positions,
+        projected onto this rank's vocabulary slice ``logits_chunk`` positions at a time."""
+        hidden = _at_index(output, mb)
+        tokens = mb["response_ids"].to(hidden.device)
+        return chunked_vocab_stats(
+            hidden,
+            output_weight(model),
+            tokens,
+            self.temperature,
+            entropy=entropy,
+            chunk_tokens=self.logits_chunk,
+        )
 
     @torch.no_grad()
     def logprobs(
@@ -977,8 +1109,8 @@ class MegatronPolicyTrainer(PolicyTrainer):
         n = batch["response_ids"].shape[0]
 
         def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
-            logp = self._token_logprobs(output, mb).cpu()
-            return output.new_zeros(()), logp
+            logp, _ = self._token_stats(model, output, mb)
+            return output.new_zeros(()), logp.cpu()
 
         plan = self.m.plan(batch, self.micro or n)
         with _eval_mode(model):
@@ -993,16 +1125,12 @@ class MegatronPolicyTrainer(PolicyTrainer):
         micro_batch_size: int,
         agg: str = "token-mean",
     ) -> dict[str, float]:
+        entropy = None
+        if self.need_entropy:
+            entropy = "grad" if self.entropy_grad else "nograd"
+
         def micro_loss(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-            logits = self._scaled_logits(output, mb)
-            logp = vocab_parallel_logprobs(logits, mb["response_ids"].to(logits.device))
-            ent = None
-            if self.need_entropy:
-                if self.entropy_grad:
-                    ent = vocab_parallel_entropy(logits, grad=True)
-                else:
-                    with torch.no_grad():
-                        ent = vocab_parallel_entropy(logits, grad=False)
+            logp, ent = self._token_stats(self.m.model, output, mb, entropy)
             return loss_fn(logp, ent, _loss_inputs(mb, logp.device))
 
         return self.m.update(minibatch, micro_batch_size, agg, micro_loss)
@@ -1107,9 +1235,13 @@ def _eval_mode(module: Any) -> Iterator[None]:
 
 
 __all__ = [
+    "LOGITS_CHUNK_TOKENS",
     "MegatronPolicyTrainer",
     "MegatronValueTrainer",
+    "chunked_vocab_stats",
+    "emit_hidden_states",
     "left_aligned",
+    "output_weight",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
 ]

@@ -1,0 +1,180 @@
+"""The megatron actor's chunked vocabulary projection against one chunk of all positions, on CPU.
+
+Run as a script (``python megatron_chunk_cases.py OUT.json MODEL_DIR TIED_MODEL_DIR``): 2
+processes in one gloo world; for each layout (tensor 2, tensor 1 with data 2, pipeline 2, and
+tensor 2 of a model whose output layer is its input embedding) two actors are built from the
+same weights, one projecting ``CHUNK`` positions at a time (several chunks per micro-batch),
+one with a chunk larger than every micro-batch (the whole [positions, V/tp] logits at once, no
+recomputation). Both compute the log-probs (no gradient) and one update whose loss weighs the
+log-probs and the entropy alike, so that the entropy's gradient counts; the update's entropy
+and each rank's local gradient (captured before the optimizer step) are compared.
+
+Every call of ``_vocab_logits`` (the one function that projects hidden states onto the
+vocabulary) is recorded: its output's shape, and how many calls each phase made (backward
+recomputes each chunk: twice the forward's calls). Calls of megatron-core's
+``gather_from_tensor_model_parallel_region`` (which would gather the whole vocabulary) are
+counted too. Rank 0 writes, per layout, the worst rank's figures as JSON;
+``test_megatron.py::test_megatron_logits_are_projected_a_chunk_at_a_time`` asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron_cases import _cfg  # (this script's directory is on sys.path)
+
+CHUNK = 3
+WHOLE = 10**6
+
+
+def _entropy_loss(into: list) -> Any:
+    """A loss of log-probs and entropy with equal weight (so the entropy's gradient is as
+    large as the log-probs'), recording each micro-batch's entropy."""
+
+    def loss_fn(logp, ent, mb):  # type: ignore[no-untyped-def]
+        into.append(ent.detach().clone())
+        mask = mb["response_mask"].float()
+        loss = -((logp * mb["advantages"] + ent) * mask).sum() / mask.sum()
+        return loss, {"loss": loss.detach()}
+
+    return loss_fn
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Max abs difference of two lists of tensors, relative to the second's largest entry."""
+    scale = max(float(y.abs().max()) for y in b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
+
+
+def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict[str, float]:
+    import megatron.core.tensor_parallel as mtp
+    from megatron.core import parallel_state as ps
+
+    from ppojob_trainer.backends import megatron_backend as mb_
+    from ppojob_trainer.workers.group import identity
+    from tests.helpers.batches import mixed_batch
+
+    shard = identity("actor", rank, world, tp, pp, 1)
+    batch = mixed_batch(seed=3)
+    n = batch["response_ids"].shape[0]
+    lo, hi = shard.dp_rank * n // shard.dp_size, (shard.dp_rank + 1) * n // shard.dp_size
+    mine = {k: v[lo:hi] for k, v in batch.items()}
+    mask = mine["response_mask"]
+
+    calls: list[tuple[int, ...]] = []
+    gathers = [0]
+    project, gather = mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region
+
+    def recording(hidden, weight, temperature):  # type: ignore[no-untyped-def]
+        out = project(hidden, weight, temperature)
+        calls.append(tuple(out.shape))
+        return out
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gathers[0] += 1
+        return gather(*args, **kwargs)
+
+    mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = recording, counting
+    res: dict[int, dict[str, Any]] = {}
+    try:
+        for chunk in (CHUNK, WHOLE):
+            cfg = _cfg(tp, pp, microBatchSize=2)
+            actor = mb_.MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False)
+            assert actor.need_entropy and actor.entropy_grad
+            actor.logits_chunk = chunk
+            grads: list = []
+
+            def capture(trainer: Any = actor, into: list = grads) -> dict[str, float]:
+                into.append(
+                    [
+                        torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                        for p in trainer.m.params
+                    ]
+                )
+                return {}
+
+            actor.m._step = capture
+            r: dict[str, Any] = {}
+            calls.clear()
+            r["logp"] = actor.logprobs(mine)
+            r["logp_calls"] = list(calls)
+            calls.clear()
+            gathers[0] = 0
+            ents: list = []
+            actor.update(mine, _entropy_loss(ents), 2)
+            r["update_calls"], r["gathers"] = list(calls), gathers[0]
+            r["ent"], r["grad"] = ents, grads[0]
+            res[chunk] = r
+            ps.destroy_model_parallel()
+    finally:
+        mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = project, gather
+
+    chunked, whole = res[CHUNK], res[WHOLE]
+    out: dict[str, float] = {
+        "grad_rel": _rel(chunked["grad"], whole["grad"]),
+        "grad_scale": max(float(g.abs().max()) for g in whole["grad"]),
+        "gathers": chunked["gathers"],
+    }
+    if shard.pp_rank != shard.pp_size - 1:  # not the last stage: no logits at all
+        assert not chunked["logp_calls"] and not chunked["update_calls"], (
+            "logits off the last stage"
+        )
+        return out
+    out["logp_rel"] = float((chunked["logp"] - whole["logp"])[mask].abs().max()) / float(
+        whole["logp"][mask].abs().max()
+    )
+    ent_c, ent_w = (
+        torch.cat([e.flatten() for e in chunked["ent"]]),
+        torch.cat([e.flatten() for e in whole["ent"]]),
+    )
+    out["ent_rel"] = float((ent_c - ent_w).abs().max()) / float(ent_w.abs().max())
+    for name, r in (("chunked", chunked), ("whole", whole)):
+        shapes = r["logp_calls"] + r["update_calls"]
+        out[f"{name}_max_rows"] = max(s[0] for s in shapes)
+        out[f"{name}_vocab_cols"] = max(s[-1] for s in shapes)
+        out[f"{name}_logp_calls"] = len(r["logp_calls"])
+        out[f"{name}_update_calls"] = len(r["update_calls"])
+    out["micro_batches"] = len(chunked["ent"])
+    return out
+
+
+def _worker(rank: int, world: int, port: int, dirs: list[str], out_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results = {}
+    cases = [("tp2", dirs[0], 2, 1), ("tp1", dirs[0], 1, 1), ("pp2", dirs[0], 1, 2)]
+    cases.append(("tp2_tied", dirs[1], 2, 1))
+    for name, model_dir, tp, pp in cases:
+        res = run_layout(rank, world, Path(model_dir), tp, pp)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, res)
+        keys = set().union(*gathered)
+        results[name] = {k: max(r[k] for r in gathered if k in r) for k in keys}
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    from ppojob_trainer.workers.group import free_port
+
+    out_path, dirs = sys.argv[1], sys.argv[2:]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(2, free_port(), dirs, out_path), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
