@@ -1008,25 +1008,43 @@ def emit_hidden_states(model: Any) -> None:
     layer (a ``ColumnParallelLinear``, its weight split over the vocabulary) is replaced by
     what it does to its input before the matmul: the all-gather over the sequence under
     sequence parallelism (backward: the reduce-scatter that sums the ranks' partial input
-    gradients), else the identity whose backward all-reduces them over tensor-parallel ranks.
+    gradients), else the identity whose backward all-reduces them over tensor-parallel ranks
+    (:class:`_SumGradOverRanks`).
     Its weight stays where it is (``output_weight``), as do its state-dict keys."""
     if not getattr(model, "post_process", False):
         return
     layer = model.output_layer
 
     def forward(input_: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
-        from megatron.core.tensor_parallel import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_sequence_parallel_region,
-        )
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         if layer.sequence_parallel:
             return gather_from_sequence_parallel_region(input_, group=layer.tp_group), None
-        if layer.disable_grad_reduce:
+        if layer.disable_grad_reduce or layer.tp_group.size() == 1:
             return input_, None
-        return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+        return _SumGradOverRanks.apply(input_, layer.tp_group), None
 
     layer.forward = forward
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """The identity; backward: the gradient all-reduced over ``group``. (megatron-core's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns the
+    gradient it was given: a non-contiguous gradient, as the transpose after the output layer
+    hands back, would come back unreduced.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def output_weight(model: Any) -> torch.Tensor:
