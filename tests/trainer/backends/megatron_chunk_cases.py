@@ -1,20 +1,22 @@
-"""The megatron actor's chunked vocabulary projection against one chunk of all positions, on CPU.
+"""The megatron actor's chunked vocabulary projection against megatron-core's output layer, on CPU.
 
 Run as a script (``python megatron_chunk_cases.py OUT.json MODEL_DIR TIED_MODEL_DIR``): 2
 processes in one gloo world; for each layout (tensor 2, tensor 1 with data 2, pipeline 2, and
 tensor 2 of a model whose output layer is its input embedding) two actors are built from the
-same weights, one projecting ``CHUNK`` positions at a time (several chunks per micro-batch),
-one with a chunk larger than every micro-batch (the whole [positions, V/tp] logits at once, no
-recomputation). Both compute the log-probs (no gradient) and one update whose loss weighs the
+same weights: the backend's, projecting ``CHUNK`` positions at a time (several chunks per
+micro-batch), and the actor as it was before chunking (:func:`_unchunked`: megatron-core's
+output layer makes the micro-batch's whole [L, b, V/tp] logits, the entropy from the gathered
+vocabulary). Both compute the log-probs (no gradient) and one update whose loss weighs the
 log-probs and the entropy alike, so that the entropy's gradient counts; the update's entropy
 and each rank's local gradient (captured before the optimizer step) are compared.
 
-Every call of ``_vocab_logits`` (the one function that projects hidden states onto the
-vocabulary) is recorded: its output's shape, and how many calls each phase made (backward
-recomputes each chunk: twice the forward's calls). Calls of megatron-core's
-``gather_from_tensor_model_parallel_region`` (which would gather the whole vocabulary) are
-counted too. Rank 0 writes, per layout, the worst rank's figures as JSON;
-``test_megatron.py::test_megatron_logits_are_projected_a_chunk_at_a_time`` asserts on them.
+Every logits tensor is recorded (rows x V/tp): each call of ``_vocab_logits`` (the backend's one
+projection onto the vocabulary) and each output of the model's output layer as wide as the
+vocabulary slice; and how many projections each phase made (backward recomputes each chunk).
+Calls of megatron-core's ``gather_from_tensor_model_parallel_region`` (which gathers the whole
+vocabulary) by the backend are counted too. Rank 0 writes, per layout, the worst rank's figures
+as JSON; ``test_megatron.py::test_megatron_logits_are_projected_a_chunk_at_a_time`` asserts on
+them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,29 @@ import torch
 from megatron_cases import _cfg  # (this script's directory is on sys.path)
 
 CHUNK = 3
-WHOLE = 10**6
+
+
+def _unchunked(actor: Any) -> None:
+    """``actor`` as before chunking: megatron-core's output layer computes the logits of every
+    position, read at the response positions, in float32 over the temperature; megatron-core's
+    vocabulary-parallel cross entropy; the entropy of the gathered vocabulary."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from ppojob_trainer.backends import megatron_backend as mb_
+
+    if actor.m.last:
+        del actor.m.model.output_layer.forward  # the class's own forward again
+
+    def stats(model, output, mb, entropy=None):  # type: ignore[no-untyped-def]
+        logits = mb_._at_index(output, mb).float() / actor.temperature
+        logp = mb_.vocab_parallel_logprobs(logits, mb["response_ids"])
+        if entropy is None:
+            return logp, None
+        with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+            full = torch.log_softmax(gather_from_tensor_model_parallel_region(logits), -1)
+            return logp, -(full.exp() * full).sum(-1)
+
+    actor._token_stats = stats
 
 
 def _entropy_loss(into: list) -> Any:
@@ -67,13 +91,13 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     mine = {k: v[lo:hi] for k, v in batch.items()}
     mask = mine["response_mask"]
 
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[int, int]] = []
     gathers = [0]
     project, gather = mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region
 
     def recording(hidden, weight, temperature):  # type: ignore[no-untyped-def]
         out = project(hidden, weight, temperature)
-        calls.append(tuple(out.shape))
+        calls.append((out.shape[0], out.shape[-1]))
         return out
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -81,13 +105,24 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         return gather(*args, **kwargs)
 
     mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = recording, counting
-    res: dict[int, dict[str, Any]] = {}
+    res: dict[str, dict[str, Any]] = {}
     try:
-        for chunk in (CHUNK, WHOLE):
+        for variant in ("chunked", "megatron"):
             cfg = _cfg(tp, pp, microBatchSize=2)
             actor = mb_.MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False)
             assert actor.need_entropy and actor.entropy_grad
-            actor.logits_chunk = chunk
+            actor.logits_chunk = CHUNK
+            outputs: list[tuple[int, int]] = []
+            if actor.m.last:
+                width = mb_.output_weight(actor.m.model).shape[0]
+
+                def hook(module, args, output, into=outputs, width=width):  # type: ignore[no-untyped-def]
+                    if output[0].shape[-1] == width:  # logits, not hidden states
+                        into.append((output[0].numel() // width, width))
+
+                actor.m.model.output_layer.register_forward_hook(hook)
+            if variant == "megatron":
+                _unchunked(actor)
             grads: list = []
 
             def capture(trainer: Any = actor, into: list = grads) -> dict[str, float]:
@@ -109,13 +144,14 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
             ents: list = []
             actor.update(mine, _entropy_loss(ents), 2)
             r["update_calls"], r["gathers"] = list(calls), gathers[0]
+            r["logits"] = r["logp_calls"] + r["update_calls"] + outputs
             r["ent"], r["grad"] = ents, grads[0]
-            res[chunk] = r
+            res[variant] = r
             ps.destroy_model_parallel()
     finally:
         mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = project, gather
 
-    chunked, whole = res[CHUNK], res[WHOLE]
+    chunked, whole = res["chunked"], res["megatron"]
     out: dict[str, float] = {
         "grad_rel": _rel(chunked["grad"], whole["grad"]),
         "grad_scale": max(float(g.abs().max()) for g in whole["grad"]),
@@ -134,12 +170,11 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         torch.cat([e.flatten() for e in whole["ent"]]),
     )
     out["ent_rel"] = float((ent_c - ent_w).abs().max()) / float(ent_w.abs().max())
-    for name, r in (("chunked", chunked), ("whole", whole)):
-        shapes = r["logp_calls"] + r["update_calls"]
-        out[f"{name}_max_rows"] = max(s[0] for s in shapes)
-        out[f"{name}_vocab_cols"] = max(s[-1] for s in shapes)
-        out[f"{name}_logp_calls"] = len(r["logp_calls"])
-        out[f"{name}_update_calls"] = len(r["update_calls"])
+    for name, r in (("chunked", chunked), ("megatron", whole)):
+        out[f"{name}_max_rows"] = max(rows for rows, _ in r["logits"])
+        out[f"{name}_vocab_cols"] = max(cols for _, cols in r["logits"])
+    out["chunked_logp_calls"] = len(chunked["logp_calls"])
+    out["chunked_update_calls"] = len(chunked["update_calls"])
     out["micro_batches"] = len(chunked["ent"])
     return out
 
