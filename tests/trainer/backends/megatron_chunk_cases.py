@@ -7,8 +7,9 @@ same weights: the backend's, projecting ``CHUNK`` positions at a time (several c
 micro-batch), and the actor as it was before chunking (:func:`_unchunked`: megatron-core's
 output layer makes the micro-batch's whole [L, b, V/tp] logits, the entropy from the gathered
 vocabulary). Both compute the log-probs (no gradient) and one update whose loss weighs the
-log-probs and the entropy alike, so that the entropy's gradient counts; the update's entropy
-and each rank's local gradient (captured before the optimizer step) are compared.
+log-probs and the entropy alike, so that the entropy's gradient counts, then the same update
+with the entropy as a metric only (no gradient through it); the updates' entropies and each
+rank's local gradients (captured instead of the optimizer step) are compared.
 
 Every logits tensor is recorded (rows x V/tp): each call of ``_vocab_logits`` (the backend's one
 projection onto the vocabulary) and each output of the model's output layer as wide as the
@@ -132,6 +133,8 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
                         for p in trainer.m.params
                     ]
                 )
+                for p in trainer.m.params:
+                    p.grad = None
                 return {}
 
             actor.m._step = capture
@@ -146,6 +149,10 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
             r["update_calls"], r["gathers"] = list(calls), gathers[0]
             r["logits"] = r["logp_calls"] + r["update_calls"] + outputs
             r["ent"], r["grad"] = ents, grads[0]
+            actor.entropy_grad = False  # the entropy as a metric only: no gradient
+            r["ent_nograd"] = []
+            actor.update(mine, _entropy_loss(r["ent_nograd"]), 2)
+            r["grad_nograd"] = grads[1]
             res[variant] = r
             ps.destroy_model_parallel()
     finally:
@@ -154,6 +161,9 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     chunked, whole = res["chunked"], res["megatron"]
     out: dict[str, float] = {
         "grad_rel": _rel(chunked["grad"], whole["grad"]),
+        "grad_nograd_rel": _rel(chunked["grad_nograd"], whole["grad_nograd"]),
+        # the entropy's gradient counted: the two updates' gradients differ
+        "entropy_grad_share": _rel(chunked["grad"], chunked["grad_nograd"]),
         "grad_scale": max(float(g.abs().max()) for g in whole["grad"]),
         "gathers": chunked["gathers"],
     }
@@ -170,6 +180,9 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         torch.cat([e.flatten() for e in whole["ent"]]),
     )
     out["ent_rel"] = float((ent_c - ent_w).abs().max()) / float(ent_w.abs().max())
+    ent_n = torch.cat([e.flatten() for e in chunked["ent_nograd"]])
+    ent_nw = torch.cat([e.flatten() for e in whole["ent_nograd"]])
+    out["ent_nograd_rel"] = float((ent_n - ent_nw).abs().max()) / float(ent_nw.abs().max())
     for name, r in (("chunked", chunked), ("megatron", whole)):
         out[f"{name}_max_rows"] = max(rows for rows, _ in r["logits"])
         out[f"{name}_vocab_cols"] = max(cols for _, cols in r["logits"])
