@@ -874,7 +874,8 @@ def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.
 # ---------------------------------------------------------------------------------------------
 LOGITS_CHUNK_TOKENS = 1024
 """Positions whose vocabulary-parallel logits exist at once (:func:`chunked_vocab_stats`): a
-[1024, V/tp] float32 chunk, not the micro-batch's [b, L, V/tp] logits and their gradient."""
+[1024, V/tp] float32 chunk, not the micro-batch's [b, L, V/tp] logits and their gradient (the
+torch backend's chunk, and the one ``memory_plan`` counts for every backend)."""
 
 
 def _select(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
