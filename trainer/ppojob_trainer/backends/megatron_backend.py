@@ -907,11 +907,12 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch
 def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
     """Entropy of softmax(logits) per position, ``logits`` split over the vocabulary.
 
-    Over tensor-parallel ranks from three all-reduced per-position numbers (the max, the sum
-    of exp(x - max) and of exp(x - max) * x; H = max + log z - ex / z), never the gathered
-    vocabulary. With ``grad`` the sums go through ``reduce_from_tensor_model_parallel_region``
-    (backward: the identity, each rank's gradient flowing to its own slice); the max is a
-    constant shift (H does not depend on it), so it carries no gradient."""
+    Over tensor-parallel ranks from three all-reduced per-position numbers (the max m, the
+    sums z of exp(x - m) and s of exp(x - m) * (m - x); H = log z + s / z, a sum of two
+    non-negative terms), never the gathered vocabulary. With ``grad`` the sums go through
+    ``reduce_from_tensor_model_parallel_region`` (backward: the identity, each rank's gradient
+    flowing to its own slice); the max is a constant shift (H does not depend on it), so it
+    carries no gradient."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() == 1:
@@ -923,17 +924,18 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
     x = logits.float() if grad else logits.detach().float()
     m = x.detach().max(-1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = (x - m[..., None]).exp()
-    z, ex = e.sum(-1), (e * x).sum(-1)
+    d = m[..., None] - x  # >= 0 on every rank
+    e = (-d).exp()
+    z, sd = e.sum(-1), (e * d).sum(-1)
     if grad:
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
         z = reduce_from_tensor_model_parallel_region(z)
-        ex = reduce_from_tensor_model_parallel_region(ex)
+        sd = reduce_from_tensor_model_parallel_region(sd)
     else:
         dist.all_reduce(z, group=group)
-        dist.all_reduce(ex, group=group)
-    return m + z.log() - ex / z
+        dist.all_reduce(sd, group=group)
+    return z.log() + sd / z
 
 
 def _vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
