@@ -24,6 +24,7 @@ the tensors ``megatron_to_hf`` makes.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 WORLD = 4
 BUCKET = 48 * 2**10  # bytes (several tensors a bucket; the largest tensor is 32 KiB)
 CASES = [("llama", 2, 2), ("qwen2", 2, 1)]  # (model, tensor, pipeline); data = 4 / (t * p)
+DEADLOCK_S = 240  # the workers take ~50 s on a loaded 2-core machine
 OBJECT_COLLECTIVES = ("gather_object", "all_gather_object", "broadcast_object_list")
 
 
@@ -215,7 +217,13 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
         build_char_tokenizer().save_pretrained(d)
         dirs.append(str(d))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(dirs, free_port(), str(tmp_path)), nprocs=WORLD)
+    ctx = mp.spawn(_worker, args=(dirs, free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + DEADLOCK_S
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:  # a collective some worker never joins
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"the workers did not finish in {DEADLOCK_S} s: a collective deadlocked")
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for family, tp, pp in CASES:
