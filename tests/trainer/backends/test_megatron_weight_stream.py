@@ -9,11 +9,14 @@ the real ``MegatronPolicyTrainer``, and
   key/value heads) and a tied Qwen2 (q/k/v biases); the critic's stream too;
 - the stream calls no object collective (``gather_object``, ``all_gather_object``,
   ``broadcast_object_list`` are replaced by functions that raise while it runs);
-- the exported tensors rank 0 holds at any time (counted by wrapping ``_Sharded._hf_tensor``,
-  which makes each HF tensor of a bucket on every worker: the bytes of every such tensor whose
-  storage is still alive, through weak references, at each call) stay within one bucket (the
-  largest tensor when it alone exceeds the bound), against the whole model when a stream is
-  kept whole (``materialise``), measured the same way;
+- the exported tensors each worker holds at any time stay within one bucket (the largest
+  tensor when it alone exceeds the bound), against the whole model when a stream is kept whole
+  (``materialise``), measured the same way: ``_Sharded._hf_tensor``, which makes each HF tensor
+  of a bucket on every worker, is wrapped to count, at each call, the bytes of every tensor it
+  made that Python code still refers to (the stream's bucket, the bucket being made, a caller),
+  by reference counts. Not through weak references to the storages as in the FSDP test: a gloo
+  collective's worker thread lets go of the tensors it sent or received a moment after the call
+  returns, so now and then one tensor of the previous bucket still looked alive there;
 - the other workers join each bucket's collectives in a disaggregated sync (``join_export``)
   while rank 0 streams, data-parallel replicas included: no deadlock.
 
@@ -24,8 +27,8 @@ the tensors ``megatron_to_hf`` makes.
 from __future__ import annotations
 
 import os
+import sys
 import time
-import weakref
 from pathlib import Path
 
 import pytest
@@ -117,16 +120,22 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
     result: dict[str, object] = {"dp_rank": shard.dp_rank}
     result["before"] = actor.export_weights()  # the whole export of before ({} off its leader)
 
-    made: list[tuple[weakref.ref, int]] = []
+    made: list[torch.Tensor] = []  # the tensors made so far that Python still refers to
     peaks: list[int] = []
+
+    def refs() -> list[int]:  # the references to each tensor of `made`
+        return [sys.getrefcount(t) for t in made]
+
+    made.append(torch.empty(0))
+    (base,) = refs()  # a tensor only `made` refers to, counted the same way
+    made.clear()
     hf_tensor = megatron_backend._Sharded._hf_tensor
 
     def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = hf_tensor(self, *args, **kwargs)
-        size = out.numel() * out.element_size()
-        live = sum(n for ref, n in made if ref() is not None)
-        peaks.append(live + size)
-        made.append((weakref.ref(out.untyped_storage()), size))  # alive with any view
+        made[:] = [t for t, n in zip(made, refs(), strict=True) if n > base]  # held elsewhere
+        peaks.append(sum(t.numel() * t.element_size() for t in [*made, out]))
+        made.append(out)
         return out
 
     def refuse(*_: object, **__: object) -> None:
