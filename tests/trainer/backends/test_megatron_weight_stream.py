@@ -9,14 +9,14 @@ the real ``MegatronPolicyTrainer``, and
   key/value heads) and a tied Qwen2 (q/k/v biases); the critic's stream too;
 - the stream calls no object collective (``gather_object``, ``all_gather_object``,
   ``broadcast_object_list`` are replaced by functions that raise while it runs);
-- the exported tensors each worker holds at any time stay within one bucket (the largest
-  tensor when it alone exceeds the bound), against the whole model when a stream is kept whole
-  (``materialise``), measured the same way: ``_Sharded._hf_tensor``, which makes each HF tensor
-  of a bucket on every worker, is wrapped to count, at each call, the bytes of every tensor it
-  made that Python code still refers to (the stream's bucket, the bucket being made, a caller),
-  by reference counts. Not through weak references to the storages as in the FSDP test: a gloo
-  collective's worker thread lets go of the tensors it sent or received a moment after the call
-  returns, so now and then one tensor of the previous bucket still looked alive there;
+- the stream holds one bucket at a time on every worker: the largest bucket's bytes, at most
+  the bound (the largest tensor when it alone exceeds it), against the whole model. Measured by
+  wrapping ``_Sharded._hf_tensor``, which makes each HF tensor of a bucket on every worker: at
+  each call, the bytes of the stream's current bucket (which must be dropped before the next is
+  made) and of the tensors of the bucket being made. (Not by the storages still alive, as the
+  FSDP test measures: a gloo collective's worker thread lets go of the tensors it sent or
+  received a moment after the call returns, so one tensor of the previous bucket now and then
+  still looked alive there, a transient hold of the process group's, not the stream's);
 - the other workers join each bucket's collectives in a disaggregated sync (``join_export``)
   while rank 0 streams, data-parallel replicas included: no deadlock.
 
@@ -27,7 +27,6 @@ the tensors ``megatron_to_hf`` makes.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -120,22 +119,31 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
     result: dict[str, object] = {"dp_rank": shard.dp_rank}
     result["before"] = actor.export_weights()  # the whole export of before ({} off its leader)
 
-    made: list[torch.Tensor] = []  # the tensors made so far that Python still refers to
+    streams: list[object] = []  # the streams the backend made (the last one is walked)
+    making: list[torch.Tensor] = []  # the tensors of the bucket being made
     peaks: list[int] = []
-
-    def refs() -> list[int]:  # the references to each tensor of `made`
-        return [sys.getrefcount(t) for t in made]
-
-    made.append(torch.empty(0))
-    (base,) = refs()  # a tensor only `made` refers to, counted the same way
-    made.clear()
+    weight_stream = megatron_backend._Sharded.weight_stream
     hf_tensor = megatron_backend._Sharded._hf_tensor
+
+    def tracked(self, max_bytes):  # type: ignore[no-untyped-def]
+        stream = weight_stream(self, max_bytes)
+        produce = stream._produce
+
+        def one_bucket(names):  # type: ignore[no-untyped-def]
+            try:
+                return produce(names)
+            finally:
+                making.clear()
+
+        stream._produce = one_bucket
+        streams.append(stream)
+        return stream
 
     def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = hf_tensor(self, *args, **kwargs)
-        made[:] = [t for t, n in zip(made, refs(), strict=True) if n > base]  # held elsewhere
-        peaks.append(sum(t.numel() * t.element_size() for t in [*made, out]))
-        made.append(out)
+        making.append(out)
+        held = [*(streams[-1]._current or {}).values(), *making]
+        peaks.append(sum(t.numel() * t.element_size() for t in held))
         return out
 
     def refuse(*_: object, **__: object) -> None:
@@ -143,11 +151,11 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
 
     saved = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
     megatron_backend._Sharded._hf_tensor = counted
+    megatron_backend._Sharded.weight_stream = tracked
     for name in OBJECT_COLLECTIVES:
         setattr(dist, name, refuse)
 
     def peak_of(run):  # type: ignore[no-untyped-def]
-        made.clear()
         peaks.clear()
         out = run()
         return max(peaks), out
@@ -175,8 +183,6 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
             result["peak_joined"], result["sent"] = peak_of(lambda: stage_all(2))
         else:
             result["peak_joined"], _ = peak_of(lambda: host.join_export(2))
-        # the same measure over a stream kept whole
-        result["peak_whole"], _ = peak_of(lambda: actor.export_weight_stream(BUCKET).materialise())
         result["plan"] = actor.export_weight_stream(BUCKET).plan
         if critic:
             role = dataclasses.replace(shard, role="critic")
@@ -184,6 +190,7 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
             result["critic_stream"] = value.export_weight_stream(BUCKET).materialise()
     finally:
         megatron_backend._Sharded._hf_tensor = hf_tensor
+        megatron_backend._Sharded.weight_stream = weight_stream
         for name, fn in saved.items():
             setattr(dist, name, fn)
     if critic:
@@ -242,10 +249,13 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
         largest = max(v.numel() * v.element_size() for v in before.values())
         bound = max(BUCKET, largest)
         r0 = res[0]
+        biggest = max(
+            sum(before[n].numel() * before[n].element_size() for n in b) for b in r0["plan"]
+        )
         print(
             f"{family} tensor {tp} x pipeline {pp} x data {WORLD // (tp * pp)}: model "
-            f"{model_bytes} B, bound {bound} B, {len(r0['plan'])} buckets; peak held on rank 0: "
-            f"kept whole {r0['peak_whole']} B, streamed {r0['peak_stream']} B, disaggregated "
+            f"{model_bytes} B, bound {bound} B, {len(r0['plan'])} buckets (largest {biggest} B); "
+            f"peak held by the stream on rank 0: colocated {r0['peak_stream']} B, disaggregated "
             f"{r0['peak_joined']} B"
         )
         assert len(before) > 20 and 3 * bound < model_bytes  # several buckets: a real bound
@@ -255,9 +265,8 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
             assert list(got) == list(before), (family, rank)
             for k, v in before.items():
                 assert torch.equal(got[k], v), (family, rank, k)
-            assert r["peak_whole"] == model_bytes  # the measure sees a whole model
-            assert r["peak_stream"] <= bound, (family, rank)
-            assert r["peak_joined"] <= bound, (family, rank)
+            # one bucket at a time: the largest one, no more
+            assert r["peak_stream"] == r["peak_joined"] == biggest <= bound, (family, rank)
         assert list(r0["sent"]) == list(before)
         assert all(torch.equal(r0["sent"][k], v) for k, v in before.items())
         if "critic_stream" in r0:
