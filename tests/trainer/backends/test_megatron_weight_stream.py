@@ -275,3 +275,54 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
             for r in res:
                 assert list(r["critic_stream"]) == list(critic)
                 assert all(torch.equal(r["critic_stream"][k], v) for k, v in critic.items())
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
+@pytest.mark.parametrize("colocated", [True, False])
+def test_a_megatron_actor_syncs_its_engines_through_the_stream_on_ray(colocated: bool) -> None:
+    """The loop's sync paths with a megatron actor (tensor 2 over two workers) and torch
+    engines: colocated (every actor worker exports, each engine loads the buckets its worker
+    stages) and on their own workers (the leader broadcasts, the other worker joins each
+    bucket's collectives). After a step every engine holds the actor's weights."""
+    pytest.importorskip("megatron.core")
+    import ray
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.loop import PPOTrainer
+
+    rollout = (
+        {"colocateWithActor": True} if colocated else {"replicas": 2, "resources": {"cpus": 1}}
+    )
+    cfg = TrainerConfig.model_validate(
+        {
+            "roles": {
+                "actor": {
+                    "replicas": 2,
+                    "backend": "megatron",
+                    "parallelism": {"tensor": 2},
+                    "resources": {"cpus": 1},
+                },
+                "rollout": {**rollout, "weightSyncBucketMb": 0.1},
+            },
+            "algorithm": {"advantageEstimator": "grpo"},
+            "data": {"rolloutBatchSize": 2, "samplesPerPrompt": 2, "maxResponseLength": 4},
+            "training": {"steps": 1, "learningRate": 1e-2, "seed": 5},
+        }
+    )
+    trainer = PPOTrainer(cfg)
+    try:
+        before = ray.get(trainer.hosts["rollout"][0].rollout_weights.remote())
+        trainer.step(0)
+        exported = ray.get([h.actor_weights.remote() for h in trainer.hosts["actor"]])
+        actor = exported[0]  # the leader's (a collective over both workers)
+        engines = ray.get([h.rollout_weights.remote() for h in trainer.hosts["rollout"]])
+        assert len(engines) == 2
+        assert not _same(before, actor), "the actor did not change: nothing to check"
+        assert all(_same(actor, e) for e in engines)
+    finally:
+        trainer.shutdown()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
