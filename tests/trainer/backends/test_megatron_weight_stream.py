@@ -21,7 +21,8 @@ the real ``MegatronPolicyTrainer``, and
   while rank 0 streams, data-parallel replicas included: no deadlock.
 
 The plan comes from the model's shape alone (:func:`hf_layout`): a pure test checks it against
-the tensors ``megatron_to_hf`` makes.
+the tensors ``megatron_to_hf`` makes. On Ray, the loop's sync paths (colocated, and engines on
+their own workers) bring a megatron actor's weights to torch engines through the stream.
 """
 
 from __future__ import annotations

@@ -740,8 +740,9 @@ class _Sharded:
         buckets in the same order."""
         layout = hf_layout(self.shape, self.shard.pp_size, value=self.value)
         local = self._local_weights(self.model)
-        dtype = next(iter(local.values())).dtype  # megatron builds every weight in one dtype
-        size = torch.empty((), dtype=dtype).element_size()
+        mine = next(t for t in layout if t.stage == self.shard.pp_rank)
+        dtype = local[mine.key].dtype  # every stage builds its weights in the config's dtype
+        size = dtype.itemsize
         by_name = {t.name: t for t in layout}
         plan = plan_buckets(((t.name, size * math.prod(t.shape)) for t in layout), max_bytes)
 
