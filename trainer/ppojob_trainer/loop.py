@@ -522,20 +522,13 @@ class PPOTrainer:
         """Start a weight sync; refs of its durations (seconds). Colocated: each engine loads
         the buckets its GPUs' actor workers stage; disaggregated: the actor's leader
         broadcasts bucket by bucket to every engine."""
-        import ray
 
         self.syncs += 1
         if self.colocated:
-            if self.cfg.roles.actor.backend == "megatron":  # weights gathered on the leader only
-                refs = ray.get([h.export_ref.remote(self.syncs) for h in self.hosts["actor"]])
-                (gathered,) = [r for r in refs if r]
-                return [
-                    g[0].sync_colocated.remote(self.syncs, g[1:], gathered)
-                    for g in self.engine_groups
-                ]
             # Every actor worker exports first, all at once: under FSDP the export is a
-            # collective over all of them, and an engine spanning several workers' GPUs asks
-            # its peers for their buckets only after its own export (a deadlock otherwise).
+            # collective over all of them (megatron: over each data-parallel replica's), and an
+            # engine spanning several workers' GPUs asks its peers for their buckets only after
+            # its own export (a deadlock otherwise).
             # Each worker runs its calls in order, so its export precedes its buckets.
             for h in self.hosts["actor"]:
                 h.export.remote(self.syncs)

@@ -44,6 +44,7 @@ backend's planner (:func:`~.torch_backend.micro_batch_rows`), the loss weights u
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,7 +55,16 @@ import torch
 from ppojob_api.training import TrainingSettings
 
 from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, ValueTrainer
-from .megatron_convert import ModelShape, hf_to_megatron, megatron_to_hf, parallel_problems
+from .megatron_convert import (
+    HfTensor,
+    ModelShape,
+    hf_from_pieces,
+    hf_layout,
+    hf_to_megatron,
+    megatron_to_hf,
+    parallel_problems,
+)
+from .weight_sync import WeightStream, plan_buckets
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 # Transformer Engine's layer spec fuses the norms into the following linear layers.
@@ -717,6 +727,63 @@ class _Sharded:
             return {}
         return self._gather(self._local_weights(self.model)) or {}
 
+    def weight_stream(self, max_bytes: int) -> WeightStream:
+        """The HF-named weights in buckets of at most ``max_bytes``, each assembled when asked
+        for, on the weights' device, with tensor collectives (no pickled state dicts).
+
+        The plan (:func:`~.megatron_convert.hf_layout`, bucketed by bytes) follows from the
+        model's shape alone, so every rank computes the same one without communicating. Each
+        tensor of a bucket is made by its pipeline stage: the tensor-parallel ranks there
+        all-gather their pieces (a replicated tensor: tensor-parallel rank 0's copy, broadcast)
+        and convert them (:func:`~.megatron_convert.hf_from_pieces`); the stage then
+        broadcasts it over the pipeline group. Every worker of the role thus holds each bucket
+        in turn (colocated engines stage it from their own GPU), and the collectives stay
+        within one data-parallel (and context-parallel) replica's tensor and pipeline groups:
+        replicas never wait on each other, and every worker of a replica walks the same
+        buckets in the same order."""
+        layout = hf_layout(self.shape, self.shard.pp_size, value=self.value)
+        local = self._local_weights(self.model)
+        mine = next(t for t in layout if t.stage == self.shard.pp_rank)
+        dtype = local[mine.key].dtype  # every stage builds its weights in the config's dtype
+        size = dtype.itemsize
+        by_name = {t.name: t for t in layout}
+        plan = plan_buckets(((t.name, size * math.prod(t.shape)) for t in layout), max_bytes)
+
+        def produce(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: self._hf_tensor(by_name[n], local, dtype) for n in names}
+
+        return WeightStream(plan, produce)
+
+    def _hf_tensor(
+        self, t: HfTensor, local: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """HF tensor ``t`` on this worker (collective over its stage's tensor-parallel group
+        and its pipeline group)."""
+        import torch.distributed as dist
+
+        s = self.shard
+        if t.stage == s.pp_rank:
+            piece = local[t.key].detach()
+            if s.tp_size == 1:
+                pieces = [piece]
+            elif t.split:
+                pieces = [torch.empty_like(piece) for _ in range(s.tp_size)]
+                dist.all_gather(
+                    pieces, piece.contiguous(), group=self.ps.get_tensor_model_parallel_group()
+                )
+            else:
+                pieces = [piece.clone()]
+                group = self.ps.get_tensor_model_parallel_group()
+                dist.broadcast(pieces[0], group=group, group_src=0)
+            out = hf_from_pieces(self.shape, t, pieces)
+            del pieces
+        else:
+            out = torch.empty(t.shape, dtype=dtype, device=self.device)
+        if s.pp_size > 1:
+            group = self.ps.get_pipeline_model_parallel_group()
+            dist.broadcast(out, group=group, group_src=t.stage)
+        return out
+
     def state_dict(self) -> dict[str, object]:
         """Gathered HF-named weights and Adam moments (resumable under any parallel layout);
         on the role's leader ({} elsewhere). Every worker calls it. Under megatron's
@@ -1161,6 +1228,13 @@ class MegatronPolicyTrainer(PolicyTrainer):
         every worker of the role calls it (``export_is_collective``)."""
         return self.m.gathered_weights()
 
+    def export_weight_stream(self, max_bytes: int) -> WeightStream:
+        """:meth:`export_weights` in buckets of at most ``max_bytes``, each assembled when asked
+        for with tensor collectives on the weights' device (:meth:`_Sharded.weight_stream`).
+        Every worker of the role gets every bucket; every worker must walk the stream (a
+        collective within its data-parallel replica)."""
+        return self.m.weight_stream(max_bytes)
+
     def state_dict(self) -> dict[str, object]:
         return self.m.state_dict()
 
@@ -1230,6 +1304,11 @@ class MegatronValueTrainer(ValueTrainer):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The critic's HF-named weights (backbone, ``value_head.*``) on its leader."""
         return self.m.gathered_weights()
+
+    def export_weight_stream(self, max_bytes: int) -> WeightStream:
+        """:meth:`export_weights` bucket by bucket, as the actor's
+        (:meth:`MegatronPolicyTrainer.export_weight_stream`)."""
+        return self.m.weight_stream(max_bytes)
 
     def state_dict(self) -> dict[str, object]:
         return self.m.state_dict()

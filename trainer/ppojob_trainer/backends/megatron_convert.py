@@ -241,60 +241,113 @@ def hf_to_megatron(
     return out
 
 
+@dataclass(frozen=True)
+class HfTensor:
+    """One Hugging Face tensor and where it lies in megatron's shards: pipeline stage
+    ``stage`` holds it under ``key``, and its tensor-parallel pieces make it as ``kind`` says:
+
+    - ``replicated``: every tensor-parallel rank holds all of it (tensor-parallel rank 0's copy);
+    - ``cat0`` / ``cat1``: the pieces concatenated along dimension 0 / 1;
+    - ``q``, ``k``, ``v``: those rows of each piece of ``linear_qkv`` (whole key/value groups per
+      rank), concatenated over the pieces;
+    - ``gate``, ``up``: that half of each piece of ``linear_fc1``, concatenated over the pieces.
+    """
+
+    name: str
+    stage: int
+    key: str
+    kind: str
+    shape: tuple[int, ...]
+
+    @property
+    def split(self) -> bool:
+        """Whether every tensor-parallel rank holds a different piece of it."""
+        return self.kind != "replicated"
+
+
+def hf_layout(shape: ModelShape, pp_size: int = 1, *, value: bool = False) -> list[HfTensor]:
+    """Every HF tensor of the model (a critic's: backbone and ``value_head.*``), in the order
+    :func:`megatron_to_hf` gives them. Needs only the shape: every rank computes the same list
+    without communicating. A tied model's ``lm_head.weight`` is the embedding again."""
+    h, d, v = shape.hidden, shape.head_dim, shape.vocab
+    q_rows, kv_rows = shape.heads * d, shape.kv_heads * d
+    rows = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+    out = [
+        HfTensor("model.embed_tokens.weight", 0, "embedding.word_embeddings.weight", "cat0", (v, h))
+    ]
+    inter = shape.intermediate
+    qkv = "self_attention.linear_qkv."
+    layer: list[tuple[str, str, str, tuple[int, ...]]] = [  # (HF, megatron, kind, shape)
+        ("input_layernorm.weight", "input_layernorm.weight", "replicated", (h,)),
+        *((f"self_attn.{k}_proj.weight", qkv + "weight", k, (n, h)) for k, n in rows),
+        *(
+            (f"self_attn.{k}_proj.bias", qkv + "bias", k, (n,))
+            for k, n in (rows if shape.qkv_bias else ())
+        ),
+        ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "cat1", (h, q_rows)),
+        ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", (h,)),
+        ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate", (inter, h)),
+        ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up", (inter, h)),
+        ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "cat1", (h, inter)),
+    ]
+    for pp_rank in range(pp_size):
+        for local, i in enumerate(stage_layers(shape, pp_rank, pp_size)):
+            out += [
+                HfTensor(f"model.layers.{i}.{name}", pp_rank, f"decoder.layers.{local}.{key}", k, n)
+                for name, key, k, n in layer
+            ]
+    last = pp_size - 1
+    out.append(
+        HfTensor("model.norm.weight", last, "decoder.final_layernorm.weight", "replicated", (h,))
+    )
+    if value:
+        out.append(HfTensor("value_head.weight", last, "output_layer.weight", "replicated", (1, h)))
+        out.append(HfTensor("value_head.bias", last, "output_layer.bias", "replicated", (1,)))
+    elif shape.tied:
+        out.append(
+            HfTensor("lm_head.weight", 0, "embedding.word_embeddings.weight", "cat0", (v, h))
+        )
+    else:
+        out.append(HfTensor("lm_head.weight", last, "output_layer.weight", "cat0", (v, h)))
+    return out
+
+
+def hf_from_pieces(shape: ModelShape, t: HfTensor, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """HF tensor ``t`` from the tensors under ``t.key`` of every tensor-parallel rank of its
+    stage, in rank order (a replicated tensor: tensor-parallel rank 0's alone will do)."""
+    if t.kind == "replicated":
+        return pieces[0].clone()
+    if t.kind in ("cat0", "cat1"):
+        return torch.cat(list(pieces), int(t.kind[-1]))
+    if t.kind in ("q", "k", "v"):
+        j = "qkv".index(t.kind)
+        return torch.cat([_split_qkv_local(shape, p, len(pieces))[j] for p in pieces], 0)
+    if t.kind in ("gate", "up"):
+        j = ("gate", "up").index(t.kind)
+        return torch.cat([p.chunk(2, 0)[j] for p in pieces], 0)
+    raise ValueError(f"unknown piece layout {t.kind!r} of {t.name}")
+
+
 def megatron_to_hf(
     shards: Sequence[Sequence[Mapping[str, torch.Tensor]]],
     shape: ModelShape,
     *,
     value: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The HF state dict from ``shards[pp_rank][tp_rank]`` (every rank's megatron state dict).
+    """The HF state dict from ``shards[pp_rank][tp_rank]`` (every rank's megatron state dict),
+    tensor by tensor (:func:`hf_layout`, :func:`hf_from_pieces`).
 
     A critic's shards give its backbone under HF names plus ``value_head.weight`` and
-    ``value_head.bias``; a tied model gives ``lm_head.weight`` equal to the embedding, as
-    ``transformers`` reports it.
+    ``value_head.bias``; a tied model gives ``lm_head.weight`` equal to the embedding (the same
+    tensor), as ``transformers`` reports it.
     """
-    pp_size = len(shards)
     out: dict[str, torch.Tensor] = {}
-
-    def cat(stage: Sequence[Mapping[str, torch.Tensor]], key: str, dim: int) -> torch.Tensor:
-        return torch.cat([s[key] for s in stage], dim)
-
-    out["model.embed_tokens.weight"] = cat(shards[0], "embedding.word_embeddings.weight", 0)
-    for pp_rank, stage in enumerate(shards):
-        for local, i in enumerate(stage_layers(shape, pp_rank, pp_size)):
-            src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
-            out[dst + "input_layernorm.weight"] = stage[0][src + "input_layernorm.weight"].clone()
-            # Each rank holds whole groups: split per rank, then concatenate q, k, v over ranks.
-            qkv = src + "self_attention.linear_qkv."
-            parts = [_split_qkv_local(shape, s[qkv + "weight"], len(stage)) for s in stage]
-            for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                out[dst + f"self_attn.{name}.weight"] = torch.cat([p[j] for p in parts], 0)
-            if shape.qkv_bias:
-                parts = [
-                    _split_qkv_local(shape, s[src + "self_attention.linear_qkv.bias"], len(stage))
-                    for s in stage
-                ]
-                for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                    out[dst + f"self_attn.{name}.bias"] = torch.cat([p[j] for p in parts], 0)
-            out[dst + "self_attn.o_proj.weight"] = cat(
-                stage, src + "self_attention.linear_proj.weight", 1
-            )
-            out[dst + "post_attention_layernorm.weight"] = stage[0][
-                src + "pre_mlp_layernorm.weight"
-            ].clone()
-            halves = [s[src + "mlp.linear_fc1.weight"].chunk(2, 0) for s in stage]
-            out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves], 0)
-            out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves], 0)
-            out[dst + "mlp.down_proj.weight"] = cat(stage, src + "mlp.linear_fc2.weight", 1)
-    last = shards[-1]
-    out["model.norm.weight"] = last[0]["decoder.final_layernorm.weight"].clone()
-    if value:
-        out["value_head.weight"] = last[0]["output_layer.weight"].clone()
-        out["value_head.bias"] = last[0]["output_layer.bias"].clone()
-    elif shape.tied:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    else:
-        out["lm_head.weight"] = cat(last, "output_layer.weight", 0)
+    made: dict[tuple[int, str, str], torch.Tensor] = {}
+    for t in hf_layout(shape, len(shards), value=value):
+        ident = (t.stage, t.key, t.kind)
+        if ident not in made:
+            made[ident] = hf_from_pieces(shape, t, [s[t.key] for s in shards[t.stage]])
+        out[t.name] = made[ident]
     return out
 
 
@@ -308,7 +361,10 @@ def _split_qkv_local(shape: ModelShape, qkv: torch.Tensor, tp: int) -> tuple[tor
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "HfTensor",
     "ModelShape",
+    "hf_from_pieces",
+    "hf_layout",
     "hf_to_megatron",
     "megatron_to_hf",
     "parallel_problems",

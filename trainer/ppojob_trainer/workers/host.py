@@ -460,8 +460,8 @@ class WorkerHost:
         return time.perf_counter() - t0
 
     def join_export(self, sync_id: int) -> float:
-        """An actor worker outside the sync joins the export when it is a collective (megatron
-        gathers the weights on the leader); returns its seconds."""
+        """An actor worker outside the sync joins the export when it is a collective (FSDP's
+        gathers, megatron's tensor and pipeline collectives); returns its seconds."""
         t0 = time.perf_counter()
         if self.actor.trainer.export_is_collective:
             self._exported(sync_id).drain()  # every bucket's gather, one bucket held at a time
@@ -492,32 +492,14 @@ class WorkerHost:
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()
 
-    def export_ref(self, sync_id: int) -> list[Any] | None:
-        """[ref of this worker's exported weights] when it has them (a collective export: the
-        leader's), else None; every actor worker calls it, so a collective completes."""
-        stream = self._exported(sync_id)
-        if not stream:
-            return None
-        weights = stream.materialise()  # kept whole: this worker's own sync reads it again
-        limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-        self._weights = (sync_id, WeightStream.of(weights, limit))
-        return [ray.put(weights)]
-
-    def sync_colocated(self, sync_id: int, peers: list[Any], gathered: Any = None) -> float:
+    def sync_colocated(self, sync_id: int, peers: list[Any]) -> float:
         """Colocated sync, on the engine's process: bucket by bucket, this process and its
         ``peers`` (the other processes on the engine's GPUs, in tensor-parallel rank order) each
         stage the bucket on their GPU and the engine loads all of them at once."""
         t0 = time.perf_counter()
         stream = self._exported(sync_id)
-        if not stream and gathered:  # gathered on the leader: fetch its copy once
-            limit = int(self.cfg.roles.rollout.weight_sync_bucket_mb * 2**20)
-            stream = WeightStream.of(ray.get(gathered[0]), limit)
-            self._weights = (sync_id, stream)
         if not stream:
-            raise RuntimeError(
-                "colocated weight sync: this actor worker exported no weights (a backend that "
-                "gathers them on one worker, such as megatron, needs a rollout on its own GPUs)"
-            )
+            raise RuntimeError("colocated weight sync: this actor worker exported no weights")
         engine = self.rollout.engine
         engine.begin_weight_update()
         n = len(stream.plan)
