@@ -73,8 +73,8 @@ def check_colocation(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
 
 def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """Each role's backend against its GPUs and parallelism: sglang needs GPUs, torch is data
-    parallel only, sglang is tensor parallel only, workers tile the model-parallel size, a
-    colocated sglang engine cannot serve a megatron actor, and an engine fits its pod."""
+    parallel only, sglang is tensor parallel only, workers tile the model-parallel size, and an
+    engine fits its pod."""
     roles = half.roles
     actor = roles.actor
     p: list[Problem] = []
@@ -123,15 +123,6 @@ def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
             )
         if name != "rollout":
             continue
-        if spec.colocate_with_actor and actor.backend == "megatron" and spec.backend == "sglang":
-            p.append(
-                Problem(
-                    f"{rpath}.colocateWithActor",
-                    "a megatron actor gathers its weights on one worker, but a colocated sglang "
-                    "engine takes them from the actor workers on its own GPUs",
-                    "give the rollout its own pods (colocateWithActor: false)",
-                )
-            )
         # an engine spans `tensor` GPUs of one pod (one node): they must tile the pod's GPUs
         if gpus % mp.tensor:  # 0 GPUs: no engine to fit
             owner = "the actor's pod" if spec.colocate_with_actor else "its pod"
