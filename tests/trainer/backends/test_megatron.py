@@ -319,6 +319,35 @@ MEG = {"replicas": 2, "backend": "megatron", "parallelism": {"tensor": 2}}
 COLOCATED = {"colocateWithActor": True, "backend": "megatron", "parallelism": {"tensor": 2}}
 
 
+def test_the_pad_row_gets_the_output_layers_gradient_but_not_the_lookups(tmp_path: Path) -> None:
+    """HF's ``nn.Embedding(padding_idx=pad)`` keeps only the lookup's gradient off the pad row:
+    a tied model's ``lm_head`` (the same weight) still sends it its projection's gradient. The
+    megatron actor's embedding and output-layer gradients of one backward equal the HF model's,
+    pad row included, tied and untied (``megatron_pad_row_case.py``, one process). Before, a
+    hook on the embedding's weight zeroed the pad row of the summed gradient: a tied model's
+    pad row (the EOS row where pad is EOS, as in Qwen2.5's base models) never trained.
+    Bound: 1e-5 of the gradient's largest entry (fp32, another summation order; measured ~1e-7);
+    the pad row's lm_head gradient is of the order of every other row's."""
+    out = tmp_path / "pad.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / d) for d in ("api", "trainer", "operator")] + [str(ROOT)]
+        ),
+    }
+    cmd = [sys.executable, str(HERE / "megatron_pad_row_case.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    print(results)
+    tied, untied = results["tied=True"], results["tied=False"]
+    assert tied["pad_row_hf"] > 0.1  # the premise: lm_head's gradient reaches the pad row
+    assert abs(tied["pad_row_megatron"] - tied["pad_row_hf"]) <= 1e-5 * tied["pad_row_hf"]
+    assert untied["pad_row_hf"] == 0.0 and untied["pad_row_megatron"] == 0.0
+    for r in (tied, untied):
+        assert r["grad_rel"] < 1e-5, results
+
+
 def test_megatron_tensor_parallel_on_cpu_is_valid() -> None:
     assert _paths(_tiny(MEG, COLOCATED)) == {}
 

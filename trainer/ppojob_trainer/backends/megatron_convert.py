@@ -54,7 +54,7 @@ class ModelShape:
     qkv_bias: bool
     tied: bool
     max_positions: int
-    pad_id: int | None = None  # HF's embedding ``padding_idx``: that row gets no gradient
+    pad_id: int | None = None  # HF's embedding ``padding_idx``: no lookup gradient to that row
     rope_scaling_factor: float | None = None  # llama3-type RoPE scaling (megatron's rope_scaling)
 
     @classmethod

@@ -338,9 +338,41 @@ def _mark_tensor_parallel(model: Any) -> None:
 
 def _freeze_pad_row(embedding: Any, pad_id: int) -> None:
     """The HF models' ``nn.Embedding(padding_idx=pad_id)``: the pad token's row gets no
-    gradient (megatron-core's embedding has no ``padding_idx``)."""
+    gradient from the lookup (megatron-core's embedding has no ``padding_idx``).
+
+    Only the lookup's: where the output layer is this embedding (tied), its projection's
+    gradient reaches the pad row as in the HF model (``padding_idx`` masks the embedding's own
+    backward, not ``lm_head``'s). So the lookup runs on the weight through
+    :class:`_NoRowGrad` instead of a hook on the weight, which would see the sum of both."""
     start, end = embedding.vocab_start_index, embedding.vocab_end_index
     if not start <= pad_id < end:
         return
-    row = torch.tensor([pad_id - start])
-    embedding.weight.register_hook(lambda g: g.index_fill(0, row.to(g.device), 0.0))
+    row = pad_id - start
+    lookup = type(embedding).forward
+
+    def forward(input_: torch.Tensor) -> torch.Tensor:
+        weight = embedding._parameters["weight"]
+        # megatron-core's forward reads ``self.weight``: this call's lookup reads the masked
+        # view (a non-leaf tensor whose gradient goes on to the parameter), then it is restored
+        embedding._parameters["weight"] = _NoRowGrad.apply(weight, row)
+        try:
+            return lookup(embedding, input_)
+        finally:
+            embedding._parameters["weight"] = weight
+
+    embedding.forward = forward
+
+
+class _NoRowGrad(torch.autograd.Function):
+    """The identity; backward: the gradient with row ``row`` zeroed."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, row: int) -> torch.Tensor:
+        ctx.row = row
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        grad[ctx.row] = 0
+        return grad, None
