@@ -282,3 +282,22 @@ def test_training_that_leaves_no_room_to_wake_names_the_actors_layout():
     assert step == "training done" and total > gib * M.GiB
     warning = [w for w in M.plan_warnings(cfg) if "waking" in w]
     assert len(warning) == 1 and "training.sharding: fsdp" in warning[0]
+
+
+def test_a_megatron_sync_counts_a_split_tensors_pieces_beside_its_joined_copy():
+    """A megatron actor at tensor 2 joins each split tensor from its tensor-parallel pieces
+    on the GPU: while the embedding is made, its pieces and the joined copy both exist, so the
+    colocated wake's sync step holds one embedding more than the torch actor's; tensor 1 joins
+    nothing."""
+    meg = [("roles.actor.backend", "megatron"), ("roles.actor.parallelism.tensor", 2)]
+    torch_plan = _actor(GRPO)[0]
+    tp2 = _actor(GRPO, meg)[0]
+    tp1 = _actor(GRPO, meg[:1])[0]
+    shape = M.KNOWN_SHAPES["Qwen/Qwen2.5-1.5B"]
+    pieces = "megatron: a tensor's pieces while it is joined"
+    assert tp2.wake["weight sync"][pieces] == 2 * shape.vocab * shape.hidden
+    assert pieces not in torch_plan.wake["weight sync"] and pieces not in tp1.wake["weight sync"]
+    sync = {k: sum(v.values()) for k, v in tp2.wake.items()}
+    assert sync["weight sync"] - sync["resume weights"] == pytest.approx(
+        tp2.wake["weight sync"]["weight sync bucket"] + 2 * shape.vocab * shape.hidden
+    )

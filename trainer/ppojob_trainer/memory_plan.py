@@ -542,6 +542,14 @@ def wake_steps(
     base = {**training, **contexts}
     weights = c * shape.params / ro.parallelism.tensor
     bucket = max(ro.weight_sync_bucket_mb * 2**20, c * shape.vocab * shape.hidden)
+    sync = {"weight sync bucket": bucket}
+    actor = half.roles.actor
+    if actor.backend == "megatron" and actor.parallelism.tensor > 1:
+        # megatron joins a split tensor from its tensor-parallel pieces: while the largest one
+        # (the embedding, or an untied head) is made, its pieces and the joined copy both exist
+        sync["megatron: a tensor's pieces while it is joined"] = c * max(
+            shape.vocab * shape.hidden, 2 * shape.intermediate * shape.hidden
+        )
     # SGLang sized its static memory when it started: after the actor's weights were loaded
     at_start = sum(training.get(k, 0.0) for k in WEIGHT_PARTS) + sum(contexts.values())
     free_at_start = gpu_bytes - at_start
@@ -552,7 +560,7 @@ def wake_steps(
         "training done": {**base, "allocator: update blocks cached": transient},
         "empty cache": {**base, **kept},
         "resume weights": {**base, **kept, **engine},
-        "weight sync": {**base, **kept, **engine, "weight sync bucket": bucket},
+        "weight sync": {**base, **kept, **engine, **sync},
         "empty cache after sync": {**base, **kept, **engine},
         "resume KV cache": {**base, **kept, **engine, "sglang KV cache": kv},
     }
