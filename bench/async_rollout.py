@@ -63,6 +63,13 @@ SPLIT = (
     "roles.rollout.resources.cpus=1",
     "roles.actor.resources.cpus=1",
 )
+SPLIT_CRITIC = (
+    "roles.rollout.colocateWithActor=false",
+    "roles.rollout.resources.cpus=0.5",
+    "roles.actor.resources.cpus=1",
+    "roles.critic.colocateWithActor=false",
+    "roles.critic.resources.cpus=0.5",
+)
 CONFIGS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "sync-split": (*SPLIT, "algorithm.maxStaleness=0"),
@@ -71,6 +78,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "async-1-partial": (*SPLIT, "algorithm.maxStaleness=1", "algorithm.partialRollout=true"),
     "async-1-is": (
         *SPLIT,
+        "algorithm.maxStaleness=1",
+        "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
+    ),
+    "async-1-is-critic": (
+        *SPLIT_CRITIC,
         "algorithm.maxStaleness=1",
         "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
     ),

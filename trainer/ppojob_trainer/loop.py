@@ -598,7 +598,10 @@ class PPOTrainer:
                 for c in self.hosts["critic"]
             ]
 
-        # 3. old/ref log-probs, advantages and returns on the actor workers.
+        # 3. old/ref log-probs, advantages and returns on the actor workers. The value refs
+        #    go nested in a list, which Ray does not resolve before the call: an actor worker
+        #    computes its log-probs while a critic of its own process computes the values, and
+        #    waits for them only when the advantages need them.
         all_values = value_lists
         value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
         prepared = [
@@ -607,8 +610,8 @@ class PPOTrainer:
                 self.critic_ranges,
                 self.kl_ctl.value,
                 *gens,
-                *value_lists,
                 policy_version=version,
+                value_refs=value_lists if self.has_critic else None,
             )
             for a in self.hosts["actor"]
         ]
