@@ -326,8 +326,9 @@ class ActorWorker:
 
         ``value_lists[i]`` is critic worker ``i``'s list of value refs (one per actor worker),
         or the ref of that list (fetched here, after the log-probs: a critic in another
-        process computes the values meanwhile); only entry ``self.shard.dp_rank`` is fetched. Returns the refs of
-        the returns for each critic worker (None without a critic) and metrics (sums).
+        process computes the values meanwhile); only entry ``self.shard.dp_rank`` is fetched.
+        Returns the refs of the returns for each critic worker (None without a critic) and
+        metrics (sums).
         ``policy_version``: the actor's; a token generated more than ``maxStaleness`` versions
         before it is refused (:class:`~ppojob_trainer.algorithms.StalenessError`), never trained.
         The old log-probs are the proximal policy of the decoupled objective; with
