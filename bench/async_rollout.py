@@ -16,6 +16,11 @@ one row per run:
                 generation in flight, which samples its remaining tokens with the new weights
 ``async-1-is``  maxStaleness 1 with the decoupled PPO objective's token-level truncated
                 importance weights (cap 2)
+``async-1-is-critic``  ``async-1-is`` with the critic in a process of its own as well
+                (``roles.critic.colocateWithActor: false``; actor 1 logical CPU, critic and
+                engine 0.5 each, one thread per process): the critic's values run beside the
+                actor's log-probs (the actor fetches them only after its log-probs) and its
+                update beside the actor's; three processes share the 2 cores
 
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
 pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
@@ -34,7 +39,8 @@ A run whose local Ray fails to start (an overloaded machine) is retried.
 The machine's 2 cores are shared with whatever else runs (the figures say so when it did):
 compare rows of one invocation, not figures across machines.
 
-Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2]
+Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2
+       async-1-is async-1-is-critic ...]
        [--steps 500]
 
 On a machine too loaded to train 500 steps per configuration, ``--steps 40`` still compares step
@@ -156,7 +162,7 @@ def _fmt(x: float | None, spec: str = "7.1f", none: str = "never") -> str:
 def row_line(config: str, seed: int, r: dict[str, float | None]) -> str:
     """The printed row of one run (a dash: a figure the row does not have)."""
     return (
-        f"{config:10} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
+        f"{config:17} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
         f"{_fmt(r['to'], '8.1f'):>8} {_fmt(r['train'], '8.1f'):>8} "
         f"{r['final']:6.3f} {r['step_s']:7.3f} {r['overlap']:7.2f} "
         f"{r['stale']:5.2f} {r['wall']:7.1f} {_fmt(r['switched'], '6.3f', '-'):>6} "
@@ -177,7 +183,7 @@ def main() -> None:
         f"trailing mean for {HOLD} steps; {os.cpu_count()} CPUs, load average {load:.1f} at start"
     )
     print(
-        f"{'config':10} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
+        f"{'config':17} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
         f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7} {'switch':>6} {'is w':>5} "
         f"{'is max':>7} {'capped':>6}"
     )
