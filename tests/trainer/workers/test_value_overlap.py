@@ -79,16 +79,18 @@ class _Recording:
 
 
 @pytest.mark.slow
-def test_the_loop_hands_prepare_the_critics_calls_unresolved() -> None:
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_loop_hands_prepare_a_separate_critics_calls_unresolved(apart: bool) -> None:
     """A critic in a process of its own: each step's prepare gets the refs of that step's
     compute_values calls as ``value_refs`` (a keyword, nested: Ray does not wait for them),
-    and no value list among its positional arguments (which Ray would wait for)."""
-    trainer = PPOTrainer(_cfg(1, 1))
+    and no value list among its positional arguments (which Ray would wait for). A critic in
+    the actor's process (it computed the values before, in order): positional, as before."""
+    trainer = PPOTrainer(_cfg(1, 1) if apart else _cfg(1))
     prepares: list[tuple[tuple, dict, Any]] = []
     values: list[tuple[tuple, dict, Any]] = []
     try:
         (actor,), (critic,) = trainer.hosts["actor"], trainer.hosts["critic"]
-        assert critic is not actor  # its own process
+        assert (critic is not actor) == apart  # its own process, or the actor's
         trainer.hosts["actor"] = [_Recording(actor, "prepare", prepares)]
         trainer.hosts["critic"] = [_Recording(critic, "compute_values", values)]
         metrics = [trainer.step(step) for step in range(2)]
@@ -97,6 +99,10 @@ def test_the_loop_hands_prepare_the_critics_calls_unresolved() -> None:
     assert all("critic/vf_loss" in m for m in metrics)
     assert len(prepares) == len(values) == 2
     for (args, kwargs, _), (_, _, ref) in zip(prepares, values, strict=True):
-        ranges = args[0]
-        assert len(args) == 3 + len(ranges)  # ranges, critic ranges, KL coefficient, the gens
-        assert kwargs["value_refs"] == [ref]
+        gens = args[3 : 3 + len(args[0])]  # after ranges, critic ranges, KL coefficient
+        if apart:
+            assert args == (*args[:3], *gens)
+            assert kwargs["value_refs"] == [ref]
+        else:
+            assert args == (*args[:3], *gens, ref)
+            assert kwargs["value_refs"] is None
