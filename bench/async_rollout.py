@@ -20,7 +20,12 @@ one row per run:
                 (``roles.critic.colocateWithActor: false``; actor 1 logical CPU, critic and
                 engine 0.5 each, one thread per process): the critic's values run beside the
                 actor's log-probs (the actor fetches them only after its log-probs) and its
-                update beside the actor's; three processes share the 2 cores
+                update beside the actor's; three processes share the 2 cores. Measured
+                2026-12-02, ``--seeds 1 --configs async-1-is-critic sync`` (load 3.3 -> 2.7):
+                0.9 at step 257 in 21.3 s of training, median step 0.081 s, final 1.000;
+                sync step 271, 51.1 s (other load; 28.7 s in its quietest run that day),
+                0.112 s, 0.999: 1.38x the step speed. At load 5-8 it is slower than
+                ``async-1-is`` (0.150 against 0.136 s): it needs idle cores (README)
 
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
 pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
