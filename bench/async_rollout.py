@@ -24,7 +24,9 @@ one row per run:
                 2026-12-02, ``--seeds 1 --configs async-1-is-critic sync`` (load 3.3 -> 2.7):
                 0.9 at step 257 in 21.3 s of training, median step 0.081 s, final 1.000;
                 sync step 271, 51.1 s (other load; 28.7 s in its quietest run that day),
-                0.112 s, 0.999: 1.38x the step speed. At load 5-8 it is slower than
+                0.112 s, 0.999: 1.38x the step speed. Seeds 2 and 3 (load 1.8-2.8):
+                22.8 vs 32.5 s and 26.1 vs 36.8 s of training to 0.9 (1.43x, 1.41x; 1.23x,
+                1.22x with start-up), same final rewards. At load 5-8 it is slower than
                 ``async-1-is`` (0.150 against 0.136 s): it needs idle cores (README)
 
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
