@@ -16,6 +16,18 @@ one row per run:
                 generation in flight, which samples its remaining tokens with the new weights
 ``async-1-is``  maxStaleness 1 with the decoupled PPO objective's token-level truncated
                 importance weights (cap 2)
+``async-1-is-critic``  ``async-1-is`` with the critic in a process of its own as well
+                (``roles.critic.colocateWithActor: false``; actor 1 logical CPU, critic and
+                engine 0.5 each, one thread per process): the critic's values run beside the
+                actor's log-probs (the actor fetches them only after its log-probs) and its
+                update beside the actor's; three processes share the 2 cores. Measured
+                2026-12-02, ``--seeds 1 --configs async-1-is-critic sync`` (load 3.3 -> 2.7):
+                0.9 at step 257 in 21.3 s of training, median step 0.081 s, final 1.000;
+                sync step 271, 51.1 s (other load; 28.7 s in its quietest run that day),
+                0.112 s, 0.999: 1.38x the step speed. Seeds 2 and 3 (load 1.8-2.8):
+                22.8 vs 32.5 s and 26.1 vs 36.8 s of training to 0.9 (1.43x, 1.41x; 1.23x,
+                1.22x with start-up), same final rewards. At load 5-8 it is slower than
+                ``async-1-is`` (0.150 against 0.136 s): it needs idle cores (README)
 
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
 pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
@@ -34,7 +46,8 @@ A run whose local Ray fails to start (an overloaded machine) is retried.
 The machine's 2 cores are shared with whatever else runs (the figures say so when it did):
 compare rows of one invocation, not figures across machines.
 
-Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2]
+Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2
+       async-1-is async-1-is-critic ...]
        [--steps 500]
 
 On a machine too loaded to train 500 steps per configuration, ``--steps 40`` still compares step
@@ -63,6 +76,13 @@ SPLIT = (
     "roles.rollout.resources.cpus=1",
     "roles.actor.resources.cpus=1",
 )
+SPLIT_CRITIC = (
+    "roles.rollout.colocateWithActor=false",
+    "roles.rollout.resources.cpus=0.5",
+    "roles.actor.resources.cpus=1",
+    "roles.critic.colocateWithActor=false",
+    "roles.critic.resources.cpus=0.5",
+)
 CONFIGS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "sync-split": (*SPLIT, "algorithm.maxStaleness=0"),
@@ -71,6 +91,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "async-1-partial": (*SPLIT, "algorithm.maxStaleness=1", "algorithm.partialRollout=true"),
     "async-1-is": (
         *SPLIT,
+        "algorithm.maxStaleness=1",
+        "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
+    ),
+    "async-1-is-critic": (
+        *SPLIT_CRITIC,
         "algorithm.maxStaleness=1",
         "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
     ),
@@ -144,7 +169,7 @@ def _fmt(x: float | None, spec: str = "7.1f", none: str = "never") -> str:
 def row_line(config: str, seed: int, r: dict[str, float | None]) -> str:
     """The printed row of one run (a dash: a figure the row does not have)."""
     return (
-        f"{config:10} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
+        f"{config:17} {seed:>4} {_fmt(r['step'], '5d') if r['step'] else 'never':>5} "
         f"{_fmt(r['to'], '8.1f'):>8} {_fmt(r['train'], '8.1f'):>8} "
         f"{r['final']:6.3f} {r['step_s']:7.3f} {r['overlap']:7.2f} "
         f"{r['stale']:5.2f} {r['wall']:7.1f} {_fmt(r['switched'], '6.3f', '-'):>6} "
@@ -165,7 +190,7 @@ def main() -> None:
         f"trailing mean for {HOLD} steps; {os.cpu_count()} CPUs, load average {load:.1f} at start"
     )
     print(
-        f"{'config':10} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
+        f"{'config':17} {'seed':>4} {'step':>5} {'to 0.9 s':>8} {'train s':>8} {'final':>6} "
         f"{'step s':>7} {'overlap':>7} {'stale':>5} {'wall s':>7} {'switch':>6} {'is w':>5} "
         f"{'is max':>7} {'capped':>6}"
     )

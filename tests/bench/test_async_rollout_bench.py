@@ -39,3 +39,19 @@ def test_an_importance_sampling_row_shows_the_weight_statistics() -> None:
     assert r["is_max"] == 3.0
     assert r["capped"] == 0.01
     assert row_line("async-1-is", 2, r).split()[-4:] == ["-", "1.100", "3.00", "0.0100"]
+
+
+def test_the_split_critic_row_gives_actor_critic_and_engine_a_process_each_on_2_cpus() -> None:
+    """``async-1-is-critic``: ``async-1-is`` with the critic in a process of its own; the three
+    processes' logical CPUs fit the 2-CPU local Ray, one torch thread each."""
+    from bench.async_rollout import _config
+
+    base, split = _config("async-1-is", 1, 5), _config("async-1-is-critic", 1, 5)
+    roles = split.roles
+    critic = roles.effective_critic(split.algorithm.needs_critic)
+    assert critic is not None and not critic.colocate_with_actor
+    assert not roles.rollout.colocate_with_actor
+    cpus = [roles.actor.resources.cpus, critic.resources.cpus, roles.rollout.resources.cpus]
+    assert sum(cpus) <= 2
+    assert [max(1, round(c)) for c in cpus] == [1, 1, 1]  # the loop's threads per process
+    assert split.algorithm == base.algorithm  # the same objective and staleness

@@ -254,6 +254,8 @@ class PPOTrainer:
         tp, engines = engine_tensor_size(cfg), engine_count(gang_config(cfg))
         a_world = roles.workers_of("actor")
         critic_with_actor = critic is not None and critic.colocate_with_actor
+        self.critic_apart = critic is not None and not critic_with_actor
+        """The critic in processes of its own: its values reach the actor's prepare nested."""
         self.colocated = roles.rollout.colocate_with_actor
         self.offload = self.colocated and roles.rollout.offload
         layout: list[tuple[str, int]] = [("actor", a_world)]
@@ -591,17 +593,23 @@ class PPOTrainer:
                 for c in self.hosts["critic"]
             ]
 
-        # 3. old/ref log-probs, advantages and returns on the actor workers.
+        # 3. old/ref log-probs, advantages and returns on the actor workers. A critic in
+        #    processes of its own: the value refs go nested in a list, which Ray does not
+        #    resolve before the call, so an actor worker computes its log-probs while the
+        #    critic computes the values, and waits for them only when the advantages need them
+        #    (a colocated critic has computed them before, in the same process).
         all_values = value_lists
         value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
+        nested = value_lists if self.critic_apart else None
         prepared = [
             a.prepare.remote(
                 ranges,
                 self.critic_ranges,
                 self.kl_ctl.value,
                 *gens,
-                *value_lists,
+                *([] if nested is not None else value_lists),
                 policy_version=version,
+                value_refs=nested,
             )
             for a in self.hosts["actor"]
         ]

@@ -324,9 +324,11 @@ class ActorWorker:
     ) -> tuple[list[Any] | None, dict[str, float]]:
         """Compute old/ref log-probs, advantages and returns for this worker's samples.
 
-        ``value_lists[i]`` is critic worker ``i``'s list of value refs (one per actor worker);
-        only entry ``self.shard.dp_rank`` is fetched. Returns the refs of
-        the returns for each critic worker (None without a critic) and metrics (sums).
+        ``value_lists[i]`` is critic worker ``i``'s list of value refs (one per actor worker),
+        or the ref of that list (fetched here, after the log-probs: a critic in another
+        process computes the values meanwhile); only entry ``self.shard.dp_rank`` is fetched.
+        Returns the refs of the returns for each critic worker (None without a critic) and
+        metrics (sums).
         ``policy_version``: the actor's; a token generated more than ``maxStaleness`` versions
         before it is refused (:class:`~ppojob_trainer.algorithms.StalenessError`), never trained.
         The old log-probs are the proximal policy of the decoupled objective; with
@@ -405,6 +407,8 @@ class ActorWorker:
         for outer, c_range in zip(value_lists, critic_ranges, strict=True):
             if overlap(c_range, (lo, hi)) is None:
                 continue
+            if isinstance(outer, ray.ObjectRef):  # the critic's compute_values, still a ref
+                outer = ray.get(outer)
             pieces.append(ray.get(outer[self.shard.dp_rank]))
         widths = {p.shape[1] for p in pieces}
         if len(widths) > 1:

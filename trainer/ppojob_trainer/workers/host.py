@@ -357,10 +357,14 @@ class WorkerHost:
         kl_coef: float,
         *gens_then_values: Any,
         policy_version: int = 0,
+        value_refs: list[Any] | None = None,
     ) -> tuple[list[Any] | None, dict[str, float]]:
         """``gens_then_values``: the rollout results (one per range), then each critic
         worker's list of value refs (none without a critic). ``policy_version``: the actor's
-        (its weights were last synced as this version)."""
+        (its weights were last synced as this version). ``value_refs``: instead of those
+        lists, the refs of the critic workers' ``compute_values`` calls (nested in a list, so
+        Ray does not wait for them before this call: the actor fetches them once its log-probs
+        are computed)."""
         self.events.append("actor.prepare")
         t0 = time.perf_counter()
         start = time.time()
@@ -368,6 +372,8 @@ class WorkerHost:
         self.train_start = min(getattr(self, "work_start", None) or start, start)
         self.work_start = None
         gens, values = gens_then_values[: len(ranges)], gens_then_values[len(ranges) :]
+        if value_refs is not None:
+            values = tuple(value_refs)
         refs, metrics = self.actor.prepare(
             _parts(ranges, gens),
             list(values) if critic_ranges else None,
