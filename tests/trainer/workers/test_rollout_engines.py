@@ -132,3 +132,44 @@ def test_disaggregated_engines_take_the_weights_bucket_by_bucket_over_a_group():
         ]
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.slow
+def test_bounded_staleness_over_a_weight_update_group_syncs_inside_sessions_between_generations():
+    """maxStaleness 1 with engines on GPUs of their own takes the path SGLang engines take (no
+    object-store loads: each sync a weight-update session over the group), here with the CPU
+    engine behind the same calls: the engine generates step k+1 before step k's session, every
+    bucket of a sync is inside one session, and each step's samples are one version old."""
+    roles = {
+        "actor": {"replicas": 1, "resources": {"cpus": 1}},
+        "rollout": {"replicas": 1, "resources": {"cpus": 1}},
+    }
+    trainer = PPOTrainer(_cfg(roles, prompts=2, bucket_mb=0.1, maxStaleness=1))
+    try:
+        assert trainer.deferred_sync  # CPU engines take the object store; gpus > 0 (sglang)
+        trainer.deferred_sync = False  # sets this and starts the group, as done here
+        trainer._init_weight_group(1)
+        history = [trainer.step(k) for k in range(3)]
+        actor, engine = ray.get(
+            [
+                trainer.hosts["actor"][0].actor_weights.remote(),
+                trainer.hosts["rollout"][0].rollout_weights.remote(),
+            ]
+        )
+        calls = ray.get(trainer.hosts["rollout"][0].calls.remote())
+    finally:
+        trainer.shutdown()
+    assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
+    assert [m["policy/version"] for m in history] == [0.0, 1.0, 2.0]
+    assert _same_weights(actor, engine)
+    begins = [i for i, c in enumerate(calls) if c == "engine.begin_weight_update"]
+    ends = [i for i, c in enumerate(calls) if c == "engine.end_weight_update"]
+    updates = [i for i, c in enumerate(calls) if c == "engine.update_weights_from_distributed"]
+    assert len(begins) == len(ends) == 3
+    for u in updates:  # every bucket inside a session
+        assert any(b < u < e for b, e in zip(begins, ends, strict=True)), (u, calls)
+    for b, e in zip(begins, ends, strict=True):  # nothing else inside a session
+        assert set(calls[b + 1 : e]) == {"engine.update_weights_from_distributed"}
+    generations = [i for i, c in enumerate(calls) if "generate" in c]
+    # step k+1's generation was launched before step k's sync: it is on the engine first
+    assert generations[1] < begins[0] and generations[2] < begins[1]
