@@ -1,33 +1,35 @@
-# Every target creates (or reuses) its own virtualenv in $(VENV); torch is pinned to 2.13.0
-# through constraints.txt so no other package can upgrade it.
+# Every target creates (or reuses) its own virtualenv in $(VENV), installed from locks/dev.txt
+# (torch 2.13.0 through constraints.txt, which the lock obeys).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# the gpu extra's sglang pin (pyproject.toml), e.g. 0.5.23
-SGLANG_VERSION := $(shell sed -n 's/^ *"sglang==\([^"]*\)".*/\1/p' pyproject.toml)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test lint format crd docs images node-images e2e clean control-plane mutation
+.PHONY: install demo test lint format crd docs images node-images e2e clean control-plane mutation \
+	lock newest
 
-$(STAMP): pyproject.toml constraints.txt tests/trainer/backends/sglang-runtime.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[operator,trainer,trackers,dev]'
-# the SGLang wheel tests/trainer/backends/test_sglang_contract.py reads (never installed: CUDA-only);
-# the version is the gpu extra's pin in pyproject.toml
-	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-		--platform manylinux_2_34_x86_64 -d $(VENV)/test-cache/sglang \
-		sglang==$(SGLANG_VERSION)
-# ... and that wheel with the few pure-Python modules its weight updater imports, installed
-# without dependencies beside the virtualenv (tests/trainer/backends/test_sglang_runtime.py runs
-# SGLang's own weight-update code from there, in a subprocess)
-	rm -rf $(VENV)/test-cache/sglang-runtime
-	$(PIP) install --quiet --no-deps --target $(VENV)/test-cache/sglang-runtime \
-		-r tests/trainer/backends/sglang-runtime.txt $(VENV)/test-cache/sglang/sglang-$(SGLANG_VERSION)-*.whl
+# Everything installs from locks/dev.txt (every distribution, exact versions, hashes: `make lock`
+# writes it); the project itself without dependencies and without build isolation (the locked
+# setuptools builds it). A venv made from an older lock first loses what the new one lacks.
+$(STAMP): pyproject.toml locks/dev.txt locks/sglang-runtime.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) hack/lock.py unlocked dev | xargs -r $(PIP) uninstall --quiet -y
+	$(PIP) install --quiet --require-hashes --no-deps -r locks/dev.txt
+	PYTHONWARNINGS=ignore $(PIP) install --quiet --no-deps --no-build-isolation -e .
+	$(PY) hack/lock.py check
+	$(PY) hack/lock.py drift dev
+# the SGLang wheel tests/trainer/backends/test_sglang_contract.py reads (never installed: CUDA-only)
+# and, beside the virtualenv, that wheel with the few pure-Python modules its weight updater
+# imports, without dependencies (tests/trainer/backends/test_sglang_runtime.py runs SGLang's own
+# weight-update code from there, in a subprocess): locks/sglang-runtime.txt, hashed
+	rm -rf $(VENV)/test-cache/sglang $(VENV)/test-cache/sglang-runtime
+	$(PIP) download --quiet --no-deps --require-hashes --only-binary=:all: \
+		-d $(VENV)/test-cache/sglang -r locks/sglang-runtime.txt
+	$(PIP) install --quiet --no-deps --no-index --require-hashes --find-links $(VENV)/test-cache/sglang \
+		--target $(VENV)/test-cache/sglang-runtime -r locks/sglang-runtime.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -94,6 +96,26 @@ images:
 ## End-to-end on a kind cluster (needs Docker and kind; not run in CI).
 e2e:
 	bash hack/e2e-kind.sh
+
+## Re-resolve every lock in locks/ from PyPI (uv, the newest versions pyproject.toml and the
+## constraints allow) and print what changed; then `make install` and `make test`. Run it to take
+## a new dependency or version, or when `make newest` shows one worth taking.
+lock: $(STAMP)
+	$(PY) hack/lock.py compile
+
+## The next breakage before users see it (not part of `make test`): resolve the newest versions
+## allowed into build/newest.txt, print how they differ from locks/dev.txt, install them into a
+## scratch virtualenv (build/newest-venv) and run the fast tests there.
+NEWEST_VENV := build/newest-venv
+newest: $(STAMP)
+	rm -rf $(NEWEST_VENV) && mkdir -p build
+	$(PY) hack/lock.py newest build/newest.txt
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install --quiet --require-hashes --no-deps -r build/newest.txt
+	PYTHONWARNINGS=ignore $(NEWEST_VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	cp -r $(VENV)/test-cache $(NEWEST_VENV)/test-cache
+	PPOJOB_LOCK=build/newest.txt $(NEWEST_VENV)/bin/python -m pytest -q -m "not slow and not realnode" \
+		--ignore=tests/realnode --ignore=tests/cluster --ignore=tests/e2e
 
 clean:
 	rm -rf $(VENV) build *.egg-info ppojob-out mutants

@@ -32,7 +32,8 @@ case "$TRAINER_VARIANT" in
     ;;
   cpu)
     TRAINER_IMAGE="$REGISTRY/trainer:$TAG-cpu"
-    TRAINER_ARGS=(--build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRAS=trainer,trackers
+    # Debian 12: Python 3.11, the Python of locks/trainer-cpu.txt
+    TRAINER_ARGS=(--build-arg BASE_IMAGE=debian:bookworm --build-arg EXTRAS=trainer,trackers
                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)
     ;;
   *)

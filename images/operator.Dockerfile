@@ -12,16 +12,23 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml ./
+COPY locks/operator.txt locks/
 # pyproject.toml's readme: a one-line stand-in, so editing the README never rebuilds an image
 RUN echo "ppojob: PPO training of language models as a Kubernetes-native job" > README.md
 COPY api/ api/
 COPY cli/ cli/
 COPY operator/ operator/
 COPY trainer/ trainer/
-# The distribution holds both packages; the operator imports only the trainer's config model
-# (pydantic, no torch). Installing the `operator` extra pulls kopf, kubernetes, prometheus-client.
+# The dependencies from locks/operator.txt (the `operator` extra: kopf, kubernetes,
+# prometheus-client and what they need, exact versions with hashes; resolved for Python 3.11),
+# then the distribution itself without dependencies, built by the locked setuptools. It holds
+# every package; the operator imports only the trainer's config model (pydantic, no torch).
+RUN python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+ || { echo "locks/operator.txt is resolved for Python 3.11: use a Python 3.11 image" >&2; exit 1; }
 RUN python -m venv /opt/ppojob \
- && /opt/ppojob/bin/pip install --no-cache-dir ".[operator]" \
+ && /opt/ppojob/bin/pip install --no-cache-dir --require-hashes --no-deps -r locks/operator.txt \
+ && PYTHONWARNINGS=ignore /opt/ppojob/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".[operator]" \
+ && /opt/ppojob/bin/pip check \
  && /opt/ppojob/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'ray')))" \
  && /opt/ppojob/bin/ppojob-operator --help > /dev/null
 

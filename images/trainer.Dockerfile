@@ -15,7 +15,8 @@
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# trainer,gpu: torch, ray, transformers, megatron-core, sglang. trainer alone: the CPU path.
+# With gpu: locks/trainer-gpu.txt (torch, ray, transformers, megatron-core, sglang, Transformer
+# Engine, trackers). Without: locks/trainer-cpu.txt (the trainer and trackers extras).
 ARG EXTRAS=trainer,trackers,gpu
 # Empty: torch from PyPI (CUDA wheels). https://download.pytorch.org/whl/cpu: CPU wheels.
 ARG TORCH_INDEX_URL=""
@@ -42,33 +43,40 @@ RUN apt-get update \
 RUN python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /src
-# The dependencies first, in a layer of their own: it is rebuilt only when pyproject.toml or the
-# constraints change, not on every change to the sources (torch alone is gigabytes). torch first
-# (from the CPU index when asked; pinned by constraints.txt), then the distribution's
-# dependencies and those of ${EXTRAS}, read from pyproject.toml (torch and ray pinned by
-# constraints.txt, so the image's Ray is the spec.rayVersion default). With the gpu extra,
-# constraints-gpu.txt takes the place of constraints.txt (sglang pins its own torch,
-# transformers and tokenizers; torch 2.14.1's PyPI wheels are CUDA 13 builds that carry their
-# own CUDA libraries: the nodes' driver must support CUDA 13).
+# The dependencies first, in a layer of their own: it is rebuilt only when a lock changes, not on
+# every change to the sources (torch alone is gigabytes). They come from a lock (locks/, written
+# by `make lock`: every distribution at one version, with hashes): locks/trainer-gpu.txt when
+# ${EXTRAS} has gpu (Python 3.12: torch, transformers and tokenizers as sglang pins them;
+# torch 2.14.1's PyPI wheels are CUDA 13 builds carrying their own CUDA libraries, so the nodes'
+# driver must support CUDA 13), else locks/trainer-cpu.txt (trainer and trackers, Python 3.11).
+# A TORCH_INDEX_URL build takes the locked torch version from that index instead (pinned by
+# version there, not by hash) and leaves out the CUDA libraries PyPI's torch needs.
 COPY pyproject.toml constraints.txt constraints-gpu.txt ./
+COPY locks/trainer-cpu.txt locks/trainer-gpu.txt locks/
+COPY hack/lock.py hack/
 # hadolint ignore=DL3013
-RUN case ",${EXTRAS}," in *,gpu,*) cp constraints-gpu.txt constraints.txt ;; esac \
- && if [ -n "$TORCH_INDEX_URL" ]; then \
-      pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c constraints.txt torch; \
-    fi \
- && python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") \
-for d in p["optional-dependencies"][e]]))' "$EXTRAS" > /tmp/requirements.txt \
- && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
+RUN case ",${EXTRAS}," in *,gpu,*) lock=locks/trainer-gpu.txt py=3.12 ;; *) lock=locks/trainer-cpu.txt py=3.11 ;; esac; \
+    python -c 'import sys; sys.exit(".".join(map(str, sys.version_info[:2])) != sys.argv[1])' "$py" \
+      || { echo "$lock is resolved for Python $py: use a base image with Python $py" >&2; exit 1; }; \
+    drop=(); \
+    if [ -n "$TORCH_INDEX_URL" ]; then \
+      torch="$(sed -n 's/^torch==\([^ ]*\).*/\1/p' "$lock")"; \
+      pip install --no-cache-dir --no-deps --index-url "$TORCH_INDEX_URL" "torch==$torch" || exit 1; \
+      drop=(torch triton "nvidia-*" "cuda-*"); \
+    fi; \
+    python hack/lock.py without "$lock" transformer-engine-torch "${drop[@]}" > /tmp/requirements.txt \
+ && pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
-# With the gpu extra, Transformer Engine (megatron-core's fused layers and varlen attention),
-# pinned in constraints-gpu.txt: its torch extension is an sdist that compiles with the base
-# image's nvcc against the torch installed above, so without build isolation (an isolated build
-# would fetch another torch).
+# With the gpu extra, Transformer Engine's torch extension (megatron-core's fused layers and
+# varlen attention), locked in locks/trainer-gpu.txt with the rest of Transformer Engine: an sdist
+# that compiles with the base image's nvcc against the torch installed above, so without build
+# isolation (an isolated build would fetch another torch).
 # hadolint ignore=DL3013
 RUN case ",${EXTRAS}," in \
-      *,gpu,*) pip install --no-cache-dir --no-build-isolation -c constraints.txt \
-                 "transformer-engine[pytorch,core-cu13]" ;; \
+      *,gpu,*) python hack/lock.py only locks/trainer-gpu.txt transformer-engine-torch > /tmp/te.txt \
+               && pip install --no-cache-dir --require-hashes --no-deps --no-build-isolation \
+                    -r /tmp/te.txt \
+               && rm /tmp/te.txt ;; \
     esac
 # Then the project itself, without dependencies (all present), and a check that it imports, as
 # does the Ray autoscaler KubeRay runs from this image for elastic rollout groups
@@ -81,7 +89,8 @@ COPY trainer/ trainer/
 # pyproject.toml's readme: a one-line stand-in, so editing the README never rebuilds an image
 RUN echo "ppojob: PPO training of language models as a Kubernetes-native job" > README.md
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --no-deps ".[${EXTRAS}]" \
+RUN PYTHONWARNINGS=ignore pip install --no-cache-dir --no-deps --no-build-isolation ".[${EXTRAS}]" \
+ && pip check \
  && python -c "import torch, ray, ppojob_trainer; print('torch', torch.__version__, 'ray', ray.__version__)" \
  && ppojob-train --help > /dev/null \
  && python -c "import ray.autoscaler._private.kuberay.run_autoscaler"

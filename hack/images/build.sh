@@ -15,7 +15,7 @@
 # Everything is cached by content hash: the root filesystem's tar under
 # ${PPOJOB_IMAGE_CACHE:-$XDG_CACHE_HOME/ppojob/images} by the debootstrap inputs; each image as a
 # tag in buildah's store whose key hashes its Dockerfile, the base's key and every file the build
-# copies (pyproject.toml, constraints, api/ cli/ operator/ trainer/ sources); older tags of an
+# copies (pyproject.toml, constraints, locks/, hack/lock.py, api/ cli/ operator/ trainer/ sources); older tags of an
 # image are removed. A warm run hashes files and exits. Prints `NAME=localhost/ppojob-NAME:KEY`
 # lines on stdout, one per image.
 #
@@ -111,7 +111,7 @@ image_key() {
     echo "$base $*"
     cat "$root_dir/$dockerfile"
     (cd "$root_dir" && git ls-files -co --exclude-standard -- pyproject.toml \
-      constraints.txt constraints-gpu.txt api cli operator trainer | LC_ALL=C sort |
+      constraints.txt constraints-gpu.txt locks hack/lock.py api cli operator trainer | LC_ALL=C sort |
       while read -r f; do [ -f "$f" ] && sha256sum "$f"; done)
   } | sha256sum | cut -c1-12
 }

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -113,25 +111,25 @@ def test_what_sglang_pins_and_the_extras_require_is_pinned_to_sglangs_version():
     assert {"torch", "transformers"} <= set(exact) & ours  # the check has something to bite on
 
 
-def test_the_gpu_image_uses_the_gpu_pins_with_the_same_ray():
+def test_the_gpu_image_uses_the_gpu_lock_with_the_same_ray():
+    """The trainer image picks its lock by ${EXTRAS} (run as the image's shell runs it), each
+    lock for the Python its base image has, and both locks hold the same Ray."""
+    from hack import lock
+
     assert pins("constraints-gpu.txt")["ray"] == pins("constraints.txt")["ray"]
+    assert lock.read_lock("trainer-gpu")["ray"] == lock.read_lock("trainer-cpu")["ray"]
     dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
-    assert "constraints-gpu.txt" in dockerfile.split("COPY pyproject.toml", 1)[1].splitlines()[0]
-    # the step that swaps the pins, run as the image's shell would run it, for both variants
-    (step,) = [line for line in dockerfile.splitlines() if "cp constraints-gpu.txt" in line]
-    step = step.removeprefix("RUN ").rstrip(" \\").removesuffix("&&").strip()
-    for extras, wanted in (("trainer,gpu", "constraints-gpu.txt"), ("trainer", "constraints.txt")):
-        with tempfile.TemporaryDirectory() as tmp:
-            for name in ("constraints.txt", "constraints-gpu.txt"):
-                shutil.copy(REPO / name, tmp)
-            subprocess.run(
-                ["sh", "-c", step],
-                cwd=tmp,
-                env={"EXTRAS": extras, "PATH": "/usr/bin:/bin"},
-                check=True,
-            )
-            got = (Path(tmp) / "constraints.txt").read_text()
-            assert got == (REPO / wanted).read_text(), extras
+    (line,) = [x for x in dockerfile.splitlines() if "lock=locks/trainer-gpu.txt" in x]
+    step = line.removeprefix("RUN ").split("esac;")[0] + "esac"
+    for extras, wanted in (("trainer,trackers,gpu", "trainer-gpu"), ("trainer", "trainer-cpu")):
+        out = subprocess.run(
+            ["bash", "-c", step + '; echo "$lock $py"'],
+            env={"EXTRAS": extras, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert out == [f"locks/{wanted}.txt", lock.SPECS[wanted].python], extras
 
 
 def test_the_gpu_base_images_cuda_is_the_one_sglang_is_built_for():
@@ -172,7 +170,19 @@ def test_the_gpu_image_installs_the_transformer_engine_megatron_builds_against()
     (step,) = [
         block
         for block in dockerfile.split("\nRUN ")
-        if "transformer-engine" in block and "pip install" in block
+        if "only locks/trainer-gpu.txt transformer-engine-torch" in block
     ]
-    assert "--no-build-isolation" in step and "-c constraints.txt" in step
+    assert "--no-build-isolation" in step and "--require-hashes" in step
     assert "*,gpu,*)" in step  # the CPU variant does not build it
+    # the lock holds the pinned Transformer Engine, and the metadata uv resolved its torch
+    # extension with (an sdist) is stated for that version
+    from hack import lock
+
+    locked = lock.read_lock("trainer-gpu")
+    assert {k: Version(v) for k, v in locked.items() if k.startswith("transformer-engine")} == {
+        k: v for k, v in gpu.items() if k.startswith("transformer-engine")
+    }
+    config = tomllib.loads((REPO / "locks" / "uv-gpu.toml").read_text())
+    (meta,) = config["dependency-metadata"]
+    assert meta["name"] == "transformer-engine-torch"
+    assert Version(meta["version"]) == gpu["transformer-engine-torch"]

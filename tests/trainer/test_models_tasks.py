@@ -207,3 +207,32 @@ def test_size_checks_know_the_built_in_models_shapes() -> None:
         assert config.BUILTIN_SHAPES[name] == (shape.hidden, shape.intermediate, shape.layers)
         hf = models.builtin_config(name)
         assert hf.max_position_embeddings == config.BUILTIN_CONTEXT
+
+
+def test_models_load_without_hub_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers kernelizes every model it loads when `kernels` is installed (5.25 requires
+    it): layers swapped for Hub kernels, again on each ``train()``, and a ValueError on the meta
+    device. The policy, the critic's backbone and a reward model load with that off, and a
+    loaded model moves to the meta device and trains there."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ppojob_api.training import RewardModelSource
+    from ppojob_trainer.rewards import RewardModelScorer
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    path = models.materialize_builtin("tiny-llama", 3)
+    # the check has something to bite on: with the locked versions a plain load kernelizes
+    assert AutoModelForCausalLM.from_pretrained(str(path)).use_kernels
+    policy = models.load_causal_lm(path)
+    critic = models.load_value_model(path, seed=0)
+    assert not policy.use_kernels and not critic.backbone.use_kernels
+    policy.to("meta").train()  # kernelizing here raised "Unsupported device type 'meta'"
+    critic.to("meta").train()
+
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1).save_pretrained(rm)
+    models.load_tokenizer(path).save_pretrained(rm)
+    scorer = RewardModelScorer(
+        RewardModelSource(path=str(rm)), "data.rewards[0].model", "cpu", "float32"
+    )
+    assert not scorer.model.use_kernels

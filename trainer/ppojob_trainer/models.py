@@ -243,6 +243,19 @@ def trust_remote_code() -> bool:
     return _TRUST_REMOTE_CODE
 
 
+# Keyword arguments of every ``from_pretrained`` of a model the trainer computes with.
+# ``use_kernels=False``: transformers >= 5.2x kernelizes every model it loads when the `kernels`
+# package is installed (transformers 5.25 requires it): layers marked for the Hugging Face Hub's
+# kernels are swapped for kernels fetched from the Hub at load time and again on each
+# ``train()``/``eval()``. The trainer opts out, because (1) the policy, its reference and the
+# rollout engine's copy must compute the same function, or the log-prob ratios and KL measure the
+# kernels, not the policy; (2) a training pod must not download and run code from the Hub (most
+# GPU clusters reach no Hub); (3) `kernels` refuses a model on the meta device (``ValueError:
+# Unsupported device type 'meta'``), which sizing and the off-CPU tests use. Older transformers
+# (4.x) read the same keyword and default it to False.
+HF_MODEL_OPTIONS: dict[str, Any] = {"use_kernels": False}
+
+
 def quiet_transformers() -> None:
     """Silence transformers' progress bars and load reports (workers log through Ray)."""
     from transformers.utils import logging as hf_logging
@@ -299,7 +312,10 @@ def load_causal_lm(model_dir: Path | str, dtype: str = "float32") -> Any:
 
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch_dtype(dtype), trust_remote_code=_TRUST_REMOTE_CODE
+        str(model_dir),
+        dtype=torch_dtype(dtype),
+        trust_remote_code=_TRUST_REMOTE_CODE,
+        **HF_MODEL_OPTIONS,
     )
     model.config.use_cache = True
     return model
@@ -353,7 +369,10 @@ def load_value_model(model_dir: Path | str, dtype: str = "float32", seed: int = 
 
     quiet_transformers()
     backbone = AutoModel.from_pretrained(
-        str(model_dir), dtype=torch_dtype(dtype), trust_remote_code=_TRUST_REMOTE_CODE
+        str(model_dir),
+        dtype=torch_dtype(dtype),
+        trust_remote_code=_TRUST_REMOTE_CODE,
+        **HF_MODEL_OPTIONS,
     )
     model = ValueModel(backbone, backbone.config.hidden_size, seed)
     head = Path(model_dir) / VALUE_HEAD_FILE

@@ -77,7 +77,7 @@ class RewardModelScorer:
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        from .models import quiet_transformers, torch_dtype, trust_remote_code
+        from .models import HF_MODEL_OPTIONS, quiet_transformers, torch_dtype, trust_remote_code
 
         self.field = field
         where = f"{field}.path: {spec.path!r}"
@@ -117,7 +117,10 @@ class RewardModelScorer:
             )
         tok.truncation_side = "left"  # the score is read at the end of the text: keep it
         model = AutoModelForSequenceClassification.from_pretrained(
-            str(path), dtype=torch_dtype(spec.dtype or default_dtype), trust_remote_code=remote
+            str(path),
+            dtype=torch_dtype(spec.dtype or default_dtype),
+            trust_remote_code=remote,
+            **HF_MODEL_OPTIONS,  # no Hub kernels (models.HF_MODEL_OPTIONS)
         )
         if model.config.pad_token_id is None:  # it finds each row's last token by the pad id
             model.config.pad_token_id = tok.pad_token_id
