@@ -95,13 +95,31 @@ def test_values_are_plain_json_and_elapsed_is_filled_in(
 
 
 def test_bar_shows_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = LocalProgressReporter(tmp_path, show_bar=True)
+    rep = LocalProgressReporter(tmp_path, show_bar=True, plain=False)
     rep.start(2)
     rep.report(1, metrics(1))
     rep.report(2, metrics(2))
     rep.finish({})
     err = capsys.readouterr().err
     assert "2/2" in err and "reward=0.200" in err and "tok/s=102" in err and "vloss=" in err
+    assert "\r" in err  # a redrawn bar
+
+
+def test_off_a_terminal_progress_is_plain_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr not a terminal (capsys's is not; a log file, a pod's log): one line every
+    ceil(total / 20) steps and the last, no carriage-return frames."""
+    rep = LocalProgressReporter(tmp_path, show_bar=True)
+    rep.start(50)
+    for step in range(1, 51):
+        rep.report(step, metrics(step))
+    rep.finish({})
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split()[1] for line in lines] == [f"{s}/50" for s in range(3, 51, 3)] + ["50/50"]
+    assert "reward=" in lines[-1] and " s " in lines[-1]
 
 
 def test_composite_forwards_in_order() -> None:
@@ -202,7 +220,7 @@ def test_a_run_with_nothing_left_does_not_null_the_summary(tmp_path: Path) -> No
 def test_the_bar_line_ends_before_a_failure_or_interrupt_is_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rep = LocalProgressReporter(tmp_path, show_bar=True)
+    rep = LocalProgressReporter(tmp_path, show_bar=True, plain=False)
     rep.start(5)
     rep.report(1, metrics(1))
     capsys.readouterr()
@@ -212,18 +230,27 @@ def test_the_bar_line_ends_before_a_failure_or_interrupt_is_printed(
 
 
 def test_the_curve_labels_its_axes_with_units(tmp_path: Path, monkeypatch) -> None:
+    """Each panel names its quantity and units; no text of one panel overlaps the other's."""
     from matplotlib.figure import Figure
 
     labels: list[str] = []
+    boxes: list[list] = []
     real = Figure.savefig
 
     def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)  # lays the figure out
+        renderer = self.canvas.get_renderer()
         for ax in self.axes:
-            labels.extend([ax.get_xlabel(), ax.get_ylabel()])
-        return real(self, *args, **kwargs)
+            labels.extend([ax.get_xlabel(), ax.get_ylabel(), ax.get_title()])
+            texts = [ax.yaxis.label, ax.title, ax.xaxis.label]
+            boxes.append([t.get_window_extent(renderer) for t in texts if t.get_text()])
+        return out
 
     monkeypatch.setattr(Figure, "savefig", spy)
     run(tmp_path, range(1, 4), total=3).finish({})
-    assert "mean reward (reward function units)" in labels
-    assert "KL to reference (nats per sequence)" in labels
+    assert "mean reward" in labels and "KL" in labels
+    assert "mean reward per step (3 steps; the reward function's units)" in labels
+    assert "KL to the reference policy (nats per sequence)" in labels
     assert "training step (one rollout batch each)" in labels
+    top, bottom = boxes
+    assert not any(a.overlaps(b) for a in top for b in bottom)

@@ -142,11 +142,17 @@ class LocalProgressReporter(ProgressReporter):
     loop passes `start_step`.
     """
 
-    def __init__(self, out_dir: Path, show_bar: bool = True) -> None:
+    def __init__(self, out_dir: Path, show_bar: bool = True, plain: bool | None = None) -> None:
+        """``plain``: progress as one plain line every few steps (about 20 in a run, and the
+        last) instead of a redrawn bar; None: plain exactly when stderr is not a terminal, so a
+        log file (``make demo``'s run.log, a pod's log) gets lines, not carriage-return frames."""
         self.out_dir = Path(out_dir)
         self.show_bar = show_bar
+        self.plain = plain
         self.metrics_path = self.out_dir / METRICS_FILE
         self._bar: Any = None
+        self._lines_every = 0  # > 0: plain lines every that many steps
+        self._total = 0
         self._last_step: int | None = None  # None until the first report of this run
         self._start_step = 0
         self._t0 = time.monotonic()
@@ -161,7 +167,11 @@ class LocalProgressReporter(ProgressReporter):
         self._start_step = start_step
         self._last_step = None
         self._t0 = time.monotonic()
-        if self.show_bar:
+        self._total = total_steps
+        plain = self.plain if self.plain is not None else not _is_terminal(sys.stderr)
+        if self.show_bar and plain:
+            self._lines_every = max(1, -(-max(total_steps - start_step, 1) // 20))
+        elif self.show_bar:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -232,6 +242,12 @@ class LocalProgressReporter(ProgressReporter):
         if self._bar is not None:
             self._bar.set_postfix_str(_postfix(record), refresh=False)
             self._bar.update(advanced)
+        elif self._lines_every and (
+            step // self._lines_every != last_step // self._lines_every or step >= self._total
+        ):
+            done = f"{step}/{self._total}" if self._total else str(step)
+            line = f"ppo {done} steps, {record['elapsed_seconds']:.1f} s {_postfix(record)}"
+            print(line.rstrip(), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """End the progress bar's line (so what is printed next starts on its own line)."""
@@ -275,6 +291,13 @@ def _free_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{i}")
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or unusual stream
+        return False
+
+
 def _postfix(rec: dict[str, Any]) -> str:
     parts = []
     for key, label, fmt in (
@@ -300,22 +323,24 @@ def plot_reward_curve(out_dir: Path) -> Path | None:
         return None
     steps = [r["step"] for r in records]
     kls = [(r["step"], r["kl"]) for r in records if isinstance(r.get("kl"), int | float)]
-    fig = Figure(figsize=(7, 5 if kls else 3.5), dpi=100)
+    # short axis labels (a long one is taller than a panel and runs into the other's), the
+    # units in each panel's title
+    fig = Figure(figsize=(7, 6 if kls else 3.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(2 if kls else 1, 1, 1)
     ax.plot(steps, [r["reward_mean"] for r in records], marker="." if len(steps) < 50 else None)
-    ax.set_ylabel("mean reward (reward function units)")
+    ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
-    ax.set_title(f"reward per step ({len(steps)} steps)")
+    ax.set_title(f"mean reward per step ({len(steps)} steps; the reward function's units)")
     if kls:
         ax2 = fig.add_subplot(2, 1, 2, sharex=ax)
         ax2.plot([s for s, _ in kls], [k for _, k in kls], color="tab:orange")
-        ax2.set_ylabel("KL to reference (nats per sequence)")
+        ax2.set_ylabel("KL")
+        ax2.set_title("KL to the reference policy (nats per sequence)")
         ax2.grid(alpha=0.3)
         ax2.set_xlabel("training step (one rollout batch each)")
     else:
         ax.set_xlabel("training step (one rollout batch each)")
-    fig.tight_layout()
     path = Path(out_dir) / CURVE_FILE
     fig.savefig(path)
     return path
