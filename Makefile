@@ -16,6 +16,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 # setuptools builds it). A venv made from an older lock first loses what the new one lacks.
 $(STAMP): pyproject.toml locks/dev.txt locks/sglang-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "locks/dev.txt is \
+	resolved for Python 3.11 and $(VENV) has $$($(PY) -V): rm -rf $(VENV) and set PYTHON=python3.11" >&2; exit 1; }
 	$(PY) hack/lock.py unlocked dev | xargs -r $(PIP) uninstall --quiet -y
 	$(PIP) install --quiet --require-hashes --no-deps -r locks/dev.txt
 	PYTHONWARNINGS=ignore $(PIP) install --quiet --no-deps --no-build-isolation -e .
