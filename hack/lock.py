@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 try:
@@ -65,7 +65,6 @@ class LockSpec:
     # a uv configuration file (static metadata of an sdist that cannot build here)
     uv_config: str | None = None
     include_project: bool = True
-    uv_args: tuple[str, ...] = field(default_factory=tuple)
 
 
 # the installer and the build backend of pyproject.toml ([build-system]); the project installs
