@@ -581,10 +581,18 @@ def test_ray_version_has_one_source_of_truth():
     )
     assert pins["ray"] == RAY_VERSION == ray.__version__
     assert make().spec.ray_version == RAY_VERSION
+    from hack import lock
+
+    # the image's dependencies come from its lock, which holds that Ray (the built image's Ray
+    # is compared on a real node: tests/realnode, test_the_images_ray_is_the_spec_default)
+    assert (
+        lock.read_lock("trainer-cpu")["ray"] == lock.read_lock("trainer-gpu")["ray"] == RAY_VERSION
+    )
     dockerfile = (REPO / "images" / "trainer.Dockerfile").read_text()
-    # the image's dependencies are installed under constraints.txt (the built image's Ray is
-    # compared on a real node: tests/realnode, test_the_images_ray_is_the_spec_default)
-    assert "pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt" in dockerfile
+    assert (
+        "pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements.txt"
+        in dockerfile
+    )
 
 
 def test_finished_jobs_free_their_gpus_within_a_minute_and_keep_their_output():
