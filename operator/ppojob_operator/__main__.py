@@ -136,7 +136,7 @@ def network_settings(value: str | None) -> Any:
 
 def operator_config(args: argparse.Namespace) -> Any:
     """The operator's settings from its parsed flags (ValueError: a flag's value is wrong)."""
-    from ppojob_operator.handlers import OperatorConfig
+    from ppojob_operator.state import OperatorConfig
 
     return OperatorConfig(
         gang_default=args.gang_scheduler,

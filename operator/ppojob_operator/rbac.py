@@ -1,6 +1,7 @@
 """The exact ClusterRole rules the operator needs; the Helm chart renders these.
 
-Every verb here is used by the operator's code (`k8s.py`, `handlers.py`) or by kopf itself:
+Every verb here is used by the operator's code (`k8s.py`, called from `reconcile.py`, `sync.py`,
+`suspend.py`, `timers.py`, `watch.py`) or by kopf itself:
 
 - PPOJobs: kopf lists and watches them, patches them (finalizer-free; kopf's progress storage
   lives in annotations, hence ``patch`` on the object), and the operator writes ``status``.

@@ -25,7 +25,7 @@ import yaml
 from ppojob_api.problems import SpecError
 from ppojob_api.validation import load_trainer_config, validate_manifest
 from ppojob_cli.main import main as ppojob
-from ppojob_operator import builders, handlers
+from ppojob_operator import builders, state
 from ppojob_trainer.manifest import load_manifest
 from tests.helpers.manifests import (
     GPU_JOB,
@@ -196,7 +196,7 @@ def _operator_verdict(doc: dict[str, Any]) -> list[str]:
     """The operator's verdict on a stored object: the problems' paths ([] = valid)."""
     body = copy.deepcopy(doc)
     body.setdefault("metadata", {}).setdefault("namespace", "default")
-    job, problems = handlers.parse(body)
+    job, problems = state.parse(body)
     assert (job is None) == bool(problems)
     return sorted({p.path for p in problems})
 

@@ -275,7 +275,7 @@ class Operator:
     """The real kopf operator (``handlers.run``) in a background thread."""
 
     def __init__(self, url: str, namespaces: list[str] | None = None, **config: Any) -> None:
-        from ppojob_operator.handlers import OperatorConfig
+        from ppojob_operator.state import OperatorConfig
 
         self.url = url
         self.namespaces = namespaces

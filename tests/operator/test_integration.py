@@ -697,10 +697,10 @@ def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluste
     """A heal pass reads the RayJob, which is deleted right after; the deletion's own pass
     writes Failed/RayJobDeleted first. The first pass must not then write a status from its
     copy of the dead RayJob (the phase would flap Failed -> Running -> Failed)."""
-    from ppojob_operator import handlers
+    from ppojob_operator import reconcile
 
     real_aget, real_cog = k8s.aget, k8s.acreate_or_get
-    real_patch, real_reconcile = k8s.apatch_job_status, handlers.reconcile_children
+    real_patch, real_reconcile = k8s.apatch_job_status, reconcile.reconcile_children
     gate = {"armed": False, "hold": False}
     phases: list = []
     finished = []
@@ -737,7 +737,7 @@ def test_a_pass_that_read_the_rayjob_before_its_deletion_writes_no_status(cluste
         monkeypatch.setattr(k8s, "aget", aget_then_delete)
         monkeypatch.setattr(k8s, "acreate_or_get", create_after_the_verdict)
         monkeypatch.setattr(k8s, "apatch_job_status", recording_patch)
-        monkeypatch.setattr(handlers, "reconcile_children", counted_reconcile)
+        monkeypatch.setattr(reconcile, "reconcile_children", counted_reconcile)
         gate["armed"] = True
         delete("v1", "ConfigMap", "demo-trainer")
         wait_for(lambda: len(finished) >= 2, timeout=20)  # the reading pass and the deletion's

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from ppojob_operator import handlers, k8s, metrics
+from ppojob_operator import k8s, metrics, watch
+from ppojob_operator.state import OperatorConfig, State
 from tests.helpers.manifests import base_manifest
 
 STATUS: dict[str, Any] = {
@@ -118,11 +119,11 @@ def test_the_operator_exports_a_jobs_status_and_drops_it_when_the_job_is_deleted
     body["status"] = copy.deepcopy(STATUS)
 
     async def scenario() -> None:
-        state = handlers.State(handlers.OperatorConfig())
-        await handlers.on_ppojob_event(state, "MODIFIED", body)
+        state = State(OperatorConfig())
+        await watch.on_ppojob_event(state, "MODIFIED", body)
         got = scrape(metrics.JOB_PROGRESS)
         assert got[("ppojob_job_reward_mean", job("ns1", "demo"))] == 0.75
-        await handlers.on_ppojob_event(state, "DELETED", body)
+        await watch.on_ppojob_event(state, "DELETED", body)
         assert not any(labels for (_, labels) in scrape(metrics.JOB_PROGRESS))
 
     asyncio.run(scenario())

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from ppojob_api.validation import validate_manifest
-from ppojob_operator import builders, handlers, k8s
+from ppojob_operator import builders, k8s, reconcile, sync, watch
+from ppojob_operator.state import OperatorConfig, State, owned_by
 from tests.helpers.manifests import base_manifest
 
 KEY = ("ns1", "demo")
@@ -54,30 +55,30 @@ def patches(monkeypatch) -> list[dict[str, Any]]:
     return written
 
 
-def new_state() -> handlers.State:
-    return handlers.State(handlers.OperatorConfig())
+def new_state() -> State:
+    return State(OperatorConfig())
 
 
 def test_a_deleted_jobs_state_is_forgotten(patches):
     async def scenario() -> None:
         state = new_state()
-        await handlers.on_ppojob_event(state, "ADDED", ppojob())
-        await handlers.on_rayjob_event(state, "MODIFIED", rayjob())
+        await watch.on_ppojob_event(state, "ADDED", ppojob())
+        await watch.on_rayjob_event(state, "MODIFIED", rayjob())
         st = state.get(KEY)
         assert st is not None and st.rayjob is not None and st.written is not None
         st.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
-        await handlers.on_ppojob_event(state, "DELETED", ppojob())
+        await watch.on_ppojob_event(state, "DELETED", ppojob())
         assert state.get(KEY) is None and len(state) == 0
         await asyncio.sleep(0)  # let the cancellation land
         assert st.retry.cancelled()
         # the garbage collector deletes the RayJob afterwards: its events bring nothing back
-        await handlers.on_rayjob_event(state, "MODIFIED", rayjob(deleting=True))
-        await handlers.on_rayjob_event(state, "DELETED", rayjob(deleting=True))
+        await watch.on_rayjob_event(state, "MODIFIED", rayjob(deleting=True))
+        await watch.on_rayjob_event(state, "DELETED", rayjob(deleting=True))
         assert len(state) == 0
         # a RayJob seen before its PPOJob, then deleted: forgotten too
-        await handlers.on_rayjob_event(state, "ADDED", rayjob())
+        await watch.on_rayjob_event(state, "ADDED", rayjob())
         assert state.get(KEY) is not None and state.get(KEY).body is None
-        await handlers.on_rayjob_event(state, "DELETED", rayjob())
+        await watch.on_rayjob_event(state, "DELETED", rayjob())
         assert len(state) == 0
 
     asyncio.run(scenario())
@@ -86,8 +87,8 @@ def test_a_deleted_jobs_state_is_forgotten(patches):
 def test_a_job_recreated_under_the_same_name_starts_from_nothing(patches):
     async def scenario() -> None:
         state = new_state()
-        await handlers.on_ppojob_event(state, "ADDED", ppojob("u1"))
-        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u1"))
+        await watch.on_ppojob_event(state, "ADDED", ppojob("u1"))
+        await watch.on_rayjob_event(state, "MODIFIED", rayjob("u1"))
         old = state.get(KEY)
         assert old is not None and old.written is not None
         old.posted["ChildConflict"] = "taken"
@@ -95,7 +96,7 @@ def test_a_job_recreated_under_the_same_name_starts_from_nothing(patches):
         old.rayjob_deletions, old.backoff, old.attempts = 2, 5, 3
         old.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
         # the old job's DELETED event was missed (a watch relist); the new job shows up
-        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        await watch.on_ppojob_event(state, "ADDED", ppojob("u2"))
         new = state.get(KEY)
         assert new is not old and new.uid == "u2"
         assert (new.written, new.posted, new.note) == (None, {}, None)
@@ -107,12 +108,12 @@ def test_a_job_recreated_under_the_same_name_starts_from_nothing(patches):
         old.rayjob = rayjob("u1")
         old.rayjob["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
         before = len(patches)
-        assert await handlers.sync_status(state, old) is False
+        assert await sync.sync_status(state, old) is False
         assert len(patches) == before
         # and the old job's late DELETED event leaves the new job's state alone
-        await handlers.on_ppojob_event(state, "DELETED", ppojob("u1"))
+        await watch.on_ppojob_event(state, "DELETED", ppojob("u1"))
         assert state.get(KEY) is new
-        await handlers.on_ppojob_event(state, "DELETED", ppojob("u2"))
+        await watch.on_ppojob_event(state, "DELETED", ppojob("u2"))
         assert len(state) == 0
 
     asyncio.run(scenario())
@@ -130,7 +131,7 @@ def test_a_started_job_edited_into_an_invalid_spec(patches, readable):
             rj["metadata"]["annotations"] = {}
         st = state.see(ppojob(roles={"actor": {"replicas": 0}}))
         st.rayjob = rj
-        assert await handlers.sync_status(state, st) is True
+        assert await sync.sync_status(state, st) is True
         return patches[-1]
 
     written = asyncio.run(scenario())
@@ -157,17 +158,17 @@ def test_a_deleted_jobs_late_events_leave_the_new_job_alone(patches, monkeypatch
 
     async def scenario() -> None:
         state = new_state()
-        await handlers.on_ppojob_event(state, "ADDED", ppojob("u1"))
+        await watch.on_ppojob_event(state, "ADDED", ppojob("u1"))
         # u1 deleted, u2 made under its name; u2's worker runs first
-        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        await watch.on_ppojob_event(state, "ADDED", ppojob("u2"))
         new = state.get(KEY)
         assert new is not None and new.uid == "u2"
         new.retry = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
         written = len(patches)
         # u1's worker catches up: a status MODIFIED, its create handler, its DELETED
-        await handlers.on_ppojob_event(state, "MODIFIED", ppojob("u1"))
-        assert await handlers.reconcile_children(state, ppojob("u1")) == []
-        await handlers.on_ppojob_event(state, "DELETED", ppojob("u1"))
+        await watch.on_ppojob_event(state, "MODIFIED", ppojob("u1"))
+        assert await reconcile.reconcile_children(state, ppojob("u1")) == []
+        await watch.on_ppojob_event(state, "DELETED", ppojob("u1"))
         assert state.get(KEY) is new
         assert not new.retry.done()
         assert len(patches) == written and created == []
@@ -183,17 +184,17 @@ def test_an_earlier_jobs_rayjob_never_stands_in_for_the_new_jobs(patches):
 
     async def scenario() -> None:
         state = new_state()
-        await handlers.on_ppojob_event(state, "ADDED", ppojob("u2"))
-        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u2"))
+        await watch.on_ppojob_event(state, "ADDED", ppojob("u2"))
+        await watch.on_rayjob_event(state, "MODIFIED", rayjob("u2"))
         st = state.get(KEY)
-        assert st is not None and handlers.owned_by(st.rayjob, "u2") is not None
-        await handlers.on_rayjob_event(state, "MODIFIED", rayjob("u1", deleting=True))
-        assert handlers.owned_by(st.rayjob, "u2") is not None
-        await handlers.on_rayjob_event(state, "DELETED", rayjob("u1", deleting=True))
-        assert handlers.owned_by(st.rayjob, "u2") is not None
+        assert st is not None and owned_by(st.rayjob, "u2") is not None
+        await watch.on_rayjob_event(state, "MODIFIED", rayjob("u1", deleting=True))
+        assert owned_by(st.rayjob, "u2") is not None
+        await watch.on_rayjob_event(state, "DELETED", rayjob("u1", deleting=True))
+        assert owned_by(st.rayjob, "u2") is not None
         assert st.rayjob_deletions == 0
         # its own RayJob's deletion still counts
-        await handlers.on_rayjob_event(state, "DELETED", rayjob("u2"))
+        await watch.on_rayjob_event(state, "DELETED", rayjob("u2"))
         assert st.rayjob is None and st.rayjob_deletions == 1
 
     asyncio.run(scenario())
@@ -217,7 +218,7 @@ def test_the_rayjob_is_posted_without_waiting_for_the_trainers_rbac(patches, mon
     monkeypatch.setattr(k8s, "acreate_or_get", acreate_or_get)
 
     async def scenario() -> list[dict[str, Any]]:
-        return await handlers.reconcile_children(new_state(), ppojob())
+        return await reconcile.reconcile_children(new_state(), ppojob())
 
     made = asyncio.run(scenario())
     assert [o["kind"] for o in made][-1] == "RayJob"

@@ -9,13 +9,9 @@ import aiohttp
 import pytest
 
 from ppojob_operator import k8s
-from ppojob_operator.handlers import (
-    KUEUE_QUEUE_LABEL,
-    edited_meanwhile,
-    held_workload,
-    merge_patched,
-    newest_known,
-)
+from ppojob_operator.scheduling import KUEUE_QUEUE_LABEL
+from ppojob_operator.suspend import held_workload
+from ppojob_operator.sync import edited_meanwhile, merge_patched, newest_known
 
 
 @pytest.mark.parametrize(
@@ -101,12 +97,12 @@ def test_a_workload_that_cannot_be_read_leaves_only_the_explanation_out(monkeypa
 
 
 def test_the_answer_to_a_post_never_replaces_a_newer_watched_copy() -> None:
-    from ppojob_operator.handlers import _newer_known
+    from ppojob_operator.reconcile import newer_known
 
     def rj(uid, rv):
         return {"metadata": {"uid": uid, "resourceVersion": rv}}
 
-    assert _newer_known(rj("a", "12"), rj("a", "10"))  # KubeRay wrote since: keep the watch's
-    assert not _newer_known(rj("a", "10"), rj("a", "10"))
-    assert not _newer_known(None, rj("a", "10"))
-    assert not _newer_known(rj("old", "12"), rj("a", "10"))  # an earlier attempt's RayJob
+    assert newer_known(rj("a", "12"), rj("a", "10"))  # KubeRay wrote since: keep the watch's
+    assert not newer_known(rj("a", "10"), rj("a", "10"))
+    assert not newer_known(None, rj("a", "10"))
+    assert not newer_known(rj("old", "12"), rj("a", "10"))  # an earlier attempt's RayJob

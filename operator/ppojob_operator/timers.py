@@ -1,0 +1,133 @@
+"""The operator's timers: a reconcile retried with backoff, a status re-synced at a queueing
+deadline, a failed RayJob deleted after the failure policy's restart delay, and the queue
+timeout's verdict. Each timer is one task per job at a time, kept on its :class:`JobState`
+(cancelled when the job is forgotten); what a timer runs is handed in, so this module calls
+back into no reconcile step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ppojob_api.failures import Decision
+from ppojob_operator import k8s, metrics, restarts
+from ppojob_operator.builders import JOB_LABEL
+from ppojob_operator.state import JobState, State, event_once
+
+log = logging.getLogger(__name__)
+
+Action = Callable[[State, dict[str, Any]], Awaitable[Any]]
+"""A step run again later: ``action(state, body)``."""
+
+
+def retry_later(state: State, st: JobState, why: str, action: Action) -> None:
+    """Run ``action(state, body)`` again after a backoff (1 s, doubling, at most
+    ``retry_max_s``); nothing for a job forgotten meanwhile."""
+    if not state.current(st) or (st.retry is not None and not st.retry.done()):
+        return
+    delay = min(2.0**st.backoff, state.config.retry_max_s)
+    st.backoff += 1
+    log.info("%s/%s: %s; retrying in %.0fs", st.key[0], st.key[1], why, delay)
+
+    async def _again() -> None:
+        await asyncio.sleep(delay)
+        st.retry = None
+        if state.current(st) and st.body is not None:
+            await action(state, st.body)
+
+    st.retry = asyncio.get_running_loop().create_task(_again())
+
+
+def wake_at(
+    state: State,
+    st: JobState,
+    deadline: float,
+    action: Callable[[State, JobState], Awaitable[Any]],
+) -> None:
+    """Run ``action(state, st)`` (a status sync) at ``deadline`` (once per job at a time)."""
+    if st.queue_timer is not None and not st.queue_timer.done():
+        return
+
+    async def _wake() -> None:
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 0.05)
+        st.queue_timer = None
+        if state.current(st):
+            await action(state, st)
+
+    st.queue_timer = asyncio.get_running_loop().create_task(_wake())
+
+
+async def fail_queued(
+    st: JobState, body: dict[str, Any], reason: str, message: str
+) -> dict[str, Any] | None:
+    """The attempt queued past spec.scheduling.queueTimeoutSeconds: the job's verdict (saying
+    what it waited for and, from its pods, the scheduler's own reason) and its Warning event.
+    Returns the RayJob to delete (forgotten here, so the next status pass writes the verdict),
+    or None when there is nothing to fail."""
+    job, _ = st.parse(body)
+    if job is None or st.rayjob is None:
+        return None
+    key = st.key
+    pods = await k8s.alist("v1", "Pod", key[0], f"{JOB_LABEL}={key[1]}") or []
+    msg = restarts.queue_timeout_message(job, reason, message, pods)
+    st.note = ("Failed", "QueueTimeout", msg)
+    await event_once(st, body, "Warning", "QueueTimeout", msg)
+    rayjob = st.rayjob
+    st.rayjob = None
+    return rayjob
+
+
+async def delete_rayjob(key: tuple[str, str], rayjob: dict[str, Any]) -> None:
+    """Delete a timed-out attempt's RayJob, so that nothing it holds stays held."""
+    name = (rayjob.get("metadata") or {}).get("name")
+    try:
+        await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+    except k8s.ApiError as exc:
+        metrics.API_ERRORS.labels("delete").inc()
+        log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+
+
+async def after_failure(
+    state: State, st: JobState, body: dict[str, Any], decided: Decision | None
+) -> None:
+    """The I/O of a restart decision: its event, the metric, and (after the policy's delay) the
+    failed RayJob's deletion, whose DELETED event makes ``reconcile_children`` create the next
+    attempt. A decision already written (a restarted operator) gets its deletion scheduled."""
+    if decided is not None:
+        normal = decided.action == "Restart" and decided.failure_class == "Disruption"
+        why, msg = decided.reason, decided.message  # restarts.py: each reason documented
+        await event_once(st, body, "Normal" if normal else "Warning", why, msg)
+        if decided.action == "Restart":
+            metrics.RESTARTS.labels(decided.failure_class).inc()
+    status = st.written or body.get("status") or {}
+    if st.rayjob is not None and restarts.pending_restart(status, st.rayjob):
+        job, _ = st.parse(body)
+        delay = 0
+        last = status.get("lastRestart") or {}
+        if job is not None and last.get("failureClass") != "Disruption":
+            delay = job.spec.failure_policy.retry_delay_seconds
+        schedule_restart(state, st, restarts.restart_delay(status, delay, time.time()))
+
+
+def schedule_restart(state: State, st: JobState, delay: float) -> None:
+    """Delete the failed RayJob after ``delay`` seconds (once per job at a time)."""
+    if st.restart is not None and not st.restart.done():
+        return
+    key = st.key
+
+    async def _restart() -> None:
+        await asyncio.sleep(delay)
+        if not state.current(st) or st.rayjob is None:
+            return
+        name = (st.rayjob.get("metadata") or {}).get("name")
+        log.info("%s/%s: restarting: deleting RayJob %s", key[0], key[1], name)
+        try:
+            await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+        except k8s.ApiError as exc:
+            log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+            metrics.API_ERRORS.labels("delete").inc()
+
+    st.restart = asyncio.get_running_loop().create_task(_restart())
