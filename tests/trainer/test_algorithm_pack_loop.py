@@ -15,8 +15,9 @@ import pytest
 import torch
 import yaml
 
-from ppojob_trainer.backends.base import Generation, ShardIdentity
+from ppojob_trainer.backends.base import Generation
 from ppojob_trainer.backends.torch_backend import _micro_weights
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.workers.actor import ActorWorker, loss_rows, merge_update_metrics
 from ppojob_trainer.workers.rollout import RolloutWorker, select_groups

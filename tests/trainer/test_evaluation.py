@@ -11,8 +11,8 @@ import torch
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.backends.torch_backend import TorchGenerationEngine, TorchPolicyTrainer
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.k8s_progress import KubernetesProgressReporter
 from ppojob_trainer.progress import LocalProgressReporter, _postfix, read_metrics
 from ppojob_trainer.tasks import make_task

@@ -13,8 +13,8 @@ import torch
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import policy_loss, rollout_is_weights, sampling_logprobs
-from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.backends.torch_backend import TorchGenerationEngine, TorchPolicyTrainer
+from ppojob_trainer.distributed import ShardIdentity
 
 
 def _reference_truncated(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_p):

@@ -110,7 +110,7 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 
 def _layout(rank: int, tp: int, pp: int, world: int) -> object:
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
 
     return identity("actor", rank, world, tp, pp, 1)
 
@@ -308,7 +308,7 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     out_path, model_dirs = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -82,7 +82,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     from megatron.core import parallel_state as ps
 
     from ppojob_trainer.backends import megatron_backend as mb_
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
     from tests.helpers.batches import mixed_batch
 
     shard = identity("actor", rank, world, tp, pp, 1)
@@ -217,7 +217,7 @@ def _worker(rank: int, world: int, port: int, dirs: list[str], out_path: str) ->
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     out_path, dirs = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

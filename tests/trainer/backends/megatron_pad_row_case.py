@@ -29,7 +29,7 @@ def _case(tied: bool, root: Path) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from ppojob_trainer.backends import megatron_backend as mb_
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
 
     config = Qwen2Config(
         vocab_size=32,

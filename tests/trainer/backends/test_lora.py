@@ -135,7 +135,7 @@ def test_checkpoint_holds_only_the_adapters_and_restores_them(trained, model_dir
 
 
 def test_export_writes_the_adapter_and_the_merged_model(trained, tmp_path):
-    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.distributed import ShardIdentity
 
     trainer, _, batch = trained
     trainer.lora = trainer.lora.model_copy(update={"export_merged": True})

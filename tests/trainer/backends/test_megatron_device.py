@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ppojob_trainer.backends import megatron_backend as mb_
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 
 VOCAB = 7
 HIDDEN = 5

@@ -111,7 +111,7 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
         MegatronPolicyTrainer,
         MegatronValueTrainer,
     )
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
     from ppojob_trainer.workers.host import WorkerHost
 
     cfg = _cfg(tp, pp)
@@ -224,8 +224,8 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
     pytest.importorskip("megatron.core")
     import torch.multiprocessing as mp
 
+    from ppojob_trainer.distributed import free_port
     from ppojob_trainer.models import build_char_tokenizer
-    from ppojob_trainer.workers.group import free_port
 
     dirs = []
     for family, _, _ in CASES:

@@ -12,7 +12,6 @@ from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingHalf, TrainingSettings
 from ppojob_trainer import algorithms as A
 from ppojob_trainer import models
-from ppojob_trainer.backends.base import ShardIdentity
 from ppojob_trainer.backends.torch_backend import (
     TorchPolicyTrainer,
     TorchValueTrainer,
@@ -20,6 +19,7 @@ from ppojob_trainer.backends.torch_backend import (
     token_logprobs,
     trim_padding,
 )
+from ppojob_trainer.distributed import ShardIdentity
 
 
 @pytest.fixture(scope="module")

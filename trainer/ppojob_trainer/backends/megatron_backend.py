@@ -54,7 +54,8 @@ import torch
 
 from ppojob_api.training import TrainingSettings
 
-from .base import PolicyLossFn, PolicyTrainer, ShardIdentity, ValueLossFn, ValueTrainer
+from ..distributed import ShardIdentity
+from .base import PolicyLossFn, PolicyTrainer, ValueLossFn, ValueTrainer
 from .megatron_convert import (
     HfTensor,
     ModelShape,

@@ -264,7 +264,7 @@ class SGLangGenerationEngine(GenerationEngine):
         stop_ids: Sequence[int],
         visible_devices: Sequence[str] | None = None,
     ) -> None:
-        from ..workers.group import free_port
+        from ..distributed import free_port
 
         engine_cls = sglang_object("Engine")
         with _engine_env(visible_devices):

@@ -37,6 +37,7 @@ from torch import nn
 from ppojob_api.training import LoraSpec, TrainingSettings
 
 from ..algorithms.sampling import sampling_logprobs
+from ..distributed import ShardIdentity
 from ..models import (
     VALUE_HEAD_FILE,
     load_causal_lm,
@@ -50,7 +51,6 @@ from .base import (
     GenerationEngine,
     PolicyLossFn,
     PolicyTrainer,
-    ShardIdentity,
     ValueLossFn,
     ValueTrainer,
 )

@@ -21,7 +21,8 @@ from ppojob_api.training import Algorithm, TrainerConfig, TrainingSettings
 
 from .. import algorithms as A
 from ..agent import policy_mask
-from ..backends.base import PolicyTrainer, ShardIdentity
+from ..backends.base import PolicyTrainer
+from ..distributed import ShardIdentity
 from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
 

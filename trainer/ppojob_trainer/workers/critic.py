@@ -14,7 +14,8 @@ from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A
 from ..agent import policy_mask
-from ..backends.base import ShardIdentity, ValueTrainer
+from ..backends.base import ValueTrainer
+from ..distributed import ShardIdentity
 from .actor import (
     Part,
     balances_tokens,
