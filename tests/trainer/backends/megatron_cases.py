@@ -126,7 +126,8 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         _select,
         output_weight,
     )
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2

@@ -43,11 +43,9 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
 
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.torch_backend import (
-        TorchPolicyTrainer,
-        TorchValueTrainer,
-        full_state_dict,
-    )
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
     from ppojob_trainer.distributed import ShardIdentity
 
     torch.set_num_threads(1)

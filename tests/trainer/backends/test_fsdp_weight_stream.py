@@ -35,7 +35,7 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from ppojob_api.training import TrainerConfig, TrainingSettings
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.workers.host import WorkerHost
 
     torch.set_num_threads(1)

@@ -11,11 +11,9 @@ import torch
 
 from ppojob_api.training import LoraSpec, TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.backends.torch_backend import (
-    TorchGenerationEngine,
-    TorchPolicyTrainer,
-    merged_lora_weights,
-)
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.lora import merged_lora_weights
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
 from tests.helpers.batches import mixed_batch as _batch
 from tests.helpers.batches import ppo_policy_loss as _policy_loss
 

@@ -31,15 +31,15 @@ which gives each token the position the Hugging Face model gives it under left p
 only the causal mask. Each micro-batch is padded to its own longest prompt and response.
 
 Packing (``training.packing``): a micro-batch's sequences concatenated into one row without
-padding (:func:`~.torch_backend.pack_rows`), positions restarting per sequence. Under Transformer
-Engine's layer spec the row goes in as ``thd`` with ``PackedSeqParams``
+padding (:func:`~.torch_backend.packing.pack_rows`), positions restarting per sequence. Under
+Transformer Engine's layer spec the row goes in as ``thd`` with ``PackedSeqParams``
 (:func:`packed_seq_params`: ``cu_seqlens`` at the boundaries; its varlen attention and RoPE
 restart per sequence); megatron-core's local attention takes no ``PackedSeqParams``
 (``DotProductAttention`` asserts it is None), so there the row gets a block-diagonal causal mask
 (:func:`block_causal_mask`) and rotary positions restarting per sequence
 (:func:`rope_positions`: ``GPTModel`` asks its rotary embedding for positions 0..N-1 whatever
 its ``position_ids``). Micro-batches by tokens (``maxTokensPerMicroBatch``): the torch
-backend's planner (:func:`~.torch_backend.micro_batch_rows`), the loss weights unchanged.
+backend's planner (:func:`~.torch_backend.packing.micro_batch_rows`), the loss weights unchanged.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
 
 def packed_lengths(positions: torch.Tensor) -> list[int]:
     """The lengths of the sequences of one packed row, from its ``positions`` (restarting at 0
-    for every sequence, :func:`~.torch_backend.pack_rows`)."""
+    for every sequence, :func:`~.torch_backend.packing.pack_rows`)."""
     pos = positions.reshape(-1)
     starts = (pos == 0).nonzero().flatten().tolist()
     return [b - a for a, b in zip(starts, [*starts[1:], pos.numel()], strict=True)]
@@ -396,7 +396,7 @@ class _Sharded:
         data-parallel worker; times the data-parallel size where the gradients are then
         AVERAGED (the CPU path's all-reduce), not where they are SUMMED (megatron's DDP under
         ``calculate_per_token_loss``)."""
-        from .torch_backend import accumulation_weights
+        from .torch_backend.optimiser import accumulation_weights
 
         averaged = self.ddp is None
         return accumulation_weights(counts, global_count, self.shard.dp_size if averaged else 1)
@@ -409,9 +409,9 @@ class _Sharded:
     def plan(self, batch: Mapping[str, torch.Tensor], max_rows: int | None) -> list[torch.Tensor]:
         """Row indices of ``batch``'s micro-batches: ``max_rows`` rows at a time, or with
         ``maxTokensPerMicroBatch`` the torch backend's token-budget planner
-        (:func:`~.torch_backend.micro_batch_rows`: first-fit decreasing when packed); every
+        (:func:`~.torch_backend.packing.micro_batch_rows`: first-fit decreasing when packed); every
         rank of a model-parallel group plans the same batch alike."""
-        from .torch_backend import micro_batch_rows
+        from .torch_backend.packing import micro_batch_rows
 
         s = self.settings
         return micro_batch_rows(
@@ -424,7 +424,8 @@ class _Sharded:
         row (``_pos``: positions restarting per sequence, ``_lengths``: the sequences' lengths);
         ``_index`` [b, T]: the position of
         the output that predicts each response token (in the packed row: 0 for padding)."""
-        from .torch_backend import pack_rows, trim_padding
+        from .torch_backend.memory import trim_padding
+        from .torch_backend.packing import pack_rows
 
         mb, _ = trim_padding(mb)
         pad_to = self.shard.tp_size if self.sequence_parallel else 1
@@ -511,7 +512,7 @@ class _Sharded:
     def assemble(plan: list[torch.Tensor], parts: list[torch.Tensor], width: int) -> Any:
         """The [B, width] result of the micro-batches' [b, T'] ``parts`` (rows ``plan``), in
         the batch's row order; None where ``parts`` is empty (not the last stage)."""
-        from .torch_backend import _pad_columns
+        from .torch_backend.memory import _pad_columns
 
         if not parts:
             return None
@@ -639,7 +640,7 @@ class _Sharded:
         return self.device
 
     def _lr(self) -> float:
-        from .torch_backend import lr_factor
+        from .torch_backend.common import lr_factor
 
         return self.settings.learning_rate * lr_factor(
             self.updates, self.settings, self.total_updates

@@ -134,7 +134,7 @@ def peft_adapter_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torc
     names) in PEFT's names, which SGLang's ``LoRAAdapter`` parses (the layer index from
     ``layers.<i>.``, the projection from the module name, A or B from ``lora_A``/``lora_B``):
     ``base_model.model.<module>.lora_A.weight``."""
-    from .torch_backend import LORA_A, LORA_B
+    from .torch_backend.lora import LORA_A, LORA_B
 
     out = {}
     for name, t in adapters.items():

@@ -80,7 +80,7 @@ def make_policy_trainer(
             total_updates=total_updates,
             device=device,
         )
-    from ..backends.torch_backend import TorchPolicyTrainer
+    from ..backends.torch_backend.policy import TorchPolicyTrainer
 
     return TorchPolicyTrainer(
         model_dir,

@@ -40,7 +40,7 @@ def make_value_trainer(
         return MegatronValueTrainer(
             cfg, model_dir, shard, device=device, total_updates=planned_updates(cfg, "critic")
         )
-    from ..backends.torch_backend import TorchValueTrainer
+    from ..backends.torch_backend.value import TorchValueTrainer
 
     total = planned_updates(cfg, "critic")
     return TorchValueTrainer(

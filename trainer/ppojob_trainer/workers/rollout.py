@@ -53,7 +53,7 @@ def make_engine(
         return SGLangGenerationEngine(
             cfg, model_dir, tokenizer, stop_token_ids(tokenizer), visible_devices
         )
-    from ..backends.torch_backend import TorchGenerationEngine
+    from ..backends.torch_backend.generation import TorchGenerationEngine
 
     return TorchGenerationEngine(
         model_dir,
