@@ -120,12 +120,8 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
 
     from megatron.core import parallel_state as ps
 
-    from ppojob_trainer.backends.megatron_backend import (
-        MegatronPolicyTrainer,
-        MegatronValueTrainer,
-        _select,
-        output_weight,
-    )
+    from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer, MegatronValueTrainer
+    from ppojob_trainer.backends.megatron_logprobs import _select, output_weight
     from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
     from ppojob_trainer.models import load_causal_lm

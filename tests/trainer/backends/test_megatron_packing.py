@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ppojob_trainer import models
-from ppojob_trainer.backends.megatron_backend import (
+from ppojob_trainer.backends.megatron_inputs import (
     block_causal_mask,
     packed_lengths,
     packed_seq_params,
