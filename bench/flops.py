@@ -89,7 +89,7 @@ def total_flops(shape: dict[str, int], micros: Iterable[Micro], *, train: bool, 
 def micro_batches(prompt_mask, response_mask, size: int) -> list[Micro]:  # type: ignore[no-untyped-def]
     """The micro-batches the torch backend runs over a batch, ``size`` rows at a time: each is
     trimmed to its own longest prompt (left padding) and response (right padding), as
-    ``torch_backend.trim_padding`` does. ``prompt_mask``/``response_mask``: [B, P] / [B, T]
+    ``torch_backend.memory.trim_padding`` does. ``prompt_mask``/``response_mask``: [B, P] / [B, T]
     boolean tensors."""
     out = []
     n = int(response_mask.shape[0])

@@ -84,11 +84,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.torch_backend import (
-        TorchGenerationEngine,
-        TorchPolicyTrainer,
-        TorchValueTrainer,
-    )
+    from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
     from ppojob_trainer.models import count_parameters, quiet_transformers
 
     quiet_transformers()
@@ -290,8 +288,8 @@ def megatron(args: argparse.Namespace) -> dict[str, float]:
 
     from ppojob_api.training import TrainerConfig
     from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.base import ShardIdentity
     from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer
+    from ppojob_trainer.distributed import ShardIdentity
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -393,8 +391,9 @@ def fsdp(args: argparse.Namespace) -> dict[str, float]:
 
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.base import ShardIdentity
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, full_state_dict
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
+    from ppojob_trainer.distributed import ShardIdentity
     from ppojob_trainer.models import quiet_transformers
 
     quiet_transformers()

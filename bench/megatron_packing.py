@@ -34,7 +34,7 @@ from packing_lora import BUDGET, build_model, loss_fn, skewed_batch, timed  # no
 def actor(model_dir: Path, **training):  # type: ignore[no-untyped-def]
     from ppojob_api.training import TrainerConfig
     from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
 
     cfg = TrainerConfig.model_validate(
         {
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     dist.init_process_group(

@@ -74,7 +74,8 @@ def _child(spec: dict) -> None:
     import torch
 
     from ppojob_api.training import TrainingSettings
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     torch.manual_seed(0)

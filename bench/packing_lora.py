@@ -57,8 +57,8 @@ sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
 import torch  # noqa: E402
 
 from ppojob_api.training import LoraSpec, TrainingSettings  # noqa: E402
-from ppojob_trainer.backends import torch_backend  # noqa: E402
-from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer  # noqa: E402
+from ppojob_trainer.backends.torch_backend import policy as torch_policy  # noqa: E402
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer  # noqa: E402
 
 BUDGET = 8 * (32 + 256)
 
@@ -158,7 +158,7 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
     out = {}
     for name, kw in layouts.items():
         if name == "packed, dense mask":  # the model keeps sdpa: the block-diagonal mask
-            with mock.patch.object(torch_backend, "use_packed_attention", lambda m: False):
+            with mock.patch.object(torch_policy, "use_packed_attention", lambda m: False):
                 t = trainer(model_dir, **kw)
         else:
             t = trainer(model_dir, **kw)

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from ppojob_api.problems import Problem, SpecError, pydantic_problems
-from ppojob_api.training import TrainingSettings
+from ppojob_api.trainspec.settings import TrainingSettings
 from ppojob_api.yamlio import load_yaml
 
 

@@ -55,7 +55,8 @@ def tiny_backend(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ppojob_api.training import TrainingSettings
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)

@@ -45,10 +45,9 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ppojob_trainer.backends.base import ShardIdentity
     from ppojob_trainer.backends.megatron_parallel import init_parallel
     from ppojob_trainer.backends.weight_sync import init_custom_group
-    from ppojob_trainer.workers.group import init_role_groups
+    from ppojob_trainer.distributed import ShardIdentity, init_role_groups
 
     init_role_groups(["actor"], rank, world, "127.0.0.1", port, "gloo")
     init_parallel(ShardIdentity("actor", tp_rank=rank, tp_size=world), "cpu", 0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.workers import critic as critic_mod
 from ppojob_trainer.workers.critic import CriticWorker

@@ -15,8 +15,9 @@ import pytest
 import torch
 import yaml
 
-from ppojob_trainer.backends.base import Generation, ShardIdentity
-from ppojob_trainer.backends.torch_backend import _micro_weights
+from ppojob_trainer.backends.base import Generation
+from ppojob_trainer.backends.torch_backend.optimiser import _micro_weights
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.workers.actor import ActorWorker, loss_rows, merge_update_metrics
 from ppojob_trainer.workers.rollout import RolloutWorker, select_groups
@@ -171,7 +172,7 @@ def test_the_rollout_adds_the_overlong_penalty_to_the_scores_and_flags_truncatio
 
 def test_an_update_with_no_sample_in_the_loss_is_skipped_not_taken() -> None:
     from ppojob_api.training import TrainingSettings
-    from ppojob_trainer.backends.torch_backend import _Optimised
+    from ppojob_trainer.backends.torch_backend.optimiser import _Optimised
 
     module = torch.nn.Linear(2, 1)
     opt = _Optimised(module, TrainingSettings(learningRate=0.1), 4, None, 1)

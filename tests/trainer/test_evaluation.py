@@ -11,8 +11,9 @@ import torch
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.backends.base import ShardIdentity
-from ppojob_trainer.backends.torch_backend import TorchGenerationEngine, TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.k8s_progress import KubernetesProgressReporter
 from ppojob_trainer.progress import LocalProgressReporter, _postfix, read_metrics
 from ppojob_trainer.tasks import make_task
@@ -130,7 +131,7 @@ def test_training_evaluates_every_interval_and_at_the_end(local_ray, tmp_path: P
 def _response_logits(trainer, batch):
     """Full-vocabulary logits at the response positions, from the policy's HF model on the
     backend's own inputs (the backend itself never materialises them)."""
-    from ppojob_trainer.backends.torch_backend import full_inputs
+    from ppojob_trainer.backends.torch_backend.common import full_inputs
 
     ids, attn, pos, plen = full_inputs(batch)
     out = trainer.lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits

@@ -13,7 +13,7 @@ import tomllib
 from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer import models
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.tasks import Example, make_task
 from ppojob_trainer.workers.rollout import RolloutWorker, truncate_left
 

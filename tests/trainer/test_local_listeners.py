@@ -17,7 +17,7 @@ import pytest
 
 import ppojob_api
 import ppojob_trainer
-from ppojob_trainer.workers.group import free_port
+from ppojob_trainer.distributed import free_port
 
 DRIVER = Path(__file__).with_name("local_listeners_driver.py")
 

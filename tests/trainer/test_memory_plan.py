@@ -86,7 +86,7 @@ def test_lora_counts_adapter_grads_and_moments_and_no_reference_copy():
     """A LoRA actor: grads and AdamW moments of the adapters only (counted as PEFT counts
     them), no reference copy; a token budget sizes the activations."""
     from ppojob_api.training import LoraSpec
-    from ppojob_trainer.backends.torch_backend import apply_lora
+    from ppojob_trainer.backends.torch_backend.lora import apply_lora
     from ppojob_trainer.models import build_builtin_model
 
     lora = LoraSpec(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])

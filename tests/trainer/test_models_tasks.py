@@ -199,7 +199,7 @@ def test_concurrent_materialisation_gives_one_complete_directory(tmp_path):
 
 def test_size_checks_know_the_built_in_models_shapes() -> None:
     """check_sizes bounds memory with these shapes; they must be the models' own."""
-    from ppojob_api import training as config
+    from ppojob_api.trainspec import constants as config
     from ppojob_trainer import models
 
     assert set(config.BUILTIN_SHAPES) == set(models.BUILTIN_MODELS) == set(config.BUILTIN_MODELS)

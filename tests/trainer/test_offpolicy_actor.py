@@ -18,7 +18,7 @@ import yaml
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import StalenessError
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.manifest import config_from_doc
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"

@@ -18,8 +18,8 @@ import yaml
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import importance_weights, sampling_logprobs, staleness_stats
-from ppojob_trainer.backends.base import ShardIdentity
-from ppojob_trainer.backends.torch_backend import full_inputs
+from ppojob_trainer.backends.torch_backend.common import full_inputs
+from ppojob_trainer.distributed import ShardIdentity
 
 SWITCH = 3  # the update arrives before the 4th token
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"

@@ -13,8 +13,9 @@ import torch
 from ppojob_api.training import TrainerConfig, TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import policy_loss, rollout_is_weights, sampling_logprobs
-from ppojob_trainer.backends.base import ShardIdentity
-from ppojob_trainer.backends.torch_backend import TorchGenerationEngine, TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.distributed import ShardIdentity
 
 
 def _reference_truncated(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_p):
@@ -157,7 +158,7 @@ def test_actor_reports_the_mismatch_and_weighs_the_loss_by_capped_ratios(ray_ses
 def _response_logits(trainer, batch):
     """Full-vocabulary logits at the response positions, from the policy's HF model on the
     backend's own inputs (the backend itself never materialises them)."""
-    from ppojob_trainer.backends.torch_backend import full_inputs
+    from ppojob_trainer.backends.torch_backend.common import full_inputs
 
     ids, attn, pos, plen = full_inputs(batch)
     out = trainer.lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits

@@ -70,7 +70,7 @@ def _rendezvous_address() -> tuple[str, int]:
     """Address and a free port on this node, for a process group's rendezvous."""
     import ray
 
-    from .workers.group import free_port
+    from .distributed import free_port
 
     host = ray.util.get_node_ip_address()
     return host, free_port(host)

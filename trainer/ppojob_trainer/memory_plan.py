@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
-LOGITS_CHUNK_TOKENS = 1024  # as ppojob_trainer.backends.torch_backend.LOGITS_CHUNK_TOKENS
+LOGITS_CHUNK_TOKENS = 1024  # as backends.torch_backend.memory.LOGITS_CHUNK_TOKENS
 DEFAULT_GPU_GIB = 80.0
 ALLOCATOR_KEPT = 0.10
 """Share of an update's freed (transient) bytes assumed still reserved after ``empty_cache``

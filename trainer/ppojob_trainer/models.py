@@ -179,10 +179,10 @@ def save_pretrained_here(model: Any, directory: Path | str, **kwargs: Any) -> No
 
 def resolve_model_path(path: str, seed: int, root: Path | None = None) -> Path:
     """A loadable model directory for ``model.path`` (the rule of
-    :func:`ppojob_api.training.model_path_kind`): built-ins are materialised, an existing
+    :func:`ppojob_api.trainspec.model.model_path_kind`): built-ins are materialised, an existing
     directory is used as it is, a hub id is fetched through ``huggingface_hub`` into its cache
     (``HF_HOME`` / ``HF_HUB_CACHE``; with ``HF_HUB_OFFLINE=1`` only the cache is read)."""
-    from ppojob_api.training import model_path_kind
+    from ppojob_api.trainspec.model import model_path_kind
 
     if path.startswith(BUILTIN_PREFIX):
         return materialize_builtin(path[len(BUILTIN_PREFIX) :], seed, root)

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ppojob_api.training import TrainerConfig, model_path_kind
+from ppojob_api.training import TrainerConfig
+from ppojob_api.trainspec.model import model_path_kind
 from ppojob_trainer.hookload import call_problem, load_function
 
 REWARD_CALL = "fn(prompts, completions, labels), three lists of one length"

@@ -529,7 +529,7 @@ def load_judge_engine(
 ) -> tuple[Any, Any]:
     """(engine, tokenizer) of a judge model that is not the policy: ``builtin:<model>`` (seed
     0) or a Hugging Face causal-LM directory, on the torch engine the trainer samples with."""
-    from .backends.torch_backend import TorchGenerationEngine
+    from .backends.torch_backend.generation import TorchGenerationEngine
     from .models import load_tokenizer, materialize_builtin
 
     where = f"{field}.model: {spec.model!r}"

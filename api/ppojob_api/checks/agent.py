@@ -8,7 +8,8 @@ import re
 from ppojob_api import k8s_rules
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
-from ppojob_api.training import BUILTIN_AGENTS, BUILTIN_TOOLS, AgentSpec, TrainingHalf
+from ppojob_api.training import AgentSpec, TrainingHalf
+from ppojob_api.trainspec.constants import BUILTIN_AGENTS, BUILTIN_TOOLS
 
 
 def check_agent(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

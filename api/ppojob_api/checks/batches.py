@@ -9,7 +9,8 @@ from ppojob_api.overrides import (
     overridable_field,
 )
 from ppojob_api.problems import Problem
-from ppojob_api.training import GROUP_ESTIMATORS, TrainingHalf, TrainingSettings
+from ppojob_api.training import TrainingHalf, TrainingSettings
+from ppojob_api.trainspec.constants import GROUP_ESTIMATORS
 
 
 def batch_problems(

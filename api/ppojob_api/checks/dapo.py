@@ -4,7 +4,8 @@ rest of the spec."""
 from __future__ import annotations
 
 from ppojob_api.problems import Problem
-from ppojob_api.training import GROUP_ESTIMATORS, TrainingHalf
+from ppojob_api.training import TrainingHalf
+from ppojob_api.trainspec.constants import GROUP_ESTIMATORS
 
 
 def check_dynamic_sampling(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

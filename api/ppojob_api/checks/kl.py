@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ppojob_api.base import default_of
 from ppojob_api.problems import Problem
-from ppojob_api.training import GROUP_ESTIMATORS, KLSpec, TrainingHalf
+from ppojob_api.training import KLSpec, TrainingHalf
+from ppojob_api.trainspec.constants import GROUP_ESTIMATORS
 
 
 def check_kl_target(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

@@ -6,7 +6,8 @@ messages (``backends/megatron_convert.py``); here only what the spec alone shows
 from __future__ import annotations
 
 from ppojob_api.problems import Problem
-from ppojob_api.training import BUILTIN_MEGATRON_SHAPES, ActorRole, CriticRole, TrainingHalf
+from ppojob_api.training import ActorRole, CriticRole, TrainingHalf
+from ppojob_api.trainspec.constants import BUILTIN_MEGATRON_SHAPES
 
 
 def megatron_roles(half: TrainingHalf) -> list[tuple[str, ActorRole | CriticRole]]:

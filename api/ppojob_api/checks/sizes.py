@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ppojob_api.problems import Problem
 from ppojob_api.quantity import is_bare_number, quantity_value
-from ppojob_api.training import BUILTIN_CONTEXT, BUILTIN_SHAPES, TrainingHalf
+from ppojob_api.training import TrainingHalf
+from ppojob_api.trainspec.constants import BUILTIN_CONTEXT, BUILTIN_SHAPES
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

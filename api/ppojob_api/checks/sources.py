@@ -9,15 +9,10 @@ from urllib.parse import urlsplit
 
 from ppojob_api.base import HOOK_PATTERN
 from ppojob_api.problems import Problem
-from ppojob_api.training import (
-    BUILTIN_MODELS,
-    BUILTIN_TASKS,
-    JUDGE_PLACEHOLDERS,
-    REWARD_KINDS,
-    JudgeRewardSource,
-    TrainingHalf,
-    model_path_kind,
-)
+from ppojob_api.training import JudgeRewardSource, TrainingHalf
+from ppojob_api.trainspec.constants import BUILTIN_MODELS, BUILTIN_TASKS
+from ppojob_api.trainspec.data import JUDGE_PLACEHOLDERS, REWARD_KINDS
+from ppojob_api.trainspec.model import model_path_kind
 
 _BUILTIN_TASK_FIX = f"use one of {[f'builtin:{t}' for t in BUILTIN_TASKS]}"
 _NEEDS_REWARD = ("a dataset needs a reward function", "set rewardFunction: package.module:function")

@@ -110,7 +110,7 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 
 def _layout(rank: int, tp: int, pp: int, world: int) -> object:
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
 
     return identity("actor", rank, world, tp, pp, 1)
 
@@ -120,13 +120,10 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
 
     from megatron.core import parallel_state as ps
 
-    from ppojob_trainer.backends.megatron_backend import (
-        MegatronPolicyTrainer,
-        MegatronValueTrainer,
-        _select,
-        output_weight,
-    )
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+    from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer, MegatronValueTrainer
+    from ppojob_trainer.backends.megatron_logprobs import _select, output_weight
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2
@@ -308,7 +305,7 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     out_path, model_dirs = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -41,14 +41,14 @@ def _unchunked(actor: Any) -> None:
     vocabulary-parallel cross entropy; the entropy of the gathered vocabulary."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from ppojob_trainer.backends import megatron_backend as mb_
+    from ppojob_trainer.backends import megatron_logprobs as mlp_
 
     if actor.m.last:
         del actor.m.model.output_layer.forward  # the class's own forward again
 
     def stats(model, output, mb, entropy=None):  # type: ignore[no-untyped-def]
-        logits = mb_._at_index(output, mb).float() / actor.temperature
-        logp = mb_.vocab_parallel_logprobs(logits, mb["response_ids"])
+        logits = mlp_._at_index(output, mb).float() / actor.temperature
+        logp = mlp_.vocab_parallel_logprobs(logits, mb["response_ids"])
         if entropy is None:
             return logp, None
         with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
@@ -82,7 +82,8 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     from megatron.core import parallel_state as ps
 
     from ppojob_trainer.backends import megatron_backend as mb_
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.backends import megatron_logprobs as mlp_
+    from ppojob_trainer.distributed import identity
     from tests.helpers.batches import mixed_batch
 
     shard = identity("actor", rank, world, tp, pp, 1)
@@ -94,7 +95,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
 
     calls: list[tuple[int, int]] = []
     gathers = [0]
-    project, gather = mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region
+    project, gather = mlp_._vocab_logits, mtp.gather_from_tensor_model_parallel_region
 
     def recording(hidden, weight, temperature):  # type: ignore[no-untyped-def]
         out = project(hidden, weight, temperature)
@@ -105,7 +106,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         gathers[0] += 1
         return gather(*args, **kwargs)
 
-    mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = recording, counting
+    mlp_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = recording, counting
     res: dict[str, dict[str, Any]] = {}
     try:
         for variant in ("chunked", "megatron"):
@@ -115,7 +116,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
             actor.logits_chunk = CHUNK
             outputs: list[tuple[int, int]] = []
             if actor.m.last:
-                width = mb_.output_weight(actor.m.model).shape[0]
+                width = mlp_.output_weight(actor.m.model).shape[0]
 
                 def hook(module, args, output, into=outputs, width=width):  # type: ignore[no-untyped-def]
                     if output[0].shape[-1] == width:  # logits, not hidden states
@@ -156,7 +157,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
             res[variant] = r
             ps.destroy_model_parallel()
     finally:
-        mb_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = project, gather
+        mlp_._vocab_logits, mtp.gather_from_tensor_model_parallel_region = project, gather
 
     chunked, whole = res["chunked"], res["megatron"]
     out: dict[str, float] = {
@@ -217,7 +218,7 @@ def _worker(rank: int, world: int, port: int, dirs: list[str], out_path: str) ->
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     out_path, dirs = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

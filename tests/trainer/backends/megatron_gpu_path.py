@@ -91,7 +91,7 @@ def global_batch(n: int = 8, p: int = 3, t: int = 5) -> dict[str, torch.Tensor]:
 
 
 def token_logp(output: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    from ppojob_trainer.backends.megatron_backend import _select
+    from ppojob_trainer.backends.megatron_logprobs import _select
 
     return torch.log_softmax(_select(output, index).float(), -1).gather(-1, tokens[..., None])[
         ..., 0
@@ -125,9 +125,9 @@ def gpu_shard(shape, initial: dict, rank: int):  # type: ignore[no-untyped-def]
     from megatron.core import parallel_state as ps
 
     from ppojob_api.training import TrainerConfig
-    from ppojob_trainer.backends.base import ShardIdentity
-    from ppojob_trainer.backends.megatron_backend import _Sharded
     from ppojob_trainer.backends.megatron_parallel import build_model, transformer_config
+    from ppojob_trainer.backends.megatron_sharded import _Sharded
+    from ppojob_trainer.distributed import ShardIdentity
 
     config = transformer_config(shape, torch.bfloat16, device="cpu", tp=1, pp=1)
     config.calculate_per_token_loss = True
@@ -192,14 +192,15 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2)
     from megatron.core import parallel_state as ps
 
-    from ppojob_trainer.backends.base import ShardIdentity
-    from ppojob_trainer.backends.megatron_backend import _causal_mask, _Sharded, left_aligned
+    from ppojob_trainer.backends.megatron_inputs import _causal_mask, left_aligned
     from ppojob_trainer.backends.megatron_parallel import (
         _install_cpu_shims,
         build_model,
         parallel_kwargs,
         transformer_config,
     )
+    from ppojob_trainer.backends.megatron_sharded import _Sharded
+    from ppojob_trainer.distributed import ShardIdentity
 
     shard = ShardIdentity("actor", dp_rank=rank, dp_size=2)
     ps.initialize_model_parallel(**parallel_kwargs(shard, "cuda"))

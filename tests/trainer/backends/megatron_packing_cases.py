@@ -68,7 +68,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
         MegatronPolicyTrainer,
         MegatronValueTrainer,
     )
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
     from tests.helpers.batches import mixed_batch, ppo_policy_loss
 
     shard = identity("actor", rank, world, tp, pp, 1)
@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> 
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     out_path, model_dir = sys.argv[1], sys.argv[2]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -29,7 +29,8 @@ def _case(tied: bool, root: Path) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from ppojob_trainer.backends import megatron_backend as mb_
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.backends import megatron_inputs
+    from ppojob_trainer.distributed import identity
 
     config = Qwen2Config(
         vocab_size=32,
@@ -52,7 +53,7 @@ def _case(tied: bool, root: Path) -> dict[str, float]:
         cfg, path, identity("actor", 0, 1, 1, 1, 1), need_reference=False
     )
     batch = _batch(4, 3)
-    ids, index = mb_.left_aligned(batch)
+    ids, index = megatron_inputs.left_aligned(batch)
     assert bool((ids == PAD).any()), "the lookup must read the pad row"
 
     def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, None]:

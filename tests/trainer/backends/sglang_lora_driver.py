@@ -75,7 +75,7 @@ def actor(targets: list[str]) -> Any:
     from transformers import Qwen2ForCausalLM
 
     from ppojob_api.training import LoraSpec
-    from ppojob_trainer.backends.torch_backend import apply_lora
+    from ppojob_trainer.backends.torch_backend.lora import apply_lora
 
     torch.manual_seed(0)
     lora = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=targets)
@@ -243,7 +243,7 @@ def sync(targets: list[str], versions: int = 2, store: bool = False) -> dict[str
     ``publish_weights`` then ``load_weights``); what SGLang then computes against our merged
     weights."""
     from ppojob_trainer.backends import sglang_backend as sb
-    from ppojob_trainer.backends.torch_backend import lora_adapter_tensors, merged_lora_weights
+    from ppojob_trainer.backends.torch_backend.lora import lora_adapter_tensors, merged_lora_weights
 
     model, lora = actor(targets)
     args = sb.lora_server_args(lora)

@@ -43,12 +43,10 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
 
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer import algorithms as A
-    from ppojob_trainer.backends.base import ShardIdentity
-    from ppojob_trainer.backends.torch_backend import (
-        TorchPolicyTrainer,
-        TorchValueTrainer,
-        full_state_dict,
-    )
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
+    from ppojob_trainer.distributed import ShardIdentity
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -185,7 +183,7 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     from ppojob_trainer import models
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     model_dir = models.materialize_builtin("tiny-llama", 5, tmp_path / "cache")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -35,7 +35,7 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from ppojob_api.training import TrainerConfig, TrainingSettings
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.workers.host import WorkerHost
 
     torch.set_num_threads(1)
@@ -117,7 +117,7 @@ def test_an_fsdp_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(tmp_pa
     import torch.multiprocessing as mp
 
     from ppojob_trainer import models
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     model_dir = models.materialize_builtin("tiny-llama", 5, tmp_path / "cache")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -11,11 +11,9 @@ import torch
 
 from ppojob_api.training import LoraSpec, TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.backends.torch_backend import (
-    TorchGenerationEngine,
-    TorchPolicyTrainer,
-    merged_lora_weights,
-)
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.lora import merged_lora_weights
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
 from tests.helpers.batches import mixed_batch as _batch
 from tests.helpers.batches import ppo_policy_loss as _policy_loss
 
@@ -135,7 +133,7 @@ def test_checkpoint_holds_only_the_adapters_and_restores_them(trained, model_dir
 
 
 def test_export_writes_the_adapter_and_the_merged_model(trained, tmp_path):
-    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.distributed import ShardIdentity
 
     trainer, _, batch = trained
     trainer.lora = trainer.lora.model_copy(update={"export_merged": True})

@@ -17,17 +17,18 @@ import pytest
 import torch
 
 from ppojob_api.checks import check_training_half
-from ppojob_api.training import BUILTIN_MEGATRON_SHAPES, TrainerConfig
+from ppojob_api.training import TrainerConfig
+from ppojob_api.trainspec.constants import BUILTIN_MEGATRON_SHAPES
 from ppojob_trainer import models
-from ppojob_trainer.backends.megatron_backend import left_aligned
 from ppojob_trainer.backends.megatron_convert import (
     ModelShape,
     hf_to_megatron,
     megatron_to_hf,
     parallel_problems,
 )
+from ppojob_trainer.backends.megatron_inputs import left_aligned
+from ppojob_trainer.distributed import identity
 from ppojob_trainer.loop import _dp_leaders
-from ppojob_trainer.workers.group import identity
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

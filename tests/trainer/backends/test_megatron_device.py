@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ppojob_trainer.backends import megatron_backend as mb_
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.backends import megatron_logprobs, megatron_sharded
+from ppojob_trainer.distributed import ShardIdentity
 
 VOCAB = 7
 HIDDEN = 5
@@ -40,8 +41,8 @@ class MetaModel(torch.nn.Module):
         return torch.zeros(b, length, 1, device="meta") + self.w
 
 
-def meta_shard(width: int, packing: bool = False) -> mb_._Sharded:
-    m = mb_._Sharded.__new__(mb_._Sharded)
+def meta_shard(width: int, packing: bool = False) -> megatron_sharded._Sharded:
+    m = megatron_sharded._Sharded.__new__(megatron_sharded._Sharded)
     m.shard = ShardIdentity("actor")
     m.device, m.gpu, m.first, m.last = torch.device("meta"), False, True, True
     m.sequence_parallel, m.ddp, m.ps = False, None, SimpleNamespace()
@@ -75,7 +76,7 @@ def meta_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
 
-    monkeypatch.setattr(mb_, "vocab_parallel_logprobs", logprobs)
+    monkeypatch.setattr(megatron_logprobs, "vocab_parallel_logprobs", logprobs)
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -125,6 +126,6 @@ def test_bf16_logits_are_divided_by_the_temperature_in_float32(meta_logprobs):
         "response_ids": torch.tensor([[5] * 3] * 2),
     }
     got, _ = actor._token_stats(model, output, mb)
-    logits = torch.nn.functional.linear(mb_._select(output, mb["_index"]), weight)
+    logits = torch.nn.functional.linear(megatron_logprobs._select(output, mb["_index"]), weight)
     want = torch.log_softmax(logits.float() / 0.7, -1)[..., 5]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

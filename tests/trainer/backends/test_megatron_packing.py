@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ppojob_trainer import models
-from ppojob_trainer.backends.megatron_backend import (
+from ppojob_trainer.backends.megatron_inputs import (
     block_causal_mask,
     packed_lengths,
     packed_seq_params,
     rope_positions,
 )
-from ppojob_trainer.backends.torch_backend import pack_rows
+from ppojob_trainer.backends.torch_backend.packing import pack_rows
 from tests.helpers.batches import PROMPT_LENS, RESPONSE_LENS, mixed_batch
 
 HERE = Path(__file__).resolve().parent

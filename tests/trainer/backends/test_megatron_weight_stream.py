@@ -106,12 +106,12 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ppojob_trainer.backends import megatron_backend
+    from ppojob_trainer.backends import megatron_sharded
     from ppojob_trainer.backends.megatron_backend import (
         MegatronPolicyTrainer,
         MegatronValueTrainer,
     )
-    from ppojob_trainer.workers.group import identity
+    from ppojob_trainer.distributed import identity
     from ppojob_trainer.workers.host import WorkerHost
 
     cfg = _cfg(tp, pp)
@@ -123,8 +123,8 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
     streams: list[object] = []  # the streams the backend made (the last one is walked)
     making: list[torch.Tensor] = []  # the tensors of the bucket being made
     peaks: list[int] = []
-    weight_stream = megatron_backend._Sharded.weight_stream
-    hf_tensor = megatron_backend._Sharded._hf_tensor
+    weight_stream = megatron_sharded._Sharded.weight_stream
+    hf_tensor = megatron_sharded._Sharded._hf_tensor
 
     def tracked(self, max_bytes):  # type: ignore[no-untyped-def]
         stream = weight_stream(self, max_bytes)
@@ -151,8 +151,8 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
         raise AssertionError("an object collective was called on the stream path")
 
     saved = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
-    megatron_backend._Sharded._hf_tensor = counted
-    megatron_backend._Sharded.weight_stream = tracked
+    megatron_sharded._Sharded._hf_tensor = counted
+    megatron_sharded._Sharded.weight_stream = tracked
     for name in OBJECT_COLLECTIVES:
         setattr(dist, name, refuse)
 
@@ -190,8 +190,8 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
             value = MegatronValueTrainer(cfg, Path(model_dir), role)
             result["critic_stream"] = value.export_weight_stream(BUCKET).materialise()
     finally:
-        megatron_backend._Sharded._hf_tensor = hf_tensor
-        megatron_backend._Sharded.weight_stream = weight_stream
+        megatron_sharded._Sharded._hf_tensor = hf_tensor
+        megatron_sharded._Sharded.weight_stream = weight_stream
         for name, fn in saved.items():
             setattr(dist, name, fn)
     if critic:
@@ -224,8 +224,8 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
     pytest.importorskip("megatron.core")
     import torch.multiprocessing as mp
 
+    from ppojob_trainer.distributed import free_port
     from ppojob_trainer.models import build_char_tokenizer
-    from ppojob_trainer.workers.group import free_port
 
     dirs = []
     for family, _, _ in CASES:

@@ -12,7 +12,8 @@ import torch
 from ppojob_api.training import TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.backends import packed_attention as pa
-from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer, TorchValueTrainer
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
 from tests.helpers.batches import PROMPT_LENS, RESPONSE_LENS, mixed_batch, ppo_policy_loss
 
 LENGTHS = [5, 3, 9, 5, 3, 1]  # sequences of one length are stacked: out of row order

@@ -10,13 +10,13 @@ import torch
 from ppojob_api.training import TrainingSettings
 from ppojob_trainer import models
 from ppojob_trainer.algorithms import value_loss
-from ppojob_trainer.backends.torch_backend import (
-    TorchPolicyTrainer,
-    TorchValueTrainer,
+from ppojob_trainer.backends.torch_backend.packing import (
     micro_batch_rows,
     pack_rows,
     split_to_count,
 )
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
 from tests.helpers.batches import PROMPT_LENS, RESPONSE_LENS
 from tests.helpers.batches import mixed_batch as _batch
 from tests.helpers.batches import ppo_policy_loss as _policy_loss
@@ -158,7 +158,7 @@ def test_token_budget_bins_fit_and_a_longer_sequence_names_the_field():
 def test_packing_refuses_a_model_that_builds_its_own_attention_mask(model_dir):
     from torch import nn
 
-    from ppojob_trainer.backends.torch_backend import check_packing_support
+    from ppojob_trainer.backends.torch_backend.packing import check_packing_support
 
     check_packing_support(models.load_causal_lm(model_dir))  # transformers' masking utilities
     with pytest.raises(ValueError, match="set packing: false"):

@@ -177,8 +177,8 @@ def test_a_lora_actor_exports_only_its_adapters_for_sglang_engines(tmp_path):
     """The actor's trainer for an sglang rollout exports adapter tensors (which the host renames
     to PEFT's), not the merged model: the point of the adapter-only sync."""
     from ppojob_trainer import models
-    from ppojob_trainer.backends.base import ShardIdentity
     from ppojob_trainer.backends.sglang_backend import PEFT_PREFIX, peft_adapter_tensors
+    from ppojob_trainer.distributed import ShardIdentity
     from ppojob_trainer.workers.actor import make_policy_trainer
 
     cfg = spec_with(["q_proj", "v_proj"])

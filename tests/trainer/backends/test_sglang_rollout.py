@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from ppojob_api.checks import check_training_half
-from ppojob_api.training import TrainerConfig, model_path_kind
+from ppojob_api.training import TrainerConfig
+from ppojob_api.trainspec.model import model_path_kind
 from ppojob_cli.main import main as ppojob
 from ppojob_trainer.backends.sglang_backend import engine_args, generation_from_outputs
 from ppojob_trainer.backends.weight_sync import flatten, plan_buckets, plan_weight_buckets
@@ -385,7 +386,7 @@ TEMPLATE = (
 
 
 def _worker(model_dir: Path, apply: bool | None):
-    from ppojob_trainer.backends.base import ShardIdentity
+    from ppojob_trainer.distributed import ShardIdentity
     from ppojob_trainer.workers.rollout import RolloutWorker
 
     cfg = TrainerConfig.model_validate(

@@ -7,13 +7,10 @@ import torch
 
 from ppojob_api.training import TrainingSettings
 from ppojob_trainer import models
-from ppojob_trainer.backends.torch_backend import (
-    TorchGenerationEngine,
-    TorchPolicyTrainer,
-    TorchValueTrainer,
-    lr_factor,
-    top_p_filter,
-)
+from ppojob_trainer.backends.torch_backend.common import lr_factor, top_p_filter
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +231,7 @@ def test_micro_batches_of_unequal_token_counts_give_the_full_batch_gradient(mode
 
 
 def test_accumulation_weights_scale_by_global_count_and_dp():
-    from ppojob_trainer.backends.torch_backend import accumulation_weights
+    from ppojob_trainer.backends.torch_backend.optimiser import accumulation_weights
 
     # this worker: micro-batches of 3 and 11 tokens; both workers together: 20 tokens
     assert accumulation_weights([3, 11], 20, 2) == pytest.approx([0.3, 1.1])

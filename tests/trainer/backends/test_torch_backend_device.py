@@ -12,14 +12,11 @@ from ppojob_api.checks import check_training_half
 from ppojob_api.training import TrainerConfig, TrainingHalf, TrainingSettings
 from ppojob_trainer import algorithms as A
 from ppojob_trainer import models
-from ppojob_trainer.backends.base import ShardIdentity
-from ppojob_trainer.backends.torch_backend import (
-    TorchPolicyTrainer,
-    TorchValueTrainer,
-    chunked_logprobs,
-    token_logprobs,
-    trim_padding,
-)
+from ppojob_trainer.backends.torch_backend.common import token_logprobs
+from ppojob_trainer.backends.torch_backend.memory import chunked_logprobs, trim_padding
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
+from ppojob_trainer.distributed import ShardIdentity
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.workers.actor import mini_batch_rows
 from ppojob_trainer.workers.group import balanced_shares, balanced_split, shard_range
 

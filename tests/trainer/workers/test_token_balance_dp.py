@@ -66,7 +66,7 @@ def _capture(trainer, into: list) -> None:
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
-    from ppojob_trainer.backends.torch_backend import full_state_dict
+    from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
 
     return {k: v.float() for k, v in full_state_dict(trainer.lm).items()}
 
@@ -75,8 +75,8 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from ppojob_api.training import TrainingSettings
-    from ppojob_trainer.backends.base import ShardIdentity
-    from ppojob_trainer.backends.torch_backend import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.distributed import ShardIdentity
     from ppojob_trainer.workers.actor import balances_tokens, mini_batch_rows
     from tests.helpers.batches import ppo_policy_loss
 
@@ -152,7 +152,7 @@ def results(tmp_path_factory) -> list[dict]:
     import torch.multiprocessing as mp
 
     from ppojob_trainer import models
-    from ppojob_trainer.workers.group import free_port
+    from ppojob_trainer.distributed import free_port
 
     tmp = tmp_path_factory.mktemp("dp")
     model_dir = models.materialize_builtin("tiny-llama", 5, tmp / "cache")

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.loop import PPOTrainer
 from ppojob_trainer.workers.actor import ActorWorker
 from tests.trainer.workers.test_workers import _cfg, _rollout_parts

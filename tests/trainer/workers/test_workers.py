@@ -13,7 +13,7 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.algorithms import compute_advantages, masked_whiten, shape_token_rewards
-from ppojob_trainer.backends.base import ShardIdentity
+from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.loop import PPOTrainer
 from ppojob_trainer.workers.actor import ActorWorker
 from ppojob_trainer.workers.group import overlap, shard_range

@@ -4,13 +4,8 @@
 their GPU packages lazily and raise a clear error when those are missing.
 """
 
-from .base import (
-    Generation,
-    GenerationEngine,
-    PolicyTrainer,
-    ShardIdentity,
-    ValueTrainer,
-)
+from ..distributed import ShardIdentity
+from .base import Generation, GenerationEngine, PolicyTrainer, ValueTrainer
 
 __all__ = ["Generation", "GenerationEngine", "PolicyTrainer", "ShardIdentity", "ValueTrainer"]
 

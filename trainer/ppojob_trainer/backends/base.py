@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import ShardIdentity
 from .weight_sync import WeightStream
 
 # (logprobs [b, T], entropy [b, T] or None, mini-batch) -> (loss, metrics)
@@ -52,25 +53,6 @@ class Generation:
     versions: torch.Tensor | None = None
     """[B, T] int32: the policy version that sampled each token, when the engine's weights
     changed during the call (partial rollout); None: all of them the caller's version."""
-
-
-@dataclass(frozen=True)
-class ShardIdentity:
-    """Where a worker sits in its role's parallel layout."""
-
-    role: str
-    dp_rank: int = 0
-    dp_size: int = 1
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-
-    @property
-    def is_dp_leader(self) -> bool:
-        return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
 
 MEMORY_WEIGHTS = "weights"

@@ -1,8 +1,9 @@
-"""megatron-core's parallel state from a worker's :class:`~.base.ShardIdentity`, and the model.
+"""megatron-core's parallel state from a worker's
+:class:`~ppojob_trainer.distributed.ShardIdentity`, and the model.
 
 Rank layout: megatron-core's default order ``tp-cp-ep-dp-pp`` over the world of the worker's role
-set (the processes :func:`~ppojob_trainer.workers.group.init_role_groups` joined): rank
-``tp + T*(cp + C*(dp + D*pp))``. :func:`~ppojob_trainer.workers.group.identity` computes the same
+set (the processes :func:`~ppojob_trainer.distributed.init_role_groups` joined): rank
+``tp + T*(cp + C*(dp + D*pp))``. :func:`~ppojob_trainer.distributed.identity` computes the same
 layout, so the shard identity a worker is given and megatron's groups agree (checked here).
 
 megatron-core keeps its groups in module globals, one layout per process: a colocated actor and
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import ShardIdentity
+from ..distributed import ShardIdentity
 from .megatron_convert import ModelShape
 
 GLOO_GROUPS = True
@@ -147,7 +148,7 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
             raise RuntimeError(
                 f"megatron backend: {world} workers expected in a process group, none was joined"
             )
-        from ..workers.group import loopback_gloo
+        from ..distributed import loopback_gloo
 
         loopback_gloo()
         dist.init_process_group(  # one rank: an in-memory store, no listener

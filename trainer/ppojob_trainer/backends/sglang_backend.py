@@ -134,7 +134,7 @@ def peft_adapter_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torc
     names) in PEFT's names, which SGLang's ``LoRAAdapter`` parses (the layer index from
     ``layers.<i>.``, the projection from the module name, A or B from ``lora_A``/``lora_B``):
     ``base_model.model.<module>.lora_A.weight``."""
-    from .torch_backend import LORA_A, LORA_B
+    from .torch_backend.lora import LORA_A, LORA_B
 
     out = {}
     for name, t in adapters.items():
@@ -264,7 +264,7 @@ class SGLangGenerationEngine(GenerationEngine):
         stop_ids: Sequence[int],
         visible_devices: Sequence[str] | None = None,
     ) -> None:
-        from ..workers.group import free_port
+        from ..distributed import free_port
 
         engine_cls = sglang_object("Engine")
         with _engine_env(visible_devices):

@@ -198,7 +198,7 @@ def init_custom_group(
 
     from torch.distributed import distributed_c10d as c10d
 
-    from ..workers.group import local_store
+    from ..distributed import local_store
 
     timeout = timedelta(seconds=timeout_s)
     store = local_store(master_address, master_port, world_size, group_name)

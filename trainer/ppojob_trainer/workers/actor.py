@@ -21,7 +21,8 @@ from ppojob_api.training import Algorithm, TrainerConfig, TrainingSettings
 
 from .. import algorithms as A
 from ..agent import policy_mask
-from ..backends.base import PolicyTrainer, ShardIdentity
+from ..backends.base import PolicyTrainer
+from ..distributed import ShardIdentity
 from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
 
@@ -79,7 +80,7 @@ def make_policy_trainer(
             total_updates=total_updates,
             device=device,
         )
-    from ..backends.torch_backend import TorchPolicyTrainer
+    from ..backends.torch_backend.policy import TorchPolicyTrainer
 
     return TorchPolicyTrainer(
         model_dir,

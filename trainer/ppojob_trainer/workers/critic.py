@@ -14,7 +14,8 @@ from ppojob_api.training import TrainerConfig
 
 from .. import algorithms as A
 from ..agent import policy_mask
-from ..backends.base import ShardIdentity, ValueTrainer
+from ..backends.base import ValueTrainer
+from ..distributed import ShardIdentity
 from .actor import (
     Part,
     balances_tokens,
@@ -39,7 +40,7 @@ def make_value_trainer(
         return MegatronValueTrainer(
             cfg, model_dir, shard, device=device, total_updates=planned_updates(cfg, "critic")
         )
-    from ..backends.torch_backend import TorchValueTrainer
+    from ..backends.torch_backend.value import TorchValueTrainer
 
     total = planned_updates(cfg, "critic")
     return TorchValueTrainer(

@@ -23,14 +23,9 @@ from ppojob_api.training import TrainerConfig
 
 from ..backends.base import WAKE_AFTER_SYNC, WAKE_FOR_SYNC
 from ..backends.weight_sync import WeightStream, bucket_meta, flatten, init_custom_group
+from ..distributed import data_parallel_group, identity, init_role_groups, model_parallel_identity
 from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
-from .group import (
-    data_parallel_group,
-    identity,
-    init_role_groups,
-    model_parallel_identity,
-)
 
 
 class WorkerHost:
@@ -525,7 +520,7 @@ class WorkerHost:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port free on it (for a group's rendezvous here)."""
-        from .group import free_port
+        from ..distributed import free_port
 
         host = ray.util.get_node_ip_address()
         return host, free_port(host)

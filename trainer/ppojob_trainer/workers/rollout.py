@@ -30,7 +30,8 @@ from ..agent import (
     run_conversations,
 )
 from ..algorithms.dapo import overlong_penalty, truncated_rows
-from ..backends.base import Generation, GenerationEngine, ShardIdentity
+from ..backends.base import Generation, GenerationEngine
+from ..distributed import ShardIdentity
 from ..models import load_tokenizer
 from ..rewards import make_reward
 from ..tasks import Example, Prompt
@@ -52,7 +53,7 @@ def make_engine(
         return SGLangGenerationEngine(
             cfg, model_dir, tokenizer, stop_token_ids(tokenizer), visible_devices
         )
-    from ..backends.torch_backend import TorchGenerationEngine
+    from ..backends.torch_backend.generation import TorchGenerationEngine
 
     return TorchGenerationEngine(
         model_dir,

@@ -1,0 +1,804 @@
+"""One role's sharded megatron-core model, optimizer and schedule (:class:`_Sharded`): the model
+converted from the Hugging Face checkpoint, the CPU (``torch.optim.AdamW``) or GPU (megatron-core's
+DDP and distributed optimizer) optimizer path, forward and backward through megatron-core's
+pipeline schedule, checkpoints and the weight stream in the Hugging Face layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppojob_api.training import TrainingSettings
+
+from ..distributed import ShardIdentity
+from .megatron_convert import (
+    HfTensor,
+    ModelShape,
+    hf_from_pieces,
+    hf_layout,
+    hf_to_megatron,
+    megatron_to_hf,
+    parallel_problems,
+)
+from .megatron_inputs import (
+    _causal_mask,
+    _split,
+    block_causal_mask,
+    left_aligned,
+    packed_lengths,
+    packed_seq_params,
+    rope_positions,
+)
+from .weight_sync import WeightStream, plan_buckets
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+# Transformer Engine's layer spec fuses the norms into the following linear layers.
+TE_NORMS = [
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+]
+
+
+def _rename(sd: Mapping[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict:
+    """``sd`` with every key ending in a pair's first suffix ending in its second instead."""
+    out = {}
+    for k, v in sd.items():
+        for old, new in pairs:
+            if k.endswith(old):
+                k = k[: -len(old)] + new
+                break
+        out[k] = v
+    return out
+
+
+class _Sharded:
+    """A megatron-core model shard (actor or critic), its optimizer and its checkpoint state."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype_name: str,
+        shard: ShardIdentity,
+        settings: TrainingSettings,
+        *,
+        total_updates: int,
+        value: bool,
+        device: str,
+        seed: int,
+        sequence_parallel: bool = False,
+        frozen_copy: bool = False,
+    ) -> None:
+        from transformers import AutoConfig
+
+        from ..models import torch_dtype
+        from .megatron_parallel import build_model, init_parallel, transformer_config
+
+        self.shard = shard
+        self.settings = settings
+        self.total_updates = max(1, total_updates)
+        self.value = value
+        self.device = torch.device(device)
+        self.gpu = self.device.type == "cuda"
+        field = f"spec.roles.{shard.role}"
+        self.shape = ModelShape.from_hf_config(
+            AutoConfig.from_pretrained(str(model_dir)), field="spec.model.path"
+        )
+        problems = parallel_problems(self.shape, shard.tp_size, shard.pp_size)
+        if problems:
+            what, fix = problems[0]
+            raise ValueError(f"{field}.parallelism: {what}; {fix}")
+        if shard.cp_size > 1 and not self.gpu:
+            raise ValueError(f"{field}.parallelism.context: context parallelism needs GPUs; set 1")
+        dtype = torch_dtype(dtype_name)
+        if not self.gpu and dtype != torch.float32:
+            raise ValueError("spec.model.dtype: the megatron backend on CPU runs float32; set it")
+        init_parallel(shard, device, seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.first = ps.is_pipeline_first_stage()
+        self.last = ps.is_pipeline_last_stage()
+        self.sequence_parallel = sequence_parallel and shard.tp_size > 1
+        self.config = transformer_config(
+            self.shape,
+            dtype,
+            device=device,
+            tp=shard.tp_size,
+            pp=shard.pp_size,
+            cp=shard.cp_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+        self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
+        self.config.variable_seq_lengths = True  # micro-batches may differ in size
+
+        hf = self._load_hf(model_dir, seed, dtype_name)
+        self.model = self._new_model(build_model, hf)
+        # Transformer Engine's layer spec (its varlen attention takes packed rows as ``thd``),
+        # else megatron-core's local attention (packed rows: a block-diagonal mask)
+        self.te = any(k.endswith(TE_NORMS[0][1]) for k in self.model.state_dict())
+        self.reference = None
+        if frozen_copy:
+            self.reference = self._new_model(build_model, hf).eval()
+            self.reference.requires_grad_(False)
+        del hf
+        self.updates = 0
+        self.ddp = None
+        if self.gpu:
+            self._gpu_optimizer()
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(
+                self.params,
+                lr=settings.learning_rate,
+                betas=(settings.adam_beta1, settings.adam_beta2),
+                eps=settings.adam_eps,
+                weight_decay=settings.weight_decay,
+            )
+
+    # -- construction --------------------------------------------------------------------------
+    def _load_hf(self, model_dir: Path, seed: int, dtype: str) -> dict[str, torch.Tensor]:
+        """The HF state dict in the training dtype, on the CPU (critic: backbone + a value head
+        initialised as the torch backend's, so both backends start from the same critic)."""
+        from ..models import load_causal_lm, load_value_model
+
+        if not self.value:
+            return load_causal_lm(model_dir, dtype).state_dict()
+        vm = load_value_model(model_dir, dtype, seed=seed)
+        sd = {
+            ("model." + k[len("backbone.") :]): v
+            for k, v in vm.state_dict().items()
+            if k.startswith("backbone.")
+        }
+        sd["value_head.weight"] = vm.value_head.weight.detach()
+        sd["value_head.bias"] = vm.value_head.bias.detach()
+        return sd
+
+    def _new_model(self, build_model: Callable[..., Any], hf: Mapping[str, torch.Tensor]) -> Any:
+        model = build_model(
+            self.shape,
+            self.config,
+            pre_process=self.first,
+            post_process=self.last,
+            value=self.value,
+            role=self.shard.role,
+        )
+        self._load_local(model, self._local_from_hf(hf))
+        return model.to(self.device)
+
+    def _local_from_hf(self, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        s = self.shard
+        head = None
+        if self.value:
+            head = {"weight": hf["value_head.weight"], "bias": hf["value_head.bias"]}
+        return hf_to_megatron(
+            hf, self.shape, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size, value_head=head
+        )
+
+    @staticmethod
+    def _load_local(model: Any, local: Mapping[str, torch.Tensor]) -> None:
+        params = {
+            k: v
+            for k, v in model.state_dict(keep_vars=True).items()
+            if not k.endswith("_extra_state")
+        }
+        if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
+            local = _rename(local, TE_NORMS)
+        if set(params) != set(local):
+            raise RuntimeError(
+                f"megatron conversion: model keys {sorted(set(params) ^ set(local))[:6]} do not "
+                f"match the converted checkpoint"
+            )
+        with torch.no_grad():
+            for k, p in params.items():
+                if p.shape != local[k].shape:
+                    raise RuntimeError(
+                        f"megatron conversion: {k} {tuple(local[k].shape)} does "
+                        f"not fit {tuple(p.shape)}"
+                    )
+                p.copy_(local[k])
+
+    def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
+        """megatron-core DDP + distributed optimizer (bf16 weights, fp32 main weights)."""
+        self._wrap_ddp()
+        self.optimizer = self._megatron_optimizer()
+        self.config.grad_scale_func = self.optimizer.scale_loss  # 1 in bf16; the scaler in fp16
+
+    def _wrap_ddp(self) -> None:
+        """megatron-core's ``DistributedDataParallel`` around the model (runs on a CPU too).
+
+        ``calculate_per_token_loss`` makes DDP SUM the gradients over the data-parallel group
+        (``gradient_scaling_factor = 1``) and makes the schedule hand ``finalize_model_grads``
+        the token count; the loss functions already weigh each micro-batch by its share of the
+        whole mini-batch's tokens (:meth:`_micro_weights`, no data-parallel factor), so the sum
+        is the gradient of the global mean and megatron must not divide again."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
+        self.ddp = DistributedDataParallel(
+            config=self.config, ddp_config=ddp_config, module=self.model
+        )
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = lambda models, _n=None, *a, **k: (
+            finalize_model_grads(models, None, *a, **k)
+        )
+
+    def _megatron_optimizer(self) -> Any:
+        """megatron-core's distributed optimizer over the DDP-wrapped model. Its process-group
+        setup runs on a CPU; the optimizer itself allocates on CUDA (``optimizer.py``:
+        ``torch.tensor(..., device='cuda')``) and takes only ``torch.cuda.*Tensor`` parameters
+        (``distrib_optimizer.py``)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .megatron_parallel import GLOO_GROUPS
+
+        s = self.settings
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=s.learning_rate,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+            adam_eps=s.adam_eps,
+            clip_grad=s.grad_clip or 0.0,
+            bf16=self.config.bf16,
+            fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=True,
+        )
+        return get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=GLOO_GROUPS)
+
+    def _micro_weights(self, counts: list[float], global_count: float) -> list[float]:
+        """Each micro-batch loss's weight: its share of the mini-batch's units over every
+        data-parallel worker; times the data-parallel size where the gradients are then
+        AVERAGED (the CPU path's all-reduce), not where they are SUMMED (megatron's DDP under
+        ``calculate_per_token_loss``)."""
+        from .torch_backend.optimiser import accumulation_weights
+
+        averaged = self.ddp is None
+        return accumulation_weights(counts, global_count, self.shard.dp_size if averaged else 1)
+
+    @property
+    def _train_module(self) -> Any:
+        return self.ddp if self.ddp is not None else self.model
+
+    # -- forward and backward ------------------------------------------------------------------
+    def plan(self, batch: Mapping[str, torch.Tensor], max_rows: int | None) -> list[torch.Tensor]:
+        """Row indices of ``batch``'s micro-batches: ``max_rows`` rows at a time, or with
+        ``maxTokensPerMicroBatch`` the torch backend's token-budget planner
+        (:func:`~.torch_backend.packing.micro_batch_rows`: first-fit decreasing when packed); every
+        rank of a model-parallel group plans the same batch alike."""
+        from .torch_backend.packing import micro_batch_rows
+
+        s = self.settings
+        return micro_batch_rows(
+            batch, s.max_tokens_per_micro_batch, packing=s.packing, max_rows=max_rows
+        )
+
+    def _inputs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch ``mb`` (padded to its own longest prompt and response) with the
+        model's inputs: ``_ids`` [b, L] left-aligned rows, or with ``packing`` [1, N] one packed
+        row (``_pos``: positions restarting per sequence, ``_lengths``: the sequences' lengths);
+        ``_index`` [b, T]: the position of
+        the output that predicts each response token (in the packed row: 0 for padding)."""
+        from .torch_backend.memory import trim_padding
+        from .torch_backend.packing import pack_rows
+
+        mb, _ = trim_padding(mb)
+        pad_to = self.shard.tp_size if self.sequence_parallel else 1
+        if not self.settings.packing:
+            ids, index = left_aligned(mb, pad_to)
+            mb["_ids"], mb["_index"] = ids.to(self.device), index.to(self.device)
+            return mb
+        ids, pos, select, rows, cols = pack_rows(mb)
+        tail = -ids.shape[1] % pad_to  # one more sequence of padding (sequence parallelism)
+        if tail:
+            ids = torch.cat([ids, ids.new_zeros(1, tail)], 1)
+            pos = torch.cat([pos, torch.arange(tail)[None]], 1)
+        index = torch.zeros(mb["response_ids"].shape, dtype=torch.long)
+        index[rows, cols] = select
+        mb["_ids"], mb["_pos"] = ids.to(self.device), pos.to(self.device)
+        mb["_index"] = index.to(self.device)
+        mb["_lengths"] = torch.tensor(packed_lengths(pos))  # on the CPU: no device sync
+        return mb
+
+    def run(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        plan: int | list[torch.Tensor],
+        head: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
+        *,
+        forward_only: bool,
+        reference: bool = False,
+    ) -> list[Any]:
+        """Run ``batch`` in micro-batches (the row indices of ``plan``, or runs of ``plan``
+        rows) through megatron-core's schedule, each padded to its own longest sequence, or
+        packed into one row with ``packing``.
+
+        ``head(output, micro_batch)`` runs on the last stage and returns ``(loss, payload)``;
+        the payloads of the micro-batches come back in ``plan``'s order (on the last stage; []
+        elsewhere). ``output`` is [b, L, ...], or [1, N, ...] for a packed row: read it at
+        ``micro_batch["_index"]`` with :func:`_at_index`."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model = self.reference if reference else self._train_module
+        n = batch["response_ids"].shape[0]
+        if isinstance(plan, int):
+            plan = [torch.arange(sl.start, sl.stop) for sl in _split(n, plan)]
+        micros = [self._inputs({k: v[idx] for k, v in batch.items()}) for idx in plan]
+        packed, te = self.settings.packing, self.te
+
+        def step(data: Iterator[dict[str, torch.Tensor]], module: Any) -> tuple[Any, Any]:
+            mb = next(data)
+            length = mb["_ids"].shape[1]
+            if not packed:
+                mask = None if self.gpu else _causal_mask(length, self.device)
+                out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
+            elif te:  # pragma: no cover - Transformer Engine needs CUDA
+                params = packed_seq_params(mb["_lengths"].tolist(), self.device)
+                out = module(
+                    input_ids=mb["_ids"],
+                    position_ids=mb["_pos"],
+                    attention_mask=None,
+                    packed_seq_params=params,
+                )
+            else:
+                mask = block_causal_mask(mb["_lengths"].tolist(), self.device)
+                with rope_positions(module, mb["_pos"]):
+                    out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                loss, payload = head(output, mb)
+                return loss, torch.tensor(1, dtype=torch.int), payload
+
+            return out, loss_func
+
+        if not self.gpu:
+            return self._cpu_schedule(model, micros, step, forward_only=forward_only)
+        return get_forward_backward_func()(  # pragma: no cover - needs CUDA
+            forward_step_func=step,
+            data_iterator=iter(micros),
+            model=[model],
+            num_microbatches=len(micros),
+            seq_length=max(mb["_ids"].shape[1] for mb in micros),
+            micro_batch_size=max(mb["_ids"].shape[0] for mb in micros),
+            forward_only=forward_only,
+        )
+
+    @staticmethod
+    def assemble(plan: list[torch.Tensor], parts: list[torch.Tensor], width: int) -> Any:
+        """The [B, width] result of the micro-batches' [b, T'] ``parts`` (rows ``plan``), in
+        the batch's row order; None where ``parts`` is empty (not the last stage)."""
+        from .torch_backend.memory import _pad_columns
+
+        if not parts:
+            return None
+        out = torch.zeros(sum(len(idx) for idx in plan), width, dtype=parts[0].dtype)
+        for idx, part in zip(plan, parts, strict=True):
+            out[idx] = _pad_columns(part, width)
+        return out
+
+    def _cpu_schedule(
+        self,
+        model: Any,
+        micros: list[dict[str, torch.Tensor]],
+        step: Callable[..., Any],
+        *,
+        forward_only: bool,
+    ) -> list[Any]:
+        """Forward (and backward) of each micro-batch through the pipeline stages in turn.
+
+        megatron-core 0.16's schedules cannot run without CUDA: ``forward_backward_no_pipelining``
+        and ``forward_backward_pipelining_without_interleaving`` allocate their token counter
+        with ``torch.zeros([], dtype=torch.int, device="cuda")`` (schedules.py lines 596 and
+        2138). On the CPU this schedule does what they do for one micro-batch at a time: the
+        stage's input from the previous stage (``set_input_tensor``), forward, the loss on the
+        last stage, and the gradients back through the stages (point-to-point over gloo)."""
+        import torch.distributed as dist
+
+        ps, pp = self.ps, self.shard.pp_size
+        group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
+        next_rank = ps.get_pipeline_model_parallel_next_rank() if pp > 1 else None
+        results = []
+        for mb in micros:
+            b, length = mb["_ids"].shape
+            inp = None
+            if not self.first:
+                inp = torch.empty(length, b, self.shape.hidden, dtype=self.config.params_dtype)
+                dist.recv(inp, src=prev_rank, group=group)
+                inp.requires_grad_(not forward_only)
+                model.set_input_tensor(inp)
+            out, loss_func = step(iter([mb]), model)
+            if self.last:
+                loss, _, payload = loss_func(out)
+                results.append(payload)
+                if not forward_only:
+                    loss.backward()
+            else:
+                dist.send(out.detach().contiguous(), dst=next_rank, group=group)
+                if not forward_only:
+                    grad = torch.empty_like(out)
+                    dist.recv(grad, src=next_rank, group=group)
+                    torch.autograd.backward(out, grad)
+            if inp is not None and not forward_only:
+                dist.send(inp.grad.contiguous(), dst=prev_rank, group=group)
+        return results
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of the last pipeline stage, on every stage."""
+        if self.shard.pp_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        group = self.ps.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, self.shard.pp_size - 1)
+        box = [obj if self.last else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    # -- one update ----------------------------------------------------------------------------
+    def update(
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        micro: int,
+        agg: str,
+        micro_loss: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+    ) -> dict[str, float]:
+        """One optimizer update over ``minibatch`` (the weights of the micro-batches as in the
+        torch backend: each micro-batch's loss times its share of the mini-batch's tokens)."""
+        from ..algorithms import aggregation_count
+
+        n = minibatch["response_ids"].shape[0]
+        budget = self.settings.max_tokens_per_micro_batch
+        plan = self.plan(minibatch, self.settings.micro_batch_size if budget is not None else micro)
+        mask = minibatch.get("loss_mask", minibatch.get("response_mask"))
+        counts = (
+            [float(len(idx)) for idx in plan]
+            if mask is None
+            else [float(aggregation_count(mask[idx], agg)) for idx in plan]
+        )
+        total = self._dp_sum(sum(counts))
+        if total == 0 and "loss_mask" in minibatch:  # every sample left out of the loss
+            return {"skipped_updates": 1.0}
+        weights = self._micro_weights(counts, total)
+        state = {"i": 0}
+
+        def head(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+            i = state["i"]
+            state["i"] += 1
+            loss, metrics = micro_loss(output, mb)
+            return loss * weights[i], (len(plan[i]) / n, metrics)
+
+        self.model.train()
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        parts = self.run(minibatch, plan, head, forward_only=False)
+        out: dict[str, float] = {}
+        for rows, metrics in parts:
+            for k, v in metrics.items():
+                out[k] = out.get(k, 0.0) + rows * float(v)
+        out = self.from_last_stage(out)
+        out.update(self._step())
+        return out
+
+    def _dp_sum(self, local: float) -> float:
+        if self.shard.dp_size == 1:
+            return float(local)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(local)], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return float(t.item())
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device
+
+    def _lr(self) -> float:
+        from .torch_backend.common import lr_factor
+
+        return self.settings.learning_rate * lr_factor(
+            self.updates, self.settings, self.total_updates
+        )
+
+    def _step(self) -> dict[str, float]:
+        lr = self._lr()
+        if self.ddp is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            ok, norm, _ = self.optimizer.step()
+            self.updates += 1
+            return {"grad_norm": float(norm or 0.0), "lr": lr, "skipped": float(not ok)}
+        import torch.distributed as dist
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.shard.dp_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            dist.all_reduce(flat, group=self.ps.get_data_parallel_group())
+            flat /= self.shard.dp_size
+            offset = 0
+            for p in self.params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        norm = self._global_grad_norm()
+        clip = self.settings.grad_clip
+        if clip:
+            coef = min(1.0, clip / (norm + 1e-6))
+            if coef < 1.0:
+                for p in self.params:
+                    p.grad.mul_(coef)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return {"grad_norm": norm, "lr": lr}
+
+    def _global_grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient: tensor-parallel shards summed over the
+        model-parallel group, weights replicated over tensor-parallel ranks counted once."""
+        import torch.distributed as dist
+
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if getattr(p, "tensor_model_parallel", False) or self.shard.tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        if self.shard.tp_size * self.shard.pp_size > 1:
+            dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    # -- gathering and checkpoints -------------------------------------------------------------
+    def _gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """HF-named full tensors from every model-parallel rank's ``local`` megatron-named
+        tensors, on model-parallel rank 0 (None elsewhere). Collective over that group."""
+        import torch.distributed as dist
+
+        local = {k: v.detach().to("cpu") for k, v in local.items()}
+        s = self.shard
+        if s.tp_size * s.pp_size == 1:
+            pieces = [local]
+        else:
+            group = self.ps.get_model_parallel_group()
+            dst = dist.get_global_rank(group, 0)
+            rank = dist.get_rank(group)
+            pieces = [None] * dist.get_world_size(group) if rank == 0 else None
+            dist.gather_object((s.pp_rank, s.tp_rank, local), pieces, dst=dst, group=group)
+            if rank != 0:
+                return None
+            grid: list[list[Any]] = [[None] * s.tp_size for _ in range(s.pp_size)]
+            for pp, tp, sd in pieces:
+                grid[pp][tp] = sd
+            return megatron_to_hf(grid, self.shape, value=self.value)
+        return megatron_to_hf([pieces], self.shape, value=self.value)
+
+    def _local_weights(self, model: Any) -> dict[str, torch.Tensor]:
+        """The shard's weights under the local layer spec's names."""
+        out = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        return _rename(out, [(b, a) for a, b in TE_NORMS])
+
+    def gathered_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named weights on the role's leader ({} elsewhere). Every worker calls it."""
+        if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
+            return {}
+        return self._gather(self._local_weights(self.model)) or {}
+
+    def weight_stream(self, max_bytes: int) -> WeightStream:
+        """The HF-named weights in buckets of at most ``max_bytes``, each assembled when asked
+        for, on the weights' device, with tensor collectives (no pickled state dicts).
+
+        The plan (:func:`~.megatron_convert.hf_layout`, bucketed by bytes) follows from the
+        model's shape alone, so every rank computes the same one without communicating. Each
+        tensor of a bucket is made by its pipeline stage: the tensor-parallel ranks there
+        all-gather their pieces (a replicated tensor: tensor-parallel rank 0's copy, broadcast)
+        and convert them (:func:`~.megatron_convert.hf_from_pieces`); the stage then
+        broadcasts it over the pipeline group. Every worker of the role thus holds each bucket
+        in turn (colocated engines stage it from their own GPU), and the collectives stay
+        within one data-parallel (and context-parallel) replica's tensor and pipeline groups:
+        replicas never wait on each other, and every worker of a replica walks the same
+        buckets in the same order."""
+        layout = hf_layout(self.shape, self.shard.pp_size, value=self.value)
+        local = self._local_weights(self.model)
+        mine = next(t for t in layout if t.stage == self.shard.pp_rank)
+        dtype = local[mine.key].dtype  # every stage builds its weights in the config's dtype
+        size = dtype.itemsize
+        by_name = {t.name: t for t in layout}
+        plan = plan_buckets(((t.name, size * math.prod(t.shape)) for t in layout), max_bytes)
+
+        def produce(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: self._hf_tensor(by_name[n], local, dtype) for n in names}
+
+        return WeightStream(plan, produce)
+
+    def _hf_tensor(
+        self, t: HfTensor, local: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """HF tensor ``t`` on this worker (collective over its stage's tensor-parallel group
+        and its pipeline group)."""
+        import torch.distributed as dist
+
+        s = self.shard
+        if t.stage == s.pp_rank:
+            piece = local[t.key].detach()
+            if s.tp_size == 1:
+                pieces = [piece]
+            elif t.split:
+                pieces = [torch.empty_like(piece) for _ in range(s.tp_size)]
+                dist.all_gather(
+                    pieces, piece.contiguous(), group=self.ps.get_tensor_model_parallel_group()
+                )
+            else:
+                pieces = [piece.clone()]
+                group = self.ps.get_tensor_model_parallel_group()
+                dist.broadcast(pieces[0], group=group, group_src=0)
+            out = hf_from_pieces(self.shape, t, pieces)
+            del pieces
+        else:
+            out = torch.empty(t.shape, dtype=dtype, device=self.device)
+        if s.pp_size > 1:
+            group = self.ps.get_pipeline_model_parallel_group()
+            dist.broadcast(out, group=group, group_src=t.stage)
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        """Gathered HF-named weights and Adam moments (resumable under any parallel layout);
+        on the role's leader ({} elsewhere). Every worker calls it. Under megatron's
+        distributed optimizer also its fp32 main weights (``master``): each data-parallel rank
+        holds a slice of every one, assembled here, so a resume continues from them exactly."""
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        master = None
+        if self.ddp is not None:
+            moments, step, master = self._distributed_adam_state(names)
+        else:
+            moments = {k: {} for k in ADAM_KEYS}
+            steps = []
+            for p in self.params:
+                st = self.optimizer.state.get(p, {})
+                for k in ADAM_KEYS:
+                    moments[k][names[id(p)]] = st[k] if k in st else torch.zeros_like(p)
+                steps.append(float(st["step"]) if "step" in st else 0.0)
+            step = max(steps, default=0.0)
+        if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
+            return {}
+        te = [(b, a) for a, b in TE_NORMS]
+        model = self._gather(self._local_weights(self.model))
+        adam = {k: self._gather(_rename(moments[k], te)) for k in ADAM_KEYS}
+        main = self._gather(_rename(master, te)) if master is not None else None
+        if model is None:
+            return {}
+        out = {"model": model, "adam": adam, "adam_step": step, "updates": self.updates}
+        if main is not None:
+            out["master"] = main
+        return out
+
+    def _distributed_adam_state(
+        self, names: Mapping[int, str]
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], float, dict[str, torch.Tensor]]:
+        """(Adam moments by local parameter name, step, fp32 main weights) of megatron's
+        distributed optimizer, whole on every data-parallel rank (a collective over the
+        data-parallel group: each rank fills the slice of each parameter it owns)."""
+        import torch.distributed as dist
+
+        keys = (*ADAM_KEYS, "param")
+        full: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
+        step = torch.zeros(1, dtype=torch.float64)
+        owners = self._distributed_owners()
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            for k in keys:
+                full[k][names[id(p)]] = torch.zeros(p.numel(), dtype=torch.float32)
+            if p not in owners:
+                continue
+            opt, rng = owners[p]
+            tensors = opt._get_main_param_and_optimizer_states(p)
+            for k in keys:
+                if k in tensors:
+                    full[k][names[id(p)]][rng.start : rng.end] = tensors[k].detach().float().cpu()
+            if "step" in tensors:
+                step = torch.maximum(step, tensors["step"].detach().double().cpu().reshape(1))
+        if self.shard.dp_size > 1:
+            group = self.ps.get_data_parallel_group()
+            flat = torch.cat([t for k in keys for t in full[k].values()]).to(self._comm_device)
+            dist.all_reduce(flat, group=group)  # the slices are disjoint: a sum assembles them
+            flat = flat.cpu()
+            offset = 0
+            for k in keys:
+                for name, t in full[k].items():
+                    full[k][name] = flat[offset : offset + t.numel()]
+                    offset += t.numel()
+            step = step.to(self._comm_device)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
+        params = dict(self.model.named_parameters())
+        shaped = {k: {n: t.view(params[n].shape) for n, t in full[k].items()} for k in keys}
+        master = shaped.pop("param")
+        return shaped, float(step.item()), master
+
+    def _distributed_owners(self) -> dict[Any, tuple[Any, Any]]:
+        """Model parameter -> (the distributed optimizer holding a slice of it on this rank, the
+        slice's range in the flattened parameter)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        owners = {}
+        for opt in chained:
+            for p in getattr(opt, "model_param_group_index_map", {}):
+                owners[p] = (opt, opt._get_model_param_range_map(p)["param"])
+        return owners
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (each worker cuts its own shard)."""
+        self._load_local(self.model, self._local_from_hf(state["model"]))
+        self.updates = int(state["updates"])
+        if self.ddp is not None:
+            self._load_distributed(state)
+            return
+        if "adam" not in state:
+            return
+        params = dict(self.model.named_parameters())
+        local = {
+            k: self._local_from_hf(_with_frozen(state["adam"][k], state["model"]))
+            for k in ADAM_KEYS
+        }
+        step = torch.tensor(float(state["adam_step"]))
+        self.optimizer.state.clear()
+        for name, p in params.items():
+            if p.requires_grad:
+                self.optimizer.state[p] = {
+                    "step": step.clone(),
+                    **{k: local[k][name].clone().to(p.dtype) for k in ADAM_KEYS},
+                }
+
+    def _load_distributed(self, state: Mapping[str, Any]) -> None:
+        """megatron's distributed optimizer after the model's weights were loaded: its fp32
+        main weights follow them (``reload_model_params``; without it the next step writes the
+        old main weights back: a resume would return to the initial weights), then each rank's
+        slices of the saved main weights and Adam moments, and the step."""
+        owners = self._distributed_owners()
+        if "adam" in state:  # Adam's state must exist before it is overwritten
+            for opt in {id(o): o for o, _ in owners.values()}.values():
+                main = [p for g in opt.optimizer.param_groups for p in g["params"]]
+                if any(not opt.optimizer.state.get(p) for p in main):
+                    opt._init_optimizer_states_with_dummy_values()
+        self.optimizer.reload_model_params()
+        if "adam" not in state:
+            return
+        te = any(k.endswith(TE_NORMS[0][1]) for k in dict(self.model.named_parameters()))
+
+        def local(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = self._local_from_hf(_with_frozen(hf, state["model"]))
+            return _rename(out, TE_NORMS) if te else out
+
+        saved = {k: local(state["adam"][k]) for k in ADAM_KEYS}
+        if "master" in state:
+            saved["param"] = local(state["master"])
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        step = float(state["adam_step"])
+        for p, (opt, rng) in owners.items():
+            name = names[id(p)]
+            current = opt._get_main_param_and_optimizer_states(p)
+            tensors = {
+                k: saved[k][name].reshape(-1)[rng.start : rng.end].to(current[k])
+                for k in saved
+                if k in current
+            }
+            with torch.no_grad():
+                opt._set_main_param_and_optimizer_states(p, {**current, **tensors})
+                if "step" in current:
+                    current["step"].fill_(step)
+
+
+def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict:
+    """``moments`` completed with the model's entries it lacks (tied weights), for the
+    conversion, which expects every HF name."""
+    return {**{k: torch.zeros_like(v) for k, v in model.items()}, **moments}
