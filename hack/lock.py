@@ -285,7 +285,7 @@ def select(text: str, patterns: Iterable[str], *, keep: bool) -> str:
     return "".join(out)
 
 
-def _lock_pins(name: str) -> dict[str, str]:
+def lock_pins(name: str) -> dict[str, str]:
     """A lock by name (``dev``) or by path (``build/newest.txt``)."""
     return read_lock(name) if name in SPECS else parse_lock(Path(name).read_text())
 
@@ -297,7 +297,7 @@ def _uv() -> str:
     return "uv"
 
 
-def compile_lock(spec: LockSpec, out: Path, *, refresh: bool = True) -> None:
+def compile_lock(spec: LockSpec, out: Path) -> None:
     """Resolve ``spec`` with uv from PyPI into ``out`` (hashed; the newest versions allowed)."""
     with tempfile.TemporaryDirectory() as tmp:
         reqs = Path(tmp) / f"{spec.name}.in"
@@ -325,8 +325,7 @@ def compile_lock(spec: LockSpec, out: Path, *, refresh: bool = True) -> None:
             cmd.append("--no-deps")
         if spec.uv_config:
             cmd += ["--config-file", str(ROOT / spec.uv_config)]
-        if refresh:
-            cmd.append("--upgrade")
+        cmd.append("--upgrade")
         env = {**os.environ, "UV_NO_PROGRESS": "1"}
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     # uv names the temporary input file; name what it stands for instead
@@ -375,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(SPECS)} locks agree with pyproject.toml and the constraints")
         return 0
     if args.command == "drift":
-        problems = drift(installed_distributions(), _lock_pins(args.name))
+        problems = drift(installed_distributions(), lock_pins(args.name))
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
@@ -393,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
         return 0
     if args.command == "unlocked":
-        locked = _lock_pins(args.name)
+        locked = lock_pins(args.name)
         print("\n".join(sorted(installed_distributions().keys() - locked.keys())))
         return 0
     return 2

@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_this_virtualenv_is_exactly_its_lock() -> None:
     """Every distribution installed here is in the lock at the locked version, and every locked
     one is installed: a venv that drifted (a hand-made `pip install`, an older lock) fails."""
-    name = os.environ.get("PPOJOB_LOCK", "dev")
-    locked = lock.read_lock(name) if name in lock.SPECS else lock.parse_lock(Path(name).read_text())
+    locked = lock.lock_pins(os.environ.get("PPOJOB_LOCK", "dev"))
     installed = lock.installed_distributions()
     assert {"torch", "transformers", "ray", "kopf", "pytest"} <= installed.keys()  # it looked
     assert lock.drift(installed, locked) == []
