@@ -124,13 +124,52 @@ prune() {
   rm -f "$cache/$1"-*.build.log.old
 }
 
+# Working containers a killed or failed `buildah bud` left behind (each holds what its step
+# wrote: the trainer's dependency step is about 6 GB). Only ours: their image is one of our
+# tags or an untagged intermediate of our builds; this runs under the build lock.
+remove_stale_containers() {
+  local id image
+  buildah containers --format '{{.ContainerID}} {{.ImageName}}' 2>/dev/null |
+    while read -r id image; do
+      case "$image" in
+      localhost/ppojob-* | "" | "<none>") buildah rm "$id" >/dev/null 2>&1 || true ;;
+      esac
+    done
+}
+
+# Free space (GiB) in buildah's store. Building an image holds what its largest step writes twice
+# (the working container, then the committed layer): need_gib is that, plus 1 GiB of slack.
+free_gib() {
+  local dir
+  dir="$(buildah info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)"
+  mkdir -p "$dir"
+  df -P -B1G "$dir" | awk 'NR == 2 { print $4 }'
+}
+need_gib() {
+  case "$1" in
+  trainer) echo 15 ;; # its dependency step writes about 6.5 GB (PyPI's torch carries CUDA)
+  *) echo 2 ;;
+  esac
+}
+
 build_image() {
   local name="$1" dockerfile="$2" base="$3"
   shift 3
-  local key tag
+  local key tag need free
   key="$(image_key "$dockerfile" "$base" "$@")"
   tag="localhost/ppojob-$name:$key"
   if ! buildah inspect --type image "$tag" >/dev/null 2>&1; then
+    need="$(need_gib "$name")"
+    free="$(free_gib)"
+    if [ "$free" -lt "$need" ]; then
+      # older builds go first (their layer cache with them) when the disk is short
+      log "$name: $free GiB free, building needs about $need GiB: removing older builds first"
+      prune "$name" "$key"
+      free="$(free_gib)"
+      [ "$free" -ge "$need" ] || die "building $name needs about $need GiB free in buildah's store \
+($(buildah info --format '{{.store.GraphRoot}}' 2>/dev/null)), $free GiB is: free disk space \
+(buildah rmi --prune drops unused images; rm -rf ~/.cache/ppojob/node/containerd empties the node's image cache when no test runs)"
+    fi
     log "$name: buildah bud -f $dockerfile ($*)"
     local t0=$SECONDS
     # docker format: the Dockerfiles' SHELL (bash, pipefail) is kept, as `docker build` keeps it
@@ -148,7 +187,7 @@ build_image() {
 # The sandbox image: hack/node/pause.c, static, alone in the image.
 pause_image() {
   local key tag ctr bin
-  key="$( (sha256sum "$root_dir/hack/node/pause.c" && declare -f pause_image) | sha256sum | cut -c1-12)"
+  key="$( (sha256sum <"$root_dir/hack/node/pause.c" && declare -f pause_image) | sha256sum | cut -c1-12)"
   tag="localhost/ppojob-pause:$key"
   if ! buildah inspect --type image "$tag" >/dev/null 2>&1; then
     command -v gcc >/dev/null || die "gcc is missing (builds the pause binary): apt-get install gcc libc6-dev"
@@ -171,6 +210,7 @@ main() {
   mkdir -p "$cache"
   exec 9>"$cache/.build.lock"
   flock 9
+  remove_stale_containers
   for name in "${want[@]}"; do
     case "$name" in
     pause) pause_image ;;

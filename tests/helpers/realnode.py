@@ -225,6 +225,9 @@ class RealNode:
         (net / "net.d" / "10-ppojob.conflist").write_text(json.dumps(cni_config(net / "ipam")))
         root = CACHE / "containerd"
         root.mkdir(parents=True, exist_ok=True)
+        # an import a killed run left half done (the trainer's layer alone is about 6 GB):
+        # containerd is not running yet, so nothing is writing there
+        shutil.rmtree(root / "io.containerd.content.v1.content" / "ingest", ignore_errors=True)
         cfg.write_text(
             f"""version = 2
 root = "{root}"
@@ -262,28 +265,40 @@ state = "{self.state / "state"}"
             60,
             "containerd",
         )
-        # earlier builds of these images go first, and their layers with them (``--sync`` runs
-        # containerd's garbage collection now): the store keeps only what this run uses
+        # earlier builds of these images go once the new ones are in, and their layers with them
+        # (``--sync`` runs containerd's garbage collection now): the store keeps only what this
+        # run uses. Imported first, a rebuild after a source change shares the big dependency
+        # layer (and its unpacked snapshot) with the build it replaces; removed first when the
+        # disk is too short for both.
         wanted = set(images.values())
         present = self.ctr("images", "list", "--quiet").split()
         stale = [r for r in present if r.startswith("localhost/ppojob-") and r not in wanted]
-        if stale:
-            self.ctr("images", "remove", "--sync", *stale)
         for ref in images.values():
             if ref not in present:
+                if stale and self._shortfall(ref) is not None:
+                    self.ctr("images", "remove", "--sync", *stale)
+                    stale = []
                 self._import(ref)
             self.imported.append(ref)
+        if stale:
+            self.ctr("images", "remove", "--sync", *stale)
+
+    def _shortfall(self, ref: str) -> tuple[float, float] | None:
+        """(needed, free) bytes to import ``ref`` when the disk is too short, else None."""
+        number, unit = run("buildah", "images", "--format", "{{.Size}}", ref).split()[:2]
+        size = float(number) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(unit)
+        need = 2 * size + 2**30  # its layers, then their unpacked copy
+        free = shutil.disk_usage(CACHE / "containerd").free
+        return (need, free) if free < need else None
 
     def _import(self, ref: str) -> None:
         """buildah's image ``ref`` into containerd through a pipe (no archive on disk)."""
-        number, unit = run("buildah", "images", "--format", "{{.Size}}", ref).split()[:2]
-        size = float(number) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(unit)
-        root = CACHE / "containerd"
-        need, free = 2 * size + 2**30, shutil.disk_usage(root).free  # the layers, then unpacked
-        if free < need:
+        short = self._shortfall(ref)
+        if short is not None:
+            root = CACHE / "containerd"
             raise ControlPlaneError(
-                f"importing {ref} needs about {need / 2**30:.1f} GiB free under {root} (its layers "
-                f"and their unpacked copy), {free / 2**30:.1f} GiB is: free disk space "
+                f"importing {ref} needs about {short[0] / 2**30:.1f} GiB free under {root} (its "
+                f"layers and their unpacked copy), {short[1] / 2**30:.1f} GiB is: free disk space "
                 f"(rm -rf {root} empties this cache when no test runs)"
             )
         push = subprocess.Popen(
