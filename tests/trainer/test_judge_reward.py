@@ -5,7 +5,6 @@ verdicts are fixed, and once with a real tiny engine (a built-in model, and the 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -142,14 +141,18 @@ def test_a_real_tiny_judge_engine_runs(tmp_path: Any) -> None:
     )
     engine, tok = load_judge_engine(spec, "data.rewards[0].judge", "cpu", "float32")
     judge = JudgeScorer(spec, "data.rewards[0].judge", engine, tok)
-    verdicts = judge.verdicts(["12", "345"], ["6", "78"], [None, None])
-    assert len(verdicts) == 2 and all(set(v) <= set("0123456789") for v in verdicts)
-    # greedy (temperature 0): scoring asks the same verdicts again
-    expected = [judge.score_of(v) for v in verdicts]
-    scores = judge(["12", "345"], ["6", "78"], [None, None])
-    assert scores == [0.0 if e is None else e for e in expected]
-    assert judge.last_unparsed == sum(e is None for e in expected)
-    assert all(0 <= s <= 9 and math.isfinite(s) for s in scores)
+    prompts, responses = ["12", "345", "6", "7890"], ["6", "78", "123", "4"]
+    verdicts = judge.verdicts(prompts, responses, [None] * 4)
+    assert len(verdicts) == 4 and all(set(v) <= set("0123456789") for v in verdicts)
+    # the expected scores parsed here, not by the scorer: the first digit, else the default 0
+    expected = [float(v[0]) if v else 0.0 for v in verdicts]
+    # the seeded model writes digits other than the default: a scorer that parses nothing, or
+    # ignores what it parsed, cannot give these scores
+    assert any(e != 0.0 for e in expected), verdicts
+    # greedy (temperature 0): scoring asks the same verdicts again, and scores what they say
+    scores = judge(prompts, responses, [None] * 4)
+    assert scores == expected, (verdicts, scores)
+    assert judge.last_unparsed == sum(not v for v in verdicts)
 
 
 def test_a_judge_model_that_is_no_directory_is_one_line(tmp_path: Any) -> None:
