@@ -202,13 +202,20 @@ def role_binding(job: PPOJob, namespace: str, uid: str | None = None) -> dict[st
 # RayJob
 # ---------------------------------------------------------------------------------------------
 def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
-    """No voluntary eviction of any pod of the job: one lost pod ends the gang's attempt."""
+    """No voluntary eviction of a healthy pod of the job: one lost pod ends the gang's attempt.
+    A pod that is not Ready (crash-looping, stuck starting) may always be evicted
+    (``unhealthyPodEvictionPolicy: AlwaysAllow``, policy/v1 since Kubernetes 1.27): the default,
+    IfHealthyBudget, would let one such pod block every drain of its node."""
     name = job.metadata.name or ""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _meta(name, namespace, name, uid),
-        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {JOB_LABEL: name}}},
+        "spec": {
+            "maxUnavailable": 0,
+            "selector": {"matchLabels": {JOB_LABEL: name}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 

@@ -314,6 +314,8 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
     pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
     assert pdb["spec"]["maxUnavailable"] == 0
     assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}
+    # kept by the API server (a field it did not know would be dropped from what it stores)
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     assert cp.get("poddisruptionbudget.policy", "bare", ns) is None
     # The PDB's status, as kube-controller-manager's disruption controller (not run here)
     # computes it for 4 healthy pods and maxUnavailable 0; the eviction API decides by it.

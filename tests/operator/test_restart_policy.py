@@ -190,6 +190,7 @@ def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off()
     assert pdb["spec"] == {
         "maxUnavailable": 0,
         "selector": {"matchLabels": {"ppojob.io/job": "demo"}},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",  # a pod that is not Ready blocks no drain
     }
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u1"
     rj = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
