@@ -12,6 +12,7 @@ test reads the trainer's own metrics.jsonl and checkpoints from the host.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ppojob_trainer.progress import read_attempts
 from tests.helpers.controlplane import ROOT, wait_until
 from tests.helpers.kubectl_plugin import launcher, plugin_env
 from tests.helpers.realnode import GATEWAY
@@ -492,18 +494,33 @@ def test_an_image_that_does_not_exist_fails_the_job_with_the_reason(
 
 
 def steps_run(host: Path) -> list[int]:
-    """The steps in the trainer's metrics.jsonl on the volume, in the order they ran (every
-    attempt appends to it)."""
+    """The steps in the trainer's metrics.jsonl on the volume (a resumed attempt drops the
+    lines of the steps it redoes: each step once)."""
     return [int(r["step"]) for r in metrics(host)]
 
 
-def check_resumed(steps: list[int], total: int, redone: int) -> None:
-    """Steps 1..total all ran, in order, the first attempt's never again from 1 (the next
-    attempt resumed from a checkpoint), and at most ``redone`` steps ran twice."""
-    assert steps == sorted(steps), steps
-    assert sorted(set(steps)) == list(range(1, total + 1)), steps
-    assert steps.count(1) == 1, steps
-    assert len(steps) - len(set(steps)) <= redone, steps
+def attempt_events(host: Path) -> list[dict[str, Any]]:
+    """The trainer's attempts.jsonl on the volume: where each attempt started (the steps its
+    checkpoint held) and how it ended (absent when it was killed)."""
+    return read_attempts(host / "output")
+
+
+def starts(host: Path) -> list[int]:
+    return [e["step"] for e in attempt_events(host) if e["event"] == "start"]
+
+
+STOPPED = re.compile(r"^Preempted: .*?(\d+) completed steps are in checkpoint \S*step-0*(\d+)\b")
+"""The trainer's account of a stop (``status.progress.error`` and attempts.jsonl, written before
+it exits 75): the completed steps, and the checkpoint that holds them."""
+
+
+def stop_checkpoint(error: str) -> int:
+    """The step of the checkpoint a ``Preempted`` account names (the steps it says it holds)."""
+    m = STOPPED.match(error)
+    assert m, error
+    steps, ckpt = int(m.group(1)), int(m.group(2))
+    assert steps == ckpt, error
+    return ckpt
 
 
 def progress_step(job: dict[str, Any]) -> int:
@@ -517,25 +534,27 @@ SUSPEND_STEPS = 300  # a suspension goes through KubeRay (a few seconds more)
 
 
 # One job, two disruptions in turn (one job start instead of two: pods take about a minute to
-# start on this node): a lost node, the worker's containers killed at once (no SIGTERM grace),
-# then a preemption, the restarted attempt's head pod deleted as usual (SIGTERM, the pod's grace
-# period).
-DISRUPTIONS = [("worker", ["--grace-period=0", "--force"]), ("head", [])]
+# start on this node), with no periodic checkpoint (checkpointInterval 0): a preemption first,
+# the head pod deleted as usual (SIGTERM, the pod's grace period), then a lost node, the
+# restarted attempt's worker containers killed at once (no SIGTERM grace).
+DISRUPTIONS = [("head", []), ("worker", ["--grace-period=0", "--force"])]
 
 
-def test_a_lost_worker_and_a_preempted_head_restart_the_job_from_the_newest_checkpoint(
+def test_a_preempted_head_checkpoints_its_last_step_and_a_lost_worker_resumes_from_it(
     real_cluster: RealCluster,
 ) -> None:
-    """Delete a pod mid-training, twice: each attempt fails, the operator classifies it as a
-    disruption and restarts the job uncounted (spec.failurePolicy) with a new RayJob, the
-    trainer resumes from the newest checkpoint (interval 1) on the volume, and the job finishes.
-    The worker killed: at most the step in flight is redone (its checkpoint may be unfinished).
-    The head deleted gracefully: the trainer finishes the step in flight, checkpoints it and
-    exits 75, so the next attempt starts right after the last step of the one before."""
+    """Delete a pod mid-training, twice, with no periodic checkpoint: each attempt fails, the
+    operator classifies it as a disruption and restarts the job uncounted (spec.failurePolicy)
+    with a new RayJob, and the job finishes.
+    The head deleted gracefully: the trainer finishes the step in flight, checkpoints it (the
+    only checkpoint of the run until the end), says so (``Preempted: ... N completed steps are
+    in checkpoint .../step-N``) and exits 75; the next attempt starts at step N.
+    The worker killed: no checkpoint can be written; the next attempt resumes from the stop's
+    checkpoint again (a lost node with no periodic checkpoint costs the steps since)."""
     cluster, ns, name = real_cluster, "disrupt", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
-    apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=1, backoff=2))
+    apply(cluster, ppojob(cluster, name, ns, DISRUPTION_STEPS, claim="ckpt", interval=0, backoff=2))
     deleted: list[dict[str, Any]] = []
     messages: set[str] = set()
 
@@ -546,12 +565,19 @@ def test_a_lost_worker_and_a_preempted_head_restart_the_job_from_the_newest_chec
         if len(deleted) == len(DISRUPTIONS):
             return
         step = progress_step(job)
-        # the first once the trainer reports a step; the next once the restarted attempt
-        # reports one past the step of the disruption before
-        if step < 1 or (deleted and step <= deleted[-1]["step"]):
+        if step < 1:  # the first once the trainer reports a step
             return
-        if deleted and status.get("disruptions", 0) < len(deleted):
-            return
+        if deleted:
+            # the next once the restarted attempt has completed a step of its own (its first
+            # progress report is the step it resumed at, not one it ran)
+            if status.get("disruptions", 0) < len(deleted):
+                return
+            try:
+                begun = starts(host)
+                if len(begun) <= len(deleted) or steps_run(host)[-1] <= begun[-1]:
+                    return
+            except (OSError, ValueError, IndexError):  # not written yet
+                return
         node_type, how = DISRUPTIONS[len(deleted)]
         pod = pod_of(cluster, ns, node_type)
         if pod is None:
@@ -560,7 +586,7 @@ def test_a_lost_worker_and_a_preempted_head_restart_the_job_from_the_newest_chec
         cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false", *how)
 
     job, _ = watch(cluster, ns, name, 900, disrupt)
-    assert [d["type"] for d in deleted] == ["worker", "head"], f"the job ended first: {deleted}"
+    assert [d["type"] for d in deleted] == ["head", "worker"], f"the job ended first: {deleted}"
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     status = job["status"]
     # disruptions: restarted, and not counted against spec.backoffLimit
@@ -569,18 +595,28 @@ def test_a_lost_worker_and_a_preempted_head_restart_the_job_from_the_newest_chec
     messages.add(status["lastRestart"]["message"])
     for d in deleted:  # each restart named the pod that went
         assert any(f"pod {d['pod']} was deleted" in m for m in messages), (d, messages)
-    # killed: at most the step in flight redone (its checkpoint unfinished); checkpointed on
-    # SIGTERM (the head's preStop hook): no completed step redone
-    check_resumed(steps_run(host), DISRUPTION_STEPS, redone=1)
+    events = attempt_events(host)
+    # the first attempt ended with the trainer's account of its stop, naming the checkpoint
+    first_end = next(e for e in events if e["event"] != "start")
+    stopped = stop_checkpoint(first_end["error"])
+    assert first_end["step"] == stopped, events  # every completed step is in it
+    # both later attempts began from that checkpoint (none from scratch), the last finished
+    assert starts(host) == [0, stopped, stopped], events
+    assert events[-1]["event"] == "finished" and events[-1]["step"] == DISRUPTION_STEPS, events
+    assert steps_run(host) == list(range(1, DISRUPTION_STEPS + 1))
 
 
-def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
+def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint(
     real_cluster: RealCluster,
 ) -> None:
+    """With no periodic checkpoint (checkpointInterval 0): a suspension stops the trainer with a
+    checkpoint of its last completed step (the only one on the volume), named in its
+    ``Preempted`` account in the job's status; resumed, the job starts there and redoes no
+    step."""
     cluster, ns, name = real_cluster, "suspend", "tiny"
     namespace(cluster, ns)
     host = volume(cluster, ns)
-    apply(cluster, ppojob(cluster, name, ns, SUSPEND_STEPS, claim="ckpt", interval=1))
+    apply(cluster, ppojob(cluster, name, ns, SUSPEND_STEPS, claim="ckpt", interval=0))
     wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 1, 600, "step 1", interval=1.0)
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
@@ -592,18 +628,24 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_checkpoint(
         interval=1.0,
     )
     wait_until(lambda: not job_pods(cluster, ns), 300, "every pod of the job to go", interval=1.0)
-    saved = checkpoints(host)
+    suspended = get_job(cluster, ns, name)["status"]
     before = steps_run(host)
-    assert saved and before[-1] < SUSPEND_STEPS, (saved, before)  # stopped mid-run
-    assert saved[-1] == before[-1], (saved, before)  # SIGTERM: the last step checkpointed
+    assert before and before[-1] < SUSPEND_STEPS, before  # stopped mid-run
+    # SIGTERM: the last completed step checkpointed, the one checkpoint of the run so far
+    assert checkpoints(host) == [before[-1]], (checkpoints(host), before)
+    error = (suspended.get("progress") or {}).get("error") or ""
+    assert stop_checkpoint(error) == before[-1], suspended
+    assert [(e["event"], e["step"]) for e in attempt_events(host)] == [
+        ("start", 0),
+        ("failed", before[-1]),
+    ]
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
     job, _ = watch(cluster, ns, name, 900)
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
-    after = steps_run(host)
-    assert after[len(before)] == saved[-1] + 1, (saved, after)  # resumed from the checkpoint
-    check_resumed(after, SUSPEND_STEPS, redone=0)
+    assert starts(host) == [0, before[-1]], attempt_events(host)  # resumed at the checkpoint
+    assert steps_run(host) == list(range(1, SUSPEND_STEPS + 1))
 
 
 # --------------------------------------------------------------------------- elastic rollout

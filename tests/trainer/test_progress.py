@@ -16,6 +16,7 @@ from ppojob_trainer.progress import (
     CompositeReporter,
     LocalProgressReporter,
     ProgressReporter,
+    read_attempts,
     read_metrics,
 )
 
@@ -75,6 +76,29 @@ def test_a_resumed_run_that_dies_before_its_first_step_loses_nothing(tmp_path: P
     rep.start(10, 2)
     rep.finish({"error": "placement failed"})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_every_attempt_is_recorded_where_metrics_keep_only_the_steps_kept(tmp_path: Path) -> None:
+    """A stop after step 5 (checkpointed), an attempt killed after step 8 (no record of its
+    end), a resume from the stop's checkpoint that finishes: metrics.jsonl has each step once,
+    attempts.jsonl tells the three attempts apart and keeps the stop's own account."""
+    stopped = run(tmp_path, range(1, 6), total=10)
+    stopped.fail("Preempted: SIGTERM: finished the step in flight; 5 completed steps are in ...")
+    run(tmp_path, range(6, 9), total=10, start=5)  # killed: nothing more is written
+    last = run(tmp_path, range(6, 11), total=10, start=5)
+    last.finish({"steps": 10})
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 11))
+    events = [(e["event"], e["step"]) for e in read_attempts(tmp_path)]
+    assert events == [
+        ("start", 0),
+        ("failed", 5),
+        ("start", 5),
+        ("start", 5),
+        ("finished", 10),
+    ]
+    failed = read_attempts(tmp_path)[1]
+    assert failed["error"].startswith("Preempted: ") and failed["time"].endswith("Z"), failed
+    assert all(e["totalSteps"] == 10 for e in read_attempts(tmp_path) if e["event"] == "start")
 
 
 def test_values_are_plain_json_and_elapsed_is_filled_in(

@@ -3,7 +3,8 @@
 The loop calls `start(total_steps, start_step)` once (start_step = steps already completed, from
 a checkpoint), `report(step, metrics)` after every completed step (steps count from 1), and
 `finish(summary)` at the end. `LocalProgressReporter` shows a progress bar, appends one JSON
-object per step to `out_dir/metrics.jsonl` and draws `out_dir/reward_curve.png` at the end. The
+object per step to `out_dir/metrics.jsonl` and draws `out_dir/reward_curve.png` at the end; it
+also keeps the run's history of attempts in `out_dir/attempts.jsonl` (:data:`ATTEMPTS_FILE`). The
 Kubernetes reporter (patching the PPOJob's `status.progress`) lives in `k8s_progress`.
 """
 
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,13 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "reward_curve.png"
 SUMMARY_FILE = "summary.json"
+ATTEMPTS_FILE = "attempts.jsonl"
+"""One line per event of each attempt of a run, appended and never rewritten (metrics.jsonl keeps
+only the steps a resume kept): ``{"event": "start", "step": S, "totalSteps": T}`` where an
+attempt began (S: the steps its checkpoint held), ``{"event": "failed", "step": S, "error":
+"..."}`` where one ended on an error or a stop (``Preempted: ...``: the trainer's account of the
+checkpoint it wrote), ``{"event": "finished", "step": S}``; each with its UTC ``time``. A killed
+attempt leaves only its start."""
 REQUIRED_KEYS = ("step", "elapsed_seconds", "reward_mean", "kl", "value_loss", "tokens_per_second")
 
 # The loop's namespaced names of the headline values. Reporters rename them to the plain key, so
@@ -166,6 +175,7 @@ class LocalProgressReporter(ProgressReporter):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._start_step = start_step
         self._last_step = None
+        self._attempt("start", start_step, totalSteps=total_steps)
         self._t0 = time.monotonic()
         self._total = total_steps
         plain = self.plain if self.plain is not None else not _is_terminal(sys.stderr)
@@ -255,11 +265,26 @@ class LocalProgressReporter(ProgressReporter):
             self._bar.close()
             self._bar = None
 
+    def _attempt(self, event: str, step: int, **more: Any) -> None:
+        """Append one event of this attempt to :data:`ATTEMPTS_FILE`."""
+        when = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        record = {"event": event, "step": int(step), **more, "time": when}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / ATTEMPTS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _completed(self) -> int:
+        return self._last_step if self._last_step is not None else self._start_step
+
     def fail(self, message: str) -> None:
         self.close()
+        self._attempt("failed", self._completed(), error=message)
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.close()
+        self._attempt("finished", self._completed())
         self.out_dir.mkdir(parents=True, exist_ok=True)
         plain = {k: _json_value(v) for k, v in summary.items()}
         # A run that had nothing left to do (resumed at its last step) knows no final figures:
@@ -272,6 +297,23 @@ class LocalProgressReporter(ProgressReporter):
             plot_reward_curve(self.out_dir)
         except Exception as exc:  # a plot must never fail the run
             log.warning("could not draw %s: %s", CURVE_FILE, exc)
+
+
+def read_attempts(out_dir: Path) -> list[dict[str, Any]]:
+    """The events of `out_dir/attempts.jsonl`, in order (unreadable lines skipped)."""
+    try:
+        lines = (Path(out_dir) / ATTEMPTS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "event" in rec:
+            out.append(rec)
+    return out
 
 
 def read_summary(out_dir: Path) -> dict[str, Any]:
