@@ -374,6 +374,8 @@ def test_the_final_reward_is_clearly_above_the_start(trained: dict[str, Any]) ->
     step scores the untrained policy, ~0.03; 128 samples x 8 positions a step)."""
     rows = metrics(trained["host"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    events = attempt_events(trained["host"])  # one attempt: the run was never restarted
+    assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("finished", STEPS)]
     first = rows[0]["reward_mean"]
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert first < 2 * RANDOM_REWARD, first
@@ -752,7 +754,12 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     assert not status.get("restarts") and not status.get("disruptions"), status
     rows = metrics(host)
-    assert [r["step"] for r in rows] == list(range(1, ELASTIC_STEPS + 1))  # once each, no restart
+    assert [r["step"] for r in rows] == list(range(1, ELASTIC_STEPS + 1))
+    # one attempt, never restarted (metrics.jsonl alone keeps each step once either way)
+    assert [(e["event"], e["step"]) for e in attempt_events(host)] == [
+        ("start", 0),
+        ("finished", ELASTIC_STEPS),
+    ]
     engines = [r["rollout/engines"] for r in rows]
     two = engines.index(2)
     assert min(engines[two:]) == 1, engines  # one was lost, the job went on
