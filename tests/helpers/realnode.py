@@ -270,9 +270,23 @@ state = "{self.state / "state"}"
         # run uses. Imported first, a rebuild after a source change shares the big dependency
         # layer (and its unpacked snapshot) with the build it replaces; removed first when the
         # disk is too short for both.
+        # CRI keeps a second name for each image it has seen, ``sha256:<image id>``: a stale
+        # build goes with both, or its layers are never collected (6 GB for the trainer's)
         wanted = set(images.values())
+        ids = {
+            "sha256:"
+            + run(
+                "buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", r
+            ).strip()
+            for r in wanted
+        }
         present = self.ctr("images", "list", "--quiet").split()
-        stale = [r for r in present if r.startswith("localhost/ppojob-") and r not in wanted]
+        stale = [
+            r
+            for r in present
+            if (r.startswith("localhost/ppojob-") and r not in wanted)
+            or (r.startswith("sha256:") and r not in ids)
+        ]
         for ref in images.values():
             if ref not in present:
                 if stale and self._shortfall(ref) is not None:
