@@ -67,6 +67,8 @@ class _Ref:
 class _InProcessRay:
     """Replaces the ``ray`` module inside the role code for the one-process step."""
 
+    ObjectRef = _Ref  # (the actor tells a nested ref from a list of refs by it)
+
     @staticmethod
     def put(value: object) -> _Ref:
         return _Ref(value)
