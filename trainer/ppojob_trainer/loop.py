@@ -30,6 +30,7 @@ from typing import Any
 from ppojob_api.failures import grace_problem
 from ppojob_api.training import TrainerConfig
 
+from .driver.topology import adapters_through_store, dp_leaders, gang_config, resolve_topology
 from .preemption import Preempted, StopSignal, watch
 from .watchdog import wait_or_name
 
@@ -80,17 +81,6 @@ def _ranges(n: int, size: int) -> list[tuple[int, int]]:
     from .workers.group import shard_range
 
     return [shard_range(n, size, r) for r in range(size)]
-
-
-def _dp_leaders(shards: list[dict[str, int]]) -> list[int]:
-    """Index of the worker that speaks for each data-parallel rank (tensor, pipeline and
-    context rank 0), in data-parallel order."""
-    leaders = {
-        s["dp_rank"]: i
-        for i, s in enumerate(shards)
-        if s["tp_rank"] == 0 and s["pp_rank"] == 0 and s["cp_rank"] == 0
-    }
-    return [leaders[d] for d in range(len(leaders))]
 
 
 WEIGHT_GROUP = "ppojob-weights"
@@ -145,18 +135,6 @@ class _Starting:
     started: Any
 
 
-def adapters_through_store(cfg: TrainerConfig) -> bool:
-    """Whether disaggregated engines take the actor's weights through the object store rather
-    than a broadcast: LoRA adapters for SGLang engines, which load an adapter only from tensors
-    handed to them (SGLang 0.5.23 has no LoRA load from a broadcast group); adapters are small."""
-    rollout = cfg.roles.rollout
-    return (
-        cfg.model.lora is not None
-        and rollout.backend == "sglang"
-        and not rollout.colocate_with_actor
-    )
-
-
 class RolloutCapacityError(RuntimeError):
     """Fewer elastic rollout engines than ``minReplicas`` are left and none could be started."""
 
@@ -173,16 +151,16 @@ class PPOTrainer:
 
         from .placement import (
             cluster_pins_roles,
-            gang_config,
             plan_placement,
             reserve_placement,
             wait_for_gang,
         )
 
         self.cfg = cfg
-        algo, roles = cfg.algorithm, cfg.roles
-        critic = roles.effective_critic(algo.needs_critic)
-        self.has_critic = critic is not None
+        self.topo = topo = resolve_topology(cfg)
+        roles = cfg.roles
+        critic = roles.effective_critic(cfg.algorithm.needs_critic)
+        self.has_critic = topo.has_critic
         # On an operator-made cluster every pod advertises its role (`ppojob-actor`, ...): wait
         # for all of them (KubeRay submits before the workers join), then pin each role's
         # bundles to its own pods. A local Ray has no such resources. One timeout for both.
@@ -202,18 +180,11 @@ class PPOTrainer:
         """Every step before this one has had its generation launched."""
         self.total_steps: int | None = None
         """The run's step count (:func:`train` sets it): no generation is launched past it."""
-        self.elastic = None if roles.rollout.colocate_with_actor else roles.rollout.elastic
+        self.elastic = topo.elastic
         """``roles.rollout.elastic``: engines may be lost mid-step and new ones join."""
-        self.partial = cfg.algorithm.partial_rollout and not roles.rollout.colocate_with_actor
+        self.partial = topo.partial
         """Partial rollout: syncs are offered to engines mid-generation (object store)."""
-        self.deferred_sync = (
-            cfg.algorithm.max_staleness > 0
-            and not roles.rollout.colocate_with_actor
-            and self.elastic is None
-            and not self.partial
-            and not adapters_through_store(cfg)
-            and roles.rollout.resources.gpus == 0
-        )
+        self.deferred_sync = topo.weight_sync == "deferred"
         """Bounded staleness with engines of their own on CPUs: the actor's leader publishes each
         sync's weights to the object store and the driver queues every engine's load of them
         ahead of its next generation, without waiting for it (an engine runs the driver's calls
@@ -242,35 +213,17 @@ class PPOTrainer:
         import ray
 
         from .models import cache_root
-        from .placement import engine_count, engine_tensor_size, gang_config
         from .workers.host import RemoteWorkerHost
 
         algo, roles = cfg.algorithm, cfg.roles
         n = cfg.data.samples_per_step
         cfg_json = cfg.model_dump_json(by_alias=True)
 
-        # Which roles share a process: colocated ones live with the actor worker of their rank;
-        # a colocated engine, spanning `tp` actor GPUs, with the first actor worker of them.
-        tp, engines = engine_tensor_size(cfg), engine_count(gang_config(cfg))
-        a_world = roles.workers_of("actor")
-        critic_with_actor = critic is not None and critic.colocate_with_actor
-        self.critic_apart = critic is not None and not critic_with_actor
-        """The critic in processes of its own: its values reach the actor's prepare nested."""
-        self.colocated = roles.rollout.colocate_with_actor
-        self.offload = self.colocated and roles.rollout.offload
-        layout: list[tuple[str, int]] = [("actor", a_world)]
-        if critic is not None and not critic_with_actor:
-            layout.append(("critic", roles.workers_of("critic")))
-        if not self.colocated:
-            layout.append(("rollout", engines))
-
-        def hosted_roles(owner: str, rank: int, world: int) -> dict[str, tuple[int, int]]:
-            hosted = {owner: (rank, world)}
-            if owner == "actor" and critic_with_actor:
-                hosted["critic"] = (rank, world)
-            if owner == "actor" and self.colocated and rank % tp == 0:
-                hosted["rollout"] = (rank // tp, engines)
-            return hosted
+        topo = self.topo
+        tp, engines, layout, hosted_roles = topo.tp, topo.engines, topo.layout, topo.hosted_roles
+        self.critic_apart = topo.critic_apart
+        self.colocated = topo.colocated
+        self.offload = topo.offload
 
         # Built-in models are written once, here, before the workers of this machine load them
         # (workers writing the same one at once have been seen to remove each other's copy).
@@ -332,7 +285,7 @@ class PPOTrainer:
         # are per data-parallel rank, and one worker per rank (its leader) speaks for it.
         by_handle = {id(h): ident for h, ident in zip(all_hosts, self.identities, strict=True)}
         self.leaders = {
-            role: _dp_leaders([by_handle[id(h)][role] for h in self.hosts[role]])
+            role: dp_leaders([by_handle[id(h)][role] for h in self.hosts[role]])
             for role in ("actor", "critic")
             if self.hosts[role]
         }
