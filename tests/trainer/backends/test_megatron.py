@@ -443,7 +443,7 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     import yaml
 
     from ppojob_trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from ppojob_trainer.loop import train
+    from ppojob_trainer.driver.run import train
     from ppojob_trainer.manifest import config_from_doc
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
@@ -477,7 +477,7 @@ def test_multi_turn_on_megatron_trains_as_on_the_torch_backend(local_ray, tmp_pa
     workers' loss mask reaches megatron's loss and its normalisation."""
     import yaml
 
-    from ppojob_trainer.loop import train
+    from ppojob_trainer.driver.run import train
     from ppojob_trainer.manifest import config_from_doc
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
