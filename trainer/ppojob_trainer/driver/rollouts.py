@@ -205,6 +205,10 @@ class Rollouts:
             lo = hi
         return out
 
+    def pool_metrics(self) -> dict[str, float]:
+        """Elastic engines: the step's engines, prompts re-queued and engines lost (else none)."""
+        return self.pool.metrics() if self.pool is not None else {}
+
     def finished_ahead(self) -> list[dict[str, Any]]:
         """The results of the generation launched ahead that finished by now (elastic: less
         those of engines lost)."""

@@ -218,8 +218,7 @@ class PPOTrainer:
             metrics.update(generation_metrics(rollout.generated))
             metrics.update(rollout.metrics)
         metrics["policy/version"] = float(version)
-        if self.engines is not None:
-            metrics.update(self.engines.metrics())
+        metrics.update(self.rollouts.pool_metrics())
         gens = [*(rollout.generated or r.gens), *self.rollouts.finished_ahead()]
         overlap = overlap_seconds(span, gens)
         if self.cfg.algorithm.kl.coefficient > 0:
