@@ -67,6 +67,8 @@ class _Ref:
 class _InProcessRay:
     """Replaces the ``ray`` module inside the role code for the one-process step."""
 
+    ObjectRef = _Ref  # (the actor tells a nested ref from a list of refs by it)
+
     @staticmethod
     def put(value: object) -> _Ref:
         return _Ref(value)
@@ -104,7 +106,7 @@ def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
     ``WorkerHost`` built here and called directly; yields each step's phase times (s) and its
     mean reward. ``threads``: the Ray worker's torch thread count."""
     from ppojob_trainer.algorithms import AdaptiveKLController, FixedKLController, plan_step
-    from ppojob_trainer.loop import _step_seed
+    from ppojob_trainer.driver.groups import step_seed
     from ppojob_trainer.models import cache_root
     from ppojob_trainer.tasks import make_task
     from ppojob_trainer.workers.host import WorkerHost
@@ -146,7 +148,7 @@ def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
         with in_process():
             t0 = time.perf_counter()
             examples = task.sample(data.rollout_batch_size, data_rng)
-            gen = host.generate(examples, 0, _step_seed(seed, step, 0))
+            gen = host.generate(examples, 0, step_seed(seed, step, 0))
             if offload:
                 host.release_memory()
             values = [host.compute_values(whole, whole, gen)] if critic is not None else []
@@ -227,10 +229,10 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
     difference of their mean rewards at equal steps and the worker's torch threads (the
     one-process step takes the Ray worker's). The two run in alternating blocks of
     ``block`` steps, so a neighbour's load hits both alike."""
-    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.driver.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)
-    threads = int(trainer.identities[0]["threads"])
+    threads = int(trainer.groups.identities[0]["threads"])
     local = LocalSteps(cfg, threads)
     ray_rows: list[dict[str, float]] = []
     local_rows: list[dict[str, float]] = []

@@ -270,7 +270,8 @@ def test_the_trainer_entrypoint_trains_every_rendered_config(
     """`ppojob-train --config` on the config rendered from the stored object gets as far as
     calling `train()`, with the configuration `ppojob run` builds from the manifest as written.
     The fake `train` records its arguments and raises, so nothing trains."""
-    from ppojob_trainer import entrypoint, loop
+    from ppojob_trainer import entrypoint
+    from ppojob_trainer.driver import run as driver_run
 
     class Stop(Exception):
         pass
@@ -281,7 +282,7 @@ def test_the_trainer_entrypoint_trains_every_rendered_config(
         calls.append((cfg, out_dir))
         raise Stop("the fake train() was reached")
 
-    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr(driver_run, "train", fake_train)
     monkeypatch.setattr("ppojob_trainer.runtime.connect_ray", lambda: None)
     # the examples' datasets and reward modules live in their images: the pre-flight (tested on
     # its own in tests/trainer) would stop them here

@@ -71,7 +71,8 @@ def test_operator_without_a_kubeconfig(
 def test_run_without_the_trainer_extra_says_which_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "ppojob_trainer.loop", None)  # as if torch/ray were missing
+    # as if torch/ray were missing
+    monkeypatch.setitem(sys.modules, "ppojob_trainer.driver.run", None)
     rc = ppojob(["run", str(TINY), "--steps", "1", "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err

@@ -309,14 +309,15 @@ def test_a_reward_function_returning_the_wrong_count_is_one_line_naming_the_fiel
 
 
 def test_interrupted_is_printed_on_its_own_line(tmp_path, monkeypatch, capsys) -> None:
-    from ppojob_trainer import loop, runtime
+    from ppojob_trainer import runtime
+    from ppojob_trainer.driver import run as driver_run
 
     def fake_train(cfg, out_dir, reporter):
         reporter.start(5)
         reporter.report(1, {"reward/mean": 0.5})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr(driver_run, "train", fake_train)
     monkeypatch.setattr(runtime, "start_local_ray", lambda num_cpus=None: None)
     monkeypatch.setattr(runtime, "shutdown_ray", lambda: None)
     rc = ppojob(["run", str(TINY), "--out", str(tmp_path)])  # with the progress bar

@@ -36,13 +36,13 @@ def test_every_ppojob_run_flag_is_documented() -> None:
 
 
 def test_metrics_and_summary_keys_are_documented() -> None:
-    from ppojob_trainer import loop
+    from ppojob_trainer.driver import run as driver_run
 
     section = GUIDE.split("### The output directory", 1)[1]
     for key in REQUIRED_KEYS:
         assert f"`{key}`" in section, key
     # the keys the loop writes into summary.json (its reporter.finish call)
-    source = Path(loop.__file__).read_text()
+    source = Path(driver_run.__file__).read_text()
     call = source.split("reporter.finish(", 1)[1].split(")", 1)[0]
     keys = re.findall(r'"([\w.]+)":', call)
     assert keys, call

@@ -1,12 +1,16 @@
 """The synchronous PPO step as it stood before bounded staleness (issue 24), verbatim from
 ``ppojob_trainer/loop.py`` at commit 780cc59: the oracle that ``maxStaleness: 0`` must reproduce
-bit for bit (tests/trainer/test_async_loop.py). Only the imports are made absolute."""
+bit for bit (tests/trainer/test_async_loop.py). Only the imports are made absolute, and the
+trainer's state is read where the driver package (``ppojob_trainer.driver``) keeps it."""
 
 from __future__ import annotations
 
 import time
 
-from ppojob_trainer.loop import PPOTrainer, _ranges, _step_seed
+from ppojob_trainer.driver.groups import ranges as sample_ranges
+from ppojob_trainer.driver.groups import step_seed
+from ppojob_trainer.driver.metrics import step_metrics
+from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.watchdog import wait_or_name
 
 
@@ -21,16 +25,16 @@ class SynchronousTrainer(PPOTrainer):
         t0 = time.perf_counter()
         n_prompts = cfg.data.rollout_batch_size
         k = cfg.data.samples_per_prompt
-        examples = self.task.sample(n_prompts, self.data_rng)
+        examples = self.rollouts.task.sample(n_prompts, self.rollouts.data_rng)
 
         # 1. generate + reward: each engine samples a contiguous range of prompts (an engine
         #    left without prompts sits this step out).
         parts, engines = [], []
-        for e, (p_lo, p_hi) in enumerate(_ranges(n_prompts, len(self.hosts["rollout"]))):
+        for e, (p_lo, p_hi) in enumerate(sample_ranges(n_prompts, len(self.hosts["rollout"]))):
             if p_lo == p_hi:
                 continue
             ref = self.hosts["rollout"][e].generate.remote(
-                examples[p_lo:p_hi], p_lo * k, _step_seed(cfg.training.seed, step, e)
+                examples[p_lo:p_hi], p_lo * k, step_seed(cfg.training.seed, step, e)
             )
             parts.append((p_lo * k, p_hi * k, ref))
             engines.append(e)
@@ -38,38 +42,40 @@ class SynchronousTrainer(PPOTrainer):
         ranges = [(lo, hi) for lo, hi, _ in parts]
         gens = [ref for _, _, ref in parts]
         # Engines sharing the actor's GPUs free their weights and KV cache for training.
-        if self.offload:
+        if self.topo.offload:
             ray.get([r.release_memory.remote() for r in self.hosts["rollout"]])
 
         # 2. values: each critic worker puts one object per actor worker; we keep only refs.
         value_lists = []
-        if self.has_critic:
+        if self.topo.has_critic:
             value_lists = [
-                c.compute_values.remote(ranges, self.actor_ranges, *gens)
+                c.compute_values.remote(ranges, self.groups.actor.ranges, *gens)
                 for c in self.hosts["critic"]
             ]
 
         # 3. old/ref log-probs, advantages and returns on the actor workers.
         all_values = value_lists
-        value_lists = [value_lists[i] for i in self.leaders.get("critic", [])]
+        value_lists = [value_lists[i] for i in self.groups.critic.leaders]
         prepared = [
-            a.prepare.remote(ranges, self.critic_ranges, self.kl_ctl.value, *gens, *value_lists)
+            a.prepare.remote(
+                ranges, self.groups.critic.ranges, self.kl_ctl.value, *gens, *value_lists
+            )
             for a in self.hosts["actor"]
         ]
-        prepared_leaders = [prepared[i] for i in self.leaders["actor"]]
+        prepared_leaders = [prepared[i] for i in self.groups.actor.leaders]
 
         # 4. critic updates, 5. actor update (after warm-up).
         plan = plan_step(
             step,
-            has_critic=self.has_critic,
+            has_critic=self.topo.has_critic,
             critic_warmup_steps=algo.critic_warmup_steps,
             critic_updates_per_step=algo.critic_updates_per_step,
         )
         critic_done = []
-        if self.has_critic and plan.critic_updates:
+        if self.topo.has_critic and plan.critic_updates:
             critic_done = [
                 c.train_critic.remote(
-                    step, self.actor_ranges, plan.critic_updates, *prepared_leaders
+                    step, self.groups.actor.ranges, plan.critic_updates, *prepared_leaders
                 )
                 for c in self.hosts["critic"]
             ]
@@ -81,10 +87,10 @@ class SynchronousTrainer(PPOTrainer):
         #    takes the new weights (in order, on the engine's process). A woken engine's weights
         #    were released, so it takes them even when the actor did not train.
         woken = []
-        if self.offload:
+        if self.topo.offload:
             after = [*prepared, *critic_done, *actor_done]
             woken = [r.resume_memory.remote(*after) for r in self.hosts["rollout"]]
-        synced = self._sync_weights() if plan.actor_trains or self.offload else []
+        synced = self.weights.start() if plan.actor_trains or self.topo.offload else []
 
         # 7. metrics (floats only; the driver never fetches a tensor), once every worker has
         #    reported; one that has not within the stall timeout is named (watchdog.py).
@@ -107,8 +113,8 @@ class SynchronousTrainer(PPOTrainer):
             out.append(flat[pos : pos + len(group)])
             pos += len(group)
         gens, prep, critic_m, actor_m, _, sync_s = out
-        prep = [prep[i] for i in self.leaders["actor"]]
-        metrics = self._metrics(gens, prep, critic_m, actor_m, sync_s)
+        prep = [prep[i] for i in self.groups.actor.leaders]
+        metrics = step_metrics(gens, prep, critic_m, actor_m, sync_s)
         if algo.kl.coefficient > 0:
             self.kl_ctl.update(metrics.get("kl/mean", 0.0), cfg.data.samples_per_step)
             metrics["kl/coef"] = self.kl_ctl.value

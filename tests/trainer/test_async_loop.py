@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
-from ppojob_trainer import loop
-from ppojob_trainer.loop import train
+from ppojob_trainer.driver import run as driver_run
+from ppojob_trainer.driver import trainer as driver_trainer
+from ppojob_trainer.driver import weights
+from ppojob_trainer.driver.run import train
 from ppojob_trainer.manifest import config_from_doc
 from tests.helpers.sync_step import SynchronousTrainer
 
@@ -54,7 +56,7 @@ def test_staleness_zero_reproduces_the_synchronous_loop_bit_for_bit(
     and statistic is the same float."""
     cfg = _cfg(0, own_engine=False)
     new = train(cfg, tmp_path / "new", _Quiet())
-    monkeypatch.setattr(loop, "PPOTrainer", SynchronousTrainer)
+    monkeypatch.setattr(driver_run, "PPOTrainer", SynchronousTrainer)
     old = train(cfg, tmp_path / "old", _Quiet())
     assert len(new.history) == len(old.history) == STEPS
     keys = [
@@ -79,20 +81,22 @@ def test_staleness_one_overlaps_generation_with_training_within_the_bound(
     # what each step waits for, and the engines' weight loads each step's sync queues
     waited: list[set[Any]] = []
     loads: list[list[Any]] = []
-    wait = loop.wait_or_name
-    push = loop.PPOTrainer._push_weights
+    wait = driver_trainer.wait_or_name
+    push = weights.push_weights
 
     def record_wait(calls: list[tuple[str, int, str, Any]], timeout: float) -> None:
         waited.append({c[3] for c in calls if c[2] == "weight sync"})
         wait(calls, timeout)
 
-    def record_push(self: Any, engines: list[Any], **kw: Any) -> tuple[list[Any], list[Any]]:
-        sends, joined = push(self, engines, **kw)
+    def record_push(
+        actor: Any, version: int, engines: list[Any], **kw: Any
+    ) -> tuple[list[Any], list[Any]]:
+        sends, joined = push(actor, version, engines, **kw)
         loads.append(sends)
         return sends, joined
 
-    monkeypatch.setattr(loop, "wait_or_name", record_wait)
-    monkeypatch.setattr(loop.PPOTrainer, "_push_weights", record_push)
+    monkeypatch.setattr(driver_trainer, "wait_or_name", record_wait)
+    monkeypatch.setattr(weights, "push_weights", record_push)
     result = train(_cfg(1, own_engine=True), tmp_path / "async", _Quiet())
     h = result.history
     # the sync goes through the object store, one load per engine per step, and no step waits

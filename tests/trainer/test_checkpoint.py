@@ -136,7 +136,7 @@ def _cfg(**training):
 
 def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Path) -> None:
     from ppojob_trainer.checkpoint import config_fingerprint
-    from ppojob_trainer.loop import _resume
+    from ppojob_trainer.driver.run import resume
 
     saved_cfg = _cfg(seed=1)
     save_checkpoint(tmp_path, 2, {"step": 2, "fingerprint": config_fingerprint(saved_cfg)}, 2)
@@ -153,13 +153,13 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
             return int(state["step"])
 
     same = FakeTrainer(_cfg(seed=1, learningRate=3e-4))  # a setting free to change
-    assert _resume(same, tmp_path) == 2 and same.restored["step"] == 2
+    assert resume(same, tmp_path) == 2 and same.restored["step"] == 2
 
     changed = _cfg(seed=2)
     changed.data.rollout_batch_size = 8
     other = FakeTrainer(changed)
     with pytest.raises(CheckpointError) as err:
-        _resume(other, tmp_path)
+        resume(other, tmp_path)
     msg = str(err.value)
     assert "spec.training.seed: 1 in the checkpoint, 2 now" in msg
     assert "spec.data.rolloutBatchSize: 4 in the checkpoint, 8 now" in msg
@@ -167,11 +167,11 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
     assert other.restored is None
 
 
-def test_a_changed_dataset_is_detected_on_resume(tmp_path: Path) -> None:
+def test_a_changed_dataset_is_detected_onresume(tmp_path: Path) -> None:
     """Same settings, same file name, other prompts: the checkpoint's data order is meaningless
     for them, so resuming fails naming the prompt source."""
     from ppojob_trainer.checkpoint import config_fingerprint
-    from ppojob_trainer.loop import _resume
+    from ppojob_trainer.driver.run import resume
     from ppojob_trainer.tasks import make_task
 
     data = tmp_path / "prompts.jsonl"
@@ -191,15 +191,15 @@ def test_a_changed_dataset_is_detected_on_resume(tmp_path: Path) -> None:
 
     ckpts = tmp_path / "ckpt"
     save_checkpoint(ckpts, 2, {"step": 2, "fingerprint": Trainer(cfg).fingerprint()}, 2)
-    assert _resume(Trainer(cfg), ckpts) == 2  # unchanged data resumes
+    assert resume(Trainer(cfg), ckpts) == 2  # unchanged data resumes
 
     data.write_text('{"prompt": "a"}\n{"prompt": "c"}\n')
     with pytest.raises(CheckpointError, match=r"spec\.data\.prompts \(content sha256\)"):
-        _resume(Trainer(cfg), ckpts)
+        resume(Trainer(cfg), ckpts)
 
     other = tmp_path / "other.jsonl"
     other.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     moved = _cfg()
     moved.data.prompts, moved.data.reward_function = str(other), "m:f"
     with pytest.raises(CheckpointError, match=r"spec\.data\.prompts: '"):
-        _resume(Trainer(moved), ckpts)
+        resume(Trainer(moved), ckpts)

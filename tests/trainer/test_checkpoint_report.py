@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ppojob_trainer.loop import _save
+from ppojob_trainer.driver.run import save
 from ppojob_trainer.progress import ProgressReporter
 
 
@@ -28,7 +28,7 @@ class _Recorder(ProgressReporter):
 def test_each_save_reports_the_kept_checkpoints(tmp_path: Path) -> None:
     rec = _Recorder()
     for step in (2, 4, 6):
-        _save(_Trainer(), tmp_path, step, 2, rec)
+        save(_Trainer(), tmp_path, step, 2, rec)
     assert rec.seen[0] == [(2, str(tmp_path / "step-000002"))]
     assert rec.seen[-1] == [(4, str(tmp_path / "step-000004")), (6, str(tmp_path / "step-000006"))]
-    assert _save(_Trainer(), tmp_path, 8, 2, object()) == str(tmp_path / "step-000008")
+    assert save(_Trainer(), tmp_path, 8, 2, object()) == str(tmp_path / "step-000008")

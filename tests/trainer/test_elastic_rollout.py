@@ -18,7 +18,8 @@ import pytest
 import ray
 import yaml
 
-from ppojob_trainer.loop import PPOTrainer, RolloutCapacityError
+from ppojob_trainer.driver.elastic import RolloutCapacityError
+from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.workers.host import FAULT_GATE_ENV
 
@@ -92,7 +93,7 @@ def _run(
         for step in range(STEPS):
             history.append(trainer.step(step))
             trained.append(ray.get(trainer.hosts["actor"][0].trained_ids.remote()))
-        STILL_STARTING[:] = [len(trainer.starting)]
+        STILL_STARTING[:] = [len(trainer.engines.starting)]
     finally:
         trainer.shutdown()
     return history, trained
@@ -207,7 +208,7 @@ def test_an_engine_killed_while_it_evaluates_costs_the_evaluation_nothing(
     evals = [a for a in log if a["event"] == "evaluate"]
     (killed,) = [a for a in evals if a["killed"]]
     assert killed["prompts"], "the killed engine had no prompts to evaluate"
-    assert trainer.lost_engines == 1 and engines == 2
+    assert trainer.engines.lost == 1 and engines == 2
     # the lost share ran again elsewhere: every prompt evaluated in the first evaluation
     first = evals[: len(evals) - 2]  # (the second evaluation's two shares last)
     again = [p for a in first if not a["killed"] for p in a["prompts"]]

@@ -106,7 +106,7 @@ def test_the_status_schema_has_eval_reward_mean():
 
 @pytest.mark.slow
 def test_training_evaluates_every_interval_and_at_the_end(local_ray, tmp_path: Path, monkeypatch):
-    from ppojob_trainer.loop import train
+    from ppojob_trainer.driver.run import train
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
     cfg = TrainerConfig.model_validate(

@@ -141,14 +141,14 @@ def test_times_out_naming_what_is_missing(ray_cluster) -> None:
 def test_entrypoint_prints_the_reason_the_operator_reads(tmp_path, monkeypatch, capsys) -> None:
     """`ppojob-train: GangIncomplete: ...` is the line the operator maps to the PPOJob's Failed
     reason (tests/operator/test_status.py)."""
-    import ppojob_trainer.loop as loop
+    import ppojob_trainer.driver.run as driver_run
     import ppojob_trainer.runtime as runtime
     from ppojob_trainer import entrypoint
 
     def fail(*_a, **_k):
         raise GangIncompleteError("not every pod of the job joined: ppojob-actor: 0 of 2")
 
-    monkeypatch.setattr(loop, "train", fail)
+    monkeypatch.setattr(driver_run, "train", fail)
     monkeypatch.setattr(runtime, "connect_ray", lambda: None)
     cfg_file = tmp_path / "trainer.yaml"
     cfg_file.write_text("training: {steps: 1}\n")

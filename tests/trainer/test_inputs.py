@@ -77,7 +77,7 @@ def test_a_critic_with_another_tokenizer_is_rejected(model_dir, tmp_path):
 def test_the_trainer_refuses_to_start_a_critic_with_another_tokenizer(
     model_dir, tmp_path, local_ray, monkeypatch
 ):
-    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.driver.trainer import PPOTrainer
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
     other = tmp_path / "critic"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ppojob_api.problems import SpecError
-from ppojob_trainer.loop import train
+from ppojob_trainer.driver.run import train
 from ppojob_trainer.manifest import config_from_doc as config_from_manifest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"

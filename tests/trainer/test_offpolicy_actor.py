@@ -138,27 +138,29 @@ def test_a_checkpoint_rewinds_the_data_order_to_the_generation_in_flight(
     """Generation launched ahead is not in a checkpoint: the data order saved is the one before
     the earliest such step drew its prompts, so a resumed run draws them again."""
     import random as _random
+    from types import SimpleNamespace
 
     from ppojob_trainer.algorithms import FixedKLController
-    from ppojob_trainer.loop import PPOTrainer, _Generation
+    from ppojob_trainer.driver.rollouts import Generation, Rollouts
+    from ppojob_trainer.driver.trainer import PPOTrainer
     from ppojob_trainer.tasks import make_task
 
     trainer = PPOTrainer.__new__(PPOTrainer)  # the driver's state only: no workers
     monkeypatch.setattr("ray.get", _NoRay.get)  # no worker process to ask for its RNG
     trainer.cfg = _cfg(2)
-    trainer.data_rng = _random.Random(5)
-    trainer.task = make_task(trainer.cfg.data.prompts)
+    task = make_task(trainer.cfg.data.prompts)
+    trainer.rollouts = rollouts = Rollouts(trainer.cfg, None, task, None, None)  # type: ignore[arg-type]
+    rollouts.data_rng = _random.Random(5)
     trainer.kl_ctl = FixedKLController(0.0)
-    trainer.all_hosts = []
-    trainer.pending = {}
+    trainer.groups = SimpleNamespace(all_hosts=[])  # type: ignore[assignment]
     n = trainer.cfg.data.rollout_batch_size
     saved = []
     for step in (4, 5):  # two steps launched ahead, as maxStaleness 2 does
-        saved.append(trainer.data_rng.getstate())
-        trainer.pending[step] = _Generation(step, [], [], [], (saved[-1], trainer.task.state()))
-        trainer.task.sample(n, trainer.data_rng)
+        saved.append(rollouts.data_rng.getstate())
+        rollouts.pending[step] = Generation(step, [], [], [], (saved[-1], task.state()))
+        task.sample(n, rollouts.data_rng)
     assert trainer.state(3)["data_rng"] == saved[0]
-    trainer.pending.pop(4)
+    rollouts.pending.pop(4)
     assert trainer.state(4)["data_rng"] == saved[1]
-    trainer.pending.clear()
-    assert trainer.state(5)["data_rng"] == trainer.data_rng.getstate()
+    rollouts.pending.clear()
+    assert trainer.state(5)["data_rng"] == rollouts.data_rng.getstate()

@@ -131,7 +131,7 @@ def test_a_sync_offered_mid_generation_reaches_it_in_the_ray_loop(
     sync 1's weights: its first token is one version old, the rest current (with the
     synchronous hand-over, an engine runs a sync only after the generation in progress, so
     every token would be one version old). The engine ends holding the actor's weights."""
-    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.driver.trainer import PPOTrainer
     from ppojob_trainer.manifest import config_from_doc
     from ppojob_trainer.workers.host import FAULT_GATE_ENV
 

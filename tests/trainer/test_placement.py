@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from ppojob_api.training import TrainerConfig
+from ppojob_trainer.driver.topology import gang_config
 from ppojob_trainer.placement import (
     PlacementError,
     PlacementPlan,
     check_fits,
     cluster_pins_roles,
-    gang_config,
     gang_needs,
     plan_placement,
     reserve_placement,

@@ -34,7 +34,7 @@ def tiny_cfg():
 
 
 def train(cfg, out: Path, max_steps: int | None = None):
-    from ppojob_trainer.loop import train as loop_train
+    from ppojob_trainer.driver.run import train as loop_train
 
     return loop_train(cfg, out, LocalProgressReporter(out, show_bar=False), max_steps=max_steps)
 

@@ -17,7 +17,7 @@ import pytest
 import ray
 import yaml
 
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.rewards import RemoteRewardModelScorer
 from ppojob_trainer.workers.reward import REWARD_FAULT_GATE_ENV, RemoteRewardHost
@@ -179,7 +179,7 @@ def _steps(rm: Path, monkeypatch: pytest.MonkeyPatch, gate: str, steps: int) -> 
     try:
         return [trainer.step(step) for step in range(steps)]
     finally:
-        REPLACED.append(trainer.reward_replaced)
+        REPLACED.append(trainer.rollouts.rewards.replaced)
         trainer.shutdown()
 
 

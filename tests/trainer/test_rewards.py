@@ -484,7 +484,7 @@ def test_preflight_names_a_missing_reward_model_and_an_unloadable_function(
 def test_each_source_mean_is_over_every_engine_sample() -> None:
     """The step's reward/<name>_mean sums the sources' sums of all engines and divides by all
     samples, as reward/mean does."""
-    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.driver.metrics import step_metrics
 
     def gen(n: float, total: float, model: float) -> dict[str, Any]:
         sums = {"reward_sum": total, "reward_sum/model": model, "length_sum": n}
@@ -492,7 +492,7 @@ def test_each_source_mean_is_over_every_engine_sample() -> None:
 
     prep = [(None, {"time/prepare": 1.0, "tokens": 1.0, "adv_abs_sum": 0.0})]
     prep[0][1].update({"logprob_diff_sum": 0.0, "logprob_diff_max": 0.0})
-    out = PPOTrainer._metrics([gen(4, 2.0, 8.0), gen(12, 6.0, -4.0)], prep, [], [], [])
+    out = step_metrics([gen(4, 2.0, 8.0), gen(12, 6.0, -4.0)], prep, [], [], [])
     assert out["reward/mean"] == 0.5 and out["reward/model_mean"] == 0.25
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.checkpoint import capture_rng_state
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
 
@@ -48,7 +48,7 @@ def test_checkpoint_saves_and_restores_every_workers_rng_states():
     first = PPOTrainer(cfg)
     try:
         first.step(0)
-        hosts = first.all_hosts
+        hosts = first.groups.all_hosts
         assert len(hosts) == 2  # the actor's process and the rollout's
         wanted = [_other_state(100 + i) for i in range(len(hosts))]
         ray.get([h.set_rng_state.remote(s) for h, s in zip(hosts, wanted, strict=True)])
@@ -61,10 +61,10 @@ def test_checkpoint_saves_and_restores_every_workers_rng_states():
 
     second = PPOTrainer(cfg)
     try:
-        fresh = ray.get([h.rng_state.remote() for h in second.all_hosts])
+        fresh = ray.get([h.rng_state.remote() for h in second.groups.all_hosts])
         assert not any(_same(f, w) for f, w in zip(fresh, wanted, strict=True))
         assert second.restore(state) == 1
-        restored = ray.get([h.rng_state.remote() for h in second.all_hosts])
+        restored = ray.get([h.rng_state.remote() for h in second.groups.all_hosts])
         assert all(_same(r, w) for r, w in zip(restored, wanted, strict=True))
     finally:
         second.shutdown()

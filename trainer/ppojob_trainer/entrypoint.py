@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.get("PPOJOB_OUTPUT_DIR") or Path("ppojob-out") / (cfg.job_name or "job")
     )
     try:
-        from ppojob_trainer.loop import train
+        from ppojob_trainer.driver.run import train
     except ImportError as exc:
         from ppojob_trainer.run_cmd import missing_trainer_extra
 

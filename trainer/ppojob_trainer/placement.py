@@ -57,6 +57,8 @@ from typing import Any
 
 from ppojob_api.training import TrainerConfig
 
+from .driver.topology import engine_tensor_size
+
 ROLES = ("actor", "critic", "rollout", "reward", "sandbox")
 SHARE_PRECISION = 10_000  # Ray stores resources with 4 decimal places
 
@@ -118,32 +120,6 @@ class PlacementPlan:
 
 def _floor_share(value: float, n: int) -> float:
     return math.floor(value / n * SHARE_PRECISION) / SHARE_PRECISION
-
-
-def engine_tensor_size(cfg: TrainerConfig) -> int:
-    """GPUs one rollout engine spans: `parallelism.tensor` for sglang, else 1."""
-    rollout = cfg.roles.rollout
-    if rollout.backend != "sglang":
-        return 1
-    return rollout.parallelism.tensor
-
-
-def gang_config(cfg: TrainerConfig) -> TrainerConfig:
-    """The config the gang and the placement group are planned from (pure): ``cfg`` itself, or,
-    with elastic engines (``roles.rollout.elastic``), ``cfg`` with ``minReplicas`` engines, so
-    that the trainer never waits for rollout capacity beyond the minimum (the other engines
-    start outside the placement group, when there is room)."""
-    rollout = cfg.roles.rollout
-    if rollout.elastic is None or rollout.colocate_with_actor:
-        return cfg
-    fewer = rollout.model_copy(update={"replicas": rollout.elastic.min_replicas})
-    roles = cfg.roles.model_copy(update={"rollout": fewer})
-    return cfg.model_copy(update={"roles": roles})
-
-
-def engine_count(cfg: TrainerConfig) -> int:
-    """Rollout engines: the rollout's GPUs (the actor's when colocated) / tensor size."""
-    return cfg.roles.workers_of("rollout") // engine_tensor_size(cfg)
 
 
 def _bundles_of(spec: Any, size: int = 1) -> list[dict[str, float]]:

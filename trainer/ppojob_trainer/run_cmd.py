@@ -117,7 +117,7 @@ def train_locally(
     """Start a loopback-only Ray, train `cfg` into `out_dir`, print a summary; the exit code."""
     _configure_logging()
     try:
-        from ppojob_trainer.loop import train
+        from ppojob_trainer.driver.run import train
     except ImportError as exc:
         print(f"ppojob run: {missing_trainer_extra(exc)}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from ppojob_trainer.backends.megatron_convert import (
 )
 from ppojob_trainer.backends.megatron_inputs import left_aligned
 from ppojob_trainer.distributed import identity
-from ppojob_trainer.loop import _dp_leaders
+from ppojob_trainer.driver.topology import dp_leaders
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -185,7 +185,7 @@ def test_identity_follows_megatron_rank_order() -> None:
     ]
     assert all(s.dp_size == 2 and s.tp_size == 2 and s.pp_size == 2 for s in got)
     assert [i for i, s in enumerate(got) if s.is_dp_leader] == [0]
-    assert _dp_leaders([s.__dict__ for s in got]) == [0, 2]
+    assert dp_leaders([s.__dict__ for s in got]) == [0, 2]
     plain = identity("critic", 3, 4)
     assert (plain.dp_rank, plain.dp_size, plain.tp_size) == (3, 4, 1)
 
@@ -443,7 +443,7 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     import yaml
 
     from ppojob_trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from ppojob_trainer.loop import train
+    from ppojob_trainer.driver.run import train
     from ppojob_trainer.manifest import config_from_doc
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))
@@ -477,7 +477,7 @@ def test_multi_turn_on_megatron_trains_as_on_the_torch_backend(local_ray, tmp_pa
     workers' loss mask reaches megatron's loss and its normalisation."""
     import yaml
 
-    from ppojob_trainer.loop import train
+    from ppojob_trainer.driver.run import train
     from ppojob_trainer.manifest import config_from_doc
 
     monkeypatch.setenv("PPOJOB_CACHE_DIR", str(tmp_path / "cache"))

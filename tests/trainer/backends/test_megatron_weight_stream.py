@@ -290,7 +290,7 @@ def test_a_megatron_actor_syncs_its_engines_through_the_stream_on_ray(colocated:
     import ray
 
     from ppojob_api.training import TrainerConfig
-    from ppojob_trainer.loop import PPOTrainer
+    from ppojob_trainer.driver.trainer import PPOTrainer
 
     rollout = (
         {"colocateWithActor": True} if colocated else {"replicas": 2, "resources": {"cpus": 1}}

@@ -16,7 +16,7 @@ import pytest
 
 from ppojob_api.checks.efficiency import check_lora
 from ppojob_api.training import TrainerConfig
-from ppojob_trainer.loop import adapters_through_store
+from ppojob_trainer.driver.topology import adapters_through_store
 from ppojob_trainer.memory_plan import Shape
 from tests.helpers.sglang_runtime import run_driver
 

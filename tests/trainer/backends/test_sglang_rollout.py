@@ -19,7 +19,8 @@ from ppojob_api.trainspec.model import model_path_kind
 from ppojob_cli.main import main as ppojob
 from ppojob_trainer.backends.sglang_backend import engine_args, generation_from_outputs
 from ppojob_trainer.backends.weight_sync import flatten, plan_buckets, plan_weight_buckets
-from ppojob_trainer.placement import engine_count, plan_placement
+from ppojob_trainer.driver.topology import engine_count
+from ppojob_trainer.placement import plan_placement
 
 ROOT = Path(__file__).resolve().parents[3]
 BIG = ROOT / "examples" / "ppojob-7b-megatron-volcano.yaml"

@@ -11,7 +11,8 @@ import ray
 import torch
 
 from ppojob_api.training import TrainerConfig
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.trainer import PPOTrainer
+from ppojob_trainer.driver.weights import BroadcastSync, DeferredSync
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
 
@@ -47,7 +48,7 @@ def test_colocated_engines_are_told_to_release_before_training_and_resume_before
     cfg = _cfg(roles, prompts=1, advantageEstimator="gae", criticWarmupSteps=1)
     trainer = PPOTrainer(cfg)
     try:
-        assert len(trainer.hosts["rollout"]) == 2 and trainer.engine_groups == [
+        assert len(trainer.hosts["rollout"]) == 2 and trainer.groups.engine_groups == [
             [h] for h in trainer.hosts["actor"]
         ]
         steps = 3
@@ -146,9 +147,10 @@ def test_bounded_staleness_over_a_weight_update_group_syncs_inside_sessions_betw
     }
     trainer = PPOTrainer(_cfg(roles, prompts=2, bucket_mb=0.1, maxStaleness=1))
     try:
-        assert trainer.deferred_sync  # CPU engines take the object store; gpus > 0 (sglang)
-        trainer.deferred_sync = False  # sets this and starts the group, as done here
-        trainer._init_weight_group(1)
+        # CPU engines take the object store; gpus > 0 (sglang) takes a broadcast, set up here
+        assert isinstance(trainer.weights, DeferredSync)
+        trainer.weights = BroadcastSync(trainer.groups, trainer.topo.weight_backend)
+        trainer.weights.init_group(1)
         history = [trainer.step(k) for k in range(3)]
         actor, engine = ray.get(
             [

@@ -9,7 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ppojob_api.training import TrainerConfig
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.groups import Group, Groups
+from ppojob_trainer.driver.topology import resolve_topology
+from ppojob_trainer.driver.weights import ColocatedSync, weight_sync
 
 
 class Handle:
@@ -29,14 +31,14 @@ class Handle:
 def test_every_actor_worker_exports_before_a_colocated_engine_asks_its_peers():
     log: list[str] = []
     hosts = [Handle(f"w{i}", log) for i in range(4)]
-    trainer = PPOTrainer.__new__(PPOTrainer)
-    trainer.cfg = TrainerConfig.model_validate(
+    cfg = TrainerConfig.model_validate(
         {"roles": {"actor": {"replicas": 4}, "rollout": {"colocateWithActor": True}}}
     )
-    trainer.colocated, trainer.syncs = True, 0
-    trainer.hosts = {"actor": hosts, "rollout": [hosts[0], hosts[2]]}
-    trainer.engine_groups = [hosts[:2], hosts[2:]]  # two engines of tensor 2
-    trainer._sync_weights()
+    engines = [hosts[:2], hosts[2:]]  # two engines of tensor 2
+    groups = Groups(Group(hosts), Group(), Group([hosts[0], hosts[2]]), engines, hosts, [])
+    sync = weight_sync(resolve_topology(cfg), groups)
+    assert isinstance(sync, ColocatedSync)
+    sync.start()
     first_sync = min(i for i, c in enumerate(log) if c.endswith(".sync_colocated"))
     assert sorted(log[:first_sync]) == [f"w{i}.export" for i in range(4)]
     assert log[first_sync:] == ["w0.sync_colocated", "w2.sync_colocated"]

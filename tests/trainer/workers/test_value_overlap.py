@@ -11,7 +11,7 @@ import ray
 import torch
 
 from ppojob_trainer.distributed import ShardIdentity
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.workers.actor import ActorWorker
 from tests.trainer.workers.test_workers import _cfg, _rollout_parts
 
@@ -91,8 +91,8 @@ def test_the_loop_hands_prepare_a_separate_critics_calls_unresolved(apart: bool)
     try:
         (actor,), (critic,) = trainer.hosts["actor"], trainer.hosts["critic"]
         assert (critic is not actor) == apart  # its own process, or the actor's
-        trainer.hosts["actor"] = [_Recording(actor, "prepare", prepares)]
-        trainer.hosts["critic"] = [_Recording(critic, "compute_values", values)]
+        trainer.groups.actor.handles = [_Recording(actor, "prepare", prepares)]
+        trainer.groups.critic.handles = [_Recording(critic, "compute_values", values)]
         metrics = [trainer.step(step) for step in range(2)]
     finally:
         trainer.shutdown()

@@ -14,7 +14,7 @@ import torch
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.algorithms import compute_advantages, masked_whiten, shape_token_rewards
 from ppojob_trainer.distributed import ShardIdentity
-from ppojob_trainer.loop import PPOTrainer
+from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.workers.actor import ActorWorker
 from ppojob_trainer.workers.group import overlap, shard_range
 from ppojob_trainer.workers.rollout import RolloutWorker, cat_batches
@@ -64,7 +64,7 @@ def test_values_reach_the_actor_bit_identical_and_never_touch_the_driver(
     cfg = _cfg(actor_dp, critic_dp)
     trainer = PPOTrainer(cfg)
     try:
-        ids = trainer.identities
+        ids = trainer.groups.identities
         actor_ids = sorted(
             (i["actor"]["dp_rank"], i["actor"]["dp_size"]) for i in ids if "actor" in i
         )

@@ -1,0 +1,243 @@
+"""A training run: connect to Ray, start the trainer, resume, the steps with their evaluation
+and checkpoint cadence, a stop request's checkpoint, the final export and summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ppojob_api.failures import grace_problem
+from ppojob_api.training import TrainerConfig
+
+from .. import runtime
+from ..checkpoint import (
+    check_fingerprint,
+    checkpoint_writer,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    step_dir_name,
+)
+from ..preemption import Preempted, StopSignal, watch
+from .trainer import PPOTrainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a training run did."""
+
+    steps: int
+    """Steps run (including resumed ones)."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    """Metrics of every step run in this process."""
+    wall_s: float = 0.0
+    """Wall time of the whole run, Ray start and worker start-up included."""
+    setup_s: float = 0.0
+    """Of which before the first step (Ray, placement, worker and model start-up)."""
+    final_reward: float = float("nan")
+    """Mean reward of the last step."""
+    checkpoint: str | None = None
+    """The last checkpoint written."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on data.evalPrompts (None without one)."""
+    export: str | None = None
+    """Where the Hugging Face export of the final models was written."""
+
+    def time_to_reward(self, threshold: float) -> float | None:
+        """Wall seconds from the run's start until a step's mean reward first reached
+        ``threshold``, or None."""
+        for m in self.history:
+            if m["reward/mean"] >= threshold:
+                return m["time/elapsed"]
+        return None
+
+
+def train(
+    cfg: TrainerConfig,
+    out_dir: Path,
+    reporter: Any,
+    max_steps: int | None = None,
+    threads: dict[str, int] | None = None,
+    grace_seconds: float | None = None,
+) -> TrainResult:
+    """Run the PPO loop for ``cfg.training.steps`` steps (or ``max_steps``) and report progress.
+
+    Starts a loopback-only local Ray unless one is running or ``RAY_ADDRESS`` names a cluster.
+    Checkpoints go to ``training.checkpointDir`` (relative to ``out_dir``) every
+    ``checkpointInterval`` steps and at the end; with ``resume`` the newest one is loaded first.
+    A SIGTERM (or the preStop hook's stop file) ends the run after the step in flight with a
+    checkpoint and raises :class:`~ppojob_trainer.preemption.Preempted` (``grace_seconds``, else
+    ``$PPOJOB_GRACE_SECONDS``: the grace period it must fit in).
+    """
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PPOJOB_CACHE_DIR", str(_default_cache(out_dir)))
+    runtime.connect_ray()
+    tr = cfg.training
+    total = tr.steps if max_steps is None else min(tr.steps, max_steps)
+    ckpt_dir = Path(tr.checkpoint_dir)
+    if not ckpt_dir.is_absolute():
+        ckpt_dir = out_dir / ckpt_dir
+    trainer = PPOTrainer(cfg, threads=threads)
+    trainer.total_steps = total
+    result = TrainResult(steps=0)
+    try:
+        with watch(grace_seconds) as stop:
+            _Run(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop).run()
+    finally:
+        trainer.shutdown()
+    return result
+
+
+@dataclass
+class _Run:
+    """The steps of :func:`train`; a stop request ends them at a step boundary with a checkpoint
+    (:class:`~ppojob_trainer.preemption.Preempted`)."""
+
+    trainer: PPOTrainer
+    cfg: TrainerConfig
+    ckpt_dir: Path
+    reporter: Any
+    result: TrainResult
+    total: int
+    t_start: float
+    stop: StopSignal
+    first: int = 0
+    last_ckpt_step: int = 0
+    warned: bool = False
+    """The grace period was found too short for a step and a checkpoint (warned once)."""
+
+    def run(self) -> None:
+        tr, result, stop = self.cfg.training, self.result, self.stop
+        if tr.resume:
+            self.first = resume(self.trainer, self.ckpt_dir)
+            result.checkpoint = _newest(self.ckpt_dir)
+        result.setup_s = time.perf_counter() - self.t_start
+        self.reporter.start(self.total, self.first)
+        self.last_ckpt_step = result.steps = self.first
+        try:
+            for step in range(self.first, self.total):
+                if stop.requested:
+                    break
+                self._step(step)
+        except KeyboardInterrupt:
+            if not stop.abandoned:
+                raise
+            # the grace period ran out mid-step: what the newest complete checkpoint holds
+            # survives
+            newest = _newest(self.ckpt_dir)
+            raise Preempted(self.last_ckpt_step, newest, stop.cause or "stop", True) from None
+        if stop.requested:
+            raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False)
+        self._finish()
+
+    def _step(self, step: int) -> None:
+        """One step, its evaluation when due, its report and its checkpoint when due."""
+        trainer, result, stop, tr = self.trainer, self.result, self.stop, self.cfg.training
+        stop.in_step = True
+        try:
+            metrics = trainer.step(step)
+            if trainer.eval_due(step + 1, self.total):
+                metrics.update(trainer.evaluate())
+                result.eval_reward = metrics["eval/reward_mean"]
+        finally:
+            stop.in_step = False
+        metrics["time/elapsed"] = time.perf_counter() - self.t_start
+        result.history.append(metrics)
+        result.steps = step + 1
+        self.reporter.report(step + 1, metrics)
+        due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
+        if due or stop.requested:
+            t_ckpt = time.perf_counter()
+            result.checkpoint = save(
+                trainer, self.ckpt_dir, step + 1, tr.keep_checkpoints, self.reporter
+            )
+            stop.checkpoint_seconds = time.perf_counter() - t_ckpt
+            self.last_ckpt_step = step + 1
+            if not self.warned and stop.grace_seconds is not None:
+                problem = grace_problem(
+                    int(stop.grace_seconds), metrics["time/step"], stop.checkpoint_seconds
+                )
+                if problem:
+                    log.warning("%s", problem)
+                    self.warned = True
+
+    def _finish(self) -> None:
+        """The final checkpoint and export, and the run's summary."""
+        tr, result = self.cfg.training, self.result
+        if result.steps and result.steps != self.last_ckpt_step:
+            result.checkpoint = save(
+                self.trainer, self.ckpt_dir, result.steps, tr.keep_checkpoints, self.reporter
+            )
+        if tr.export_hugging_face and result.steps > self.first:
+            result.export = str(export(self.trainer, self.ckpt_dir, result.steps))
+        result.steps = max(result.steps, self.first)
+        if result.history:
+            result.final_reward = result.history[-1]["reward/mean"]
+        result.wall_s = time.perf_counter() - self.t_start
+        evaluated = {} if result.eval_reward is None else {"eval/reward_mean": result.eval_reward}
+        self.reporter.finish(
+            {
+                "steps": result.steps,
+                "final_reward": result.final_reward,
+                "wall_s": result.wall_s,
+                "time_to_0.9_s": result.time_to_reward(0.9),
+                **evaluated,
+            }
+        )
+
+
+def _newest(ckpt_dir: Path) -> str | None:
+    path = latest_checkpoint(ckpt_dir)
+    return str(path) if path is not None else None
+
+
+def _default_cache(out_dir: Path) -> Path:
+    return Path.home() / ".cache" / "ppojob" if os.access(Path.home(), os.W_OK) else out_dir
+
+
+def save(
+    trainer: PPOTrainer,
+    ckpt_dir: Path,
+    step: int,
+    keep: int,
+    reporter: Any = None,
+) -> str | None:
+    """A checkpoint: the workers write their shards, then the driver its small state; the
+    directory becomes complete (atomically) only after both. The reporter then hears which
+    complete checkpoints are kept (`kubectl ppojob checkpoints` reads them from the status)."""
+    with checkpoint_writer(ckpt_dir, step, keep) as writer:
+        trainer.save_workers(writer.path)
+        for key, value in trainer.state(step).items():
+            writer.save(key, value)
+    hook = getattr(reporter, "checkpointed", None)  # (reporters of tests may lack it)
+    if hook is not None:
+        hook([(int(p.name.split("-")[-1]), str(p)) for p in complete_checkpoints(ckpt_dir)])
+    return str(ckpt_dir / step_dir_name(step))
+
+
+def export(trainer: PPOTrainer, ckpt_dir: Path, step: int) -> Path:
+    """Hugging Face export of the actor (and critic) under ``<checkpointDir>/hf/step-N/``."""
+    return trainer.export_pretrained(ckpt_dir / "hf" / step_dir_name(step))
+
+
+def resume(trainer: PPOTrainer, ckpt_dir: Path) -> int:
+    """Load the newest checkpoint under ``ckpt_dir`` (its fingerprint checked); the steps done
+    (0 without one)."""
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        return 0
+    log.info("resuming from %s", path)
+    state = load_checkpoint(path)
+    check_fingerprint(state.get("fingerprint"), trainer.fingerprint(), path)
+    return trainer.restore(state, path)
+
+
+__all__ = ["TrainResult", "export", "resume", "save", "train"]

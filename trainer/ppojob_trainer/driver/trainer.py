@@ -1,0 +1,350 @@
+"""The PPO step, written out like a training script (see :meth:`PPOTrainer.step`).
+
+    generate -> reward -> [colocated engines sleep] -> values (refs) -> old/ref log-probs
+    -> advantages -> critic updates -> actor update (after warm-up) -> [engines wake]
+    -> weight sync -> metrics
+
+The driver holds no model and never pulls a tensor: it samples prompts, hands the workers
+ObjectRefs and sample ranges, and reads back float metrics. Critic values travel from the
+critic workers to the actor workers through the object store, routed by sample range, so actor
+and critic may have different data-parallel sizes. Each mode is owned by the piece it concerns
+(:mod:`.topology` resolves them): the weight sync by :mod:`.weights`, elastic engines and
+reward workers by :mod:`.elastic`, the generation window by :mod:`.rollouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ppojob_api.training import TrainerConfig
+
+from ..algorithms import AdaptiveKLController, FixedKLController, plan_step
+from ..checkpoint import config_fingerprint
+from ..tasks import make_task
+from ..watchdog import wait_or_name
+from .cluster import Cluster
+from .elastic import ElasticEngines, RewardWorkers
+from .groups import Groups
+from .metrics import generation_metrics, overlap_seconds, step_metrics, train_span
+from .rollouts import Rollout, Rollouts
+from .topology import resolve_topology
+from .weights import WeightSync, weight_sync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRefs:
+    """Refs of a step's calls, by phase."""
+
+    rollout: Rollout
+    values: list[Any]
+    prepared: list[Any]
+    critic_done: list[Any]
+    actor_done: list[Any]
+    woken: list[Any]
+    synced: list[Any]
+
+
+@dataclass
+class Reports:
+    """What the step's calls returned (the driver's one round trip)."""
+
+    gens: list[dict[str, Any]]
+    prep: list[tuple[Any, dict[str, float]]]
+    """The actor's data-parallel leaders'."""
+    critic: list[dict[str, float]]
+    actor: list[dict[str, float]]
+    sync: list[float]
+
+
+class PPOTrainer:
+    """Ray worker processes of all roles in one placement group, and the step."""
+
+    def __init__(self, cfg: TrainerConfig, threads: dict[str, int] | None = None) -> None:
+        self.cfg = cfg
+        self.topo = resolve_topology(cfg)
+        self.total_steps: int | None = None
+        """The run's step count (:func:`~.run.train` sets it): no generation is launched
+        past it."""
+        self.cluster = Cluster(cfg, self.topo, threads)
+        try:
+            self._start()
+        except BaseException:
+            # A worker that fails to start (bad model path, reward module...) must not leave the
+            # placement group and the workers already started holding the cluster.
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
+        cfg, topo, cluster = self.cfg, self.topo, self.cluster
+        hosts, role_hosts = cluster.start_hosts()
+        rewards = RewardWorkers(cluster, cfg.stall_timeout_seconds)
+        self.sandbox_hosts = cluster.start_sandbox()
+        self.groups: Groups = cluster.groups(
+            hosts, role_hosts, [*rewards.hosts, *self.sandbox_hosts]
+        )
+        cluster.start_rollout(self.groups, rewards.hosts, self.sandbox_hosts)
+        self.engines: ElasticEngines | None = None
+        self.weights: WeightSync
+        if topo.elastic is not None:  # weights go through the object store (any engine count)
+            helpers = (rewards, self.sandbox_hosts)
+            k, stall = cfg.data.samples_per_prompt, cfg.stall_timeout_seconds
+            self.engines = ElasticEngines(topo.elastic, cluster, self.groups, helpers, k, stall)
+            self.weights = self.engines.sync
+        else:
+            self.weights = weight_sync(topo, self.groups)
+        data = cfg.data
+        task = make_task(data.prompts, data.prompt_key, data.label_key, data.shuffle)
+        self.rollouts = Rollouts(cfg, self.groups, task, rewards, self.engines)
+        self.eval_examples = (
+            make_task(data.eval_prompts, data.prompt_key, data.label_key, shuffle=False).eval_set()
+            if data.eval_prompts
+            else []
+        )
+        kl = cfg.algorithm.kl
+        self.kl_ctl = (
+            AdaptiveKLController(kl.coefficient, kl.target, kl.horizon)
+            if kl.target is not None
+            else FixedKLController(kl.coefficient)
+        )
+
+    @property
+    def hosts(self) -> dict[str, list[Any]]:
+        """The processes of each role (``actor``, ``critic``, ``rollout``)."""
+        return self.groups.by_role()
+
+    # ------------------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        """One PPO step; returns its metrics (floats only)."""
+        algo, actor, critic = self.cfg.algorithm, self.groups.actor, self.groups.critic
+        t0 = time.perf_counter()
+        # 1. generate + reward: this step's generation (launched now or, maxStaleness > 0, at
+        #    an earlier step's start) and that of the later steps the admission window takes.
+        rollout = self.rollouts.take(step, self.total_steps)
+        version = self.weights.version  # the actor's weights (and, at their sync, the engines')
+        self.weights.release()  # (colocated engines free their memory for training)
+        # 2. values: each critic worker puts one object per actor worker; we keep only refs.
+        values = critic.call("compute_values", rollout.ranges, actor.ranges, *rollout.gens)
+        # 3. old/ref log-probs, advantages and returns on the actor workers.
+        prepared = self._prepare(rollout, values, version)
+        # 4. critic updates, 5. actor update (after warm-up).
+        plan = plan_step(
+            step,
+            has_critic=self.topo.has_critic,
+            critic_warmup_steps=algo.critic_warmup_steps,
+            critic_updates_per_step=algo.critic_updates_per_step,
+        )
+        critic_done = []
+        if plan.critic_updates:
+            trained_on = actor.of_leaders(prepared)
+            critic_done = critic.call(
+                "train_critic", step, actor.ranges, plan.critic_updates, *trained_on
+            )
+        actor_done = actor.call("train_actor", step) if plan.actor_trains else []
+        # 6. colocated engines wake once training is done on all their GPUs; then every engine
+        #    takes the new weights (in order, on the engine's process).
+        woken = self.weights.wake([*prepared, *critic_done, *actor_done])
+        synced = self.weights.step_sync(plan.actor_trains)
+        # 7. metrics, once every worker has reported (one that has not is named).
+        refs = StepRefs(rollout, values, prepared, critic_done, actor_done, woken, synced)
+        metrics, overlap = self._metrics(rollout, self._collect(refs), version)
+        return self._timed(metrics, overlap, t0)
+
+    def _prepare(self, rollout: Rollout, values: list[Any], version: int) -> list[Any]:
+        """Old/ref log-probs, advantages and returns on every actor worker. A critic in
+        processes of its own: the value refs go nested in a list, which Ray does not resolve
+        before the call, so an actor worker computes its log-probs while the critic computes
+        the values, and waits for them only when the advantages need them (a colocated critic
+        has computed them before, in the same process)."""
+        value_lists = self.groups.critic.of_leaders(values)
+        nested = value_lists if self.topo.critic_apart else None
+        return self.groups.actor.call(
+            "prepare",
+            rollout.ranges,
+            self.groups.critic.ranges,
+            self.kl_ctl.value,
+            *rollout.gens,
+            *([] if nested is not None else value_lists),
+            policy_version=version,
+            value_refs=nested,
+        )
+
+    def _collect(self, refs: StepRefs) -> Reports:
+        """Every call's report, once all have reported (one that has not within the stall
+        timeout is named, watchdog.py), in one round trip."""
+        r = refs
+        wait_or_name(
+            [
+                *(
+                    ("rollout", e, "generate", g)
+                    for e, g in zip(r.rollout.engines, r.rollout.gens, strict=True)
+                ),
+                *(("critic", i, "values", x) for i, x in enumerate(r.values)),
+                *(("actor", i, "prepare", x) for i, x in enumerate(r.prepared)),
+                *(("critic", i, "train", x) for i, x in enumerate(r.critic_done)),
+                *(("actor", i, "train", x) for i, x in enumerate(r.actor_done)),
+                *(("rollout", i, "wake", x) for i, x in enumerate(r.woken)),
+                *(("rollout", i, "weight sync", x) for i, x in enumerate(r.synced)),
+            ],
+            self.cfg.stall_timeout_seconds,
+        )
+        fetched = r.synced if self.weights.fetched_with_step else []
+        groups = [r.rollout.gens, r.prepared, r.critic_done, r.actor_done, r.woken, fetched]
+        flat = ray.get([ref for group in groups for ref in group])  # one round trip
+        out, pos = [], 0
+        for group in groups:
+            out.append(flat[pos : pos + len(group)])
+            pos += len(group)
+        gens, prep, critic_m, actor_m, _, sync_vals = out
+        prep = self.groups.actor.of_leaders(prep)
+        return Reports(gens, prep, critic_m, actor_m, self.weights.durations(r.synced, sync_vals))
+
+    def _metrics(
+        self, rollout: Rollout, reports: Reports, version: int
+    ) -> tuple[dict[str, float], float]:
+        """The step's metrics, and the seconds of its training during which an engine was
+        generating (this step's samples or, launched ahead, later steps' finished by now)."""
+        r = reports
+        span = train_span(r.prep, r.critic, r.actor)
+        metrics = step_metrics(r.gens, r.prep, r.critic, r.actor, r.sync)
+        if rollout.generated is not None:  # the rewards and lengths of every sample generated
+            metrics.update(generation_metrics(rollout.generated))
+            metrics.update(rollout.metrics)
+        metrics["policy/version"] = float(version)
+        metrics.update(self.rollouts.pool_metrics())
+        gens = [*(rollout.generated or r.gens), *self.rollouts.finished_ahead()]
+        overlap = overlap_seconds(span, gens)
+        if self.cfg.algorithm.kl.coefficient > 0:
+            self.kl_ctl.update(metrics.get("kl/mean", 0.0), self.cfg.data.samples_per_step)
+            metrics["kl/coef"] = self.kl_ctl.value
+        return metrics, overlap
+
+    def _timed(self, metrics: dict[str, float], overlap: float, t0: float) -> dict[str, float]:
+        """The step's time, the share of it generation overlapped training, and tokens/s."""
+        metrics["time/step"] = time.perf_counter() - t0
+        metrics["time/overlap_share"] = min(overlap / metrics["time/step"], 1.0)
+        tokens = metrics["response/length"] * self.cfg.data.samples_per_step
+        metrics["time/tokens_per_second"] = tokens / metrics["time/step"]
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    def eval_due(self, done: int, total: int) -> bool:
+        """Whether to evaluate after ``done`` steps of ``total`` (evalInterval, and the end)."""
+        every = self.cfg.training.eval_interval
+        return bool(self.eval_examples) and (done % every == 0 or done == total)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts, split over the engines, scored."""
+        total = self.rollouts.evaluate(self.eval_examples)
+        return {"eval/reward_mean": total / len(self.eval_examples)}
+
+    def sandbox_calls(self) -> list[int]:
+        """Tool calls each sandbox worker answered so far (``roles.sandbox``; empty when unset)."""
+        return ray.get([h.call_count.remote() for h in self.sandbox_hosts])
+
+    def reward_scored(self) -> list[int]:
+        """Samples each reward worker scored so far (``roles.reward``; empty when unset)."""
+        return self.rollouts.rewards.scored()
+
+    def trained_roles(self) -> list[str]:
+        return ["actor", "critic"] if self.topo.has_critic else ["actor"]
+
+    def save_workers(self, directory: Path) -> None:
+        """Every actor (and critic) worker writes its own shard into ``directory/<role>``; the
+        driver passes the path and waits, no tensor comes through it."""
+        ray.get(
+            [
+                ref
+                for role in self.trained_roles()
+                for ref in self.groups.role(role).call(
+                    "save_checkpoint", role, str(directory / role)
+                )
+            ]
+        )
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The driver's own (small) checkpoint state: step, data order, KL coefficient, task,
+        and every worker process's generators."""
+        rng, task = self.rollouts.data_state()
+        return {
+            "step": step,
+            "fingerprint": self.fingerprint(),
+            "data_rng": rng,
+            "kl_coef": self.kl_ctl.value,
+            "task": task,
+            # every worker process's generators (dropout, sampling helpers), in host order
+            "rng": ray.get([h.rng_state.remote() for h in self.groups.all_hosts]),
+        }
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings and the prompt data a checkpoint of this run depends on."""
+        return config_fingerprint(self.cfg, self.rollouts.task.digest())
+
+    def restore(self, state: dict[str, Any], path: Path | None = None) -> int:
+        """Load a checkpoint into every worker (each reads its shard under ``path``); returns
+        the number of steps already done."""
+        waits, all_hosts = [], self.groups.all_hosts
+        for role in self.trained_roles():
+            group = self.groups.role(role)
+            if path is not None and (path / role).is_dir():
+                waits += group.call("load_checkpoint", role, str(path / role))
+            elif role in state:  # a checkpoint written before per-worker shards
+                waits += group.call("set_state", role, state[role])
+        rng = state.get("rng")
+        if rng is not None and len(rng) == len(all_hosts):
+            waits += [h.set_rng_state.remote(r) for h, r in zip(all_hosts, rng, strict=True)]
+        else:
+            log.warning(
+                "checkpoint holds no RNG state for these %d worker processes; "
+                "resuming with fresh generators",
+                len(all_hosts),
+            )
+        ray.get(waits)
+        ray.get(self.weights.start())
+        self.rollouts.data_rng.setstate(_as_rng_state(state["data_rng"]))
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.rollouts.task.load_state(state.get("task", {}))
+        return int(state["step"])
+
+    def export_pretrained(self, directory: Path) -> Path:
+        """Write the actor (``directory/actor``) and the critic (``directory/critic``, with its
+        value head) as Hugging Face model directories with the tokenizer; on request at any
+        time between steps, and at the end of :func:`~.run.train` (``exportHuggingFace``)."""
+        roles = []
+        for role in self.trained_roles():
+            spec = (
+                self.cfg.roles.actor if role == "actor" else self.cfg.roles.effective_critic(True)
+            )
+            if spec is not None and spec.backend != "torch":
+                log.warning("no Hugging Face export of the %s: backend %s", role, spec.backend)
+            else:
+                roles.append(role)
+        ray.get(
+            [
+                ref
+                for role in roles
+                for ref in self.groups.role(role).call(
+                    "export_pretrained", role, str(directory / role)
+                )
+            ]
+        )
+        return directory
+
+    def shutdown(self) -> None:
+        """Kill every worker started and release the placement group (safe to call twice)."""
+        groups = getattr(self, "groups", None)  # (None: the start failed before the groups)
+        engines = groups.rollout.handles if groups is not None else self.cluster.hosts["rollout"]
+        # engines own processes of their own (sglang), sandbox workers their tool pools: they
+        # are stopped before their host is killed
+        self.cluster.shutdown([*engines, *getattr(self, "sandbox_hosts", [])])
+
+
+def _as_rng_state(s: Any) -> tuple[Any, ...]:
+    return (s[0], tuple(s[1]), s[2])
