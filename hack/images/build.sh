@@ -124,15 +124,19 @@ prune() {
   rm -f "$cache/$1"-*.build.log.old
 }
 
-# Working containers a killed or failed `buildah bud` left behind (each holds what its step
-# wrote: the trainer's dependency step is about 6 GB). Only ours: their image is one of our
-# tags or an untagged intermediate of our builds; this runs under the build lock.
+# Working containers a killed `buildah bud` left behind (each holds what its step wrote: the
+# trainer's dependency step is about 6 GB; a failed build removes its own: --force-rm). Ours are
+# bud's "<image id>-working-container"s whose image is one of our tags or an untagged
+# intermediate (buildah prints no name for it); this runs under the build lock. (A killed base
+# or pause build leaves a small "working-container" of scratch: left alone, it may not be ours.)
 remove_stale_containers() {
-  local id image
-  buildah containers --format '{{.ContainerID}} {{.ImageName}}' 2>/dev/null |
-    while read -r id image; do
-      case "$image" in
-      localhost/ppojob-* | "" | "<none>") buildah rm "$id" >/dev/null 2>&1 || true ;;
+  local id image name
+  buildah containers --format '{{.ContainerID}} {{.ContainerName}} {{.ImageName}}' 2>/dev/null |
+    while read -r id name image; do
+      case "$name:$image" in
+      *-working-container:localhost/ppojob-* | *-working-container:)
+        buildah rm "$id" >/dev/null 2>&1 || true
+        ;;
       esac
     done
 }
@@ -143,7 +147,7 @@ free_gib() {
   local dir
   dir="$(buildah info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)"
   mkdir -p "$dir"
-  df -P -B1G "$dir" | awk 'NR == 2 { print $4 }'
+  df -P -B1 "$dir" | awk 'NR == 2 { print int($4 / 2^30) }'
 }
 need_gib() {
   case "$1" in
@@ -162,8 +166,10 @@ build_image() {
     need="$(need_gib "$name")"
     free="$(free_gib)"
     if [ "$free" -lt "$need" ]; then
-      # older builds go first (their layer cache with them) when the disk is short
-      log "$name: $free GiB free, building needs about $need GiB: removing older builds first"
+      # older builds go first (their layer cache with them: the dependency layer is built
+      # again, and the node imports it whole) when the disk is short
+      log "$name: $free GiB free, building needs about $need GiB: removing older builds first" \
+        "(their layer cache too)"
       prune "$name" "$key"
       free="$(free_gib)"
       [ "$free" -ge "$need" ] || die "building $name needs about $need GiB free in buildah's store \
@@ -173,7 +179,7 @@ build_image() {
     log "$name: buildah bud -f $dockerfile ($*)"
     local t0=$SECONDS
     # docker format: the Dockerfiles' SHELL (bash, pipefail) is kept, as `docker build` keeps it
-    buildah bud --quiet --layers --format docker --network=host -f "$root_dir/$dockerfile" -t "$tag" "$@" \
+    buildah bud --quiet --layers --force-rm --format docker --network=host -f "$root_dir/$dockerfile" -t "$tag" "$@" \
       "$root_dir" >"$cache/$name.build.log" 2>&1 || {
       tail -n 20 "$cache/$name.build.log" >&2
       die "building $name failed: see $cache/$name.build.log"

@@ -202,10 +202,12 @@ def role_binding(job: PPOJob, namespace: str, uid: str | None = None) -> dict[st
 # RayJob
 # ---------------------------------------------------------------------------------------------
 def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -> dict[str, Any]:
-    """No voluntary eviction of a healthy pod of the job: one lost pod ends the gang's attempt.
-    A pod that is not Ready (crash-looping, stuck starting) may always be evicted
-    (``unhealthyPodEvictionPolicy: AlwaysAllow``, policy/v1 since Kubernetes 1.27): the default,
-    IfHealthyBudget, would let one such pod block every drain of its node."""
+    """No voluntary eviction of a Ready pod of the job: one lost pod ends the gang's attempt.
+    A Running pod that is not Ready (crash-looping) may always be evicted
+    (``unhealthyPodEvictionPolicy: AlwaysAllow``: a field since Kubernetes 1.26, on by default
+    since 1.27): under the default, IfHealthyBudget, the eviction API refuses it while the job
+    is short of healthy pods, so it would block the drain of its node. (Pending and terminated
+    pods are evictable either way; Ready pods still block, by design.)"""
     name = job.metadata.name or ""
     return {
         "apiVersion": "policy/v1",

@@ -166,3 +166,80 @@ def test_a_step_that_ends_in_time_is_not_abandoned() -> None:
     assert stop._timer is not None
     stop._timer.join(5)
     assert not stop.abandoned
+
+
+class _ScriptedStop(StopSignal):
+    """A stop whose ``requested`` answers from a script, read by read (then the last answer)."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        super().__init__()
+        self.answers = answers
+        self.reads = 0
+
+    @property
+    def requested(self) -> bool:  # type: ignore[override]
+        i, self.reads = self.reads, self.reads + 1
+        return self.answers[min(i, len(self.answers) - 1)]
+
+
+class _StubTrainer:
+    """What the run loop asks of a trainer: a step, evaluation, checkpoint state."""
+
+    def step(self, step: int) -> dict[str, float]:
+        return {"reward/mean": 0.5, "time/step": 0.01}
+
+    def eval_due(self, done: int, total: int) -> bool:
+        return False
+
+    def save_workers(self, directory: Path) -> None:
+        (directory / "workers.txt").write_text("shards")
+
+    def state(self, step: int) -> dict[str, object]:
+        return {"step": step}
+
+
+@pytest.mark.parametrize(
+    ("answers", "stopped_at"),
+    [
+        # read 1 at the loop's top (step 0), read 2 at the step's own check: the stop is seen
+        # there and step 1 is checkpointed with the step
+        ([False, True], 1),
+        # the stop lands after step 1's own check and before the loop's next look: the loop
+        # ends with step 1 completed and not checkpointed by the step
+        ([False, False, True], 1),
+        # the same after step 2
+        ([False, False, False, False, True], 2),
+    ],
+)
+def test_a_stop_anywhere_between_steps_checkpoints_every_completed_step(
+    tmp_path: Path, answers: list[bool], stopped_at: int
+) -> None:
+    from types import SimpleNamespace
+
+    from ppojob_trainer.driver.run import TrainResult, _Run
+    from ppojob_trainer.preemption import Preempted
+    from ppojob_trainer.progress import LocalProgressReporter
+
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(
+            resume=False, checkpoint_interval=0, keep_checkpoints=2, export_hugging_face=False
+        )
+    )
+    stop = _ScriptedStop(answers)
+    stop.cause = "SIGTERM"
+    run = _Run(
+        _StubTrainer(),  # type: ignore[arg-type]
+        cfg,  # type: ignore[arg-type]
+        tmp_path / "ckpt",
+        LocalProgressReporter(tmp_path / "out", show_bar=False),
+        TrainResult(steps=0),
+        5,
+        time.perf_counter(),
+        stop,
+    )
+    with pytest.raises(Preempted) as info:
+        run.run()
+    assert info.value.step == stopped_at and not info.value.abandoned
+    newest = latest_checkpoint(tmp_path / "ckpt")
+    assert newest is not None and newest.name == f"step-{stopped_at:06d}", newest
+    assert info.value.checkpoint == str(newest)

@@ -135,6 +135,10 @@ class _Run:
             newest = _newest(self.ckpt_dir)
             raise Preempted(self.last_ckpt_step, newest, stop.cause or "stop", True) from None
         if stop.requested:
+            if result.steps != self.last_ckpt_step:
+                # the stop came after the last step's own check (between it and the loop's):
+                # no step is in flight, so the completed ones are saved here
+                self._checkpoint(result.steps, None)
             raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False)
         self._finish()
 
@@ -155,19 +159,23 @@ class _Run:
         self.reporter.report(step + 1, metrics)
         due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
         if due or stop.requested:
-            t_ckpt = time.perf_counter()
-            result.checkpoint = save(
-                trainer, self.ckpt_dir, step + 1, tr.keep_checkpoints, self.reporter
-            )
-            stop.checkpoint_seconds = time.perf_counter() - t_ckpt
-            self.last_ckpt_step = step + 1
-            if not self.warned and stop.grace_seconds is not None:
-                problem = grace_problem(
-                    int(stop.grace_seconds), metrics["time/step"], stop.checkpoint_seconds
-                )
-                if problem:
-                    log.warning("%s", problem)
-                    self.warned = True
+            self._checkpoint(step + 1, metrics["time/step"])
+
+    def _checkpoint(self, steps: int, step_seconds: float | None) -> None:
+        """A checkpoint of ``steps`` completed steps; the first one that knows a step's length
+        says once when the grace period cannot hold a step and a checkpoint."""
+        tr, stop = self.cfg.training, self.stop
+        t_ckpt = time.perf_counter()
+        self.result.checkpoint = save(
+            self.trainer, self.ckpt_dir, steps, tr.keep_checkpoints, self.reporter
+        )
+        stop.checkpoint_seconds = time.perf_counter() - t_ckpt
+        self.last_ckpt_step = steps
+        if step_seconds is not None and not self.warned and stop.grace_seconds is not None:
+            problem = grace_problem(int(stop.grace_seconds), step_seconds, stop.checkpoint_seconds)
+            if problem:
+                log.warning("%s", problem)
+                self.warned = True
 
     def _finish(self) -> None:
         """The final checkpoint and export, and the run's summary."""
