@@ -1607,6 +1607,174 @@ TABLE += [
     ),
 ]
 
+# Every message of the pod checks that the rows above do not reach, so that
+# check_messages.txt holds its full text (volumes, affinity value rules, shapes, huge pages).
+AA = "spec.head.affinity"
+NODE_TERM = f"{AA}.nodeAffinity.{REQ}.nodeSelectorTerms[0]"
+ANTI = f"{AA}.podAntiAffinity.{REQ}"
+TABLE += [
+    (
+        check_pod_template,
+        "extra volumes wrong at every level: misspelt and unknown keys, shapes, two sources",
+        {
+            "podTemplate": {
+                "volumes": [
+                    {"name": "a", "emptydir": {}, "zzzz": {}},
+                    {
+                        "name": "b",
+                        "secret": {
+                            "secretName": "s",
+                            "defaultMode": "0644",
+                            "items": [{"key": "a", "pth": "a", "qqqq": 1}],
+                        },
+                    },
+                    {
+                        "name": "c",
+                        "csi": {"driver": "d", "readOnly": "yes", "volumeAttributes": {"size": 10}},
+                    },
+                    {"name": "d", "emptyDir": {"sizeLimit": [1]}, "hostPath": {"path": "/x"}},
+                    {
+                        "name": "e",
+                        "ephemeral": {
+                            "volumeClaimTemplate": {
+                                "spec": {"resources": {"requests": {"storage": True}}}
+                            }
+                        },
+                    },
+                ]
+            }
+        },
+        [
+            "spec.podTemplate.volumes[0].emptydir",
+            "spec.podTemplate.volumes[0].zzzz",
+            "spec.podTemplate.volumes[1].secret.defaultMode",
+            "spec.podTemplate.volumes[1].secret.items[0].pth",
+            "spec.podTemplate.volumes[1].secret.items[0].qqqq",
+            "spec.podTemplate.volumes[2].csi.readOnly",
+            "spec.podTemplate.volumes[2].csi.volumeAttributes.size",
+            "spec.podTemplate.volumes[3].emptyDir.sizeLimit",
+            "spec.podTemplate.volumes[3]",
+            "spec.podTemplate.volumes[4].ephemeral.volumeClaimTemplate.spec.resources.requests"
+            ".storage",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "affinity value rules: requirements' keys, operators and values, weights, terms, "
+        "namespaces, label keys, topology keys",
+        {
+            "head": {
+                "affinity": {
+                    "nodeAffinity": {
+                        REQ: {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"operator": "Exists"},
+                                        {"key": "bad key!", "operator": "Lt"},
+                                        {"key": "z", "operator": "NotIn"},
+                                        {"key": "z", "operator": "Gte", "values": ["1"]},
+                                    ],
+                                    "matchFields": [
+                                        {
+                                            "key": "metadata.name",
+                                            "operator": "In",
+                                            "values": ["a", "b"],
+                                        },
+                                        {"key": "metadata.name", "operator": "Exists"},
+                                    ],
+                                }
+                            ]
+                        },
+                        PREF: [
+                            {"preference": {}},
+                            {"weight": 101, "preference": {}},
+                        ],
+                    },
+                    "podAntiAffinity": {
+                        REQ: [
+                            {
+                                "namespaces": ["Team_A"],
+                                "matchLabelKeys": ["a b"],
+                                "mismatchLabelKeys": ["c"],
+                                "topologyKey": "bad key!",
+                            },
+                            {
+                                "labelSelector": {
+                                    "matchLabels": {"bad key!": "v"},
+                                    "matchExpressions": [
+                                        {"key": "app", "operator": "In", "values": ["a b"]}
+                                    ],
+                                },
+                                "matchLabelKeys": ["team"],
+                                "mismatchLabelKeys": ["team"],
+                                "topologyKey": "kubernetes.io/hostname",
+                            },
+                        ]
+                    },
+                    "podAffinity": {REQ: [{"topologyKey": ""}]},
+                }
+            }
+        },
+        [
+            f"{NODE_TERM}.matchExpressions[0].key",
+            f"{NODE_TERM}.matchExpressions[1].values",
+            f"{NODE_TERM}.matchExpressions[1].key",
+            f"{NODE_TERM}.matchExpressions[2].values",
+            f"{NODE_TERM}.matchExpressions[3].operator",
+            f"{NODE_TERM}.matchFields[0].values",
+            f"{NODE_TERM}.matchFields[1].operator",
+            f"{AA}.nodeAffinity.{PREF}[0].weight",
+            f"{AA}.nodeAffinity.{PREF}[1].weight",
+            f"{ANTI}[0].namespaces[0]",
+            f"{ANTI}[0].matchLabelKeys",
+            f"{ANTI}[0].matchLabelKeys[0]",
+            f"{ANTI}[0].mismatchLabelKeys",
+            f"{ANTI}[0].topologyKey",
+            f"{ANTI}[1].labelSelector.matchExpressions[0].values[0]",
+            f"{ANTI}[1].labelSelector.matchLabels.bad key!",
+            f"{ANTI}[1].matchLabelKeys[0]",
+            f"{AA}.podAffinity.{REQ}[0].topologyKey",
+        ],
+    ),
+    (
+        check_pod_fields,
+        "a required node affinity without terms",
+        {"head": {"affinity": {"nodeAffinity": {REQ: {"nodeSelectorTerms": []}}}}},
+        [f"{AA}.nodeAffinity.{REQ}.nodeSelectorTerms"],
+    ),
+    (
+        check_pod_fields,
+        "a taint value Kubernetes refuses, huge pages off by a page at each unit, sizes that "
+        "are no page size, a YuniKorn queue name with a space",
+        {
+            "roles__actor": {
+                "tolerations": [{"key": "k", "operator": "Equal", "value": "a b"}],
+                "resources": {
+                    "hugepages": {
+                        "2Mi": "5Mi",
+                        "4Ki": "1030Ki",
+                        "1Gi": "1536Mi",
+                        "6Ki": "1Mi",
+                        "abc": "1Mi",
+                        "1k": "1Mi",
+                        "2.5Mi": "5Mi",
+                    }
+                },
+            },
+            "scheduling": {"gangScheduler": "yunikorn", "queue": "ml team"},
+        },
+        [
+            "spec.roles.actor.tolerations[0].value",
+            *(
+                f"spec.roles.actor.resources.hugepages.{s}"
+                for s in ("2Mi", "4Ki", "1Gi", "6Ki", "abc", "1k", "2.5Mi")
+            ),
+            "spec.scheduling.queue",
+        ],
+    ),
+]
+
 TABLE += [
     (
         check_unused_critic,
