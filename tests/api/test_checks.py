@@ -1674,6 +1674,7 @@ TABLE += [
                                         {"key": "bad key!", "operator": "Lt"},
                                         {"key": "z", "operator": "NotIn"},
                                         {"key": "z", "operator": "Gte", "values": ["1"]},
+                                        {"key": "", "operator": "DoesNotExist", "values": ["x"]},
                                     ],
                                     "matchFields": [
                                         {
@@ -1722,6 +1723,8 @@ TABLE += [
             f"{NODE_TERM}.matchExpressions[1].key",
             f"{NODE_TERM}.matchExpressions[2].values",
             f"{NODE_TERM}.matchExpressions[3].operator",
+            f"{NODE_TERM}.matchExpressions[4].values",
+            f"{NODE_TERM}.matchExpressions[4].key",
             f"{NODE_TERM}.matchFields[0].values",
             f"{NODE_TERM}.matchFields[1].operator",
             f"{AA}.nodeAffinity.{PREF}[0].weight",
@@ -1746,7 +1749,7 @@ TABLE += [
     (
         check_pod_fields,
         "a taint value Kubernetes refuses, huge pages off by a page at each unit, sizes that "
-        "are no page size, a YuniKorn queue name with a space",
+        "are no page size, a long YuniKorn queue name with a dot and a space",
         {
             "roles__actor": {
                 "tolerations": [{"key": "k", "operator": "Equal", "value": "a b"}],
@@ -1762,7 +1765,7 @@ TABLE += [
                     }
                 },
             },
-            "scheduling": {"gangScheduler": "yunikorn", "queue": "ml team"},
+            "scheduling": {"gangScheduler": "yunikorn", "queue": "ml.team " + "a" * 80},
         },
         [
             "spec.roles.actor.tolerations[0].value",
