@@ -1979,18 +1979,6 @@ TABLE += [
 ]
 
 
-@pytest.mark.parametrize(
-    ("check", "settings", "expected"),
-    [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
-)
-def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
-    found = check(spec(**settings), "spec")
-    assert [p.path for p in found] == expected, [str(p) for p in found]
-    assert check(spec(**settings)) == found  # `spec` is the default prefix
-    for problem in found:
-        assert problem.message and problem.fix, f"{problem} needs a message and a fix"
-
-
 def test_every_check_has_a_table() -> None:
     """Each check has a row it passes and a row it fails."""
     for check in (*checks.TRAINING_CHECKS, *checks.CLUSTER_CHECKS):
@@ -2102,14 +2090,14 @@ TABLE += [
     ),
     (
         check_agent,
-        "an agent on sglang and megatron",
+        "an agent on sglang (training on megatron is accepted)",
         {
             "data__prompts": "builtin:calculator",
             "data__agent": CALC,
             "roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}},
             "roles__actor": MEGATRON_CPU,
         },
-        ["spec.roles.rollout.backend", "spec.roles.actor.backend", "spec.roles.critic.backend"],
+        ["spec.roles.rollout.backend"],
     ),
     # --- declared tools (data.agent.tools)
     (
@@ -2335,7 +2323,7 @@ TABLE += [
         check_pod_fields,
         "a reward worker's bad node selector",
         {"roles__reward": {"nodeSelector": {"bad key!": "x"}}, "data__rewards": [RM]},
-        ["spec.roles.reward.nodeSelector"],
+        ["spec.roles.reward.nodeSelector.bad key!"],
     ),
 ]
 
@@ -2540,3 +2528,18 @@ TABLE += [
         [],
     ),
 ]
+
+
+# ---------------------------------------------------------------- every row above, each on its own
+# (last in the file: the parametrisation reads TABLE when the decorator runs, so a row added
+# after it would be left out)
+@pytest.mark.parametrize(
+    ("check", "settings", "expected"),
+    [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
+)
+def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
+    found = check(spec(**settings), "spec")
+    assert [p.path for p in found] == expected, [str(p) for p in found]
+    assert check(spec(**settings)) == found  # `spec` is the default prefix
+    for problem in found:
+        assert problem.message and problem.fix, f"{problem} needs a message and a fix"
