@@ -87,6 +87,7 @@ def spec(**settings: Any) -> PPOJobSpec:
 GPU_ACTOR = {"replicas": 1, "resources": {"gpus": 8}, "backend": "megatron"}
 MEGATRON_CPU = {"backend": "megatron"}
 MEGATRON_TP4 = {"backend": "megatron", "parallelism": {"tensor": 4}}
+SGLANG_GPU = {"backend": "sglang", "resources": {"gpus": 1}}
 
 # (check, row id, settings, expected problem paths)
 TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
@@ -337,6 +338,45 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             "model__lora": {"targetModules": ["q_proj", "k_proj"]},
         },
         ["spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q_proj alone of q/k/v",
+        {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["q_proj", "o_proj"]}},
+        ["spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: k_proj alone of q/k/v",
+        {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["k_proj", "o_proj"]}},
+        ["spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: v_proj alone of q/k/v",
+        {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["v_proj", "o_proj"]}},
+        ["spec.model.lora.targetModules"],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: all-linear",
+        {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["all-linear"]}},
+        [],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: q_proj and v_proj, k_proj left out",
+        {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["q_proj", "v_proj"]}},
+        [],
+    ),
+    (
+        check_lora,
+        "LoRA on an sglang rollout: the MLP only, up_proj with gate_proj",
+        {
+            "roles__rollout": SGLANG_GPU,
+            "model__lora": {"targetModules": ["gate_proj", "up_proj", "down_proj"]},
+        },
+        [],
     ),
     # --- megatron
     (
@@ -2182,16 +2222,20 @@ TABLE += [
     ),
     (
         check_trackers,
-        "a tracking URI without a scheme, one with a password, one without a host",
+        "tracking URIs without a scheme, with a user or a password, without a host",
         {
             "trackers": [
                 {**MLFLOW, "trackingUri": "mlflow.svc:5000/x y"},
                 {**MLFLOW, "trackingUri": "mlruns"},
                 {**MLFLOW, "trackingUri": "https://me:hunter2@mlflow.example.com"},
                 {**MLFLOW, "trackingUri": "http:///api"},
+                {**MLFLOW, "trackingUri": "https:///api"},
+                {**MLFLOW, "trackingUri": "http://me@mlflow.example.com"},
+                {**MLFLOW, "trackingUri": "https://me@mlflow.example.com"},
+                {**MLFLOW, "trackingUri": "file://me:hunter2@host/data/mlruns"},
             ]
         },
-        [f"spec.trackers[{i}].trackingUri" for i in range(4)],
+        [f"spec.trackers[{i}].trackingUri" for i in range(8)],
     ),
     (
         check_trackers,
