@@ -776,7 +776,7 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_rewards,
-        "judges: the policy, a built-in, a directory",
+        "judges: the policy, a built-in, a directory; a default score at the top of the range",
         {
             "data__prompts": "/data/p.jsonl",
             "data__rewards": [
@@ -792,6 +792,7 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
                     "name": "judge-2",
                 },
                 {"judge": {"model": "/models/judge"}, "name": "judge-3"},
+                {"judge": {"model": "policy", "defaultScore": 10}, "name": "judge-4"},
             ],
         },
         [],
@@ -920,6 +921,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         "kueue with a queue Kueue refuses",
         {"scheduling__gangScheduler": "kueue", "scheduling__queue": "Team_A"},
         ["spec.scheduling.queue"],
+    ),
+    (
+        check_scheduling,
+        "a priority class name too long for the label it is written into",
+        {"scheduling__priorityClassName": "p" * 64},
+        ["spec.scheduling.priorityClassName"],
     ),
     (
         check_scheduling,
@@ -2182,6 +2189,8 @@ TABLE += [
                     {**ADD_TOOL, "name": "d", "parameters": {"type": "string"}},
                     {**ADD_TOOL, "name": "e", "parameters": {"type": "object", "required": ["x"]}},
                     {**ADD_TOOL, "name": "f", "parameters": {"type": "object", "properties": 1}},
+                    {**ADD_TOOL, "name": "g", "parameters": {"type": "object", "required": "x"}},
+                    {**ADD_TOOL, "name": "h", "parameters": {"type": "object", "required": [1]}},
                 ]
             },
         },
@@ -2192,6 +2201,8 @@ TABLE += [
             "spec.data.agent.tools[4].parameters.type",
             "spec.data.agent.tools[5].parameters.required",
             "spec.data.agent.tools[6].parameters.properties",
+            "spec.data.agent.tools[7].parameters.required",
+            "spec.data.agent.tools[8].parameters.required",
         ],
     ),
 ]
@@ -2255,6 +2266,12 @@ TABLE += [
     # --- elastic rollout engines (roles.rollout.elastic)
     (check_elastic, "no elastic", {}, []),
     (check_elastic, "elastic torch engines of their own", {"roles__rollout": ELASTIC}, []),
+    (
+        check_elastic,
+        "elastic bounds of one value, replicas at them",
+        {"roles__rollout": {"replicas": 3, "elastic": {"minReplicas": 3, "maxReplicas": 3}}},
+        [],
+    ),
     (
         check_elastic,
         "elastic and colocated",
@@ -2326,6 +2343,15 @@ TABLE += [
             "data__rewards": [{"function": "builtin:count-up"}],
         },
         ["spec.roles.reward", "spec.roles.reward.parallelism"],
+    ),
+    (
+        check_reward_role,
+        "a CPU reward worker whose reward model runs on the CPU",
+        {
+            "roles__reward": {"resources": {"gpus": 0}},
+            "data__rewards": [{"model": {"path": "/models/rm", "device": "cpu"}}],
+        },
+        [],
     ),
     (
         check_reward_role,
