@@ -1970,6 +1970,7 @@ TABLE += [
 ]
 
 
+PREFIX_253 = ".".join(c * 63 for c in "abc") + "." + "d" * 61  # a DNS subdomain of 253
 GOOD_TEMPLATE = {
     "labels": {"team": "rl"},
     "annotations": {"karpenter.sh/do-not-disrupt": "true"},
@@ -1984,6 +1985,84 @@ TABLE += [
         "labels, secrets, a volume and its mount",
         {"podTemplate": GOOD_TEMPLATE},
         [],
+    ),
+    (
+        check_pod_template,
+        "a label key prefix of 253 characters, a ConfigMap key and a Secret for the env, "
+        "a mount below a trainer path",
+        {
+            "podTemplate": {
+                "labels": {PREFIX_253 + "/x": "v"},
+                "env": [
+                    {"name": "STEP", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
+                ],
+                "envFrom": [{"secretRef": {"name": "s"}}],
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/ckpt/data"}],
+            },
+            "training__checkpointDir": "/ckpt",
+        },
+        [],
+    ),
+    (
+        check_pod_template,
+        "every reserved prefix, a key prefix of 254 characters, a label value, PPOJOB_, an env "
+        "with no source, a volume name twice, mounts on the trainer's paths",
+        {
+            "podTemplate": {
+                "labels": {
+                    "app.kubernetes.io/managed-by": "me",
+                    "scheduling.x-k8s.io/pod-group": "g",
+                    PREFIX_253 + "d/x": "v",
+                    "team": "Bad Value",
+                },
+                "annotations": {
+                    "volcano.sh/queue-name": "q",
+                    "yunikorn.apache.org/app-id": "a",
+                    "kueue.x-k8s.io/queue-name": "q",
+                },
+                "env": [
+                    {
+                        "name": "PPOJOB_STEP",
+                        "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}},
+                    },
+                    {"name": "EMPTY", "valueFrom": {}},
+                ],
+                "envFrom": [{"secretRef": {"name": "s"}, "configMapRef": {"name": "c"}}],
+                "volumes": [
+                    {"name": "Bad", "emptyDir": {}},
+                    {"name": "data", "emptyDir": {}},
+                    {"name": "data", "emptyDir": {}},
+                ],
+                "volumeMounts": [
+                    {"name": "data", "mountPath": "/ckpt/"},
+                    {"name": "data", "mountPath": "/dev/shm"},
+                ],
+            },
+            "training__checkpointDir": "/ckpt",
+        },
+        [
+            "spec.podTemplate.labels.app.kubernetes.io/managed-by",
+            "spec.podTemplate.labels.scheduling.x-k8s.io/pod-group",
+            f"spec.podTemplate.labels.{PREFIX_253}d/x",
+            "spec.podTemplate.annotations.volcano.sh/queue-name",
+            "spec.podTemplate.annotations.yunikorn.apache.org/app-id",
+            "spec.podTemplate.annotations.kueue.x-k8s.io/queue-name",
+            "spec.podTemplate.labels.team",
+            "spec.podTemplate.env[0].name",
+            "spec.podTemplate.env[1].valueFrom",
+            "spec.podTemplate.envFrom[0]",
+            "spec.podTemplate.volumes[0].name",
+            "spec.podTemplate.volumes[2].name",
+            "spec.podTemplate.volumeMounts[0].mountPath",
+            "spec.podTemplate.volumeMounts[1].mountPath",
+        ],
+    ),
+    (
+        check_pod_template,
+        "a mount without any volume",
+        {"podTemplate": {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}},
+        ["spec.podTemplate.volumeMounts[0].name"],
     ),
     (
         check_pod_template,
