@@ -57,7 +57,7 @@ from ppojob_api.checks.roles import (
     check_sglang_top_p_tis,
     check_unused_critic,
 )
-from ppojob_api.checks.settings import check_env, check_tensor_within_pod
+from ppojob_api.checks.settings import RESERVED_ENV, check_env, check_tensor_within_pod
 from ppojob_api.checks.sizes import check_sizes, quantity_bytes
 from ppojob_api.checks.sources import (
     check_eval_prompts,
@@ -1375,6 +1375,17 @@ TABLE += [
             "spec.roles.actor.env[2].name",
             "spec.roles.rollout.env[0].name",
         ],
+    ),
+    (
+        check_env,
+        "every variable the operator, KubeRay, Ray or the device plugin set, on the critic",
+        {
+            "roles__critic": {
+                "replicas": 1,
+                "env": [{"name": n, "value": "1"} for n in RESERVED_ENV],
+            }
+        },
+        [f"spec.roles.critic.env[{i}].name" for i in range(len(RESERVED_ENV))],
     ),
     (
         check_env,
