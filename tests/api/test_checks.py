@@ -478,8 +478,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_dynamic_sampling,
-        "dynamic sampling with grpo",
-        {"algorithm__advantageEstimator": "grpo", "algorithm__dynamicSampling": {"maxRounds": 2}},
+        "dynamic sampling with grpo, two samples per prompt",
+        {
+            "algorithm__advantageEstimator": "grpo",
+            "algorithm__dynamicSampling": {"maxRounds": 2},
+            "data__samplesPerPrompt": 2,
+        },
         [],
     ),
     (
@@ -1347,6 +1351,37 @@ TABLE += [
         "a megatron tensor group wider than the pod's GPUs",
         {"roles__actor": {"replicas": 4, "resources": {"gpus": 2}, **MEGATRON_TP4}},
         ["spec.roles.actor.parallelism.tensor"],
+    ),
+    (
+        check_tensor_within_pod,
+        "a torch actor and a megatron critic on pods of its own: a group of 2 on 3 GPUs",
+        {
+            "roles__critic": {
+                "replicas": 1,
+                "backend": "megatron",
+                "resources": {"gpus": 3},
+                "parallelism": {"tensor": 2},
+            }
+        },
+        ["spec.roles.critic.parallelism.tensor"],
+    ),
+    (
+        check_tensor_within_pod,
+        "a colocated megatron critic's group must fit the actor's pod",
+        {
+            "roles__actor": {
+                "replicas": 1,
+                "resources": {"gpus": 6},
+                **MEGATRON_TP4,
+                "parallelism": {"tensor": 2},
+            },
+            "roles__critic": {
+                "colocateWithActor": True,
+                "backend": "megatron",
+                "parallelism": {"tensor": 4},
+            },
+        },
+        ["spec.roles.critic.parallelism.tensor"],
     ),
     (
         check_tensor_within_pod,
@@ -2340,6 +2375,25 @@ TABLE += [
     ),
     (
         check_trackers,
+        "a W&B project with two characters W&B refuses, one with a leading space, a Secret name "
+        "of 254 characters",
+        {
+            "trackers": [
+                {**WANDB, "project": "a/b:c"},
+                {**WANDB, "project": " ppo"},
+                {**WANDB, "secretRef": {"name": PREFIX_253 + "d"}},
+            ]
+        },
+        ["spec.trackers[0].project", "spec.trackers[1].project", "spec.trackers[2].secretRef.name"],
+    ),
+    (
+        check_trackers,
+        "a W&B Secret name of 253 characters",
+        {"trackers": [{**WANDB, "secretRef": {"name": PREFIX_253}}]},
+        [],
+    ),
+    (
+        check_trackers,
         "a W&B project with a slash, an entity with a colon, a Secret name in capitals",
         {
             "trackers": [
@@ -2535,6 +2589,12 @@ TABLE += [
         "sandbox workers and no data.agent",
         {"roles__sandbox": {"replicas": 1}},
         ["spec.roles.sandbox"],
+    ),
+    (
+        check_sandbox_role,
+        "a sandbox worker with one GPU",
+        {"roles__sandbox": {"resources": {"gpus": 1}}, **SANDBOX_AGENT},
+        ["spec.roles.sandbox.resources.gpus"],
     ),
     (
         check_sandbox_role,
