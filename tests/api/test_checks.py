@@ -913,6 +913,22 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         ["spec.roles.rollout.resources.memory"],
     ),
     (check_sizes, "the defaults", {}, []),
+    (
+        check_sizes,
+        "a KV cache of exactly 1 GiB (4096 x 512 tokens x 512 bytes) in a 1000Mi rollout pod",
+        {
+            "model__path": "builtin:tiny-llama",
+            "model__dtype": "bfloat16",
+            "data__rolloutBatchSize": 4096,
+            "data__samplesPerPrompt": 1,
+            "data__maxPromptLength": 256,
+            "data__maxResponseLength": 256,
+            "roles__rollout": {"replicas": 1, "resources": {"memory": "1000Mi"}},
+            "training__miniBatchSize": 4096,
+            "training__microBatchSize": 1,
+        },
+        ["spec.roles.rollout.resources.memory"],
+    ),
     # --- the cluster half
     (
         check_scheduling,
