@@ -880,6 +880,18 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (check_eval_prompts, "built-in eval task", {"data__evalPrompts": "builtin:reverse"}, []),
     (
+        check_eval_prompts,
+        "an eval dataset scored by rewardFunction",
+        {"data__evalPrompts": "/data/eval.jsonl", "data__rewardFunction": "r:score"},
+        [],
+    ),
+    (
+        check_eval_prompts,
+        "an eval dataset scored by data.rewards",
+        {"data__evalPrompts": "/data/eval.jsonl", "data__rewards": [{"function": "r:score"}]},
+        [],
+    ),
+    (
         check_model_paths,
         "a URI and an unknown built-in",
         {"model__path": "s3://bucket/model", "model__criticPath": "builtin:huge"},
