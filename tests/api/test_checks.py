@@ -341,6 +341,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_lora,
+        "all-linear and one more target, which is no layer of the built-in model",
+        {"model__lora": {"targetModules": ["all-linear", "c_attn"]}},
+        ["spec.model.lora.targetModules", "spec.model.lora.targetModules[1]"],
+    ),
+    (
+        check_lora,
         "LoRA on an sglang rollout: q_proj alone of q/k/v",
         {"roles__rollout": SGLANG_GPU, "model__lora": {"targetModules": ["q_proj", "o_proj"]}},
         ["spec.model.lora.targetModules"],
@@ -747,6 +753,15 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             ],
         },
         [],
+    ),
+    (
+        check_rewards,
+        "a reward model named as a built-in",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [{"model": {"path": "builtin:small-llama"}}],
+        },
+        ["spec.data.rewards[0].model.path"],
     ),
     (
         check_rewards,
@@ -1746,7 +1761,10 @@ TABLE += [
                         "secret": {
                             "secretName": "s",
                             "defaultMode": "0644",
-                            "items": [{"key": "a", "pth": "a", "qqqq": 1}],
+                            "items": [
+                                {"key": "a", "pth": "a", "qqqq": 1},
+                                {"key": "b", "path": "b", "mode": "x"},
+                            ],
                         },
                     },
                     {
@@ -1754,11 +1772,17 @@ TABLE += [
                         "csi": {"driver": "d", "readOnly": "yes", "volumeAttributes": {"size": 10}},
                     },
                     {"name": "d", "emptyDir": {"sizeLimit": [1]}, "hostPath": {"path": "/x"}},
+                    {"name": "f", "secret": "s", "csi": {"driver": "d", "volumeAttributes": "x"}},
+                    {"name": "g", "rbd": {"image": "i", "monitors": ["m"], "imag": "x"}},
                     {
                         "name": "e",
                         "ephemeral": {
                             "volumeClaimTemplate": {
-                                "spec": {"resources": {"requests": {"storage": True}}}
+                                "metadata": {"creationTimestamp": 5},
+                                "spec": {
+                                    "resources": {"requests": {"storage": True}},
+                                    "storageClass": "fast",
+                                },
                             }
                         },
                     },
@@ -1771,12 +1795,19 @@ TABLE += [
             "spec.podTemplate.volumes[1].secret.defaultMode",
             "spec.podTemplate.volumes[1].secret.items[0].pth",
             "spec.podTemplate.volumes[1].secret.items[0].qqqq",
+            "spec.podTemplate.volumes[1].secret.items[1].mode",
             "spec.podTemplate.volumes[2].csi.readOnly",
             "spec.podTemplate.volumes[2].csi.volumeAttributes.size",
             "spec.podTemplate.volumes[3].emptyDir.sizeLimit",
             "spec.podTemplate.volumes[3]",
-            "spec.podTemplate.volumes[4].ephemeral.volumeClaimTemplate.spec.resources.requests"
+            "spec.podTemplate.volumes[4].secret",
+            "spec.podTemplate.volumes[4].csi.volumeAttributes",
+            "spec.podTemplate.volumes[4]",
+            "spec.podTemplate.volumes[5].rbd.imag",
+            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.metadata.creationTimestamp",
+            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.spec.resources.requests"
             ".storage",
+            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.spec.storageClass",
         ],
     ),
     (
@@ -1816,14 +1847,14 @@ TABLE += [
                     "podAntiAffinity": {
                         REQ: [
                             {
-                                "namespaces": ["Team_A"],
+                                "namespaces": ["Team_A", "Team_B"],
                                 "matchLabelKeys": ["a b"],
                                 "mismatchLabelKeys": ["c"],
                                 "topologyKey": "bad key!",
                             },
                             {
                                 "labelSelector": {
-                                    "matchLabels": {"bad key!": "v"},
+                                    "matchLabels": {"bad key!": "a b"},
                                     "matchExpressions": [
                                         {"key": "app", "operator": "In", "values": ["a b"]}
                                     ],
@@ -1834,7 +1865,10 @@ TABLE += [
                             },
                         ]
                     },
-                    "podAffinity": {REQ: [{"topologyKey": ""}]},
+                    "podAffinity": {
+                        REQ: [{"topologyKey": ""}],
+                        PREF: [{"weight": 0, "podAffinityTerm": {"topologyKey": "zone"}}],
+                    },
                 }
             }
         },
@@ -1851,14 +1885,17 @@ TABLE += [
             f"{AA}.nodeAffinity.{PREF}[0].weight",
             f"{AA}.nodeAffinity.{PREF}[1].weight",
             f"{ANTI}[0].namespaces[0]",
+            f"{ANTI}[0].namespaces[1]",
             f"{ANTI}[0].matchLabelKeys",
             f"{ANTI}[0].matchLabelKeys[0]",
             f"{ANTI}[0].mismatchLabelKeys",
             f"{ANTI}[0].topologyKey",
             f"{ANTI}[1].labelSelector.matchExpressions[0].values[0]",
             f"{ANTI}[1].labelSelector.matchLabels.bad key!",
+            f"{ANTI}[1].labelSelector.matchLabels.bad key!",
             f"{ANTI}[1].matchLabelKeys[0]",
             f"{AA}.podAffinity.{REQ}[0].topologyKey",
+            f"{AA}.podAffinity.{PREF}[0].weight",
         ],
     ),
     (
@@ -1873,7 +1910,10 @@ TABLE += [
         "are no page size, a long YuniKorn queue name with a dot and a space",
         {
             "roles__actor": {
-                "tolerations": [{"key": "k", "operator": "Equal", "value": "a b"}],
+                "tolerations": [
+                    {"key": "bad key!"},
+                    {"key": "k", "operator": "Equal", "value": "a b"},
+                ],
                 "resources": {
                     "hugepages": {
                         "2Mi": "5Mi",
@@ -1886,16 +1926,35 @@ TABLE += [
                     }
                 },
             },
+            "roles__rollout": {
+                "nodeSelector": {"a" * 64 + "!": "x"},
+                "resources": {"hugepages": {"1Gi": "100Mi"}},
+            },
             "scheduling": {"gangScheduler": "yunikorn", "queue": "ml.team " + "a" * 80},
         },
         [
-            "spec.roles.actor.tolerations[0].value",
+            "spec.roles.actor.tolerations[0].key",
+            "spec.roles.actor.tolerations[1].value",
             *(
                 f"spec.roles.actor.resources.hugepages.{s}"
                 for s in ("2Mi", "4Ki", "1Gi", "6Ki", "abc", "1k", "2.5Mi")
             ),
+            "spec.roles.rollout.nodeSelector." + "a" * 64 + "!",
+            "spec.roles.rollout.resources.hugepages.1Gi",
             "spec.scheduling.queue",
         ],
+    ),
+    (
+        check_pod_fields,
+        "YuniKorn without a queue",
+        {"scheduling": {"gangScheduler": "yunikorn"}},
+        [],
+    ),
+    (
+        check_pod_fields,
+        "an image and a priority class name Kubernetes refuse",
+        {"image": "trainer :1", "scheduling": {"priorityClassName": "High"}},
+        ["spec.image", "spec.scheduling.priorityClassName"],
     ),
 ]
 
