@@ -404,6 +404,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_sglang_top_p_tis,
+        "sglang engine, top-p of 1 (no top-p) and truncated importance sampling",
+        {"roles__rollout": SGLANG_GPU, "data__topP": 1.0, "algorithm__tisCap": 2.0},
+        [],
+    ),
+    (
+        check_sglang_top_p_tis,
         "sglang engine, top-p, no importance sampling",
         {"roles__rollout": {"backend": "sglang", "resources": {"gpus": 1}}, "data__topP": 0.9},
         [],
@@ -753,6 +759,15 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
             ],
         },
         [],
+    ),
+    (
+        check_rewards,
+        "an endpoint URL with credentials",
+        {
+            "data__prompts": "/data/p.jsonl",
+            "data__rewards": [{"http": {"url": "https://u:p@rm/s"}}],
+        },
+        ["spec.data.rewards[0].http.url"],
     ),
     (
         check_rewards,
@@ -1775,6 +1790,12 @@ TABLE += [
                     {"name": "f", "secret": "s", "csi": {"driver": "d", "volumeAttributes": "x"}},
                     {"name": "g", "rbd": {"image": "i", "monitors": ["m"], "imag": "x"}},
                     {
+                        "name": "h",
+                        "ephemeral": {
+                            "volumeClaimTemplate": {"spec": {"resources": {"requests": "1Gi"}}}
+                        },
+                    },
+                    {
                         "name": "e",
                         "ephemeral": {
                             "volumeClaimTemplate": {
@@ -1804,10 +1825,11 @@ TABLE += [
             "spec.podTemplate.volumes[4].csi.volumeAttributes",
             "spec.podTemplate.volumes[4]",
             "spec.podTemplate.volumes[5].rbd.imag",
-            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.metadata.creationTimestamp",
-            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.spec.resources.requests"
+            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.spec.resources.requests",
+            "spec.podTemplate.volumes[7].ephemeral.volumeClaimTemplate.metadata.creationTimestamp",
+            "spec.podTemplate.volumes[7].ephemeral.volumeClaimTemplate.spec.resources.requests"
             ".storage",
-            "spec.podTemplate.volumes[6].ephemeral.volumeClaimTemplate.spec.storageClass",
+            "spec.podTemplate.volumes[7].ephemeral.volumeClaimTemplate.spec.storageClass",
         ],
     ),
     (
@@ -1854,7 +1876,7 @@ TABLE += [
                             },
                             {
                                 "labelSelector": {
-                                    "matchLabels": {"bad key!": "a b"},
+                                    "matchLabels": {"bad key!": "a b", "bad key?": "v"},
                                     "matchExpressions": [
                                         {"key": "app", "operator": "In", "values": ["a b"]}
                                     ],
@@ -1893,6 +1915,7 @@ TABLE += [
             f"{ANTI}[1].labelSelector.matchExpressions[0].values[0]",
             f"{ANTI}[1].labelSelector.matchLabels.bad key!",
             f"{ANTI}[1].labelSelector.matchLabels.bad key!",
+            f"{ANTI}[1].labelSelector.matchLabels.bad key?",
             f"{ANTI}[1].matchLabelKeys[0]",
             f"{AA}.podAffinity.{REQ}[0].topologyKey",
             f"{AA}.podAffinity.{PREF}[0].weight",
@@ -2190,6 +2213,42 @@ TABLE += [
             "spec.podTemplate.volumeMounts[0].mountPath",
             "spec.podTemplate.volumeMounts[1].mountPath",
         ],
+    ),
+    (
+        check_pod_template,
+        "a mount at a checkpoint dir written with a trailing slash",
+        {
+            "podTemplate": {
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/ckpt"}],
+            },
+            "training__checkpointDir": "/ckpt/",
+        },
+        ["spec.podTemplate.volumeMounts[0].mountPath"],
+    ),
+    (
+        check_pod_template,
+        "mounts beside the checkpoint dir: its parent, a subdirectory X",
+        {
+            "podTemplate": {
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/ckpt"}],
+            },
+            "training__checkpointDir": "/ckpt/X",
+        },
+        [],
+    ),
+    (
+        check_pod_template,
+        "a mount in a subdirectory X of the checkpoint dir",
+        {
+            "podTemplate": {
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/ckpt/X"}],
+            },
+            "training__checkpointDir": "/ckpt",
+        },
+        [],
     ),
     (
         check_pod_template,
