@@ -103,7 +103,13 @@ GROUPS: dict[str, Group] = {
         root="operator",
         package="ppojob_operator",
         modules=["builders.py", "status.py"],
-        tests=["tests/operator/test_builders.py", "tests/operator/test_status.py"],
+        tests=[
+            "tests/operator/test_builders.py",
+            "tests/operator/test_status.py",
+            # status.py's restart record and spec-edit conditions
+            "tests/operator/test_restart_policy.py",
+            "tests/operator/test_status_edits.py",
+        ],
         deselect=OPERATOR_SLOW,
     ),
     "scheduling": Group(
