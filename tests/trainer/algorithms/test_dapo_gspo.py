@@ -174,6 +174,8 @@ def test_gspo_clamps_a_huge_sequence_log_ratio(log_ratio: float) -> None:
     loss, m = gspo_policy_loss(new, torch.zeros(1, 2), torch.ones(1, 2), mask, 0.2, 0.2)
     assert float(m["seq_ratio_mean"]) == pytest.approx(math.exp(math.copysign(20.0, log_ratio)))
     assert math.isfinite(float(loss))
+    # approx_kl stays the token-level k1 estimate, not the clamped sequence log-ratio
+    assert float(m["approx_kl"]) == pytest.approx(-log_ratio)
 
 
 def test_gspo_errors_name_the_function_and_the_argument() -> None:
