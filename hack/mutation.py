@@ -72,6 +72,9 @@ GROUPS: dict[str, Group] = {
             "tests/trainer/algorithms/test_hooks.py",
             "tests/trainer/algorithms/test_stats.py",
             "tests/trainer/algorithms/test_advantage_invariance.py",
+            # policy_loss's importance weights (TIS) and gspo_policy_loss
+            "tests/trainer/algorithms/test_offpolicy.py",
+            "tests/trainer/algorithms/test_dapo_gspo.py",
         ],
         deselect=[
             "tests/trainer/algorithms/test_advantage_invariance.py::test_advantages_are_the_same_for_dp_1_2_and_3",
@@ -86,13 +89,27 @@ GROUPS: dict[str, Group] = {
             "tests/api/test_checks.py",
             "tests/api/test_validation.py",
             "tests/api/test_overrides.py",
+            # the spec tests of single features: they validate specs through the same checks
+            "tests/api/test_bad_input.py",
+            "tests/api/test_bad_input_batch2.py",
+            "tests/api/test_agent_spec.py",
+            "tests/api/test_algorithm_pack_spec.py",
+            "tests/api/test_reward_sources_spec.py",
+            "tests/api/test_staleness_spec.py",
+            "tests/api/test_trackers_spec.py",
         ],
     ),
     "operator": Group(
         root="operator",
         package="ppojob_operator",
         modules=["builders.py", "status.py"],
-        tests=["tests/operator/test_builders.py", "tests/operator/test_status.py"],
+        tests=[
+            "tests/operator/test_builders.py",
+            "tests/operator/test_status.py",
+            # status.py's restart record and spec-edit conditions
+            "tests/operator/test_restart_policy.py",
+            "tests/operator/test_status_edits.py",
+        ],
         deselect=OPERATOR_SLOW,
     ),
     "scheduling": Group(

@@ -305,3 +305,55 @@ def test_a_set_value_that_is_not_yaml_is_one_line_naming_the_flag() -> None:
     assert problem.path == "--set data.rewards"
     assert "\n" not in problem.message and "column 16" in problem.message
     assert problem.fix.startswith("close the quote or bracket")
+
+
+def _with(spec: PPOJobSpec, **parts: dict[str, Any]) -> PPOJobSpec:
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    for key, fields in parts.items():
+        doc.setdefault(key, {})
+        doc[key] |= fields
+    return PPOJobSpec.model_validate(doc)
+
+
+def test_planned_updates_without_a_critic_or_with_its_own_settings() -> None:
+    """10 steps x 3 epochs x 2 mini-batches = 60 actor updates. Without a critic the warm-up
+    steps (the critic's) take nothing from the actor and the critic makes none; a warm-up as
+    long as the run leaves the actor none; the critic counts with its own overrides."""
+    ten = _half(steps=10, ppoEpochs=3)
+    grpo = _with(ten, algorithm={"advantageEstimator": "grpo", "criticWarmupSteps": 4})
+    assert (planned_updates(grpo, "actor"), planned_updates(grpo, "critic")) == (60, 0)
+    warm = _with(_half(steps=4, ppoEpochs=3), algorithm={"criticWarmupSteps": 6})
+    assert (planned_updates(warm, "actor"), planned_updates(warm, "critic")) == (0, 4 * 3 * 2)
+    own = {"colocateWithActor": True, "overrides": {"ppoEpochs": 1, "miniBatchSize": 32}}
+    critic = _with(ten, roles={"critic": own})
+    assert (planned_updates(critic, "actor"), planned_updates(critic, "critic")) == (60, 10 * 4)
+
+
+def test_schedule_warnings_read_in_full() -> None:
+    """What `ppojob validate` prints: the role, its count of updates and the bound to set."""
+    assert schedule_warnings(_half(lrWarmupSteps=1000))[0] == (
+        "spec.training.lrWarmupSteps: 1000 warm-up updates, but the actor makes only 1000 "
+        "optimizer updates in the whole run (steps x ppoEpochs x mini-batches per step): its "
+        "learning rate never reaches learningRate; lower lrWarmupSteps"
+    )
+    assert schedule_warnings(_half(lrDecaySteps=981))[1] == (
+        "spec.training.lrDecaySteps: 981 decay updates, but the critic makes only 980 optimizer "
+        "updates after its 20 warm-up updates: the decay spans those 980 (as lrDecaySteps 0); "
+        "set lrDecaySteps <= 980 for a stable phase before it"
+    )
+
+
+def test_schedule_warnings_count_each_roles_own_updates() -> None:
+    """A critic that updates twice a step makes 2,000 updates: a warm-up of 1,000 is the
+    actor's problem only. A critic's own warm-up is warned at its override. A constant schedule
+    has no decay to warn about (check_learning_rate refuses its lrDecaySteps)."""
+    twice = _with(_half(lrWarmupSteps=1000), algorithm={"criticUpdatesPerStep": 2})
+    assert [w.split(":")[0] for w in schedule_warnings(twice)] == ["spec.training.lrWarmupSteps"]
+    own = {"colocateWithActor": True, "overrides": {"lrWarmupSteps": 1000}}
+    [warning] = schedule_warnings(_with(_half(), roles={"critic": own}))
+    assert warning.startswith(
+        "spec.roles.critic.overrides.lrWarmupSteps: 1000 warm-up updates, but the critic makes "
+        "only 1000 optimizer updates"
+    )
+    constant = _half(lrScheduler="constant", lrDecaySteps=5000, lrWarmupSteps=0)
+    assert schedule_warnings(constant) == []

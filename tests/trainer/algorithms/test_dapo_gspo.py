@@ -124,3 +124,69 @@ def test_fill_step_takes_kept_groups_in_round_order_and_fills_when_short() -> No
     # three kept, one missing: the first filtered group fills it, out of the loss
     assert short.picked == [(0, 1, True), (0, 3, True), (1, 4, True), (0, 0, False)]
     assert short.short == 1
+
+
+def test_gspo_defaults_are_the_papers_clip_ranges_and_no_entropy_bonus() -> None:
+    """Called with its defaults: clip 3e-4 / 4e-4, seq-mean-token-mean, entropy_coef 0 (an
+    entropy given without a coefficient is reported, not added to the loss)."""
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
+    entropy = torch.tensor([[0.5, 0.5, 0.0], [1.0, 1.0, 1.0]])
+    loss, m = gspo_policy_loss(_new(), OLD, adv, MASK, entropy=entropy)
+    assert float(loss.detach()) == pytest.approx(0.5 * (-(1 + 4e-4) + (1 - 3e-4)), abs=1e-7)
+    assert float(m["entropy"]) == pytest.approx(0.5 * (0.5 + 1.0))
+
+
+def test_gspo_weights_and_the_entropy_bonus_reach_the_loss() -> None:
+    """Importance weights multiply each token's loss (metric is_weight_mean); the entropy bonus
+    is entropy_coef times the aggregated entropy, subtracted."""
+    adv = torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    plain, _ = gspo_policy_loss(_new(), OLD, adv, MASK, CLIP_LOW, CLIP_HIGH, agg="token-mean")
+    weights = torch.full((2, 3), 2.0)
+    weighted, m = gspo_policy_loss(
+        _new(), OLD, adv, MASK, CLIP_LOW, CLIP_HIGH, agg="token-mean", weights=weights
+    )
+    assert float(weighted.detach()) == pytest.approx(2 * float(plain.detach()), rel=1e-6)
+    assert float(m["is_weight_mean"]) == pytest.approx(2.0)
+    entropy = torch.full((2, 3), 0.4)
+    bonus, m = gspo_policy_loss(
+        _new(), OLD, adv, MASK, CLIP_LOW, CLIP_HIGH, "token-mean", entropy=entropy, entropy_coef=0.5
+    )
+    assert float(bonus.detach()) == pytest.approx(float(plain.detach()) - 0.5 * 0.4, rel=1e-6)
+
+
+def test_gspo_sequence_ratio_of_one_token_and_of_none() -> None:
+    """A one-token response's s_i is its token's ratio; a row with no response token has no
+    s_i and stays out of seq_ratio_mean. Metrics are float32 whatever the inputs' dtype."""
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    old = torch.zeros(3, 3, dtype=torch.float64)
+    new = torch.tensor([[0.3, 0.0, 0.0], [0.0, 0.0, 0.0], [0.1, -0.3, 0.0]], dtype=torch.float64)
+    adv = torch.ones(3, 3, dtype=torch.float64)
+    _, m = gspo_policy_loss(new, old, adv, mask, CLIP_LOW, CLIP_HIGH)
+    assert float(m["seq_ratio_mean"]) == pytest.approx((math.exp(0.3) + math.exp(-0.1)) / 2)
+    assert float(m["approx_kl"]) == pytest.approx(-(0.3 + 0.1 - 0.3) / 3)
+    assert m["seq_ratio_mean"].dtype == m["approx_kl"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("log_ratio", [50.0, -50.0])
+def test_gspo_clamps_a_huge_sequence_log_ratio(log_ratio: float) -> None:
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    new = torch.full((1, 2), log_ratio)
+    loss, m = gspo_policy_loss(new, torch.zeros(1, 2), torch.ones(1, 2), mask, 0.2, 0.2)
+    assert float(m["seq_ratio_mean"]) == pytest.approx(math.exp(math.copysign(20.0, log_ratio)))
+    assert math.isfinite(float(loss))
+    # approx_kl stays the token-level k1 estimate, not the clamped sequence log-ratio
+    assert float(m["approx_kl"]) == pytest.approx(-log_ratio)
+
+
+def test_gspo_errors_name_the_function_and_the_argument() -> None:
+    adv = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"^gspo_policy_loss: unknown agg 'mean'"):
+        gspo_policy_loss(_new(), OLD, adv, MASK, agg="mean")
+    with pytest.raises(ValueError, match=r"^gspo_policy_loss: clip_low must be in \[0, 1\)"):
+        gspo_policy_loss(_new(), OLD, adv, MASK, 1.0, 0.2)
+    with pytest.raises(ValueError, match=r"^gspo_policy_loss: entropy shape \(2,\) must equal"):
+        gspo_policy_loss(_new(), OLD, adv, MASK, entropy=torch.ones(2))
+    with pytest.raises(ValueError, match=r"^gspo_policy_loss: weights shape \(2,\) must equal"):
+        gspo_policy_loss(_new(), OLD, adv, MASK, weights=torch.ones(2))
+    with pytest.raises(ValueError, match=r"^gspo_policy_loss: advantages shape"):
+        gspo_policy_loss(_new(), OLD, torch.ones(2), MASK)
