@@ -4,12 +4,12 @@ Parsed with ``ast``; a function's length is its ``def`` span (end_lineno - linen
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import ppojob_operator
+from tests.helpers.structure import function_lengths
 
 PACKAGE = Path(ppojob_operator.__file__).parent
 MODULES = ("handlers", "reconcile", "sync", "suspend", "timers", "state", "watch")
@@ -20,23 +20,7 @@ PIPELINE_MAX_LINES = 35
 
 def functions(module: str) -> list[tuple[str, int]]:
     """Every function (nested ones too) of an operator module: (qualified name, lines)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    out: list[tuple[str, int]] = []
-
-    def walk(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = f"{prefix}{child.name}"
-                assert child.end_lineno is not None
-                out.append((name, child.end_lineno - child.lineno + 1))
-                walk(child, f"{name}.")
-            elif isinstance(child, ast.ClassDef):
-                walk(child, f"{prefix}{child.name}.")
-            else:
-                walk(child, prefix)
-
-    walk(tree, "")
-    return out
+    return function_lengths(PACKAGE / f"{module}.py")
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -4,12 +4,12 @@ Parsed with ``ast``; a function's length is its ``def`` span (end_lineno - linen
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import ppojob_trainer
+from tests.helpers.structure import function_lengths
 
 PACKAGE = Path(ppojob_trainer.__file__).parent / "driver"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
@@ -19,23 +19,7 @@ STEP_MAX_LINES = 45
 
 def functions(module: str) -> list[tuple[str, int]]:
     """Every function (nested ones too) of a driver module: (qualified name, lines)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    out: list[tuple[str, int]] = []
-
-    def walk(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = f"{prefix}{child.name}"
-                assert child.end_lineno is not None
-                out.append((name, child.end_lineno - child.lineno + 1))
-                walk(child, f"{name}.")
-            elif isinstance(child, ast.ClassDef):
-                walk(child, f"{prefix}{child.name}.")
-            else:
-                walk(child, prefix)
-
-    walk(tree, "")
-    return out
+    return function_lengths(PACKAGE / f"{module}.py")
 
 
 def test_the_driver_is_a_package_of_its_pieces() -> None:
