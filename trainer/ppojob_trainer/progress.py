@@ -121,20 +121,27 @@ def _json_value(value: Any) -> Any:
     return f if math.isfinite(f) else None
 
 
-def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
-    """The per-step records of `out_dir/metrics.jsonl` (unreadable lines skipped)."""
-    path = Path(out_dir) / METRICS_FILE
+def _read_records(path: Path, key: str, kind: type) -> list[dict[str, Any]]:
+    """The JSON objects of the lines of ``path`` whose ``key`` is a ``kind`` ([] when the file
+    is absent; a line cut short by a crash is skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
     records = []
-    if not path.exists():
-        return records
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get(key), kind):
             records.append(rec)
     return records
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """The per-step records of `out_dir/metrics.jsonl` (unreadable lines skipped)."""
+    return _read_records(Path(out_dir) / METRICS_FILE, "step", int)
 
 
 class LocalProgressReporter(ProgressReporter):
@@ -285,7 +292,6 @@ class LocalProgressReporter(ProgressReporter):
     def finish(self, summary: dict[str, Any]) -> None:
         self.close()
         self._attempt("finished", self._completed())
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         plain = {k: _json_value(v) for k, v in summary.items()}
         # A run that had nothing left to do (resumed at its last step) knows no final figures:
         # keep the ones the earlier run wrote instead of overwriting them with nulls.
@@ -301,19 +307,7 @@ class LocalProgressReporter(ProgressReporter):
 
 def read_attempts(out_dir: Path) -> list[dict[str, Any]]:
     """The events of `out_dir/attempts.jsonl`, in order (unreadable lines skipped)."""
-    try:
-        lines = (Path(out_dir) / ATTEMPTS_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "event" in rec:
-            out.append(rec)
-    return out
+    return _read_records(Path(out_dir) / ATTEMPTS_FILE, "event", str)
 
 
 def read_summary(out_dir: Path) -> dict[str, Any]:
