@@ -99,8 +99,9 @@ class TinyModel(torch.nn.Module):
                 params[name].copy_(tensor)
 
 
-def build(model: TinyModel) -> tuple[Any, list[str]]:
-    """SGLang's scheduler-side manager over its model-runner weight updater, one rank."""
+def build(model: TinyModel, memory_saver: Any = None) -> tuple[Any, list[str]]:
+    """SGLang's scheduler-side manager over its model-runner weight updater, one rank;
+    ``memory_saver``: the memory saver adapter it drives (else one that records the tags)."""
     from sglang.srt.managers.scheduler_components.weight_updater import (
         SchedulerWeightUpdaterManager,
     )
@@ -159,7 +160,7 @@ def build(model: TinyModel) -> tuple[Any, list[str]]:
     manager = SchedulerWeightUpdaterManager(
         tp_worker=TpWorker(),
         draft_worker=None,
-        memory_saver_adapter=MemorySaver(),
+        memory_saver_adapter=memory_saver or MemorySaver(),
         flush_cache=lambda **_: True,
         is_fully_idle=lambda **_: True,
         scheduler=Scheduler(),
