@@ -13,9 +13,12 @@ they fail.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from ppojob_api.training import TrainerConfig
+from ppojob_trainer.backends.sglang_backend import SGLangGenerationEngine, engine_args
 from tests.helpers.sglang_runtime import run_driver
 
 DRIVER = Path(__file__).with_name("sglang_offload_driver.py")
@@ -54,3 +57,55 @@ def test_each_step_sleeps_wakes_and_loads_only_the_adapter(run):
     assert first[4:-2] == ["load(policy)"]
     assert second[4:-2] == ["unload(policy)", "load(policy)"]
     assert run["offload_tags_left"] == []
+
+
+def _cfg(lora: bool, **rollout: object) -> TrainerConfig:
+    return TrainerConfig.model_validate(
+        {
+            "model": {"lora": {"rank": 2}} if lora else {},
+            "roles": {"rollout": {"backend": "sglang", **rollout}},
+            "algorithm": {"advantageEstimator": "grpo"},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("lora", "rollout", "saver", "backup"),
+    [
+        (True, {"colocateWithActor": True}, True, True),  # offload is the default
+        (False, {"colocateWithActor": True}, True, False),  # a full sync rewrites every weight
+        (True, {"colocateWithActor": True, "offload": False}, False, False),
+        (True, {"resources": {"gpus": 1}}, False, False),  # its own GPUs: never released
+    ],
+)
+def test_the_host_copy_of_the_weights_is_asked_for_exactly_when_a_sync_sends_adapters_only(
+    lora: bool, rollout: dict, saver: bool, backup: bool
+):
+    args = engine_args(_cfg(lora, **rollout), Path("/m"))
+    assert args["enable_memory_saver"] is saver
+    assert args["enable_weights_cpu_backup"] is backup
+
+
+class ReleasingEngine:
+    def __init__(self, backup: bool) -> None:
+        self.server_args = SimpleNamespace(enable_weights_cpu_backup=backup)
+        self.calls: list[str] = []
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.calls.append("release")
+
+
+@pytest.mark.parametrize("backup", [False, True])
+def test_a_lora_engine_without_the_host_copy_is_never_released(backup: bool):
+    """Whatever started the engine, the adapter refuses to release a LoRA engine whose base
+    weights would not come back (an error, not undefined samples)."""
+    cfg = _cfg(True, colocateWithActor=True)
+    adapter = SGLangGenerationEngine.__new__(SGLangGenerationEngine)
+    adapter.engine, adapter.offload, adapter.lora = ReleasingEngine(backup), True, cfg.model.lora
+    if backup:
+        adapter.release_memory()
+        assert adapter.engine.calls == ["release"]
+        return
+    with pytest.raises(RuntimeError, match="would lose the base weights"):
+        adapter.release_memory()
+    assert adapter.engine.calls == []

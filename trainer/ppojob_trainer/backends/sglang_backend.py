@@ -11,6 +11,10 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
   actor trains; ``resume_memory_occupation(tags=["weights"])`` before the weight update and
   ``resume_memory_occupation(tags=["kv_cache", "cuda_graph"])`` after it (the host empties the
   allocator's cache before each wake), so the KV cache is never held while buckets are staged.
+  With LoRA the engine keeps a host copy of its base weights while released
+  (``enable_weights_cpu_backup``, :func:`offload_server_args`): an adapter sync sends no base
+  weight, and without the copy they would come back undefined; the adapter refuses to release
+  an engine started without it.
 - Every weight update runs inside a session: ``begin_weight_update`` ... ``end_weight_update``
   (SGLang 0.5.23 refuses ``update_weights_from_*`` outside one, answering ``(False, msg)``).
   Every ``(success, message)`` SGLang returns is checked: a refusal raises, never passes.
@@ -99,9 +103,23 @@ def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None)
         "mem_fraction_static": rollout.gpu_memory_fraction,
         "random_seed": cfg.training.seed,
         "trust_remote_code": cfg.model.trust_remote_code,
-        # sleep/wake needs SGLang's memory saver (torch_memory_saver)
-        "enable_memory_saver": rollout.colocate_with_actor and rollout.offload,
+        **offload_server_args(cfg),
         **(lora_server_args(cfg.model.lora) if cfg.model.lora is not None else {}),
+    }
+
+
+def offload_server_args(cfg: Any) -> dict[str, bool]:
+    """``ServerArgs`` fields of a colocated engine's sleep and wake (``offload``): SGLang's
+    memory saver (torch_memory_saver), whose release unmaps the weights without a host copy
+    unless ``enable_weights_cpu_backup`` is on (SGLang opens its weights region with
+    ``enable_cpu_backup`` from it). A full sync rewrites every weight after the wake, so none is
+    needed; with LoRA a sync sends the adapters only, and the base weights must come back from
+    the host copy (host memory: the engine's weights per GPU; the memory plan says so)."""
+    rollout = cfg.roles.rollout
+    offload = bool(rollout.colocate_with_actor and rollout.offload)
+    return {
+        "enable_memory_saver": offload,
+        "enable_weights_cpu_backup": offload and cfg.model.lora is not None,
     }
 
 
@@ -407,7 +425,21 @@ class SGLangGenerationEngine(GenerationEngine):
 
     def release_memory(self) -> None:
         if self.offload:
+            self._check_weights_come_back()
             self.engine.release_memory_occupation()
+
+    def _check_weights_come_back(self) -> None:
+        """An adapter sync rewrites no base weight: an engine that would release its weights
+        without a host copy (``enable_weights_cpu_backup`` off in the arguments it started
+        with) would sample from undefined base weights after the wake, so it is an error."""
+        if self.lora is None:
+            return
+        server_args = getattr(self.engine, "server_args", None)
+        if not getattr(server_args, "enable_weights_cpu_backup", False):
+            raise RuntimeError(
+                "sglang engine with LoRA and offload started without enable_weights_cpu_backup: "
+                "releasing its memory would lose the base weights (an adapter sync sends none)"
+            )
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         if self.offload:
