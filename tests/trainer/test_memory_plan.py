@@ -301,3 +301,25 @@ def test_a_megatron_sync_counts_a_split_tensors_pieces_beside_its_joined_copy():
     assert sync["weight sync"] - sync["resume weights"] == pytest.approx(
         tp2.wake["weight sync"]["weight sync bucket"] + 2 * shape.vocab * shape.hidden
     )
+
+
+def test_a_released_lora_engine_keeps_its_lora_buffers_and_a_host_copy_of_its_weights():
+    """A colocated sglang LoRA engine with offload: SGLang allocates its LoRA pool outside its
+    memory saver's regions, so the pool stays through training (in every step of the wake, and
+    out of the KV cache SGLang sized after it); its base weights wait on the host (a note gives
+    the host memory), since an adapter sync sends none."""
+    lora = {"rank": 16, "targetModules": ["q_proj", "v_proj"]}
+    plan, gib, cfg = _actor(GRPO, [("model.lora", lora)])
+    plain, _, _ = _actor(GRPO)
+    ro, shape = cfg.roles.rollout, M.KNOWN_SHAPES["Qwen/Qwen2.5-1.5B"]
+    pool = shape.sglang_lora_pool(16, ["q_proj", "v_proj"], 2, ro.parallelism.tensor)
+    assert pool > 0
+    assert plan.persistent[M.SGLANG_LORA_KEPT] == pool
+    assert all(step[M.SGLANG_LORA_KEPT] == pool for step in plan.wake.values())
+    weights = 2 * shape.params / ro.parallelism.tensor
+    started = plan.persistent["actor weights"] + M.GiB  # LoRA: no reference copy
+    kv = plan.wake["resume KV cache"]["sglang KV cache"]
+    assert kv + weights + pool == pytest.approx(ro.gpu_memory_fraction * (gib * M.GiB - started))
+    (note,) = [n for n in plan.notes if "host copy" in n]
+    assert f"{weights / M.GiB:.1f} GiB of host memory per GPU" in note
+    assert not [n for n in plain.notes if "host copy" in n]

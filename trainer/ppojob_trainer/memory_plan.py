@@ -18,7 +18,9 @@ model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`
 ``reference``    the frozen reference in the compute dtype (0 when offloaded or with LoRA, whose
                  reference is the base model with the adapters off; / dp under FSDP)
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
-                 (sglang without offload; with LoRA a note gives its LoRA buffers' share of it)
+                 (sglang without offload; with LoRA a note gives its LoRA buffers' share of it;
+                 with offload and LoRA its LoRA buffers stay while it is released, and a note
+                 gives the host memory of its base weights' copy)
 ``reward model`` each ``data.rewards`` model source on the engine's GPU (``device: auto``), or on
                  each reward worker's GPU when ``roles.reward`` is set (a ``reward`` process): its
                  weights in its dtype (embedding, blocks and a one-output head; its shape read
@@ -363,15 +365,23 @@ def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dic
     if ro.backend == "sglang":
         frac = ro.gpu_memory_fraction * gpu_bytes
         notes = []
+        offload = ro.colocate_with_actor and ro.offload
+        pool = _sglang_lora_pool(half, shape)
         if half.model.lora is not None:  # allocated before the KV cache is sized
-            lora = half.model.lora
-            pool = shape.sglang_lora_pool(lora.rank, lora.target_modules, c, ro.parallelism.tensor)
             notes.append(
                 f"the sglang engine's LoRA buffers take {pool / 2**20:.1f} MiB of its memory "
                 "fraction (from its KV cache)"
+                + ("; they stay on the GPU while it is released" if offload else "")
             )
-        if ro.colocate_with_actor and ro.offload:
-            return {}, {"rollout (sglang, released while training)": frac}, notes
+        if offload:
+            persistent = {SGLANG_LORA_KEPT: pool} if pool else {}
+            if half.model.lora is not None:
+                host = c * shape.params / ro.parallelism.tensor
+                notes.append(
+                    "the released sglang engine keeps a host copy of its base weights (an "
+                    f"adapter sync sends none): {host / GiB:.1f} GiB of host memory per GPU"
+                )
+            return persistent, {"rollout (sglang, released while training)": frac - pool}, notes
         return {"rollout (sglang memory fraction)": frac}, {}, notes
     engines = roles.workers_of("rollout")
     rows = -(-data.rollout_batch_size // engines) * data.samples_per_prompt
@@ -381,6 +391,21 @@ def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dic
     persistent = {"rollout weights": c * shape.params}
     generation = {"rollout KV cache": kv, "sampling": logits}
     return persistent, generation, []
+
+
+SGLANG_LORA_KEPT = "sglang LoRA buffers (kept while released)"
+"""A released colocated sglang engine's LoRA buffers: SGLang allocates its LoRA memory pool
+outside its memory saver's regions (``model_runner.init_lora_manager``, after the weights are
+loaded), so ``release_memory_occupation`` leaves it on the GPU through training."""
+
+
+def _sglang_lora_pool(half: Any, shape: Shape) -> float:
+    """Bytes of an sglang engine's LoRA buffers on one of its GPUs (0 without LoRA)."""
+    lora, ro = half.model.lora, half.roles.rollout
+    if lora is None or ro.backend != "sglang":
+        return 0.0
+    c = _BYTES[half.model.dtype]
+    return float(shape.sglang_lora_pool(lora.rank, lora.target_modules, c, ro.parallelism.tensor))
 
 
 def _reward_model_parts(half: Any) -> tuple[dict[str, float], dict[str, float], list[str]]:
@@ -553,7 +578,8 @@ def wake_steps(
     # SGLang sized its static memory when it started: after the actor's weights were loaded
     at_start = sum(training.get(k, 0.0) for k in WEIGHT_PARTS) + sum(contexts.values())
     free_at_start = gpu_bytes - at_start
-    kv = max(ro.gpu_memory_fraction * free_at_start - weights, 0.0)
+    # its LoRA buffers (kept while released: in ``training``) come before the KV cache is sized
+    kv = max(ro.gpu_memory_fraction * free_at_start - weights - _sglang_lora_pool(half, shape), 0.0)
     kept = {"allocator: update blocks kept (fragmentation)": ALLOCATOR_KEPT * transient}
     engine = {"sglang weights": weights}
     steps = {
