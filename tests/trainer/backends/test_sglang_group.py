@@ -1,0 +1,34 @@
+"""Finding 3 of issue 40: on a local run (loopback), SGLang's engines join our weight-update group.
+
+SGLang's ``init_weights_update_group`` always rendezvouses over TCP
+(``init_custom_process_group(init_method="tcp://host:port")``: a ``TCPStore`` client dialling
+rank 0), so our side, rank 0, must serve a TCP store there. ``sglang_group_driver.py`` runs both
+ends in two processes: ours through ``weight_sync.init_custom_group`` and a broadcast per tensor,
+the engine's through the adapter into SGLang's OWN weight updater (its ``init_custom_process_group``
+from the pinned package), with gloo over loopback; every listener binds loopback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ppojob_trainer.distributed import free_port
+from tests.helpers.sglang_runtime import driver_results, start_driver
+
+DRIVER = Path(__file__).with_name("sglang_group_driver.py")
+WAIT_S = 90.0  # our side gives up after sglang_group_driver.TIMEOUT_S (20 s) without the engine
+
+
+def test_sglangs_own_group_init_joins_ours_over_loopback_and_receives_a_broadcast():
+    port = str(free_port())
+    # our side picks its interface itself (GLOO_SOCKET_IFNAME unset); the engine's process is
+    # told loopback, as the trainer's environment tells the engines it starts
+    ours = start_driver(DRIVER, "actor", port, "weights-test", GLOO_SOCKET_IFNAME=None)
+    engine = start_driver(DRIVER, "engine", port, "weights-test", GLOO_SOCKET_IFNAME="lo")
+    actor, received = driver_results([ours, engine], WAIT_S)
+    assert "error" not in actor, actor["error"]
+    assert "error" not in received, received["error"]
+    assert received["equal"] == dict.fromkeys(["embed.weight", "proj.weight", "proj.bias"], True)
+    assert actor["listening"], "our side listens somewhere: nothing found means the check broke"
+    off = [a for a in actor["listening"] if not a.startswith("127.0.0.1:")]
+    assert not off, f"our side listens off loopback: {off}"
