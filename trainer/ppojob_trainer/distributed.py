@@ -73,7 +73,8 @@ def local_store(address: str, port: int, world: int, name: str = "world") -> Any
     (measured, libuv and legacy backends alike), so a local run keeps it out: its ranks meet in
     a ``FileStore`` named after the rendezvous port (free on this host when it was chosen), and
     gloo's pairs bind to the loopback interface (``GLOO_SOCKET_IFNAME``). No TCP listener of a
-    local run's process groups is then off loopback."""
+    local run's process groups is then off loopback. (The weight-update group, which SGLang's
+    engines join by dialling TCP, meets in :func:`loopback_tcp_store` instead.)"""
     if not is_loopback(address):
         return None
     import os
@@ -84,6 +85,38 @@ def local_store(address: str, port: int, world: int, name: str = "world") -> Any
     loopback_gloo()
     path = os.path.join(tempfile.gettempdir(), f"ppojob-{name}-store-{port}")
     return dist.FileStore(path, world)
+
+
+def loopback_tcp_store(
+    address: str, port: int, world: int, is_master: bool, timeout: timedelta
+) -> Any:
+    """A ``TCPStore`` at ``address:port`` for a group that other programs join by TCP (SGLang
+    dials ``tcp://host:port``), on this host: the server's socket is bound here to
+    ``127.0.0.1`` and handed to torch (``master_listen_fd``), since torch's own listener binds
+    every interface whatever host it is given. A client (``is_master`` false) dials
+    ``address``."""
+    import torch.distributed as dist
+
+    loopback_gloo()
+    if not is_master:
+        return dist.TCPStore(address, port, world, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the socket from here (it closes it when it is destroyed: measured)
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def init_role_groups(

@@ -191,18 +191,21 @@ def init_custom_group(
     leader, ranks ``rank_offset + tp_rank`` the engines' tensor-parallel ranks.
 
     It is formed the way SGLang's engines form theirs in ``init_weights_update_group`` (a TCP
-    rendezvous at ``master_address:master_port``, the store prefixed with ``group_name``), so the
-    actor's side and an SGLang engine's side meet in one group.
+    rendezvous at ``master_address:master_port``: rank 0 serves the ``TCPStore`` the others
+    dial; the store prefixed with ``group_name``), so the actor's side and an SGLang engine's
+    side meet in one group. On this host alone (a loopback address) rank 0's store listens on
+    ``127.0.0.1`` only and gloo's pairs bind loopback; SGLang dials it all the same.
     """
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
-    from ..distributed import local_store
+    from ..distributed import is_loopback, loopback_tcp_store
 
     timeout = timedelta(seconds=timeout_s)
-    store = local_store(master_address, master_port, world_size, group_name)
-    if store is None:
+    if is_loopback(master_address):
+        store = loopback_tcp_store(master_address, master_port, world_size, rank == 0, timeout)
+    else:
         url = f"tcp://{master_address}:{master_port}"
         store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
