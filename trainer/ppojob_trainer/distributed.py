@@ -18,6 +18,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+NCCL_ENV: dict[str, str] = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+"""NCCL settings every trainer process starts with. SGLang's ``Engine.__init__`` sets these in
+the process that hosts it (0.5.23, ``_set_envs_and_config``: when unset, both to 0 unless
+symmetric memory or NVLS is asked for), so without them an actor rank hosting a colocated engine
+and one hosting none would build their communicators with different settings. Set in every
+worker's environment before it starts (:func:`nccl_env`), SGLang keeps them (it overrides only
+unset ones); ``test_sglang_contract`` runs SGLang's function and checks every NCCL variable it
+sets is here with its value."""
+
+
+def nccl_env() -> dict[str, str]:
+    """:data:`NCCL_ENV`, a value the driver's own environment sets winning (one value for every
+    worker either way)."""
+    import os
+
+    return {k: os.environ.get(k, v) for k, v in NCCL_ENV.items()}
+
 
 @dataclass(frozen=True)
 class ShardIdentity:

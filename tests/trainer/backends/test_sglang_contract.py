@@ -417,3 +417,140 @@ def test_the_weight_update_group_is_formed_and_fed_as_the_adapter_expects(sglang
     assert srcs == {0}
     init = function(sglang, updater, "init_weights_update_group")
     assert "rank_offset" in {a.arg for a in init.args.args}
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 40, finding 7: the NCCL environment SGLang's Engine sets in its own process
+# ---------------------------------------------------------------------------------------------
+class _Cfg:
+    """Server arguments as ``_set_envs_and_config`` reads them: ``fields``; a name that is not
+    among them raises (a new one in a new release is looked at, not guessed)."""
+
+    def __init__(self, values: dict[str, object]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> object:
+        raise AttributeError(f"ServerArgs.{name} has no default this test could read")
+
+
+class _EnvFlag:
+    def get(self) -> None:
+        return None
+
+
+def server_arg_defaults(src: Source) -> dict[str, object]:
+    """The literal defaults of ``ServerArgs``'s fields (``sglang/srt/arg_groups/fields/*.py``)."""
+    out: dict[str, object] = {}
+    for path in sorted(n for n in src.names if n.startswith("sglang/srt/arg_groups/fields/")):
+        if not path.endswith(".py"):
+            continue
+        for cls in src.classes(path).values():
+            for node in cls.body:
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    try:
+                        out[node.target.id] = ast.literal_eval(node.value) if node.value else None
+                    except ValueError:
+                        continue
+    return out
+
+
+def set_envs_and_config(src: Source) -> ast.FunctionDef:
+    tree = src.tree(src.module_file("sglang.srt.entrypoints.engine"))
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    return next(n for n in fns if n.name == "_set_envs_and_config")
+
+
+def environ_keys(fn: ast.FunctionDef) -> set[str]:
+    """Every key ``fn`` writes into ``os.environ`` (``os.environ[K] = ...``, ``setdefault``)."""
+    keys = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
+            target = node.targets[0]
+            if ast.unparse(target.value) == "os.environ" and isinstance(target.slice, ast.Constant):
+                keys.add(target.slice.value)
+        call = isinstance(node, ast.Call) and ast.unparse(node.func) == "os.environ.setdefault"
+        if call and isinstance(node.args[0], ast.Constant):
+            keys.add(node.args[0].value)
+    return keys
+
+
+def run_set_envs(src: Source, server_args: dict[str, object], environ: dict[str, str]) -> None:
+    """SGLang's own ``_set_envs_and_config``, from the wheel, on ``server_args`` (defaults
+    otherwise) with ``environ`` as the process environment; what it does beyond the
+    environment (ulimit, signal handlers, version checks, the mp start method) is stubbed."""
+    import logging
+    import random
+    import time
+    import types
+
+    fn = set_envs_and_config(src)
+    module = ast.Module(body=[fn], type_ignores=[])
+    stub = types.SimpleNamespace
+    scope: dict[str, object] = {
+        "os": stub(environ=environ, getpid=os.getpid),
+        "ServerArgs": object,
+        "resolving_view": lambda args: args,
+        "resolved_view": lambda args: args,
+        "is_mnnvl_fabric_device": lambda: False,
+        "envs": stub(
+            SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER=_EnvFlag(),
+            SGLANG_MOONCAKE_CUSTOM_MEM_POOL=_EnvFlag(),
+        ),
+        "logger": logging.getLogger("sglang-stub"),
+        "time": time,
+        "random": random,
+        "set_prometheus_multiproc_dir": lambda: None,
+        "set_ulimit": lambda: None,
+        "get_bool_env_var": lambda *a, **k: True,  # skip the kernel version checks
+        "attention_backends_of": lambda cfg: [],
+        "assert_pkg_version": lambda *a, **k: None,
+        "_is_cuda": False,
+        "threading": stub(current_thread=lambda: "worker", main_thread=lambda: "main"),
+        "signal": stub(signal=lambda *a: None, SIGQUIT=3),
+        "kill_process_tree": lambda pid: None,
+        "mp": stub(set_start_method=lambda *a, **k: None),
+        "gc": stub(set_threshold=lambda *a: None),
+    }
+    exec(compile(module, "sglang/srt/entrypoints/engine.py", "exec"), scope)
+    values = {**server_arg_defaults(src), **server_args}
+    scope["_set_envs_and_config"](_Cfg(values))
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [
+        {"colocateWithActor": True, "offload": True},  # the memory saver on
+        {"colocateWithActor": True, "offload": False},
+        {"colocateWithActor": False},
+    ],
+)
+def test_every_nccl_variable_sglangs_engine_sets_is_in_every_workers_env(
+    sglang: Source, rollout: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Engine.__init__`` calls ``_set_envs_and_config``, which sets NCCL variables in the
+    engine-hosting process (0.5.23: ``NCCL_CUMEM_ENABLE=0``, ``NCCL_NVLS_ENABLE=0``); the
+    actor's ranks that host no engine would build their communicators with NCCL's defaults.
+    Every worker's environment (``worker_env``, set before any process group exists) must
+    already hold each of them with SGLang's value, and SGLang must then change none."""
+    from ppojob_trainer.driver.cluster import worker_env
+
+    for key in list(os.environ):
+        if key.startswith("NCCL_"):
+            monkeypatch.delenv(key)
+    fn = set_envs_and_config(sglang)
+    nccl = {k for k in environ_keys(fn) if k.startswith("NCCL_")}
+    assert {"NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE"} <= nccl  # the read found them
+    args = adapter.engine_args(tiny_cfg(**rollout), Path("/models/m"))
+
+    fresh: dict[str, str] = {}
+    run_set_envs(sglang, args, fresh)
+    set_by_sglang = {k: v for k, v in fresh.items() if k.startswith("NCCL_")}
+    ours = worker_env()
+    assert set_by_sglang, "SGLang set no NCCL variable: the stubs no longer match its code"
+    assert {k: ours.get(k) for k in set_by_sglang} == set_by_sglang
+
+    environ = dict(ours)
+    run_set_envs(sglang, args, environ)
+    assert {k: v for k, v in environ.items() if k.startswith("NCCL_")} == {
+        k: v for k, v in ours.items() if k.startswith("NCCL_")
+    }

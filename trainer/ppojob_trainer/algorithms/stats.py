@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import all_reduce_sum, collective_device
+
 __all__ = [
     "all_reduce_sum",
     "collective_device",
@@ -103,28 +105,3 @@ def masked_whiten(
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=False)
     return _whiten_with(x, m, mean, var, shift_mean, eps)
-
-
-def collective_device(backend: str, cuda_index: int | None = None) -> torch.device:
-    """Where a tensor must be for a collective of a group with ``backend`` (its name, as
-    ``torch.distributed.get_backend`` gives it): NCCL only reduces CUDA tensors, so the current
-    CUDA device (or ``cuda:cuda_index``) for ``nccl``; the CPU for every other backend (gloo...)."""
-    if str(backend).lower() == "nccl":
-        index = torch.cuda.current_device() if cuda_index is None else cuda_index
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def all_reduce_sum(t: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """``all_reduce(SUM)`` of ``t`` over ``group``, whatever the group's backend: the tensor goes
-    to the device the backend needs (:func:`collective_device`) and the sum comes back on
-    ``t``'s device. Returns a new tensor when it moved, else ``t`` itself (reduced in place)."""
-    import torch.distributed as dist
-
-    dev = collective_device(dist.get_backend(group))
-    if t.device == dev:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        return t
-    moved = t.to(dev)
-    dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
-    return moved.to(t.device)

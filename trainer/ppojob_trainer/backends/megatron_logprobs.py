@@ -57,10 +57,13 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
         return -(logp.exp() * logp).sum(-1)
     import torch.distributed as dist
 
+    from ..algorithms import collectives
+
     group = ps.get_tensor_model_parallel_group()
     x = logits.float() if grad else logits.detach().float()
-    m = x.detach().max(-1).values
+    m = collectives.to_group(x.detach().max(-1).values, group)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    m = m.to(x.device)
     d = m[..., None] - x  # >= 0 on every rank
     e = (-d).exp()
     z, sd = e.sum(-1), (e * d).sum(-1)
@@ -70,6 +73,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, grad: bool) -> torch.Tensor:
         z = reduce_from_tensor_model_parallel_region(z)
         sd = reduce_from_tensor_model_parallel_region(sd)
     else:
+        z, sd = collectives.to_group(z, group), collectives.to_group(sd, group)
         dist.all_reduce(z, group=group)
         dist.all_reduce(sd, group=group)
     return z.log() + sd / z
@@ -182,9 +186,11 @@ class _SumGradOverRanks(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         import torch.distributed as dist
 
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        from ..algorithms import collectives
+
+        out = collectives.to_group(grad.contiguous(), ctx.group)
+        dist.all_reduce(out, group=ctx.group)
+        return out.to(grad.device), None
 
 
 def output_weight(model: Any) -> torch.Tensor:

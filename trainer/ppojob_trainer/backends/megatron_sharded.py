@@ -405,6 +405,8 @@ class _Sharded:
         last stage, and the gradients back through the stages (point-to-point over gloo)."""
         import torch.distributed as dist
 
+        from ..algorithms import collectives as C
+
         ps, pp = self.ps, self.shard.pp_size
         group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
         prev_rank = ps.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
@@ -414,9 +416,10 @@ class _Sharded:
             b, length = mb["_ids"].shape
             inp = None
             if not self.first:
-                inp = torch.empty(length, b, self.shape.hidden, dtype=self.config.params_dtype)
+                shape = (length, b, self.shape.hidden)
+                inp = C.group_empty(group, shape, self.config.params_dtype)
                 dist.recv(inp, src=prev_rank, group=group)
-                inp.requires_grad_(not forward_only)
+                inp = inp.to(self.device).requires_grad_(not forward_only)
                 model.set_input_tensor(inp)
             out, loss_func = step(iter([mb]), model)
             if self.last:
@@ -425,13 +428,13 @@ class _Sharded:
                 if not forward_only:
                     loss.backward()
             else:
-                dist.send(out.detach().contiguous(), dst=next_rank, group=group)
+                dist.send(C.to_group(out.detach().contiguous(), group), dst=next_rank, group=group)
                 if not forward_only:
-                    grad = torch.empty_like(out)
+                    grad = C.group_empty(group, out.shape, out.dtype)
                     dist.recv(grad, src=next_rank, group=group)
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, grad.to(out.device))
             if inp is not None and not forward_only:
-                dist.send(inp.grad.contiguous(), dst=prev_rank, group=group)
+                dist.send(C.to_group(inp.grad.contiguous(), group), dst=prev_rank, group=group)
         return results
 
     def from_last_stage(self, obj: Any) -> Any:
@@ -495,15 +498,10 @@ class _Sharded:
     def _dp_sum(self, local: float) -> float:
         if self.shard.dp_size == 1:
             return float(local)
-        import torch.distributed as dist
+        from ..algorithms import collectives
 
-        t = torch.tensor([float(local)], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
-        return float(t.item())
-
-    @property
-    def _comm_device(self) -> torch.device:
-        return self.device
+        t = torch.tensor([float(local)], dtype=torch.float64)
+        return float(collectives.all_reduce_sum(t, self.ps.get_data_parallel_group()).item())
 
     def _lr(self) -> float:
         from .torch_backend.common import lr_factor
@@ -526,8 +524,11 @@ class _Sharded:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.shard.dp_size > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-            dist.all_reduce(flat, group=self.ps.get_data_parallel_group())
+            from ..algorithms import collectives
+
+            group = self.ps.get_data_parallel_group()
+            flat = collectives.to_group(torch.cat([p.grad.reshape(-1) for p in self.params]), group)
+            dist.all_reduce(flat, group=group)
             flat /= self.shard.dp_size
             offset = 0
             for p in self.params:
@@ -552,12 +553,16 @@ class _Sharded:
         model-parallel group, weights replicated over tensor-parallel ranks counted once."""
         import torch.distributed as dist
 
-        sq = torch.zeros(1, dtype=torch.float64)
+        from ..algorithms import collectives
+
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)  # where the gradients are
         for p in self.params:
             if getattr(p, "tensor_model_parallel", False) or self.shard.tp_rank == 0:
                 sq += p.grad.double().pow(2).sum()
         if self.shard.tp_size * self.shard.pp_size > 1:
-            dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+            group = self.ps.get_model_parallel_group()
+            sq = collectives.to_group(sq, group)  # NCCL: never the CPU
+            dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
 
     # -- gathering and checkpoints -------------------------------------------------------------
@@ -629,27 +634,31 @@ class _Sharded:
         and its pipeline group)."""
         import torch.distributed as dist
 
+        from ..algorithms import collectives as C
+
         s = self.shard
+        tp_group = self.ps.get_tensor_model_parallel_group() if s.tp_size > 1 else None
+        pp_group = self.ps.get_pipeline_model_parallel_group() if s.pp_size > 1 else None
         if t.stage == s.pp_rank:
             piece = local[t.key].detach()
             if s.tp_size == 1:
                 pieces = [piece]
             elif t.split:
-                pieces = [torch.empty_like(piece) for _ in range(s.tp_size)]
-                dist.all_gather(
-                    pieces, piece.contiguous(), group=self.ps.get_tensor_model_parallel_group()
-                )
+                pieces = [
+                    C.group_empty(tp_group, piece.shape, piece.dtype) for _ in range(s.tp_size)
+                ]
+                dist.all_gather(pieces, C.to_group(piece.contiguous(), tp_group), group=tp_group)
             else:
-                pieces = [piece.clone()]
-                group = self.ps.get_tensor_model_parallel_group()
-                dist.broadcast(pieces[0], group=group, group_src=0)
+                pieces = [C.to_group(piece.clone(), tp_group)]
+                dist.broadcast(pieces[0], group=tp_group, group_src=0)
             out = hf_from_pieces(self.shape, t, pieces)
             del pieces
+            if pp_group is not None:
+                out = C.to_group(out.contiguous(), pp_group)
         else:
-            out = torch.empty(t.shape, dtype=dtype, device=self.device)
-        if s.pp_size > 1:
-            group = self.ps.get_pipeline_model_parallel_group()
-            dist.broadcast(out, group=group, group_src=t.stage)
+            out = C.group_empty(pp_group, t.shape, dtype)
+        if pp_group is not None:
+            dist.broadcast(out, group=pp_group, group_src=t.stage)
         return out
 
     def state_dict(self) -> dict[str, object]:
@@ -691,6 +700,8 @@ class _Sharded:
         data-parallel group: each rank fills the slice of each parameter it owns)."""
         import torch.distributed as dist
 
+        from ..algorithms import collectives as C
+
         keys = (*ADAM_KEYS, "param")
         full: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
         step = torch.zeros(1, dtype=torch.float64)
@@ -711,7 +722,7 @@ class _Sharded:
                 step = torch.maximum(step, tensors["step"].detach().double().cpu().reshape(1))
         if self.shard.dp_size > 1:
             group = self.ps.get_data_parallel_group()
-            flat = torch.cat([t for k in keys for t in full[k].values()]).to(self._comm_device)
+            flat = C.to_group(torch.cat([t for k in keys for t in full[k].values()]), group)
             dist.all_reduce(flat, group=group)  # the slices are disjoint: a sum assembles them
             flat = flat.cpu()
             offset = 0
@@ -719,7 +730,7 @@ class _Sharded:
                 for name, t in full[k].items():
                     full[k][name] = flat[offset : offset + t.numel()]
                     offset += t.numel()
-            step = step.to(self._comm_device)
+            step = C.to_group(step, group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
         params = dict(self.model.named_parameters())
         shaped = {k: {n: t.view(params[n].shape) for n, t in full[k].items()} for k in keys}

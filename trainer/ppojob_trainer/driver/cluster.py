@@ -11,7 +11,7 @@ import ray
 
 from ppojob_api.training import TrainerConfig
 
-from ..distributed import free_port
+from ..distributed import free_port, nccl_env
 from ..errors import StartupError
 from ..models import BUILTIN_PREFIX, cache_root, materialize_builtin
 from ..placement import cluster_pins_roles, plan_placement, reserve_placement, wait_for_gang
@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 def worker_env() -> dict[str, str]:
     """Environment of the worker processes: idle OpenMP threads must not spin (they would starve
     Ray's own threads of the few cores between two tasks: measured +100 ms per step on 2
-    cores); and the tests' fault-injection gate, when one is set."""
-    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
+    cores); one NCCL setting for all of them, what SGLang's engine sets in its own
+    (:func:`~..distributed.nccl_env`), before any of them creates a process group; and the
+    tests' fault-injection gate, when one is set."""
+    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000"), **nccl_env()}
     for gate in (FAULT_GATE_ENV, REWARD_FAULT_GATE_ENV):
         if os.environ.get(gate):
             env[gate] = os.environ[gate]

@@ -120,11 +120,10 @@ class _Optimised:
         budget = self.settings.max_tokens_per_micro_batch
         rows = micro_batch_rows(batch, budget, packing=self.settings.packing, max_rows=max_rows)
         if budget is not None and self.sharded:
-            import torch.distributed as dist
+            from ...algorithms import collectives
 
-            count = torch.tensor([len(rows)], dtype=torch.long)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-            rows = split_to_count(rows, int(count))
+            # on the device the group's backend needs (NCCL: CUDA), not where torch.tensor makes it
+            rows = split_to_count(rows, collectives.all_reduce_max(len(rows), self.group))
         return rows
 
     def forward_chunks(
@@ -147,9 +146,12 @@ class _Optimised:
         """Sum of ``local`` over the data-parallel group."""
         if self.dp_size <= 1:
             return float(local)
-        from ...algorithms.stats import all_reduce_sum
+        from ...algorithms import collectives
 
-        return float(all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64), self.group))
+        total = collectives.all_reduce_sum(
+            torch.tensor([float(local)], dtype=torch.float64), self.group
+        )
+        return float(total)
 
     def accumulate(
         self,
@@ -188,14 +190,16 @@ class _Optimised:
         if self.dp_size > 1 and not self.sharded:
             import torch.distributed as dist
 
+            from ...algorithms import collectives
+
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = collectives.to_group(torch.cat([g.reshape(-1) for g in grads]), self.group)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             flat /= self.dp_size
             offset = 0
             for p in self.params:
                 n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+                p.grad = flat[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype)
                 offset += n
         clip = self.settings.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip else float("inf"))
