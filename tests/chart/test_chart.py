@@ -414,5 +414,7 @@ def test_service_monitor(render) -> None:
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    # the scraped labels win over target labels of the same name (and are never exported_*)
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ppojob-system"]}
     assert not _by_kind(render(), "ServiceMonitor")
