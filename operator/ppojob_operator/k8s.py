@@ -45,6 +45,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 
