@@ -21,6 +21,12 @@ Flags (the Helm chart passes exactly these):
                       each job's NetworkPolicy: off, or {"dashboardFrom": [peers], "extraIngress":
                       [rules]}; default: the job's own pods, and KubeRay's operator pods to the
                       dashboard port
+--leader-elect        act only while holding the Lease --leader-election-namespace/
+                      --leader-election-name (default ppojob-operator); others wait (leader.py)
+--leader-election-identity ID
+                      this candidate's name in the Lease (default: $POD_NAME, else host-random)
+--leader-election-lease-seconds 15
+                      a silent leader's Lease is taken after this long (renewed every 2/15 of it)
 --log-level LEVEL     DEBUG, INFO, WARNING, ERROR
 --trainer-entrypoint  override the trainer command run in the head pod
 """
@@ -97,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
         "KubeRay's operator pods, labelled app.kubernetes.io/name=kuberay-operator)",
     )
     p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="act only while holding a coordination.k8s.io Lease (several replicas: one acts)",
+    )
+    p.add_argument("--leader-election-namespace", default=None, help="the Lease's namespace")
+    p.add_argument("--leader-election-name", default="ppojob-operator", help="the Lease's name")
+    p.add_argument("--leader-election-identity", default=None, help="this candidate's name")
+    p.add_argument(
+        "--leader-election-lease-seconds", type=int, default=15, help="the Lease's duration"
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -155,6 +172,26 @@ def operator_config(args: argparse.Namespace) -> Any:
     )
 
 
+def elector_of(args: argparse.Namespace) -> Any:
+    """The operator's :class:`leader.Elector` (None without ``--leader-elect``); ValueError
+    when the Lease's namespace is not given."""
+    if not args.leader_elect:
+        return None
+    import os
+    import socket
+    import uuid
+
+    from ppojob_operator.leader import Elector, Timing
+
+    namespace = args.leader_election_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace:
+        raise ValueError("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")
+    identity = args.leader_election_identity or os.environ.get("POD_NAME")
+    identity = identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    timing = Timing.for_lease(args.leader_election_lease_seconds)
+    return Elector(namespace, args.leader_election_name, identity, timing)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.namespace and args.all_namespaces:
@@ -175,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
+        elector = elector_of(args)
+    except ValueError as exc:
+        print(f"ppojob-operator: {exc}", file=sys.stderr)
+        return 2
+
+    try:
         k8s.configure()
     except Exception as exc:  # kubernetes.config.ConfigException: neither in a pod nor kubeconfig
         print(
@@ -190,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config,
         health_port=args.health_port,
         listen_address=args.listen_address,
+        elector=elector,
     )
     return 0
 

@@ -11,7 +11,8 @@ Where the rest lives: ``state.py`` (what is known of each job between events), `
 ``timers.py`` (retry backoff, restart delay, queue timeout).
 
 No deletion handler and no finalizer: children are garbage-collected through their controller
-ownerReferences. kopf runs standalone (no peering); its own events are posted only for warnings.
+ownerReferences. kopf runs standalone (no peering: ``leader.py`` elects one operator on a Lease
+instead); its own events are posted only for warnings.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import kopf
 
 from ppojob_api.spec import GROUP, PLURAL, VERSION
-from ppojob_operator import capabilities, k8s, metrics, reconcile, watch
+from ppojob_operator import capabilities, k8s, leader, metrics, reconcile, watch
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY
 from ppojob_operator.state import OperatorConfig, State, plain
 
@@ -198,8 +199,11 @@ def run(
     stop_flag: Any = None,
     ready_flag: Any = None,
     post_events: bool = True,
+    elector: leader.Elector | None = None,
 ) -> None:
-    """Run the operator until ``stop_flag`` is set (blocking; owns its event loop)."""
+    """Run the operator until ``stop_flag`` is set (blocking; owns its event loop). With
+    ``elector``, only while it holds its Lease (``leader.py``): it waits first, serving
+    ``/healthz``, and exits the process when the Lease is lost."""
     state = State(config or OperatorConfig())
     k8s.configure(host)
     registry = build_registry(state, host)
@@ -209,7 +213,9 @@ def run(
 
     async def main() -> None:
         try:
-            await kopf.operator(
+            if elector is not None:
+                await leader.standby(elector, listen_address, health_port)
+            operate = kopf.operator(
                 registry=registry,
                 settings=settings,
                 standalone=True,
@@ -219,6 +225,7 @@ def run(
                 stop_flag=stop_flag,
                 ready_flag=ready_flag,
             )
+            await (operate if elector is None else leader.lead(elector, operate))
         finally:
             await k8s.aclose()
 

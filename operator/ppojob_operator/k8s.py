@@ -45,6 +45,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 
@@ -57,6 +58,11 @@ class ApiError(Exception):
         self.status = status
         self.reason = reason
         self.body = body
+
+
+class Replaced(ApiError):
+    """A conditional delete's 409 Conflict: the name now holds another object than the one
+    the delete was decided about (its uid differs), which is therefore already gone."""
 
 
 class ChildConflict(Exception):
@@ -440,17 +446,30 @@ async def apatch(
         raise
 
 
-async def adelete(api_version: str, kind: str, namespace: str, name: str) -> bool:
-    """Delete an object (background propagation); False if it was already gone."""
+async def adelete(
+    api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None
+) -> bool:
+    """Delete an object (background propagation); False if it was already gone.
+
+    With ``uid`` the delete is conditional (``preconditions.uid``): it removes only that
+    object, never another one made under the same name since it was read (a restart's next
+    attempt). The API server answers 409 Conflict when the name holds another object: raised
+    as :class:`Replaced`, which is an answer, not a fault (never retried: :func:`arequest`
+    re-sends only a PATCH's 409)."""
+    options: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "DeleteOptions",
+        "propagationPolicy": "Background",
+    }
+    if uid:
+        options["preconditions"] = {"uid": uid}
     try:
-        await arequest(
-            "DELETE",
-            path_for(api_version, kind, namespace, name),
-            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
-        )
+        await arequest("DELETE", path_for(api_version, kind, namespace, name), options)
     except ApiError as exc:
         if exc.status == 404:
             return False
+        if exc.status == 409 and uid:
+            raise Replaced(exc.status, exc.reason, exc.body) from exc
         raise
     return True
 

@@ -103,7 +103,12 @@ JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
     ),
     ("ppojob_job_entropy", "Mean policy entropy over the last step's tokens.", "entropy"),
 )
-JOB_LABELS = ["namespace", "job"]
+JOB_LABELS = ["ppojob_namespace", "ppojob"]
+"""The per-job series' labels: the PPOJob's namespace and name. Never ``namespace`` or ``job``:
+Prometheus attaches its own target labels (``job``, ``instance``; a ServiceMonitor adds
+``namespace``, ``service``, ``pod``, ``container``, ``endpoint``: the operator's), and without
+``honor_labels`` renames a scraped label of the same name to ``exported_<name>``, so dashboards
+querying ``namespace``/``job`` would see only the operator's."""
 
 
 def _number(value: Any) -> float | None:

@@ -25,7 +25,8 @@ Every verb here is used by the operator's code (`k8s.py`, called from `reconcile
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
 - CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
   (SidecarMode support). Namespaces list/watch: cluster-wide mode.
-The operator runs kopf in standalone mode (no peering), so no KopfPeering rules.
+The operator runs kopf in standalone mode (no peering), so no KopfPeering rules; it elects a
+leader on a Lease instead (:data:`LEADER_ELECTION_RULES`, a Role in its own namespace).
 """
 
 from __future__ import annotations
@@ -105,3 +106,14 @@ OPERATOR_RULES: list[dict] = [
     },
 ]
 """ClusterRole rules of the operator's ServiceAccount (see the module docstring)."""
+
+
+LEADER_ELECTION_RULES: list[dict] = [
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    },
+]
+"""The leader Lease (``leader.py``), granted in the operator's own namespace only. (``create``
+cannot be limited by ``resourceNames``.)"""

@@ -4,6 +4,9 @@ job's ``spec.failurePolicy`` (``ppojob_api.failures`` classifies and decides).
 The operator owns retries (the RayJob's own ``backoffLimit`` is 0): KubeRay counts every failure,
 and a job on a preemptible cluster must not spend its retries on evictions. A restart deletes the
 failed RayJob and creates a new one of the same name, which resumes from the newest checkpoint.
+Each attempt is told apart by its RayJob's uid and its ``ppojob.io/attempt`` annotation: the
+failed one is deleted only with its uid as the delete's precondition (``timers.delete_rayjob``),
+so a restart decided about attempt N never deletes attempt N+1.
 
 The restart counters and the last restart live in the PPOJob's status (``restarts``,
 ``disruptions``, ``lastRestart``), so a restarted operator carries on where it stopped.

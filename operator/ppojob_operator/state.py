@@ -65,6 +65,8 @@ class JobState:
     retry: asyncio.Task[None] | None = None
     restart: asyncio.Task[None] | None = None
     """Deletes a failed RayJob after the restart delay (``timers.schedule_restart``)."""
+    restart_of: str | None = None
+    """The uid of the RayJob (the failed attempt) that ``restart`` deletes."""
     queue_timer: asyncio.Task[None] | None = None
     """Wakes the job at its queueing deadline (``spec.scheduling.queueTimeoutSeconds``)."""
     backoff: int = 0

@@ -80,14 +80,33 @@ async def fail_queued(
     return rayjob
 
 
-async def delete_rayjob(key: tuple[str, str], rayjob: dict[str, Any]) -> None:
-    """Delete a timed-out attempt's RayJob, so that nothing it holds stays held."""
-    name = (rayjob.get("metadata") or {}).get("name")
+def uid_of(obj: dict[str, Any] | None) -> str | None:
+    """An object's uid (None for none, or an object read without one)."""
+    return ((obj or {}).get("metadata") or {}).get("uid")
+
+
+async def delete_rayjob(key: tuple[str, str], rayjob: dict[str, Any]) -> bool:
+    """Delete exactly the RayJob ``rayjob`` (an attempt read earlier), so that nothing it holds
+    stays held: its uid is the delete's precondition, so a next attempt made under the same
+    name since (by a restart, another operator, a user) is never deleted in its place; that
+    409 is logged, not counted as an error. Returns whether it deleted."""
+    meta = rayjob.get("metadata") or {}
+    name = meta.get("name")
     try:
-        await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
+        return await k8s.adelete("ray.io/v1", "RayJob", key[0], name, uid=meta.get("uid"))
+    except k8s.Replaced:
+        log.info(
+            "%s/%s: RayJob %s of attempt %d was already replaced (uid %s is gone); nothing deleted",
+            key[0],
+            key[1],
+            name,
+            restarts.attempt_of(rayjob),
+            meta.get("uid"),
+        )
     except k8s.ApiError as exc:
         metrics.API_ERRORS.labels("delete").inc()
         log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
+    return False
 
 
 async def after_failure(
@@ -113,21 +132,39 @@ async def after_failure(
 
 
 def schedule_restart(state: State, st: JobState, delay: float) -> None:
-    """Delete the failed RayJob after ``delay`` seconds (once per job at a time)."""
-    if st.restart is not None and not st.restart.done():
+    """Delete the failed RayJob (the one known now: ``st.rayjob``) after ``delay`` seconds (once
+    per attempt at a time; a timer still waiting for an earlier attempt is stale and cancelled).
+    At its time the timer deletes nothing when the job's RayJob is another attempt's (the
+    watch's word) or, through the delete's uid precondition, when the name holds one (the
+    API server's word, where the watch lags)."""
+    failed = st.rayjob
+    if failed is None:
         return
+    uid = uid_of(failed)
+    if st.restart is not None and not st.restart.done():
+        if st.restart_of == uid:
+            return
+        st.restart.cancel()
     key = st.key
+    st.restart_of = uid
 
     async def _restart() -> None:
         await asyncio.sleep(delay)
         if not state.current(st) or st.rayjob is None:
             return
-        name = (st.rayjob.get("metadata") or {}).get("name")
-        log.info("%s/%s: restarting: deleting RayJob %s", key[0], key[1], name)
-        try:
-            await k8s.adelete("ray.io/v1", "RayJob", key[0], name)
-        except k8s.ApiError as exc:
-            log.warning("%s/%s: could not delete RayJob %s: %s", key[0], key[1], name, exc)
-            metrics.API_ERRORS.labels("delete").inc()
+        name = (failed.get("metadata") or {}).get("name")
+        attempt = restarts.attempt_of(failed)
+        if uid_of(st.rayjob) != uid:
+            log.info(
+                "%s/%s: RayJob %s of attempt %d was already replaced by attempt %d; nothing "
+                "deleted",
+                *key,
+                name,
+                attempt,
+                restarts.attempt_of(st.rayjob),
+            )
+            return
+        log.info("%s/%s: restarting: deleting RayJob %s of attempt %d", *key, name, attempt)
+        await delete_rayjob(key, failed)
 
     st.restart = asyncio.get_running_loop().create_task(_restart())

@@ -14,7 +14,7 @@ from kubernetes_validate import utils as kv_utils
 from ppojob_api.crd import crd_yaml
 from ppojob_operator.__main__ import build_parser, operator_config
 from ppojob_operator.builders import NetworkPolicySettings
-from ppojob_operator.rbac import OPERATOR_RULES
+from ppojob_operator.rbac import LEADER_ELECTION_RULES, OPERATOR_RULES
 from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
@@ -138,18 +138,21 @@ def test_defaults_render_the_expected_objects(render) -> None:
         ("ClusterRole", "ppojob-ppojob-operator-view"),
         ("ClusterRoleBinding", "ppojob-ppojob-operator"),
         ("Deployment", "ppojob-ppojob-operator"),
+        ("Role", "ppojob-ppojob-operator-leader-election"),
+        ("RoleBinding", "ppojob-ppojob-operator-leader-election"),
         ("Service", "ppojob-ppojob-operator-metrics"),
         ("ServiceAccount", "ppojob-ppojob-operator"),
     ]
     for o in objs:
-        if o["kind"] in {"Deployment", "Service", "ServiceAccount"}:
+        if o["kind"] in {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}:
             assert o["metadata"]["namespace"] == "ppojob-system"
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        "replicaCount=2",
+        "replicaCount=-1",
+        "leaderElection.leaseSeconds=1",
         "defaultGangScheduler=slurm",
         "logLevel=TRACE",
         "notAValue=1",
@@ -252,6 +255,55 @@ def test_namespaced_rbac_splits_operator_rules(render) -> None:
     # Together they grant every operator permission.
     granted = _triples(cluster_role["rules"]) | _triples(roles[0]["rules"])
     assert granted == _triples(OPERATOR_RULES)
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a"]], ids=["cluster-wide", "namespaced"])
+def test_leader_election_lease_rbac_and_flags(render, watch) -> None:
+    """On by default, in both modes: a Role on leases in the release's namespace only (exactly
+    LEADER_ELECTION_RULES), bound to the operator's ServiceAccount; the flags that elect on
+    the Lease named like the release; the pod's name as the holder identity."""
+    objs = render(values={"watchNamespaces": watch})
+    mine = [
+        o
+        for o in objs
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "leader-election"
+    ]
+    (role,) = _by_kind(mine, "Role")
+    (binding,) = _by_kind(mine, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ppojob-system"
+    assert role["rules"] == LEADER_ELECTION_RULES
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ppojob-ppojob-operator", "namespace": "ppojob-system"}
+    ]
+    c = _container(objs)
+    args = build_parser().parse_args(c["args"])
+    assert args.leader_elect and args.leader_election_namespace == "ppojob-system"
+    assert args.leader_election_name == "ppojob-ppojob-operator"
+    assert args.leader_election_lease_seconds == 15
+    (pod_name,) = [e for e in c["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    off = render(values={"leaderElection": {"enabled": False}})
+    assert not [o for o in off if o["metadata"]["name"].endswith("-leader-election")]
+    assert not build_parser().parse_args(_container(off)["args"]).leader_elect
+
+
+def test_replicas_beyond_one_need_leader_election(render, helm) -> None:
+    objs = render(values={"replicaCount": 3})
+    (dep,) = _by_kind(objs, "Deployment")
+    assert dep["spec"]["replicas"] == 3
+    out = run_helm(
+        helm,
+        "template",
+        "ppojob",
+        str(CHART),
+        "--set",
+        "replicaCount=2",
+        "--set",
+        "leaderElection.enabled=false",
+        check=False,
+    )
+    assert out.returncode != 0 and "needs leaderElection.enabled" in out.stderr
 
 
 def test_operator_rules_use_only_known_scopes() -> None:
@@ -414,5 +466,7 @@ def test_service_monitor(render) -> None:
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    # the scraped labels win over target labels of the same name (and are never exported_*)
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ppojob-system"]}
     assert not _by_kind(render(), "ServiceMonitor")

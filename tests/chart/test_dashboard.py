@@ -2,7 +2,8 @@
 when on, holding the dashboard file byte for byte; and every query of every panel (and of the
 template variables) names only metrics the operator exports (PromQL metric names parsed out of
 each expression and checked against the operator's registry plus the per-job families made from
-a full status)."""
+a full status), and every label a query selects, groups by or shows is one the operator exports
+and no Prometheus target label shadows."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client import REGISTRY
 from ppojob_operator import metrics
 from tests.chart.test_chart import VALUE_SETS
 from tests.helpers.helm import CHART
-from tests.operator.test_job_metrics import STATUS
+from tests.operator.test_job_metrics import STATUS, TARGET_LABELS
 
 DASHBOARD = CHART / "dashboards" / "ppojob-training.json"
 
@@ -80,6 +81,57 @@ def exported_names() -> set[str]:
         else:
             names.add(fam.name)
     return names
+
+
+_MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
+_LEGEND = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def label_names(expr: str) -> set[str]:
+    """Label names of a PromQL expression: its matchers' and its grouping clauses'."""
+    names = set()
+    for block in re.findall(r"\{([^}]*)\}", expr):
+        names |= set(_MATCHER.findall(block))
+    for clause in _GROUPING.findall(expr):
+        inner = clause[clause.index("(") + 1 : -1]
+        names |= {n.strip() for n in inner.split(",") if n.strip()}
+    return names
+
+
+def test_label_names_parser() -> None:
+    expr = 'sum by (le, x) (rate(a{ppojob=~"$job", b!="c"}[5m]))'
+    assert label_names(expr) == {"le", "x", "ppojob", "b"}
+
+
+def dashboard_labels(dashboard: dict[str, Any]) -> dict[str, set[str]]:
+    """Where -> the label names it uses: each panel's queries and legends, each variable's
+    query and the label it takes values of."""
+    out: dict[str, set[str]] = {}
+    for p in dashboard["panels"]:
+        for t in p.get("targets", []):
+            used = label_names(t["expr"]) | set(_LEGEND.findall(t.get("legendFormat", "")))
+            out.setdefault(p["title"], set()).update(used)
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            inner = re.match(r"label_values\((.*),\s*(\w+)\)$", query)
+            assert inner, query
+            out[f"variable {var['name']}"] = label_names(inner.group(1)) | {inner.group(2)}
+    return out
+
+
+def test_every_label_a_query_uses_is_exported_and_no_target_label() -> None:
+    """A query on ``namespace`` or ``job`` would read Prometheus's target labels (the operator's
+    namespace and scrape job, whatever the job), so the dashboard could not tell jobs apart."""
+    families = [*REGISTRY.collect(), *metrics.job_families({("ns", "job"): STATUS})]
+    exported = {"le"} | {k for fam in families for s in fam.samples for k in s.labels}
+    # (a labelled counter has no sample before its first increment: its declared label names)
+    exported |= {n for m in vars(metrics).values() for n in getattr(m, "_labelnames", ())}
+    used = dashboard_labels(json.loads(DASHBOARD.read_text()))
+    assert any(set(metrics.JOB_LABELS) <= names for names in used.values())
+    for where, names in used.items():
+        assert names <= exported, f"{where}: {sorted(names - exported)} not exported"
+        assert not names & TARGET_LABELS.keys(), f"{where}: {sorted(names & TARGET_LABELS.keys())}"
 
 
 def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:

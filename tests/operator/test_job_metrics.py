@@ -1,7 +1,8 @@
 """Per-job Prometheus metrics from each PPOJob's status.progress: the exporter read from a status
 object (the families scraped, parsed back with prometheus_client's own text parser), labelled by
-namespace and job, and gone when the job is deleted (driven through the handlers' event
-function with the API calls replaced by recorders)."""
+``ppojob_namespace`` and ``ppojob`` (names no Prometheus target label takes, so jobs stay apart
+however the operator is scraped), and gone when the job is deleted (driven through the handlers'
+event function with the API calls replaced by recorders)."""
 
 from __future__ import annotations
 
@@ -60,10 +61,10 @@ def scrape(collector: Collector) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 
 def job(ns: str = "team-a", name: str = "tiny", **extra: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({"namespace": ns, "job": name, **extra}.items()))
+    return tuple(sorted({"ppojob_namespace": ns, "ppojob": name, **extra}.items()))
 
 
-def test_every_progress_value_is_a_sample_labelled_by_namespace_and_job() -> None:
+def test_every_progress_value_is_a_sample_labelled_by_the_jobs_namespace_and_name() -> None:
     got = scrape(_Fixed({("team-a", "tiny"): STATUS}))
     j = job()
     assert got[("ppojob_job_step", j)] == 120
@@ -127,3 +128,47 @@ def test_the_operator_exports_a_jobs_status_and_drops_it_when_the_job_is_deleted
         assert not any(labels for (_, labels) in scrape(metrics.JOB_PROGRESS))
 
     asyncio.run(scenario())
+
+
+TARGET_LABELS = {
+    "job": "ppojob-operator",
+    "instance": "10.0.0.5:8080",
+    "namespace": "ppojob-system",
+    "service": "ppojob-operator",
+    "pod": "ppojob-operator-7d9f-x2x4q",
+    "container": "operator",
+    "endpoint": "metrics",
+}
+"""The labels Prometheus attaches to every series of a target: its own (``job``, ``instance``)
+and, scraping through a ServiceMonitor, the Prometheus operator's (``namespace``, ``service``,
+``pod``, ``container``, ``endpoint``), all naming the operator's pod, never a PPOJob."""
+
+
+def stored_by_prometheus(scraped: dict[str, str], honor_labels: bool) -> dict[str, str]:
+    """A scraped series' labels as Prometheus stores them, by its documented ``honor_labels``
+    rule: on a clash with a target label, the scraped label wins (true), or is renamed
+    ``exported_<name>`` and the target label kept (false, the default)."""
+    out = dict(TARGET_LABELS)
+    for name, value in scraped.items():
+        if name in TARGET_LABELS and not honor_labels:
+            out[f"exported_{name}"] = value
+        else:
+            out[name] = value
+    return out
+
+
+def test_jobs_stay_apart_under_prometheus_target_labels_with_or_without_honor_labels() -> None:
+    """The per-job labels are names no target label takes: queried by them (as the shipped
+    dashboard does), three jobs (two with the same name) are three series whatever the scrape
+    config's ``honor_labels``."""
+    assert not set(metrics.JOB_LABELS) & TARGET_LABELS.keys()
+    jobs = {("team-a", "tiny"): STATUS, ("team-b", "tiny"): STATUS, ("team-a", "big"): STATUS}
+    got = scrape(_Fixed(jobs))
+    ns_label, job_label = metrics.JOB_LABELS
+    for honor in (False, True):
+        stored = [
+            stored_by_prometheus(dict(labels), honor)
+            for name, labels in got
+            if name == "ppojob_job_step"
+        ]
+        assert {(s[ns_label], s[job_label]) for s in stored} == set(jobs), honor
