@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from tests.helpers.timeouts import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILDER = ROOT / "hack" / "control-plane" / "build.sh"
 TOOLS = ROOT / "build" / "test-tools"
@@ -135,7 +137,9 @@ def free_port() -> int:
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll ``check`` until it returns a truthy value (returned) or ``timeout`` seconds pass."""
+    """Poll ``check`` until it returns a truthy value (returned) or ``timeout`` seconds pass
+    (scaled by ``PPOJOB_TEST_TIMEOUT_SCALE``: tests/helpers/timeouts.py)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
     while True:
@@ -434,7 +438,7 @@ class ControlPlane:
             input=input,
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=scaled(timeout),
         )
         if check and proc.returncode != 0:
             raise ControlPlaneError(

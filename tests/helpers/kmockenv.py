@@ -17,6 +17,7 @@ import kmock
 from kmock._internal import parsing
 
 from ppojob_operator import k8s
+from tests.helpers.timeouts import scaled
 
 _arequest, _aclose = k8s.arequest, k8s.aclose
 
@@ -192,7 +193,9 @@ _RUNNING: set[Operator] = set()
 
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
     """Poll ``pred`` until it returns something truthy; raise TimeoutError after ``timeout``,
-    and :class:`OperatorFailed` as soon as a running operator's thread has raised."""
+    and :class:`OperatorFailed` as soon as a running operator's thread has raised. The bound is
+    scaled by ``PPOJOB_TEST_TIMEOUT_SCALE`` (tests/helpers/timeouts.py)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while True:
         for op in list(_RUNNING):
