@@ -48,7 +48,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _plans(job: Any) -> str:
     """The memory plan and the time plan of one job, under a header naming it."""
-    from ppojob_trainer.memory_plan import format_plan, gpu_gib_of, plan_job
+    from ppojob_api.memory_plan import format_plan, gpu_gib_of, plan_job
     from ppojob_trainer.time_plan import format_time_plan, plan_time
 
     lines = [f"{job.metadata.name or '<unnamed>'}:"]
@@ -78,7 +78,7 @@ def _reason(exc: Exception) -> str:
 def _memory_warnings(name: str, jobs: list) -> None:
     """Warn (without failing) where a job's memory plan exceeds its GPUs, or its learning-rate
     warm-up outlasts its training."""
-    from ppojob_trainer.memory_plan import plan_warnings
+    from ppojob_api.memory_plan import plan_warnings
 
     for job in jobs:
         for warning in plan_warnings(job.spec) + warmup_warnings(job):

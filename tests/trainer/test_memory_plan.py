@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ppojob_trainer import memory_plan as M
+from ppojob_api import memory_plan as M
 from ppojob_trainer.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]

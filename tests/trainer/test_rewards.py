@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
-from ppojob_trainer import memory_plan as M
+from ppojob_api import memory_plan as M
 from ppojob_trainer.rewards import (
     HttpRewardScorer,
     RemoteRewardModelScorer,
