@@ -1,8 +1,9 @@
 """Per-GPU memory plan of a PPOJob: what each worker process holds at its peak, by part.
 
 Pure arithmetic in the API package: imports neither torch nor Ray, so ``ppojob validate``, the
-operator (before any pod starts) and the trainer (at start) judge a job by the same plan. The plan is arithmetic over the
-model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`) and the spec:
+operator (before any pod starts) and the trainer (at start) judge a job by the same plan. The plan
+is arithmetic over the model's shape (from a local ``config.json``, a built-in, or
+:data:`KNOWN_SHAPES`) and the spec:
 
 ``weights``      float32 master weights (torch backend), per worker: / dp under ``sharding: fsdp``
                  (with LoRA: the frozen base plus the adapters; grads and optimizer: adapters only)

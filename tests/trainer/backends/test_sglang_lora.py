@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ppojob_api.checks.efficiency import check_lora
+from ppojob_api.memory_plan import Shape
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.driver.topology import adapters_through_store
-from ppojob_api.memory_plan import Shape
 from tests.helpers.sglang_runtime import run_driver
 
 DRIVER = Path(__file__).with_name("sglang_lora_driver.py")
