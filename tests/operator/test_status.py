@@ -295,6 +295,7 @@ def test_note_status_of_a_refused_job():
         "conditions",
         "observedGeneration",
         "gpus",
+        "memoryPlan",
         "completionTime",
     }
 
