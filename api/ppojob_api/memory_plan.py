@@ -586,9 +586,14 @@ def plan_job(
     return plans
 
 
+def _down(fraction: float) -> float:
+    """``fraction`` rounded down to a hundredth (a printed "at most" never exceeds it)."""
+    return int(fraction * 100 + 1e-9) / 100
+
+
 def _floor(fraction: float) -> float:
     """``fraction`` rounded down to a hundredth, within [0, DEFAULT_ENGINE_FRACTION]."""
-    return min(max(int(fraction * 100 + 1e-9) / 100, 0.0), DEFAULT_ENGINE_FRACTION)
+    return min(max(_down(fraction), 0.0), DEFAULT_ENGINE_FRACTION)
 
 
 def _size_engine(half: Any, shape: Shape, plan: ProcessPlan, gpu_bytes: float) -> None:
@@ -797,7 +802,7 @@ def _wake_problem(
         return Problem(
             f"{prefix}.roles.rollout.gpuMemoryFraction",
             what,
-            f"set it to at most {int(frac * 100) / 100:.2f}, or leave it unset (the plan sizes it)",
+            f"set it to at most {_down(frac):.2f}, or leave it unset (the plan sizes it)",
         )
     if step == "weight sync":
         return Problem(
@@ -864,7 +869,7 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
             lines.append(
                 f"  sglang engine: gpuMemoryFraction {plan.engine_fraction:.2f} "
                 f"({_SOURCES[plan.engine_fraction_source]}"
-                + (f"; at most {most:.2f} fits beside the actor" if most is not None else "")
+                + (f"; at most {_down(most):.2f} fits beside the actor" if most is not None else "")
                 + ")"
             )
         if plan.wake:
@@ -872,7 +877,7 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
             lines.append(
                 "  wake of the colocated sglang engine: "
                 + (f"DOES NOT FIT at '{over[0]}'" if over else "fits")
-                + f" (gpuMemoryFraction at most {plan.wake_max_fraction:.2f})"
+                + f" (gpuMemoryFraction at most {_down(plan.wake_max_fraction):.2f})"
             )
             for step, parts in plan.wake.items():
                 lines.append(f"    {step:<52} {sum(parts.values()) / GiB:9.3f} GiB")
