@@ -4,7 +4,7 @@
     python bench/memory.py FILE --set roles.actor.backend=torch ...           # another layout
     python bench/memory.py --measure                                          # plan vs CPU peak
 
-The plan (``ppojob_trainer.memory_plan``) is arithmetic over the model's shape and the spec.
+The plan (``ppojob_api.memory_plan``) is arithmetic over the model's shape and the spec.
 ``--measure`` checks it: for a few small random-init Llama models it runs two real actor (or
 critic) updates through the torch backend on the CPU, in a fresh process with glibc's mmap
 threshold pinned (so freed tensors go back to the OS), and compares the peak resident memory
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "operator")]
 
-from ppojob_trainer.memory_plan import (  # noqa: E402
+from ppojob_api.memory_plan import (  # noqa: E402
     GiB,
     Shape,
     TrainedModel,

@@ -429,6 +429,44 @@ class RestartRecord(ApiModel):
     """Whether the new RayJob exists yet."""
 
 
+class ProcessMemory(ApiModel):
+    """One GPU process of the memory plan."""
+
+    name: str
+    """The process: actor (with what is colocated on its GPUs), critic, rollout or reward."""
+
+    peak_gib: float = Field(alias="peakGiB")
+    """Its planned peak per GPU, GiB."""
+
+    peak_phase: str | None = None
+    """The phase of that peak (actor update, generation, ...)."""
+
+
+class MemoryPlanStatus(ApiModel):
+    """The job's per-GPU memory plan as the operator computed it (`ppojob validate --plan`
+    prints it by part): an estimate from the model's shape and the spec, not a measurement."""
+
+    gpu_gib: float | None = Field(None, alias="gpuGiB")
+    """GPU memory assumed per GPU, GiB (the node selector's GPU product label, else 80 GB)."""
+
+    peak_gib: float | None = Field(None, alias="peakGiB")
+    """The largest planned peak of any GPU process, GiB (unset: no plan here)."""
+
+    processes: list[ProcessMemory] = Field(default_factory=list)
+    """Each GPU process's peak."""
+
+    engine_fraction: float | None = None
+    """The sglang engine's gpuMemoryFraction (colocated and unset: sized by the plan)."""
+
+    engine_fraction_source: Literal["spec", "auto", "default"] | None = None
+    """Where the fraction comes from: as written, sized by the plan, or the default (0.85) of an
+    engine on its own GPUs."""
+
+    message: str | None = None
+    """The verdict in one line, or why there is no plan (a model whose shape only the trainer
+    can read is planned by the trainer at start)."""
+
+
 class PPOJobStatus(ApiModel):
     """Observed state of a PPOJob."""
 
@@ -464,6 +502,10 @@ class PPOJobStatus(ApiModel):
 
     gpus: int | None = None
     """GPUs requested by all the job's pods together."""
+
+    memory_plan: MemoryPlanStatus | None = None
+    """The per-GPU memory plan: each GPU process's peak and the sglang engine's memory
+    fraction."""
 
     start_time: str | None = None
     """When the job started running (RFC 3339)."""

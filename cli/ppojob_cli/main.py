@@ -48,7 +48,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _plans(job: Any) -> str:
     """The memory plan and the time plan of one job, under a header naming it."""
-    from ppojob_trainer.memory_plan import format_plan, gpu_gib_of, plan_job
+    from ppojob_api.memory_plan import format_plan, gpu_gib_of, plan_job
     from ppojob_trainer.time_plan import format_time_plan, plan_time
 
     lines = [f"{job.metadata.name or '<unnamed>'}:"]
@@ -76,12 +76,10 @@ def _reason(exc: Exception) -> str:
 
 
 def _memory_warnings(name: str, jobs: list) -> None:
-    """Warn (without failing) where a job's memory plan exceeds its GPUs, or its learning-rate
-    warm-up outlasts its training."""
-    from ppojob_trainer.memory_plan import plan_warnings
-
+    """Warn (without failing) where a job's learning-rate warm-up outlasts its training (a plan
+    that does not fit its GPUs is an error of validation: ppojob_api.checks.memory)."""
     for job in jobs:
-        for warning in plan_warnings(job.spec) + warmup_warnings(job):
+        for warning in warmup_warnings(job):
             print(f"{name}: warning: {warning}", file=sys.stderr)
 
 
@@ -133,10 +131,27 @@ def _cmd_render(args: argparse.Namespace) -> int:
         )
         return 1
     for job in jobs:
+        sys.stdout.write(_plan_comment(job))
         sys.stdout.write(
             render_children_yaml(job, namespace=args.namespace, gang_default=args.gang_scheduler)
         )
     return 0
+
+
+def _plan_comment(job: Any) -> str:
+    """The job's memory plan as YAML comments (what `validate --plan` prints of it), so the
+    rendered stream still applies."""
+    from ppojob_api.memory_plan import format_plan, gpu_plans
+
+    gib, plans = gpu_plans(job.spec)
+    head = f"# memory plan of PPOJob {job.metadata.name} (per GPU, {gib:.0f} GiB GPUs):"
+    if not plans:
+        body = (
+            "no GPU process, or the model's shape is unknown here (the trainer plans it at start)"
+        )
+        return f"{head} {body}\n"
+    lines = format_plan(plans, gib).splitlines()
+    return "\n".join([head, *(f"#   {line}" for line in lines)]) + "\n"
 
 
 VALIDATE_HELP = (

@@ -33,6 +33,7 @@ import json
 import re
 from typing import Any
 
+from ppojob_api.memory_plan import memory_status
 from ppojob_api.problems import Problem
 from ppojob_api.spec import PPOJob, total_gpus
 from ppojob_operator.builders import APPLIED_SPEC_ANNOTATION, applied_spec
@@ -48,6 +49,7 @@ OPERATOR_KEYS = (
     "rayClusterName",
     "dashboardURL",
     "gpus",
+    "memoryPlan",
     "startTime",
     "completionTime",
     "restarts",
@@ -304,6 +306,7 @@ def desired_status(
         "observedGeneration": generation,
         "rayJobName": rayjob.get("metadata", {}).get("name"),
         "gpus": total_gpus(job.spec),
+        "memoryPlan": memory_status(job.spec),
         **kept,
     }
     for src, dst in (
@@ -399,6 +402,7 @@ def note_status(
         "conditions": _with_times(conds, prev.get("conditions", []), now),
         "observedGeneration": generation,
         "gpus": total_gpus(job.spec),
+        "memoryPlan": memory_status(job.spec),
         **kept,
     }
     for key in KEPT_ON_NOTE:

@@ -32,9 +32,11 @@ from tests.helpers.manifests import (
     GRPO_INVALID,
     INVALID,
     LAYOUTS,
+    MEMORY_INVALID,
     SCHEDULING,
     base_manifest,
     grpo_base,
+    memory_base,
     set_path,
 )
 
@@ -177,6 +179,7 @@ VALID: dict[str, dict[str, Any]] = {
             {"type": "wandb", "project": "p", "mode": "offline"},
         ]
     ),
+    "memory:colocated-engine-sized-by-the-plan": memory_base(),
     "grpo:kl-off-written-out": base_manifest(
         algorithm={"advantageEstimator": "grpo", "kl": {"coefficient": 0}, "dualClip": 3}
     ),
@@ -188,6 +191,10 @@ def _invalid() -> dict[str, dict[str, Any]]:
     out |= {
         f"invalid-grpo:{why}": set_path(grpo_base(), path, value)
         for why, path, value, _ in GRPO_INVALID
+    }
+    out |= {
+        f"invalid-memory:{why}": set_path(memory_base(), path, value)
+        for why, path, value, _ in MEMORY_INVALID
     }
     return out
 

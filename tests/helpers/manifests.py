@@ -391,3 +391,49 @@ SCHEDULING = {
         "permitTimeoutSeconds": 120,
     },
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan (ppojob_api.memory_plan): a colocated sglang GRPO job on one 8 x 80 GB node
+# whose model's shape every side knows (a hub id of memory_plan.KNOWN_SHAPES)
+# ---------------------------------------------------------------------------------------------
+def memory_base(model: str = "Qwen/Qwen2.5-1.5B-Instruct", **rollout: Any) -> dict[str, Any]:
+    """A colocated sglang engine beside a torch actor (gpuMemoryFraction unset: sized by the
+    plan), with `rollout` fields added."""
+    return base_manifest(
+        model={"path": model, "dtype": "bfloat16"},
+        algorithm={
+            "advantageEstimator": "grpo",
+            "kl": {"coefficient": 0.001, "estimator": "low_var_kl", "mode": "loss"},
+        },
+        roles={
+            "actor": {"replicas": 1, "resources": {"gpus": 8, "cpus": 48, "memory": "400Gi"}},
+            "rollout": {"colocateWithActor": True, "backend": "sglang", **rollout},
+        },
+        data={
+            "prompts": "/data/gsm8k.parquet",
+            "rewardFunction": "rewards:score",
+            "rolloutBatchSize": 64,
+            "samplesPerPrompt": 8,
+            "maxPromptLength": 512,
+            "maxResponseLength": 1024,
+        },
+        training={"miniBatchSize": 128, "microBatchSize": 4},
+    )
+
+
+# (description, mutation path, value, field path the error must name): refused by the plan
+MEMORY_INVALID: list[tuple[str, str, Any, str]] = [
+    (
+        "a colocated engine's fraction that cannot wake after step 1",
+        "spec.roles.rollout.gpuMemoryFraction",
+        0.95,
+        "spec.roles.rollout.gpuMemoryFraction",
+    ),
+    (
+        "a 7B actor replicated on every GPU beside a colocated engine",
+        "spec.model.path",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "spec.roles.actor",
+    ),
+]

@@ -295,6 +295,7 @@ def test_note_status_of_a_refused_job():
         "conditions",
         "observedGeneration",
         "gpus",
+        "memoryPlan",
         "completionTime",
     }
 
@@ -670,3 +671,21 @@ def test_invalid_edit_lists_every_problem():
     )
     cond = next(c for c in out["conditions"] if c["type"] == "SpecApplied")
     assert cond["message"].endswith("unchanged: spec.a: bad; spec.b: worse")
+
+
+def test_the_status_carries_the_memory_plan():
+    """status.memoryPlan: the per-GPU peak, the colocated engine's fraction and where it came
+    from, written with the operator's other keys on every status it computes."""
+    from ppojob_api import memory_plan as M
+    from ppojob_operator.status import OPERATOR_KEYS, note_status
+    from tests.helpers.manifests import memory_base
+
+    job = validate_manifest(memory_base())
+    rj = builders.build_children(job, namespace="ns1")[-1]
+    rj["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+    st = desired_status(job, rj, generation=1, previous=None, now="t")
+    assert "memoryPlan" in OPERATOR_KEYS
+    assert st["memoryPlan"] == M.memory_status(job.spec)
+    assert st["memoryPlan"]["engineFractionSource"] == "auto"
+    noted = note_status(job, "Pending", "Waiting", "", generation=1, previous=None, now="t")
+    assert noted["memoryPlan"] == st["memoryPlan"]

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from ppojob_api import memory_plan as M
 from ppojob_api.training import DataSpec, HttpRewardSource, RewardModelSource
-from ppojob_trainer import memory_plan as M
 from ppojob_trainer.rewards import (
     HttpRewardScorer,
     RemoteRewardModelScorer,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from ppojob_api.memory_plan import Shape
 from ppojob_api.validation import validate_manifest
-from ppojob_trainer.memory_plan import Shape
 from ppojob_trainer.time_plan import Hardware, format_time_plan, plan_time
 from tests.helpers.controlplane import ROOT
 from tests.helpers.manifests import DELETE, GPU_JOB, set_path

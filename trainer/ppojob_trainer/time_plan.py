@@ -1,7 +1,7 @@
 """Time plan of a PPOJob: estimated seconds per step, by phase, and for the whole job.
 
 Imports neither torch nor Ray (``ppojob validate --plan`` prints it beside the memory plan). It
-is arithmetic over the model's size (:mod:`ppojob_trainer.memory_plan` resolves the shape), the
+is arithmetic over the model's size (:mod:`ppojob_api.memory_plan` resolves the shape), the
 tokens of a step, the GPUs of each role and their backends, under assumptions that are printed
 with it (:data:`ASSUMPTIONS`). It is an order of magnitude to plan a budget with, not a
 measurement: `ppojob run` and the job's metrics (`time/<phase>`) give the real figures.
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppojob_trainer.memory_plan import Shape, resolve_shape
+from ppojob_api.memory_plan import Shape, resolve_shape
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.memory import check_memory_plan
 from ppojob_api.checks.offpolicy import (
     check_importance_sampling,
     check_partial_rollout,
@@ -135,13 +136,17 @@ def run_checks(checks: Iterable[Check[S]], spec: S, prefix: str) -> list[Problem
 
 
 def check_training_half(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """Every semantic problem of the training half, with field paths under `prefix`."""
-    return run_checks(TRAINING_CHECKS, half, prefix)
+    """Every semantic problem of the training half, with field paths under `prefix`; the memory
+    plan's verdict last, on a half with no other problem."""
+    return run_checks(TRAINING_CHECKS, half, prefix) or check_memory_plan(half, prefix)
 
 
 def check_spec(spec: PPOJobSpec) -> list[Problem]:
-    """Every semantic problem of a spec, training half and cluster half."""
-    return run_checks((*TRAINING_CHECKS, *CLUSTER_CHECKS), spec, "spec")
+    """Every semantic problem of a spec, training half and cluster half; the memory plan's
+    verdict last, on a spec with no other problem."""
+    return run_checks((*TRAINING_CHECKS, *CLUSTER_CHECKS), spec, "spec") or check_memory_plan(
+        spec, "spec"
+    )
 
 
 __all__ = ["CLUSTER_CHECKS", "TRAINING_CHECKS", "check_spec", "check_training_half", "run_checks"]

@@ -191,8 +191,12 @@ class RolloutRole(_Role):
     offload: bool = True
     """With colocateWithActor: release the engines' weights and KV cache while the actor trains."""
 
-    gpu_memory_fraction: float = Field(0.85, gt=0, le=1)
-    """Fraction of GPU memory an sglang engine may use for weights and KV cache."""
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Fraction of GPU memory an sglang engine may use for weights and KV cache. Unset: an engine
+    colocated with the actor gets the memory plan's (what the actor's weights, gradients,
+    optimizer moments and kept activations leave after a training step, less 2 GiB of headroom,
+    at most 0.85), an engine on its own GPUs 0.85. A colocated value the plan says cannot wake
+    after a training step is refused (`ppojob validate --plan` prints the plan)."""
 
     weight_sync_bucket_mb: float = Field(512.0, gt=0, le=65536)
     """Weight sync moves the actor's weights to the engines in buckets of at most this many

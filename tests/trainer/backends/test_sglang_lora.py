@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ppojob_api.checks.efficiency import check_lora
+from ppojob_api.memory_plan import Shape
 from ppojob_api.training import TrainerConfig
 from ppojob_trainer.driver.topology import adapters_through_store
-from ppojob_trainer.memory_plan import Shape
 from tests.helpers.sglang_runtime import run_driver
 
 DRIVER = Path(__file__).with_name("sglang_lora_driver.py")
@@ -132,7 +132,7 @@ def test_the_memory_plan_counts_the_buffers_sglangs_pool_allocates(run, case, ta
 
 
 def test_the_memory_plan_notes_the_lora_buffers_of_an_sglang_engine():
-    from ppojob_trainer.memory_plan import plan_job
+    from ppojob_api.memory_plan import plan_job
 
     cfg = TrainerConfig.model_validate(
         {

@@ -197,6 +197,69 @@ def test_engine_args_follow_the_spec():
     assert own["enable_memory_saver"] is False and own["model_path"] == "/m"
 
 
+def _model_dir(tmp_path: Path, shape) -> Path:
+    """A model directory holding only the config.json of ``shape`` (what the engine reads)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "hidden_size": shape.hidden,
+                "num_hidden_layers": shape.layers,
+                "num_attention_heads": shape.heads,
+                "num_key_value_heads": shape.kv_heads,
+                "intermediate_size": shape.intermediate,
+                "vocab_size": shape.vocab,
+                "tie_word_embeddings": shape.tied,
+            }
+        )
+    )
+    return model
+
+
+def _colocated(path: str = "org/unknown-to-the-operator", **rollout) -> TrainerConfig:
+    from ppojob_api.validation import trainer_config_from_spec, validate_manifest
+    from tests.helpers.manifests import memory_base
+
+    return trainer_config_from_spec(validate_manifest(memory_base(path, **rollout)).spec)
+
+
+def test_a_colocated_engine_left_unset_gets_the_plans_fraction(tmp_path):
+    """Unset, a colocated engine's mem_fraction_static is the plan's, from the model directory
+    it loads (a hub id the operator could not plan) and the GPU it runs on: never above what
+    fits after step 1; a smaller GPU gets a smaller fraction. An explicit one is passed as is;
+    an engine on its own GPUs keeps SGLang's 0.85."""
+    from ppojob_api import memory_plan as M
+
+    shape = M.KNOWN_SHAPES["Qwen/Qwen2.5-1.5B"]
+    model = _model_dir(tmp_path, shape)
+    cfg = _colocated()
+    plan = M.plan_job(cfg, 80.0, shape)[0]
+    args = engine_args(cfg, model)
+    assert args["mem_fraction_static"] == plan.engine_fraction <= plan.wake_max_fraction
+    smaller = engine_args(cfg, model, gpu_gib=60.0)["mem_fraction_static"]
+    assert smaller < args["mem_fraction_static"]
+    assert smaller <= M.plan_job(cfg, 60.0, shape)[0].wake_max_fraction
+    assert engine_args(_colocated(gpuMemoryFraction=0.3), model)["mem_fraction_static"] == 0.3
+    own = _colocated(colocateWithActor=False, replicas=1, resources={"gpus": 8})
+    assert engine_args(own, model)["mem_fraction_static"] == 0.85
+
+
+def test_a_colocated_engine_that_cannot_fit_fails_at_start_with_the_plans_words(tmp_path):
+    """A 7B model behind a hub id the operator cannot plan: the engine refuses to start (before
+    training) in the line `ppojob validate` would have printed for a known model."""
+    from ppojob_api import memory_plan as M
+    from ppojob_trainer.errors import StartupError
+
+    model = _model_dir(tmp_path, M.KNOWN_SHAPES["Qwen/Qwen2.5-7B"])
+    with pytest.raises(StartupError) as refused:
+        engine_args(_colocated(), model)
+    text = str(refused.value)
+    assert "\n" not in text and "roles.actor: the memory plan needs" in text
+    assert "training.sharding: fsdp" in text
+
+
 class RecordingEngine:
     """Stands for ``sglang.Engine``: records its keyword arguments and the environment its
     subprocesses would inherit, and the sampling parameters of each generate call."""

@@ -88,10 +88,16 @@ def sglang_object(name: str) -> Any:
         raise missing_backend("sglang", "sglang", "spec.roles.rollout.backend") from None
 
 
-def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None) -> dict[str, Any]:
+def engine_args(
+    cfg: Any,
+    model_dir: Path,
+    ports: tuple[int, int] | None = None,
+    gpu_gib: float | None = None,
+) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields) for this job. ``ports``:
     this engine's own ``port`` and ``nccl_port`` (several engines share a node: SGLang's
-    defaults would collide)."""
+    defaults would collide); ``gpu_gib``: the memory of the GPU it runs on (else the node
+    selector's, as ``ppojob validate`` assumes)."""
     rollout = cfg.roles.rollout
     own = {"port": ports[0], "nccl_port": ports[1]} if ports else {}
     return {
@@ -100,12 +106,57 @@ def engine_args(cfg: Any, model_dir: Path, ports: tuple[int, int] | None = None)
         "dtype": cfg.model.dtype,
         "tp_size": rollout.parallelism.tensor,
         "base_gpu_id": 0,  # the process sees exactly its engine's GPUs
-        "mem_fraction_static": rollout.gpu_memory_fraction,
+        "mem_fraction_static": engine_fraction(cfg, model_dir, gpu_gib),
         "random_seed": cfg.training.seed,
         "trust_remote_code": cfg.model.trust_remote_code,
         **offload_server_args(cfg),
         **(lora_server_args(cfg.model.lora) if cfg.model.lora is not None else {}),
     }
+
+
+def engine_fraction(cfg: Any, model_dir: Path, gpu_gib: float | None = None) -> float:
+    """The engine's ``mem_fraction_static``: the spec's, else on its own GPUs 0.85, else
+    (colocated) the memory plan's for the model it loads (``model_dir``'s config.json, else the
+    shape ``model.path`` names), never
+    above what fits after a training step. A colocated engine the plan says cannot fit is
+    refused here, before training, in the line ``ppojob validate`` prints for a model whose shape
+    it knows (:class:`StartupError`)."""
+    from ppojob_api.memory_plan import (
+        DEFAULT_ENGINE_FRACTION,
+        gpu_gib_of,
+        plan_job,
+        plan_problems,
+        resolve_shape,
+    )
+
+    from ..errors import StartupError
+
+    rollout = cfg.roles.rollout
+    written = rollout.gpu_memory_fraction
+    if not rollout.colocate_with_actor:
+        return DEFAULT_ENGINE_FRACTION if written is None else written
+    shape = resolve_shape(str(model_dir)) or resolve_shape(cfg.model.path)
+    if shape is None:
+        if written is not None:
+            return written
+        raise StartupError(
+            "spec.roles.rollout.gpuMemoryFraction: unset, and the memory plan cannot size the "
+            f"colocated engine: {model_dir} holds no readable config.json (fix: set "
+            "roles.rollout.gpuMemoryFraction)"
+        )
+    gib = gpu_gib if gpu_gib is not None else gpu_gib_of(cfg.roles.actor.node_selector)
+    problems = plan_problems(cfg, "spec", gib, shape)
+    if problems:
+        raise StartupError("the memory plan refuses this job: " + "; ".join(map(str, problems)))
+    fraction = plan_job(cfg, gib, shape)[0].engine_fraction
+    return float(written if fraction is None else fraction)
+
+
+def _device_gib() -> float | None:
+    """Memory of this process's GPU in GiB (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
 
 
 def offload_server_args(cfg: Any) -> dict[str, bool]:
@@ -285,8 +336,11 @@ class SGLangGenerationEngine(GenerationEngine):
         from ..distributed import free_port
 
         engine_cls = sglang_object("Engine")
+        # a colocated engine is sized by the plan for the GPU it shares with the actor
+        gib = _device_gib() if cfg.roles.rollout.colocate_with_actor else None
         with _engine_env(visible_devices):
-            self.engine = engine_cls(**engine_args(cfg, model_dir, (free_port(), free_port())))
+            args = engine_args(cfg, model_dir, (free_port(), free_port()), gpu_gib=gib)
+            self.engine = engine_cls(**args)
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = sorted(set(stop_ids))
         rollout = cfg.roles.rollout

@@ -1,7 +1,9 @@
 """Per-GPU memory plan of a PPOJob: what each worker process holds at its peak, by part.
 
-Imports neither torch nor Ray (``ppojob validate`` uses it). The plan is arithmetic over the
-model's shape (from a local ``config.json``, a built-in, or :data:`KNOWN_SHAPES`) and the spec:
+Pure arithmetic in the API package: imports neither torch nor Ray, so ``ppojob validate``, the
+operator (before any pod starts) and the trainer (at start) judge a job by the same plan. The plan
+is arithmetic over the model's shape (from a local ``config.json``, a built-in, or
+:data:`KNOWN_SHAPES`) and the spec:
 
 ``weights``      float32 master weights (torch backend), per worker: / dp under ``sharding: fsdp``
                  (with LoRA: the frozen base plus the adapters; grads and optimizer: adapters only)
@@ -52,6 +54,16 @@ reference) were loaded before the engine started. Each process on a GPU (the wor
 scheduler) holds a CUDA context (:data:`CUDA_CONTEXT_BYTES`). SGLang's activations and CUDA
 graphs during generation come from outside its fraction and are not counted.
 
+The engine's ``gpuMemoryFraction``, when unset, is the plan's (:func:`plan_job` sets
+``engine_fraction`` with ``engine_fraction_source``): colocated with ``offload``, the largest
+fraction whose wake after step 1 fits, less :data:`SGLANG_RUNTIME_BYTES` of headroom for what
+SGLang takes outside its fraction, rounded down to a hundredth and at most
+:data:`DEFAULT_ENGINE_FRACTION`; colocated without ``offload``, what the actor's peak leaves, less
+the same headroom; on its own GPUs :data:`DEFAULT_ENGINE_FRACTION`. :func:`plan_problems` are the
+plan's verdicts (``ppojob validate``, the operator and the trainer refuse a job with any): a
+process over its GPU, a wake step over it, an engine whose static memory holds its weights but
+not one sequence's KV cache.
+
 The Megatron figures assume its usual layout (bf16 parameters, float32 gradients and a
 distributed optimizer over the data-parallel group, activations split over tensor parallelism)
 and are marked as such.
@@ -65,6 +77,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppojob_api.problems import Problem
+
 GiB = 1024**3
 LOGITS_CHUNK_TOKENS = 1024  # as backends.torch_backend.memory.LOGITS_CHUNK_TOKENS
 DEFAULT_GPU_GIB = 80.0
@@ -74,6 +88,12 @@ ALLOCATOR_KEPT = 0.10
 CUDA_CONTEXT_BYTES = 0.5 * GiB
 """A CUDA context and its kernels, per process on a GPU (an assumption, typical of H100s)."""
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_ENGINE_FRACTION = 0.85
+"""An sglang engine's ``gpuMemoryFraction`` when unset on its own GPUs, and the most an unset one
+beside the actor is given."""
+SGLANG_RUNTIME_BYTES = 2.0 * GiB
+"""Headroom an unset colocated fraction leaves for what SGLang allocates outside it while it
+generates (activations, CUDA graphs, sampling buffers): an assumption, not a measurement."""
 
 
 @dataclass(frozen=True)
@@ -187,8 +207,11 @@ def resolve_shape(path: str) -> Shape | None:
     """The shape of ``model.path``: a local directory's config.json, a built-in, a known hub id
     (an ``-Instruct`` suffix ignored); None when unknown."""
     local = Path(path) / "config.json"
-    if local.is_file():
-        return shape_from_config(json.loads(local.read_text()))
+    try:
+        if local.is_file():
+            return shape_from_config(json.loads(local.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a Hugging Face config: the model loader says why
     return KNOWN_SHAPES.get(path) or KNOWN_SHAPES.get(re.sub(r"-Instruct$", "", path))
 
 
@@ -292,6 +315,16 @@ class ProcessPlan:
     """A colocated engine's wake, in order: step -> the parts reserved on the GPU after it."""
     wake_max_fraction: float | None = None
     """The largest gpuMemoryFraction whose wake fits the GPU (None: no wake modelled)."""
+    engine_fraction: float | None = None
+    """The gpuMemoryFraction of the sglang engine on this GPU (None: none here)."""
+    engine_fraction_source: str | None = None
+    """Where it comes from: ``spec`` (written), ``auto`` (sized by the plan) or ``default``."""
+    engine_max_fraction: float | None = None
+    """The largest fraction that fits beside the actor (colocated engines only)."""
+    engine_kv: float | None = None
+    """Bytes its static memory leaves for its KV cache after its weights and LoRA buffers."""
+    engine_min_kv: float = 0.0
+    """Bytes of one rollout sequence's KV cache: the least an engine can generate with."""
 
     def wake_over(self, gpu_bytes: float) -> tuple[str, float, float] | None:
         """The first wake step that does not fit ``gpu_bytes``: (step, its bytes, bytes over)."""
@@ -357,13 +390,16 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
     )
 
 
-def _rollout_parts(half: Any, shape: Shape, gpu_bytes: float) -> tuple[dict, dict, list[str]]:
-    """(persistent, generation-phase) bytes of one rollout engine GPU."""
+def _rollout_parts(
+    half: Any, shape: Shape, gpu_bytes: float, fraction: float
+) -> tuple[dict, dict, list[str]]:
+    """(persistent, generation-phase) bytes of one rollout engine GPU (``fraction``: an sglang
+    engine's gpuMemoryFraction)."""
     roles, data = half.roles, half.data
     ro = roles.rollout
     c = _BYTES[half.model.dtype]
     if ro.backend == "sglang":
-        frac = ro.gpu_memory_fraction * gpu_bytes
+        frac = fraction * gpu_bytes
         notes = []
         offload = ro.colocate_with_actor and ro.offload
         pool = _sglang_lora_pool(half, shape)
@@ -510,7 +546,13 @@ def plan_job(
             if critic.backend == "megatron":
                 cp.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
             plans.append(cp)
-    persistent, generation, notes = _rollout_parts(half, shape, gpu_bytes)
+    ro = roles.rollout
+    colocated_sglang = ro.colocate_with_actor and ro.backend == "sglang"
+    fraction = ro.gpu_memory_fraction
+    source = "spec" if fraction is not None else ("auto" if colocated_sglang else "default")
+    if fraction is None:
+        fraction = 0.0 if colocated_sglang else DEFAULT_ENGINE_FRACTION  # auto: sized below
+    persistent, generation, notes = _rollout_parts(half, shape, gpu_bytes, fraction)
     rm_persistent, rm_scoring, rm_notes = _reward_model_parts(half)
     if roles.reward is not None:  # the reward workers hold them, not the engines
         if roles.reward.resources.gpus > 0 and (rm_persistent or rm_notes):
@@ -536,15 +578,68 @@ def plan_job(
             phases["reward scoring"] = rm_scoring
         phases.update(judging)
         plans.append(ProcessPlan("rollout", persistent=persistent, phases=phases, notes=notes))
-    ro = roles.rollout
-    if ro.colocate_with_actor and ro.backend == "sglang" and ro.offload:
-        p.wake, p.wake_max_fraction = wake_steps(half, shape, p, gpu_bytes)
-        # generating, the engine holds what it sized at start (its wake's last step)
-        awake = p.wake["resume KV cache"]
-        released = "rollout (sglang, released while training)"
-        p.phases["generation"][released] = awake["sglang weights"] + awake["sglang KV cache"]
+    if ro.backend == "sglang":
+        host = p if ro.colocate_with_actor else plans[-1]
+        host.engine_fraction, host.engine_fraction_source = fraction, source
+        _size_engine(half, shape, host, gpu_bytes)
     plans.insert(0, p)
     return plans
+
+
+def _down(fraction: float) -> float:
+    """``fraction`` rounded down to a hundredth (a printed "at most" never exceeds it)."""
+    return int(fraction * 100 + 1e-9) / 100
+
+
+def _floor(fraction: float) -> float:
+    """``fraction`` rounded down to a hundredth, within [0, DEFAULT_ENGINE_FRACTION]."""
+    return min(max(_down(fraction), 0.0), DEFAULT_ENGINE_FRACTION)
+
+
+def _size_engine(half: Any, shape: Shape, plan: ProcessPlan, gpu_bytes: float) -> None:
+    """The sglang engine on ``plan``'s GPU: its fraction sized when unset (colocated), the most
+    that fits, its wake (colocated with offload) and the KV cache its static memory leaves."""
+    ro, data = half.roles.rollout, half.data
+    c = _BYTES[half.model.dtype]
+    tp = ro.parallelism.tensor
+    weights = c * shape.params / tp
+    pool = _sglang_lora_pool(half, shape)
+    seq = data.max_prompt_length + data.max_response_length
+    plan.engine_min_kv = seq * shape.layers * 2 * shape.kv_dim * c / tp
+    if not ro.colocate_with_actor:
+        plan.engine_kv = plan.engine_fraction * gpu_bytes - weights - pool
+        return
+    if ro.offload:
+        room, free_at_start = _wake_room(half, plan, gpu_bytes)
+        plan.engine_max_fraction = room / free_at_start
+        if plan.engine_fraction_source == "auto":
+            plan.engine_fraction = _floor((room - SGLANG_RUNTIME_BYTES) / free_at_start)
+        plan.wake, plan.wake_max_fraction = wake_steps(half, shape, plan, gpu_bytes)
+        # generating, the engine holds what it sized at start (its wake's last step)
+        awake = plan.wake["resume KV cache"]
+        released = "rollout (sglang, released while training)"
+        plan.phases["generation"][released] = awake["sglang weights"] + awake["sglang KV cache"]
+        plan.engine_kv = plan.engine_fraction * free_at_start - weights - pool
+        return
+    held = "rollout (sglang memory fraction)"
+    plan.persistent.pop(held, None)
+    plan.engine_max_fraction = (gpu_bytes - plan.peak) / gpu_bytes
+    if plan.engine_fraction_source == "auto":
+        plan.engine_fraction = _floor(plan.engine_max_fraction - SGLANG_RUNTIME_BYTES / gpu_bytes)
+    plan.persistent[held] = plan.engine_fraction * gpu_bytes
+    plan.engine_kv = plan.engine_fraction * gpu_bytes - weights - pool
+
+
+def _wake_room(half: Any, plan: ProcessPlan, gpu_bytes: float) -> tuple[float, float]:
+    """(bytes a woken colocated engine may take after step 1, bytes free when it started)."""
+    training = {k: v for k, v in plan.persistent.items() if not k.startswith("rollout")}
+    transient = max(
+        (sum(plan.phases[k].values()) for k in UPDATE_PHASES if k in plan.phases), default=0.0
+    )
+    contexts = 2 * CUDA_CONTEXT_BYTES
+    at_start = sum(training.get(k, 0.0) for k in WEIGHT_PARTS) + contexts
+    room = gpu_bytes - sum(training.values()) - contexts - ALLOCATOR_KEPT * transient
+    return room, gpu_bytes - at_start
 
 
 UPDATE_PHASES = ("actor update", "critic update")
@@ -556,7 +651,8 @@ def wake_steps(
 ) -> tuple[dict[str, dict[str, float]], float]:
     """The wake of a colocated sglang engine on one of the actor's GPUs, step by step in the
     host's order (each step: every part reserved after it), and the largest
-    ``gpuMemoryFraction`` whose last step fits ``gpu_bytes``."""
+    ``gpuMemoryFraction`` whose last step fits ``gpu_bytes`` (the engine's fraction:
+    ``plan.engine_fraction``, else the spec's)."""
     ro = half.roles.rollout
     c = _BYTES[half.model.dtype]
     training = {k: v for k, v in plan.persistent.items() if not k.startswith("rollout")}
@@ -579,7 +675,10 @@ def wake_steps(
     at_start = sum(training.get(k, 0.0) for k in WEIGHT_PARTS) + sum(contexts.values())
     free_at_start = gpu_bytes - at_start
     # its LoRA buffers (kept while released: in ``training``) come before the KV cache is sized
-    kv = max(ro.gpu_memory_fraction * free_at_start - weights - _sglang_lora_pool(half, shape), 0.0)
+    fraction = plan.engine_fraction
+    if fraction is None:
+        fraction = ro.gpu_memory_fraction or DEFAULT_ENGINE_FRACTION
+    kv = max(fraction * free_at_start - weights - _sglang_lora_pool(half, shape), 0.0)
     kept = {"allocator: update blocks kept (fragmentation)": ALLOCATOR_KEPT * transient}
     engine = {"sglang weights": weights}
     steps = {
@@ -605,50 +704,152 @@ def gpu_gib_of(node_selector: dict[str, str]) -> float:
     return DEFAULT_GPU_GIB
 
 
-def plan_warnings(half: Any) -> list[str]:
-    """One warning per GPU process whose plan exceeds its GPU (roles with GPUs only)."""
+def gpu_plans(
+    half: Any, gpu_gib: float | None = None, shape: Shape | None = None
+) -> tuple[float, list[ProcessPlan]]:
+    """(GPU GiB, the plans of the processes that run on GPUs); no plans when the model's shape
+    is unknown here."""
     roles = half.roles
-    gib = gpu_gib_of(roles.actor.node_selector)
+    gib = gpu_gib if gpu_gib is not None else gpu_gib_of(roles.actor.node_selector)
     out = []
-    for plan in plan_job(half, gib):
+    for plan in plan_job(half, gib, shape):
         spec = getattr(roles, plan.name) or roles.actor
         owner = roles.actor if getattr(spec, "colocate_with_actor", False) else spec
-        if owner.resources.gpus == 0:
-            continue
-        if plan.peak > gib * GiB:
-            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in plan.rows() if v)
-            out.append(
-                f"spec.roles.{plan.name}: the memory plan needs {plan.peak / GiB:.1f} GiB per GPU, "
-                f"more than its {gib:.0f} GiB ({parts} GiB); consider training.sharding: fsdp, "
-                "gradientCheckpointing, a smaller microBatchSize or offloadReference "
-                "(bench/memory.py prints the plan)"
-            )
+        if owner.resources.gpus > 0:
+            out.append(plan)
+    return gib, out
+
+
+def plan_problems(
+    half: Any, prefix: str = "spec", gpu_gib: float | None = None, shape: Shape | None = None
+) -> list[Problem]:
+    """The plan's verdicts, one line each naming the field to change, with the numbers: a GPU
+    process over its GPU, a colocated engine's wake step over it, an engine whose static memory
+    leaves no room for one sequence's KV cache (roles with GPUs only; none when the model's
+    shape is unknown here)."""
+    gib, plans = gpu_plans(half, gpu_gib, shape)
+    out: list[Problem] = []
+    for plan in plans:
+        found: list[Problem] = []
         over = plan.wake_over(gib * GiB)
-        if over is not None:
-            out.append(_wake_warning(plan, gib, *over))
+        wake = _wake_problem(plan, gib, prefix, *over) if over is not None else None
+        if plan.peak > gib * GiB and not (wake and plan.peak_phase == "generation"):
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in plan.rows() if v)
+            found.append(
+                Problem(
+                    f"{prefix}.roles.{plan.name}",
+                    f"the memory plan needs {plan.peak / GiB:.1f} GiB per GPU, more than its "
+                    f"{gib:.0f} GiB ({parts} GiB)",
+                    "training.sharding: fsdp, gradientCheckpointing, a smaller microBatchSize "
+                    "or offloadReference; `ppojob validate --plan` prints the plan",
+                )
+            )
+        if wake is not None:
+            found.append(wake)
+        kv, least = plan.engine_kv, plan.engine_min_kv
+        if not found and kv is not None and kv < least:
+            found.append(_engine_problem(plan, gib, prefix))
+        for problem in found:  # one line per field
+            if problem.path not in {q.path for q in out}:
+                out.append(problem)
     return out
 
 
-def _wake_warning(plan: ProcessPlan, gib: float, step: str, total: float, over: float) -> str:
-    """One line: the wake step that does not fit, by how much, and the field to change."""
-    head = (
-        f"spec.roles.rollout: waking the colocated sglang engine needs {total / GiB:.1f} GiB "
-        f"per GPU at '{step}', {over / GiB:.1f} GiB more than its {gib:.0f} GiB; "
+def _engine_problem(plan: ProcessPlan, gib: float, prefix: str) -> Problem:
+    """An engine whose static memory holds its weights but not one sequence's KV cache."""
+    frac = plan.engine_fraction or 0.0
+    kv = max(plan.engine_kv or 0.0, 0.0)
+    source = _SOURCES[plan.engine_fraction_source]
+    what = (
+        f"the sglang engine's gpuMemoryFraction {frac:.2f} ({source})"
+        f" leaves {kv / GiB:.2f} GiB for its KV cache per GPU after its weights, less than one "
+        f"rollout sequence's {plan.engine_min_kv / GiB:.2f} GiB (of {gib:.0f} GiB GPUs)"
+    )
+    if plan.engine_fraction_source == "spec" and plan.engine_max_fraction is None:
+        return Problem(
+            f"{prefix}.roles.rollout.gpuMemoryFraction",
+            what,
+            "raise it, or raise roles.rollout.parallelism.tensor",
+        )
+    return Problem(
+        f"{prefix}.roles.rollout",
+        what,
+        "leave the engine more room: training.sharding: fsdp, gradientCheckpointing, a smaller "
+        "microBatchSize, roles.rollout.parallelism.tensor, or a rollout on its own GPUs "
+        "(roles.rollout.colocateWithActor: false)",
+    )
+
+
+_SOURCES = {
+    "spec": "as written",
+    "auto": "sized by the plan",
+    "default": "the default on its own GPUs",
+    None: "-",
+}
+
+
+def _wake_problem(
+    plan: ProcessPlan, gib: float, prefix: str, step: str, total: float, over: float
+) -> Problem:
+    """The wake step that does not fit, by how much, and the field to change."""
+    what = (
+        f"waking the colocated sglang engine after a training step needs {total / GiB:.1f} GiB "
+        f"per GPU at '{step}', {over / GiB:.1f} GiB more than its {gib:.0f} GiB"
     )
     frac = plan.wake_max_fraction or 0.0
     engine_weights = plan.wake[step].get("sglang weights", 0.0)
     if step == "resume KV cache" and frac * (gib * GiB) > engine_weights:
-        return head + f"set roles.rollout.gpuMemoryFraction to at most {frac:.2f}"
-    if step == "weight sync":
-        return head + (
-            "lower roles.rollout.weightSyncBucketMb, or leave the actor less resident "
-            "(training.sharding: fsdp)"
+        return Problem(
+            f"{prefix}.roles.rollout.gpuMemoryFraction",
+            what,
+            f"set it to at most {_down(frac):.2f}, or leave it unset (the plan sizes it)",
         )
-    return head + (
-        "the actor's states leave the engine too little: training.sharding: fsdp, "
-        "a smaller microBatchSize (less kept in the allocator), or a rollout on its own GPUs "
-        "(roles.rollout.colocateWithActor: false)"
+    if step == "weight sync":
+        return Problem(
+            f"{prefix}.roles.rollout.weightSyncBucketMb",
+            what,
+            "lower it, or leave the actor less resident (training.sharding: fsdp)",
+        )
+    return Problem(
+        f"{prefix}.roles.actor",
+        what + ": the actor's states leave the engine too little",
+        "training.sharding: fsdp, a smaller microBatchSize (less kept in the allocator), or a "
+        "rollout on its own GPUs (roles.rollout.colocateWithActor: false)",
     )
+
+
+def memory_status(half: Any) -> dict[str, Any]:
+    """``status.memoryPlan``: the per-GPU peak of each GPU process, the engine's fraction and
+    where it comes from, and a one-line verdict; a message alone where the model's shape is
+    unknown here (the trainer plans it at start) or no role has GPUs."""
+    gib, plans = gpu_plans(half)
+    out: dict[str, Any] = {"gpuGiB": round(gib, 2), "peakGiB": None}
+    if not plans:
+        if resolve_shape(half.model.path) is None:
+            out["message"] = (
+                f"model {half.model.path}: shape unknown to the operator; checked by the trainer "
+                "at start (the same plan, from the model's config.json), before training"
+            )
+        else:
+            out["message"] = "no role has GPUs: no plan"
+        return out
+    out["peakGiB"] = round(max(p.peak for p in plans) / GiB, 2)
+    out["processes"] = [
+        {"name": p.name, "peakGiB": round(p.peak / GiB, 2), "peakPhase": p.peak_phase}
+        for p in plans
+    ]
+    engine = next((p for p in plans if p.engine_fraction is not None), None)
+    words = [f"{p.name} {p.peak / GiB:.1f} GiB" for p in plans]
+    if engine is not None:
+        out["engineFraction"] = engine.engine_fraction
+        out["engineFractionSource"] = engine.engine_fraction_source
+        words.append(
+            f"sglang gpuMemoryFraction {engine.engine_fraction:.2f} "
+            f"({_SOURCES[engine.engine_fraction_source]})"
+        )
+    verdict = "fits" if not plan_problems(half, gpu_gib=gib) else "does not fit"
+    out["message"] = f"{verdict} {gib:.0f} GiB GPUs: " + ", ".join(words)
+    return out
 
 
 def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
@@ -663,12 +864,20 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
         for name, value in plan.rows():
             lines.append(f"    {name:<52} {value / GiB:9.3f} GiB")
         lines += [f"    note: {n}" for n in plan.notes]
+        if plan.engine_fraction is not None:
+            most = plan.engine_max_fraction
+            lines.append(
+                f"  sglang engine: gpuMemoryFraction {plan.engine_fraction:.2f} "
+                f"({_SOURCES[plan.engine_fraction_source]}"
+                + (f"; at most {_down(most):.2f} fits beside the actor" if most is not None else "")
+                + ")"
+            )
         if plan.wake:
             over = plan.wake_over(gpu_gib * GiB)
             lines.append(
                 "  wake of the colocated sglang engine: "
                 + (f"DOES NOT FIT at '{over[0]}'" if over else "fits")
-                + f" (gpuMemoryFraction at most {plan.wake_max_fraction:.2f})"
+                + f" (gpuMemoryFraction at most {_down(plan.wake_max_fraction):.2f})"
             )
             for step, parts in plan.wake.items():
                 lines.append(f"    {step:<52} {sum(parts.values()) / GiB:9.3f} GiB")
@@ -676,14 +885,17 @@ def format_plan(plans: list[ProcessPlan], gpu_gib: float) -> str:
 
 
 __all__ = [
+    "DEFAULT_ENGINE_FRACTION",
     "KNOWN_SHAPES",
     "ProcessPlan",
     "Shape",
     "TrainedModel",
     "format_plan",
     "gpu_gib_of",
+    "gpu_plans",
+    "memory_status",
     "plan_job",
-    "plan_warnings",
+    "plan_problems",
     "resolve_shape",
     "shape_from_config",
     "wake_steps",
