@@ -333,3 +333,27 @@ def test_critic_override_file_reads_1e_5_as_a_number() -> None:
 
     text = "critic:\n- name: default\n  overrides:\n    learningRate: 1e-5\n"
     assert parse_critic_override_file(text) == {"learningRate": 1e-5}
+
+
+@pytest.mark.slow
+def test_one_local_runs_config_visits_no_module_more_than_4_times(local_ray, tmp_path) -> None:
+    """Issue 39's reading test: from ``train_locally`` to the first step, the config (or a part
+    of it) passes through each of our modules at most 4 times (distinct functions entered from
+    elsewhere: tests/helpers/structure.py ConfigTrail). Before the driver package, ``loop.py``
+    took it 13 times and ``placement.py`` 9 (placement helpers took the whole config)."""
+    import sys
+
+    from tests.helpers.structure import ConfigTrail
+
+    trail = ConfigTrail("train_locally", until=("trainer", "step"))
+    sys.setprofile(trail)
+    try:
+        rc = ppojob(["run", str(TINY), "--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+    finally:
+        sys.setprofile(None)
+    assert rc == 0 and trail.done, trail.calls  # the first step was reached
+    visits = trail.visits()
+    # the story's pieces are all on it: the driver's modules, placement and the spec's helpers
+    assert {"ppojob_trainer.driver.run", "ppojob_trainer.driver.topology"} <= set(visits), visits
+    assert "ppojob_trainer.placement" in visits, visits
+    assert max(visits.values()) <= 4, visits
