@@ -239,7 +239,8 @@ def main() -> int:
     from ppojob_trainer.manifest import load_manifest, parse_set
 
     _, cfg = load_manifest(args.manifest, [parse_set(s) for s in args.set])
-    gib = args.gpu_gib or gpu_gib_of(cfg.roles.actor.node_selector)
+    actor = cfg.roles.actor
+    gib = args.gpu_gib or gpu_gib_of(actor.node_selector, actor.resources.gpu_memory)
     plans = plan_job(cfg, gib)
     if not plans:
         print(

@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from ppojob_api.problems import Problem
+from ppojob_api.quantity import quantity_value
 
 GiB = 1024**3
 LOGITS_CHUNK_TOKENS = 1024  # as backends.torch_backend.memory.LOGITS_CHUNK_TOKENS
@@ -693,15 +694,29 @@ def wake_steps(
     return steps, room / free_at_start
 
 
-def gpu_gib_of(node_selector: dict[str, str]) -> float:
-    """GPU memory (GiB) named by a node selector's GPU product label (``...-80GB-...``), else
+def gpu_gib_of(node_selector: dict[str, str], declared: str | None = None) -> float:
+    """GPU memory (GiB): ``declared`` (the role's ``resources.gpuMemory``, a quantity) when
+    given, else the size a node selector's GPU product label names (``...-80GB-...``), else
     :data:`DEFAULT_GPU_GIB`."""
+    if declared is not None:
+        return quantity_value(declared) / GiB
+    labelled = _labelled_gib(node_selector)
+    return DEFAULT_GPU_GIB if labelled is None else labelled
+
+
+def _labelled_gib(node_selector: dict[str, str]) -> float | None:
     for key, value in node_selector.items():
         if "gpu" in key.lower():
             m = re.search(r"(\d+)\s*GB", value, re.IGNORECASE)
             if m:
                 return float(m.group(1)) * 1e9 / GiB
-    return DEFAULT_GPU_GIB
+    return None
+
+
+ASSUMED_GPU_FIX = (
+    "; the plan assumed {gib:.0f} GiB GPUs (no roles.actor.resources.gpuMemory and no GPU "
+    "product label in its nodeSelector): if yours have more, set roles.actor.resources.gpuMemory"
+)
 
 
 def gpu_plans(
@@ -710,7 +725,12 @@ def gpu_plans(
     """(GPU GiB, the plans of the processes that run on GPUs); no plans when the model's shape
     is unknown here."""
     roles = half.roles
-    gib = gpu_gib if gpu_gib is not None else gpu_gib_of(roles.actor.node_selector)
+    actor = roles.actor
+    gib = (
+        gpu_gib
+        if gpu_gib is not None
+        else gpu_gib_of(actor.node_selector, actor.resources.gpu_memory)
+    )
     out = []
     for plan in plan_job(half, gib, shape):
         spec = getattr(roles, plan.name) or roles.actor
@@ -752,6 +772,11 @@ def plan_problems(
         for problem in found:  # one line per field
             if problem.path not in {q.path for q in out}:
                 out.append(problem)
+    actor = half.roles.actor
+    assumed = actor.resources.gpu_memory is None and _labelled_gib(actor.node_selector) is None
+    if gpu_gib is None and assumed:
+        hint = ASSUMED_GPU_FIX.format(gib=gib)
+        out = [Problem(p.path, p.message, p.fix + hint) for p in out]
     return out
 
 

@@ -52,7 +52,8 @@ def _plans(job: Any) -> str:
     from ppojob_trainer.time_plan import format_time_plan, plan_time
 
     lines = [f"{job.metadata.name or '<unnamed>'}:"]
-    gib = gpu_gib_of(job.spec.roles.actor.node_selector)
+    actor = job.spec.roles.actor
+    gib = gpu_gib_of(actor.node_selector, actor.resources.gpu_memory)
     memory = plan_job(job.spec, gib)
     lines.append(
         format_plan(memory, gib)

@@ -39,7 +39,8 @@ def _write(tmp_path: Path, doc: dict) -> Path:
 def _actor(doc: dict) -> M.ProcessPlan:
     """The actor's plan of a manifest, judged or not (the schema only)."""
     job = PPOJob.model_validate(doc, by_alias=True, by_name=False)
-    return M.plan_job(job.spec, M.gpu_gib_of(job.spec.roles.actor.node_selector))[0]
+    actor = job.spec.roles.actor
+    return M.plan_job(job.spec, M.gpu_gib_of(actor.node_selector, actor.resources.gpu_memory))[0]
 
 
 def test_the_fraction_is_unset_by_default_and_the_crd_defaults_nothing() -> None:
@@ -196,3 +197,27 @@ def test_the_plan_imports_without_torch_or_ray() -> None:
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_declared_gpu_memory_replaces_the_assumed_80_gb_and_the_refusal_says_so() -> None:
+    """With no GPU product label and no ``resources.gpuMemory`` the plan assumes 80 GB GPUs, and
+    a refusal says so and names the field; declared (141 GiB, an H200), the same job fits, and
+    the plan, the status and the trainer's fallback all use the declared size."""
+    doc = memory_base(gpuMemoryFraction=0.85)
+    with pytest.raises(SpecError) as refused:
+        validate_manifest(doc)
+    (problem,) = [p for p in refused.value.problems if "gpuMemoryFraction" in p.path]
+    assert "assumed 80 GiB GPUs" in problem.fix and "resources.gpuMemory" in problem.fix
+    declared = set_path(doc, "spec.roles.actor.resources.gpuMemory", "141Gi")
+    validate_manifest(declared)  # fits
+    job = PPOJob.model_validate(declared, by_alias=True, by_name=False)
+    assert M.memory_status(job.spec)["gpuGiB"] == 141
+    plan = _actor(declared)
+    assert plan.wake_over(141 * M.GiB) is None and plan.wake_over(80 * M.GiB) is not None
+    # a labelled node selector is a size the user stated: no "assumed" hint
+    labelled = set_path(
+        doc, "spec.roles.actor.nodeSelector", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    )
+    with pytest.raises(SpecError) as refused:
+        validate_manifest(labelled)
+    assert all("assumed" not in p.fix for p in refused.value.problems)

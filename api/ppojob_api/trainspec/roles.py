@@ -25,6 +25,12 @@ class Resources(ApiModel):
     """Memory per replica, as a Kubernetes quantity such as `64Gi` (2^30 bytes each) or `64G`
     (10^9); a bare number is bytes, as in a pod."""
 
+    gpu_memory: MemoryQuantity | None = None
+    """Memory of one of the role's GPUs (e.g. `141Gi`), for the memory plan that `ppojob
+    validate` and the operator check before any pod starts. Unset: the size a GPU product label
+    in the role's `nodeSelector` names (`...-80GB`), else 80 GB is assumed. The trainer plans
+    again at start with the GPU it got."""
+
     extra: dict[str, int] = Field(default_factory=dict)
     """Extended resources per replica (requested and limited), e.g. `{rdma/ib: 1}` for NCCL over
     InfiniBand through an RDMA device plugin."""

@@ -144,7 +144,12 @@ def engine_fraction(cfg: Any, model_dir: Path, gpu_gib: float | None = None) -> 
             f"colocated engine: {model_dir} holds no readable config.json (fix: set "
             "roles.rollout.gpuMemoryFraction)"
         )
-    gib = gpu_gib if gpu_gib is not None else gpu_gib_of(cfg.roles.actor.node_selector)
+    actor = cfg.roles.actor
+    gib = (
+        gpu_gib
+        if gpu_gib is not None
+        else gpu_gib_of(actor.node_selector, actor.resources.gpu_memory)
+    )
     problems = plan_problems(cfg, "spec", gib, shape)
     if problems:
         raise StartupError("the memory plan refuses this job: " + "; ".join(map(str, problems)))
