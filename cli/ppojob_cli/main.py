@@ -37,6 +37,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(str(exc), file=sys.stderr)
             failed += 1
             continue
+        if args.pod_security and _pod_security_refused(name, jobs, args.pod_security):
+            failed += 1
+            continue
         names = ", ".join(j.metadata.name or "<unnamed>" for j in jobs)
         print(f"{name}: valid ({names})")
         _memory_warnings(name, jobs)
@@ -44,6 +47,22 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             for job in jobs:
                 print(_plans(job))
     return 1 if failed else 0
+
+
+def _pod_security_refused(name: str, jobs: list, level: str) -> bool:
+    """Print what a namespace enforcing Pod Security ``level`` would refuse of each job's pods
+    (``ppojob_api.checks.podsecurity``); whether anything is."""
+    from ppojob_api.checks.podsecurity import check_pod_security, required_level
+
+    refused = False
+    for job in jobs:
+        problems = check_pod_security(job.spec, level)
+        if problems:
+            refused = True
+            head = f"{name}: {job.metadata.name or '<unnamed>'}: "
+            head += f'refused under Pod Security "{level}" (needs "{required_level(job.spec)}"):'
+            print("\n  - ".join([head, *map(str, problems)]), file=sys.stderr)
+    return refused
 
 
 def _plans(job: Any) -> str:
@@ -188,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print each job's memory plan (GiB per GPU) and time plan (seconds per step "
         "and for the job, with its assumptions)",
+    )
+    p.add_argument(
+        "--pod-security",
+        choices=["restricted", "baseline", "privileged"],
+        help="also refuse a job whose pods the namespace's Pod Security level "
+        "(pod-security.kubernetes.io/enforce) would refuse, naming the level each feature needs",
     )
     add_set_arguments(p, "check every job with")
     p.set_defaults(func=_cmd_validate)

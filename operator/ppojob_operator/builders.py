@@ -540,6 +540,58 @@ SIDECAR_SUBMITTER_REQUESTS = {"cpu": 0.5, "memory": 200 * 2**20}
 (its ``GetDefaultSubmitterContainer``: 500m CPU, 200Mi memory)."""
 
 
+SUBMITTER_RESOURCES = {
+    "requests": {"cpu": "500m", "memory": "200Mi"},
+    "limits": {"cpu": "1", "memory": "1Gi"},
+}
+"""Resources of the K8sJobMode submitter pod: KubeRay's own default submitter container's
+(``GetDefaultSubmitterContainer``)."""
+
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+"""The securityContext of a container that needs nothing: the Pod Security ``restricted``
+profile's container fields."""
+
+
+def submitter_template(job: PPOJob) -> dict[str, Any]:
+    """``submitterPodTemplate`` of a K8sJobMode RayJob: the submitter pod hardened to the Pod
+    Security ``restricted`` profile (non-root, no privilege escalation, every capability
+    dropped, RuntimeDefault seccomp) and without a service account token (``ray job submit``
+    talks to the Ray dashboard, never to the Kubernetes API).
+
+    KubeRay (v1.5, v1.6: ``GetSubmitterTemplate``) takes this template whole instead of its
+    default one and only sets the first container's command, args (when it has no command)
+    and two variables; Kueue (v0.17) reads the same template for the Workload's ``submitter``
+    podset. So everything KubeRay's default has is here: the head's image, its resources, and
+    ``restartPolicy: Never`` (the Job's pods)."""
+    spec = job.spec
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "ray-job-submitter",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "resources": {k: dict(v) for k, v in SUBMITTER_RESOURCES.items()},
+                "securityContext": json.loads(json.dumps(CONTAINER_SECURITY)),
+            }
+        ],
+    }
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    return {"spec": pod}
+
+
 AUTOSCALER_RESOURCES = {
     "requests": {"cpu": "100m", "memory": "512Mi"},
     "limits": {"cpu": "500m", "memory": "512Mi"},
@@ -689,12 +741,10 @@ def ray_job(
             "idleTimeoutSeconds": AUTOSCALER_IDLE_SECONDS,
             "resources": {k: dict(v) for k, v in AUTOSCALER_RESOURCES.items()},
             "imagePullPolicy": spec.image_pull_policy,
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "runAsNonRoot": True,
-                "capabilities": {"drop": ["ALL"]},
-            },
+            "securityContext": json.loads(json.dumps(CONTAINER_SECURITY)),
         }
+    if spec.submission_mode == "K8sJobMode":
+        body["submitterPodTemplate"] = submitter_template(job)
     if spec.active_deadline_seconds is not None:
         body["activeDeadlineSeconds"] = spec.active_deadline_seconds
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": body}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppojob_api.checks.podsecurity import ENFORCE_LABEL, check_pod_security, required_level
 from ppojob_api.metadata import check_kueue_queue
 from ppojob_api.spec import PPOJob
 from ppojob_operator.scheduling import effective_scheduler, kuberay_disagreement
@@ -104,3 +105,21 @@ def refusal(
             "K8sJobMode",
         )
     return None
+
+
+def pod_security_refusal(job: PPOJob, namespace: str, level: str | None) -> tuple[str, str] | None:
+    """(reason, message) when the namespace's enforced Pod Security ``level`` (its
+    ``pod-security.kubernetes.io/enforce`` label; None: none) would refuse the job's pods:
+    PodSecurity admission refuses a pod KubeRay creates, which the RayJob's status never
+    says (the Ray cluster just never comes up). None when the level admits them."""
+    if not level or level == "privileged":
+        return None
+    problems = check_pod_security(job.spec, level)
+    if not problems:
+        return None
+    return (
+        "PodSecurityViolation",
+        f'namespace {namespace} enforces Pod Security "{level}" ({ENFORCE_LABEL}), which would '
+        f'refuse the job\'s pods (the job needs "{required_level(job.spec)}"): '
+        + "; ".join(str(p) for p in problems),
+    )

@@ -36,6 +36,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
     ("v1", "Pod"): "pods",
+    ("v1", "Namespace"): "namespaces",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",

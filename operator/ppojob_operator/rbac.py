@@ -18,13 +18,16 @@ Every verb here is used by the operator's code (`k8s.py`, called from `reconcile
 - PodGroups of scheduler-plugins: the same. Volcano's PodGroups are KubeRay's; the operator
   never reads them, so it gets no access to them.
 - Kueue Workloads: read, listed and patched (``spec.active``: suspend and resume under Kueue).
+  A job the operator fails (its image) under Kueue is stopped by deleting its RayJob, never by
+  patching ``RayJob.spec.suspend`` (Kueue's field).
 - Pods of its jobs: listed and watched (only those labelled ``ppojob.io/job``, filtered
   server-side), read-only: an image a pod cannot get fails its job at once (``pods.py``), and a
   job's own are listed when its queueing times out, for the scheduler's reason
   (``spec.scheduling.queueTimeoutSeconds``).
 - Events (core/v1, the only API kopf and ``k8s.py`` post to): created.
 - CRDs list/watch: kopf's resource scanning; get: the operator reads the RayJob CRD at start-up
-  (SidecarMode support). Namespaces list/watch: cluster-wide mode.
+  (SidecarMode support). Namespaces list/watch: cluster-wide mode; get: a new job's
+  namespace's enforced Pod Security level (``pod-security.kubernetes.io/enforce``).
 The operator runs kopf in standalone mode (no peering), so no KopfPeering rules; it elects a
 leader on a Lease instead (:data:`LEADER_ELECTION_RULES`, a Role in its own namespace).
 """
@@ -102,7 +105,7 @@ OPERATOR_RULES: list[dict] = [
     {
         "apiGroups": [""],
         "resources": ["namespaces"],
-        "verbs": ["list", "watch"],
+        "verbs": ["get", "list", "watch"],
     },
 ]
 """ClusterRole rules of the operator's ServiceAccount (see the module docstring)."""

@@ -5,7 +5,9 @@ level-triggered path for new jobs, spec fixes, retries and self-healing.
 
 - Invalid -> Warning event + ``Invalid`` status, no children; refused by this installation
   (``capabilities.refusal``: KubeRay too old for SidecarMode, a gang scheduler KubeRay's
-  batchScheduler defeats, a scheduler whose CRD is missing) -> ``Failed`` with that reason.
+  batchScheduler defeats, a scheduler whose CRD is missing) or by its namespace's enforced Pod
+  Security level (``capabilities.pod_security_refusal``: PodSecurity admission would refuse
+  the pods KubeRay makes) -> ``Failed`` with that reason.
 - A child's name still held by an object on its way out -> ``Pending``/``WaitingForOldChildren``
   and a retry with backoff (1 s doubling to 60 s); an object we do not own ->
   ``Pending``/``ChildConflict`` with a Warning event, retried the same way, never adopted. Any
@@ -24,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppojob_api.checks.podsecurity import ENFORCE_LABEL
 from ppojob_api.spec import GROUP, VERSION, PPOJob
 from ppojob_operator import capabilities, k8s, metrics, restarts, sync, timers
 from ppojob_operator.builders import build_children
@@ -177,9 +180,27 @@ async def admit(state: State, st: JobState, body: dict[str, Any]) -> PPOJob | Ou
         sidecar=cfg.sidecar_supported,
         missing_crd=missing,
     )
+    if refused is None and not status.get("rayJobName"):
+        ns = body["metadata"].get("namespace") or ""
+        refused = capabilities.pod_security_refusal(job, ns, await enforced_pod_security(ns))
     if refused is not None and not status.get("rayJobName"):
         return Outcome(note=("Failed", *refused), event=("Warning", refused[0], refused[1]))
     return job
+
+
+async def enforced_pod_security(namespace: str) -> str | None:
+    """The Pod Security level the namespace enforces (its ``pod-security.kubernetes.io/enforce``
+    label), read for each job not yet started; None for none. An unreadable namespace (RBAC,
+    network) refuses nothing: PodSecurity admission still judges the pods."""
+    try:
+        ns = await k8s.aget("v1", "Namespace", "", namespace)
+    except Exception as exc:
+        log.warning(
+            "cannot read namespace %s (%s); its Pod Security level not checked", namespace, exc
+        )
+        return None
+    labels = ((ns or {}).get("metadata") or {}).get("labels") or {}
+    return labels.get(ENFORCE_LABEL)
 
 
 async def missing_scheduler_crd(state: State, scheduler: str) -> str | None:

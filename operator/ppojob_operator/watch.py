@@ -28,7 +28,7 @@ from ppojob_operator.state import (
     owner_key,
 )
 from ppojob_operator.status import changed_fields
-from ppojob_operator.suspend import apply_suspend, held_workload
+from ppojob_operator.suspend import apply_suspend, held_workload, stop_failed
 from ppojob_operator.sync import sync_status
 
 
@@ -118,7 +118,8 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
 async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = None) -> None:
     """A pod of one of our jobs changed: a deleted one is remembered for its attempt (its
     failure is then a disruption); an image it cannot get fails the job (the verdict is written
-    first, then the RayJob is suspended so that KubeRay removes every pod of it)."""
+    first, then the run is stopped so that no pod of it holds anything: ``suspend.stop_failed``,
+    which under Kueue deletes the RayJob rather than write ``spec.suspend``, Kueue's field)."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     name = labels.get(JOB_LABEL)
@@ -154,8 +155,7 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     await sync_status(state, st)
     rayjob = owned_by(st.rayjob, st.uid)
     if rayjob is not None:
-        ns, rj_name = st.key[0], rayjob["metadata"]["name"]
-        await k8s.apatch("ray.io/v1", "RayJob", ns, rj_name, {"spec": {"suspend": True}})
+        await stop_failed(st, rayjob)
 
 
 async def refresh_yunikorn_app(job: JobState, rayjob: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ per group and admits all of it or none of it.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -351,3 +352,61 @@ def test_a_priority_preemption_shows_as_such_and_the_job_runs_again(cp, operator
     wait_until(
         lambda: phase(cp, "low", ns) in ("Initializing", "Running"), 60, "low out of Pending"
     )
+
+
+def test_an_unusable_image_fails_the_job_and_leaves_no_pod_holding_its_gpus(
+    cp, operator, kueue, ns
+):
+    """A worker's image cannot be had (the kubelet's ErrImageNeverPull, set on the KWOK pod's
+    status as a kubelet would): the PPOJob turns Failed (ImageUnavailable) and the job stops
+    for good: no pod of it left holding GPUs and no Workload of it admitted. (The operator must
+    not patch RayJob.spec.suspend, which Kueue owns: Kueue would unsuspend the admitted job.)"""
+    make_queue(cp, ns, gpus=4)
+    cp.apply(job("img", ns))
+    wait_children(cp, "img", ns)
+    running_pods = wait_until(lambda: all_running(cp, "img", ns), 120, "the job's pods Running")
+    worker = next(p for p in running_pods if p["metadata"]["labels"].get("ray.io/group") == "actor")
+    image = worker["spec"]["containers"][0]["image"]
+    waiting = {
+        "name": worker["spec"]["containers"][0]["name"],
+        "image": image,
+        "imageID": "",
+        "ready": False,
+        "restartCount": 0,
+        "state": {"waiting": {"reason": "ErrImageNeverPull", "message": "not present"}},
+    }
+    cp.kubectl(
+        "patch",
+        "pod",
+        worker["metadata"]["name"],
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        json.dumps({"status": {"containerStatuses": [waiting]}}),
+    )
+    failed = wait_until(
+        lambda: (c := condition(status(cp, "img", ns), "Failed")).get("status") == "True" and c,
+        60,
+        "PPOJob Failed",
+    )
+    assert failed["reason"] == "ImageUnavailable" and "ErrImageNeverPull" in failed["message"]
+
+    def admitted_workloads() -> list[str]:
+        items = cp.get("workload.kueue.x-k8s.io", namespace=ns)["items"]
+        return [
+            w["metadata"]["name"] for w in items if wl_cond(w, "Admitted").get("status") == "True"
+        ]
+
+    def stopped() -> bool:
+        left = [p["metadata"]["name"] for p in job_pods(cp, "img", ns)]
+        assert not left and not admitted_workloads(), (left, admitted_workloads())
+        return True
+
+    wait_until(stopped, 90, "no pod of the failed job left and no Workload of it admitted")
+    # stopped for good: the run's RayJob is gone (nothing for Kueue to admit again), no other
+    # was made, and the verdict stands
+    wait_until(lambda: cp.get("rayjob.ray.io", "img", ns) is None, 60, "the RayJob gone")
+    assert (status(cp, "img", ns).get("phase"), admitted_workloads()) == ("Failed", [])
+    assert not job_pods(cp, "img", ns)

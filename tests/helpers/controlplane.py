@@ -66,6 +66,7 @@ for _names, _prefix, _plural, _ns in [
         True,
     ),
     (("rayjob.ray.io", "rayjobs.ray.io"), "apis/ray.io/v1", "rayjobs", True),
+    (("job.batch", "jobs.batch"), "apis/batch/v1", "jobs", True),
     (("raycluster.ray.io", "rayclusters.ray.io"), "apis/ray.io/v1", "rayclusters", True),
     (
         ("podgroup.scheduling.x-k8s.io", "podgroups.scheduling.x-k8s.io"),

@@ -1138,3 +1138,27 @@ def test_tracker_secrets_reach_the_head_container_only(tmp_path, capsys, validat
     (rayjob,) = [d for d in rendered if d and d["kind"] == "RayJob"]
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["envFrom"] == [{"secretRef": {"name": "ml"}}, {"secretRef": {"name": "wb"}}]
+
+
+def test_k8sjobmode_submitter_pod_is_hardened_and_has_no_token() -> None:
+    """KubeRay takes submitterPodTemplate whole (GetSubmitterTemplate): the template carries
+    the head's image, KubeRay's default resources, restartPolicy Never, the restricted
+    profile's securityContext, and no service account token. SidecarMode sets none (KubeRay
+    ignores it there)."""
+    rj = by_kind(builders.build_children(make(submissionMode="K8sJobMode"), namespace="ns1"))[
+        "RayJob"
+    ]
+    pod = rj["spec"]["submitterPodTemplate"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (c,) = pod["containers"]
+    assert c["name"] == "ray-job-submitter" and c["image"] == "ghcr.io/example/ppojob-trainer:1"
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert c["resources"]["requests"] == {"cpu": "500m", "memory": "200Mi"}
+    sidecar = by_kind(builders.build_children(make(), namespace="ns1"))["RayJob"]
+    assert "submitterPodTemplate" not in sidecar["spec"]

@@ -53,9 +53,9 @@ app.kubernetes.io/part-of: ppojob
 {{/*
 The operator's RBAC rules: exactly ppojob_operator.rbac.OPERATOR_RULES, same order
 (tests/chart/test_chart.py compares them). Cluster-wide mode puts all of them in one ClusterRole.
-Namespaced mode puts the namespaced ones in a Role per watched namespace and only the
-CustomResourceDefinitions rule in a ClusterRole (kopf watches only the named namespaces, so it
-needs no access to Namespace objects).
+Namespaced mode puts the namespaced ones in a Role per watched namespace and the cluster-scoped
+ones (CustomResourceDefinitions; Namespaces: a job's namespace's Pod Security level) in a
+ClusterRole.
 */}}
 {{- define "ppojob-operator.rules" -}}
 rules:
@@ -100,7 +100,7 @@ rules:
     verbs: ["get", "list", "watch"]
   - apiGroups: [""]
     resources: ["namespaces"]
-    verbs: ["list", "watch"]
+    verbs: ["get", "list", "watch"]
 {{- end }}
 
 {{/* Resources that are cluster-scoped (never granted by a namespaced Role). */}}
