@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 
 from ppojob_api.trainspec.roles import ElasticRollout
 
-from ..watchdog import WATCHDOG
+from ..watchdog import WATCHDOG, StallError
 from .cluster import Cluster
 from .groups import Groups, ranges, step_seed
 from .weights import ElasticSync
@@ -257,6 +257,8 @@ class ElasticEngines:
                 WATCHDOG.get(self.sync.push([new.host]), "rollout", "weight sync")
         except RayActorError as exc:
             error = f"its process died ({type(exc).__name__})"
+        except StallError as exc:  # a new engine that hangs is dropped, as one that died
+            error = str(exc)
         return error
 
     def ensure(self) -> None:
