@@ -19,12 +19,18 @@ class              seen as                                        action (spec.f
                    the gang can never fit
 =================  =============================================  =================================
 
+A pod deleted or disrupted while an attempt ran is evidence, not a verdict
+(:func:`classify_evidence`): it makes a disruption of Ray's word for a lost worker (an
+``ActorDiedError`` names no cause) when it came first, or when the node was lost; an error of the
+trainer's own stays an application error.
+
 Imports nothing beyond the standard library and the API's own models.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,6 +94,107 @@ def classify(message: str, *, exit_code: int | None = None) -> FailureClass:
     if any(p.search(text) for p in _PERMANENT_PATTERNS):
         return "Permanent"
     return "Application"
+
+
+DISRUPTION_TARGET_REASONS = frozenset(
+    {
+        "PreemptionByScheduler",
+        "DeletionByTaintManager",
+        "EvictionByEvictionAPI",
+        "DeletionByPodGC",
+        "TerminationByKubelet",
+    }
+)
+"""The reasons of a pod's ``DisruptionTarget`` condition (``k8s.io/api/core/v1``): the scheduler
+preempted it, the taint manager deletes it (a ``NoExecute`` taint, e.g. its node unreachable), the
+eviction API evicts it (a drain), pod GC deletes it (its node is gone), the kubelet terminates it
+(node pressure, graceful node shutdown)."""
+
+NODE_LOSS_REASONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC", "NodeLost"})
+"""A pod lost with its node: Kubernetes notices (and says so) minutes after the worker on it
+died, so this evidence explains a lost worker whenever it comes."""
+
+_NAMES_NO_CAUSE = re.compile(
+    r"ActorDiedError|RayActorError|ActorUnavailableError|NodeDiedError|WorkerCrashedError|"
+    r"OwnerDiedError|ObjectLostError|LocalRayletDiedError|\ba Ray worker died\b|"
+    r"\bactor died unexpectedly\b|\braylet (?:died|exited)\b",
+    re.IGNORECASE,
+)
+"""Ray's words for a worker that went away: they name no cause (the pod's evidence does)."""
+
+_EXIT_CODE = re.compile(r"\bfailed with exit code (\d+)\b")
+"""Ray's line for a failed entrypoint (KubeRay copies it into the RayJob's message)."""
+
+
+@dataclass(frozen=True)
+class PodLoss:
+    """What Kubernetes said about one pod of an attempt that went away (or was told to)."""
+
+    pod: str
+    reason: str | None = None
+    """The ``DisruptionTarget`` condition's reason, else the pod's status reason (``Evicted``,
+    ``NodeLost``); None for a plain deletion (a person, KubeRay's own clean-up)."""
+    at: float | None = None
+    """When (epoch seconds): the condition's transition, else the deletion's request."""
+
+    @property
+    def line(self) -> str:
+        if self.reason is None:
+            return f"pod {self.pod} was deleted"
+        return f"pod {self.pod} was disrupted ({self.reason})"
+
+
+def exit_code_of(message: str | None) -> int | None:
+    """The trainer's exit code in Ray's ``... failed with exit code N`` line; None if absent."""
+    found = _EXIT_CODE.search(message or "")
+    return int(found.group(1)) if found else None
+
+
+def names_no_cause(account: str | None) -> bool:
+    """Whether the trainer's account of its failure is Ray's word for a lost worker (an
+    ``ActorDiedError``, a dead node) rather than an error of its own (a reward function that
+    raised)."""
+    return bool(account) and _NAMES_NO_CAUSE.search(account or "") is not None
+
+
+def explains(loss: PodLoss, failed_at: float | None) -> bool:
+    """Whether ``loss`` can have caused a failure seen at ``failed_at``: a node's loss always
+    can (noticed late); any other loss only if it came first (a pod deleted after the failure,
+    e.g. KubeRay's clean-up with ``ttlSecondsAfterFinished: 0``, is its consequence)."""
+    if loss.reason in NODE_LOSS_REASONS:
+        return True
+    return failed_at is None or loss.at is None or loss.at <= failed_at
+
+
+def classify_evidence(
+    cause: str,
+    *,
+    trainer_error: str | None,
+    exit_code: int | None = None,
+    losses: Sequence[PodLoss] = (),
+    failed_at: float | None = None,
+) -> tuple[FailureClass, list[PodLoss]]:
+    """The class of a failed attempt from all the evidence, and the pod losses that decided it.
+
+    The trainer's own word comes first: exit 75 or ``Preempted: `` is a disruption (it
+    checkpointed on a stop); exit 1 or a refused config is permanent. An error of the trainer's
+    own (anything but Ray's word for a lost worker) stays an application error even when a pod
+    of the attempt was deleted or disrupted while it ran. A lost worker (or no account at all) is
+    a disruption when a pod loss explains it (:func:`explains`), else an application error."""
+    klass = classify(cause, exit_code=exit_code)
+    if klass != "Application":
+        return klass, []
+    if trainer_error and not names_no_cause(trainer_error):
+        return "Application", []
+    if (
+        exit_code is not None
+        and exit_code < 128
+        and not trainer_error
+        and not names_no_cause(cause)
+    ):
+        return "Application", []  # the trainer exited on its own (not by a signal), unwritten
+    used = [loss for loss in losses if explains(loss, failed_at)]
+    return ("Disruption", used) if used else ("Application", [])
 
 
 @dataclass(frozen=True)
@@ -186,10 +293,17 @@ def grace_problem(grace_seconds: int, step_seconds: float, checkpoint_seconds: f
 
 __all__ = [
     "CONFIG_EXIT_CODE",
+    "DISRUPTION_TARGET_REASONS",
+    "NODE_LOSS_REASONS",
     "PREEMPTED_EXIT_CODE",
     "Decision",
     "FailureClass",
+    "PodLoss",
     "classify",
+    "classify_evidence",
     "decide",
+    "exit_code_of",
+    "explains",
     "grace_problem",
+    "names_no_cause",
 ]

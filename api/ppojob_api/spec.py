@@ -119,11 +119,13 @@ class FailurePolicy(ApiModel):
     once)."""
 
     stall_timeout_seconds: int = Field(1800, ge=0, le=604800)
-    """Stall watchdog: a step whose workers have not all reported within this many seconds
-    ends the attempt with reason `Stalled`, naming each role, rank and phase (generate, values,
-    prepare, train, wake, weight sync) that did not report; a hung collective costs this long,
-    not forever. The attempt is then restarted like a disruption (or failed: onStall). 0: off.
-    Set it well above the slowest step."""
+    """Stall watchdog: every blocking wait of the trainer's driver (a step's phases: generate,
+    values, prepare, train, wake, weight sync; the reward-worker ping before a step, memory
+    release, checkpoint save, resume, start-up) that has not seen all its workers report within
+    the stall limit ends the attempt with reason `Stalled`, naming each role, rank and phase
+    that did not report; a hung collective costs this long, not forever. The limit is the larger
+    of this value (a floor) and 3 times the slowest step measured so far, so long steps are not
+    cut short. The attempt is then restarted like a disruption (or failed: onStall). 0: off."""
 
     on_stall: Literal["Restart", "Fail"] = "Restart"
     """What a stalled attempt leads to: `Restart` (from the newest checkpoint, counted as a

@@ -130,8 +130,9 @@ class TrainerConfig(TrainingHalf):
     """Name of the PPOJob, for logs and progress reports."""
 
     stall_timeout_seconds: int | None = Field(None, ge=1)
-    """Fail a step whose workers have not all reported within this many seconds, naming each
-    role, rank and phase still pending (spec.failurePolicy.stallTimeoutSeconds). None: wait."""
+    """Fail a wait of the driver whose workers have not all reported within the stall limit,
+    naming each role, rank and phase still pending (spec.failurePolicy.stallTimeoutSeconds):
+    the larger of this floor and 3 x the slowest step seen (``watchdog.Watchdog``). None: wait."""
 
     def critic_training(self) -> TrainingSettings:
         """The critic's training settings: the actor's, with the critic overrides on top."""

@@ -14,9 +14,10 @@ The restart counters and the last restart live in the PPOJob's status (``restart
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ppojob_api.failures import Decision, classify, decide
+from ppojob_api.failures import Decision, PodLoss, classify_evidence, decide, exit_code_of
 from ppojob_api.spec import PPOJob
 from ppojob_operator.builders import ATTEMPT_ANNOTATION
 
@@ -55,13 +56,16 @@ def decision(
     rayjob: dict[str, Any],
     status: dict[str, Any],
     trainer_error: str | None,
-    lost_pods: list[str] | tuple[str, ...] = (),
+    losses: Sequence[PodLoss] = (),
+    error_at: float | None = None,
 ) -> Decision | None:
     """What to do about the RayJob's failed attempt; None when it has not failed, or when this
-    attempt's restart was already decided (``status.lastRestart.attempt``). ``lost_pods``: the
-    attempt's pods deleted while it ran ("pod X was deleted"): with one, the failure is a
-    disruption whatever the trainer saw (a worker killed with its node reaches the trainer as
-    Ray's ActorDiedError, which names no cause)."""
+    attempt's restart was already decided (``status.lastRestart.attempt``). ``losses``: what
+    Kubernetes said of the attempt's pods that went away while it ran; ``error_at``: when the
+    trainer wrote ``trainer_error`` (else KubeRay's ``endTime`` dates the failure). The class
+    comes from the evidence (``failures.classify_evidence``): the trainer's exit code and
+    account first; a pod loss turns only Ray's word for a lost worker (an ActorDiedError names
+    no cause), or no account at all, into a disruption, never an error of the trainer's own."""
     if not attempt_failed(rayjob):
         return None
     last = status.get("lastRestart") or {}
@@ -70,10 +74,18 @@ def decision(
     if job.spec.suspend:
         return None  # a suspended job is not restarted (resuming it starts a new attempt)
     cause = failure_cause(rayjob, trainer_error)
-    if lost_pods:
-        cause = f"{cause}; {'; '.join(lost_pods)}"
+    st = rayjob.get("status") or {}
+    failed_at = error_at if trainer_error else epoch(st.get("endTime"))
+    klass, used = classify_evidence(
+        cause,
+        trainer_error=trainer_error,
+        exit_code=exit_code_of(st.get("message")),
+        losses=losses,
+        failed_at=failed_at,
+    )
+    if used:
+        cause = f"{cause}; {'; '.join(loss.line for loss in used)}"
     policy = job.spec.failure_policy
-    klass = classify(cause)
     if policy.on_stall == "Fail" and "Stalled: " in cause:
         klass = "Permanent"  # spec.failurePolicy.onStall: Fail
     return decide(

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppojob_api.failures import PodLoss
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import PPOJob
 from ppojob_api.validation import validate_manifest as _validate
@@ -76,9 +77,10 @@ class JobState:
     unplaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Pods the scheduler cannot place (PodScheduled False): name -> (Ray cluster, the
     scheduler's message)."""
-    lost_pods: dict[str, list[str]] = field(default_factory=dict)
-    """Per Ray cluster: its pods deleted while it ran, one line each ("pod X was deleted"):
-    the failure of that attempt is then a disruption (a lost pod), not the trainer's error."""
+    lost_pods: dict[str, dict[str, PodLoss]] = field(default_factory=dict)
+    """Per Ray cluster: its pods that went away (deleted, disrupted) while it ran, by name, with
+    what Kubernetes said of each (``pods.pod_loss``): evidence for the class of that attempt's
+    failure (``restarts.decision``)."""
     rayjob_deletions: int = 0
     """RayJob DELETED events seen: a pass that read the RayJob before one of them must not
     write a status from that copy."""

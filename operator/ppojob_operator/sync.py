@@ -133,8 +133,9 @@ def _following(
     progress = (body.get("status") or {}).get("progress") or {}
     trainer_error = progress.get("error")
     cluster = (rj.get("status") or {}).get("rayClusterName") or ""
-    lost = st.lost_pods.get(cluster, [])
-    decided = restarts.decision(job, rj, base, trainer_error, lost_pods=lost)
+    lost = list(st.lost_pods.get(cluster, {}).values())
+    error_at = restarts.epoch(progress.get("updatedAt")) if trainer_error else None
+    decided = restarts.decision(job, rj, base, trainer_error, lost, error_at)
     previous = base
     if decided is not None and decided.action == "Restart":
         previous = {**base, **restarts.restart_status(base, decided, rj, now)}

@@ -116,10 +116,11 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
 
 
 async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = None) -> None:
-    """A pod of one of our jobs changed: a deleted one is remembered for its attempt (its
-    failure is then a disruption); an image it cannot get fails the job (the verdict is written
-    first, then the run is stopped so that no pod of it holds anything: ``suspend.stop_failed``,
-    which under Kueue deletes the RayJob rather than write ``spec.suspend``, Kueue's field)."""
+    """A pod of one of our jobs changed: a deleted or disrupted one is remembered for its
+    attempt (evidence for its failure's class, ``pods.pod_loss``); an image it cannot get fails
+    the job (the verdict is written first, then the run is stopped so that no pod of it holds
+    anything: ``suspend.stop_failed``, which under Kueue deletes the RayJob rather than write
+    ``spec.suspend``, Kueue's field)."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     name = labels.get(JOB_LABEL)
@@ -137,11 +138,13 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
             st.unplaced[meta.get("name") or ""] = (cluster, said)
         if (was[1] if was else None) != said:
             await sync_status(state, st)
-    if type == "DELETED" or meta.get("deletionTimestamp"):
-        phase = ((st.body or {}).get("status") or {}).get("phase") if st is not None else None
-        line = f"pod {meta.get('name')} was deleted"
-        if st is not None and phase == "Running" and line not in st.lost_pods.get(cluster, []):
-            st.lost_pods.setdefault(cluster, []).append(line)
+    gone = type == "DELETED" or bool(meta.get("deletionTimestamp"))
+    phase = ((st.body or {}).get("status") or {}).get("phase") if st is not None else None
+    loss = pods.pod_loss(pod, deleted=gone)
+    if st is not None and loss is not None and phase == "Running":  # evidence (restarts.py)
+        seen = st.lost_pods.setdefault(cluster, {})
+        seen[loss.pod] = pods.merged(seen.get(loss.pod), loss)
+    if gone:
         return
     if st is None or st.body is None or (st.note or ("",))[0] == "Failed":
         return

@@ -126,3 +126,47 @@ def test_queueing_past_the_queue_timeout_fails_with_the_schedulers_reason(cluste
         wait_for(lambda: kube.get(*RJ, "ns1", "demo") is None)
         assert job_status()["phase"] == "Failed"
         assert any(e["reason"] == "QueueTimeout" for e in events())
+
+
+def worker_pod(cluster_name: str) -> dict:
+    pod = job_pod({"phase": "Running"})
+    pod["metadata"]["name"] = "demo-worker-x"
+    pod["metadata"]["labels"]["ray.io/cluster"] = cluster_name
+    return pod
+
+
+def test_a_raising_reward_function_stays_an_application_error_when_a_pod_is_deleted(cluster):
+    """Issue 42, finding 3: a pod of the attempt disrupted (a DisruptionTarget condition written
+    through the status subresource, as the eviction API writes it) and then deleted while the job
+    runs, and the trainer's reward function raises: with backoffLimit 0 the job fails
+    (BackoffLimitExceeded), it is not restarted as an uncounted disruption."""
+    base = "/api/v1/namespaces/ns1/pods"
+    kube.request("POST", base, worker_pod("demo-raycluster-x"))
+    with Operator(cluster.url, ["ns1"]):
+        create_job()  # backoffLimit 0
+        wait_for(phase_is("Pending"))
+        set_rayjob_status({**RUNNING, "rayClusterName": "demo-raycluster-x"})
+        wait_for(phase_is("Running"))
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        target = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting",
+            "lastTransitionTime": now,
+        }
+        kube.patch(
+            "v1", "Pod", "ns1", "demo-worker-x", {"status": {"conditions": [target]}}, "status"
+        )
+        kube.request("DELETE", f"{base}/demo-worker-x")
+        wait_for(lambda: kube.get("v1", "Pod", "ns1", "demo-worker-x") is None)
+        trainer_error("training failed: ValueError: reward function raised: boom")
+        set_rayjob_status(
+            {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}
+        )
+        wait_for(phase_is("Failed"), timeout=20)
+        wait_for(lambda: any(e["reason"] == "BackoffLimitExceeded" for e in events()))
+        st = job_status()
+        assert attempt() == "0", "the application error was restarted as a disruption"
+        assert (st.get("disruptions") or 0, st.get("restarts") or 0) == (0, 0)
+        assert not any(e["reason"] == "RestartingAfterDisruption" for e in events())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ppojob_api.failures import PodLoss
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, restarts
 from ppojob_operator.status import desired_status
@@ -267,6 +268,7 @@ def test_an_attempt_that_lost_a_pod_is_a_disruption_whatever_the_trainer_saw() -
     died = "training failed: ActorDiedError: The actor died unexpectedly before finishing this task"
     alone = restarts.decision(j, rayjob(j), {}, died)
     assert alone is not None and alone.failure_class == "Application"
-    lost = restarts.decision(j, rayjob(j), {}, died, lost_pods=["pod tiny-x-worker-1 was deleted"])
+    deleted = PodLoss("tiny-x-worker-1", None, None)
+    lost = restarts.decision(j, rayjob(j), {}, died, [deleted])
     assert lost is not None and lost.failure_class == "Disruption" and lost.action == "Restart"
     assert "pod tiny-x-worker-1 was deleted" in lost.message

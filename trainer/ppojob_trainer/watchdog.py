@@ -6,12 +6,22 @@ train, wake, weight sync). :func:`wait_or_name` waits for all of them at most
 are still pending it raises :class:`StallError`, whose one line names the role, rank and phase
 of each worker that did not report. It reaches the PPOJob (``status.progress.error``, reason
 ``Stalled``) and the failure policy decides: restart (a hung collective, a lost node) or fail.
+
+Every blocking wait of the driver goes through :data:`WATCHDOG` (``tests/trainer/
+test_watchdog_coverage.py`` fails on a ``ray.get``/``ray.wait`` elsewhere in ``driver/``): the
+step's phases, the reward-worker ping before a step, memory release, weight sync, checkpoint
+save and resume, start-up. Its limit is derived from the steps measured: the larger of
+``stall_timeout_seconds`` (the floor) and :data:`STEP_FACTOR` times the slowest step seen, so a
+job whose steps are long is not killed by a limit set for short ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+STEP_FACTOR = 3.0
+"""The stall limit is at least this many times the slowest step seen."""
 
 Labelled = tuple[str, int, str, Any]
 """(role, rank, phase, ObjectRef)."""
@@ -46,4 +56,79 @@ def wait_or_name(labelled: Sequence[Labelled], timeout: float | None) -> None:
         raise StallError(timeout, [(r, k, p) for r, k, p, ref in labelled if ref in waiting])
 
 
-__all__ = ["StallError", "wait_or_name"]
+class Watchdog:
+    """The driver's waits, each bounded by :attr:`limit` and named by role, rank and phase."""
+
+    def __init__(self) -> None:
+        self.floor: float | None = None
+        self.factor = STEP_FACTOR
+        self.slowest = 0.0
+
+    def configure(self, floor: float | None, factor: float = STEP_FACTOR) -> None:
+        """A new run: ``floor`` is ``stall_timeout_seconds`` (None or 0: no limit)."""
+        self.floor, self.factor, self.slowest = floor or None, factor, 0.0
+
+    @property
+    def limit(self) -> float | None:
+        """max(floor, factor x the slowest step seen); None: waits are unbounded."""
+        if not self.floor:
+            return None
+        return max(self.floor, self.factor * self.slowest)
+
+    def step_took(self, seconds: float) -> None:
+        """A completed step's wall time (raises the limit when it is the slowest yet)."""
+        self.slowest = max(self.slowest, float(seconds))
+
+    def wait(self, labelled: Sequence[Labelled]) -> None:
+        """Wait for every ref of ``labelled``; :class:`StallError` names those late."""
+        wait_or_name(labelled, self.limit)
+
+    def get(self, refs: Any, role: str, phase: str, ranks: Sequence[int] | None = None) -> Any:
+        """``ray.get(refs)`` (one ref or a list) once :meth:`wait` has seen every one ready;
+        ``ranks``: the rank of each ref (default: its position)."""
+        import ray
+
+        one = not isinstance(refs, list)
+        many = [refs] if one else list(refs)
+        ranks = list(ranks) if ranks is not None else list(range(len(many)))
+        self.wait([(role, k, phase, ref) for k, ref in zip(ranks, many, strict=True)])
+        out = ray.get(many)
+        return out[0] if one else out
+
+    def get_labelled(self, labelled: Sequence[Labelled]) -> list[Any]:
+        """The values of ``labelled``'s refs once :meth:`wait` has seen every one ready."""
+        import ray
+
+        self.wait(labelled)
+        return list(ray.get([ref for *_, ref in labelled]))
+
+    def first_ready(self, refs: list[Any], timeout: float | None) -> list[Any]:
+        """The refs ready within ``timeout`` seconds (at least one, unless none were): a wait
+        with its own explicit bound (0: a poll; None, the stall limit off: unbounded)."""
+        import ray
+
+        if not refs:
+            return []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=False)
+        return list(ready)
+
+    def done(self, refs: list[Any]) -> list[Any]:
+        """The refs already finished (a poll: no wait)."""
+        import ray
+
+        if not refs:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return list(ready)
+
+    def get_within(self, refs: list[Any], timeout: float) -> list[Any]:
+        """``ray.get`` with an explicit bound (closing processes at shutdown)."""
+        import ray
+
+        return list(ray.get(refs, timeout=timeout))
+
+
+WATCHDOG = Watchdog()
+"""The driver's (one run per process at a time)."""
+
+__all__ = ["STEP_FACTOR", "WATCHDOG", "StallError", "Watchdog", "wait_or_name"]

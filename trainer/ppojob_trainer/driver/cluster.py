@@ -15,7 +15,8 @@ from ..distributed import free_port, nccl_env
 from ..errors import StartupError
 from ..models import BUILTIN_PREFIX, cache_root, materialize_builtin
 from ..placement import cluster_pins_roles, plan_placement, reserve_placement, wait_for_gang
-from ..workers.host import FAULT_GATE_ENV, PartialRolloutHost, RemoteWorkerHost
+from ..watchdog import WATCHDOG
+from ..workers.host import FAULT_GATE_ENV, HANG_GATE_ENV, PartialRolloutHost, RemoteWorkerHost
 from ..workers.reward import REWARD_FAULT_GATE_ENV, RemoteRewardHost
 from ..workers.sandbox import RemoteSandboxHost
 from .groups import Group, Groups, ranges
@@ -31,7 +32,7 @@ def worker_env() -> dict[str, str]:
     (:func:`~..distributed.nccl_env`), before any of them creates a process group; and the
     tests' fault-injection gate, when one is set."""
     env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000"), **nccl_env()}
-    for gate in (FAULT_GATE_ENV, REWARD_FAULT_GATE_ENV):
+    for gate in (FAULT_GATE_ENV, REWARD_FAULT_GATE_ENV, HANG_GATE_ENV):
         if os.environ.get(gate):
             env[gate] = os.environ[gate]
     return env
@@ -114,7 +115,8 @@ class Cluster:
         """The rendezvous of a role's process group, on the node of its rank 0 (a task in rank
         0's bundle, holding its CPU share only while it runs)."""
         opts0 = {**self.placement.scheduling_options(owner, 0), "num_gpus": 0}
-        return tuple(ray.get(ray.remote(rendezvous_address).options(**opts0).remote()))
+        ref = ray.remote(rendezvous_address).options(**opts0).remote()
+        return tuple(WATCHDOG.get(ref, owner, "rendezvous"))
 
     def start_reward(self) -> tuple[list[Any], dict[int, tuple[dict[str, Any], tuple[Any, ...]]]]:
         """The reward workers of ``roles.reward`` (none when unset), one per worker slot of the
@@ -151,8 +153,8 @@ class Cluster:
         """The role groups of :meth:`start_hosts`' processes, once every one of them (and
         ``helpers``: reward and sandbox workers) reported ready; :class:`StartupError` naming
         one that could not start."""
-        identities = ray.get([h.ready.remote() for h in all_hosts])
-        extra_ids = ray.get([h.ready.remote() for h in helpers])
+        identities = WATCHDOG.get([h.ready.remote() for h in all_hosts], "worker", "start")
+        extra_ids = WATCHDOG.get([h.ready.remote() for h in helpers], "helper", "start")
         failed = [i for i in [*identities, *extra_ids] if "error" in i]
         if failed:
             roles_ = " and ".join(failed[0]["roles"])
@@ -191,11 +193,13 @@ class Cluster:
         def visible(group: list[Any]) -> list[str] | None:
             return [g for h in group for g in gpus[id(h)]] if len(group) > 1 else None
 
-        errors = ray.get(
+        errors = WATCHDOG.get(
             [
                 g[0].start_rollout.remote(visible(g), rewarders or None, sandboxes or None)
                 for g in groups.engine_groups
-            ]
+            ],
+            "rollout",
+            "start",
         )
         if any(errors):
             error = next(e for e in errors if e)
@@ -239,7 +243,7 @@ class Cluster:
         tool pools) are asked to stop those first."""
         hosts, self.started = self.started, []
         try:
-            ray.get([h.close.remote() for h in closing], timeout=60)
+            WATCHDOG.get_within([h.close.remote() for h in closing], 60)
         except Exception:  # a dead or stuck host: killing it below is all that is left
             log.debug("could not close every engine", exc_info=True)
         for h in hosts:

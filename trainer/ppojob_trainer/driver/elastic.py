@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 
 from ppojob_api.trainspec.roles import ElasticRollout
 
-from ..watchdog import wait_or_name
+from ..watchdog import WATCHDOG, StallError
 from .cluster import Cluster
 from .groups import Groups, ranges, step_seed
 from .weights import ElasticSync
@@ -61,7 +61,7 @@ def surviving(refs: list[Any]) -> list[Any]:
     out = []
     for ref in refs:
         with contextlib.suppress(RayActorError):
-            out.append(ray.get(ref))
+            out.append(WATCHDOG.get(ref, "rollout", "generate ahead"))
     return out
 
 
@@ -77,7 +77,9 @@ class RewardWorkers:
 
     def scored(self) -> list[int]:
         """Samples each reward worker scored so far."""
-        return ray.get([h.scored_count.remote() for h in self.hosts])
+        return WATCHDOG.get(
+            [h.scored_count.remote() for h in self.hosts], "reward", "count", self.ranks
+        )
 
     def replace_lost(self, engine_groups: list[list[Any]]) -> None:
         """Reward workers found lost (their process gone; the engines already sent their parts
@@ -90,7 +92,7 @@ class RewardWorkers:
         dead = []
         for i, ping in enumerate(pings):
             try:
-                ray.get(ping)
+                WATCHDOG.get(ping, "reward", "ping", [self.ranks[i]])
             except RayActorError:
                 dead.append(i)
         if not dead:
@@ -115,15 +117,16 @@ class RewardWorkers:
             len(hosts) - len(self.hosts) + len(dead),
         )
         self.hosts, self.ranks = hosts, ranks
-        ray.get([g[0].set_reward_workers.remote(self.hosts) for g in engine_groups])
+        refs = [g[0].set_reward_workers.remote(self.hosts) for g in engine_groups]
+        WATCHDOG.get(refs, "rollout", "set reward workers")
 
     def _started(self, host: Any) -> bool:
         """Whether a new reward worker started (within stallTimeoutSeconds); killed if not."""
         ref = host.ready.remote()
         error = "not ready within stallTimeoutSeconds"
         try:
-            if ray.wait([ref], timeout=self.stall_timeout)[0]:  # (None: wait)
-                error = ray.get(ref).get("error")
+            if WATCHDOG.first_ready([ref], WATCHDOG.limit):  # (None: wait)
+                error = WATCHDOG.get(ref, "reward", "start").get("error")
         except RayActorError as exc:
             error = f"its process died ({type(exc).__name__})"
         if error:
@@ -225,7 +228,7 @@ class ElasticEngines:
             below = len(self.groups.rollout.handles) < self.spec.min_replicas
             timeout = max(deadline - time.monotonic(), 0.0) if below else 0.0
             refs = [s.started for s in self.starting]
-            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=False)
+            ready = WATCHDOG.first_ready(refs, timeout)
             if not ready:
                 return
             new = next(s for s in self.starting if s.started == ready[0])
@@ -248,12 +251,14 @@ class ElasticEngines:
     def _join(self, new: Starting) -> str | None:
         """A started engine takes the current weights, before it generates; why it cannot."""
         try:
-            ident = ray.get(new.ready)
-            error = ident.get("error") or ray.get(new.started)
+            ident = WATCHDOG.get(new.ready, "rollout", "start")
+            error = ident.get("error") or WATCHDOG.get(new.started, "rollout", "start")
             if not error:
-                ray.get(self.sync.push([new.host]))
+                WATCHDOG.get(self.sync.push([new.host]), "rollout", "weight sync")
         except RayActorError as exc:
             error = f"its process died ({type(exc).__name__})"
+        except StallError as exc:  # a new engine that hangs is dropped, as one that died
+            error = str(exc)
         return error
 
     def ensure(self) -> None:
@@ -292,14 +297,11 @@ class ElasticEngines:
         todo, done = list(parts), []
         attempt = 0
         while todo:
-            wait_or_name(
-                [("rollout", i, "generate", p.info) for i, p in enumerate(todo)],
-                self.stall_timeout,
-            )
+            WATCHDOG.wait([("rollout", i, "generate", p.info) for i, p in enumerate(todo)])
             lost = []
             for part in todo:
                 try:
-                    done.append((part, ray.get(part.info)))
+                    done.append((part, WATCHDOG.get(part.info, "rollout", "generate")))
                 except RayActorError:
                     lost.append(part)
             if not lost:

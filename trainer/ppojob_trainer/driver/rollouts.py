@@ -13,14 +13,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
 from ppojob_api.training import TrainerConfig
 
 from ..algorithms import fill_step, generation_window
 from ..tasks import Task
-from ..watchdog import wait_or_name
+from ..watchdog import WATCHDOG
 from .elastic import ElasticEngines, Part, RewardWorkers, surviving
 from .groups import Groups, ranges, step_seed
 
@@ -142,12 +141,11 @@ class Rollouts:
         kept = 0
         while not rounds or (kept < need and len(rounds) < max_rounds):
             gen = first if not rounds else self.launch(step, len(rounds))
-            wait_or_name(
-                [("rollout", e, "generate", r) for e, r in zip(gen.engines, gen.gens, strict=True)],
-                cfg.stall_timeout_seconds,
+            WATCHDOG.wait(
+                [("rollout", e, "generate", r) for e, r in zip(gen.engines, gen.gens, strict=True)]
             )
             rounds.append(gen)
-            results.append(ray.get(gen.gens))
+            results.append(WATCHDOG.get(gen.gens, "rollout", "generate", gen.engines))
             kept += sum(len(res["informative"]) for res in results[-1])
         fill = fill_step(
             [
@@ -213,8 +211,12 @@ class Rollouts:
         """The results of the generation launched ahead that finished by now (elastic: less
         those of engines lost)."""
         ahead = [ref for g in self.pending.values() for ref in g.gens]
-        done, _ = ray.wait(ahead, num_returns=len(ahead), timeout=0) if ahead else ([], [])
-        return ray.get(done) if self.pool is None else surviving(done)
+        done = WATCHDOG.done(ahead)
+        return (
+            WATCHDOG.get(done, "rollout", "generate ahead")
+            if self.pool is None
+            else surviving(done)
+        )
 
     def data_state(self) -> tuple[Any, dict[str, Any]]:
         """The data order and task state a checkpoint saves: generation launched ahead is not
@@ -243,7 +245,7 @@ class Rollouts:
             todo, lost = [], []
             for host, lo, hi, ref in calls:
                 try:
-                    total += ray.get(ref)["reward_sum"]
+                    total += WATCHDOG.get(ref, "rollout", "evaluate")["reward_sum"]
                 except RayActorError:
                     if self.pool is None:
                         raise

@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from ppojob_api.training import TrainerConfig
 
 from ..algorithms import AdaptiveKLController, FixedKLController, plan_step
 from ..checkpoint import config_fingerprint
 from ..tasks import make_task
-from ..watchdog import wait_or_name
+from ..watchdog import WATCHDOG
 from .cluster import Cluster
 from .elastic import ElasticEngines, RewardWorkers
 from .groups import Groups
@@ -73,6 +71,7 @@ class PPOTrainer:
         self.total_steps: int | None = None
         """The run's step count (:func:`~.run.train` sets it): no generation is launched
         past it."""
+        WATCHDOG.configure(cfg.stall_timeout_seconds)  # every wait of the driver (watchdog.py)
         self.cluster = Cluster(cfg, self.topo, threads)
         try:
             self._start()
@@ -180,7 +179,7 @@ class PPOTrainer:
         """Every call's report, once all have reported (one that has not within the stall
         timeout is named, watchdog.py), in one round trip."""
         r = refs
-        wait_or_name(
+        WATCHDOG.wait(
             [
                 *(
                     ("rollout", e, "generate", g)
@@ -192,12 +191,11 @@ class PPOTrainer:
                 *(("actor", i, "train", x) for i, x in enumerate(r.actor_done)),
                 *(("rollout", i, "wake", x) for i, x in enumerate(r.woken)),
                 *(("rollout", i, "weight sync", x) for i, x in enumerate(r.synced)),
-            ],
-            self.cfg.stall_timeout_seconds,
+            ]
         )
         fetched = r.synced if self.weights.fetched_with_step else []
         groups = [r.rollout.gens, r.prepared, r.critic_done, r.actor_done, r.woken, fetched]
-        flat = ray.get([ref for group in groups for ref in group])  # one round trip
+        flat = WATCHDOG.get([ref for group in groups for ref in group], "step", "collect")
         out, pos = [], 0
         for group in groups:
             out.append(flat[pos : pos + len(group)])
@@ -229,6 +227,7 @@ class PPOTrainer:
     def _timed(self, metrics: dict[str, float], overlap: float, t0: float) -> dict[str, float]:
         """The step's time, the share of it generation overlapped training, and tokens/s."""
         metrics["time/step"] = time.perf_counter() - t0
+        WATCHDOG.step_took(metrics["time/step"])  # (the stall limit follows the slowest step)
         metrics["time/overlap_share"] = min(overlap / metrics["time/step"], 1.0)
         tokens = metrics["response/length"] * self.cfg.data.samples_per_step
         metrics["time/tokens_per_second"] = tokens / metrics["time/step"]
@@ -247,7 +246,7 @@ class PPOTrainer:
 
     def sandbox_calls(self) -> list[int]:
         """Tool calls each sandbox worker answered so far (``roles.sandbox``; empty when unset)."""
-        return ray.get([h.call_count.remote() for h in self.sandbox_hosts])
+        return WATCHDOG.get([h.call_count.remote() for h in self.sandbox_hosts], "sandbox", "count")
 
     def reward_scored(self) -> list[int]:
         """Samples each reward worker scored so far (``roles.reward``; empty when unset)."""
@@ -259,12 +258,12 @@ class PPOTrainer:
     def save_workers(self, directory: Path) -> None:
         """Every actor (and critic) worker writes its own shard into ``directory/<role>``; the
         driver passes the path and waits, no tensor comes through it."""
-        ray.get(
+        WATCHDOG.get_labelled(
             [
-                ref
+                (role, rank, "save checkpoint", ref)
                 for role in self.trained_roles()
-                for ref in self.groups.role(role).call(
-                    "save_checkpoint", role, str(directory / role)
+                for rank, ref in enumerate(
+                    self.groups.role(role).call("save_checkpoint", role, str(directory / role))
                 )
             ]
         )
@@ -280,7 +279,9 @@ class PPOTrainer:
             "kl_coef": self.kl_ctl.value,
             "task": task,
             # every worker process's generators (dropout, sampling helpers), in host order
-            "rng": ray.get([h.rng_state.remote() for h in self.groups.all_hosts]),
+            "rng": WATCHDOG.get(
+                [h.rng_state.remote() for h in self.groups.all_hosts], "worker", "checkpoint rng"
+            ),
         }
 
     def fingerprint(self) -> dict[str, Any]:
@@ -306,8 +307,8 @@ class PPOTrainer:
                 "resuming with fresh generators",
                 len(all_hosts),
             )
-        ray.get(waits)
-        ray.get(self.weights.start())
+        WATCHDOG.get(waits, "worker", "resume")
+        WATCHDOG.get(self.weights.start(), "rollout", "weight sync")
         self.rollouts.data_rng.setstate(_as_rng_state(state["data_rng"]))
         self.kl_ctl.value = float(state["kl_coef"])
         self.rollouts.task.load_state(state.get("task", {}))
@@ -326,12 +327,12 @@ class PPOTrainer:
                 log.warning("no Hugging Face export of the %s: backend %s", role, spec.backend)
             else:
                 roles.append(role)
-        ray.get(
+        WATCHDOG.get_labelled(
             [
-                ref
+                (role, rank, "export", ref)
                 for role in roles
-                for ref in self.groups.role(role).call(
-                    "export_pretrained", role, str(directory / role)
+                for rank, ref in enumerate(
+                    self.groups.role(role).call("export_pretrained", role, str(directory / role))
                 )
             ]
         )

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
+from ..watchdog import WATCHDOG
 from .groups import Group, Groups
 from .topology import Topology
 
@@ -105,7 +105,7 @@ class ColocatedSync(WeightSync):
 
     def release(self) -> None:
         if self.offload:
-            ray.get(self.groups.rollout.call("release_memory"))
+            WATCHDOG.get(self.groups.rollout.call("release_memory"), "rollout", "release memory")
 
     def wake(self, after: list[Any]) -> list[Any]:
         return self.groups.rollout.call("resume_memory", *after) if self.offload else []
@@ -161,16 +161,18 @@ class BroadcastSync(WeightSync):
         """One weight-update group of the actor's leader (rank 0) and every engine's
         tensor-parallel ranks (engine ``e`` from rank ``1 + e * tp``)."""
         leader, engines = self.groups.actor.handles[0], self.groups.rollout.handles
-        host, port = ray.get(leader.rendezvous_address.remote())
+        host, port = WATCHDOG.get(leader.rendezvous_address.remote(), "actor", "rendezvous")
         world = 1 + len(engines) * tp
-        ray.get(
+        WATCHDOG.get(
             [leader.init_weight_sender.remote(host, port, world, WEIGHT_GROUP, self.backend)]
             + [
                 e.init_weights_update_group.remote(
                     host, port, 1 + i * tp, world, WEIGHT_GROUP, self.backend
                 )
                 for i, e in enumerate(engines)
-            ]
+            ],
+            "weight sync",
+            "init group",
         )
 
     def _send(self) -> list[Any]:
@@ -207,10 +209,10 @@ class ElasticSync(StoreSync):
         out, lost = [], []
         for host, ref in zip(engines, refs[: len(engines)], strict=True):
             try:
-                out.append(ray.get(ref))
+                out.append(WATCHDOG.get(ref, "rollout", "weight sync"))
             except RayActorError:
                 lost.append(host)
-        out += ray.get(refs[len(engines) :])
+        out += WATCHDOG.get(refs[len(engines) :], "actor", "weight sync")
         if lost:
             self.drop(lost)
         return out

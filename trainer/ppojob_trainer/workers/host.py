@@ -158,6 +158,17 @@ class WorkerHost:
         if self.rollout is not None:
             self.rollout.scorer.set_reward_workers(workers)
 
+    def _hang_gate(self, role: str, phase: str) -> None:
+        """Tests only (:data:`HANG_GATE_ENV`): block for ever when this process is the gate's
+        rank of ``role`` entering ``phase``."""
+        gate = os.environ.get(HANG_GATE_ENV)
+        if not gate or role not in self.roles:
+            return
+        want_role, want_rank, want_phase = gate.split(":", 2)
+        if (want_role, int(want_rank), want_phase) == (role, self.roles[role][0], phase):
+            self.events.append(f"hang.{role}.{phase}")
+            threading.Event().wait()  # never set: the stall watchdog must name this rank
+
     def calls(self) -> list[str]:
         """The calls this process ran so far, oldest first (``engine.generate``,
         ``engine.release_memory``, ``actor.train``...): the order of a step, checked by tests."""
@@ -179,6 +190,7 @@ class WorkerHost:
 
     # ---- step phases -------------------------------------------------------------------------
     def generate(self, examples: list[Any], first_sample: int, seed: int) -> dict[str, Any]:
+        self._hang_gate("rollout", "generate")
         batch, out = self._generate(examples, first_sample, seed)
         return {"batch": ray.put(batch), **out}
 
@@ -339,6 +351,7 @@ class WorkerHost:
         self, ranges: list[tuple[int, int]], actor_ranges: list[tuple[int, int]], *gens: Any
     ) -> list[Any]:
         self.events.append("critic.values")
+        self._hang_gate("critic", "values")
         self.work_start = time.time()  # this step's training-side work starts
         t0 = time.perf_counter()
         refs = self.critic.compute_values(_parts(ranges, gens), actor_ranges)
@@ -385,6 +398,7 @@ class WorkerHost:
         self, step: int, actor_ranges: list[tuple[int, int]], updates: int, *prepared: Any
     ) -> dict[str, float]:
         self.events.append("critic.train")
+        self._hang_gate("critic", "train")
         t0 = time.perf_counter()
         metrics = self.critic.train(step, list(prepared), actor_ranges, updates)
         metrics["time/train_critic"] = time.perf_counter() - t0
@@ -394,6 +408,7 @@ class WorkerHost:
 
     def train_actor(self, step: int) -> dict[str, float]:
         self.events.append("actor.train")
+        self._hang_gate("actor", "train")
         t0 = time.perf_counter()
         metrics = self.actor.train(step)
         metrics["time/train_actor"] = time.perf_counter() - t0
@@ -403,6 +418,7 @@ class WorkerHost:
     # ---- colocated engines: sleep and wake -----------------------------------------------------
     def release_memory(self) -> None:
         """Free the engine's weights and KV cache for training (``offload``)."""
+        self._hang_gate("rollout", "release memory")
         self.rollout.engine.release_memory()
 
     def empty_cache(self) -> None:
@@ -620,6 +636,7 @@ class WorkerHost:
     def save_checkpoint(self, role: str, directory: str) -> None:
         """Write this worker's shard of ``role``'s training state into ``directory`` (shared by
         the role's workers; the driver only passes the path)."""
+        self._hang_gate(role, "save checkpoint")
         worker = getattr(self, role)
         worker.trainer.save_checkpoint(Path(directory), worker.shard)
 
@@ -659,6 +676,11 @@ class WorkerHost:
         """(sample indices, values) the critic computed at the last step (tests only)."""
         return self.critic.batch["sample_idx"], self.critic.batch["old_values"]
 
+
+HANG_GATE_ENV = "PPOJOB_HANG_GATE"
+"""Fault injection for tests: ``role:rank:phase`` (e.g. ``actor:1:train``; phases generate,
+values, train, release memory, save checkpoint): that rank of that role blocks for ever on
+entering that phase, inside a real step. Unset (always, outside tests): nothing."""
 
 FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
 """Fault injection for tests: the name of a Ray actor that an engine's process asks before it
