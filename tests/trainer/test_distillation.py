@@ -139,3 +139,30 @@ def test_the_loss_mode_with_grpo_on_a_dataset_without_a_reward_learns(tmp_path: 
     assert all(r["reward_mean"] == 0.0 for r in records)
     assert all("actor/distill_loss" in r for r in records)
     assert _mean(kl[-3:]) < 0.5 * _mean(kl[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")
+def test_two_actor_workers_with_token_balanced_shares_a_critic_and_the_task_reward_run(
+    tmp_path: Path,
+) -> None:
+    """Each of 2 data-parallel actor workers holds a teacher; with maxTokensPerMicroBatch
+    every worker trains on token-balanced shares of the whole step, so the teacher's log-probs
+    are gathered with the step's other rows; the loss term reaches every update."""
+    out = tmp_path / "dp2"
+    sets = [
+        "roles.actor.replicas=2",
+        "roles.actor.resources.cpus=1",
+        "algorithm.advantageEstimator=gae",
+        "algorithm.distillation.mode=loss",
+        "algorithm.distillation.taskReward=true",
+        "training.maxTokensPerMicroBatch=64",
+    ]
+    args = ["run", str(EXAMPLE), "--steps", "2", "--out", str(out), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    assert ppojob(args) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["actor/distill_loss"] > 0 and r["distill/reverse_kl"] > 0 for r in records)
+    assert all("critic/value_loss" in r or "value_loss" in r for r in records)
