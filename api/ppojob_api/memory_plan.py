@@ -19,6 +19,10 @@ is arithmetic over the model's shape (from a local ``config.json``, a built-in, 
 ``logits``       one chunk of ``LOGITS_CHUNK_TOKENS`` vocabulary logits and their float32 copies
 ``reference``    the frozen reference in the compute dtype (0 when offloaded or with LoRA, whose
                  reference is the base model with the adapters off; / dp under FSDP)
+``teacher``      ``algorithm.distillation``'s teacher on every actor worker: its weights in its
+                 dtype (whole, never sharded; its shape from its config.json or a built-in, unknown
+                 otherwise), and while it scores, one micro-batch's forward (one block's
+                 intermediates, no graph kept) and one chunk of its vocabulary logits
 ``rollout``      a colocated engine: its weights and KV cache (torch), or its memory fraction
                  (sglang without offload; with LoRA a note gives its LoRA buffers' share of it;
                  with offload and LoRA its LoRA buffers stay while it is released, and a note
@@ -185,6 +189,7 @@ KNOWN_SHAPES: dict[str, Shape] = {
     "builtin:tiny-llama": Shape(64, 2, 4, 4, 256, 14),
     "builtin:tiny-qwen2": Shape(64, 2, 4, 4, 256, 14, qkv_bias=True),
     "builtin:small-llama": Shape(128, 5, 4, 4, 512, 14),
+    "builtin:count-up-teacher": Shape(64, 2, 4, 4, 256, 14),
 }
 """Shapes of common models by hub id (``-Instruct`` variants share them)."""
 
@@ -471,6 +476,27 @@ def _reward_model_parts(half: Any) -> tuple[dict[str, float], dict[str, float], 
     return persistent, scoring, notes
 
 
+def _add_teacher(half: Any, actor: TrainedModel, plan: ProcessPlan) -> None:
+    """The distillation teacher on an actor worker's GPU: its weights (persistent) and its
+    scoring forward (a phase), or a note when its shape is unknown here."""
+    d = half.algorithm.distillation
+    if d is None:
+        return
+    t_shape = resolve_shape(d.teacher)
+    if t_shape is None:
+        plan.notes.append("algorithm.distillation.teacher: shape unknown here")
+        return
+    c = _BYTES[d.dtype or half.model.dtype]
+    plan.persistent["teacher"] = c * t_shape.params
+    tokens = actor.tokens_per_micro_batch or actor.micro_batch * actor.seq_len
+    block = tokens * c * (4 * t_shape.hidden + 2 * t_shape.kv_dim + 3 * t_shape.intermediate)
+    logits = min(tokens, LOGITS_CHUNK_TOKENS) * t_shape.vocab * 3 * 4
+    plan.phases["teacher scoring"] = {
+        "teacher forward (one block)": block,
+        "teacher logits": logits,
+    }
+
+
 def _judge_parts(
     half: Any, shape: Shape
 ) -> tuple[dict[str, float], dict[str, dict[str, float]], list[str]]:
@@ -534,6 +560,7 @@ def plan_job(
         )
     if actor.backend == "megatron":
         p.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
+    _add_teacher(half, actor, p)
     critic = None
     if critic_spec is not None:
         critic = _model(half, "critic", critic_shape)
@@ -644,7 +671,7 @@ def _wake_room(half: Any, plan: ProcessPlan, gpu_bytes: float) -> tuple[float, f
 
 
 UPDATE_PHASES = ("actor update", "critic update")
-WEIGHT_PARTS = ("actor weights", "critic weights", "reference")
+WEIGHT_PARTS = ("actor weights", "critic weights", "reference", "teacher")
 
 
 def wake_steps(

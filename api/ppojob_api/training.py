@@ -20,6 +20,7 @@ from ppojob_api.base import ApiModel
 from ppojob_api.overrides import apply_critic_overrides
 from ppojob_api.trainspec.algorithm import (
     Algorithm,
+    Distillation,
     DynamicSampling,
     ImportanceSampling,
     KLSpec,
@@ -63,6 +64,7 @@ __all__ = [
     "Algorithm",
     "CriticRole",
     "DataSpec",
+    "Distillation",
     "DynamicSampling",
     "ElasticRollout",
     "EnvVar",

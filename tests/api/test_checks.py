@@ -35,6 +35,7 @@ from ppojob_api.checks.dapo import (
 from ppojob_api.checks.disruption import check_grace_period
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.elastic import check_elastic
+from ppojob_api.checks.distill import check_distillation
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,
@@ -733,6 +734,43 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
         ["spec.algorithm.kl.coefficient"],
     ),
     (check_kl_off, "KL off with its defaults", {"algorithm__kl": {"coefficient": 0}}, []),
+    # --- distillation
+    (
+        check_distillation,
+        "a teacher in the reward of a group estimator",
+        {
+            "algorithm__advantageEstimator": "grpo",
+            "algorithm__distillation": {"teacher": "builtin:count-up-teacher"},
+        },
+        ["spec.algorithm.distillation.mode"],
+    ),
+    (
+        check_distillation,
+        "a teacher on a megatron actor, a teacher of unknown form",
+        {
+            "roles__actor": {"backend": "megatron"},
+            "algorithm__distillation": {"teacher": "http://x/t", "mode": "loss"},
+        },
+        ["spec.algorithm.distillation.teacher", "spec.algorithm.distillation.teacher"],
+    ),
+    (
+        check_distillation,
+        "the teacher alone beside a reward function",
+        {
+            "data__rewardFunction": "builtin:count-up",
+            "algorithm__distillation": {"teacher": "builtin:tiny-qwen2", "taskReward": False},
+        },
+        ["spec.algorithm.distillation.taskReward"],
+    ),
+    (
+        check_distillation,
+        "the teacher alone, in the reward of REINFORCE++",
+        {
+            "algorithm__advantageEstimator": "reinforce_plus_plus",
+            "algorithm__distillation": {"teacher": "builtin:count-up-teacher", "taskReward": False},
+        },
+        [],
+    ),
     # --- sources
     (
         check_reward_function,

@@ -136,8 +136,10 @@ def build_builtin_model(name: str, seed: int) -> Any:
     return model
 
 
-def materialize_builtin(name: str, seed: int, root: Path | None = None) -> Path:
+def materialize_builtin(name: str, seed: int, root: Path | None = None, build: Any = None) -> Path:
     """Save built-in model ``name`` (seeded) and its tokenizer as a HF directory; return it.
+    ``build``: a function of the seed making the model (default: :func:`build_builtin_model`
+    of ``name``), for built-ins made another way (the distillation teachers).
 
     Idempotent and safe under concurrent callers (several worker processes start at once): one
     writer at a time holds a lock file, writes under a temporary name and renames the finished
@@ -157,7 +159,8 @@ def materialize_builtin(name: str, seed: int, root: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
             quiet_transformers()
-            save_pretrained_here(build_builtin_model(name, seed), tmp)
+            model = build(seed) if build is not None else build_builtin_model(name, seed)
+            save_pretrained_here(model, tmp)
             build_char_tokenizer().save_pretrained(tmp)
             tmp.rename(target)
         finally:

@@ -603,6 +603,12 @@ class CombinedReward:
         return self.score(prompts, completions, labels)[0]
 
 
+def no_reward(prompts: list[str], completions: list[str], labels: list[Any]) -> list[float]:
+    """The reward of a job whose teacher is its only signal and whose dataset has no reward
+    function: 0 for every sample."""
+    return [0.0] * len(prompts)
+
+
 def make_reward(
     data: DataSpec,
     prompts: str,
@@ -611,12 +617,18 @@ def make_reward(
     policy: tuple[Any, Any] | None = None,
     reward_workers: Sequence[Any] | None = None,
     engine_rank: int = 0,
+    needed: bool = True,
 ) -> CombinedReward:
     """The reward of ``data``: its ``rewards`` sources, or the ``rewardFunction`` shorthand
     (unset: the built-in task of ``prompts``). A model source (and a judge's own model) is
     loaded onto ``device``; ``policy``: the rollout engine and tokenizer a ``judge: {model:
     policy}`` asks. ``reward_workers`` (``roles.reward``): the reward workers' handles, which
-    score the model sources instead (``engine_rank`` chooses the first worker of a split)."""
+    score the model sources instead (``engine_rank`` chooses the first worker of a split).
+    ``needed`` false (a distillation teacher is the only signal): a dataset without a reward
+    function scores 0."""
+    alone = not data.rewards and data.reward_function is None and not needed
+    if alone and not prompts.startswith("builtin:"):
+        return CombinedReward([Source("reward", 1.0, no_reward)], False)
     if not data.rewards:
         return CombinedReward(
             [Source("reward", 1.0, RewardScorer(data.reward_function, prompts))], False

@@ -28,6 +28,7 @@ from ppojob_api.checks.dapo import (
     check_policy_loss,
 )
 from ppojob_api.checks.disruption import check_grace_period
+from ppojob_api.checks.distill import check_distillation
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.elastic import check_elastic
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
@@ -99,6 +100,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_kl_target,
     check_kl_mode,
     check_kl_off,
+    check_distillation,
     check_reward_function,
     check_rewards,
     check_reward_role,

@@ -8,6 +8,7 @@ import string
 from urllib.parse import urlsplit
 
 from ppojob_api.base import HOOK_PATTERN
+from ppojob_api.checks.distill import teacher_alone
 from ppojob_api.problems import Problem
 from ppojob_api.training import JudgeRewardSource, TrainingHalf
 from ppojob_api.trainspec.constants import BUILTIN_MODELS, BUILTIN_TASKS
@@ -300,7 +301,7 @@ def check_prompts(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     bad_format = _format_problem(data.prompts, f"{prefix}.data.prompts")
     if bad_format:
         return bad_format
-    if data.reward_function is None and not data.rewards:
+    if data.reward_function is None and not data.rewards and not teacher_alone(half):
         return [Problem(f"{prefix}.data.rewardFunction", *_NEEDS_REWARD)]
     return []
 

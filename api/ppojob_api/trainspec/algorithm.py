@@ -88,6 +88,43 @@ class OverlongShaping(ApiModel):
     """Scale of the penalty (1 in the paper)."""
 
 
+class Distillation(ApiModel):
+    """On-policy distillation: a teacher model scores the student's (the actor's) own sampled
+    responses token by token, and the per-token reverse KL, log pi_student(y_t) - log
+    pi_teacher(y_t) (the teacher at temperature 1, no nucleus), is the learning signal, alone
+    or beside the data's reward. The teacher is held frozen on every actor worker, beside the
+    policy (as the reference is), in its dtype; it must use the actor's tokenizer (the trainer
+    refuses another one at start, with the difference). Each step reports
+    distill/reverse_kl: the mean over samples of the summed per-token reverse KL."""
+
+    teacher: str = Field(min_length=1)
+    """The teacher model, in the forms of model.path (a Hugging Face model directory, a hub id,
+    or `builtin:<name>`), or `builtin:count-up-teacher`: a tiny-llama-shaped model built here
+    whose next token depends on the current one only (after digit d: d+1 with probability 0.7,
+    d+2 with 0.2, each other digit 0.012, a special token 0.001), for CPU runs of the
+    count-up task."""
+
+    coefficient: float = Field(1.0, ge=0, le=1000)
+    """Weight of the reverse-KL signal. 0 measures the reverse KL (distill/reverse_kl) without
+    learning from it."""
+
+    mode: Literal["reward", "loss"] = "reward"
+    """`reward`: coefficient x (log pi_teacher - log pi_student) is added to every response
+    token's reward before advantages (needs an estimator that reads token rewards: gae,
+    reinforce_plus_plus); `loss`: coefficient x 0.5 (log pi_student - log pi_teacher)^2 is
+    added to the actor's loss, whose gradient on the student's own samples is the reverse
+    KL's."""
+
+    task_reward: bool = True
+    """Whether the data's reward (rewardFunction, rewards, or the built-in task's) is part of
+    the signal. false: the teacher alone: the reward's scores are left out of the advantages
+    (reward/mean still reports the built-in task's reward; a dataset needs no reward
+    function, and its reward/mean is 0)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of the teacher's weights. Unset: model.dtype."""
+
+
 class Algorithm(ApiModel):
     """The RL algorithm: advantage estimation, clipping, KL and critic schedule."""
 
@@ -201,6 +238,10 @@ class Algorithm(ApiModel):
     data.maxResponseLength without a stop token are left out of the policy loss (their tokens
     count neither in the loss nor in its average). A step reports response/truncated_share
     either way."""
+
+    distillation: Distillation | None = None
+    """On-policy distillation from a teacher model (reverse KL on the student's samples), alone
+    or with the reward. Unset: off."""
 
     custom_advantage_function: str | None = Field(None, pattern=HOOK_PATTERN)
     """`module:function` computing advantages and returns instead of the estimator; loaded in the

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
+BUILTIN_TEACHERS = ("count-up-teacher",)
+"""Built-in teacher models (algorithm.distillation.teacher only), each shaped as tiny-llama."""
 BUILTIN_CONTEXT = 2048
 """Longest sequence (prompt + response tokens) a built-in model takes (its position table)."""
 BUILTIN_SHAPES = {

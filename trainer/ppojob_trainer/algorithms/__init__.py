@@ -14,6 +14,7 @@ from .advantages import (
     shape_token_rewards,
 )
 from .dapo import StepFill, fill_step, informative_groups, overlong_penalty, truncated_rows
+from .distill import distill_loss, distill_token_rewards, reverse_kl
 from .hooks import function_name, load_function, run_custom_advantage, validate_rewards
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate
 from .losses import (
@@ -50,6 +51,8 @@ __all__ = [
     "compute_advantages",
     "compute_gae",
     "discounted_reverse_cumsum",
+    "distill_loss",
+    "distill_token_rewards",
     "entropy_from_logits",
     "fill_step",
     "function_name",
@@ -71,6 +74,7 @@ __all__ = [
     "plan_step",
     "policy_loss",
     "register_advantage_estimator",
+    "reverse_kl",
     "rollout_is_weights",
     "run_custom_advantage",
     "sampling_logprobs",

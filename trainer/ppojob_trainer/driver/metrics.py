@@ -48,6 +48,8 @@ def step_metrics(
     out["time/prepare"] = max(p[1]["time/prepare"] for p in prep)
     if any("kl_sum" in p[1] for p in prep):
         out["kl/mean"] = sum(p[1].get("kl_sum", 0.0) for p in prep) / n
+    if any("distill_kl_sum" in p[1] for p in prep):  # algorithm.distillation
+        out["distill/reverse_kl"] = sum(p[1].get("distill_kl_sum", 0.0) for p in prep) / n
     tokens = sum(p[1]["tokens"] for p in prep)
     out["advantage/abs_mean"] = sum(p[1]["adv_abs_sum"] for p in prep) / max(tokens, 1.0)
     # |engine sampling log-prob - actor recomputed log-prob| on the same tokens

@@ -23,6 +23,7 @@ from .. import algorithms as A
 from ..agent import policy_mask
 from ..backends.base import PolicyTrainer
 from ..distributed import ShardIdentity
+from ..teacher import make_teacher
 from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
 
@@ -302,6 +303,8 @@ class ActorWorker:
         n = cfg.data.samples_per_step
         total = planned_updates(cfg, "actor")
         self.trainer = make_policy_trainer(cfg, model_dir, group, shard, device, total)
+        # algorithm.distillation: the frozen teacher, beside the policy
+        self.teacher = make_teacher(cfg, model_dir, device)
         self.range = shard_range(n, shard.dp_size, shard.dp_rank)
         self.custom = (
             A.load_function(
@@ -367,13 +370,19 @@ class ActorWorker:
             values = self._fetch_values(value_lists, critic_ranges or [])
             batch["values"] = values
         reward_kl = kl if (kl is not None and algo.kl.mode == "reward") else None
+        n = self.cfg.data.samples_per_step
+        full = batch if (lo, hi) == (0, n) else dict(fetch_range(parts, 0, n))
+        distill = algo.distillation
+        if distill is not None and not distill.task_reward:  # the teacher alone
+            batch["scores"] = torch.zeros_like(batch["scores"])
+            full["scores"] = torch.zeros_like(full["scores"])
         token_rewards = A.shape_token_rewards(
             batch["scores"], mask, reward_kl, kl_coef if reward_kl is not None else 0.0
         )
+        if self.teacher is not None:
+            token_rewards = self._distill(batch, mask, token_rewards, metrics)
         # Advantages over the whole step: every worker sees whole prompt groups and the same
         # numbers, whatever the data-parallel size (shard_advantages gathers the token rewards).
-        n = self.cfg.data.samples_per_step
-        full = batch if (lo, hi) == (0, n) else fetch_range(parts, 0, n)
         adv, ret = shard_advantages(
             algo, self.custom, full, lo, hi, token_rewards, values, self.group
         )
@@ -384,7 +393,13 @@ class ActorWorker:
             # every worker holds the whole step's training rows, to take a token-balanced share
             width = full["response_mask"].shape[1]
             whole = dict(full)
-            for key in ("old_logprobs", "ref_logprobs", "advantages", "is_weights"):
+            for key in (
+                "old_logprobs",
+                "ref_logprobs",
+                "teacher_logprobs",
+                "advantages",
+                "is_weights",
+            ):
                 if key in batch:
                     whole[key] = gather_rows(batch[key], width, self.group)
             self.whole = whole
@@ -399,6 +414,25 @@ class ActorWorker:
                     None if ov is None else ray.put(ret[ov[0] - lo : ov[1] - lo].clone())
                 )
         return returns_refs, metrics
+
+    def _distill(
+        self,
+        batch: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+        token_rewards: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """The teacher's log-probs of this worker's samples (kept in ``batch`` for a loss-mode
+        update), the step's reverse KL summed into ``metrics``, and the token rewards with
+        the reverse-KL reward added in mode ``reward``."""
+        distill = self.cfg.algorithm.distillation
+        assert distill is not None and self.teacher is not None
+        batch["teacher_logprobs"] = self.teacher.logprobs(batch)
+        rkl = A.reverse_kl(batch["old_logprobs"], batch["teacher_logprobs"], mask)
+        metrics["distill_kl_sum"] = float(rkl.sum())
+        if distill.mode == "reward" and distill.coefficient > 0:
+            return A.distill_token_rewards(token_rewards, rkl, distill.coefficient)
+        return token_rewards
 
     def _fetch_values(
         self, value_lists: Sequence[Any], critic_ranges: Sequence[tuple[int, int]]
@@ -438,6 +472,10 @@ class ActorWorker:
         mini = (tr.mini_batch_size or cfg.data.samples_per_step) // self.shard.dp_size
         micro = tr.micro_batch_size or mini
         kl_loss_on = algo.kl.coefficient > 0 and algo.kl.mode == "loss"
+        distill = algo.distillation
+        distill_coef = (
+            distill.coefficient if distill is not None and distill.mode == "loss" else 0.0
+        )
         tis_cap = algo.tis_cap
 
         def loss_fn(
@@ -488,6 +526,10 @@ class ActorWorker:
                 )
                 loss = loss + algo.kl.coefficient * kll
                 metrics["actor/kl_loss"] = kll.detach()
+            if distill_coef > 0:  # the reverse KL to the teacher, as a loss term
+                dl = A.distill_loss(logp, mb["teacher_logprobs"], mask, algo.loss_aggregation)
+                loss = loss + distill_coef * dl
+                metrics["actor/distill_loss"] = dl.detach()
             return loss, metrics
 
         parts: list[dict[str, float]] = []

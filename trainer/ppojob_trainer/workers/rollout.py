@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ppojob_api.checks.distill import teacher_alone
 from ppojob_api.training import TrainerConfig
 
 from ..agent import (
@@ -148,6 +149,7 @@ class RolloutWorker:
             (self.engine, self.tokenizer),
             reward_workers,
             shard.dp_rank,
+            needed=not teacher_alone(cfg),
         )
         self.eval_scorer = (
             make_reward(cfg.data, cfg.data.eval_prompts, device, cfg.model.dtype)
