@@ -26,12 +26,15 @@ Two optimizer paths:
 - CPU (verified by the tests): fp32 weights, ``torch.optim.AdamW`` over the local shard, the
   gradient average over the data-parallel group with one flat all-reduce, gradient clipping on
   the global norm (tensor-parallel shards counted once each, replicated weights once).
-- GPU (not yet run on a GPU): megatron-core's ``DistributedDataParallel`` and distributed
-  optimizer (bf16 weights with fp32 master weights and gradient reduction in fp32), Transformer
-  Engine's layer spec when it is installed. On the CPU the tests drive megatron-core's own DDP
-  (its gradient scale against one full-batch backward, over real gloo groups) and its own
-  distributed optimizer under a device shim (save -> load -> step resumes bit-identically);
-  megatron's pipeline schedules and Transformer Engine need CUDA and run only on a GPU.
+- GPU (not yet run on a GPU): megatron-core's ``DistributedDataParallel`` and distributed optimizer
+  (bf16 weights with fp32 master weights and gradient reduction in fp32), Transformer Engine's layer
+  spec with megatron-core's fusions on (:func:`~.megatron_parallel.kernel_choice`; Transformer
+  Engine missing is an error naming the ``gpu`` extra, unless the role sets
+  ``PPOJOB_MEGATRON_LOCAL_SPEC=1`` for the unfused local layers). On the CPU the tests drive
+  megatron-core's own DDP (its gradient scale against one full-batch backward, over real gloo
+  groups) and its own distributed optimizer under a device shim (save -> load -> step resumes
+  bit-identically); megatron's pipeline schedules and Transformer Engine need CUDA and run only on a
+  GPU.
 
 Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
 which gives each token the position the Hugging Face model gives it under left padding and needs

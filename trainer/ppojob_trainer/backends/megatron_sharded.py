@@ -116,6 +116,7 @@ class _Sharded:
             pp=shard.pp_size,
             cp=shard.cp_size,
             sequence_parallel=self.sequence_parallel,
+            role=shard.role,
         )
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
