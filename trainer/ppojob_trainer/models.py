@@ -335,11 +335,9 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
-        gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            w = torch.randn(self.value_head.weight.shape, generator=gen) / (hidden_size + 1)
-            self.value_head.weight.copy_(w.to(self.value_head.weight.dtype))
-            self.value_head.bias.zero_()
+            for k, v in initial_value_head(hidden_size, seed).items():
+                getattr(self.value_head, k).copy_(v)
 
     def forward(
         self,
@@ -362,6 +360,86 @@ class ValueModel(nn.Module):
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def initial_value_head(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """A new critic's value head (fp32 ``weight`` [1, hidden], ``bias`` [1]) from ``seed``: the
+    same on every backend."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn((1, hidden_size), generator=gen) / (hidden_size + 1)
+    return {"weight": weight, "bias": torch.zeros(1)}
+
+
+def value_head_state(
+    model_dir: Path | str, hidden_size: int, dtype: str = "float32", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """The value head :func:`load_value_model` gives the critic of ``model_dir`` (the saved
+    ``value_head.safetensors`` of a critic exported by the trainer, else a new one from
+    ``seed``), in ``dtype``, without loading the backbone."""
+    head = initial_value_head(hidden_size, seed)
+    path = Path(model_dir) / VALUE_HEAD_FILE
+    if path.is_file():
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        head = {k: saved[k].to(torch.float32).reshape(v.shape) for k, v in head.items()}
+    return {k: v.to(torch_dtype(dtype)) for k, v in head.items()}
+
+
+class CheckpointSlices:
+    """The tensors of a Hugging Face model directory's safetensors files, read a slice at a
+    time (``safe_open(...).get_slice(name)[...]``): only the entries asked for are copied into
+    memory. Each read opens its file and closes it again, so no mapping of the file (whose
+    pages a process's resident memory counts once touched) outlives the read."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files  # tensor name -> the file holding it
+
+    @classmethod
+    def open(cls, model_dir: Path | str) -> CheckpointSlices | None:
+        """The checkpoint of ``model_dir`` (``model.safetensors``, or the files of
+        ``model.safetensors.index.json``), or None when it has no safetensors weights."""
+        import json
+
+        from safetensors import safe_open
+
+        d = Path(model_dir)
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls({name: d / f for name, f in weight_map.items()})
+        single = d / "model.safetensors"
+        if not single.is_file():
+            return None
+        with safe_open(str(single), framework="pt") as f:
+            return cls(dict.fromkeys(f.keys(), single))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of tensor ``name`` (read from the file's header)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read(
+        self,
+        name: str,
+        dim: int = 0,
+        start: int | None = None,
+        stop: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``name``'s entries ``start:stop`` along ``dim`` (all of it by default), as a
+        tensor of its own (in ``dtype`` if given)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            part = f.get_slice(name)
+            t = part[(slice(None),) * dim + (slice(start, stop),)]
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def load_value_model(model_dir: Path | str, dtype: str = "float32", seed: int = 0) -> ValueModel:

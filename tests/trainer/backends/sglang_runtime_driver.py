@@ -30,6 +30,7 @@ import importlib.machinery
 import json
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -339,8 +340,28 @@ def main() -> None:
     for row_seed in row_seeds(7, 4):
         params = SamplingParams(**sampling_params(16, 0.8, 0.95, [2, 3], row_seed))
         params.verify(11)
+        params.normalize(None)  # what SGLang does without a tokenizer (skip_tokenizer_init)
         seeds.append(params.sampling_seed)
     result["sampling_seeds"] = seeds
+    try:  # the check runs: a stop string needs the tokenizer
+        SamplingParams(**sampling_params(16, 0.8, 0.95, [2], 0), stop=["\n"]).normalize(None)
+        result["stop_string_without_tokenizer"] = "accepted"
+    except ValueError as exc:
+        result["stop_string_without_tokenizer"] = str(exc)
+    # the engine's arguments through SGLang's own ServerArgs (its resolution hooks run)
+    from sglang.srt.server_args import ServerArgs
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.backends.sglang_backend import engine_args
+
+    cfg = TrainerConfig.model_validate(
+        {
+            "roles": {"rollout": {"backend": "sglang", "colocateWithActor": True}},
+            "algorithm": {"advantageEstimator": "grpo"},
+        }
+    )
+    server_args = ServerArgs(**engine_args(cfg, Path("/models/m"), (30001, 30002)))
+    result["skip_tokenizer_init"] = server_args.skip_tokenizer_init
     try:
         SamplingParams(**sampling_params(16, 0.8, 1.5, [2], 0)).verify(11)
         result["bad_top_p"] = "accepted"

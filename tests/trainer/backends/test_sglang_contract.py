@@ -330,6 +330,39 @@ def test_the_output_fields_the_adapter_reads_are_produced(sglang):
     assert 3 in widths and 3 in zips
 
 
+def test_the_engine_skips_its_tokenizer_as_nothing_we_ask_needs_it(sglang):
+    """``skip_tokenizer_init`` (issue 40, finding 8: the engine detokenized what the trainer
+    decodes again): on for every engine; prompts go in as token ids (SGLang refuses a text
+    prompt without its tokenizer); the log-prob tuples then come back without text, and the
+    adapter does not read it. (The sampling parameters pass SGLang's own check without a
+    tokenizer: ``test_sglang_runtime.py``.)"""
+    lora = tiny_cfg()
+    lora.model.lora = LoraSpec(rank=8)
+    for cfg in (tiny_cfg(), tiny_cfg(colocateWithActor=False, resources={"gpus": 2}), lora):
+        args = adapter.engine_args(cfg, Path("/models/m"), (30001, 30002))
+        assert args["skip_tokenizer_init"] is True
+    assert "skip_tokenizer_init" in server_args_fields(sglang)
+    generate = adapter_engine_calls()["generate"]
+    assert generate and all(
+        "input_ids" in kws and not kws & {"text", "prompt"} for kws, _ in generate
+    )
+    path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
+    flags = [
+        ast.unparse(arg)
+        for n in ast.walk(sglang.tree(path))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "convert_logprob_style"
+        for arg in n.args
+    ]
+    assert any(f.endswith("and (not self.skip_tokenizer_init)") for f in flags), flags
+    meta, field = adapter.OUTPUT_FIELDS
+    outs = [{meta: {field: [(-0.5, 7, None), (-1.5, 2, None)]}}]
+    gen = adapter.generation_from_outputs(outs, 3, pad_id=0)
+    assert gen.response_ids.tolist() == [[7, 2, 0]] and gen.lengths.tolist() == [2]
+    assert gen.logprobs.tolist() == [[-0.5, -1.5, 0.0]]
+
+
 def test_every_runtime_import_exists(sglang):
     for module, name in adapter.RUNTIME_IMPORTS.values():
         tree = sglang.tree(sglang.module_file(module))

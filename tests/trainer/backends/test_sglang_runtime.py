@@ -76,3 +76,11 @@ def test_our_sampling_parameters_pass_sglangs_own_validation(run):
     with its own seed; SGLang's validation itself runs (an out-of-range top_p is refused)."""
     assert len(set(run["sampling_seeds"])) == 4, run["sampling_seeds"]
     assert "top_p" in run["bad_top_p"], run["bad_top_p"]
+
+
+def test_the_engine_runs_without_its_tokenizer_and_our_requests_need_none(run):
+    """Our engine arguments through SGLang's own ``ServerArgs`` keep ``skip_tokenizer_init``,
+    and every row's sampling parameters pass SGLang's own ``normalize`` with no tokenizer (what
+    its scheduler does under that setting); the check itself runs: a stop string is refused."""
+    assert run["skip_tokenizer_init"] is True
+    assert "skip_tokenizer_init" in run["stop_string_without_tokenizer"]

@@ -8,27 +8,33 @@ Imported only when ``spec.roles.actor.backend`` or ``spec.roles.critic.backend``
 ``megatron``; megatron-core itself is imported inside the functions that need it.
 
 Each worker holds one tensor/pipeline-parallel shard of a megatron-core ``GPTModel`` converted from
-the Hugging Face checkpoint (:mod:`.megatron_convert`); the actor's model ends at its final hidden
-states (:func:`~.megatron_logprobs.emit_hidden_states`) and its log-probs and entropy come from the
-vocabulary-parallel projection of the response positions, ``LOGITS_CHUNK_TOKENS`` at a time, each
-chunk recomputed in backward (:func:`~.megatron_logprobs.chunked_vocab_stats`), never the
-micro-batch's whole [b, L, V/tp] logits nor the gathered vocabulary; the critic is the same model
-with a value head instead of the output layer. Forward and backward go through megatron-core's
-pipeline schedule (``get_forward_backward_func``: no pipelining at pipeline 1, 1F1B above). The
-loss functions are the shared ones (``ppojob_trainer.algorithms``), weighted per micro-batch
-exactly as the torch backend weighs them, so both backends make the same update.
+the Hugging Face checkpoint (:mod:`.megatron_convert`), read from its safetensors files as the
+slices that worker holds (``get_slice``; host memory per worker: about its shard, the reference
+model's copy read the same way); exporting to Hugging Face names is the only gather. The actor's
+model ends at its final hidden states (:func:`~.megatron_logprobs.emit_hidden_states`) and its
+log-probs and entropy come from the vocabulary-parallel projection of the response positions,
+``LOGITS_CHUNK_TOKENS`` at a time, each chunk recomputed in backward
+(:func:`~.megatron_logprobs.chunked_vocab_stats`), never the micro-batch's whole [b, L, V/tp] logits
+nor the gathered vocabulary; the critic is the same model with a value head instead of the output
+layer. Forward and backward go through megatron-core's pipeline schedule
+(``get_forward_backward_func``: no pipelining at pipeline 1, 1F1B above). The loss functions are the
+shared ones (``ppojob_trainer.algorithms``), weighted per micro-batch exactly as the torch backend
+weighs them, so both backends make the same update.
 
 Two optimizer paths:
 
 - CPU (verified by the tests): fp32 weights, ``torch.optim.AdamW`` over the local shard, the
   gradient average over the data-parallel group with one flat all-reduce, gradient clipping on
   the global norm (tensor-parallel shards counted once each, replicated weights once).
-- GPU (not yet run on a GPU): megatron-core's ``DistributedDataParallel`` and distributed
-  optimizer (bf16 weights with fp32 master weights and gradient reduction in fp32), Transformer
-  Engine's layer spec when it is installed. On the CPU the tests drive megatron-core's own DDP
-  (its gradient scale against one full-batch backward, over real gloo groups) and its own
-  distributed optimizer under a device shim (save -> load -> step resumes bit-identically);
-  megatron's pipeline schedules and Transformer Engine need CUDA and run only on a GPU.
+- GPU (not yet run on a GPU): megatron-core's ``DistributedDataParallel`` and distributed optimizer
+  (bf16 weights with fp32 master weights and gradient reduction in fp32), Transformer Engine's layer
+  spec with megatron-core's fusions on (:func:`~.megatron_parallel.kernel_choice`; Transformer
+  Engine missing is an error naming the ``gpu`` extra, unless the role sets
+  ``PPOJOB_MEGATRON_LOCAL_SPEC=1`` for the unfused local layers). On the CPU the tests drive
+  megatron-core's own DDP (its gradient scale against one full-batch backward, over real gloo
+  groups) and its own distributed optimizer under a device shim (save -> load -> step resumes
+  bit-identically); megatron's pipeline schedules and Transformer Engine need CUDA and run only on a
+  GPU.
 
 Inputs: every row is shifted left so that its prompt starts at position 0 (right padding only),
 which gives each token the position the Hugging Face model gives it under left padding and needs

@@ -4,7 +4,9 @@ Pure tensor code (no megatron import, no process group): :func:`hf_to_megatron` 
 Face state dict into the state dict of one tensor/pipeline-parallel rank of a megatron-core
 ``GPTModel`` built with the local (non-Transformer-Engine) layer spec; :func:`megatron_to_hf`
 puts the shards of every rank back together under the HF names. Both are exact: a round trip
-returns bit-identical tensors.
+returns bit-identical tensors. :func:`local_from_slices` builds one rank's tensor from only the
+slices of the HF tensors that rank holds (what a rank reads from the checkpoint's files), equal
+to :func:`hf_to_megatron`'s.
 
 Layout facts (megatron-core 0.16, local spec):
 
@@ -24,7 +26,7 @@ and ``output_layer.bias``, replicated on every tensor-parallel rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,6 +330,67 @@ def hf_from_pieces(shape: ModelShape, t: HfTensor, pieces: Sequence[torch.Tensor
     raise ValueError(f"unknown piece layout {t.kind!r} of {t.name}")
 
 
+SliceReader = Callable[[str, int, int, int], torch.Tensor]
+"""``read(name, dim, start, stop)``: HF tensor ``name`` restricted to ``start:stop`` along ``dim``
+(a new tensor: only those entries are read)."""
+
+
+def stage_pieces(
+    shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, *, value: bool = False
+) -> dict[str, list[HfTensor]]:
+    """The megatron keys of pipeline stage ``pp_rank`` (what :func:`hf_to_megatron` gives it)
+    and the HF tensors each is made of (:func:`hf_layout`; a tied ``lm_head.weight`` is the
+    embedding's, listed once)."""
+    out: dict[str, list[HfTensor]] = {}
+    for t in hf_layout(shape, pp_size, value=value):
+        if t.stage != pp_rank:
+            continue
+        parts = out.setdefault(t.key, [])
+        if all(p.kind != t.kind for p in parts):
+            parts.append(t)
+    return out
+
+
+def local_from_slices(
+    shape: ModelShape,
+    parts: Sequence[HfTensor],
+    read: SliceReader,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> torch.Tensor:
+    """Tensor-parallel rank ``tp_rank``'s piece of the megatron tensor made of ``parts`` (one
+    entry of :func:`stage_pieces`), built from the HF tensors' slices that rank holds, read
+    with ``read``: equal to :func:`hf_to_megatron`'s, without ever holding a whole split tensor.
+
+    ``q``/``k``/``v`` rows: tensor parallelism splits whole key/value groups, and a group's query
+    heads are contiguous HF rows, so rank r reads its groups' rows of each and interleaves them as
+    :func:`hf_to_megatron` does for a model of ``heads / tp`` heads over ``kv_heads / tp`` groups.
+    """
+
+    def rows_of(t: HfTensor, dim: int) -> torch.Tensor:
+        n = t.shape[dim] // tp_size
+        return read(t.name, dim, tp_rank * n, (tp_rank + 1) * n)
+
+    kinds = {t.kind: t for t in parts}
+    first = parts[0]
+    if first.kind == "replicated":
+        return read(first.name, 0, 0, first.shape[0])
+    if first.kind in ("cat0", "cat1"):
+        return rows_of(first, int(first.kind[-1]))
+    if set(kinds) == {"q", "k", "v"}:
+        local = ModelShape(
+            **{
+                **shape.__dict__,
+                "heads": shape.heads // tp_size,
+                "kv_heads": shape.kv_heads // tp_size,
+            }
+        )
+        return _qkv_rows(local, *(rows_of(kinds[k], 0) for k in "qkv"))
+    if set(kinds) == {"gate", "up"}:
+        return torch.cat([rows_of(kinds["gate"], 0), rows_of(kinds["up"], 0)], 0)
+    raise ValueError(f"megatron tensor {first.key}: unknown piece layouts {sorted(kinds)}")
+
+
 def megatron_to_hf(
     shards: Sequence[Sequence[Mapping[str, torch.Tensor]]],
     shape: ModelShape,
@@ -366,7 +429,9 @@ __all__ = [
     "hf_from_pieces",
     "hf_layout",
     "hf_to_megatron",
+    "local_from_slices",
     "megatron_to_hf",
     "parallel_problems",
     "stage_layers",
+    "stage_pieces",
 ]

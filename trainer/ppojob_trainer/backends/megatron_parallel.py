@@ -18,7 +18,9 @@ kernels are Transformer Engine's) and is rejected before this module runs.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -197,6 +199,81 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
         _install_cpu_shims(seed, shard.tp_rank)
 
 
+LOCAL_SPEC_ENV = "PPOJOB_MEGATRON_LOCAL_SPEC"
+"""Set to 1 in a role's environment to run megatron-core's local (unfused, plain torch) layers on
+a GPU without Transformer Engine: slower, and packed rows get a dense block-diagonal mask."""
+
+FUSIONS = (
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+)
+"""The ``TransformerConfig`` fusion switches :func:`kernel_choice` sets (megatron-core 0.16.1)."""
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine's torch extension imports (a broken install raises its own
+    error rather than reading as absent)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wgrad_fusion_available() -> bool:
+    """Whether the CUDA extension megatron-core's own ``ColumnParallelLinear`` (the output layer,
+    under Transformer Engine's spec too) needs for ``gradient_accumulation_fusion``
+    (``fused_weight_gradient_mlp_cuda``, APEX's) imports: without it megatron-core refuses the
+    fusion when it builds the layer."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which layers and fused kernels a megatron model runs: Transformer Engine's layer spec or
+    megatron-core's local one, and the ``TransformerConfig`` fusion switches (:data:`FUSIONS`)."""
+
+    transformer_engine: bool
+    fusions: dict[str, bool]
+
+
+def kernel_choice(device: str, role: str = "actor") -> KernelChoice:
+    """The kernels for ``device``. CPU: the local spec, every fusion off (they are CUDA
+    kernels). CUDA: Transformer Engine's spec with the fusions on: SwiGLU (``bias_activation_
+    fusion``: megatron-core's fused ``bias_swiglu``, no bias here), bias-dropout-add, masked
+    softmax (read by the local attention only; Transformer Engine's attention is fused itself),
+    RoPE (Transformer Engine's fused kernel, ``thd`` rows too), and gradient accumulation into
+    the fp32 main gradients where megatron-core's output layer can do it too
+    (:func:`wgrad_fusion_available`); the layer norms are RMSNorm, which
+    ``persist_layer_norm`` does not cover. Transformer Engine missing on CUDA is an error naming
+    the extra that installs it, unless the role opts into the local spec (:data:`LOCAL_SPEC_ENV`
+    = 1), which runs unfused."""
+    off = dict.fromkeys(FUSIONS, False)
+    if not device.startswith("cuda"):
+        return KernelChoice(False, off)
+    if not transformer_engine_available():
+        if os.environ.get(LOCAL_SPEC_ENV, "") == "1":
+            return KernelChoice(False, off)
+        raise ValueError(
+            f"spec.roles.{role}.backend: megatron on a GPU needs Transformer Engine, which is not "
+            f"installed in this image: use the trainer image built with the 'gpu' extra (pip "
+            f"install 'ppojob[trainer,gpu]' and transformer-engine[pytorch,core_cu13] as "
+            f"constraints-gpu.txt pins it; images/trainer.Dockerfile does both), or set "
+            f"{LOCAL_SPEC_ENV}=1 in the role's env to run megatron-core's unfused local layers "
+            f"(slower; packed rows get a dense attention mask)"
+        )
+    fusions = dict.fromkeys(FUSIONS, True)
+    fusions["gradient_accumulation_fusion"] = wgrad_fusion_available()
+    return KernelChoice(True, fusions)
+
+
 def transformer_config(
     shape: ModelShape,
     dtype: torch.dtype,
@@ -206,13 +283,17 @@ def transformer_config(
     pp: int,
     cp: int = 1,
     sequence_parallel: bool = False,
+    role: str = "actor",
 ) -> Any:
     """megatron-core ``TransformerConfig`` of a Llama/Qwen2 model (RMSNorm, SwiGLU, RoPE, GQA,
-    no linear biases but Qwen2's q/k/v bias, no dropout: the HF models' own inference setup)."""
+    no linear biases but Qwen2's q/k/v bias, no dropout: the HF models' own inference setup),
+    with the fusions of :func:`kernel_choice` (which refuses a GPU without Transformer Engine
+    unless the role opted into the local spec)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     gpu = device.startswith("cuda")
+    choice = kernel_choice(device, role)
     return TransformerConfig(
         num_layers=shape.layers,
         hidden_size=shape.hidden,
@@ -238,29 +319,22 @@ def transformer_config(
         pipeline_dtype=dtype,
         use_cpu_initialization=not gpu,
         perform_initialization=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False,
+        **choice.fusions,
     )
 
 
 def layer_spec(config: Any, role: str = "actor") -> Any:
-    """Transformer Engine's layer spec where it is installed (GPU), else megatron-core's local
-    one (plain torch modules; what runs on the CPU). Sequence parallelism needs Transformer
-    Engine (the local spec's torch norms refuse it)."""
+    """Transformer Engine's layer spec where :func:`kernel_choice` picks it (a GPU), else
+    megatron-core's local one (plain torch modules; what runs on the CPU, and on a GPU by the
+    role's opt-in). Sequence parallelism needs Transformer Engine (the local spec's torch norms
+    refuse it)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if config.use_cpu_initialization is False:
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    device = "cpu" if config.use_cpu_initialization else "cuda"
+    if kernel_choice(device, role).transformer_engine:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
     if config.sequence_parallel:
         raise ValueError(
             f"spec.roles.{role}.parallelism.sequenceParallel: needs Transformer Engine, which is "

@@ -5,6 +5,7 @@ pipeline schedule, checkpoints and the weight stream in the Hugging Face layout.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -21,8 +22,10 @@ from .megatron_convert import (
     hf_from_pieces,
     hf_layout,
     hf_to_megatron,
+    local_from_slices,
     megatron_to_hf,
     parallel_problems,
+    stage_pieces,
 )
 from .megatron_inputs import (
     _causal_mask,
@@ -34,6 +37,8 @@ from .megatron_inputs import (
     rope_positions,
 )
 from .weight_sync import WeightStream, plan_buckets
+
+log = logging.getLogger(__name__)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 # Transformer Engine's layer spec fuses the norms into the following linear layers.
@@ -111,20 +116,21 @@ class _Sharded:
             pp=shard.pp_size,
             cp=shard.cp_size,
             sequence_parallel=self.sequence_parallel,
+            role=shard.role,
         )
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
 
-        hf = self._load_hf(model_dir, seed, dtype_name)
-        self.model = self._new_model(build_model, hf)
+        local = self._local_source(model_dir, seed, dtype_name)
+        self.model = self._new_model(build_model, local)
         # Transformer Engine's layer spec (its varlen attention takes packed rows as ``thd``),
         # else megatron-core's local attention (packed rows: a block-diagonal mask)
         self.te = any(k.endswith(TE_NORMS[0][1]) for k in self.model.state_dict())
         self.reference = None
         if frozen_copy:
-            self.reference = self._new_model(build_model, hf).eval()
+            self.reference = self._new_model(build_model, local).eval()
             self.reference.requires_grad_(False)
-        del hf
+        del local
         self.updates = 0
         self.ddp = None
         if self.gpu:
@@ -140,6 +146,30 @@ class _Sharded:
             )
 
     # -- construction --------------------------------------------------------------------------
+    def _local_source(self, model_dir: Path, seed: int, dtype: str) -> Mapping[str, torch.Tensor]:
+        """This rank's megatron tensors of the HF checkpoint in ``model_dir``, in the training
+        dtype on the CPU: read slice by slice from its safetensors files when they hold every
+        tensor the stage needs (:class:`_SliceShard`: the rank's host memory is about its shard),
+        else (``.bin`` weights, other names) converted from the whole model loaded by
+        ``transformers``."""
+        from ..models import CheckpointSlices, torch_dtype, value_head_state
+
+        slices = CheckpointSlices.open(model_dir)
+        head = None
+        if self.value:
+            head = value_head_state(model_dir, self.shape.hidden, dtype, seed)
+        if slices is not None:
+            shard = _SliceShard(slices, self.shape, self.shard, torch_dtype(dtype), value_head=head)
+            if not shard.missing:
+                return shard
+            log.warning(
+                "megatron: %s lacks %s in its safetensors files; loading the whole model with "
+                "transformers on every rank instead of each rank's slices",
+                model_dir,
+                shard.missing[:3],
+            )
+        return self._local_from_hf(self._load_hf(model_dir, seed, dtype))
+
     def _load_hf(self, model_dir: Path, seed: int, dtype: str) -> dict[str, torch.Tensor]:
         """The HF state dict in the training dtype, on the CPU (critic: backbone + a value head
         initialised as the torch backend's, so both backends start from the same critic)."""
@@ -157,7 +187,8 @@ class _Sharded:
         sd["value_head.bias"] = vm.value_head.bias.detach()
         return sd
 
-    def _new_model(self, build_model: Callable[..., Any], hf: Mapping[str, torch.Tensor]) -> Any:
+    def _new_model(self, build_model: Callable[..., Any], local: Mapping[str, torch.Tensor]) -> Any:
+        """A model of this rank's layout holding ``local`` (its megatron-named tensors)."""
         model = build_model(
             self.shape,
             self.config,
@@ -166,7 +197,7 @@ class _Sharded:
             value=self.value,
             role=self.shard.role,
         )
-        self._load_local(model, self._local_from_hf(hf))
+        self._load_local(model, local)
         return model.to(self.device)
 
     def _local_from_hf(self, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -807,6 +838,57 @@ class _Sharded:
                 opt._set_main_param_and_optimizer_states(p, {**current, **tensors})
                 if "step" in current:
                     current["step"].fill_(step)
+
+
+class _SliceShard(Mapping[str, torch.Tensor]):
+    """One rank's megatron tensors read from a HF checkpoint's safetensors files when asked for,
+    one at a time (:func:`~.megatron_convert.local_from_slices`): each read takes only the
+    rank's slice of each HF tensor and nothing is kept, so loading a model from it holds one
+    tensor beyond the model's own shard. ``missing``: the HF tensors the stage needs that the
+    files lack (the critic's value head comes from ``value_head``)."""
+
+    def __init__(
+        self,
+        slices: Any,
+        shape: ModelShape,
+        shard: ShardIdentity,
+        dtype: torch.dtype,
+        *,
+        value_head: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.slices, self.shape, self.shard, self.dtype = slices, shape, shard, dtype
+        value = value_head is not None
+        self.pieces = stage_pieces(shape, shard.pp_rank, shard.pp_size, value=value)
+        self.extra = {f"value_head.{k}": v for k, v in (value_head or {}).items()}
+        self.names: dict[str, str] = {}  # HF name -> its name in the files
+        self.missing: list[str] = []
+        for parts in self.pieces.values():
+            for t in parts:
+                if t.name in self.extra:
+                    continue
+                # a backbone saved alone (an exported critic's) has no "model." prefix
+                found = next(
+                    (n for n in (t.name, t.name.removeprefix("model.")) if n in slices), None
+                )
+                if found is None:
+                    self.missing.append(t.name)
+                else:
+                    self.names[t.name] = found
+
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if name in self.extra:
+            return self.extra[name].narrow(dim, start, stop - start).clone()
+        return self.slices.read(self.names[name], dim, start, stop, self.dtype)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        s = self.shard
+        return local_from_slices(self.shape, self.pieces[key], self._read, s.tp_rank, s.tp_size)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
 
 
 def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict:

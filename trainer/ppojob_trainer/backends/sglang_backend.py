@@ -6,7 +6,16 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
 
 - Generation: ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)``; the
   sampled tokens and their log-probs come from ``meta_info.output_token_logprobs``
-  (``(logprob, token_id, text)`` per token).
+  (``(logprob, token_id, text)`` per token; the text is None).
+- The engine never loads its tokenizer (``skip_tokenizer_init``): the trainer applies the chat
+  template and tokenizes the prompts itself, sends token ids, stops on token ids
+  (``stop_token_ids``: no stop strings, stop regexes or ``min_new_tokens``, the only sampling
+  parameters SGLang needs a tokenizer for) and decodes the responses itself, so SGLang's
+  detokenizer, which decoded every response a second time, has nothing to do (its scheduler
+  sends the token ids straight back). What SGLang stops on without its tokenizer: our
+  ``stop_token_ids`` (the tokenizer's special tokens and EOS) and the model config's
+  ``eos_token_id``; no longer its own extra list (``<|eom_id|>`` and two others, when the
+  tokenizer's added vocabulary has them), so both backends stop on what the trainer names.
 - Colocated sleep/wake (``offload``): ``release_memory_occupation`` (everything) before the
   actor trains; ``resume_memory_occupation(tags=["weights"])`` before the weight update and
   ``resume_memory_occupation(tags=["kv_cache", "cuda_graph"])`` after it (the host empties the
@@ -109,6 +118,7 @@ def engine_args(
         "mem_fraction_static": engine_fraction(cfg, model_dir, gpu_gib),
         "random_seed": cfg.training.seed,
         "trust_remote_code": cfg.model.trust_remote_code,
+        "skip_tokenizer_init": True,  # ids in, ids out: the trainer tokenizes and decodes
         **offload_server_args(cfg),
         **(lora_server_args(cfg.model.lora) if cfg.model.lora is not None else {}),
     }
@@ -530,7 +540,8 @@ def generation_from_outputs(
     outs: Sequence[Mapping[str, Any]], max_new_tokens: int, pad_id: int
 ) -> Generation:
     """A :class:`Generation` from ``Engine.generate`` results (``meta_info`` ->
-    ``output_token_logprobs``: ``[(logprob, token_id, text), ...]`` per prompt)."""
+    ``output_token_logprobs``: ``[(logprob, token_id, text), ...]`` per prompt; the text, None
+    under ``skip_tokenizer_init``, is not read)."""
     meta, field = OUTPUT_FIELDS
     bsz = len(outs)
     ids = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long)
