@@ -7,6 +7,7 @@ not cover before (the driver's ``ray.get`` waited for ever); the stall limit's f
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from ppojob_operator import restarts
+from ppojob_trainer.driver.cluster import CLOSE_S, Cluster
 from ppojob_trainer.driver.run import train
 from ppojob_trainer.manifest import config_from_doc
 from ppojob_trainer.watchdog import STEP_FACTOR, WATCHDOG, StallError
@@ -42,9 +44,22 @@ def test_a_rank_hung_in_its_checkpoint_save_is_named_and_the_on_stall_action_fol
     monkeypatch.setenv(HANG_GATE_ENV, "actor:1:save checkpoint")
     cfg = config_from_doc(_doc())
     assert cfg.stall_timeout_seconds == FLOOR_S
+    shutdowns: list[float] = []
+    real_shutdown = Cluster.shutdown
+
+    def timed(self: Cluster, closing: list[Any]) -> None:
+        t = time.monotonic()
+        real_shutdown(self, closing)
+        shutdowns.append(time.monotonic() - t)
+
+    monkeypatch.setattr(Cluster, "shutdown", timed)
     with pytest.raises(StallError) as info:
         train(cfg, tmp_path, rec := Recorder(), max_steps=2)
     text = str(info.value)
+    # the hung rank's host never answers its close: shutdown kills it after the short bound
+    # instead of waiting out the usual one
+    assert WATCHDOG.stalled == info.value.pending
+    assert shutdowns and shutdowns[0] < CLOSE_S, shutdowns
     assert [step for step, _ in rec.reports] == [1]  # inside the first step's checkpoint
     assert ("actor", 1, "save checkpoint") in info.value.pending, text
     assert "actor rank 1 (save checkpoint)" in text

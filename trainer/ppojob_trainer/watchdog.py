@@ -63,10 +63,13 @@ class Watchdog:
         self.floor: float | None = None
         self.factor = STEP_FACTOR
         self.slowest = 0.0
+        self.stalled: list[tuple[str, int, str]] = []
+        """What the last :class:`StallError` named (empty: no stall this run)."""
 
     def configure(self, floor: float | None, factor: float = STEP_FACTOR) -> None:
         """A new run: ``floor`` is ``stall_timeout_seconds`` (None or 0: no limit)."""
         self.floor, self.factor, self.slowest = floor or None, factor, 0.0
+        self.stalled = []
 
     @property
     def limit(self) -> float | None:
@@ -80,8 +83,13 @@ class Watchdog:
         self.slowest = max(self.slowest, float(seconds))
 
     def wait(self, labelled: Sequence[Labelled]) -> None:
-        """Wait for every ref of ``labelled``; :class:`StallError` names those late."""
-        wait_or_name(labelled, self.limit)
+        """Wait for every ref of ``labelled``; :class:`StallError` names those late (and
+        :attr:`stalled` keeps them: shutdown then does not wait long on a hung worker)."""
+        try:
+            wait_or_name(labelled, self.limit)
+        except StallError as exc:
+            self.stalled = exc.pending
+            raise
 
     def get(self, refs: Any, role: str, phase: str, ranks: Sequence[int] | None = None) -> Any:
         """``ray.get(refs)`` (one ref or a list) once :meth:`wait` has seen every one ready;

@@ -24,6 +24,11 @@ from .topology import Topology, dp_leaders, gang_config
 
 log = logging.getLogger(__name__)
 
+CLOSE_S = 60.0
+"""How long shutdown waits for engines and sandbox workers to stop their own processes."""
+CLOSE_AFTER_STALL_S = 5.0
+"""The same after a stall (a hung worker's host never answers: it is killed after this)."""
+
 
 def worker_env() -> dict[str, str]:
     """Environment of the worker processes: idle OpenMP threads must not spin (they would starve
@@ -242,8 +247,10 @@ class Cluster:
         ``closing`` (engines and sandbox workers, which own processes of their own: sglang,
         tool pools) are asked to stop those first."""
         hosts, self.started = self.started, []
+        # after a stall a hung worker would hold its host's close call for the whole bound
+        bound = CLOSE_AFTER_STALL_S if WATCHDOG.stalled else CLOSE_S
         try:
-            WATCHDOG.get_within([h.close.remote() for h in closing], 60)
+            WATCHDOG.get_within([h.close.remote() for h in closing], bound)
         except Exception:  # a dead or stuck host: killing it below is all that is left
             log.debug("could not close every engine", exc_info=True)
         for h in hosts:
