@@ -438,8 +438,8 @@ class _Quiet:
 @pytest.mark.slow
 def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """Two steps of the tiny example with a megatron TP 2 actor and critic, then a resume for a
-    third: the checkpoint holds whole HF-named models (gathered from both shards) and Adam
-    moments, and the resumed run continues from it."""
+    third: each role's checkpoint is megatron-core's dist_checkpointing (one file per worker,
+    no gathered state.pt), and the resumed run continues from it."""
     import yaml
 
     from ppojob_trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -459,13 +459,13 @@ def test_loop_trains_checkpoints_and_resumes_on_megatron_tp2(local_ray, tmp_path
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     state = load_checkpoint(ckpt)  # the driver's small state; each role's under <role>/
     assert "actor" not in state
-    for role in ("actor", "critic"):
-        state[role] = torch.load(ckpt / role / "state.pt", weights_only=True)
-    hf_keys = set(models.load_causal_lm(model_dir).state_dict())
-    assert set(state["actor"]["model"]) == hf_keys
-    assert set(state["actor"]["adam"]["exp_avg"]) == hf_keys
-    assert state["actor"]["updates"] == 4  # 128 samples in mini-batches of 64, 2 steps
-    assert {"value_head.weight", "value_head.bias"} <= set(state["critic"]["model"])
+    for role in ("actor", "critic"):  # dist_checkpointing: one file per worker, no state.pt
+        files = {f.name for f in (ckpt / role).iterdir()}
+        assert {"metadata.json", "common.pt", ".metadata"} <= files, files
+        assert "state.pt" not in files and any(f.endswith(".distcp") for f in files), files
+        common = torch.load(ckpt / role / "common.pt", weights_only=False)
+        assert common["updates"] == 4  # 128 samples in mini-batches of 64, 2 steps
+    assert model_dir.is_dir()
     second = train(cfg, tmp_path / "run", _Quiet())
     assert second.steps == 3 and len(second.history) == 1
 

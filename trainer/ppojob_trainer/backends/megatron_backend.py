@@ -55,6 +55,7 @@ embedding for positions 0..N-1 whatever its ``position_ids``). Micro-batches by 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,6 +74,8 @@ from .megatron_logprobs import (
 )
 from .megatron_sharded import _Sharded
 from .weight_sync import WeightStream
+
+log = logging.getLogger(__name__)
 
 
 class MegatronPolicyTrainer(PolicyTrainer):
@@ -181,6 +184,15 @@ class MegatronPolicyTrainer(PolicyTrainer):
         collective within its data-parallel replica)."""
         return self.m.weight_stream(max_bytes)
 
+    def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """This worker's shard, through megatron-core's ``dist_checkpointing``
+        (:meth:`_Sharded.save_checkpoint`); every worker of the role calls it."""
+        self.m.save_checkpoint(Path(directory))
+
+    def load_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Restore :meth:`save_checkpoint`'s shards (or a single-file checkpoint of before)."""
+        _load_sharded(self, self.m, Path(directory))
+
     def state_dict(self) -> dict[str, object]:
         return self.m.state_dict()
 
@@ -256,11 +268,48 @@ class MegatronValueTrainer(ValueTrainer):
         (:meth:`MegatronPolicyTrainer.export_weight_stream`)."""
         return self.m.weight_stream(max_bytes)
 
+    def save_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """This worker's shard, through megatron-core's ``dist_checkpointing``
+        (:meth:`_Sharded.save_checkpoint`); every worker of the role calls it."""
+        self.m.save_checkpoint(Path(directory))
+
+    def load_checkpoint(self, directory: Path | str, shard: ShardIdentity) -> None:
+        """Restore :meth:`save_checkpoint`'s shards (or a single-file checkpoint of before)."""
+        _load_sharded(self, self.m, Path(directory))
+
     def state_dict(self) -> dict[str, object]:
         return self.m.state_dict()
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.m.load_state_dict(state)
+
+
+def _load_sharded(
+    trainer: MegatronPolicyTrainer | MegatronValueTrainer, m: _Sharded, directory: Path
+) -> None:
+    """Load a role's checkpoint directory: ``dist_checkpointing`` shards (``metadata.json``),
+    else a single ``state.pt`` written before sharded checkpoints (still loadable: every worker
+    reads it whole, once, and cuts its shard; the next checkpoint is sharded)."""
+    if (directory / "metadata.json").is_file():
+        m.load_checkpoint(directory)
+        return
+    legacy = directory / _LEGACY_STATE
+    if legacy.is_file():
+        log.warning(
+            "%s is a single-file megatron checkpoint of an earlier version: every worker loads "
+            "it whole (host memory: the whole training state); checkpoints from now on are "
+            "sharded",
+            legacy,
+        )
+        trainer.load_state_dict(torch.load(legacy, map_location="cpu", weights_only=True))
+        return
+    raise FileNotFoundError(
+        f"{directory} holds no megatron checkpoint (neither dist_checkpointing's metadata.json "
+        f"nor a {_LEGACY_STATE})"
+    )
+
+
+_LEGACY_STATE = "state.pt"
 
 
 def _loss_inputs(mb: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

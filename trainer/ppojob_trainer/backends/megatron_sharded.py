@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -723,6 +724,98 @@ class _Sharded:
             out["master"] = main
         return out
 
+    # -- sharded checkpoints (megatron-core dist_checkpointing) ----------------------------------
+    def save_checkpoint(self, directory: Path) -> None:
+        """This rank's shard of the weights and the optimizer state into ``directory``, through
+        megatron-core's ``dist_checkpointing`` (``torch_dist``: every rank writes its own file,
+        a tensor replicated over data-parallel ranks is written once, its writes spread over
+        them; no rank gathers another's state). Resumable under another data-parallel size (and
+        another tensor or pipeline split: the tensors are stored in the model's global shapes).
+        Every worker of the role calls it with the same directory (a collective)."""
+        from megatron.core import dist_checkpointing
+
+        directory.mkdir(parents=True, exist_ok=True)
+        with _cpu_without_cuda_sync(not torch.cuda.is_available()):
+            dist_checkpointing.save(
+                self._sharded_state(loading=False), str(directory), self._save_strategy()
+            )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; each rank reads the parts of the stored
+        tensors its shard covers (a collective over the role's workers)."""
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(directory))
+        self.model.load_state_dict(loaded["model"], strict=True)
+        self.updates = int(loaded["updates"])
+        if self.ddp is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.optimizer.reload_model_params()  # (no-op when the main weights were loaded)
+            return
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        step = torch.tensor(float(loaded["adam_step"]))
+        self.optimizer.state.clear()
+        for p in self.params:
+            name = names[id(p)]
+            self.optimizer.state[p] = {
+                "step": step.clone(),
+                **{k: loaded["optimizer"][k][name].to(p.dtype) for k in ADAM_KEYS},
+            }
+
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        """The sharded state dict of this rank: the model's (``GPTModel.sharded_state_dict``),
+        the optimizer's (megatron's distributed optimizer: its own, in the model's space; the
+        CPU path's ``AdamW``: its moments as tensors of the parameters' sharding), the counters."""
+        model = self.model.sharded_state_dict()
+        state: dict[str, Any] = {"model": model, "updates": self.updates}
+        if self.ddp is not None:
+            if loading:
+                self._init_distributed_state()
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model,
+                is_loading=loading,
+                metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"},
+            )
+            return state
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        moments: dict[str, dict[str, Any]] = {k: {} for k in ADAM_KEYS}
+        steps = []
+        for p in self.params:
+            name, st = names[id(p)], self.optimizer.state.get(p, {})
+            for k in ADAM_KEYS:
+                t = st[k] if k in st else torch.zeros_like(p)
+                moments[k][name] = make_sharded_optimizer_tensor(model[name], t, f"optimizer.{k}")
+            steps.append(float(st["step"]) if "step" in st else 0.0)
+        state["optimizer"] = moments
+        state["adam_step"] = max(steps, default=0.0)
+        return state
+
+    def _init_distributed_state(self) -> None:
+        """Adam's state of megatron's distributed optimizer must exist before it is loaded."""
+        owners = self._distributed_owners()
+        for opt in {id(o): o for o, _ in owners.values()}.values():
+            main = [p for g in opt.optimizer.param_groups for p in g["params"]]
+            if any(not opt.optimizer.state.get(p) for p in main):
+                opt._init_optimizer_states_with_dummy_values()
+
+    def _save_strategy(self) -> Any:
+        """``torch_dist`` with the writes of data-parallel replicas spread over them
+        (megatron-core's fully parallel wrapper): no rank writes more than its share."""
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        base = get_default_save_sharded_strategy()
+        if self.shard.dp_size * self.shard.cp_size == 1:
+            return base
+        group = self.ps.get_data_parallel_group(with_context_parallel=True)
+        return FullyParallelSaveStrategyWrapper(base, group)
+
     def _distributed_adam_state(
         self, names: Mapping[int, str]
     ) -> tuple[dict[str, dict[str, torch.Tensor]], float, dict[str, torch.Tensor]]:
@@ -838,6 +931,23 @@ class _Sharded:
                 opt._set_main_param_and_optimizer_states(p, {**current, **tensors})
                 if "step" in current:
                     current["step"].fill_(step)
+
+
+@contextmanager
+def _cpu_without_cuda_sync(cpu: bool) -> Iterator[None]:
+    """megatron-core's ``torch_dist`` writer copies each tensor to the CPU ``non_blocking`` and
+    then calls ``torch.cuda.synchronize()`` unconditionally (``preload_tensors``), which raises
+    on a machine without CUDA. There the copies are synchronous CPU copies and the call has
+    nothing to wait for: it is a no-op for the save's duration."""
+    if not cpu:
+        yield
+        return
+    real = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real  # type: ignore[assignment]
 
 
 class _SliceShard(Mapping[str, torch.Tensor]):
