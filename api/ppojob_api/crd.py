@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from ppojob_api.cel import attach_rules, bound_schema
 from ppojob_api.spec import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, PPOJob
 
 _DROP = {"title", "$defs", "discriminator"}
@@ -76,6 +77,8 @@ _TOP_DESCRIPTIONS = {
     "apiVersion": "APIVersion defines the versioned schema of this representation of an object.",
     "kind": "Kind is a string value representing the REST resource this object represents.",
     "metadata": "Standard object metadata.",
+    "metadata.name": "The job's name: KubeRay names its RayCluster, services and PodGroup after "
+    "it, so at most 47 characters of lower-case letters, digits and '-', starting with a letter.",
     "spec": "Desired state of the PPOJob.",
     "status": "Observed state of the PPOJob, written by the operator and the trainer.",
 }
@@ -177,10 +180,12 @@ def openapi_schema() -> dict[str, Any]:
     schema = structural_schema(raw)
     schema["required"] = ["spec"]
     # The API server refuses a CRD whose root `metadata` schema holds anything but `type: object`
-    # (a description included): "must not specify anything other than name and generateName".
-    schema["properties"]["metadata"] = {"type": "object"}
+    # and rules on name or generateName (a description included): "must not specify anything
+    # other than name and generateName". The name's rules are in `cel.ADMISSION_RULES`.
+    name_schema = {"type": "string", "description": _TOP_DESCRIPTIONS["metadata.name"]}
+    schema["properties"]["metadata"] = {"type": "object", "properties": {"name": name_schema}}
     for name, text in _TOP_DESCRIPTIONS.items():
-        if name != "metadata":
+        if not name.startswith("metadata"):
             schema["properties"][name]["description"] = text
     schema["description"] = _one_line(PPOJob.__doc__ or "")
     # apiVersion and kind are checked by the API server itself; no enum/default there.
@@ -189,6 +194,8 @@ def openapi_schema() -> dict[str, Any]:
             "type": "string",
             "description": _TOP_DESCRIPTIONS[name],
         }
+    bound_schema(schema["properties"]["spec"])
+    attach_rules(schema)
     return schema
 
 

@@ -25,6 +25,16 @@ class Problem:
         return f"{self.path}: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")
 
 
+_MODEL_PATH = Problem(
+    "spec.model.path",
+    "required field is missing: a PPOJob names the model it trains (there is no default model)",
+    "set spec.model.path to a model directory or a Hugging Face id such as "
+    "Qwen/Qwen2.5-0.5B-Instruct, or to builtin:tiny-llama for the CPU demo",
+)
+REQUIRED: dict[str, Problem] = {"spec.model": _MODEL_PATH, "spec.model.path": _MODEL_PATH}
+"""Required fields whose absence gets its own words and fix (by the path pydantic reports)."""
+
+
 class SpecError(ValueError):
     """Every problem found in a spec, raised together."""
 
@@ -67,7 +77,9 @@ def pydantic_problems(exc: Exception, prefix: str = "") -> list[Problem]:
             else:
                 problems.append(Problem(path, "unknown field", _unknown_field_fix(exc, err["loc"])))
         elif kind == "missing":
-            problems.append(Problem(path, "required field is missing", "add it"))
+            problems.append(
+                REQUIRED.get(path) or Problem(path, "required field is missing", "add it")
+            )
         elif kind == "union_tag_invalid":
             problems.append(
                 Problem(

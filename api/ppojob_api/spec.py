@@ -13,7 +13,7 @@ from pydantic import Field
 
 from ppojob_api.base import ApiModel
 from ppojob_api.quantity import CpuQuantity, MemoryQuantity
-from ppojob_api.training import SecretRef, Toleration, TrainingHalf
+from ppojob_api.training import ModelSpec, SecretRef, Toleration, TrainingHalf
 
 RAY_VERSION = "2.60.0"
 """The Ray release in the trainer image: the one source of truth. `constraints.txt` pins
@@ -260,9 +260,25 @@ class HeadSpec(ApiModel):
     server's rules (field names, selector operators and values, weights, topology keys)."""
 
 
+class JobModelSpec(ModelSpec):
+    """The policy (actor) and value (critic) models. A PPOJob names its model: there is no
+    default (a job that forgot it would train a built-in tiny model and report Succeeded)."""
+
+    path: str = Field(min_length=1)
+    """Required. The actor (and reference) model: a Hugging Face model directory in the trainer
+    image or a volume (absolute, or relative to the working directory), a Hugging Face hub id
+    such as `Qwen/Qwen2.5-7B-Instruct` (downloaded through huggingface_hub into its cache,
+    HF_HOME; offline with HF_HUB_OFFLINE=1), or `builtin:<name>` for the tiny randomly
+    initialised CPU models (`builtin:tiny-llama`, `builtin:tiny-qwen2`, `builtin:small-llama`).
+    An existing directory wins over a hub id of the same name."""
+
+
 class PPOJobSpec(TrainingHalf):
     """Desired state of a PPOJob: the cluster half (image, scheduling, lifecycle) and the training
     half (model, roles, algorithm, data, training)."""
+
+    model: JobModelSpec
+    """Models of the actor and critic; `path` is required."""
 
     image: str = Field(min_length=1)
     """Trainer container image (torch, ray, megatron-core, sglang and the ppojob trainer)."""

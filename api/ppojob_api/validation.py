@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ppojob_api.cel import bound_problems
 from ppojob_api.checks import check_spec, check_training_half
 from ppojob_api.metadata import check_metadata
 from ppojob_api.problems import Problem, SpecError, pydantic_problems
@@ -66,7 +67,9 @@ def validate_manifest(doc: Any, source: str = "") -> PPOJob:
     if head:
         raise SpecError(head, source)
     body = prune_nulls({k: v for k, v in doc.items() if k != "status"})
-    meta_problems = check_metadata(body.get("metadata"))
+    meta_problems = check_metadata(body.get("metadata")) + bound_problems(
+        body.get("spec"), _schema()["properties"]["spec"]
+    )
     try:
         # by alias only: the API server knows `learningRate`, never `learning_rate`
         job = PPOJob.model_validate(body, by_alias=True, by_name=False)

@@ -267,13 +267,13 @@ def test_the_trainer_config_file_refuses_snake_case_too(tmp_path: Path) -> None:
 
 
 # --- item 8: YAML mistakes named as what they are -----------------------------------------------
-SPEC = HEAD + "spec:\n  image: x\n"
+SPEC = HEAD + "spec:\n  image: x\n  model: {path: 'builtin:tiny-llama'}\n"
 YAML_MISTAKES = [
     (HEAD + "spec:\n\timage: x\n", "line 5, column 1: not valid YAML: a tab character", "tab"),
-    (SPEC + "  roles:\n    actor: {}\n   rollout: {}\n", "indented differently", "lines 7-8"),
+    (SPEC + "  roles:\n    actor: {}\n   rollout: {}\n", "indented differently", "lines 8-9"),
     (HEAD + "spec:\n  image: x: y\n", "holds `: ` in an unquoted value", "quote the value"),
     (HEAD + "spec: {image: [x\n", "an unclosed quote or bracket", "close the quote or bracket"),
-    (SPEC + "on: 1\n", "on: the key `on` (line 6) is read as a boolean", '"on":'),
+    (SPEC + "on: 1\n", "on: the key `on` (line 7) is read as a boolean", '"on":'),
     (SPEC + "  roles: {actor: {nodeSelector: {yes: a}}}\n", "nodeSelector.yes: the key", '"yes":'),
 ]
 
@@ -291,9 +291,9 @@ def test_yaml_mistakes_are_named_in_one_line(text: str, expected: str, fix: str)
 @pytest.mark.parametrize(
     "text",
     [
-        HEAD + 'spec:\n  image: x\n  roles: {actor: {nodeSelector: {"yes": a}}}\n',
+        SPEC + '  roles: {actor: {nodeSelector: {"yes": a}}}\n',
         SPEC + "  data: {promptKey: 'q: a'}\n",
-        HEAD + "spec:\n  image: x  # a comment\n",
+        HEAD + "spec:\n  image: x  # a comment\n  model: {path: 'builtin:tiny-llama'}\n",
     ],
 )
 def test_their_valid_neighbours_load(text: str) -> None:

@@ -27,7 +27,9 @@ TINY = (Path(__file__).parents[2] / "examples" / "ppojob-tiny.yaml").read_text()
 
 
 def _spec(**fields: Any) -> PPOJobSpec:
-    return PPOJobSpec.model_validate({"image": "trainer:1", **fields})
+    return PPOJobSpec.model_validate(
+        {"image": "trainer:1", "model": {"path": "builtin:tiny-llama"}, **fields}
+    )
 
 
 def _volume_paths(*volumes: dict[str, Any]) -> list[str]:

@@ -75,7 +75,7 @@ from ppojob_api.spec import PPOJobSpec
 
 def spec(**settings: Any) -> PPOJobSpec:
     """The default spec with `settings` (dotted camelCase paths under spec) written over it."""
-    doc: dict[str, Any] = {"image": "trainer:1"}
+    doc: dict[str, Any] = {"image": "trainer:1", "model": {"path": "builtin:tiny-llama"}}
     for dotted, value in settings.items():
         node = doc
         *parents, leaf = dotted.split("__")

@@ -346,7 +346,10 @@ def grpo_base() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 def base_manifest(name: str = "demo", namespace: str = "ns1", **spec: Any) -> dict[str, Any]:
     """The smallest PPOJob, with `spec` fields added."""
-    body: dict[str, Any] = {"image": "ghcr.io/example/ppojob-trainer:1"}
+    body: dict[str, Any] = {
+        "image": "ghcr.io/example/ppojob-trainer:1",
+        "model": {"path": "builtin:tiny-llama"},
+    }
     body.update(spec)
     return {
         "apiVersion": "ppojob.io/v1alpha1",
