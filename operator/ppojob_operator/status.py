@@ -21,10 +21,11 @@ Suspending / Suspended             any                     Suspended (Pending wh
 
 Conditions (always the same six types, ``lastTransitionTime`` kept while the status holds):
 ``Valid``, ``SpecApplied`` (False with reason ``SpecChangeRefused`` when the spec of a started
-job changed in anything but ``suspend``), ``Running``, ``Succeeded``, ``Failed``, ``Suspended``;
-and, once the operator has restarted the job (``restarts.py``), ``Restarted`` with the last
-restart's reason and cause. While a decided restart waits for its new RayJob the phase is
-``Initializing`` with that reason.
+job changed in anything but ``suspend``: the API server refuses such an edit, so only one made
+before ``status.rayJobName`` was written, or under an older CRD, gets here), ``Running``,
+``Succeeded``, ``Failed``, ``Suspended``; and, once the operator has restarted the job
+(``restarts.py``), ``Restarted`` with the last restart's reason and cause. While a decided
+restart waits for its new RayJob the phase is ``Initializing`` with that reason.
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ deletion heals or fails the job), a pod's event records a lost or unplaceable po
 job whose image cannot be pulled.
 
 - ``on.update`` of ``spec``: a job without a RayJob yet (invalid, refused, waiting, held) is
-  reconciled like a new one; for a started job ``spec.suspend`` is applied (``suspend.py``) and
-  any other change is refused (Warning event; ``SpecApplied`` stays False until the change is
-  reverted). An edit that makes the spec invalid leaves the running status alone but for
-  ``SpecApplied``.
+  reconciled like a new one; for a started job ``spec.suspend`` is applied (``suspend.py``).
+  The API server refuses any other change of a started job's spec (the CRD's transition rules,
+  ``ppojob_api.cel.started_rules``); one that still arrives (made between the RayJob's creation
+  and the status write that freezes the spec, or under an older CRD) is refused here (Warning
+  event; ``SpecApplied`` stays False until the change is reverted). An edit that makes the spec
+  invalid leaves the running status alone but for ``SpecApplied``.
 """
 
 from __future__ import annotations
