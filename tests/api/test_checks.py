@@ -33,9 +33,9 @@ from ppojob_api.checks.dapo import (
     check_policy_loss,
 )
 from ppojob_api.checks.disruption import check_grace_period
+from ppojob_api.checks.distill import check_distillation
 from ppojob_api.checks.efficiency import check_lora, check_packing
 from ppojob_api.checks.elastic import check_elastic
-from ppojob_api.checks.distill import check_distillation
 from ppojob_api.checks.kl import check_kl_mode, check_kl_off, check_kl_target
 from ppojob_api.checks.megatron import (
     check_megatron_colocated_critic,

@@ -111,7 +111,8 @@ def test_pod_field_rules_are_the_api_servers(cp: ControlPlane, ns: str) -> None:
 
     disagreements = []
     for name, fields in POD_CASES:
-        spec = PPOJobSpec.model_validate({"image": "trainer:1", "head": fields})
+        model = {"path": "builtin:tiny-llama"}
+        spec = PPOJobSpec.model_validate({"image": "trainer:1", "model": model, "head": fields})
         ours = check_pod_fields(spec)
         pod = {
             "apiVersion": "v1",
