@@ -14,13 +14,17 @@ Flags (the Helm chart passes exactly these):
                       KubeRay's batchScheduler.name (none, volcano, yunikorn, scheduler-plugins,
                       kai-scheduler): jobs whose gang scheduler cannot work with it are refused
                       (reason BatchSchedulerMismatch); unset: not checked
+--kuberay-namespace NS
+                      the namespace KubeRay's operator runs in (default: default): each job's
+                      NetworkPolicy lets KubeRay's operator pods reach the dashboard from there
+                      only
 --kuberay-sidecar-mode auto|supported|unsupported
                       whether KubeRay supports submissionMode SidecarMode (>= 1.5.0); auto (the
                       default) reads the installed RayJob CRD at start-up
 --network-policy JSON|off
                       each job's NetworkPolicy: off, or {"dashboardFrom": [peers], "extraIngress":
-                      [rules]}; default: the job's own pods, and KubeRay's operator pods to the
-                      dashboard port
+                      [rules]}; always: the job's own pods, and KubeRay's operator pods in
+                      --kuberay-namespace to the dashboard port; dashboardFrom adds peers
 --leader-elect        act only while holding the Lease --leader-election-namespace/
                       --leader-election-name (default ppojob-operator); others wait (leader.py)
 --leader-election-identity ID
@@ -40,6 +44,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppojob_operator.builders import KUBERAY_NAMESPACE
     from ppojob_operator.scheduling import GANG_SCHEDULERS, KUBERAY_BATCH_SCHEDULERS
 
     p = argparse.ArgumentParser(
@@ -88,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "refused. Omitted: not checked",
     )
     p.add_argument(
+        "--kuberay-namespace",
+        default=KUBERAY_NAMESPACE,
+        metavar="NS",
+        help="the namespace KubeRay's operator runs in: only its pods there reach a job's "
+        f"dashboard port (default: {KUBERAY_NAMESPACE})",
+    )
+    p.add_argument(
         "--kuberay-sidecar-mode",
         choices=["auto", "supported", "unsupported"],
         default="auto",
@@ -99,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON|off",
         help='each job\'s NetworkPolicy: off, or JSON {"dashboardFrom": [NetworkPolicyPeer...], '
-        '"extraIngress": [NetworkPolicyIngressRule...]} (default: the dashboard reachable from '
-        "KubeRay's operator pods, labelled app.kubernetes.io/name=kuberay-operator)",
+        '"extraIngress": [NetworkPolicyIngressRule...]}: dashboardFrom adds peers to the dashboard '
+        "port besides the job's pods and KubeRay's operator pods in --kuberay-namespace",
     )
     p.add_argument(
         "--leader-elect",
@@ -127,13 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def network_settings(value: str | None) -> Any:
+def network_settings(value: str | None, kuberay_namespace: str | None = None) -> Any:
     """``--network-policy``: None (the default settings), ``off`` (no NetworkPolicy) or JSON with
-    ``dashboardFrom`` and ``extraIngress`` lists; ValueError names what is wrong."""
-    from ppojob_operator.builders import NetworkPolicySettings
+    ``dashboardFrom`` and ``extraIngress`` lists; ``kuberay_namespace``: ``--kuberay-namespace``
+    (None: the default). ValueError names what is wrong."""
+    from ppojob_operator.builders import KUBERAY_NAMESPACE, NetworkPolicySettings
 
+    kuberay_namespace = kuberay_namespace or KUBERAY_NAMESPACE
     if value is None:
-        return NetworkPolicySettings()
+        return NetworkPolicySettings(kuberay_namespace=kuberay_namespace)
     if value == "off":
         return None
     try:
@@ -147,7 +161,9 @@ def network_settings(value: str | None) -> Any:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise ValueError(f"{key} must be a list of objects")
     return NetworkPolicySettings(
-        dashboard_from=lists["dashboardFrom"], extra_ingress=lists["extraIngress"]
+        kuberay_namespace=kuberay_namespace,
+        dashboard_from=lists["dashboardFrom"],
+        extra_ingress=lists["extraIngress"],
     )
 
 
@@ -168,7 +184,7 @@ def operator_config(args: argparse.Namespace) -> Any:
         sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
             args.kuberay_sidecar_mode
         ],
-        network_policy=network_settings(args.network_policy),
+        network_policy=network_settings(args.network_policy, args.kuberay_namespace),
     )
 
 

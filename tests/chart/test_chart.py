@@ -58,10 +58,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "kueue-namespaced-one": {"watchNamespaces": ["ml"], "defaultGangScheduler": "kueue"},
     "network-policy-own": {
+        "kuberay": {"namespace": "ray-system"},
         "networkPolicy": {
             "dashboardFrom": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
             "extraIngress": [{"ports": [{"port": 8080}], "from": [{"namespaceSelector": {}}]}],
-        }
+        },
     },
     "network-policy-off": {"networkPolicy": {"enabled": False}},
 }
@@ -374,6 +375,7 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     if net.get("enabled", True):
         want = NetworkPolicySettings()
         assert settings == NetworkPolicySettings(
+            kuberay_namespace=kuberay.get("namespace", "default"),
             dashboard_from=net.get("dashboardFrom", want.dashboard_from),
             extra_ingress=net.get("extraIngress", want.extra_ingress),
         )
