@@ -57,6 +57,34 @@ def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
     return None
 
 
+CRD_FIX = "kubectl apply --server-side --force-conflicts -f crds/"
+
+
+def crd_staleness(installed: dict[str, Any] | None, expected_hash: str) -> str | None:
+    """Why the installed PPOJob CRD is not the one this operator was built with (its
+    ``ppojob.io/schema-hash`` annotation differs, or it has none: older than the annotation);
+    None when it is the same. Helm installs a chart's ``crds/`` once and never upgrades them,
+    so after ``helm upgrade`` the API server may keep validating, defaulting and pruning with an
+    old schema: new fields are silently dropped."""
+    from ppojob_api.crd import SCHEMA_HASH_ANNOTATION
+
+    if installed is None:
+        return None  # kopf itself waits for the CRD
+    annotations = (installed.get("metadata") or {}).get("annotations") or {}
+    have = annotations.get(SCHEMA_HASH_ANNOTATION)
+    if have == expected_hash:
+        return None
+    name = (installed.get("metadata") or {}).get("name", "ppojobs.ppojob.io")
+    what = f"schema hash {have}" if have else f"no {SCHEMA_HASH_ANNOTATION} annotation"
+    return (
+        f"the installed CustomResourceDefinition {name} is stale ({what}; this operator's is "
+        f"{expected_hash}): Helm never upgrades a chart's crds/, so the API server validates, "
+        "defaults and prunes PPOJobs with an older schema and may drop fields this operator "
+        f"reads. Update it from the chart of this release: {CRD_FIX} "
+        "(charts/ppojob-operator/crds/)"
+    )
+
+
 def refusal(
     job: PPOJob,
     *,

@@ -55,6 +55,10 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     async def _detect_kuberay(**_: Any) -> None:
         await detect_kuberay(state)
 
+    @kopf.on.startup(registry=registry)
+    async def _check_crd(**_: Any) -> None:
+        await check_crd()
+
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("ppojob_event")
     async def _ppojob_event(type: str | None, body: Any, **_: Any) -> None:
@@ -148,6 +152,27 @@ async def detect_kuberay(state: State) -> None:
             "the installed RayJob CRD predates KubeRay 1.5.0: jobs with submissionMode "
             "SidecarMode are refused (reason KubeRayTooOld)"
         )
+
+
+async def check_crd() -> None:
+    """Compare the installed PPOJob CRD's schema hash with this operator's: when stale, a
+    warning in the log, a Warning event on the CRD and ``ppojob_crd_stale`` 1 (else 0)."""
+    from ppojob_api.crd import build_crd, schema_hash
+
+    expected = schema_hash(build_crd()["spec"])
+    try:
+        crd = await k8s.aget(
+            "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", f"{PLURAL}.{GROUP}"
+        )
+    except Exception as exc:  # RBAC or network: say so, do not guess
+        log.warning("cannot read the PPOJob CRD (%s); its schema hash is not checked", exc)
+        return
+    why = capabilities.crd_staleness(crd, expected)
+    metrics.CRD_STALE.set(1 if why else 0)
+    if why is None or crd is None:
+        return
+    log.warning("%s", why)
+    await k8s.apost_event(crd, "Warning", "StaleCRD", why)
 
 
 def pod_waiting(state: State, body: Any, type: str | None = None) -> bool:
