@@ -13,7 +13,8 @@ Flags (the Helm chart passes exactly these):
 --kuberay-batch-scheduler B
                       KubeRay's batchScheduler.name (none, volcano, yunikorn, scheduler-plugins,
                       kai-scheduler): jobs whose gang scheduler cannot work with it are refused
-                      (reason BatchSchedulerMismatch); unset: not checked
+                      (reason BatchSchedulerMismatch); auto: read at start-up from KubeRay's
+                      Deployment in --kuberay-namespace; unset: not checked
 --kuberay-namespace NS
                       the namespace KubeRay's operator runs in (default: default): each job's
                       NetworkPolicy lets KubeRay's operator pods reach the dashboard from there
@@ -87,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kuberay-batch-scheduler",
-        choices=["none", *filter(None, KUBERAY_BATCH_SCHEDULERS)],
+        choices=["auto", "none", *filter(None, KUBERAY_BATCH_SCHEDULERS)],
         default=None,
         help="KubeRay's batchScheduler.name (none: unset); jobs that cannot work with it are "
-        "refused. Omitted: not checked",
+        "refused. auto: read at start-up from KubeRay's Deployment in --kuberay-namespace. "
+        "Omitted: not checked",
     )
     p.add_argument(
         "--kuberay-namespace",
@@ -176,7 +178,7 @@ def operator_config(args: argparse.Namespace) -> Any:
         entrypoint=args.trainer_entrypoint,
         kuberay_batch_scheduler=(
             None
-            if args.kuberay_batch_scheduler is None
+            if args.kuberay_batch_scheduler in (None, "auto")
             else ""
             if args.kuberay_batch_scheduler == "none"
             else args.kuberay_batch_scheduler
@@ -184,6 +186,8 @@ def operator_config(args: argparse.Namespace) -> Any:
         sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
             args.kuberay_sidecar_mode
         ],
+        detect_batch_scheduler=args.kuberay_batch_scheduler == "auto",
+        kuberay_namespace=args.kuberay_namespace,
         network_policy=network_settings(args.network_policy, args.kuberay_namespace),
     )
 

@@ -135,8 +135,48 @@ def configure(settings: kopf.OperatorSettings, max_workers: int) -> None:
     settings.watching.label_selectors["", "pods"] = JOB_LABEL
 
 
+async def detect_batch_scheduler(state: State) -> None:
+    """``--kuberay-batch-scheduler=auto``: KubeRay's batchScheduler from its Deployment in
+    ``--kuberay-namespace`` (and the ConfigMap of its ``--config`` file), read with the chart's
+    Role in that namespace only. Unknown (none found, several that disagree, unreadable): not
+    checked, and said so."""
+    cfg = state.config
+    if not cfg.detect_batch_scheduler:
+        return
+    ns = cfg.kuberay_namespace
+    try:
+        deployments = await k8s.alist("apps/v1", "Deployment", ns) or []
+        maps: dict[str, dict[str, Any]] = {}
+        for dep in deployments:
+            pod = dep.get("spec", {}).get("template", {}).get("spec", {})
+            for vol in pod.get("volumes") or []:
+                name = (vol.get("configMap") or {}).get("name")
+                if name and name not in maps:
+                    maps[name] = await k8s.aget("v1", "ConfigMap", ns, name) or {}
+    except Exception as exc:  # RBAC or network: do not refuse jobs on a guess
+        log.warning(
+            "cannot read KubeRay's Deployment in namespace %s (%s); its batch scheduler is not "
+            "checked",
+            ns,
+            exc,
+        )
+        return
+    found = capabilities.kuberay_batch_scheduler_of(deployments, maps)
+    cfg.kuberay_batch_scheduler = found
+    if found is None:
+        log.warning(
+            "no single KubeRay operator Deployment found in namespace %s "
+            "(--kuberay-namespace); its batch scheduler is not checked",
+            ns,
+        )
+    else:
+        log.info("KubeRay's batch scheduler (Deployment in %s): %s", ns, found or "none")
+
+
 async def detect_kuberay(state: State) -> None:
-    """Whether the installed KubeRay supports SidecarMode (unless the command line said)."""
+    """Whether the installed KubeRay supports SidecarMode (unless the command line said), and
+    its batch scheduler (``--kuberay-batch-scheduler=auto``)."""
+    await detect_batch_scheduler(state)
     if state.config.sidecar_supported is not None:
         return
     try:

@@ -102,3 +102,46 @@ def test_a_crd_without_this_operators_schema_hash_is_stale() -> None:
     # the hash is of the schema, whatever the key order
     shuffled = json.loads(json.dumps(crd["spec"], sort_keys=True))
     assert schema_hash(shuffled) == expected
+
+
+def _kuberay(name: str, args: list[str], **pod: object) -> dict:
+    labels = {"app.kubernetes.io/name": "kuberay-operator"}
+    container: dict = {"name": "kuberay-operator", "command": ["/manager"], "args": args}
+    container.update(pod.pop("container", {}))  # type: ignore[arg-type]
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"template": {"spec": {"containers": [container], **pod}}},
+    }
+
+
+def test_kuberays_batch_scheduler_is_read_from_its_deployment_as_kuberay_reads_its_flags() -> None:
+    """``--kuberay-batch-scheduler=auto``: what KubeRay's own Deployment says, however KubeRay's
+    chart wrote it; None (not checked) when there is no single answer."""
+    of = capabilities.kuberay_batch_scheduler_of
+    assert of([], {}) is None
+    assert of([_kuberay("kuberay-operator", ["--batch-scheduler=volcano"])], {}) == "volcano"
+    assert of([_kuberay("kuberay-operator", ["--batch-scheduler", "yunikorn"])], {}) == "yunikorn"
+    assert of([_kuberay("kuberay-operator", ["-batch-scheduler=yunikorn"])], {}) == "yunikorn"
+    assert of([_kuberay("kuberay-operator", ["--enable-batch-scheduler"])], {}) == "volcano"
+    assert of([_kuberay("kuberay-operator", ["--enable-batch-scheduler=false"])], {}) == ""
+    assert of([_kuberay("kuberay-operator", ["--metrics-addr=:8080"])], {}) == ""
+    other = _kuberay("web", ["--batch-scheduler=volcano"])
+    other["metadata"]["labels"] = {"app.kubernetes.io/name": "web"}
+    assert of([other], {}) is None  # not KubeRay's
+    # KubeRay's chart with configuration.enabled: flags ignored, the file decides
+    mount = {"name": "operator-config", "mountPath": "/etc/kuberay", "readOnly": True}
+    with_file = _kuberay(
+        "kuberay-operator",
+        ["--config", "/etc/kuberay/config.yaml", "--batch-scheduler=volcano"],
+        container={"volumeMounts": [mount]},
+        volumes=[{"name": "operator-config", "configMap": {"name": "kuberay-operator-config"}}],
+    )
+    cm = {"data": {"config.yaml": "batchScheduler: yunikorn\nreconcileConcurrency: 1\n"}}
+    assert of([with_file], {"kuberay-operator-config": cm}) == "yunikorn"
+    assert of([with_file], {}) is None  # the file unreadable: unknown
+    legacy = {"data": {"config.yaml": "enableBatchScheduler: true\n"}}
+    assert of([with_file], {"kuberay-operator-config": legacy}) == "volcano"
+    # two KubeRays that disagree: no single answer; that agree: the answer
+    two = [_kuberay("a", ["--batch-scheduler=volcano"]), _kuberay("b", ["--batch-scheduler=x"])]
+    assert of(two, {}) is None
+    assert of([two[0], _kuberay("b", ["--batch-scheduler=volcano"])], {}) == "volcano"
