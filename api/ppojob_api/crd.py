@@ -10,6 +10,8 @@ wraps it into the CRD with the status subresource and printer columns.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from typing import Any
 
 import yaml
@@ -199,37 +201,57 @@ def openapi_schema() -> dict[str, Any]:
     return schema
 
 
+SCHEMA_HASH_ANNOTATION = "ppojob.io/schema-hash"
+"""The CRD's annotation holding :func:`schema_hash` of its ``spec``: the operator compares the
+installed CRD's with its own at start-up (Helm installs ``crds/`` once and never upgrades it)."""
+
+
+def schema_hash(crd_spec: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of a CRD's ``spec`` as canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(crd_spec, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def build_crd() -> dict[str, Any]:
-    """The complete apiextensions.k8s.io/v1 CustomResourceDefinition."""
+    """The complete apiextensions.k8s.io/v1 CustomResourceDefinition, annotated with the hash of
+    its spec (:data:`SCHEMA_HASH_ANNOTATION`)."""
+    spec = _crd_spec()
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": f"{PLURAL}.{GROUP}",
-            "annotations": {"ppojob.io/generated-by": "ppojob crd (from ppojob_api)"},
-        },
-        "spec": {
-            "group": GROUP,
-            "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": SINGULAR,
-                "shortNames": list(SHORT_NAMES),
-                "categories": ["all", "ml"],
+            "annotations": {
+                "ppojob.io/generated-by": "ppojob crd (from ppojob_api)",
+                SCHEMA_HASH_ANNOTATION: schema_hash(spec),
             },
-            "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
-                    "schema": {"openAPIV3Schema": openapi_schema()},
-                }
-            ],
         },
+        "spec": spec,
+    }
+
+
+def _crd_spec() -> dict[str, Any]:
+    return {
+        "group": GROUP,
+        "names": {
+            "kind": KIND,
+            "listKind": f"{KIND}List",
+            "plural": PLURAL,
+            "singular": SINGULAR,
+            "shortNames": list(SHORT_NAMES),
+            "categories": ["all", "ml"],
+        },
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+            }
+        ],
     }
 
 

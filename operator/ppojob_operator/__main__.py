@@ -13,14 +13,19 @@ Flags (the Helm chart passes exactly these):
 --kuberay-batch-scheduler B
                       KubeRay's batchScheduler.name (none, volcano, yunikorn, scheduler-plugins,
                       kai-scheduler): jobs whose gang scheduler cannot work with it are refused
-                      (reason BatchSchedulerMismatch); unset: not checked
+                      (reason BatchSchedulerMismatch); auto: read at start-up from KubeRay's
+                      Deployment in --kuberay-namespace; unset: not checked
+--kuberay-namespace NS
+                      the namespace KubeRay's operator runs in (default: default): each job's
+                      NetworkPolicy lets KubeRay's operator pods reach the dashboard from there
+                      only
 --kuberay-sidecar-mode auto|supported|unsupported
                       whether KubeRay supports submissionMode SidecarMode (>= 1.5.0); auto (the
                       default) reads the installed RayJob CRD at start-up
 --network-policy JSON|off
                       each job's NetworkPolicy: off, or {"dashboardFrom": [peers], "extraIngress":
-                      [rules]}; default: the job's own pods, and KubeRay's operator pods to the
-                      dashboard port
+                      [rules]}; always: the job's own pods, and KubeRay's operator pods in
+                      --kuberay-namespace to the dashboard port; dashboardFrom adds peers
 --leader-elect        act only while holding the Lease --leader-election-namespace/
                       --leader-election-name (default ppojob-operator); others wait (leader.py)
 --leader-election-identity ID
@@ -40,6 +45,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppojob_operator.builders import KUBERAY_NAMESPACE
     from ppojob_operator.scheduling import GANG_SCHEDULERS, KUBERAY_BATCH_SCHEDULERS
 
     p = argparse.ArgumentParser(
@@ -82,10 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kuberay-batch-scheduler",
-        choices=["none", *filter(None, KUBERAY_BATCH_SCHEDULERS)],
+        choices=["auto", "none", *filter(None, KUBERAY_BATCH_SCHEDULERS)],
         default=None,
         help="KubeRay's batchScheduler.name (none: unset); jobs that cannot work with it are "
-        "refused. Omitted: not checked",
+        "refused. auto: read at start-up from KubeRay's Deployment in --kuberay-namespace. "
+        "Omitted: not checked",
+    )
+    p.add_argument(
+        "--kuberay-namespace",
+        default=KUBERAY_NAMESPACE,
+        metavar="NS",
+        help="the namespace KubeRay's operator runs in: only its pods there reach a job's "
+        f"dashboard port (default: {KUBERAY_NAMESPACE})",
     )
     p.add_argument(
         "--kuberay-sidecar-mode",
@@ -99,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON|off",
         help='each job\'s NetworkPolicy: off, or JSON {"dashboardFrom": [NetworkPolicyPeer...], '
-        '"extraIngress": [NetworkPolicyIngressRule...]} (default: the dashboard reachable from '
-        "KubeRay's operator pods, labelled app.kubernetes.io/name=kuberay-operator)",
+        '"extraIngress": [NetworkPolicyIngressRule...]}: dashboardFrom adds peers to the dashboard '
+        "port besides the job's pods and KubeRay's operator pods in --kuberay-namespace",
     )
     p.add_argument(
         "--leader-elect",
@@ -127,13 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def network_settings(value: str | None) -> Any:
+def network_settings(value: str | None, kuberay_namespace: str | None = None) -> Any:
     """``--network-policy``: None (the default settings), ``off`` (no NetworkPolicy) or JSON with
-    ``dashboardFrom`` and ``extraIngress`` lists; ValueError names what is wrong."""
-    from ppojob_operator.builders import NetworkPolicySettings
+    ``dashboardFrom`` and ``extraIngress`` lists; ``kuberay_namespace``: ``--kuberay-namespace``
+    (None: the default). ValueError names what is wrong."""
+    from ppojob_operator.builders import KUBERAY_NAMESPACE, NetworkPolicySettings
 
+    kuberay_namespace = kuberay_namespace or KUBERAY_NAMESPACE
     if value is None:
-        return NetworkPolicySettings()
+        return NetworkPolicySettings(kuberay_namespace=kuberay_namespace)
     if value == "off":
         return None
     try:
@@ -147,7 +163,9 @@ def network_settings(value: str | None) -> Any:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise ValueError(f"{key} must be a list of objects")
     return NetworkPolicySettings(
-        dashboard_from=lists["dashboardFrom"], extra_ingress=lists["extraIngress"]
+        kuberay_namespace=kuberay_namespace,
+        dashboard_from=lists["dashboardFrom"],
+        extra_ingress=lists["extraIngress"],
     )
 
 
@@ -160,7 +178,7 @@ def operator_config(args: argparse.Namespace) -> Any:
         entrypoint=args.trainer_entrypoint,
         kuberay_batch_scheduler=(
             None
-            if args.kuberay_batch_scheduler is None
+            if args.kuberay_batch_scheduler in (None, "auto")
             else ""
             if args.kuberay_batch_scheduler == "none"
             else args.kuberay_batch_scheduler
@@ -168,7 +186,9 @@ def operator_config(args: argparse.Namespace) -> Any:
         sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
             args.kuberay_sidecar_mode
         ],
-        network_policy=network_settings(args.network_policy),
+        detect_batch_scheduler=args.kuberay_batch_scheduler == "auto",
+        kuberay_namespace=args.kuberay_namespace,
+        network_policy=network_settings(args.network_policy, args.kuberay_namespace),
     )
 
 

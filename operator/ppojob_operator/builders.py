@@ -225,21 +225,37 @@ DASHBOARD_PORT = 8265
 """The Ray dashboard's port (KubeRay's default ``dashboard`` port): its job API submits and
 stops jobs, so only the job's own pods and the job submitters reach it."""
 
-KUBERAY_OPERATOR_PEER: dict[str, Any] = {
-    "namespaceSelector": {},
-    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
-}
-"""The KubeRay operator's pods in any namespace (the labels of KubeRay's Helm chart): it polls
-the dashboard for the job's status and stops jobs through it."""
+KUBERAY_NAMESPACE = "default"
+"""Where KubeRay's operator runs unless told (``--kuberay-namespace``, the chart's
+``kuberay.namespace``): the namespace KubeRay's documented ``helm install`` puts it in."""
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""The label the API server sets on every namespace to its name (Kubernetes >= 1.22); nobody can
+give it another value, so a ``namespaceSelector`` on it names exactly one namespace."""
+
+
+def kuberay_operator_peer(kuberay_namespace: str) -> dict[str, Any]:
+    """KubeRay's operator pods (the labels of KubeRay's Helm chart) in KubeRay's namespace only:
+    it polls the dashboard for the job's status and stops jobs through it. Scoped to that one
+    namespace: any tenant can label a pod of their own ``app.kubernetes.io/name:
+    kuberay-operator``, but not put it in KubeRay's namespace."""
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: kuberay_namespace}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+    }
 
 
 @dataclass(frozen=True)
 class NetworkPolicySettings:
     """What reaches a job's pods besides the job's own pods (operator-wide: the chart's
-    ``networkPolicy`` values, ``--network-policy``)."""
+    ``kuberay.namespace`` and ``networkPolicy`` values, ``--kuberay-namespace`` and
+    ``--network-policy``)."""
 
-    dashboard_from: list[dict[str, Any]] = field(default_factory=lambda: [KUBERAY_OPERATOR_PEER])
-    """NetworkPolicyPeers allowed to the dashboard port."""
+    kuberay_namespace: str = KUBERAY_NAMESPACE
+    """KubeRay's namespace: its operator pods there reach the dashboard port."""
+    dashboard_from: list[dict[str, Any]] = field(default_factory=list)
+    """More NetworkPolicyPeers allowed to the dashboard port (e.g. the control plane's addresses
+    when KubeRay uses its Kubernetes proxy)."""
     extra_ingress: list[dict[str, Any]] = field(default_factory=list)
     """More NetworkPolicyIngressRules, as written (e.g. a Prometheus scraping Ray's metrics)."""
 
@@ -251,10 +267,13 @@ def network_policy(
     settings: NetworkPolicySettings | None = None,
 ) -> dict[str, Any]:
     """Ingress to the job's pods only from the job's own pods (Ray's GCS, object store, workers,
-    NCCL), and to the dashboard's job API also from KubeRay (``settings.dashboard_from``) and
-    from the submitter Job KubeRay makes in K8sJobMode (its pods carry the Job controller's
-    ``batch.kubernetes.io/job-name``: the RayJob's name). Enforced by CNIs that implement
-    NetworkPolicy; kubelet probes and ``kubectl port-forward`` are not affected."""
+    NCCL), and to the dashboard's job API also from KubeRay's operator in KubeRay's namespace
+    (:func:`kuberay_operator_peer`), from ``settings.dashboard_from``, and from the submitter
+    Job KubeRay makes in K8sJobMode (its pods, in the job's namespace, carry the Job
+    controller's ``batch.kubernetes.io/job-name``: the RayJob's name). The job's own pods and
+    the submitter are selected in the job's namespace only (a ``podSelector`` without a
+    ``namespaceSelector``). Enforced by CNIs that implement NetworkPolicy; kubelet probes and
+    ``kubectl port-forward`` are not affected."""
     settings = settings or NetworkPolicySettings()
     name = job.metadata.name or ""
     own = {"matchLabels": {JOB_LABEL: name}}
@@ -262,7 +281,11 @@ def network_policy(
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": own}]},
         {
-            "from": [submitter, *settings.dashboard_from],
+            "from": [
+                submitter,
+                kuberay_operator_peer(settings.kuberay_namespace),
+                *settings.dashboard_from,
+            ],
             "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}],
         },
         *settings.extra_ingress,

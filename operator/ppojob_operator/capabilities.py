@@ -57,6 +57,110 @@ def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
     return None
 
 
+KUBERAY_DEPLOYMENT = "kuberay-operator"
+"""The name, and the ``app.kubernetes.io/name`` label, of KubeRay's operator Deployment (its
+Helm chart's)."""
+_TRUE = {"true", "1", "t", "T", "TRUE", "True"}
+
+
+def _kuberay_flags(args: list[str]) -> tuple[str, str]:
+    """(batch scheduler, config file) from KubeRay's command line, read the way its main.go
+    (Go's flag package) reads them: ``--batch-scheduler[=]NAME``, ``--enable-batch-scheduler
+    [=true]`` (volcano), ``--config[=]FILE``; one or two dashes."""
+    name = config = ""
+    it = iter(args)
+    for arg in it:
+        flag, eq, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("-"):
+            continue
+        if flag == "batch-scheduler":
+            name = value if eq else next(it, "")
+        elif flag == "config":
+            config = value if eq else next(it, "")
+        elif flag == "enable-batch-scheduler" and (not eq or value in _TRUE):
+            name = "volcano"
+    return name, config
+
+
+def kuberay_batch_scheduler_of(
+    deployments: list[dict[str, Any]], config_maps: dict[str, dict[str, Any]]
+) -> str | None:
+    """KubeRay's ``batchScheduler`` from its operator Deployments (those named or labelled
+    ``app.kubernetes.io/name`` :data:`KUBERAY_DEPLOYMENT`) in KubeRay's namespace: "" (none),
+    a scheduler's name, or None (unknown: no KubeRay Deployment, several that disagree, or a
+    ``--config`` file not found in ``config_maps``, by ConfigMap name). With ``--config`` KubeRay
+    ignores its other flags and reads ``batchScheduler`` / ``enableBatchScheduler`` from the
+    file (KubeRay's chart mounts it from a ConfigMap)."""
+    found: set[str | None] = set()
+    for dep in deployments:
+        meta = dep.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if KUBERAY_DEPLOYMENT not in (meta.get("name"), labels.get("app.kubernetes.io/name")):
+            continue
+        pod = ((dep.get("spec") or {}).get("template") or {}).get("spec") or {}
+        containers = pod.get("containers") or [{}]
+        named = [c for c in containers if c.get("name") == KUBERAY_DEPLOYMENT]
+        c = (named or containers)[0]
+        args = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+        name: str | None
+        name, config = _kuberay_flags(args)
+        if config:
+            name = _from_config_file(config, c, pod, config_maps)
+        found.add(name)
+    return found.pop() if len(found) == 1 else None
+
+
+def _from_config_file(
+    path: str, container: dict[str, Any], pod: dict[str, Any], maps: dict[str, dict[str, Any]]
+) -> str | None:
+    import posixpath
+
+    import yaml
+
+    directory, base = posixpath.split(path)
+    for mount in container.get("volumeMounts") or []:
+        if mount.get("mountPath", "").rstrip("/") != directory:
+            continue
+        for vol in pod.get("volumes") or []:
+            cm = vol.get("configMap") or {}
+            if vol.get("name") != mount.get("name") or not cm:
+                continue
+            text = ((maps.get(cm.get("name", "")) or {}).get("data") or {}).get(base)
+            if not text:
+                return None
+            cfg = yaml.safe_load(text) or {}
+            return "volcano" if cfg.get("enableBatchScheduler") else cfg.get("batchScheduler") or ""
+    return None
+
+
+CRD_FIX = "kubectl apply --server-side --force-conflicts -f crds/"
+
+
+def crd_staleness(installed: dict[str, Any] | None, expected_hash: str) -> str | None:
+    """Why the installed PPOJob CRD is not the one this operator was built with (its
+    ``ppojob.io/schema-hash`` annotation differs, or it has none: older than the annotation);
+    None when it is the same. Helm installs a chart's ``crds/`` once and never upgrades them,
+    so after ``helm upgrade`` the API server may keep validating, defaulting and pruning with an
+    old schema: new fields are silently dropped."""
+    from ppojob_api.crd import SCHEMA_HASH_ANNOTATION
+
+    if installed is None:
+        return None  # kopf itself waits for the CRD
+    annotations = (installed.get("metadata") or {}).get("annotations") or {}
+    have = annotations.get(SCHEMA_HASH_ANNOTATION)
+    if have == expected_hash:
+        return None
+    name = (installed.get("metadata") or {}).get("name", "ppojobs.ppojob.io")
+    what = f"schema hash {have}" if have else f"no {SCHEMA_HASH_ANNOTATION} annotation"
+    return (
+        f"the installed CustomResourceDefinition {name} is stale ({what}; this operator's is "
+        f"{expected_hash}): Helm never upgrades a chart's crds/, so the API server validates, "
+        "defaults and prunes PPOJobs with an older schema and may drop fields this operator "
+        f"reads. Update it from the chart of this release: {CRD_FIX} "
+        "(charts/ppojob-operator/crds/)"
+    )
+
+
 def refusal(
     job: PPOJob,
     *,

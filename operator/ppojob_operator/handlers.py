@@ -55,6 +55,10 @@ def register(registry: kopf.OperatorRegistry, state: State) -> kopf.OperatorRegi
     async def _detect_kuberay(**_: Any) -> None:
         await detect_kuberay(state)
 
+    @kopf.on.startup(registry=registry)
+    async def _check_crd(**_: Any) -> None:
+        await check_crd()
+
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     @metrics.instrumented("ppojob_event")
     async def _ppojob_event(type: str | None, body: Any, **_: Any) -> None:
@@ -131,8 +135,48 @@ def configure(settings: kopf.OperatorSettings, max_workers: int) -> None:
     settings.watching.label_selectors["", "pods"] = JOB_LABEL
 
 
+async def detect_batch_scheduler(state: State) -> None:
+    """``--kuberay-batch-scheduler=auto``: KubeRay's batchScheduler from its Deployment in
+    ``--kuberay-namespace`` (and the ConfigMap of its ``--config`` file), read with the chart's
+    Role in that namespace only. Unknown (none found, several that disagree, unreadable): not
+    checked, and said so."""
+    cfg = state.config
+    if not cfg.detect_batch_scheduler:
+        return
+    ns = cfg.kuberay_namespace
+    try:
+        deployments = await k8s.alist("apps/v1", "Deployment", ns) or []
+        maps: dict[str, dict[str, Any]] = {}
+        for dep in deployments:
+            pod = dep.get("spec", {}).get("template", {}).get("spec", {})
+            for vol in pod.get("volumes") or []:
+                name = (vol.get("configMap") or {}).get("name")
+                if name and name not in maps:
+                    maps[name] = await k8s.aget("v1", "ConfigMap", ns, name) or {}
+    except Exception as exc:  # RBAC or network: do not refuse jobs on a guess
+        log.warning(
+            "cannot read KubeRay's Deployment in namespace %s (%s); its batch scheduler is not "
+            "checked",
+            ns,
+            exc,
+        )
+        return
+    found = capabilities.kuberay_batch_scheduler_of(deployments, maps)
+    cfg.kuberay_batch_scheduler = found
+    if found is None:
+        log.warning(
+            "no single KubeRay operator Deployment found in namespace %s "
+            "(--kuberay-namespace); its batch scheduler is not checked",
+            ns,
+        )
+    else:
+        log.info("KubeRay's batch scheduler (Deployment in %s): %s", ns, found or "none")
+
+
 async def detect_kuberay(state: State) -> None:
-    """Whether the installed KubeRay supports SidecarMode (unless the command line said)."""
+    """Whether the installed KubeRay supports SidecarMode (unless the command line said), and
+    its batch scheduler (``--kuberay-batch-scheduler=auto``)."""
+    await detect_batch_scheduler(state)
     if state.config.sidecar_supported is not None:
         return
     try:
@@ -148,6 +192,27 @@ async def detect_kuberay(state: State) -> None:
             "the installed RayJob CRD predates KubeRay 1.5.0: jobs with submissionMode "
             "SidecarMode are refused (reason KubeRayTooOld)"
         )
+
+
+async def check_crd() -> None:
+    """Compare the installed PPOJob CRD's schema hash with this operator's: when stale, a
+    warning in the log, a Warning event on the CRD and ``ppojob_crd_stale`` 1 (else 0)."""
+    from ppojob_api.crd import build_crd, schema_hash
+
+    expected = schema_hash(build_crd()["spec"])
+    try:
+        crd = await k8s.aget(
+            "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", f"{PLURAL}.{GROUP}"
+        )
+    except Exception as exc:  # RBAC or network: say so, do not guess
+        log.warning("cannot read the PPOJob CRD (%s); its schema hash is not checked", exc)
+        return
+    why = capabilities.crd_staleness(crd, expected)
+    metrics.CRD_STALE.set(1 if why else 0)
+    if why is None or crd is None:
+        return
+    log.warning("%s", why)
+    await k8s.apost_event(crd, "Warning", "StaleCRD", why)
 
 
 def pod_waiting(state: State, body: Any, type: str | None = None) -> bool:

@@ -47,6 +47,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("kueue.x-k8s.io/v1beta2", "Workload"): "workloads",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     ("coordination.k8s.io/v1", "Lease"): "leases",
+    ("apps/v1", "Deployment"): "deployments",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 

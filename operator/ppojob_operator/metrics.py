@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
@@ -36,6 +36,11 @@ ADMISSION_WAIT = Histogram(
     "scheduling, image pulls, Ray start-up), by gang scheduler; one observation per attempt.",
     ["scheduler"],
     buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400),
+)
+CRD_STALE = Gauge(
+    "ppojob_crd_stale",
+    "1 when the installed PPOJob CRD's schema hash is not the one this operator was built with "
+    "(Helm never upgrades crds/: kubectl apply -f crds/), 0 when it is; checked at start-up.",
 )
 LATENCY = Histogram(
     "ppojob_reconcile_duration_seconds",

@@ -120,3 +120,20 @@ LEADER_ELECTION_RULES: list[dict] = [
 ]
 """The leader Lease (``leader.py``), granted in the operator's own namespace only. (``create``
 cannot be limited by ``resourceNames``.)"""
+
+
+KUBERAY_READ_RULES: list[dict] = [
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["list"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "verbs": ["get"],
+    },
+]
+"""``--kuberay-batch-scheduler=auto``: KubeRay's operator Deployment and the ConfigMap of its
+``--config`` file, read at start-up, granted in KubeRay's namespace only (a Role there): never a
+list of every Deployment in the cluster."""

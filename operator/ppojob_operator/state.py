@@ -17,7 +17,12 @@ from ppojob_api.problems import Problem, SpecError
 from ppojob_api.spec import PPOJob
 from ppojob_api.validation import validate_manifest as _validate
 from ppojob_operator import k8s, metrics
-from ppojob_operator.builders import JOB_LABEL, NetworkPolicySettings, check_job
+from ppojob_operator.builders import (
+    JOB_LABEL,
+    KUBERAY_NAMESPACE,
+    NetworkPolicySettings,
+    check_job,
+)
 
 
 @dataclass
@@ -29,6 +34,11 @@ class OperatorConfig:
     max_workers: int = 16
     kuberay_batch_scheduler: str | None = None
     """KubeRay's batchScheduler ("" none); None: not told, no agreement check."""
+    detect_batch_scheduler: bool = False
+    """Read KubeRay's batchScheduler from its Deployment in ``kuberay_namespace`` at start-up
+    (``--kuberay-batch-scheduler=auto``)."""
+    kuberay_namespace: str = KUBERAY_NAMESPACE
+    """Where KubeRay's operator runs (``--kuberay-namespace``)."""
     sidecar_supported: bool | None = None
     """Whether KubeRay supports SidecarMode; None: read the RayJob CRD at start-up."""
     retry_max_s: float = 60.0

@@ -14,7 +14,7 @@ from kubernetes_validate import utils as kv_utils
 from ppojob_api.crd import crd_yaml
 from ppojob_operator.__main__ import build_parser, operator_config
 from ppojob_operator.builders import NetworkPolicySettings
-from ppojob_operator.rbac import LEADER_ELECTION_RULES, OPERATOR_RULES
+from ppojob_operator.rbac import KUBERAY_READ_RULES, LEADER_ELECTION_RULES, OPERATOR_RULES
 from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
@@ -58,10 +58,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "kueue-namespaced-one": {"watchNamespaces": ["ml"], "defaultGangScheduler": "kueue"},
     "network-policy-own": {
+        "kuberay": {"namespace": "ray-system"},
         "networkPolicy": {
             "dashboardFrom": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
             "extraIngress": [{"ports": [{"port": 8080}], "from": [{"namespaceSelector": {}}]}],
-        }
+        },
     },
     "network-policy-off": {"networkPolicy": {"enabled": False}},
 }
@@ -138,14 +139,49 @@ def test_defaults_render_the_expected_objects(render) -> None:
         ("ClusterRole", "ppojob-ppojob-operator-view"),
         ("ClusterRoleBinding", "ppojob-ppojob-operator"),
         ("Deployment", "ppojob-ppojob-operator"),
+        ("Role", "ppojob-ppojob-operator-kuberay-read"),
         ("Role", "ppojob-ppojob-operator-leader-election"),
+        ("RoleBinding", "ppojob-ppojob-operator-kuberay-read"),
         ("RoleBinding", "ppojob-ppojob-operator-leader-election"),
         ("Service", "ppojob-ppojob-operator-metrics"),
         ("ServiceAccount", "ppojob-ppojob-operator"),
     ]
     for o in objs:
         if o["kind"] in {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}:
-            assert o["metadata"]["namespace"] == "ppojob-system"
+            kuberay = o["metadata"]["name"].endswith("-kuberay-read")
+            assert o["metadata"]["namespace"] == ("default" if kuberay else "ppojob-system")
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a"]], ids=["cluster-wide", "namespaced"])
+def test_kuberays_batch_scheduler_is_read_at_run_time_in_its_namespace_only(render, watch) -> None:
+    """``kuberay.batchScheduler: auto`` (the default): no ``lookup`` at install; the operator
+    gets ``--kuberay-batch-scheduler=auto`` and a Role in ``kuberay.namespace`` only (exactly
+    KUBERAY_READ_RULES), and no rule anywhere grants Deployments cluster-wide."""
+    objs = render(values={"watchNamespaces": watch, "kuberay": {"namespace": "ray-system"}})
+    args = build_parser().parse_args(_container(objs)["args"])
+    assert args.kuberay_batch_scheduler == "auto" and args.kuberay_namespace == "ray-system"
+    mine = [
+        o
+        for o in objs
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "kuberay-read"
+    ]
+    (role,) = _by_kind(mine, "Role")
+    (binding,) = _by_kind(mine, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ray-system"
+    assert role["rules"] == KUBERAY_READ_RULES
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ppojob-ppojob-operator", "namespace": "ppojob-system"}
+    ]
+    for o in objs:
+        if o["kind"] in {"ClusterRole", "Role"} and o is not role:
+            for rule in o["rules"]:
+                assert "deployments" not in rule["resources"], o["metadata"]["name"]
+    template = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert "lookup" not in template
+    told = render(values={"kuberay": {"batchScheduler": "volcano"}})
+    assert not [o for o in told if o["metadata"]["name"].endswith("-kuberay-read")]
+    assert build_parser().parse_args(_container(told)["args"]).kuberay_batch_scheduler == "volcano"
 
 
 @pytest.mark.parametrize(
@@ -359,9 +395,9 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     assert parsed.metrics_port == (8080 if metrics_on else 0)
     assert parsed.gang_scheduler == (VALUE_SETS[name].get("defaultGangScheduler") or None)
     kuberay = VALUE_SETS[name].get("kuberay", {})
-    # auto (the default) finds no KubeRay without a cluster (plain `helm template`): not told
+    # auto (the default): the operator reads KubeRay's Deployment at start-up
     told = kuberay.get("batchScheduler", "auto")
-    want = None if told in ("auto", "unknown") else told or "none"
+    want = None if told == "unknown" else told or "none"
     assert parsed.kuberay_batch_scheduler == want
     assert parsed.kuberay_sidecar_mode == kuberay.get("sidecarMode", "auto")
     sidecar = {"auto": None, "supported": True, "unsupported": False}
@@ -374,6 +410,7 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     if net.get("enabled", True):
         want = NetworkPolicySettings()
         assert settings == NetworkPolicySettings(
+            kuberay_namespace=kuberay.get("namespace", "default"),
             dashboard_from=net.get("dashboardFrom", want.dashboard_from),
             extra_ingress=net.get("extraIngress", want.extra_ingress),
         )

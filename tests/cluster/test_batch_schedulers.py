@@ -1,6 +1,6 @@
 """KubeRay's batch schedulers, for real: what KubeRay v1.5 itself creates for our RayJob when it
 runs with ``--batch-scheduler=volcano`` or ``--batch-scheduler=yunikorn``, checked against the
-gang our builders compute; and the chart reading that setting from a KubeRay Deployment.
+gang our builders compute; and the operator reading that setting from a KubeRay Deployment.
 
 Volcano's and YuniKorn's own controllers cannot be built here (their Go modules are refused by
 the module proxy), so their pods stay Pending: these tests prove KubeRay's side of the contract
@@ -11,21 +11,18 @@ The session's KubeRay and ppojob operator step aside for the module and come bac
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ppojob_api.checks.sizes import quantity_bytes
 from ppojob_api.spec import PPOJob
 from ppojob_operator import builders, scheduling
-from tests.cluster.conftest import OperatorProcess
+from tests.cluster.conftest import OPERATOR_NS, RELEASE, OperatorProcess, chart_rbac
 from tests.helpers.cluster_jobs import gpu_job, pods, status, wait_children
 from tests.helpers.controlplane import RESOURCES, wait_until
-from tests.helpers.helm import CHART
 
 RESOURCES.setdefault(
     "podgroup.scheduling.volcano.sh", ("apis/scheduling.volcano.sh/v1beta1", "podgroups", True)
@@ -247,46 +244,32 @@ def kuberay_deployment(name: str, ns: str, args: list[str], **extra: Any) -> dic
     }
 
 
-def chart_flag(cp, *sets: str) -> str | None:
-    """The --kuberay-batch-scheduler value the chart renders against the live API server."""
-    argv = [str(cp.helm_bin), "template", "x", str(CHART), "--dry-run=server"]
-    argv += [f"--kubeconfig={cp.admin_kubeconfig}"]
-    for s in sets:
-        argv += ["--set", s]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout
-    [dep] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
-    flags = [
-        a.split("=", 1)[1]
-        for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]
-        if a.startswith("--kuberay-batch-scheduler=")
-    ]
-    return flags[0] if flags else None
-
-
-def test_the_chart_reads_kuberays_batch_scheduler_from_its_deployment(cp, ns):
-    """``kuberay.batchScheduler: auto`` (the default) at install time: what KubeRay's own
-    Deployment says, however KubeRay's chart wrote it; nothing to check when there is no single
-    answer."""
-    other = f"kr-{uuid.uuid4().hex[:6]}"
-    cp.kubectl("create", "namespace", other)
+def test_the_operator_reads_kuberays_batch_scheduler_from_its_deployment(cp, operator, ns):
+    """``kuberay.batchScheduler: auto`` (the default): the operator reads, at start-up, KubeRay's
+    Deployment in ``kuberay.namespace`` (here with KubeRay's ``--config`` file, whose ConfigMap
+    decides), with the chart's Role in that namespace only: a KubeRay-like Deployment elsewhere
+    is not looked at and cannot be listed, and no Deployment can be listed cluster-wide. A job
+    that cannot run with what it read is refused."""
+    kr = f"kr-{uuid.uuid4().hex[:6]}"
+    cp.kubectl("create", "namespace", kr)
+    op: OperatorProcess | None = None
     try:
-        assert chart_flag(cp) is None  # no KubeRay Deployment: not checked
-        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--batch-scheduler=volcano"]))
-        assert chart_flag(cp) == "volcano"
-        assert chart_flag(cp, "kuberay.batchScheduler=") == "none"  # as written wins
-        assert chart_flag(cp, "watchNamespaces={a}") is None  # may not list every Deployment
-        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--batch-scheduler", "yunikorn"]))
-        assert chart_flag(cp) == "yunikorn"
-        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--enable-batch-scheduler"]))
-        assert chart_flag(cp) == "volcano"
-        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--metrics-addr=:8080"]))
-        assert chart_flag(cp) == "none"
-        # KubeRay's chart with configuration.enabled: flags ignored, the file decides
+        # the chart's RBAC with KubeRay's namespace, as `helm install` would make it
+        cp.apply(chart_rbac(cp, RELEASE, OPERATOR_NS, f"kuberay.namespace={kr}"))
+        sa = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"
+
+        def can(*args: str) -> bool:
+            got = cp.kubectl("auth", "can-i", *args, f"--as={sa}", check=False).stdout.strip()
+            return got == "yes"
+
+        assert can("list", "deployments.apps", "-n", kr)
+        assert not can("list", "deployments.apps", "-n", ns)
+        assert not can("list", "deployments.apps", "--all-namespaces")
         cp.apply(
             {
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
-                "metadata": {"name": "kuberay-operator-config", "namespace": ns},
+                "metadata": {"name": "kuberay-operator-config", "namespace": kr},
                 "data": {"config.yaml": "batchScheduler: yunikorn\nreconcileConcurrency: 1\n"},
             }
         )
@@ -294,7 +277,7 @@ def test_the_chart_reads_kuberays_batch_scheduler_from_its_deployment(cp, ns):
         cp.apply(
             kuberay_deployment(
                 "kuberay-operator",
-                ns,
+                kr,
                 ["--config", "/etc/kuberay/config.yaml", "--batch-scheduler=volcano"],
                 container={"volumeMounts": [mount]},
                 volumes=[
@@ -302,10 +285,35 @@ def test_the_chart_reads_kuberays_batch_scheduler_from_its_deployment(cp, ns):
                 ],
             )
         )
-        assert chart_flag(cp) == "yunikorn"
-        # two KubeRays that disagree: no single answer
-        cp.apply(kuberay_deployment("kuberay", other, ["--batch-scheduler=volcano"]))
-        assert chart_flag(cp) is None
+        # a look-alike in a tenant's namespace: not KubeRay's namespace, never read
+        cp.apply(kuberay_deployment("kuberay-operator", ns, ["--batch-scheduler=volcano"]))
+        operator.stop()
+        op = OperatorProcess(
+            cp,
+            operator.kubeconfig,
+            ["--kuberay-batch-scheduler=auto", f"--kuberay-namespace={kr}"],
+            namespaces=[ns],
+            name="ppojob-operator-auto",
+        )
+        op.start()
+        assert op.comp is not None
+        wait_until(
+            lambda: f"KubeRay's batch scheduler (Deployment in {kr}): yunikorn" in op.comp.tail(),
+            30,
+            "the batch scheduler read from KubeRay's Deployment",
+        )
+        cp.apply(gpu_job("plain", ns, scheduler="none"))
+        st = wait_until(
+            lambda: (s := status(cp, "plain", ns)).get("reason") == "BatchSchedulerMismatch" and s,
+            60,
+            "BatchSchedulerMismatch: KubeRay's file says yunikorn",
+        )
+        assert st["phase"] == "Failed" and "batchScheduler yunikorn" in json.dumps(st), st
+        assert cp.get("rayjob.ray.io", "plain", ns) is None
     finally:
+        if op is not None:
+            op.stop()
+        operator.start()
+        cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
         cp.kubectl("delete", "deployment", "--all", "-n", ns, check=False)
-        cp.kubectl("delete", "namespace", other, "--wait=false", check=False)
+        cp.kubectl("delete", "namespace", kr, "--wait=false", check=False)

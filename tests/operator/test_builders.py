@@ -1065,7 +1065,8 @@ def test_the_network_policy_admits_only_the_jobs_pods_kuberay_and_the_submitter(
     assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}
     assert dashboard["ports"] == [{"protocol": "TCP", "port": 8265}]
     submitter = {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}
-    assert dashboard["from"] == [{"podSelector": submitter}, builders.KUBERAY_OPERATOR_PEER]
+    kuberay = builders.kuberay_operator_peer("default")
+    assert dashboard["from"] == [{"podSelector": submitter}, kuberay]
     assert "dashboard-port" not in cluster["headGroupSpec"]["rayStartParams"]
     # operator settings: other peers and extra rules; off: no policy
     extra = [{"ports": [{"port": 8080}], "from": [{"namespaceSelector": {}}]}]
@@ -1073,10 +1074,44 @@ def test_the_network_policy_admits_only_the_jobs_pods_kuberay_and_the_submitter(
     settings = builders.NetworkPolicySettings(dashboard_from=[peer], extra_ingress=extra)
     custom = builders.network_policy(job, "ns1", settings=settings)
     validate_child(custom)
-    assert custom["spec"]["ingress"][1]["from"] == [{"podSelector": submitter}, peer]
+    assert custom["spec"]["ingress"][1]["from"] == [{"podSelector": submitter}, kuberay, peer]
     assert custom["spec"]["ingress"][2:] == extra
     kinds = [c["kind"] for c in builders.build_children(job, namespace="ns1", network=None)]
     assert "NetworkPolicy" not in kinds
+
+
+def test_the_dashboard_is_reachable_from_kuberays_namespace_only():
+    """Security: a tenant can label a pod of their own ``app.kubernetes.io/name:
+    kuberay-operator`` in any namespace they write to; the dashboard (Ray's unauthenticated job
+    API: code execution in the head pod) is open only to KubeRay's operator pods in KubeRay's
+    own namespace, named by ``kubernetes.io/metadata.name`` (set by the API server, not
+    forgeable), and to pods of the job's own namespace. No peer selects every namespace."""
+    job = make("gae-separate-all")
+    for ns in ("default", "kuberay-system"):
+        settings = builders.NetworkPolicySettings(kuberay_namespace=ns)
+        policy = builders.network_policy(job, "ns1", settings=settings)
+        peers = [p for rule in policy["spec"]["ingress"] for p in rule["from"]]
+        cross = [p for p in peers if "namespaceSelector" in p]
+        assert cross == [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+            }
+        ]
+        # the others select pods of the policy's (the job's) namespace only
+        assert all(set(p) == {"podSelector"} for p in peers if p not in cross)
+    # the flag reaches the policy
+    from ppojob_operator.__main__ import build_parser, operator_config
+
+    args = build_parser().parse_args(["--kuberay-namespace=ray-system"])
+    assert operator_config(args).network_policy.kuberay_namespace == "ray-system"
+    assert operator_config(build_parser().parse_args([])).network_policy.kuberay_namespace == (
+        "default"
+    )
+    args = build_parser().parse_args(
+        ["--kuberay-namespace=ray-system", '--network-policy={"dashboardFrom": []}']
+    )
+    assert operator_config(args).network_policy.kuberay_namespace == "ray-system"
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 
 from ppojob_api.validation import validate_manifest
+from ppojob_operator import capabilities
 from ppojob_operator.capabilities import refusal, sidecar_supported
 from tests.helpers.manifests import base_manifest
 from tests.helpers.ophelpers import RAYJOB_CRD, pre_1_5
@@ -72,3 +76,72 @@ def test_refusals(spec, kwargs, reason) -> None:
     assert (got[0] if got else None) == reason, got
     if got:
         assert got[1]  # a message saying what to change
+
+
+def test_a_crd_without_this_operators_schema_hash_is_stale() -> None:
+    """Helm never upgrades crds/: the operator compares the installed CRD's
+    ``ppojob.io/schema-hash`` with the hash of the CRD it was built with, and names the fix."""
+    from ppojob_api.crd import SCHEMA_HASH_ANNOTATION, build_crd, schema_hash
+
+    crd = build_crd()
+    expected = schema_hash(crd["spec"])
+    assert crd["metadata"]["annotations"][SCHEMA_HASH_ANNOTATION] == expected
+    assert capabilities.crd_staleness(crd, expected) is None
+    assert capabilities.crd_staleness(None, expected) is None  # kopf waits for the CRD itself
+    # an older CRD: another schema (one field fewer), or from before the annotation
+    older = copy.deepcopy(crd)
+    props = older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    props["properties"].pop(next(iter(props["properties"])))
+    older["metadata"]["annotations"][SCHEMA_HASH_ANNOTATION] = schema_hash(older["spec"])
+    why = capabilities.crd_staleness(older, expected)
+    assert why is not None and "stale" in why and "kubectl apply" in why and "crds/" in why
+    assert schema_hash(older["spec"]) in why and expected in why
+    del older["metadata"]["annotations"][SCHEMA_HASH_ANNOTATION]
+    why = capabilities.crd_staleness(older, expected)
+    assert why is not None and f"no {SCHEMA_HASH_ANNOTATION} annotation" in why
+    # the hash is of the schema, whatever the key order
+    shuffled = json.loads(json.dumps(crd["spec"], sort_keys=True))
+    assert schema_hash(shuffled) == expected
+
+
+def _kuberay(name: str, args: list[str], **pod: object) -> dict:
+    labels = {"app.kubernetes.io/name": "kuberay-operator"}
+    container: dict = {"name": "kuberay-operator", "command": ["/manager"], "args": args}
+    container.update(pod.pop("container", {}))  # type: ignore[arg-type]
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"template": {"spec": {"containers": [container], **pod}}},
+    }
+
+
+def test_kuberays_batch_scheduler_is_read_from_its_deployment_as_kuberay_reads_its_flags() -> None:
+    """``--kuberay-batch-scheduler=auto``: what KubeRay's own Deployment says, however KubeRay's
+    chart wrote it; None (not checked) when there is no single answer."""
+    of = capabilities.kuberay_batch_scheduler_of
+    assert of([], {}) is None
+    assert of([_kuberay("kuberay-operator", ["--batch-scheduler=volcano"])], {}) == "volcano"
+    assert of([_kuberay("kuberay-operator", ["--batch-scheduler", "yunikorn"])], {}) == "yunikorn"
+    assert of([_kuberay("kuberay-operator", ["-batch-scheduler=yunikorn"])], {}) == "yunikorn"
+    assert of([_kuberay("kuberay-operator", ["--enable-batch-scheduler"])], {}) == "volcano"
+    assert of([_kuberay("kuberay-operator", ["--enable-batch-scheduler=false"])], {}) == ""
+    assert of([_kuberay("kuberay-operator", ["--metrics-addr=:8080"])], {}) == ""
+    other = _kuberay("web", ["--batch-scheduler=volcano"])
+    other["metadata"]["labels"] = {"app.kubernetes.io/name": "web"}
+    assert of([other], {}) is None  # not KubeRay's
+    # KubeRay's chart with configuration.enabled: flags ignored, the file decides
+    mount = {"name": "operator-config", "mountPath": "/etc/kuberay", "readOnly": True}
+    with_file = _kuberay(
+        "kuberay-operator",
+        ["--config", "/etc/kuberay/config.yaml", "--batch-scheduler=volcano"],
+        container={"volumeMounts": [mount]},
+        volumes=[{"name": "operator-config", "configMap": {"name": "kuberay-operator-config"}}],
+    )
+    cm = {"data": {"config.yaml": "batchScheduler: yunikorn\nreconcileConcurrency: 1\n"}}
+    assert of([with_file], {"kuberay-operator-config": cm}) == "yunikorn"
+    assert of([with_file], {}) is None  # the file unreadable: unknown
+    legacy = {"data": {"config.yaml": "enableBatchScheduler: true\n"}}
+    assert of([with_file], {"kuberay-operator-config": legacy}) == "volcano"
+    # two KubeRays that disagree: no single answer; that agree: the answer
+    two = [_kuberay("a", ["--batch-scheduler=volcano"]), _kuberay("b", ["--batch-scheduler=x"])]
+    assert of(two, {}) is None
+    assert of([two[0], _kuberay("b", ["--batch-scheduler=volcano"])], {}) == "volcano"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from ppojob_operator import k8s
-from ppojob_operator.rbac import LEADER_ELECTION_RULES, OPERATOR_RULES
+from ppojob_operator.rbac import KUBERAY_READ_RULES, LEADER_ELECTION_RULES, OPERATOR_RULES
 
 
 def test_operator_imports_no_torch_or_ray():
@@ -21,7 +21,8 @@ def test_operator_imports_no_torch_or_ray():
 
 
 def test_rbac_covers_every_kind_the_operator_touches():
-    rules = [*OPERATOR_RULES, *LEADER_ELECTION_RULES]  # the Lease: a Role in its own namespace
+    # the Lease: a Role in its own namespace; KubeRay's Deployment: a Role in KubeRay's
+    rules = [*OPERATOR_RULES, *LEADER_ELECTION_RULES, *KUBERAY_READ_RULES]
     granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     for api_version, _kind in k8s.KINDS:
         group = api_version.split("/")[0] if "/" in api_version else ""

@@ -109,73 +109,11 @@ customresourcedefinitions namespaces
 {{- end }}
 
 {{/*
-KubeRay's batch scheduler as the operator is told it: the value as written, or with
-`kuberay.batchScheduler: auto` read from the KubeRay operator's Deployment in the cluster
-(`lookup`, so at `helm install`/`upgrade` and `helm template --dry-run=server`; plain
-`helm template` sees no cluster). A KubeRay Deployment is one named or labelled
-(app.kubernetes.io/name) `kuberay-operator`; its container of that name (else its first) is
-read the way KubeRay 1.5's main.go reads its flags: `--config FILE` (then the file, from the
-ConfigMap mounted there: `batchScheduler`, `enableBatchScheduler`), `--batch-scheduler[=]NAME`,
-`--enable-batch-scheduler[=true]` (volcano). Result: "" (none), a scheduler name, or "unknown"
-(no KubeRay found, several that disagree, a config file not readable, or the chart watching
-only some namespaces, where listing every Deployment may be forbidden): then the operator does
-not check jobs against it.
+KubeRay's batch scheduler as the operator is told it: the value as written; `auto` is passed on,
+and the operator reads KubeRay's Deployment in kuberay.namespace at start-up (a Role there);
+"unknown": not told, not checked.
 */}}
 {{- define "ppojob-operator.kuberayBatchScheduler" -}}
 {{- $kr := .Values.kuberay | default dict -}}
-{{- $bs := $kr.batchScheduler | default "" -}}
-{{- if ne $bs "auto" -}}
-{{- $bs -}}
-{{- else if .Values.watchNamespaces -}}
-unknown
-{{- else -}}
-{{- $found := dict -}}
-{{- $deps := lookup "apps/v1" "Deployment" "" "" | default dict -}}
-{{- range $d := $deps.items | default list -}}
-{{- $labels := $d.metadata.labels | default dict -}}
-{{- if or (eq $d.metadata.name "kuberay-operator") (eq (get $labels "app.kubernetes.io/name") "kuberay-operator") -}}
-{{- $containers := $d.spec.template.spec.containers | default list -}}
-{{- $c := first $containers -}}
-{{- range $containers -}}{{- if eq .name "kuberay-operator" -}}{{- $c = . -}}{{- end -}}{{- end -}}
-{{- $args := concat ($c.command | default list) ($c.args | default list) -}}
-{{- $name := "" -}}{{- $config := "" -}}{{- $next := "" -}}
-{{- range $a := $args -}}
-{{- $a = toString $a -}}
-{{- if eq $next "batch" -}}{{- $name = $a -}}{{- $next = "" -}}
-{{- else if eq $next "config" -}}{{- $config = $a -}}{{- $next = "" -}}
-{{- else if or (eq $a "--batch-scheduler") (eq $a "-batch-scheduler") -}}{{- $next = "batch" -}}
-{{- else if or (eq $a "--config") (eq $a "-config") -}}{{- $next = "config" -}}
-{{- else if regexMatch "^--?batch-scheduler=" $a -}}{{- $name = regexReplaceAll "^--?batch-scheduler=" $a "" -}}
-{{- else if regexMatch "^--?config=" $a -}}{{- $config = regexReplaceAll "^--?config=" $a "" -}}
-{{- else if regexMatch "^--?enable-batch-scheduler(=(true|1|t|T|TRUE|True))?$" $a -}}{{- $name = "volcano" -}}
-{{- end -}}
-{{- end -}}
-{{- if $config -}}
-{{- /* KubeRay ignores its other flags when it has a config file */ -}}
-{{- $name = "unknown" -}}
-{{- range $m := $c.volumeMounts | default list -}}
-{{- if eq (dir $config) (trimSuffix "/" $m.mountPath) -}}
-{{- range $v := $d.spec.template.spec.volumes | default list -}}
-{{- if and (eq $v.name $m.name) $v.configMap -}}
-{{- $cm := lookup "v1" "ConfigMap" $d.metadata.namespace $v.configMap.name | default dict -}}
-{{- $text := get ($cm.data | default dict) (base $config) -}}
-{{- if $text -}}
-{{- $cfg := fromYaml $text -}}
-{{- $name = $cfg.batchScheduler | default "" -}}
-{{- if $cfg.enableBatchScheduler -}}{{- $name = "volcano" -}}{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- $_ := set $found (printf "v:%s" $name) true -}}
-{{- end -}}
-{{- end -}}
-{{- if eq (len $found) 1 -}}
-{{- trimPrefix "v:" (first (keys $found)) -}}
-{{- else -}}
-unknown
-{{- end -}}
-{{- end -}}
+{{- if hasKey $kr "batchScheduler" -}}{{- $kr.batchScheduler -}}{{- else -}}auto{{- end -}}
 {{- end -}}
