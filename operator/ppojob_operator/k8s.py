@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -132,7 +133,9 @@ def configure(host: str | None = None, *, token: str | None = None, pool_size: i
         try:
             config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)
+            # $KUBECONFIG as it is now: the client reads it once, when first imported
+            kubeconfig = os.environ.get("KUBECONFIG") or None
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
     cfg.connection_pool_maxsize = pool_size
     with _lock:
         _state.config = cfg

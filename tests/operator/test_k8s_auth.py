@@ -62,3 +62,27 @@ def test_a_401_makes_the_next_request_refresh_the_token(monkeypatch):
     seen, calls = _run([401], [0, 0, 0], monkeypatch)
     assert calls == 2
     assert seen == ["Bearer t1", "Bearer t2", "Bearer t2"]
+
+
+def test_configure_reads_kubeconfig_as_set_when_it_is_called(tmp_path, monkeypatch) -> None:
+    """The kubernetes client reads ``$KUBECONFIG`` once, when its config module is first
+    imported: ``configure`` passes the variable's value at the time of the call (a process that
+    sets it later, as the operator's tests do, gets its own cluster, not ``~/.kube/config``)."""
+    import kubernetes.config  # imported first: the client's default is fixed from here on
+
+    assert kubernetes.config is not None
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:6443"}}]
+users: [{name: u, user: {token: t0k3n}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod
+    monkeypatch.setattr(k8s._state, "config", None, raising=False)
+    k8s.configure()
+    assert k8s._state.config.host == "https://127.0.0.1:6443"
