@@ -164,8 +164,14 @@ class Elector:
         seen, or no renewal for ``renew_deadline_s``."""
         while True:
             await asyncio.sleep(self.timing.retry_s)
-            if await self.try_hold():
-                continue
+            # a round never outlasts the renew deadline (the client's own retries and timeouts
+            # would take minutes against a black-holed API server, while a standby takes over)
+            left = self.timing.renew_deadline_s - (self._clock() - self._renewed)
+            try:
+                if await asyncio.wait_for(self.try_hold(), timeout=max(left, 0.0)):
+                    continue
+            except asyncio.TimeoutError:
+                log.warning("renewing the leader lease took longer than the renew deadline")
             if self.holder not in ("", self.identity):
                 log.error("lost the leader lease to %s", self.holder)
                 return

@@ -81,3 +81,28 @@ def test_losing_the_lease_stops_the_operator() -> None:
     work = asyncio.run(scenario())
     assert calls == ["lost"]
     assert work.cancelled()
+
+
+def test_a_renewal_that_hangs_gives_the_lease_up_at_the_renew_deadline(monkeypatch) -> None:
+    """The API server stops answering (a black-holed connection): the leader's renewal round is
+    cut at the renew deadline and ``keep`` returns (the operator stops) well before a standby
+    may take the Lease, whatever the client's own retries and timeouts would have waited."""
+    from ppojob_operator import k8s
+
+    async def hangs(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.Event().wait()  # never answers
+
+    monkeypatch.setattr(k8s, "aget", hangs)
+    timing = leader.Timing(lease_s=3, renew_deadline_s=0.4, retry_s=0.05)
+    elector = leader.Elector("ns", "l", "me", timing)
+    elector.holder = "me"
+
+    async def scenario() -> float:
+        loop = asyncio.get_running_loop()
+        elector._renewed = elector._clock()
+        t = loop.time()
+        await asyncio.wait_for(elector.keep(), timeout=timing.lease_s)
+        return loop.time() - t
+
+    took = asyncio.run(scenario())
+    assert took < timing.lease_s, took
