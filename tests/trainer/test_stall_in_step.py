@@ -92,3 +92,17 @@ def test_the_stall_limit_follows_the_slowest_step_above_its_floor() -> None:
     WATCHDOG.configure(None)
     WATCHDOG.step_took(100.0)
     assert WATCHDOG.limit is None  # off
+
+
+def test_start_up_waits_have_no_limit_until_a_step_has_completed() -> None:
+    """Starting workers (a model download), forming groups and loading a checkpoint take what
+    the model's size says: no floor applies before the first step; a start-up later in the
+    run (an elastic engine joining) has the run's limit, and a step's phases always do."""
+    WATCHDOG.configure(30)
+    for phases in (["start"], ["rendezvous"], ["resume"], ["start", "resume"]):
+        assert WATCHDOG.limit_for(phases) is None, phases
+    assert WATCHDOG.limit_for(["start", "generate"]) == 30
+    assert WATCHDOG.limit_for(["save checkpoint"]) == 30
+    WATCHDOG.step_took(2.0)
+    assert WATCHDOG.limit_for(["start"]) == 30
+    WATCHDOG.configure(None)

@@ -10,18 +10,26 @@ of each worker that did not report. It reaches the PPOJob (``status.progress.err
 Every blocking wait of the driver goes through :data:`WATCHDOG` (``tests/trainer/
 test_watchdog_coverage.py`` fails on a ``ray.get``/``ray.wait`` elsewhere in ``driver/``): the
 step's phases, the reward-worker ping before a step, memory release, weight sync, checkpoint
-save and resume, start-up. Its limit is derived from the steps measured: the larger of
-``stall_timeout_seconds`` (the floor) and :data:`STEP_FACTOR` times the slowest step seen, so a
-job whose steps are long is not killed by a limit set for short ones.
+save and resume, start-up (unbounded until the first step: :data:`STARTUP_PHASES`). Its limit
+is derived from the steps measured: the larger of ``stall_timeout_seconds`` (the floor) and
+:data:`STEP_FACTOR` times the slowest step seen, so a job whose steps are long is not killed by
+a limit set for short ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 STEP_FACTOR = 3.0
 """The stall limit is at least this many times the slowest step seen."""
+
+STARTUP_PHASES = frozenset({"start", "rendezvous", "resume"})
+"""Phases that wait without a limit until the first step has completed: starting the workers
+(downloading and loading the models, starting engines), forming their groups and loading a
+checkpoint take as long as the model's size says, and no step time exists yet to size a limit
+by; a join later in the run (an elastic engine) has one. A hung rendezvous still ends at
+torch.distributed's own timeout."""
 
 Labelled = tuple[str, int, str, Any]
 """(role, rank, phase, ObjectRef)."""
@@ -78,6 +86,13 @@ class Watchdog:
             return None
         return max(self.floor, self.factor * self.slowest)
 
+    def limit_for(self, phases: Iterable[str]) -> float | None:
+        """The limit of a wait on ``phases``: :attr:`limit`, but none for a start-up wait
+        (every phase in :data:`STARTUP_PHASES`) before the first step has completed."""
+        if not self.slowest and all(p in STARTUP_PHASES for p in phases):
+            return None
+        return self.limit
+
     def step_took(self, seconds: float) -> None:
         """A completed step's wall time (raises the limit when it is the slowest yet)."""
         self.slowest = max(self.slowest, float(seconds))
@@ -86,7 +101,7 @@ class Watchdog:
         """Wait for every ref of ``labelled``; :class:`StallError` names those late (and
         :attr:`stalled` keeps them: shutdown then does not wait long on a hung worker)."""
         try:
-            wait_or_name(labelled, self.limit)
+            wait_or_name(labelled, self.limit_for(phase for _, _, phase, _ in labelled))
         except StallError as exc:
             self.stalled = exc.pending
             raise
@@ -139,4 +154,4 @@ class Watchdog:
 WATCHDOG = Watchdog()
 """The driver's (one run per process at a time)."""
 
-__all__ = ["STEP_FACTOR", "WATCHDOG", "StallError", "Watchdog", "wait_or_name"]
+__all__ = ["STARTUP_PHASES", "STEP_FACTOR", "WATCHDOG", "StallError", "Watchdog", "wait_or_name"]

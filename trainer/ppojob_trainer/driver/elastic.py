@@ -259,6 +259,7 @@ class ElasticEngines:
             error = f"its process died ({type(exc).__name__})"
         except StallError as exc:  # a new engine that hangs is dropped, as one that died
             error = str(exc)
+            WATCHDOG.stalled = []  # the run goes on: it did not stall
         return error
 
     def ensure(self) -> None:
