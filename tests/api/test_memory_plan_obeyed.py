@@ -221,3 +221,15 @@ def test_a_declared_gpu_memory_replaces_the_assumed_80_gb_and_the_refusal_says_s
     with pytest.raises(SpecError) as refused:
         validate_manifest(labelled)
     assert all("assumed" not in p.fix for p in refused.value.problems)
+
+
+def test_gpu_memory_on_another_role_is_refused_not_ignored() -> None:
+    """The plan judges every GPU by the actor's declared size: the field on the critic would be
+    silently ignored, so it is refused, naming it and where to set the size."""
+    doc = set_path(memory_base(), "spec.roles.rollout.resources", {"gpus": 8, "gpuMemory": "141Gi"})
+    doc = set_path(doc, "spec.roles.rollout.colocateWithActor", False)
+    with pytest.raises(SpecError) as refused:
+        validate_manifest(doc)
+    (problem,) = [p for p in refused.value.problems if p.path.endswith("gpuMemory")]
+    assert problem.path == "spec.roles.rollout.resources.gpuMemory"
+    assert "roles.actor.resources.gpuMemory" in problem.fix
