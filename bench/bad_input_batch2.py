@@ -628,6 +628,7 @@ CASES: list[tuple[str, str, str, list[str], str | None]] = [
             "  name: merged\n"
             "spec:\n"
             "  image: ghcr.io/ppojob/trainer:0.1.0-cpu\n"
+            "  model: {path: 'builtin:tiny-llama'}\n"
             "  head: {cpus: 1, memory: 3Gi}\n"
             "  roles:\n"
             "    actor:\n"
@@ -651,6 +652,7 @@ CASES: list[tuple[str, str, str, list[str], str | None]] = [
             "  name: trailing\n"
             "spec:\n"
             "  image: ghcr.io/ppojob/trainer:0.1.0-cpu\n"
+            "  model: {path: 'builtin:tiny-llama'}\n"
             "---\n"
         ),
         [],

@@ -14,6 +14,7 @@ import copy
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from ppojob_api.metadata import MAX_NAME_LENGTH
 from ppojob_operator.state import normalized
 from ppojob_operator.status import changed_fields
 from tests.api.test_bad_input import TINY
+from tests.cluster.conftest import OperatorProcess
 from tests.cluster.test_api_agreement import validate_refusal
 from tests.helpers.cluster_jobs import PPOJOB
 from tests.helpers.controlplane import ControlPlane
@@ -367,6 +369,18 @@ def _stored(cp: ControlPlane, ns: str, name: str) -> dict[str, Any]:
     return obj
 
 
+@pytest.fixture()
+def no_operator(operator: OperatorProcess) -> Iterator[None]:
+    """The session's operator (watching every namespace) stopped for the test: the job is
+    started, or not, only by what the test writes in its status; started again afterwards."""
+    operator.stop()
+    try:
+        yield
+    finally:
+        operator.start()
+
+
+@pytest.mark.usefixtures("no_operator")
 def test_a_started_jobs_spec_is_immutable_but_for_suspend(cp: ControlPlane, ns: str) -> None:
     """Before the operator made the RayJob every edit is taken (the operator reconciles the job
     as a new one); after, the API server refuses exactly the edits the operator would refuse,
@@ -403,6 +417,7 @@ def test_a_started_jobs_spec_is_immutable_but_for_suspend(cp: ControlPlane, ns: 
     assert _stored(cp, ns, "frozen")["status"]["phase"] == "Succeeded"
 
 
+@pytest.mark.usefixtures("no_operator")
 @pytest.mark.parametrize("status", [{}, {"phase": "Invalid", "reason": "InvalidSpec"}])
 def test_a_job_without_a_rayjob_takes_any_edit(cp: ControlPlane, ns: str, status: dict) -> None:
     """A job the operator has not started (invalid, held, waiting) is edited freely: the
