@@ -9,6 +9,7 @@ and says so: a log line naming the fix, a Warning event on the CRD and ``ppojob_
 from __future__ import annotations
 
 import copy
+import json
 import urllib.request
 from typing import Any
 
@@ -30,6 +31,14 @@ def older_crd() -> dict[str, Any]:
     crd = copy.deepcopy(build_crd())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     del spec["properties"]["ttlSecondsAfterFinished"]
+    # as that release had no admission rule on the field either (the API server refuses a rule
+    # whose path is not in the schema)
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root["x-kubernetes-validations"] = [
+        r
+        for r in root.get("x-kubernetes-validations", [])
+        if "ttlSecondsAfterFinished" not in json.dumps(r)
+    ]
     crd["metadata"]["annotations"][SCHEMA_HASH_ANNOTATION] = schema_hash(crd["spec"])
     return crd
 
