@@ -177,11 +177,14 @@ def classify_evidence(
     """The class of a failed attempt from all the evidence, and the pod losses that decided it.
 
     The trainer's own word comes first: exit 75 or ``Preempted: `` is a disruption (it
-    checkpointed on a stop); exit 1 or a refused config is permanent. An error of the trainer's
+    checkpointed on a stop; the pod losses that explain the stop are returned, to be named);
+    exit 1 or a refused config is permanent. An error of the trainer's
     own (anything but Ray's word for a lost worker) stays an application error even when a pod
     of the attempt was deleted or disrupted while it ran. A lost worker (or no account at all) is
     a disruption when a pod loss explains it (:func:`explains`), else an application error."""
     klass = classify(cause, exit_code=exit_code)
+    if klass == "Disruption":  # the trainer said so; the losses that explain it are named
+        return klass, [loss for loss in losses if explains(loss, failed_at)]
     if klass != "Application":
         return klass, []
     if trainer_error and not names_no_cause(trainer_error):

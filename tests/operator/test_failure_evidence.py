@@ -147,6 +147,18 @@ def test_the_disruption_names_the_pod_and_the_kubernetes_reason() -> None:
     assert "pod demo-worker-1 was disrupted (PreemptionByScheduler)" in d.message
 
 
+def test_a_stop_the_trainer_reported_names_the_pod_whose_deletion_stopped_it() -> None:
+    """The trainer's word decides the class (Preempted: a disruption); the head pod deleted
+    before it is named beside it (the restart's message says what stopped the attempt), a pod
+    deleted after the account is not."""
+    j = job(backoffLimit=0)
+    seen = [pod("demo-head-x", deleted_at=BEFORE), pod("demo-worker-9", deleted_at=AFTER)]
+    d = restarts.decision(j, rayjob(j, **EXIT_75), {}, PREEMPTED, losses(seen), ERROR_AT)
+    assert d is not None and (d.action, d.failure_class) == ("Restart", "Disruption")
+    assert "pod demo-head-x was deleted" in d.message and PREEMPTED in d.message
+    assert "demo-worker-9" not in d.message
+
+
 def test_a_pod_neither_deleted_nor_disrupted_is_no_evidence() -> None:
     assert pods.pod_loss(pod(), deleted=False) is None
     disrupted = pods.pod_loss(pod(target="EvictionByEvictionAPI", target_at=BEFORE), False)
