@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from ppojob_trainer.driver import run as driver_run
-from ppojob_trainer.driver import trainer as driver_trainer
 from ppojob_trainer.driver import weights
 from ppojob_trainer.driver.run import train
 from ppojob_trainer.manifest import config_from_doc
+from ppojob_trainer.watchdog import WATCHDOG
 from tests.helpers.sync_step import SynchronousTrainer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ppojob-tiny.yaml"
@@ -81,12 +81,13 @@ def test_staleness_one_overlaps_generation_with_training_within_the_bound(
     # what each step waits for, and the engines' weight loads each step's sync queues
     waited: list[set[Any]] = []
     loads: list[list[Any]] = []
-    wait = driver_trainer.wait_or_name
+    wait = WATCHDOG.wait
     push = weights.push_weights
 
-    def record_wait(calls: list[tuple[str, int, str, Any]], timeout: float) -> None:
-        waited.append({c[3] for c in calls if c[2] == "weight sync"})
-        wait(calls, timeout)
+    def record_wait(calls: list[tuple[str, int, str, Any]]) -> None:
+        if any(c[2] == "prepare" for c in calls):  # the step's own wait (driver _collect)
+            waited.append({c[3] for c in calls if c[2] == "weight sync"})
+        wait(calls)
 
     def record_push(
         actor: Any, version: int, engines: list[Any], **kw: Any
@@ -95,7 +96,7 @@ def test_staleness_one_overlaps_generation_with_training_within_the_bound(
         loads.append(sends)
         return sends, joined
 
-    monkeypatch.setattr(driver_trainer, "wait_or_name", record_wait)
+    monkeypatch.setattr(WATCHDOG, "wait", record_wait)
     monkeypatch.setattr(weights, "push_weights", record_push)
     result = train(_cfg(1, own_engine=True), tmp_path / "async", _Quiet())
     h = result.history
