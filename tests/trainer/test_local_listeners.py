@@ -46,3 +46,24 @@ def test_local_megatron_process_groups_listen_on_loopback_only(world: int, tmp_p
         assert addresses, "gloo listens somewhere: nothing found means the check is broken"
         off = [a for a in addresses if not a.startswith("127.0.0.1:")]
         assert not off, f"rank {r} listens off loopback: {off}"
+
+
+def test_a_rendezvous_port_comes_with_no_store_left_from_a_killed_run(monkeypatch) -> None:
+    """A killed run leaves its FileStore in the temporary directory; a new group meeting at the
+    same port number would read the dead ranks' addresses from it (gloo: "Connection refused").
+    The port rank 0 hands out comes with that path emptied, and a store opened there after is
+    a fresh one."""
+    import torch.distributed as dist
+
+    from ppojob_trainer import distributed
+
+    port = free_port("127.0.0.1")
+    monkeypatch.setattr(distributed, "free_port", lambda host: port)
+    stale = dist.FileStore(distributed.store_path(port), 2)  # a dead run's rank 0 wrote here
+    stale.set("rank0-address", "127.0.0.1:18312")
+    assert os.path.exists(distributed.store_path(port))
+    assert distributed.rendezvous_port("127.0.0.1") == port
+    assert not os.path.exists(distributed.store_path(port))
+    fresh = dist.FileStore(distributed.store_path(port), 1)
+    assert fresh.check(["rank0-address"]) is False
+    del stale, fresh

@@ -94,14 +94,34 @@ def local_store(address: str, port: int, world: int, name: str = "world") -> Any
     engines join by dialling TCP, meets in :func:`loopback_tcp_store` instead.)"""
     if not is_loopback(address):
         return None
-    import os
-    import tempfile
 
     import torch.distributed as dist
 
     loopback_gloo()
-    path = os.path.join(tempfile.gettempdir(), f"ppojob-{name}-store-{port}")
-    return dist.FileStore(path, world)
+    return dist.FileStore(store_path(port, name), world)
+
+
+def store_path(port: int, name: str = "world") -> str:
+    """Where :func:`local_store` keeps the store of the group meeting at ``port``."""
+    import os
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"ppojob-{name}-store-{port}")
+
+
+def rendezvous_port(host: str) -> int:
+    """A port free on ``host`` for a group's rendezvous, with no store left at its path: a
+    killed run leaves its ``FileStore`` behind (its ranks never closed it), and a new group
+    meeting at the same port number would read the old ranks' addresses from it (gloo then
+    dials ports nothing listens on: "Connection refused"). Called on rank 0's host before any
+    rank opens the store."""
+    import contextlib
+    import os
+
+    port = free_port(host)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(store_path(port))
+    return port
 
 
 def loopback_tcp_store(

@@ -536,10 +536,10 @@ class WorkerHost:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port free on it (for a group's rendezvous here)."""
-        from ..distributed import free_port
+        from ..distributed import rendezvous_port
 
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        return host, rendezvous_port(host)
 
     def close(self) -> None:
         """Stop the engine's own processes (SGLang's scheduler and detokenizer)."""
