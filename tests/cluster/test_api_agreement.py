@@ -30,9 +30,12 @@ from tests.helpers.controlplane import ControlPlane
 from tests.helpers.manifests import set_path
 
 
-def server_refusal(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str | None:
+def server_refusal(
+    cp: ControlPlane, ns: str, doc: dict[str, Any], limit: int | None = 400
+) -> str | None:
     """None when the API server would store `doc` (a dry-run create with strict field
-    validation, as `kubectl apply` sends it), else its message."""
+    validation, as `kubectl apply` sends it), else its message (its first ``limit``
+    characters; None: whole)."""
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     body = json.dumps({**doc, "metadata": {**meta, "namespace": ns}}).encode()
     path = f"/apis/ppojob.io/v1alpha1/namespaces/{ns}/ppojobs?dryRun=All&fieldValidation=Strict"
@@ -43,7 +46,7 @@ def server_refusal(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str | None
         with urllib.request.urlopen(req, context=cp._ssl(), timeout=30):
             return None
     except urllib.error.HTTPError as e:
-        return e.read().decode()[:400]
+        return e.read().decode()[:limit]
 
 
 def validate_refusal(doc: dict[str, Any]) -> str | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +24,7 @@ from ppojob_operator.state import normalized
 from ppojob_operator.status import changed_fields
 from tests.api.test_bad_input import TINY
 from tests.cluster.conftest import OperatorProcess
-from tests.cluster.test_api_agreement import validate_refusal
+from tests.cluster.test_api_agreement import server_refusal, validate_refusal
 from tests.helpers.cluster_jobs import PPOJOB
 from tests.helpers.controlplane import ControlPlane
 from tests.helpers.manifests import DELETE, set_path
@@ -274,18 +272,8 @@ ADMISSION: list[Case] = [
 
 
 def _server(cp: ControlPlane, ns: str, doc: dict[str, Any]) -> str | None:
-    """None when the API server would store `doc` (a dry-run create with strict field
-    validation, as `kubectl apply` sends it), else its whole answer."""
-    body = json.dumps({**doc, "metadata": {**doc["metadata"], "namespace": ns}}).encode()
-    path = f"/apis/ppojob.io/v1alpha1/namespaces/{ns}/ppojobs?dryRun=All&fieldValidation=Strict"
-    req = urllib.request.Request(
-        cp.server + path, body, {"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, context=cp._ssl(), timeout=30):
-            return None
-    except urllib.error.HTTPError as e:
-        return e.read().decode()
+    """The API server's whole answer to a dry-run create of `doc` (None: it would store it)."""
+    return server_refusal(cp, ns, doc, limit=None)
 
 
 def test_admission_rules_and_ppojob_validate_agree(cp: ControlPlane, ns: str) -> None:
