@@ -215,6 +215,7 @@ class InProcessEngine:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> tuple[bool, str]:
         from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
 
@@ -224,6 +225,7 @@ class InProcessEngine:
             shapes=shapes,
             group_name=group_name,
             flush_cache=flush_cache,
+            load_format=load_format,
         )
         return self._result(self.manager.update_weights_from_distributed(req))
 

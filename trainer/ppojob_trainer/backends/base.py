@@ -137,17 +137,17 @@ class GenerationEngine(ABC):
         group_name: str,
         flush_cache: bool,
     ) -> None:
-        """Disaggregated sync: receive one bucket broadcast by rank 0, tensor by tensor in
-        ``names`` order."""
+        """Disaggregated sync: receive one bucket broadcast by rank 0 as one packed byte
+        tensor (:func:`~.weight_sync.pack`'s layout, SGLang's ``flattened_bucket``)."""
         import torch.distributed as dist
+
+        from .weight_sync import unpack_empty
 
         group, backend = self.__dict__["_weight_groups"][group_name]
         device = "cuda" if backend == "nccl" else "cpu"
-        pending = self._pending_weights()
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(list(shape), dtype=getattr(torch, dtype), device=device)
-            dist.broadcast(t, src=0, group=group)
-            pending[name] = t
+        bucket = unpack_empty(names, dtypes, shapes, device)
+        dist.broadcast(bucket.flattened_tensor, src=0, group=group)
+        self._pending_weights().update(bucket.tensors())
         if flush_cache:
             self._apply_pending()
 

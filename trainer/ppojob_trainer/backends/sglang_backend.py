@@ -32,7 +32,9 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
   serialization of ``{"flattened_tensor", "metadata"}`` made by the process that owns that GPU
   (a CUDA IPC handle; SGLang's rank ``i`` deserializes only payload ``i``).
 - Disaggregated weight sync: ``init_weights_update_group`` once (rank 0 the actor's leader),
-  then ``update_weights_from_distributed`` per bucket while the leader broadcasts its tensors.
+  then ``update_weights_from_distributed(load_format="flattened_bucket")`` per bucket while the
+  leader broadcasts the bucket once, packed as SGLang's ``FlattenedTensorBucket.empty`` lays it
+  out from the names, dtypes and shapes (:func:`~.weight_sync.pack`).
 - LoRA (``spec.model.lora``): the engine starts with SGLang's LoRA pool (:func:`lora_server_args`)
   and each sync sends the adapters only, in PEFT names (:func:`peft_adapter_tensors`), as ONE
   ``load_lora_adapter_from_tensors`` under the fixed name :data:`LORA_ADAPTER_NAME` after
@@ -488,6 +490,7 @@ class SGLangGenerationEngine(GenerationEngine):
                 shapes=[list(s) for s in shapes],
                 group_name=group_name,
                 flush_cache=flush_cache,
+                load_format=FLATTENED_BUCKET,  # one broadcast of the packed bucket
             ),
             "update_weights_from_distributed",
         )

@@ -9,12 +9,16 @@ The flattened layout is SGLang's ``flattened_bucket`` format (``FlattenedTensorB
 tensor viewed as bytes (``uint8``) and concatenated; per tensor its name, shape, dtype and byte
 range ``[start_idx, end_idx)`` with ``numel`` = its byte count. ``TensorMeta`` carries exactly
 those fields, so the sglang adapter converts it field by field (the contract tests check the
-field names against SGLang's source).
+field names against SGLang's source). A colocated bucket pads each tensor's start to
+:data:`ALIGN` (SGLang reads the byte ranges it is given); a broadcast bucket is packed without
+padding (:func:`pack`), because there SGLang's receiver computes the byte ranges itself from
+the names, dtypes and shapes alone: one collective per bucket (:func:`broadcast_stream`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,11 +89,14 @@ def plan_weight_buckets(weights: Mapping[str, torch.Tensor], max_bytes: int) -> 
     return plan_buckets(((k, nbytes(v)) for k, v in weights.items()), max_bytes)
 
 
-def flatten(named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device) -> FlatBucket:
-    """One bucket of ``named`` tensors, flattened into a byte tensor on ``device``."""
+def flatten(
+    named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device, align: int = ALIGN
+) -> FlatBucket:
+    """One bucket of ``named`` tensors, flattened into a byte tensor on ``device``, each tensor
+    starting at a multiple of ``align`` bytes (1: packed, :func:`pack`)."""
     parts, metas, pos = [], [], 0
     for name, t in named:
-        pad = -pos % ALIGN  # every tensor starts aligned, so its bytes view back as its dtype
+        pad = -pos % align  # every tensor starts aligned, so its bytes view back as its dtype
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
             pos += pad
@@ -173,6 +180,111 @@ def bucket_meta(
     dtypes = [str(weights[n].dtype).removeprefix("torch.") for n in names]
     shapes = [list(weights[n].shape) for n in names]
     return list(names), dtypes, shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed buckets: one collective per bucket (the disaggregated sync)
+# ---------------------------------------------------------------------------------------------
+# SGLang's receiver of ``update_weights_from_distributed(load_format="flattened_bucket")``
+# (``FlattenedTensorBucket.empty``) lays a bucket out from (names, dtypes, shapes) alone: the
+# tensors' bytes back to back in that order, no padding, and it refuses a tensor whose byte
+# offset is not a multiple of its element size (its bytes could not be viewed as its dtype).
+# So the sender packs exactly so, and starts a new collective where a tensor would land
+# unaligned (mixed dtypes only: a bf16 tensor of odd length before a float32 one).
+
+
+def packed_groups(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """``named`` (one bucket) cut into consecutive runs each packable without padding: a run
+    ends before a tensor whose packed byte offset is not a multiple of its element size."""
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    current: list[tuple[str, torch.Tensor]] = []
+    pos = 0
+    for name, t in named:
+        if current and pos % t.element_size():
+            groups.append(current)
+            current, pos = [], 0
+        current.append((name, t))
+        pos += nbytes(t)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pack(named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device) -> FlatBucket:
+    """One packed bucket (SGLang's ``FlattenedTensorBucket`` layout: no padding); ``named``
+    must be one of :func:`packed_groups`' runs."""
+    bucket = flatten(named, device, align=1)
+    for m in bucket.metadata:
+        if m.start_idx % m.dtype.itemsize:
+            raise ValueError(f"{m.name}: byte offset {m.start_idx} unaligned for {m.dtype}")
+    return bucket
+
+
+def unpack_empty(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    device: str | torch.device,
+) -> FlatBucket:
+    """The receiving side of :func:`pack`: an empty flat tensor the size of the bucket and where
+    each tensor will lie (the torch engine's receiver; SGLang's is its own)."""
+    metas, pos = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dt = getattr(torch, dtype)
+        size = math.prod(shape) * dt.itemsize
+        if pos % dt.itemsize:
+            raise ValueError(f"{name}: byte offset {pos} unaligned for {dt}")
+        metas.append(TensorMeta(name, tuple(shape), dt, pos, pos + size, size))
+        pos += size
+    if not metas:
+        raise ValueError("cannot receive an empty bucket")
+    return FlatBucket(torch.empty(pos, dtype=torch.uint8, device=device), metas)
+
+
+@dataclass
+class SendStats:
+    """What one disaggregated sync sent: seconds, payload bytes and collectives."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    collectives: int = 0
+
+
+def broadcast_stream(
+    stream: WeightStream,
+    group: Any,
+    device: str | torch.device,
+    receive: Callable[[list[str], list[str], list[list[int]], bool], Any],
+    wait: Callable[[Any], Any] = lambda _: None,
+) -> SendStats:
+    """The sender of a disaggregated sync (rank 0 of ``group``): per bucket of ``stream``, per
+    packed run of it (:func:`packed_groups`; one run unless alignment cuts it), the engines are
+    told what comes (``receive(names, dtypes, shapes, last)``, whose result ``wait`` waits for
+    after the collective) and the run goes as ONE broadcast of its packed bytes."""
+    import time
+
+    import torch.distributed as dist
+
+    stats = SendStats()
+    t0 = time.perf_counter()
+    runs = len(stream.plan)
+    for i in range(runs):
+        groups = packed_groups(stream.bucket(i).items())
+        for j, named in enumerate(groups):
+            bucket = pack(named, device)
+            last = i == runs - 1 and j == len(groups) - 1
+            names = [n for n, _ in named]
+            meta = bucket_meta(dict(named), names)
+            pending = receive(*meta, last)
+            dist.broadcast(bucket.flattened_tensor, src=0, group=group)
+            stats.bytes += bucket.flattened_tensor.numel()
+            stats.collectives += 1
+            del bucket
+            wait(pending)
+    stats.seconds = time.perf_counter() - t0
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------

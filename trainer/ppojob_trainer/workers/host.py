@@ -22,7 +22,7 @@ import torch
 from ppojob_api.training import TrainerConfig
 
 from ..backends.base import WAKE_AFTER_SYNC, WAKE_FOR_SYNC
-from ..backends.weight_sync import WeightStream, bucket_meta, flatten, init_custom_group
+from ..backends.weight_sync import WeightStream, broadcast_stream, flatten, init_custom_group
 from ..distributed import data_parallel_group, identity, init_role_groups, model_parallel_identity
 from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
@@ -557,27 +557,24 @@ class WorkerHost:
 
     def broadcast_weights(self, sync_id: int, engines: list[Any], group_name: str) -> float:
         """Disaggregated sync, on the actor's leader: per bucket, every engine starts receiving
-        (``update_weights_from_distributed``) and this process broadcasts the bucket's tensors
-        in order."""
-        import torch.distributed as dist
-
-        t0 = time.perf_counter()
+        (``update_weights_from_distributed``) and this process broadcasts the bucket packed in
+        SGLang's ``flattened_bucket`` layout, one collective per bucket
+        (:func:`~..backends.weight_sync.broadcast_stream`)."""
         group, backend = self._weight_group
         device = self.device if backend == "nccl" else "cpu"
         stream = self._exported(sync_id)
         ray.get([e.begin_weight_update.remote() for e in engines])
-        for i, names in enumerate(stream.plan):
-            bucket = stream.bucket(i)
-            meta = bucket_meta(bucket, names)
-            last = i == len(stream.plan) - 1
-            refs = [e.receive_weights.remote(*meta, group_name, last) for e in engines]
-            for name in names:
-                dist.broadcast(bucket[name].to(device).contiguous(), src=0, group=group)
-            del bucket  # the stream drops it before it gathers the next
-            ray.get(refs)
+
+        def receive(names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool):
+            return [
+                e.receive_weights.remote(names, dtypes, shapes, group_name, last) for e in engines
+            ]
+
+        stats = broadcast_stream(stream, group, device, receive, ray.get)
         ray.get([e.end_weight_update.remote(sync_id) for e in engines])
         self.drop_weights()
-        return time.perf_counter() - t0
+        self.last_send = stats
+        return stats.seconds
 
     def init_weights_update_group(
         self,
