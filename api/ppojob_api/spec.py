@@ -412,6 +412,21 @@ class Progress(ApiModel):
     entropy: float | None = None
     """Mean entropy of the policy over the last step's response tokens (actor/entropy)."""
 
+    weight_version: int | None = Field(None, ge=0)
+    """Policy version the generation engines hold: each weight sync numbers the weights it
+    sends, and the engines report the number they loaded (0: the initial weights)."""
+
+    rollout_version: int | None = Field(None, ge=0)
+    """Oldest policy version the last step's samples were generated with, as the engines
+    reported it with their samples."""
+
+    staleness_mean: float | None = Field(None, ge=0)
+    """Mean age, in policy versions, of the last step's trained tokens (0 on-policy;
+    spec.algorithm.maxStaleness bounds it) (staleness/mean)."""
+
+    staleness_max: float | None = Field(None, ge=0)
+    """Largest such age in the last step (staleness/max)."""
+
     checkpoints: list[CheckpointRecord] | None = None
     """The complete checkpoints the trainer keeps (spec.training.keepCheckpoints), oldest
     first; a restart resumes from the newest."""

@@ -146,3 +146,25 @@ def test_kept_checkpoints_reach_the_status():
         {"step": 2, "path": "/ckpt/step-000002"},
         {"step": 4, "path": "/ckpt/step-000004"},
     ]
+
+
+def test_weight_version_and_staleness_reach_the_status():
+    """Issue 40 (weight sync as a subsystem): the version the engines reported after the
+    step's sync (`weights/version`), the oldest version the step's samples were generated with
+    (`rollout/version`, whole numbers) and the rollout staleness go into status.progress."""
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api, min_interval=0)
+    rep.start(total_steps=3)
+    rep.report(
+        2,
+        {
+            "weights/version": 3.0,
+            "rollout/version": 2.0,
+            "staleness/mean": 0.75,
+            "staleness/max": 1.0,
+        },
+    )
+    p = api.calls[1][5]["status"]["progress"]
+    assert (p["weightVersion"], p["rolloutVersion"]) == (3, 2)
+    assert isinstance(p["weightVersion"], int) and isinstance(p["rolloutVersion"], int)
+    assert (p["stalenessMean"], p["stalenessMax"]) == (0.75, 1.0)

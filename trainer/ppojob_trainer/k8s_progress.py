@@ -31,7 +31,11 @@ _METRIC_KEYS = {
     "rollout/logprob_diff_mean": "logprobDiffMean",
     "rollout/logprob_diff_max": "logprobDiffMax",
     "actor/entropy": "entropy",
+    "staleness/mean": "stalenessMean",
+    "staleness/max": "stalenessMax",
 }
+# Policy versions (whole numbers in the status)
+_VERSION_KEYS = {"weights/version": "weightVersion", "rollout/version": "rolloutVersion"}
 # The step's phases (the loop's `time/<phase>`) in status.progress.phaseSeconds
 _PHASES = {
     "time/generate": "generate",
@@ -132,6 +136,10 @@ class KubernetesProgressReporter(ProgressReporter):
             value = _number(plain.get(key))
             if value is not None:
                 progress[out] = value
+        for key, out in _VERSION_KEYS.items():
+            value = _number(plain.get(key))
+            if value is not None:
+                progress[out] = int(value)
         phases = {out: _number(plain.get(key)) for key, out in _PHASES.items()}
         if any(v is not None for v in phases.values()):
             # a merge patch: a phase this step did not run is cleared, not left from an earlier one

@@ -109,13 +109,16 @@ def test_disaggregated_engines_take_the_weights_bucket_by_bucket_over_a_group():
     trainer = PPOTrainer(_cfg(roles, prompts=1, bucket_mb=0.1))
     try:
         before = ray.get(trainer.hosts["rollout"][1].rollout_weights.remote())
-        trainer.step(0)
+        metrics = trainer.step(0)
         actor, *engines = ray.get(
             [trainer.hosts["actor"][0].actor_weights.remote()]
             + [h.rollout_weights.remote() for h in trainer.hosts["rollout"]]
         )
         assert not _same_weights(before, actor), "the actor did not change: nothing to check"
         assert all(_same_weights(actor, e) for e in engines)
+        # the sync carried version 1, which both engines reported back; the step's samples
+        # came from version 0
+        assert (metrics["weights/version"], metrics["rollout/version"]) == (1.0, 0.0)
         sizes = sorted((t.numel() * t.element_size() for t in actor.values()), reverse=True)
         assert sizes[0] <= 0.1 * 2**20  # every tensor fits a bucket, so the bound holds
         calls = ray.get([h.calls.remote() for h in trainer.hosts["rollout"]])
@@ -163,6 +166,9 @@ def test_bounded_staleness_over_a_weight_update_group_syncs_inside_sessions_betw
         trainer.shutdown()
     assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
     assert [m["policy/version"] for m in history] == [0.0, 1.0, 2.0]
+    # each sync's version as the engine reported it back, and its samples' versions
+    assert [m["weights/version"] for m in history] == [1.0, 2.0, 3.0]
+    assert [m["rollout/version"] for m in history] == [0.0, 0.0, 1.0]
     assert _same_weights(actor, engine)
     begins = [i for i, c in enumerate(calls) if c == "engine.begin_weight_update"]
     ends = [i for i, c in enumerate(calls) if c == "engine.end_weight_update"]

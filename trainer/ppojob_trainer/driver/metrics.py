@@ -39,7 +39,7 @@ def step_metrics(
     prep: list[tuple[Any, dict[str, float]]],
     critic_m: list[dict[str, float]],
     actor_m: list[dict[str, float]],
-    sync_s: list[float],
+    sync_s: list[Any],
 ) -> dict[str, float]:
     """The step's metrics: generation, the actor leaders' ``prep`` (advantages, KL, log-prob
     drift, staleness, importance weights), the updates' and the weight sync's."""
@@ -63,8 +63,8 @@ def step_metrics(
                 vals = [g[key] for g in group if key in g]
                 agg = max if key.startswith("time/") else (lambda v: sum(v) / len(v))
                 out[key] = agg(vals)
-    if sync_s:
-        out["time/weight_sync"] = max(sync_s)
+    if sync_s:  # (seconds, or an engine's report of its seconds and version)
+        out["time/weight_sync"] = max(v["seconds"] if isinstance(v, dict) else v for v in sync_s)
     out.update(_staleness(prep, tokens))
     if any("is_tokens" in p[1] for p in prep):  # importanceSampling's weights
         is_tokens = max(sum(p[1]["is_tokens"] for p in prep), 1.0)

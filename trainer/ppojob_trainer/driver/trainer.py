@@ -216,6 +216,9 @@ class PPOTrainer:
             metrics.update(generation_metrics(rollout.generated))
             metrics.update(rollout.metrics)
         metrics["policy/version"] = float(version)
+        # the versions the engines reported: with their samples, and at the step's sync
+        metrics["rollout/version"] = float(min(g["version"] for g in r.gens))
+        metrics["weights/version"] = float(self.weights.reported)
         metrics.update(self.rollouts.pool_metrics())
         gens = [*(rollout.generated or r.gens), *self.rollouts.finished_ahead()]
         overlap = overlap_seconds(span, gens)

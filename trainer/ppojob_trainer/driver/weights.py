@@ -49,6 +49,9 @@ class WeightSync:
     def __init__(self, groups: Groups) -> None:
         self.groups = groups
         self.version = 0
+        self.reported = 0
+        """The policy version the engines last reported holding after a sync (0: the initial
+        weights); the step's ``weights/version``."""
 
     def start(self) -> list[Any]:
         """Start a sync of a new version; refs of its durations (seconds) and of the actor
@@ -76,8 +79,24 @@ class WeightSync:
         return []
 
     def durations(self, refs: list[Any], fetched: list[Any]) -> list[float]:
-        """The sync's durations, from its refs and (:attr:`fetched_with_step`) their values."""
-        return fetched
+        """The sync's durations, from its refs and (:attr:`fetched_with_step`) their values;
+        the versions the engines reported with theirs become :attr:`reported`."""
+        return self.read_reports(fetched)
+
+    def read_reports(self, values: list[Any]) -> list[float]:
+        """Seconds of each of a sync's calls (an engine's: ``{"seconds", "version"}``, an actor
+        worker's share: seconds); the oldest version the engines report becomes
+        :attr:`reported` (no engine reporting leaves it)."""
+        seconds, versions = [], []
+        for v in values:
+            if isinstance(v, dict):
+                seconds.append(float(v["seconds"]))
+                versions.append(int(v["version"]))
+            else:
+                seconds.append(float(v))
+        if versions:
+            self.reported = min(versions)
+        return seconds
 
 
 class ColocatedSync(WeightSync):
@@ -215,7 +234,7 @@ class ElasticSync(StoreSync):
         out += WATCHDOG.get(refs[len(engines) :], "actor", "weight sync")
         if lost:
             self.drop(lost)
-        return out
+        return self.read_reports(out)
 
 
 def weight_sync(topo: Topology, groups: Groups) -> WeightSync:

@@ -253,9 +253,10 @@ class WorkerHost:
         self.drop_weights()
         return refs
 
-    def load_weights(self, sync_id: int, buckets: list[Any]) -> float:
+    def load_weights(self, sync_id: int, buckets: list[Any]) -> dict[str, float]:
         """An elastic engine takes the weights :meth:`publish_weights` put (``buckets``: their
-        refs); it then holds policy ``sync_id``. Returns seconds."""
+        refs); it then holds policy ``sync_id``. Returns seconds and that version
+        (:func:`synced`)."""
         t0 = time.perf_counter()
         engine = self.rollout.engine
         engine.begin_weight_update()
@@ -263,7 +264,7 @@ class WorkerHost:
             engine.update_weights_from_tensor([ray.get(ref)], flush_cache=i == len(buckets) - 1)
         engine.end_weight_update()
         self.policy_version = int(sync_id)
-        return time.perf_counter() - t0
+        return synced(time.perf_counter() - t0, self.policy_version)
 
     def offer_weights(self, sync_id: int, buckets: list[Any]) -> float:
         """Partial rollout (``algorithm.partialRollout``): the weights :meth:`publish_weights`
@@ -509,7 +510,7 @@ class WorkerHost:
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()
 
-    def sync_colocated(self, sync_id: int, peers: list[Any]) -> float:
+    def sync_colocated(self, sync_id: int, peers: list[Any]) -> dict[str, float]:
         """Colocated sync, on the engine's process: bucket by bucket, this process and its
         ``peers`` (the other processes on the engine's GPUs, in tensor-parallel rank order) each
         stage the bucket on their GPU and the engine loads all of them at once."""
@@ -532,7 +533,7 @@ class WorkerHost:
         if rollout.colocate_with_actor and rollout.offload:  # the rest of the engine wakes
             self.empty_cache()
             engine.resume_memory(WAKE_AFTER_SYNC)
-        return time.perf_counter() - t0
+        return synced(time.perf_counter() - t0, self.policy_version)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port free on it (for a group's rendezvous here)."""
@@ -555,7 +556,9 @@ class WorkerHost:
         group = init_custom_group(backend, address, port, world_size, 0, group_name)
         self._weight_group = (group, backend)
 
-    def broadcast_weights(self, sync_id: int, engines: list[Any], group_name: str) -> float:
+    def broadcast_weights(
+        self, sync_id: int, engines: list[Any], group_name: str
+    ) -> dict[str, float]:
         """Disaggregated sync, on the actor's leader: per bucket, every engine starts receiving
         (``update_weights_from_distributed``) and this process broadcasts the bucket packed in
         SGLang's ``flattened_bucket`` layout, one collective per bucket
@@ -571,10 +574,13 @@ class WorkerHost:
             ]
 
         stats = broadcast_stream(stream, group, device, receive, ray.get)
-        ray.get([e.end_weight_update.remote(sync_id) for e in engines])
+        held = ray.get([e.end_weight_update.remote(sync_id) for e in engines])
         self.drop_weights()
         self.last_send = stats
-        return stats.seconds
+        wrong = [(i, v) for i, v in enumerate(held) if v != sync_id]
+        if wrong:
+            raise RuntimeError(f"weight sync {sync_id}: engines report other versions: {wrong}")
+        return synced(stats.seconds, sync_id)
 
     def init_weights_update_group(
         self,
@@ -594,11 +600,12 @@ class WorkerHost:
         """Open the engine's weight-update session (before the first bucket of a sync)."""
         self.rollout.engine.begin_weight_update()
 
-    def end_weight_update(self, version: int | None = None) -> None:
+    def end_weight_update(self, version: int | None = None) -> int:
         """Close it (after the last bucket); the engine now holds policy ``version`` (the sync's
-        number; the next one when not given)."""
+        number; the next one when not given), which it reports back."""
         self.rollout.engine.end_weight_update()
         self.policy_version = self.policy_version + 1 if version is None else int(version)
+        return self.policy_version
 
     def receive_weights(
         self,
@@ -672,6 +679,12 @@ class WorkerHost:
     def computed_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample indices, values) the critic computed at the last step (tests only)."""
         return self.critic.batch["sample_idx"], self.critic.batch["old_values"]
+
+
+def synced(seconds: float, version: int) -> dict[str, float]:
+    """What an engine's side of a weight sync returns to the driver: its seconds, and the policy
+    version the engine now holds (the driver reads it back, :meth:`.WeightSync.durations`)."""
+    return {"seconds": float(seconds), "version": int(version)}
 
 
 HANG_GATE_ENV = "PPOJOB_HANG_GATE"
