@@ -61,6 +61,10 @@ def _rename(sd: Mapping[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dic
     return out
 
 
+FUSED_KINDS = ("q", "k", "v", "gate", "up")
+"""HF tensors cut from one fused megatron tensor (:class:`~.megatron_convert.HfTensor`)."""
+
+
 class _Sharded:
     """A megatron-core model shard (actor or critic), its optimizer and its checkpoint state."""
 
@@ -654,16 +658,25 @@ class _Sharded:
         by_name = {t.name: t for t in layout}
         plan = plan_buckets(((t.name, size * math.prod(t.shape)) for t in layout), max_bytes)
 
+        fused: dict[str, list[torch.Tensor]] = {}  # one fused tensor's gathered pieces
+
         def produce(names: list[str]) -> dict[str, torch.Tensor]:
-            return {n: self._hf_tensor(by_name[n], local, dtype) for n in names}
+            return {n: self._hf_tensor(by_name[n], local, dtype, fused) for n in names}
 
         return WeightStream(plan, produce)
 
     def _hf_tensor(
-        self, t: HfTensor, local: Mapping[str, torch.Tensor], dtype: torch.dtype
+        self,
+        t: HfTensor,
+        local: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        fused: dict[str, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """HF tensor ``t`` on this worker (collective over its stage's tensor-parallel group
-        and its pipeline group)."""
+        and its pipeline group). ``fused``: the gathered pieces of the last fused megatron
+        tensor (``linear_qkv``: q, k, v; ``linear_fc1``: gate, up), kept while the HF tensors
+        made of it follow one another in the layout, so each is all-gathered once, not once per
+        HF tensor (the stream holds one fused tensor's pieces beside its bucket)."""
         import torch.distributed as dist
 
         from ..algorithms import collectives as C
@@ -671,15 +684,21 @@ class _Sharded:
         s = self.shard
         tp_group = self.ps.get_tensor_model_parallel_group() if s.tp_size > 1 else None
         pp_group = self.ps.get_pipeline_model_parallel_group() if s.pp_size > 1 else None
+        if fused is not None and t.key not in fused:
+            fused.clear()  # the layout has moved past the last fused tensor
         if t.stage == s.pp_rank:
             piece = local[t.key].detach()
             if s.tp_size == 1:
                 pieces = [piece]
+            elif fused is not None and t.key in fused:
+                pieces = fused[t.key]
             elif t.split:
                 pieces = [
                     C.group_empty(tp_group, piece.shape, piece.dtype) for _ in range(s.tp_size)
                 ]
                 dist.all_gather(pieces, C.to_group(piece.contiguous(), tp_group), group=tp_group)
+                if fused is not None and t.kind in FUSED_KINDS:
+                    fused[t.key] = pieces
             else:
                 pieces = [C.to_group(piece.clone(), tp_group)]
                 dist.broadcast(pieces[0], group=tp_group, group_src=0)

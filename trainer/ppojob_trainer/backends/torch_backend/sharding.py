@@ -77,6 +77,9 @@ def stream_state_dict(module: nn.Module, dtype: torch.dtype, max_bytes: int) -> 
     """:func:`full_state_dict` cast to ``dtype`` (floating tensors), made one bucket of at
     most ``max_bytes`` at a time on the weights' own device: a shard is gathered
     (``full_tensor``) only when its bucket is asked for, and nothing is copied to the CPU.
+    Each shard is cast before its gather (a cast is elementwise: the same tensor), so the
+    gather moves ``dtype``'s bytes (bf16 from float32 masters: half) and no whole float32 copy
+    of the tensor is made.
     Every worker of an FSDP group must ask for every bucket, in order. The buckets are planned
     from the global shapes, so every worker plans the same ones."""
     state = module.state_dict()  # references to the parameters (or their shards): no copy
@@ -91,10 +94,11 @@ def stream_state_dict(module: nn.Module, dtype: torch.dtype, max_bytes: int) -> 
     def produce(names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for k in names:
-            v = state[k]
+            v = state[k].detach()
+            v = v.to(dtype=out_dtype(v))  # a DTensor casts its local shard
             if hasattr(v, "full_tensor"):
                 v = v.full_tensor()
-            out[k] = v.detach().to(dtype=out_dtype(v))
+            out[k] = v
         return out
 
     return WeightStream(plan, produce)
