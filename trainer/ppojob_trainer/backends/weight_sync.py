@@ -90,10 +90,15 @@ def plan_weight_buckets(weights: Mapping[str, torch.Tensor], max_bytes: int) -> 
 
 
 def flatten(
-    named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device, align: int = ALIGN
+    named: Iterable[tuple[str, torch.Tensor]],
+    device: str | torch.device,
+    align: int = ALIGN,
+    out: torch.Tensor | None = None,
 ) -> FlatBucket:
     """One bucket of ``named`` tensors, flattened into a byte tensor on ``device``, each tensor
-    starting at a multiple of ``align`` bytes (1: packed, :func:`pack`)."""
+    starting at a multiple of ``align`` bytes (1: packed, :func:`pack`). ``out``: a ``uint8``
+    buffer on ``device`` at least the bucket's size that several tensors are copied into (its
+    head; reused from bucket to bucket, it is allocated and first touched once)."""
     parts, metas, pos = [], [], 0
     for name, t in named:
         pad = -pos % align  # every tensor starts aligned, so its bytes view back as its dtype
@@ -106,8 +111,12 @@ def flatten(
         pos += raw.numel()
     if not parts:
         raise ValueError("cannot flatten an empty bucket")
-    flat = torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0].to(device)
-    return FlatBucket(flat, metas)
+    if len(parts) == 1:  # a tensor alone is sent as it lies (no copy on its device)
+        return FlatBucket(parts[0].to(device), metas)
+    moved = [p.to(device) for p in parts]
+    if out is not None and out.numel() >= pos:
+        return FlatBucket(torch.cat(moved, out=out[:pos]), metas)
+    return FlatBucket(torch.cat(moved), metas)
 
 
 class WeightStream:
@@ -212,10 +221,14 @@ def packed_groups(
     return groups
 
 
-def pack(named: Iterable[tuple[str, torch.Tensor]], device: str | torch.device) -> FlatBucket:
+def pack(
+    named: Iterable[tuple[str, torch.Tensor]],
+    device: str | torch.device,
+    out: torch.Tensor | None = None,
+) -> FlatBucket:
     """One packed bucket (SGLang's ``FlattenedTensorBucket`` layout: no padding); ``named``
-    must be one of :func:`packed_groups`' runs."""
-    bucket = flatten(named, device, align=1)
+    must be one of :func:`packed_groups`' runs; ``out``: as :func:`flatten`'s."""
+    bucket = flatten(named, device, align=1, out=out)
     for m in bucket.metadata:
         if m.start_idx % m.dtype.itemsize:
             raise ValueError(f"{m.name}: byte offset {m.start_idx} unaligned for {m.dtype}")
@@ -270,10 +283,15 @@ def broadcast_stream(
     stats = SendStats()
     t0 = time.perf_counter()
     runs = len(stream.plan)
+    staging: torch.Tensor | None = None  # the packing buffer, reused (at most one bucket)
     for i in range(runs):
         groups = packed_groups(stream.bucket(i).items())
         for j, named in enumerate(groups):
-            bucket = pack(named, device)
+            size = sum(nbytes(t) for _, t in named)
+            if len(named) > 1 and (staging is None or staging.numel() < size):
+                staging = None  # (the smaller one goes before the larger is made)
+                staging = torch.empty(size, dtype=torch.uint8, device=device)
+            bucket = pack(named, device, out=staging)
             last = i == runs - 1 and j == len(groups) - 1
             names = [n for n, _ in named]
             meta = bucket_meta(dict(named), names)
