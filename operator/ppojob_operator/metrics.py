@@ -107,6 +107,22 @@ JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
         "logprobDiffMax",
     ),
     ("ppojob_job_entropy", "Mean policy entropy over the last step's tokens.", "entropy"),
+    (
+        "ppojob_job_weight_version",
+        "Policy version the generation engines reported holding after the last weight sync.",
+        "weightVersion",
+    ),
+    (
+        "ppojob_job_rollout_version",
+        "Oldest policy version the last step's samples were generated with.",
+        "rolloutVersion",
+    ),
+    (
+        "ppojob_job_staleness_mean",
+        "Mean age in policy versions of the last step's trained tokens.",
+        "stalenessMean",
+    ),
+    ("ppojob_job_staleness_max", "Largest such age in the last step.", "stalenessMax"),
 )
 JOB_LABELS = ["ppojob_namespace", "ppojob"]
 """The per-job series' labels: the PPOJob's namespace and name. Never ``namespace`` or ``job``:

@@ -35,6 +35,10 @@ STATUS: dict[str, Any] = {
         "logprobDiffMean": 0.001,
         "logprobDiffMax": 0.25,
         "entropy": 0.875,
+        "weightVersion": 121,
+        "rolloutVersion": 119,
+        "stalenessMean": 1.5,
+        "stalenessMax": 2.0,
         "updatedAt": "2026-01-02T03:04:05Z",
     },
 }
@@ -78,6 +82,10 @@ def test_every_progress_value_is_a_sample_labelled_by_the_jobs_namespace_and_nam
     assert got[("ppojob_job_logprob_diff_mean", j)] == 0.001
     assert got[("ppojob_job_logprob_diff_max", j)] == 0.25
     assert got[("ppojob_job_entropy", j)] == 0.875
+    assert got[("ppojob_job_weight_version", j)] == 121.0  # issue 40: the sync's version
+    assert got[("ppojob_job_rollout_version", j)] == 119.0
+    assert got[("ppojob_job_staleness_mean", j)] == 1.5
+    assert got[("ppojob_job_staleness_max", j)] == 2.0
     assert got[("ppojob_job_phase_seconds", job(phase="generate"))] == 1.25
     assert got[("ppojob_job_phase_seconds", job(phase="trainActor"))] == 0.5
     assert got[("ppojob_job_phase_seconds", job(phase="weightSync"))] == 0.0625
