@@ -120,7 +120,14 @@ def test_a_pod_labelled_like_kuberay_in_a_tenants_namespace_does_not_reach_the_d
         )
         cp.apply(gpu_job("np", ns))
         policy = wait_children(cp, "np", ns)["networkpolicy.networking.k8s.io"]
-        job_pods = wait_until(lambda: pods(cp, "np", ns), 60, "the job's pods")
+
+        # every pod of the job (head, 2 actor, critic, rollout): KubeRay makes them one by one,
+        # and one made after the look below would be an "extra" pod the policy admits
+        def all_five() -> list[dict[str, Any]] | None:
+            made = pods(cp, "np", ns)
+            return made if len(made) == 5 else None
+
+        job_pods = wait_until(all_five, 60, "the job's 5 pods")
 
         namespaces = {
             n["metadata"]["name"]: n["metadata"].get("labels") or {}

@@ -567,9 +567,12 @@ state = "{self.state / "state"}"
         shutil.rmtree(self.state, ignore_errors=True)
 
     def _drain(self) -> None:
-        """Delete every pod on the node and wait until the kubelet has torn their sandboxes down
-        (CNI DEL, network namespace removed). What would make new pods goes first: the
-        controllers' objects (PPOJobs, RayJobs, RayClusters, Deployments, ReplicaSets, Jobs)."""
+        """Delete every pod on the node and wait until the kubelet has stopped their sandboxes
+        (no task of the node's containerd runs, and every network namespace a sandbox made is
+        gone: its CNI DEL ran). What would make new pods goes first: the controllers' objects
+        (PPOJobs, RayJobs, RayClusters, Deployments, ReplicaSets, Jobs). The stopped
+        containers' removal is the kubelet's garbage collection, a minute or more later: not
+        waited for (the sweep in :meth:`stop` removes them with the node's state)."""
         for kinds in (
             "ppojobs.ppojob.io,rayjobs.ray.io,rayclusters.ray.io",
             "deployments.apps,replicasets.apps,jobs.batch",
@@ -586,12 +589,15 @@ state = "{self.state / "state"}"
                 check=False,
             )
 
-        def sandboxes_gone() -> bool:
-            out = self.ctr("containers", "list", "--quiet")
-            return not out.strip()
+        def sandboxes_stopped() -> bool:
+            tasks = self.ctr("tasks", "list").splitlines()[1:]  # TASK PID STATUS
+            if any(line.split()[2:3] != ["STOPPED"] for line in tasks if line.strip()):
+                return False
+            netns = Path("/var/run/netns")
+            return not netns.is_dir() or not set(os.listdir(netns)) - self.netns_before
 
         with contextlib.suppress(TimeoutError):  # the sweep in stop() removes what is left
-            wait_until(sandboxes_gone, 90, "the node's containers removed", interval=0.5)
+            wait_until(sandboxes_stopped, 90, "the node's sandboxes stopped", interval=0.5)
 
     def _kill_shims(self) -> None:
         for pid, argv in _processes():
