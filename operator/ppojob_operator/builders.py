@@ -207,14 +207,23 @@ def pod_disruption_budget(job: PPOJob, namespace: str, uid: str | None = None) -
     (``unhealthyPodEvictionPolicy: AlwaysAllow``: a field since Kubernetes 1.26, on by default
     since 1.27): under the default, IfHealthyBudget, the eviction API refuses it while the job
     is short of healthy pods, so it would block the drain of its node. (Pending and terminated
-    pods are evictable either way; Ready pods still block, by design.)"""
+    pods are evictable either way; Ready pods still block, by design.)
+
+    The budget is ``minAvailable``: every pod the job can have (the head and each worker group
+    at its largest), an integer. Kubernetes' disruption controller counts an integer
+    ``minAvailable`` from the pods the selector matches, but works out ``maxUnavailable`` (and
+    any percentage) from the scale of the pods' controller: a RayCluster has no scale
+    subresource, so such a budget never syncs (event CalculateExpectedPodCountFailed, condition
+    SyncFailed) and refuses every eviction for that reason instead of its own
+    (pkg/controller/disruption, ``getExpectedPodCount``)."""
     name = job.metadata.name or ""
+    pods = 1 + sum(scaling_bounds(role, spec)[1] for role, spec in pod_roles(job))
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _meta(name, namespace, name, uid),
         "spec": {
-            "maxUnavailable": 0,
+            "minAvailable": pods,
             "selector": {"matchLabels": {JOB_LABEL: name}},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },

@@ -282,7 +282,7 @@ def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, 
 
 
 def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
-    """The job's PodDisruptionBudget (maxUnavailable 0): a drain's eviction of one of its pods
+    """The job's PodDisruptionBudget (minAvailable: every pod of the job): a drain's eviction of one of its pods
     is refused with 429 and the pod stays; a job without one (failurePolicy) is evictable."""
     protected = gpu_job("pdb", ns, actor=1, critic=1, rollout=1)
     # with the pod-template escape hatch: the API server admits the pods KubeRay makes of it
@@ -312,18 +312,28 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "t"}
         assert {"name": "scratch", "emptyDir": {}} in p["spec"]["volumes"]
     pdb = cp.get("poddisruptionbudget.policy", "pdb", ns)
-    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["minAvailable"] == 4  # head, actor, critic, rollout
     assert pdb["spec"]["selector"]["matchLabels"] == {JOB_LABEL: "pdb"}
     # kept by the API server (a field it did not know would be dropped from what it stores)
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     assert cp.get("poddisruptionbudget.policy", "bare", ns) is None
-    # The PDB's status, as kube-controller-manager's disruption controller (not run here)
-    # computes it for 4 healthy pods and maxUnavailable 0; the eviction API decides by it.
-    path = f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/pdb/status"
-    healthy = {"currentHealthy": 4, "desiredHealthy": 4, "expectedPods": 4}
-    gen = pdb["metadata"]["generation"]
-    body = {"status": {"observedGeneration": gen, "disruptionsAllowed": 0, **healthy}}
-    cp.request("PATCH", path, body, "application/merge-patch+json")
+    # The PDB's status, as kube-controller-manager's disruption controller computes it from the
+    # 4 Ready pods: none may go. (With maxUnavailable it could not: a RayCluster has no scale
+    # subresource, and the budget read SyncFailed.) The eviction API decides by it.
+
+    def synced() -> dict | None:
+        st = (cp.get("poddisruptionbudget.policy", "pdb", ns) or {}).get("status") or {}
+        return st if st.get("observedGeneration") == pdb["metadata"]["generation"] else None
+
+    status = wait_until(synced, 60, "the disruption controller's status of the budget")
+    assert (status["currentHealthy"], status["desiredHealthy"], status["expectedPods"]) == (
+        4,
+        4,
+        4,
+    ), status
+    assert status["disruptionsAllowed"] == 0, status
+    allowed = {c["type"]: c for c in status["conditions"]}["DisruptionAllowed"]
+    assert (allowed["status"], allowed["reason"]) == ("False", "InsufficientPods"), allowed
 
     def evict(pod: dict) -> str:
         name = pod["metadata"]["name"]
@@ -344,6 +354,13 @@ def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
         cp.get("pod", mine[0]["metadata"]["name"], ns)["metadata"].get("deletionTimestamp") is None
     )
     assert evict(theirs[0]) == "evicted"
+    # a Running pod of the protected job that is not Ready (crash-looping) is evictable all the
+    # same (unhealthyPodEvictionPolicy AlwaysAllow): it does not hold its node's drain
+    sick = mine[1]["metadata"]["name"]
+    ready_false = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    path = f"/api/v1/namespaces/{ns}/pods/{sick}/status"
+    cp.request("PATCH", path, ready_false, "application/strategic-merge-patch+json")
+    assert evict(mine[1]) == "evicted"
 
 
 def test_a_lost_head_pod_restarts_the_job_uncounted(cp, operator, ns):

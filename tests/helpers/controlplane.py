@@ -1,7 +1,8 @@
 """A real Kubernetes control plane on 127.0.0.1, built by hack/control-plane/build.sh.
 
 etcd, kube-apiserver (RBAC authorizer, OwnerReferencesPermissionEnforcement admission),
-kube-controller-manager (garbage collector, namespace, service-account and token controllers),
+kube-controller-manager (garbage collector, namespace, service-account, token and disruption
+controllers),
 kube-scheduler, the scheduler-plugins scheduler (profile ``scheduler-plugins-scheduler`` with the
 Coscheduling gang plugin), the KubeRay operator and KWOK (turns pods bound to fake nodes
 Running/Ready; it makes no scheduling decision). Certificates and the service-account signing key
@@ -645,7 +646,7 @@ class ControlPlane:
                 "--leader-elect=false",
                 "--controllers=garbage-collector-controller,namespace-controller,"
                 "serviceaccount-controller,serviceaccount-token-controller,"
-                "root-ca-certificate-publisher-controller"
+                "root-ca-certificate-publisher-controller,disruption-controller"
                 + (
                     ",endpoints-controller,endpointslice-controller,deployment-controller,"
                     "replicaset-controller,job-controller,persistentvolume-binder-controller,"

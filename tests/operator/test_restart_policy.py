@@ -188,8 +188,11 @@ def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off()
         for c in builders.build_children(job(), namespace="ns1", uid="u1")
         if c["kind"] == "PodDisruptionBudget"
     )
+    # every pod the job can have: head, 2 actor, critic, rollout pods of the default job
+    pods = builders.build_children(job(), namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    count = 1 + sum(g["maxReplicas"] for g in pods["workerGroupSpecs"])
     assert pdb["spec"] == {
-        "maxUnavailable": 0,
+        "minAvailable": count,
         "selector": {"matchLabels": {"ppojob.io/job": "demo"}},
         "unhealthyPodEvictionPolicy": "AlwaysAllow",  # a pod that is not Ready blocks no drain
     }
@@ -201,6 +204,25 @@ def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off()
     assert "PodDisruptionBudget" not in [
         c["kind"] for c in builders.build_children(off, namespace="ns1")
     ]
+
+
+def test_the_budget_counts_every_pod_an_elastic_job_can_have() -> None:
+    """minAvailable is the head plus each group at its largest (elastic engines at their
+    maximum): a Ready pod of the job is never evictable, however far the engines grew."""
+    elastic = job(
+        roles={
+            "actor": {"replicas": 2, "resources": {"gpus": 1}},
+            "critic": {"replicas": 1, "resources": {"gpus": 1}},
+            "rollout": {"replicas": 1, "resources": {"gpus": 1}, "elastic": {"maxReplicas": 5}},
+        }
+    )
+    (pdb,) = [
+        c
+        for c in builders.build_children(elastic, namespace="ns1")
+        if c["kind"] == "PodDisruptionBudget"
+    ]
+    assert pdb["spec"]["minAvailable"] == 1 + 2 + 1 + 5
+    assert "maxUnavailable" not in pdb["spec"]
 
 
 def test_the_trainer_token_is_mounted_only_in_the_head_pod() -> None:
