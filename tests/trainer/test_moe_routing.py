@@ -1,0 +1,198 @@
+"""Mixture-of-experts routing replay on the tiny built-in MoE models (CPU).
+
+The engine samples in bfloat16 (``model.dtype: bfloat16``, as a real engine serves), the actor
+computes its log-probs from float32 master weights under bfloat16 autocast (the torch backend's
+mixed precision): the same weights, different numerics. A router whose top-2 candidates are
+close flips between the two (the mismatch MoE RL suffers at scale, from other kernels and batch
+shapes). Replaying the engine's experts makes the actor's forward use exactly the engine's
+choice, and the rollout/training log-prob mismatch falls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppojob_api.training import TrainingSettings
+from ppojob_trainer import models
+from ppojob_trainer.backends.torch_backend.generation import TorchGenerationEngine
+from ppojob_trainer.backends.torch_backend.memory import trim_padding
+from ppojob_trainer.backends.torch_backend.moe import agreement, moe_routers, replay_choice
+from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer, replay_layout
+from ppojob_trainer.workers.actor import logprob_mismatch
+from ppojob_trainer.workers.rollout import cat_batches
+
+MOE = ("tiny-qwen3-moe", "tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("moe-cache")
+
+
+def rollout(model_dir: Path, n: int = 48) -> dict[str, torch.Tensor]:
+    """A bfloat16 engine's samples of prompts of 1 to 3 digits (left-padded), with the
+    experts it routed every fed token to."""
+    tok = models.load_tokenizer(model_dir)
+    engine = TorchGenerationEngine(
+        model_dir, "bfloat16", stop_ids=[2], pad_id=0, record_routing=True
+    )
+    prompts = [str(i % 10) * (1 + i % 3) for i in range(n)]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    gen = engine.generate(
+        enc.input_ids,
+        enc.attention_mask.bool(),
+        max_new_tokens=10,
+        temperature=1.0,
+        top_p=1.0,
+        seed=3,
+    )
+    assert gen.routed_experts is not None and gen.prompt_routed_experts is not None
+    return {
+        "prompt_ids": enc.input_ids,
+        "prompt_mask": enc.attention_mask.bool(),
+        "response_ids": gen.response_ids,
+        "response_mask": gen.response_mask,
+        "rollout_logprobs": gen.logprobs,
+        "routed_experts": gen.routed_experts,
+        "prompt_routed_experts": gen.prompt_routed_experts,
+    }
+
+
+def actor(model_dir: Path, replay: bool, packing: bool = False) -> TorchPolicyTrainer:
+    return TorchPolicyTrainer(
+        model_dir,
+        "bfloat16",
+        TrainingSettings(packing=packing),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=False,
+        routing_replay=replay,
+    )
+
+
+def used_agreement(trainer: TorchPolicyTrainer, batch: dict[str, torch.Tensor]) -> float:
+    """The share of the engine's token-layer choices the actor's last forward used."""
+    tap = next(iter(trainer.taps.values()))
+    recorded, valid = replay_layout(trim_padding(batch)[0], trainer.settings.packing)
+    same, total = agreement(recorded, tap.stacked(tap.used, tuple(valid.shape)), valid)
+    assert total > 0
+    return same / total
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_engine_records_the_experts_of_every_token_it_fed(name: str, cache: Path) -> None:
+    path = models.materialize_builtin(name, 1, cache)
+    batch = rollout(path)
+    b, t = batch["response_ids"].shape
+    p = batch["prompt_ids"].shape[1]
+    assert batch["routed_experts"].shape == (b, t, 2, 2)
+    assert batch["prompt_routed_experts"].shape == (b, p, 2, 2)
+    assert batch["routed_experts"].dtype == torch.int16
+    # every fed response token has 2 distinct experts of 8 in each layer; the last sampled
+    # token of the longest row was never fed
+    lengths = batch["response_mask"].sum(1)
+    fed = torch.arange(t)[None] < (lengths[:, None] - 1)
+    routes = batch["routed_experts"][fed]
+    assert bool(((routes >= 0) & (routes < 8)).all())
+    assert bool((routes[..., 0] != routes[..., 1]).all())
+    assert bool((batch["routed_experts"][:, t - 1] == -1).all())
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_replayed_routing_uses_the_engines_experts_and_lowers_the_mismatch(
+    name: str, cache: Path
+) -> None:
+    path = models.materialize_builtin(name, 1, cache)
+    batch = rollout(path)
+    mask = batch["response_mask"]
+    results = {}
+    for replay in (False, True):
+        trainer = actor(path, replay)
+        logp = trainer.logprobs(batch)
+        mism = logprob_mismatch(batch["rollout_logprobs"], logp, mask)
+        results[replay] = (mism["logprob_diff_sum"] / float(mask.sum()), mism["logprob_diff_max"])
+    stats = trainer.routing_stats()  # the replaying actor's
+    own = stats["router_agree_sum"] / stats["router_choices"]
+    assert 0.9 < own < 1.0  # its routers would choose otherwise for some tokens themselves
+    assert used_agreement(trainer, batch) == 1.0  # it used exactly the engine's experts
+    off, on = results[False], results[True]
+    print(f"{name}: router agreement {own:.4f}; mismatch mean, max without replay {off}, with {on}")
+    assert on[0] < off[0] and on[1] < off[1]
+
+
+def test_packed_forwards_replay_the_same_experts(cache: Path) -> None:
+    path = models.materialize_builtin("tiny-qwen3-moe", 1, cache)
+    batch = rollout(path)
+    padded = actor(path, replay=True)
+    packed = actor(path, replay=True, packing=True)
+    a, b = padded.logprobs(batch), packed.logprobs(batch)
+    assert used_agreement(packed, batch) == 1.0
+    mask = batch["response_mask"]
+    torch.testing.assert_close(a[mask], b[mask], atol=2e-2, rtol=0)
+
+
+def test_an_update_under_replay_trains_the_router_through_the_replayed_weights(
+    cache: Path,
+) -> None:
+    path = models.materialize_builtin("tiny-mixtral", 1, cache)
+    batch = rollout(path, n=8)
+    trainer = actor(path, replay=True)
+    batch["old_logprobs"] = trainer.logprobs(batch)
+    before = {n: r.weight.detach().clone() for n, r in moe_routers(trainer.lm).items()}
+
+    def loss_fn(logp, ent, mb):  # the PolicyLossFn shape
+        m = mb["response_mask"]
+        return -(logp * m).sum() / m.sum(), {}
+
+    trainer.update(batch, loss_fn, micro_batch_size=4)
+    assert used_agreement(trainer, batch) == 1.0  # the update's forwards replayed too
+    after = moe_routers(trainer.lm)
+    assert all(not torch.equal(before[n], after[n].weight) for n in before)
+
+
+def test_a_replayed_choice_keeps_the_routers_gradient() -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(
+        hidden_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    h = torch.randn(5, 8)
+    logits, scores, index = router(h)
+    forced = torch.tensor([[0, 1], [2, 3], [-1, -1], [3, 0], [1, 2]])
+    _, weights, chosen = replay_choice(router, logits, scores, index, forced)
+    assert torch.equal(chosen[[0, 1, 3, 4]], forced[[0, 1, 3, 4]])
+    assert torch.equal(chosen[2], index[2])  # no record: the router's own choice
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))  # norm_topk_prob
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(weights[1], probs[1, [2, 3]] / probs[1, [2, 3]].sum())
+    weights[:, 0].sum().backward()
+    assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
+
+
+def test_routed_experts_pad_with_no_record_when_parts_join_and_trim_with_their_columns() -> None:
+    def part(rows: int, plen: int, tlen: int) -> dict[str, torch.Tensor]:
+        return {
+            "prompt_ids": torch.ones(rows, plen, dtype=torch.long),
+            "prompt_mask": torch.ones(rows, plen, dtype=torch.bool),
+            "response_ids": torch.ones(rows, tlen, dtype=torch.long),
+            "response_mask": torch.ones(rows, tlen, dtype=torch.bool),
+            "routed_experts": torch.zeros(rows, tlen, 2, 2, dtype=torch.int16),
+            "prompt_routed_experts": torch.zeros(rows, plen, 2, 2, dtype=torch.int16),
+        }
+
+    joined = cat_batches([part(1, 2, 3), part(1, 4, 5)])
+    assert joined["routed_experts"].shape == (2, 5, 2, 2)
+    assert bool((joined["routed_experts"][0, 3:] == -1).all())
+    assert bool((joined["routed_experts"][0, :3] == 0).all())
+    assert joined["prompt_routed_experts"].shape == (2, 4, 2, 2)
+    assert bool((joined["prompt_routed_experts"][0, :2] == -1).all())  # left-padded
+    # a micro-batch of the first row keeps its own widths for every tensor
+    trimmed, _ = trim_padding({k: v[:1] for k, v in joined.items()})
+    assert trimmed["prompt_routed_experts"].shape[:2] == trimmed["prompt_ids"].shape == (1, 2)
+    assert trimmed["routed_experts"].shape[:2] == trimmed["response_ids"].shape == (1, 3)
