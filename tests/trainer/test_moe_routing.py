@@ -196,3 +196,19 @@ def test_routed_experts_pad_with_no_record_when_parts_join_and_trim_with_their_c
     trimmed, _ = trim_padding({k: v[:1] for k, v in joined.items()})
     assert trimmed["prompt_routed_experts"].shape[:2] == trimmed["prompt_ids"].shape == (1, 2)
     assert trimmed["routed_experts"].shape[:2] == trimmed["response_ids"].shape == (1, 3)
+
+
+def test_the_architectures_validation_accepts_are_the_ones_whose_routers_we_drive() -> None:
+    from ppojob_api.checks.moe import REPLAY_MODEL_TYPES
+    from ppojob_api.trainspec.constants import BUILTIN_MOE_MODELS
+
+    types = set()
+    for name, (experts, per_token) in BUILTIN_MOE_MODELS.items():
+        model = models.build_builtin_model(name, 0)
+        types.add(model.config.model_type)
+        routers = moe_routers(model)
+        assert sorted(routers) == [0, 1]
+        assert {(r.num_experts, r.top_k) for r in routers.values()} == {(experts, per_token)}
+    assert types == set(REPLAY_MODEL_TYPES)
+    dense = moe_routers(models.build_builtin_model("tiny-llama", 0))
+    assert dense == {}
