@@ -279,17 +279,22 @@ def replay_layout(
     micro: Mapping[str, torch.Tensor], packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch's recorded routing in the order the decoder flattens its tokens, and
-    which of them are real tokens: ``[b, P + T, layers, k]`` and ``[b, P + T]`` (prompt then
-    response columns), or packed (:func:`~.packing.pack_rows`: each row's real prompt tokens,
-    then its response tokens up to its length) ``[1, N, layers, k]`` and ``[1, N]``."""
+    the positions whose routing reaches a response token's log-prob (the real prompt tokens
+    and every response token but the last: a row's last token predicts nothing trained):
+    ``[b, P + T, layers, k]`` and ``[b, P + T]`` (prompt then response columns), or packed
+    (:func:`~.packing.pack_rows`: each row's real prompt tokens, then its response tokens up
+    to its length) ``[1, N, layers, k]`` and ``[1, N]``."""
     prompt, response = micro["prompt_routed_experts"], micro["routed_experts"]
     pmask = micro["prompt_mask"].bool()
     rmask = micro["response_mask"].bool()
     if not packed:
         recorded = torch.cat([prompt, response], 1)
-        return recorded, torch.cat([pmask, rmask], 1)
-    rows = []
+        followed = torch.cat([rmask[:, 1:], torch.zeros_like(rmask[:, :1])], 1)
+        return recorded, torch.cat([pmask, followed], 1)
+    rows, valid = [], []
     for i in range(response.shape[0]):
-        rows += [prompt[i][pmask[i]], response[i, : int(rmask[i].sum())]]
-    recorded = torch.cat(rows)[None]
-    return recorded, torch.ones(recorded.shape[:2], dtype=torch.bool)
+        length = int(rmask[i].sum())
+        rows += [prompt[i][pmask[i]], response[i, :length]]
+        valid += [torch.ones(int(pmask[i].sum()), dtype=torch.bool)]
+        valid += [torch.arange(length) < length - 1]
+    return torch.cat(rows)[None], torch.cat(valid)[None]
