@@ -134,23 +134,41 @@ def test_packed_forwards_replay_the_same_experts(cache: Path) -> None:
     torch.testing.assert_close(a[mask], b[mask], atol=2e-2, rtol=0)
 
 
-def test_an_update_under_replay_trains_the_router_through_the_replayed_weights(
+def test_an_update_replays_in_its_forward_and_in_activation_checkpointings_recompute(
     cache: Path,
 ) -> None:
+    """The update's forward uses the engine's experts and trains the routers; with activation
+    checkpointing the backward pass recomputes the forward with the same replayed routing
+    (the routing stays set after the forward), so both give the same new weights."""
     path = models.materialize_builtin("tiny-mixtral", 1, cache)
-    batch = rollout(path, n=8)
-    trainer = actor(path, replay=True)
-    batch["old_logprobs"] = trainer.logprobs(batch)
-    before = {n: r.weight.detach().clone() for n, r in moe_routers(trainer.lm).items()}
+    batch = rollout(path)
 
     def loss_fn(logp, ent, mb):  # the PolicyLossFn shape
         m = mb["response_mask"]
         return -(logp * m).sum() / m.sum(), {}
 
-    trainer.update(batch, loss_fn, micro_batch_size=4)
-    assert used_agreement(trainer, batch) == 1.0  # the update's forwards replayed too
-    after = moe_routers(trainer.lm)
-    assert all(not torch.equal(before[n], after[n].weight) for n in before)
+    after = []
+    for checkpointing in (False, True):
+        trainer = TorchPolicyTrainer(
+            path,
+            "bfloat16",
+            TrainingSettings(gradient_checkpointing=checkpointing),
+            total_updates=1,
+            temperature=1.0,
+            need_reference=False,
+            routing_replay=True,
+        )
+        batch["old_logprobs"] = trainer.logprobs(batch)
+        before = {n: r.weight.detach().clone() for n, r in moe_routers(trainer.lm).items()}
+        tap = next(iter(trainer.taps.values()))
+        with tap.record():  # one micro-batch: the update's forward (and its recompute)
+            trainer.update(batch, loss_fn, micro_batch_size=len(batch["prompt_ids"]))
+        assert used_agreement(trainer, batch) == 1.0
+        routers = moe_routers(trainer.lm)
+        assert all(not torch.equal(before[n], routers[n].weight) for n in before)
+        after.append(dict(trainer.lm.named_parameters()))
+    for name, value in after[0].items():
+        torch.testing.assert_close(after[1][name], value, rtol=0, atol=0, msg=name)
 
 
 def test_a_replayed_choice_keeps_the_routers_gradient() -> None:
