@@ -230,3 +230,29 @@ def test_the_architectures_validation_accepts_are_the_ones_whose_routers_we_driv
     assert types == set(REPLAY_MODEL_TYPES)
     dense = moe_routers(models.build_builtin_model("tiny-llama", 0))
     assert dense == {}
+
+
+def test_lora_replays_for_the_policy_and_its_base_model_reference(cache: Path) -> None:
+    """With LoRA the reference is the base model (adapters off): one model, one set of
+    routers, replayed in both forwards."""
+    from ppojob_api.training import LoraSpec
+
+    path = models.materialize_builtin("tiny-qwen3-moe", 1, cache)
+    batch = rollout(path, n=16)
+    trainer = TorchPolicyTrainer(
+        path,
+        "bfloat16",
+        TrainingSettings(),
+        total_updates=1,
+        temperature=1.0,
+        need_reference=True,
+        lora=LoraSpec(rank=4),
+        routing_replay=True,
+    )
+    old = trainer.logprobs(batch)
+    assert used_agreement(trainer, batch) == 1.0
+    tap = next(iter(trainer.taps.values()))
+    with tap.record():
+        ref = trainer.logprobs(batch, reference=True)
+    assert used_agreement(trainer, batch) == 1.0
+    torch.testing.assert_close(ref, old, rtol=0, atol=0)  # B = 0: the adapters add nothing
