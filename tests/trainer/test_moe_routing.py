@@ -256,3 +256,39 @@ def test_lora_replays_for_the_policy_and_its_base_model_reference(cache: Path) -
         ref = trainer.logprobs(batch, reference=True)
     assert used_agreement(trainer, batch) == 1.0
     torch.testing.assert_close(ref, old, rtol=0, atol=0)  # B = 0: the adapters add nothing
+
+
+def test_a_weight_update_mid_generation_rerecords_the_tokens_so_far(cache: Path) -> None:
+    """Partial rollout: new weights re-encode the prompt and the tokens so far; their
+    routing under the new weights, which the KV cache of every later token holds, replaces
+    the old one."""
+    path = models.materialize_builtin("tiny-qwen3-moe", 1, cache)
+    engine = TorchGenerationEngine(path, "float32", stop_ids=[2], pad_id=0, record_routing=True)
+    other = models.build_builtin_model("tiny-qwen3-moe", 2).state_dict()
+    ids = torch.tensor([[1, 5, 6], [0, 1, 7]])
+    mask = ids != 0
+    asked = []
+
+    def interrupt():  # new weights before the third token
+        asked.append(1)
+        return (1, other) if len(asked) == 2 else None
+
+    gen = engine.generate(
+        ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=0, interrupt=interrupt
+    )
+    assert gen.versions is not None and gen.versions[0, 2] == 1
+    # the routing of the new weights, recomputed in one forward over the whole sequence
+    fresh = TorchGenerationEngine(path, "float32", stop_ids=[], pad_id=0, record_routing=True)
+    fresh.update_weights(other)
+    tap = fresh.tap
+    assert tap is not None
+    full = torch.cat([ids, gen.response_ids[:, :2]], 1)
+    attn = torch.cat([mask, torch.ones(2, 2, dtype=torch.bool)], 1).long()
+    with torch.no_grad(), tap.record():
+        fresh.model(
+            input_ids=full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)
+        )
+    want = tap.stacked(tap.chosen, tuple(full.shape))
+    got = torch.cat([gen.prompt_routed_experts, gen.routed_experts[:, :2]], 1)
+    real = attn.bool()
+    assert torch.equal(got[real], want[real])
