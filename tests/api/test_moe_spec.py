@@ -80,3 +80,33 @@ def test_validate_refuses_replay_on_a_dense_model_and_accepts_it_on_a_moe_one(
     err = capsys.readouterr().err
     assert "spec.roles.actor.backend" in err and "mixture-of-experts" in err
     assert "the megatron backend does not replay routing" in err
+
+
+def test_a_moe_config_gets_no_memory_plan_rather_than_a_dense_ones(tmp_path: Path) -> None:
+    """The plan's Shape counts a dense MLP; a MoE model's experts would be left out."""
+    from ppojob_api.memory_plan import resolve_shape
+
+    dense = _config(
+        tmp_path,
+        "dense",
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=14,
+    )
+    assert resolve_shape(dense) is not None
+    moe = _config(
+        tmp_path,
+        "moe",
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=8,
+        vocab_size=14,
+    )
+    assert resolve_shape(moe) is None

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from ppojob_api.memory_plan import MOE_KEYS
 from ppojob_api.problems import Problem
 from ppojob_api.training import TrainingHalf
 from ppojob_api.trainspec.constants import BUILTIN_MOE_MODELS
@@ -13,7 +14,6 @@ from ppojob_api.trainspec.constants import BUILTIN_MOE_MODELS
 REPLAY_MODEL_TYPES = ("qwen3_moe", "mixtral")
 """Hugging Face ``model_type`` values whose routers routing replay drives (the trainer's
 ``moe.ROUTER_CLASSES``; a trainer test keeps the two in step)."""
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _MOE_BUILTINS = [f"builtin:{m}" for m in BUILTIN_MOE_MODELS]
 
 MoeKind = Literal["replayable", "other-moe", "dense"]
@@ -33,7 +33,7 @@ def moe_kind(path: str) -> MoeKind | None:
         return None
     if config.get("model_type") in REPLAY_MODEL_TYPES:
         return "replayable"
-    if any(config.get(k) for k in EXPERT_KEYS):
+    if any(config.get(k) for k in MOE_KEYS):
         return "other-moe"
     return "dense"
 
