@@ -2837,7 +2837,7 @@ REPLAY = {"algorithm__routingReplay": "rollout"}
 MOE_MODEL = {"model__path": "builtin:tiny-qwen3-moe"}
 TABLE += [
     (check_routing_replay, "replay on a built-in MoE model", {**REPLAY, **MOE_MODEL}, []),
-    (check_routing_replay, "replay off on a dense model", {}, []),
+    (check_routing_replay, "no replay on a dense model", {}, []),
     (
         check_routing_replay,
         "replay on a dense model",

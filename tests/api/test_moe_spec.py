@@ -1,4 +1,4 @@
-"""spec.algorithm.routingReplay and mixture-of-experts models (issue 44): typed, off by default,
+"""spec.algorithm.routingReplay and mixture-of-experts models (issue 44): typed, none by default,
 and refused with the field and a fix where it cannot work; `ppojob validate` says so."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import yaml
 
 from ppojob_api.checks.moe import check_routing_replay, moe_kind
 from ppojob_api.training import Algorithm, TrainingHalf
+from ppojob_api.yamlio import load_yaml
 from ppojob_cli.main import main as ppojob
 
 TINY = Path(__file__).parents[2] / "examples" / "ppojob-tiny.yaml"
@@ -24,11 +25,14 @@ def _half(**algorithm: Any) -> TrainingHalf:
     return TrainingHalf.model_validate(training)
 
 
-def test_replay_is_off_by_default_and_takes_off_or_rollout() -> None:
-    assert Algorithm().routing_replay == "off"
+def test_replay_is_none_by_default_and_takes_none_or_rollout() -> None:
+    assert Algorithm().routing_replay == "none"
     assert Algorithm.model_validate({"routingReplay": "rollout"}).routing_replay == "rollout"
     with pytest.raises(ValueError, match="routingReplay"):
         Algorithm.model_validate({"routingReplay": "training"})
+    # `none`, not `off`: YAML 1.1 (kubectl's) reads a plain off as the boolean false
+    assert load_yaml("routingReplay: none") == {"routingReplay": "none"}
+    assert load_yaml("routingReplay: off") == {"routingReplay": False}
 
 
 def _config(tmp_path: Path, name: str, **fields: Any) -> str:
@@ -53,7 +57,7 @@ def test_a_model_directory_is_told_by_its_config(tmp_path: Path) -> None:
     half.model.path = deepseek
     (problem,) = check_routing_replay(half, "spec")
     assert problem.path == "spec.algorithm.routingReplay"
-    assert "cannot replay" in problem.message and "routingReplay: off" in problem.fix
+    assert "cannot replay" in problem.message and "routingReplay: none" in problem.fix
 
 
 def test_validate_refuses_replay_on_a_dense_model_and_accepts_it_on_a_moe_one(

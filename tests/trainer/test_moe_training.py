@@ -47,7 +47,7 @@ def run(out: Path, model: str, estimator: str, replay: str, *extra: Any) -> list
 def test_a_tiny_moe_trains_with_and_without_replay_and_replay_lowers_the_mismatch(
     tmp_path: Path, model: str, estimator: str
 ) -> None:
-    off = run(tmp_path / "off", model, estimator, "off")
+    off = run(tmp_path / "off", model, estimator, "none")
     on = run(tmp_path / "on", model, estimator, "rollout")
     for records in (off, on):
         assert [r["step"] for r in records] == [1, 2]

@@ -55,7 +55,7 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
                 field,
                 f"routing replay needs a mixture-of-experts model, but {path} is dense (it has "
                 "no router whose choice could be replayed)",
-                f"set routingReplay: off, or use a MoE model ({', '.join(_MOE_BUILTINS)}, or a "
+                f"set routingReplay: none, or use a MoE model ({', '.join(_MOE_BUILTINS)}, or a "
                 "Qwen3-MoE or Mixtral checkpoint)",
             )
         )
@@ -65,7 +65,7 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
                 field,
                 f"{path} is a mixture-of-experts model of an architecture whose routers the "
                 f"trainer cannot replay (it drives {', '.join(REPLAY_MODEL_TYPES)})",
-                "set routingReplay: off, or use a Qwen3-MoE or Mixtral checkpoint",
+                "set routingReplay: none, or use a Qwen3-MoE or Mixtral checkpoint",
             )
         )
     if half.roles.actor.backend == "megatron":
@@ -74,7 +74,7 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
                 field,
                 "the megatron backend does not replay routing (its actor forward routes for "
                 "itself)",
-                "set roles.actor.backend: torch, or routingReplay: off",
+                "set roles.actor.backend: torch, or routingReplay: none",
             )
         )
     if half.data.agent is not None:
@@ -83,7 +83,7 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
                 field,
                 "multi-turn generation (data.agent) does not record the experts of the tokens "
                 "it feeds between turns",
-                "set routingReplay: off for a multi-turn job",
+                "set routingReplay: none for a multi-turn job",
             )
         )
     return problems

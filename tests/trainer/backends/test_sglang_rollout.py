@@ -341,7 +341,7 @@ def test_every_sample_of_a_prompt_gets_its_own_sampling_seed(monkeypatch):
         engine.generate(ids, mask, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=seed)
     a, b, c = ([p["sampling_seed"] for p in params] for params in engine.engine.params)
     assert len(set(a)) == 4 and a == b and not set(a) & set(c)
-    assert engine.engine.return_routed_experts is False  # routingReplay off: not asked
+    assert engine.engine.return_routed_experts is False  # routingReplay none: not asked
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,6 @@ def test_the_engine_is_started_to_return_routed_experts_only_under_replay() -> N
         )
 
     on = engine_args(cfg("rollout"), Path("/models/m"), gpu_gib=80.0)
-    off = engine_args(cfg("off"), Path("/models/m"), gpu_gib=80.0)
+    off = engine_args(cfg("none"), Path("/models/m"), gpu_gib=80.0)
     assert on["enable_return_routed_experts"] is True
     assert "enable_return_routed_experts" not in off
