@@ -354,6 +354,9 @@ class SGLangGenerationEngine(GenerationEngine):
     """The actor's adapters (``spec.model.lora``): syncs load them, requests name them."""
     adapter_loaded = False
     """Whether the engine holds the actor's adapter (none before the first sync)."""
+    routing: tuple[int, int] | None = None
+    """(layers, experts per token) when the engine returns routed experts
+    (``algorithm.routingReplay: rollout``); None: not asked for."""
 
     def __init__(
         self,
@@ -377,7 +380,7 @@ class SGLangGenerationEngine(GenerationEngine):
         self.offload = rollout.colocate_with_actor and rollout.offload
         self.lora = cfg.model.lora
         self.adapter_loaded = False
-        self.routing: tuple[int, int] | None = None  # (layers, experts per token) when recorded
+        self.routing = None
         if records_routing(cfg):
             from transformers import AutoConfig
 
