@@ -209,14 +209,22 @@ def shape_from_config(cfg: dict[str, Any]) -> Shape:
     )
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys of a mixture-of-experts model: its experts' parameters and activations are not
+what :class:`Shape` counts (a dense MLP of ``intermediate_size``), so it has no plan here."""
+
+
 def resolve_shape(path: str) -> Shape | None:
     """The shape of ``model.path``: a local directory's config.json, a built-in, a known hub id
     (an ``-Instruct`` suffix ignored); None when unknown."""
     local = Path(path) / "config.json"
     try:
         if local.is_file():
-            return shape_from_config(json.loads(local.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+            config = json.loads(local.read_text())
+            if any(config.get(k) for k in MOE_KEYS):
+                return None  # experts are not in Shape: no promise rather than a wrong one
+            return shape_from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # not a Hugging Face config: the model loader says why
     return KNOWN_SHAPES.get(path) or KNOWN_SHAPES.get(re.sub(r"-Instruct$", "", path))
 

@@ -270,8 +270,9 @@ class JobModelSpec(ModelSpec):
     image or a volume (absolute, or relative to the working directory), a Hugging Face hub id
     such as `Qwen/Qwen2.5-7B-Instruct` (downloaded through huggingface_hub into its cache,
     HF_HOME; offline with HF_HUB_OFFLINE=1), or `builtin:<name>` for the tiny randomly
-    initialised CPU models (`builtin:tiny-llama`, `builtin:tiny-qwen2`, `builtin:small-llama`).
-    An existing directory wins over a hub id of the same name."""
+    initialised CPU models (`builtin:tiny-llama`, `builtin:tiny-qwen2`, `builtin:small-llama`,
+    and the mixture-of-experts `builtin:tiny-qwen3-moe` and `builtin:tiny-mixtral`). An
+    existing directory wins over a hub id of the same name."""
 
 
 class PPOJobSpec(TrainingHalf):

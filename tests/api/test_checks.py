@@ -43,6 +43,7 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
+from ppojob_api.checks.moe import check_moe_backends, check_routing_replay
 from ppojob_api.checks.offpolicy import (
     check_importance_sampling,
     check_partial_rollout,
@@ -2827,6 +2828,45 @@ TABLE += [
             **SANDBOX_AGENT,
         },
         ["spec.roles.sandbox.tolerations[0].key"],
+    ),
+]
+
+
+# --- mixture-of-experts models and routing replay
+REPLAY = {"algorithm__routingReplay": "rollout"}
+MOE_MODEL = {"model__path": "builtin:tiny-qwen3-moe"}
+TABLE += [
+    (check_routing_replay, "replay on a built-in MoE model", {**REPLAY, **MOE_MODEL}, []),
+    (check_routing_replay, "no replay on a dense model", {}, []),
+    (
+        check_routing_replay,
+        "replay on a dense model",
+        REPLAY,
+        ["spec.algorithm.routingReplay"],
+    ),
+    (
+        check_routing_replay,
+        "replay on a megatron actor, multi-turn",
+        {
+            **REPLAY,
+            "model__path": "builtin:tiny-mixtral",
+            "roles__actor": MEGATRON_CPU,
+            **SANDBOX_AGENT,
+        },
+        ["spec.algorithm.routingReplay", "spec.algorithm.routingReplay"],
+    ),
+    (
+        check_routing_replay,
+        "replay on a hub model (told at load)",
+        {**REPLAY, "model__path": "org/m"},
+        [],
+    ),
+    (check_moe_backends, "a MoE model on torch roles", MOE_MODEL, []),
+    (
+        check_moe_backends,
+        "a MoE model on a megatron actor and critic",
+        {**MOE_MODEL, "roles__actor": MEGATRON_CPU, "roles__critic": {"backend": "megatron"}},
+        ["spec.roles.actor.backend", "spec.roles.critic.backend"],
     ),
 ]
 

@@ -1,14 +1,17 @@
 """Models and tokenizers: built-in tiny HF architectures for CPU runs, and the one loading path.
 
-A built-in model (``builtin:tiny-llama``, ``builtin:tiny-qwen2``, ``builtin:small-llama``) is a
-Hugging Face architecture with a tiny config, initialised from a seed, plus a character-level
+A built-in model (``builtin:tiny-llama``, ``builtin:tiny-qwen2``, ``builtin:small-llama``, and the
+mixture-of-experts ``builtin:tiny-qwen3-moe`` and ``builtin:tiny-mixtral``) is a Hugging Face
+architecture with a tiny config, initialised from a seed, plus a character-level
 tokenizer built with the ``tokenizers`` library. Both are saved as an ordinary HF model directory
 (``config.json``, ``model.safetensors``, ``tokenizer.json``...), so the workers load every model,
 built-in or real, with the same ``from_pretrained`` calls.
 
 The 14-token vocabulary is ``<pad> <s> </s> <unk> 0 1 ... 9``. ``tiny-llama`` (hidden 64,
 intermediate 256, 2 layers, 4 heads, untied embeddings) has 133,184 parameters; ``small-llama``
-(hidden 128, intermediate 512, 5 layers) about ten times as many.
+(hidden 128, intermediate 512, 5 layers) about ten times as many. The two MoE models (hidden 64,
+2 layers, 4 heads) route every token to 2 of 8 experts of intermediate size 64 in each layer
+(Qwen3-MoE: its top-2 weights renormalised, ``norm_topk_prob``; Mixtral: always renormalised).
 """
 
 from __future__ import annotations
@@ -33,17 +36,21 @@ VOCAB = SPECIAL_TOKENS + DIGITS
 class BuiltinModel:
     """Shape of a built-in model."""
 
-    arch: str  # "llama" or "qwen2"
+    arch: str  # "llama", "qwen2", "qwen3_moe" or "mixtral"
     hidden: int
-    intermediate: int
+    intermediate: int  # a MoE model's: each expert's
     layers: int
     heads: int
+    experts: int = 0  # 0: a dense model
+    experts_per_token: int = 0
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-llama": BuiltinModel("llama", 64, 256, 2, 4),
     "tiny-qwen2": BuiltinModel("qwen2", 64, 256, 2, 4),
     "small-llama": BuiltinModel("llama", 128, 512, 5, 4),
+    "tiny-qwen3-moe": BuiltinModel("qwen3_moe", 64, 64, 2, 4, experts=8, experts_per_token=2),
+    "tiny-mixtral": BuiltinModel("mixtral", 64, 64, 2, 4, experts=8, experts_per_token=2),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,6 +124,25 @@ def builtin_config(name: str) -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(**common)
+    if shape.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=shape.hidden // shape.heads,
+            num_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token,
+            moe_intermediate_size=shape.intermediate,
+            norm_topk_prob=True,
+        )
+    if shape.arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            **common,
+            num_local_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token,
+        )
     from transformers import Qwen2Config
 
     return Qwen2Config(**common)

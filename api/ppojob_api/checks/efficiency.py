@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ppojob_api.problems import Problem, SpecError
 from ppojob_api.training import Parallelism, TrainingHalf, TrainingSettings
+from ppojob_api.trainspec.constants import BUILTIN_MOE_MODELS
 
 
 def _role_settings(
@@ -64,6 +65,9 @@ BUILTIN_LINEAR_MODULES = (
 )
 """The linear layers of the built-in models (Llama and Qwen2 blocks; a trainer test keeps this in
 step with ``models.py``)."""
+BUILTIN_MOE_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""Those of the built-in MoE models: attention only (their experts are 3-D parameters and their
+routers plain weights, no linear layers)."""
 
 
 SGLANG_LORA_MODULES = (
@@ -174,15 +178,16 @@ def check_lora(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     builtin = (
         half.model.path.removeprefix("builtin:") if half.model.path.startswith("builtin:") else None
     )
+    linear = BUILTIN_MOE_LINEAR_MODULES if builtin in BUILTIN_MOE_MODELS else BUILTIN_LINEAR_MODULES
     for i, name in enumerate(targets):
         if name == "all-linear":
             continue
-        if builtin is not None and name not in BUILTIN_LINEAR_MODULES:
+        if builtin is not None and name not in linear:
             problems.append(
                 Problem(
                     f"{path}.targetModules[{i}]",
                     f"{name!r} is not a linear layer of builtin:{builtin}",
-                    f"use some of {', '.join(BUILTIN_LINEAR_MODULES)}, or all-linear",
+                    f"use some of {', '.join(linear)}, or all-linear",
                 )
             )
     if half.roles.rollout.backend == "sglang":

@@ -190,6 +190,20 @@ class Algorithm(ApiModel):
     (as verl and slime offer; 2 is a common cap). Unset: no correction. Every step reports the
     mismatch as rollout/logprob_diff_mean and rollout/logprob_diff_max either way."""
 
+    routing_replay: Literal["none", "rollout"] = "none"
+    """Mixture-of-experts models: `rollout` records, in the rollout engine, the experts every
+    token was routed to in every layer, and the actor's forward passes (old and reference
+    log-probs, every update) use those experts instead of their routers' own top-k choice
+    (the router's weights still come from the actor's router, so it keeps learning). This
+    removes the rollout/training mismatch that a different routing decision (another dtype,
+    kernel or batch) makes in a MoE model. `none` (the default): each forward routes for
+    itself (not `off`, which YAML 1.1, as kubectl reads it, takes for a boolean). With
+    `rollout` every step reports moe/router_agreement: the share of token-layer expert choices
+    the actor's own routers make exactly as the engine did (what replay overrides where it is
+    below 1); either way rollout/logprob_diff_mean and _max show the mismatch left. Needs a
+    MoE model (Qwen3-MoE or Mixtral architecture), torch actor workers and single-turn
+    generation; the sglang engine records with its own enable_return_routed_experts."""
+
     max_staleness: int = Field(0, ge=0, le=16)
     """Bounded staleness: how many policy versions older than the actor a sample's tokens may be
     when it is trained on. 0 (the default) is the synchronous on-policy loop: a step generates,

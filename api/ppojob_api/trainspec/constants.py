@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama")
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "small-llama", "tiny-qwen3-moe", "tiny-mixtral")
+BUILTIN_MOE_MODELS = {"tiny-qwen3-moe": (8, 2), "tiny-mixtral": (8, 2)}
+"""The built-in mixture-of-experts models: (experts per layer, experts per token)."""
 BUILTIN_TEACHERS = ("count-up-teacher",)
 """Built-in teacher models (algorithm.distillation.teacher only), each shaped as tiny-llama."""
 BUILTIN_CONTEXT = 2048
@@ -11,8 +13,11 @@ BUILTIN_SHAPES = {
     "tiny-llama": (64, 256, 2),
     "tiny-qwen2": (64, 256, 2),
     "small-llama": (128, 512, 5),
+    "tiny-qwen3-moe": (64, 64, 2),
+    "tiny-mixtral": (64, 64, 2),
 }
-"""(hidden, intermediate, layers) of each built-in model, for the size checks (`models.py` builds
+"""(hidden, intermediate, layers) of each built-in model (a MoE model's intermediate: one
+expert's), for the size checks (`models.py` builds
 them; a test keeps the two in step)."""
 
 # What the megatron backend splits in the built-in models (models.BUILTIN_MODELS, which needs

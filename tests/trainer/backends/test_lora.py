@@ -168,15 +168,18 @@ def test_an_unknown_target_module_names_the_field(model_dir):
         )
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "small-llama"])
+@pytest.mark.parametrize("name", list(models.BUILTIN_MODELS))
 def test_the_api_knows_the_linear_layers_of_the_builtin_models(name):
     from torch import nn
 
-    from ppojob_api.checks.efficiency import BUILTIN_LINEAR_MODULES
+    from ppojob_api.checks.efficiency import BUILTIN_LINEAR_MODULES, BUILTIN_MOE_LINEAR_MODULES
 
     lm = models.build_builtin_model(name, 0)
     linear = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)}
-    assert linear - {"lm_head"} == set(BUILTIN_LINEAR_MODULES)
+    moe = models.BUILTIN_MODELS[name].experts > 0
+    assert linear - {"lm_head"} == set(
+        BUILTIN_MOE_LINEAR_MODULES if moe else BUILTIN_LINEAR_MODULES
+    )
 
 
 def test_engines_without_adapter_loading_get_the_merged_weights(trained):

@@ -330,6 +330,41 @@ def test_the_output_fields_the_adapter_reads_are_produced(sglang):
     assert 3 in widths and 3 in zips
 
 
+def test_the_routed_experts_the_adapter_asks_for_are_sglangs(sglang):
+    """Routing replay: the server arg that starts SGLang's capturer, the request keyword (also
+    in the keyword test above), the meta_info field the tokenizer manager writes, and its
+    int32 rows, as SGLang's own reader decodes them."""
+    cfg = tiny_cfg()
+    cfg.algorithm.routing_replay = "rollout"
+    args = adapter.engine_args(cfg, Path("/models/m"), (30001, 30002))
+    assert args["enable_return_routed_experts"] is True
+    assert set(args) <= server_args_fields(sglang)
+    engine = sglang.classes(sglang.module_file("sglang.srt.entrypoints.engine"))["Engine"]
+    generate = next(
+        n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "generate"
+    )
+    assert "return_routed_experts" in _params(generate)[0]
+    meta, field = adapter.ROUTED_EXPERTS_FIELDS
+    path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
+    written = {
+        (t.value.id, t.slice.value)
+        for n in ast.walk(sglang.tree(path))
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript)
+        and isinstance(t.value, ast.Name)
+        and isinstance(t.slice, ast.Constant)
+    }
+    assert (meta, field) in written, f"{meta}[{field!r}] is never written"
+    reader = function(
+        sglang,
+        sglang.module_file("sglang.srt.state_capturer.routed_experts"),
+        "extract_routed_experts_from_meta_info",
+    )
+    dtypes = {n.attr for n in ast.walk(reader) if isinstance(n, ast.Attribute)}
+    assert "int32" in dtypes and "b64decode" in dtypes
+
+
 def test_the_engine_skips_its_tokenizer_as_nothing_we_ask_needs_it(sglang):
     """``skip_tokenizer_init`` (issue 40, finding 8: the engine detokenized what the trainer
     decodes again): on for every engine; prompts go in as token ids (SGLang refuses a text

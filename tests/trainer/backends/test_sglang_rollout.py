@@ -273,9 +273,17 @@ class RecordingEngine:
         RecordingEngine.made.append({"args": kwargs, "env": env})
         self.params: list = []
 
-    def generate(self, input_ids, sampling_params, return_logprob, lora_path=None):  # type: ignore[no-untyped-def]
+    def generate(  # type: ignore[no-untyped-def]
+        self,
+        input_ids,
+        sampling_params,
+        return_logprob,
+        lora_path=None,
+        return_routed_experts=False,
+    ):
         self.params.append(sampling_params)
         self.lora_path = lora_path
+        self.return_routed_experts = return_routed_experts  # routingReplay: rollout only
         return [{"meta_info": {"output_token_logprobs": [(-0.5, 7, "")]}} for _ in input_ids]
 
 
@@ -333,6 +341,7 @@ def test_every_sample_of_a_prompt_gets_its_own_sampling_seed(monkeypatch):
         engine.generate(ids, mask, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=seed)
     a, b, c = ([p["sampling_seed"] for p in params] for params in engine.engine.params)
     assert len(set(a)) == 4 and a == b and not set(a) & set(c)
+    assert engine.engine.return_routed_experts is False  # routingReplay none: not asked
 
 
 # ---------------------------------------------------------------------------------------------

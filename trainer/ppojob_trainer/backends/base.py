@@ -53,6 +53,12 @@ class Generation:
     versions: torch.Tensor | None = None
     """[B, T] int32: the policy version that sampled each token, when the engine's weights
     changed during the call (partial rollout); None: all of them the caller's version."""
+    routed_experts: torch.Tensor | None = None
+    """[B, T, layers, k] int16: the experts each response token was routed to when the engine
+    fed it (``-1``: not fed, e.g. the last sampled token, or a dense layer); None unless
+    asked for (``algorithm.routingReplay: rollout``)."""
+    prompt_routed_experts: torch.Tensor | None = None
+    """[B, P, layers, k] int16: the same for the (left-padded) prompt columns."""
 
 
 MEMORY_WEIGHTS = "weights"

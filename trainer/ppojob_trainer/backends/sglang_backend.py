@@ -43,6 +43,11 @@ when the rollout has its own pods; the t GPUs of its actor bundle when colocated
   0.5.23 gates only ``update_weights_from_*`` with one, and the base weights never change. A
   disaggregated engine takes the adapters through the object store (SGLang has no LoRA load from
   a broadcast). Every generate request names the adapter once one is loaded (``lora_path``).
+- Routing replay (``algorithm.routingReplay: rollout``, a MoE model): the engine starts with
+  ``enable_return_routed_experts`` and every request asks ``return_routed_experts``; SGLang
+  answers ``meta_info.routed_experts``, base64 of an int32 ``[seqlen - 1, num_hidden_layers,
+  num_experts_per_tok]`` array (every fed token: the prompt, then the response but its last
+  token), which :func:`routed_experts_of` splits into the prompt's and the response's columns.
 
 Every SGLang name used here is in :data:`ENGINE_CALLS`, :data:`RUNTIME_IMPORTS`,
 :func:`engine_args`, :func:`sampling_params` and :data:`OUTPUT_FIELDS`;
@@ -84,6 +89,8 @@ RUNTIME_IMPORTS: dict[str, tuple[str, str]] = {
 
 OUTPUT_FIELDS = ("meta_info", "output_token_logprobs")
 """Where a generate result holds the sampled tokens: ``out[meta_info][output_token_logprobs]``."""
+ROUTED_EXPERTS_FIELDS = ("meta_info", "routed_experts")
+"""Where a generate result asked with ``return_routed_experts`` holds them (base64, int32)."""
 
 FLATTENED_BUCKET = "flattened_bucket"
 BUCKET_KEYS = ("flattened_tensor", "metadata")
@@ -123,7 +130,13 @@ def engine_args(
         "skip_tokenizer_init": True,  # ids in, ids out: the trainer tokenizes and decodes
         **offload_server_args(cfg),
         **(lora_server_args(cfg.model.lora) if cfg.model.lora is not None else {}),
+        **({"enable_return_routed_experts": True} if records_routing(cfg) else {}),
     }
+
+
+def records_routing(cfg: Any) -> bool:
+    """Whether the engine returns the experts of every token (``algorithm.routingReplay``)."""
+    return cfg.algorithm.routing_replay == "rollout"
 
 
 def engine_fraction(cfg: Any, model_dir: Path, gpu_gib: float | None = None) -> float:
@@ -341,6 +354,9 @@ class SGLangGenerationEngine(GenerationEngine):
     """The actor's adapters (``spec.model.lora``): syncs load them, requests name them."""
     adapter_loaded = False
     """Whether the engine holds the actor's adapter (none before the first sync)."""
+    routing: tuple[int, int] | None = None
+    """(layers, experts per token) when the engine returns routed experts
+    (``algorithm.routingReplay: rollout``); None: not asked for."""
 
     def __init__(
         self,
@@ -364,6 +380,14 @@ class SGLangGenerationEngine(GenerationEngine):
         self.offload = rollout.colocate_with_actor and rollout.offload
         self.lora = cfg.model.lora
         self.adapter_loaded = False
+        self.routing = None
+        if records_routing(cfg):
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(
+                str(model_dir), trust_remote_code=cfg.model.trust_remote_code
+            ).get_text_config()  # SGLang sizes its buffer by hf_text_config
+            self.routing = (int(hf.num_hidden_layers), int(hf.num_experts_per_tok))
 
     def generate(
         self,
@@ -385,8 +409,15 @@ class SGLangGenerationEngine(GenerationEngine):
             sampling_params=params,
             return_logprob=True,
             lora_path=self.lora_paths(len(prompts)),
+            return_routed_experts=self.routing is not None,
         )
-        return generation_from_outputs(outs, max_new_tokens, self.pad_id)
+        gen = generation_from_outputs(outs, max_new_tokens, self.pad_id)
+        if self.routing is None:
+            return gen
+        gen.prompt_routed_experts, gen.routed_experts = routed_experts_of(
+            outs, prompt_mask, gen.response_ids.shape[1], *self.routing
+        )
+        return gen
 
     def lora_paths(self, rows: int) -> list[str | None] | None:
         """``lora_path`` of a generate call: the adapter's name for every row once the actor's
@@ -558,3 +589,47 @@ def generation_from_outputs(
         lengths[i] = len(toks)
     mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
     return Generation(ids, mask, logps, lengths)
+
+
+def routed_experts_of(
+    outs: Sequence[Mapping[str, Any]],
+    prompt_mask: torch.Tensor,
+    width: int,
+    layers: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's ``[B, P, layers, k]`` and the response's ``[B, width, layers, k]`` routed
+    experts (int16, ``-1`` where none: padding, the last response token) of ``generate``
+    results asked with ``return_routed_experts`` (``meta_info.routed_experts``: base64 of
+    int32 ``[prompt + response - 1, layers, k]``, as SGLang's
+    ``extract_routed_experts_from_meta_info`` reads it)."""
+    import base64
+
+    import numpy as np
+
+    from .torch_backend.moe import EXPERT_DTYPE, NO_EXPERT
+
+    meta, field = ROUTED_EXPERTS_FIELDS
+    bsz, plen = prompt_mask.shape
+    prompt = torch.full((bsz, plen, layers, k), NO_EXPERT, dtype=EXPERT_DTYPE)
+    response = torch.full((bsz, width, layers, k), NO_EXPERT, dtype=EXPERT_DTYPE)
+    for i, out in enumerate(outs):
+        encoded = out[meta].get(field)
+        if encoded is None:
+            raise RuntimeError(
+                "sglang returned no routed experts: is the model a MoE model and the engine "
+                "started with enable_return_routed_experts?"
+            )
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+        rows = torch.from_numpy(flat.copy()).reshape(-1, layers, k).to(EXPERT_DTYPE)
+        p = int(prompt_mask[i].sum())
+        n_out = len(out[meta][OUTPUT_FIELDS[1]])
+        if rows.shape[0] != p + n_out - 1:
+            raise RuntimeError(
+                f"sglang returned routed experts for {rows.shape[0]} tokens, not the "
+                f"{p + n_out - 1} it fed (prompt {p} + response {n_out} - 1)"
+            )
+        prompt[i, plen - p :] = rows[:p]
+        fed = min(n_out - 1, width)
+        response[i, :fed] = rows[p : p + fed]
+    return prompt, response

@@ -57,6 +57,10 @@ def step_metrics(
         tokens, 1.0
     )
     out["rollout/logprob_diff_max"] = max(p[1]["logprob_diff_max"] for p in prep)
+    if any("router_choices" in p[1] for p in prep):  # algorithm.routingReplay: rollout
+        choices = sum(p[1].get("router_choices", 0.0) for p in prep)
+        same = sum(p[1].get("router_agree_sum", 0.0) for p in prep)
+        out["moe/router_agreement"] = same / max(choices, 1.0)
     for group in (critic_m, actor_m):
         if group:
             for key in group[0]:

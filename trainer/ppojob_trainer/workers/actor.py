@@ -100,6 +100,7 @@ def make_policy_trainer(
         lora=cfg.model.lora,
         # both engines take the adapters only (sglang: its LoRA adapter loading)
         sync_adapters=True,
+        routing_replay=cfg.algorithm.routing_replay == "rollout",
     )
 
 
@@ -347,6 +348,8 @@ class ActorWorker:
             stale = A.staleness_stats(batch["versions"], mask, policy_version, algo.max_staleness)
         batch["old_logprobs"] = self.trainer.logprobs(batch)
         metrics = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
+        # routingReplay: how often the actor's routers chose the engine's experts themselves
+        metrics.update(getattr(self.trainer, "routing_stats", dict)())
         metrics.update(stale)
         correction = algo.importance_sampling
         if correction is not None:

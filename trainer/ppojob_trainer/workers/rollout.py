@@ -8,7 +8,10 @@ A rollout batch is a dict of CPU tensors for a contiguous range of the step's sa
 stop token), ``group_ids`` [b] and ``sample_idx`` [b] (global sample numbers). A step assembled by
 dynamic sampling (:func:`select_groups`) also has ``in_loss`` [b] bool. A multi-turn batch
 (``data.agent``) also has ``action_mask`` [b, T] bool: True on the tokens the engine sampled,
-False on the environment's (see :mod:`ppojob_trainer.agent`).
+False on the environment's (see :mod:`ppojob_trainer.agent`). Under ``algorithm.routingReplay:
+rollout`` it also has ``routed_experts`` [b, T, layers, k] and ``prompt_routed_experts``
+[b, P, layers, k] (int16, ``-1`` where nothing was recorded): the experts the engine routed each
+token to (:mod:`ppojob_trainer.backends.torch_backend.moe`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def make_engine(
         stop_ids=stop_token_ids(tokenizer),
         pad_id=tokenizer.pad_token_id,
         device=device,
+        record_routing=cfg.algorithm.routing_replay == "rollout",
     )
 
 
@@ -324,6 +328,13 @@ class RolloutWorker:
         }
         if action_mask is not None:
             batch["action_mask"] = action_mask
+        if gen.routed_experts is not None and gen.prompt_routed_experts is not None:
+            batch["routed_experts"] = gen.routed_experts
+            batch["prompt_routed_experts"] = gen.prompt_routed_experts
+        elif self.cfg.algorithm.routing_replay == "rollout":
+            raise RuntimeError(
+                "algorithm.routingReplay: rollout, but the engine returned no routed experts"
+            )
         metrics = {
             **agent_metrics,
             "reward_sum": float(reward.sum()),
@@ -368,15 +379,18 @@ def cat_batches(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     out: dict[str, torch.Tensor] = {}
     pw = max(p["prompt_ids"].shape[1] for p in parts)
     rw = max(p["response_ids"].shape[1] for p in parts)
-    pad = {"prompt_ids": 0, "prompt_mask": False}
+    pad = {"prompt_ids": 0, "prompt_mask": False, "prompt_routed_experts": -1}
     for key in parts[0]:
         tensors = []
         for p in parts:
             t = p[key]
-            if key in ("prompt_ids", "prompt_mask") and t.shape[1] < pw:  # left pad
-                fill = torch.full((t.shape[0], pw - t.shape[1]), pad[key], dtype=t.dtype)
-                t = torch.cat([fill, t], 1)
-            elif t.dim() == 2 and key not in ("prompt_ids", "prompt_mask") and t.shape[1] < rw:
+            if key in pad and t.shape[1] < pw:  # left pad
+                fill = torch.full((t.shape[0], pw - t.shape[1], *t.shape[2:]), pad[key])
+                t = torch.cat([fill.to(t.dtype), t], 1)
+            elif key == "routed_experts" and t.shape[1] < rw:  # -1: nothing recorded
+                fill = torch.full((t.shape[0], rw - t.shape[1], *t.shape[2:]), -1, dtype=t.dtype)
+                t = torch.cat([t, fill], 1)
+            elif t.dim() == 2 and key not in pad and t.shape[1] < rw:
                 fill = torch.zeros((t.shape[0], rw - t.shape[1]), dtype=t.dtype)
                 t = torch.cat([t, fill], 1)
             tensors.append(t)

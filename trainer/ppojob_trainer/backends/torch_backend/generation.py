@@ -1,11 +1,14 @@
 """The torch backend's generation engine: a tight sampling loop over the whole batch with the
 model's KV cache (``past_key_values``): one forward over the prompts, then one single-token
-forward per step until every row has produced a stop token."""
+forward per step until every row has produced a stop token. With ``record_routing`` (a
+mixture-of-experts model under ``algorithm.routingReplay: rollout``) it records the experts every
+token it fed was routed to (:mod:`.moe`)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,6 +19,7 @@ from ...models import load_causal_lm
 from ..base import Generation, GenerationEngine
 from .common import top_p_filter
 from .lora import LORA_A, LORA_B
+from .moe import EXPERT_DTYPE, NO_EXPERT, RouterTap
 
 
 class TorchGenerationEngine(GenerationEngine):
@@ -29,6 +33,7 @@ class TorchGenerationEngine(GenerationEngine):
         pad_id: int,
         device: str = "cpu",
         model: nn.Module | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.model = (model if model is not None else load_causal_lm(model_dir, dtype)).to(
@@ -41,6 +46,7 @@ class TorchGenerationEngine(GenerationEngine):
         # transformers renamed `past_key_values` to `cache`; use whichever this version takes.
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.tap = RouterTap(self.model) if record_routing else None
 
     @torch.no_grad()  # not inference_mode: the outputs feed autograd in the same process
     def generate(
@@ -75,14 +81,23 @@ class TorchGenerationEngine(GenerationEngine):
             else torch.full((bsz, 1), ids.shape[1], dtype=torch.long, device=dev)
         )
         cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_kw: cache},
-        )
+        tap = self.tap
+        with tap.record() if tap is not None else nullcontext():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_kw: cache},
+            )
+        plen = ids.shape[1]
+        prompt_routes = routes = None
+        if tap is not None:  # the experts of every fed token; the last sampled one stays -1
+            prompt_routes = tap.stacked(tap.chosen, (bsz, plen))
+            routes = torch.full(
+                (bsz, max_new_tokens, tap.layers, tap.k), NO_EXPERT, dtype=EXPERT_DTYPE
+            )
         tokens = torch.full((bsz, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros(bsz, max_new_tokens, dtype=torch.float32, device=dev)
         mask = torch.zeros(bsz, max_new_tokens, dtype=torch.bool, device=dev)
@@ -100,14 +115,18 @@ class TorchGenerationEngine(GenerationEngine):
                 full = torch.cat([ids, tokens[:, :t]], 1)
                 full_attn = None if attn is None else attn  # already holds the t new columns
                 full_pos = None if full_attn is None else (full_attn.cumsum(-1) - 1).clamp_min(0)
-                out = self.model(
-                    input_ids=full,
-                    attention_mask=full_attn,
-                    position_ids=full_pos,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **{self.cache_kw: cache},
-                )
+                with tap.record() if tap is not None else nullcontext():
+                    out = self.model(
+                        input_ids=full,
+                        attention_mask=full_attn,
+                        position_ids=full_pos,
+                        use_cache=True,
+                        logits_to_keep=1,
+                        **{self.cache_kw: cache},
+                    )
+                if tap is not None:  # the new weights' routing governs the tokens from here
+                    both = tap.stacked(tap.chosen, (bsz, plen + t))
+                    prompt_routes, routes[:, :t] = both[:, :plen], both[:, plen:]
                 logits = out.logits[:, -1, :]
             versions[:, t] = int(version)
             if greedy:
@@ -129,13 +148,16 @@ class TorchGenerationEngine(GenerationEngine):
                 break
             if attn is not None:
                 attn = torch.cat([attn, torch.ones(bsz, 1, dtype=attn.dtype, device=dev)], 1)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos,
-                use_cache=True,
-                **{self.cache_kw: cache},
-            )
+            with tap.record() if tap is not None else nullcontext():
+                out = self.model(
+                    input_ids=tok[:, None],
+                    attention_mask=attn,
+                    position_ids=next_pos,
+                    use_cache=True,
+                    **{self.cache_kw: cache},
+                )
+            if tap is not None:
+                routes[:, t] = tap.stacked(tap.chosen, (bsz, 1))[:, 0]
             next_pos = next_pos + 1
             logits = out.logits[:, -1, :]
         width = t + 1  # columns actually sampled: pad to the longest response, not the max
@@ -145,6 +167,8 @@ class TorchGenerationEngine(GenerationEngine):
             logprobs=logps[:, :width].cpu(),
             lengths=mask.sum(1).cpu(),
             versions=versions[:, :width] if interrupt is not None else None,
+            routed_experts=None if routes is None else routes[:, :width],
+            prompt_routed_experts=prompt_routes,
         )
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:

@@ -44,7 +44,7 @@ def trim_padding(batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
         first = min(int(used[0]) if used.numel() else 0, pmask.shape[1] - 1)
     out = {}
     for k, v in batch.items():
-        if k in ("prompt_ids", "prompt_mask"):
+        if k in ("prompt_ids", "prompt_mask", "prompt_routed_experts"):
             out[k] = v[:, first:]
         elif v.dim() >= 2 and v.shape[1] == width and keep < width:
             out[k] = v[:, :keep]

@@ -20,6 +20,7 @@ from ..weight_sync import WeightStream
 from .common import _eval_mode
 from .lora import apply_lora, lora_adapter_tensors, merged_lora_weights
 from .memory import LOGITS_CHUNK_TOKENS, to_device
+from .moe import RouterTap, agreement
 from .optimiser import _Optimised
 from .packing import check_packing_support, unpack
 from .sharding import activation_checkpointing, full_state_dict, shard_module, stream_state_dict
@@ -56,6 +57,7 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS,
         lora: LoraSpec | None = None,
         sync_adapters: bool = True,
+        routing_replay: bool = False,
     ) -> None:
         """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
         graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
@@ -75,6 +77,11 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             activation_checkpointing(lm)
         self.lora = lora
         self.sync_adapters = sync_adapters
+        # hooks on the routers, before any wrapping (LoRA, FSDP) so they see the HF modules
+        self.taps: dict[int, RouterTap] = {}
+        if routing_replay:
+            self.taps[id(lm)] = RouterTap(lm)
+        self.routing_counts = [0.0, 0.0]  # (choices the routers made as the engine did, all)
         if lora is not None:
             lm = apply_lora(lm, lora)
         self.model = CausalLMLogprobs(lm)
@@ -94,6 +101,8 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             ref_lm = load_causal_lm(model_dir, dtype)
             if settings.packing:
                 use_packed_attention(ref_lm)
+            if routing_replay:
+                self.taps[id(ref_lm)] = RouterTap(ref_lm)
             ref = CausalLMLogprobs(ref_lm).eval()
             ref.requires_grad_(False)
             offload = offload_reference and self.device.type != "cpu"
@@ -127,16 +136,58 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         if moved:
             model.to(self.device)
         adapters_off = self.lm.disable_adapter() if base else nullcontext()
+        measure = not reference
+        if measure:
+            self.routing_counts = [0.0, 0.0]
         try:
             # old/ref log-probs without dropout; training: train mode
             with _eval_mode(model), adapters_off:
-                return self.opt.forward_chunks(batch, lambda mb: self._logp(model, mb)[0])
+                return self.opt.forward_chunks(
+                    batch, lambda mb: self._logp(model, mb, measure=measure)[0]
+                )
         finally:
             if moved:
                 model.to(self.reference_device)
 
+    def routing_stats(self) -> dict[str, float]:
+        """The last old log-probs' routing agreement with the engine's (sums: choices made
+        alike, choices compared); empty without routing replay."""
+        if not self.taps:
+            return {}
+        same, total = self.routing_counts
+        return {"router_agree_sum": same, "router_choices": total}
+
+    def _tap(self, model: nn.Module) -> RouterTap | None:
+        lm = model.lm if isinstance(model, CausalLMLogprobs) else model
+        if self.lora is not None:  # the PEFT wrapper: its base model holds the routers
+            return next(iter(self.taps.values()), None)
+        return self.taps.get(id(lm))
+
     def _logp(
-        self, model: nn.Module, micro: Mapping[str, torch.Tensor], *, entropy: bool = False
+        self,
+        model: nn.Module,
+        micro: Mapping[str, torch.Tensor],
+        *,
+        entropy: bool = False,
+        measure: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tap = self._tap(model) if "routed_experts" in micro else None
+        if tap is None:
+            return self._logp_forward(model, micro, entropy)
+        recorded, valid = replay_layout(micro, self.settings.packing)
+        # left set after the forward: activation checkpointing's recomputation replays it too
+        tap.forced = recorded.reshape(-1, *recorded.shape[-2:]).to(self.device)
+        if not measure:
+            return self._logp_forward(model, micro, entropy)
+        with tap.record():
+            out = self._logp_forward(model, micro, entropy)
+        same, total = agreement(recorded, tap.stacked(tap.chosen, tuple(valid.shape)), valid)
+        self.routing_counts[0] += same
+        self.routing_counts[1] += total
+        return out
+
+    def _logp_forward(
+        self, model: nn.Module, micro: Mapping[str, torch.Tensor], entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         kw = dict(
             want_entropy=entropy,
@@ -168,7 +219,12 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
     ) -> dict[str, float]:
         def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
             logp, ent = self._logp(self.model, micro, entropy=self.need_entropy)
-            return loss_fn(logp, ent, to_device(micro, self.device))
+            routes = ("routed_experts", "prompt_routed_experts")
+            return loss_fn(
+                logp,
+                ent,
+                to_device({k: v for k, v in micro.items() if k not in routes}, self.device),
+            )
 
         return self.opt.accumulate(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -217,3 +273,28 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             save_pretrained(
                 plain, merged_lora_weights(self.lm, self.dtype), out / "merged", self.model_dir
             )
+
+
+def replay_layout(
+    micro: Mapping[str, torch.Tensor], packed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's recorded routing in the order the decoder flattens its tokens, and
+    the positions whose routing reaches a response token's log-prob (the real prompt tokens
+    and every response token but the last: a row's last token predicts nothing trained):
+    ``[b, P + T, layers, k]`` and ``[b, P + T]`` (prompt then response columns), or packed
+    (:func:`~.packing.pack_rows`: each row's real prompt tokens, then its response tokens up
+    to its length) ``[1, N, layers, k]`` and ``[1, N]``."""
+    prompt, response = micro["prompt_routed_experts"], micro["routed_experts"]
+    pmask = micro["prompt_mask"].bool()
+    rmask = micro["response_mask"].bool()
+    if not packed:
+        recorded = torch.cat([prompt, response], 1)
+        followed = torch.cat([rmask[:, 1:], torch.zeros_like(rmask[:, :1])], 1)
+        return recorded, torch.cat([pmask, followed], 1)
+    rows, valid = [], []
+    for i in range(response.shape[0]):
+        length = int(rmask[i].sum())
+        rows += [prompt[i][pmask[i]], response[i, :length]]
+        valid += [torch.ones(int(pmask[i].sum()), dtype=torch.bool)]
+        valid += [torch.arange(length) < length - 1]
+    return torch.cat(rows)[None], torch.cat(valid)[None]
