@@ -21,6 +21,7 @@ from ppojob_trainer.agent import (
     call_tools,
     conversation_tensors,
     load_agent,
+    parse_reply,
     policy_mask,
     run_conversations,
 )
@@ -80,7 +81,7 @@ def test_a_two_turn_conversation_keeps_the_sampled_tokens_exactly() -> None:
     tok = build_char_tokenizer()
     eos = tok.eos_token_id
     digit = {str(d): tok.convert_tokens_to_ids(str(d)) for d in range(10)}
-    turn1 = [eos]  # the empty turn: a calculator call
+    turn1 = [digit[d] for d in "3748"] + [eos]  # a call of 37 + 48
     turn2 = [digit["5"], eos]
     engine = ScriptedEngine([turn1, turn2], tok.pad_token_id)
     prompt = tok("3748")["input_ids"]
@@ -93,22 +94,24 @@ def test_a_two_turn_conversation_keeps_the_sampled_tokens_exactly() -> None:
         calculator_agent,
         max_turns=2,
         max_response_length=12,
-        max_tool_response_tokens=1,
+        max_tool_response_tokens=3,
         tool_timeout=10,
         temperature=1.0,
         top_p=1.0,
         seed=0,
         special=set(tok.all_special_ids),
     )
-    observation = [digit["5"]]
+    observation = [digit["8"], digit["5"]]  # the call's value, 85
     assert conv.ids == turn1 + observation + turn2
-    assert conv.action == [True, False, True, True]
+    assert conv.action == [True] * 5 + [False, False] + [True, True]
     # the model's tokens in the response are exactly what the engine sampled, in order
     assert [t for t, a in zip(conv.ids, conv.action, strict=True) if a] == turn1 + turn2
-    assert conv.logprobs == pytest.approx([-0.1, 0, -0.1, -0.2])
+    sampled = [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert conv.logprobs == pytest.approx([*sampled, 0, 0, -0.1, -0.2])
     # the second turn was sampled after the prompt, the first turn and the observation
     assert engine.prompts == [prompt, prompt + turn1 + observation]
-    assert conv.turns == ["", "5"]
+    assert conv.turns == ["3748", "5"]
+    assert conv.env_metrics == {"calls": 1.0, "exact_calls": 1.0, "digit_calls": 1.0}
     t = conversation_tensors([conv], tok.pad_token_id)
     assert t["action_mask"][0].tolist() == conv.action
     assert t["response_ids"][0].tolist() == conv.ids
@@ -211,21 +214,57 @@ def test_the_pool_reuses_its_processes_and_replaces_one_that_timed_out() -> None
 
 
 def test_good_replies_come_back_in_order() -> None:
-    replies = call_tools(calculator_agent, [("3748", None, [""]), ("0703", None, ["1"])], 10)
+    replies = call_tools(calculator_agent, [("3748", None, ["1111"]), ("0703", None, ["1"])], 10)
     assert [(r.observation, r.done, r.error) for r in replies] == [
-        ("5", False, False),
+        ("22", False, False),
         (None, True, False),
     ]
+    assert replies[0].metrics == {"calls": 1.0, "exact_calls": 0.0, "digit_calls": 0.0}
+
+
+@pytest.mark.parametrize(
+    "metrics", [[1], {"calls": "1"}, {"calls": True}, {"calls": float("nan")}, {"a/b": 1}]
+)
+def test_malformed_metrics_are_a_tool_error(metrics: Any) -> None:
+    reply = parse_reply({"observation": "x", "done": False, "metrics": metrics})
+    assert reply.error and reply.observation.startswith("tool error: metrics is not")
+    assert parse_reply({"observation": "x", "metrics": {"n": 2}}).metrics == {"n": 2.0}
+
+
+def _calc(prompt: str, *turns: str) -> tuple[str | None, bool, dict[str, float]]:
+    r = calculator_agent(prompt, None, list(turns))
+    return r["observation"], r["done"], r["metrics"]
+
+
+def test_the_calculator_evaluates_the_call_the_model_wrote() -> None:
+    """The value comes from the model's arguments, never from the prompt: a wrong call gets a
+    wrong result, and a turn that is not a call is the answer (nothing is answered)."""
+    right = {"calls": 1.0, "exact_calls": 1.0, "digit_calls": 1.0}
+    assert _calc("3748", "3748") == ("85", False, right)
+    assert _calc("3748", "4837") == ("85", False, right)  # same sum, other arguments
+    # the right last digits of the operands: the right answer digit, not the right sum
+    assert _calc("3748", "0708") == ("15", False, {**right, "exact_calls": 0.0})
+    wrong = {"calls": 1.0, "exact_calls": 0.0, "digit_calls": 0.0}
+    assert _calc("3748", "1111") == ("22", False, wrong)
+    assert _calc("3748", "0000") == ("0", False, wrong)
+    none = {"calls": 0.0, "exact_calls": 0.0, "digit_calls": 0.0}
+    for turn in ("", "5", "77", "374", "37485", "37a8"):  # not a call: the final answer
+        assert _calc("3748", turn) == (None, True, none), turn
+    # a later turn may call again; the last turn decides
+    assert _calc("3748", "1111", "3748") == ("85", False, right)
+    assert _calc("3748", "3748", "5")[:2] == (None, True)
 
 
 def test_the_calculator_understands_a_text_call_and_reports_a_bad_one() -> None:
-    ok = calculator_agent("0000", None, ["<calc>37+48</calc>"])
-    assert ok == {"observation": "<result>85</result>", "done": False}
-    # only the first turn can be a call: a later turn is the answer, whatever its shape
-    assert calculator_agent("3748", None, ["", "77"]) == {"observation": None, "done": True}
-    assert calculator_agent("3748", None, ["77"])["observation"] == "5"
-    bad = calculator_agent("0000", None, ["<calc>__import__('os')</calc>"])
-    assert bad["observation"].startswith("<result>error: not an integer expression")
+    assert _calc("3748", "<calc>37+48</calc>") == (
+        "<result>85</result>",
+        False,
+        {"calls": 1.0, "exact_calls": 1.0, "digit_calls": 1.0},
+    )
+    assert _calc("3748", "so <calc>3*4</calc>")[0] == "<result>12</result>"
+    bad, done, metrics = _calc("0000", "<calc>__import__('os')</calc>")
+    assert bad is not None and bad.startswith("<result>error: not an integer expression")
+    assert not done and metrics == {"calls": 1.0, "exact_calls": 0.0, "digit_calls": 0.0}
 
 
 def test_the_calculator_task_asks_for_the_last_digit_of_a_sum() -> None:
@@ -269,6 +308,8 @@ def test_two_steps_of_the_calculator_example_run(tmp_path: Path, capsys: Any) ->
         assert 1.0 <= r["agent/turns_mean"] <= 2.0
         assert r["agent/tool_errors_mean"] == 0.0
         assert 0.0 <= r["reward_mean"] <= 1.0
+        # the calculator's own metrics: calls per sample, and those of them with the right sum
+        assert 0.0 <= r["agent/env/exact_calls_mean"] <= r["agent/env/calls_mean"] <= 1.0
 
 
 @pytest.mark.usefixtures("ray_session")

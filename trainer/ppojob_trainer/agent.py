@@ -18,14 +18,23 @@ well) run over the model's tokens only: an observation is skipped, so the last m
 before it is linked to the first model token after it, as if the observation were a
 zero-reward, zero-discount transition (verl's multi-turn GAE does the same).
 
+A reply may also carry ``"metrics"``: a mapping of names to numbers about that call (for
+instance whether it was a well-formed call); each step reports their mean per sample as
+``agent/env/<name>_mean`` (a sample with several calls adds them up). A malformed mapping is a
+``tool error`` like any other malformed reply.
+
 Built-in agent ``builtin:calculator`` (prompts ``builtin:calculator``): the prompt is four digits
 ``ABCD`` asking for the last digit of AB + CD (``3748`` -> ``5``: uniform, so a guess scores 0.1
-and only adding, or the tool, does better). A first turn of exactly one digit is the model's
-answer; any other first turn calls the calculator (the character vocabulary of the built-in
-models has nothing to spell a call with, so the call is "not an answer", ``</s>`` alone the
-shortest), which replies with the answer digit; the model's next turn is its answer. A model
-with a text vocabulary may instead write ``<calc>37+48</calc>`` and gets
-``<result>85</result>``. The reward is 1 when the model's last turn is the answer digit.
+and only adding, or the tool, does better). The calculator evaluates the call the model wrote,
+with the model's own arguments: a turn of exactly four digits ``WXYZ`` (the form the built-in
+models' digit vocabulary can spell: two two-digit operands, the calculator adds) is answered
+with the value of WX + YZ (``3748`` -> ``85``, ``1111`` -> ``22``: wrong arguments, wrong
+result); a turn holding ``<calc>EXPR</calc>`` (a model with a text vocabulary) is answered
+``<result>VALUE</result>`` (an error saying why when EXPR is not an integer expression). Any
+other turn is the model's final answer and ends the conversation: nothing is answered from the
+prompt. The reward is 1 when the model's last turn is the answer digit. Each reply reports
+``calls`` (1 for a call), ``exact_calls`` (1 when the call's value is AB + CD) and
+``digit_calls`` (1 when its last digit is the answer) as metrics.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from .algorithms.hooks import load_function
 
 AgentFn = Callable[[str, Any, list[str]], Any]
 BUILTIN_PREFIX = "builtin:"
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 ADDRESS_SPACE_HEADROOM = 1 << 30  # a tool may map this much beyond the trainer's own size
 PARALLEL_TOOL_CALLS = 8
 
@@ -100,20 +110,43 @@ def calculator_answer(prompt: str) -> str:
     return f"{calculate(calculator_question(prompt)) % 10}"
 
 
+_DIGIT_CALL = re.compile(r"[0-9]{4}")
+
+
 def calculator_agent(prompt: str, label: Any, turns: list[str]) -> dict[str, Any]:
-    """The environment of ``builtin:calculator``: ``<calc>expr</calc>``, or a first turn that is
-    not a one-digit answer, is a call, answered with the result; any other turn is the final
-    answer."""
+    """The environment of ``builtin:calculator``: a last turn of four digits ``WXYZ`` is a call
+    of WX + YZ, answered with its value; ``<calc>EXPR</calc>`` is a call of EXPR, answered
+    ``<result>VALUE</result>``; any other turn is the final answer (done). The values come from
+    the model's arguments only; the prompt only judges them (the ``metrics``)."""
     last = turns[-1]
-    call = _CALL.search(last)
-    if call is not None:
-        try:
-            return {"observation": f"<result>{calculate(call.group(1))}</result>", "done": False}
-        except ValueError as exc:
-            return {"observation": f"<result>error: {exc}</result>", "done": False}
-    if len(turns) == 1 and not (len(last) == 1 and last.isdigit()):
-        return {"observation": calculator_answer(prompt), "done": False}
-    return {"observation": None, "done": True}
+    text = _CALL.search(last)
+    if text is not None:
+        expr, form = text.group(1), "<result>{}</result>"
+    elif _DIGIT_CALL.fullmatch(last):
+        expr, form = f"{int(last[:2])}+{int(last[2:])}", "{}"
+    else:
+        return {"observation": None, "done": True, "metrics": _call_metrics(prompt, None, False)}
+    try:
+        value = calculate(expr)
+    except ValueError as exc:
+        return {
+            "observation": form.format(f"error: {exc}"),
+            "done": False,
+            "metrics": _call_metrics(prompt, None, True),
+        }
+    return {
+        "observation": form.format(value),
+        "done": False,
+        "metrics": _call_metrics(prompt, value, True),
+    }
+
+
+def _call_metrics(prompt: str, value: int | None, called: bool) -> dict[str, float]:
+    """``calls``, ``exact_calls`` (the value is the question's sum), ``digit_calls`` (its last
+    digit is the answer) of one reply of the calculator."""
+    exact = value is not None and value == calculate(calculator_question(prompt))
+    digit = value is not None and f"{value % 10}" == calculator_answer(prompt)
+    return {"calls": float(called), "exact_calls": float(exact), "digit_calls": float(digit)}
 
 
 BUILTIN_AGENTS: dict[str, AgentFn] = {"calculator": calculator_agent}
@@ -143,6 +176,8 @@ class AgentReply:
     observation: str | None
     done: bool
     error: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The reply's ``metrics``, by name (``agent/env/<name>``)."""
 
 
 def parse_reply(value: Any) -> AgentReply:
@@ -160,7 +195,24 @@ def parse_reply(value: Any) -> AgentReply:
         )
     if not isinstance(done, bool):
         return AgentReply("tool error: done is not a bool", False, True)
-    return AgentReply(obs, done or obs is None)
+    metrics = value.get("metrics", {})
+    if not (
+        isinstance(metrics, dict)
+        and all(
+            isinstance(k, str)
+            and _METRIC_NAME.fullmatch(k)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in metrics.items()
+        )
+    ):
+        return AgentReply(
+            "tool error: metrics is not a mapping of names ([A-Za-z0-9_]) to finite numbers",
+            False,
+            True,
+        )
+    return AgentReply(obs, done or obs is None, False, {k: float(v) for k, v in metrics.items()})
 
 
 def _limit_address_space() -> None:
@@ -356,9 +408,12 @@ class SandboxTools:
             fn = load_agent(agent.function)
         self.pool = ToolPool(fn, agent.tool_timeout_seconds)
 
-    def call(self, calls: list[list[Any]]) -> list[tuple[str | None, bool, bool]]:
+    def call(self, calls: list[list[Any]]) -> list[tuple[str | None, bool, bool, dict[str, float]]]:
         """The replies to ``calls`` (each the arguments of one call), in order."""
-        return [(r.observation, r.done, r.error) for r in self.pool.map([tuple(c) for c in calls])]
+        return [
+            (r.observation, r.done, r.error, r.metrics)
+            for r in self.pool.map([tuple(c) for c in calls])
+        ]
 
     def close(self) -> None:
         self.pool.close()
@@ -393,6 +448,7 @@ class Conversation:
     done: bool = False
     tool_errors: int = 0
     env_calls: int = 0
+    env_metrics: dict[str, float] = field(default_factory=dict)  # the replies' metrics, summed
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat tools: the history
     sampled: str = ""  # chat tools: the last turn's tokens decoded, special tokens included
 
@@ -480,6 +536,8 @@ def run_conversations(
             c = convs[i]
             c.env_calls += 1
             c.tool_errors += int(reply.error)
+            for k, v in reply.metrics.items():
+                c.env_metrics[k] = c.env_metrics.get(k, 0.0) + v
             if reply.done or reply.observation is None:
                 c.done = True
                 continue

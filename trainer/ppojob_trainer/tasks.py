@@ -17,9 +17,9 @@ Built-in tasks (``builtin:<task>``), defined exactly so results compare across t
 ``calculator``
     The prompt is 4 random digits ``ABCD`` asking for the last digit of AB + CD (``3748`` ->
     ``5``); the reward is 1 when the model's last turn is exactly that digit, else 0 (a guess
-    scores about 0.1). Meant for
-    multi-turn rollouts with ``data.agent.function: builtin:calculator`` (see
-    :mod:`ppojob_trainer.agent`): the model may call the calculator and copy its result.
+    scores about 0.1). Meant for multi-turn rollouts with ``data.agent.function:
+    builtin:calculator`` (see :mod:`ppojob_trainer.agent`): the model may call the calculator
+    with operands it writes itself (four digits ``WXYZ``: WX + YZ) and read the value.
 """
 
 from __future__ import annotations

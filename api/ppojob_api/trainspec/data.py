@@ -197,9 +197,10 @@ class AgentSpec(ApiModel):
     function: str | None = Field(None, min_length=1)
     """`module:function` called as `fn(prompt, label, turns)` after each model turn (`turns`:
     the model's turns so far, decoded), in a child process with a timeout, returning a dict
-    with `observation` (text, or None) and `done` (a bool); or `builtin:<agent>`
-    (`builtin:calculator`). A crash, timeout or malformed reply becomes the observation text,
-    never a failed run. Set this or tools."""
+    with `observation` (text, or None) and `done` (a bool), and optionally `metrics` (names to
+    numbers, reported per sample as `agent/env/<name>_mean`); or `builtin:<agent>`
+    (`builtin:calculator`: evaluates the call the model wrote). A crash, timeout or malformed
+    reply becomes the observation text, never a failed run. Set this or tools."""
 
     tools: list[ToolSpec] = Field(default_factory=list, max_length=64)
     """Tools called through the model's own chat template (set this or function; needs a

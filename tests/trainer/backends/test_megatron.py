@@ -502,6 +502,6 @@ def test_multi_turn_on_megatron_trains_as_on_the_torch_backend(local_ray, tmp_pa
         "critic/grad_norm",
     )
     for torch_step, meg_step in zip(runs["torch"], runs["megatron"], strict=True):
-        assert torch_step["agent/env_calls_mean"] > 0  # the environment's tokens were there
+        assert torch_step["agent/env/calls_mean"] > 0  # calculator calls: environment tokens
         for k in keys:
             assert meg_step[k] == pytest.approx(torch_step[k], rel=1e-4, abs=1e-6), k

@@ -248,6 +248,8 @@ class RolloutWorker:
             "agent/env_calls_sum": float(sum(c.env_calls for c in convs)),
             "agent/tool_errors_sum": float(sum(c.tool_errors for c in convs)),
         }
+        for name in sorted({k for c in convs for k in c.env_metrics}):  # the replies' metrics
+            metrics[f"agent/env/{name}_sum"] = sum(c.env_metrics.get(name, 0.0) for c in convs)
         if remote_before is not None:  # roles.sandbox: calls the sandbox workers answered
             assert isinstance(pool, RemoteToolPool)
             metrics["agent/sandbox_calls_sum"] = float(pool.remote_calls - remote_before)
