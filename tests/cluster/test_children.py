@@ -282,8 +282,9 @@ def test_a_child_the_api_server_refuses_reaches_the_status_with_its_message(cp, 
 
 
 def test_an_eviction_of_a_pod_of_a_protected_job_is_refused(cp, operator, ns):
-    """The job's PodDisruptionBudget (minAvailable: every pod of the job): a drain's eviction of one of its pods
-    is refused with 429 and the pod stays; a job without one (failurePolicy) is evictable."""
+    """The job's PodDisruptionBudget (minAvailable: every pod of the job): a drain's eviction
+    of one of its Ready pods is refused with 429 and the pod stays, one that is not Ready is
+    evicted; a job without one (failurePolicy) is evictable."""
     protected = gpu_job("pdb", ns, actor=1, critic=1, rollout=1)
     # with the pod-template escape hatch: the API server admits the pods KubeRay makes of it
     protected["spec"]["podTemplate"] = {
