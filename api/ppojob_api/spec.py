@@ -135,9 +135,9 @@ class FailurePolicy(ApiModel):
     """Create a PodDisruptionBudget over the job's pods (`minAvailable`: every pod the job can
     have; a RayCluster has no scale subresource, so `maxUnavailable` would never sync): an
     eviction through the Eviction API (a node drain, Karpenter consolidation, the cluster
-    autoscaler) is refused (HTTP 429) instead of killing one pod of the gang, which would end the attempt. A drain then
-    waits for the job to finish (or for someone to delete the pods: the trainer answers that
-    with a checkpoint). Scheduler preemption, suspend and deletion are not evictions."""
+    autoscaler) is refused (HTTP 429) instead of killing one pod of the gang, which would end
+    the attempt. A drain then waits for the job to finish (or for someone to delete the pods:
+    the trainer answers that with a checkpoint). Scheduler preemption, suspend and deletion are not evictions."""
 
     termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
     """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
