@@ -137,7 +137,8 @@ class FailurePolicy(ApiModel):
     eviction through the Eviction API (a node drain, Karpenter consolidation, the cluster
     autoscaler) is refused (HTTP 429) instead of killing one pod of the gang, which would end
     the attempt. A drain then waits for the job to finish (or for someone to delete the pods:
-    the trainer answers that with a checkpoint). Scheduler preemption, suspend and deletion are not evictions."""
+    the trainer answers that with a checkpoint). Scheduler preemption, suspend and deletion are
+    not evictions."""
 
     termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
     """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
