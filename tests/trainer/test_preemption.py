@@ -119,6 +119,29 @@ def test_stop_file_requests_a_stop_and_the_running_file_goes(tmp_path, monkeypat
     assert not running.exists()
 
 
+def test_a_draining_ray_node_requests_a_stop_within_the_drains_deadline() -> None:
+    """A worker pod's SIGTERM drains its Ray node until kubelet's SIGKILL (the operator sets
+    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S to the grace period): the stop names the node, and the
+    abandon timer counts from the drain's deadline when that leaves less than the grace period.
+    A GCS that does not answer once is asked again. (tests/trainer/test_worker_stop.py drives it
+    with a real drain.)"""
+    answers: list[object] = [RuntimeError("GCS unreachable"), []]
+    deadline = time.time() + 10.0
+
+    def draining() -> list[tuple[str, float | None]]:
+        answer = answers.pop(0) if answers else [("tiny-x-worker-1", deadline)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    with watch(grace_seconds=30.0, draining=draining) as stop:
+        assert stop.wait(10)
+        assert stop.cause == "Ray node tiny-x-worker-1 is stopping (its pod got SIGTERM)"
+        assert not answers
+        assert stop._timer is not None
+        assert 10.0 - 2 - 2.0 < stop._timer.interval <= 10.0 - 2.0  # deadline - margin
+
+
 @pytest.fixture()
 def default_sigint():
     """SIGINT handled as a trainer process handles it (Python's default: KeyboardInterrupt),

@@ -89,11 +89,25 @@ def train(
     trainer.total_steps = total
     result = TrainResult(steps=0)
     try:
-        with watch(grace_seconds) as stop:
+        with watch(grace_seconds, draining=draining_ray_nodes) as stop:
             _Run(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop).run()
     finally:
         trainer.shutdown()
     return result
+
+
+def draining_ray_nodes() -> list[tuple[str, float | None]]:
+    """The Ray nodes being drained, by host name (a pod's name under KubeRay), with the drain's
+    deadline in epoch seconds (None without one). A worker pod's ``ray start --block`` asks the
+    GCS for this drain when its SIGTERM comes (``ray._private.node.Node``'s SIGTERM handler)."""
+    import ray
+    from ray._private.state import state
+
+    draining = state.get_draining_nodes()
+    if not draining:
+        return []
+    names = {n["NodeID"]: n.get("NodeManagerHostname") or n["NodeID"] for n in ray.nodes()}
+    return [(names.get(node, node), ms / 1000 if ms else None) for node, ms in draining.items()]
 
 
 @dataclass
