@@ -266,3 +266,35 @@ def test_a_stop_anywhere_between_steps_checkpoints_every_completed_step(
     newest = latest_checkpoint(tmp_path / "ckpt")
     assert newest is not None and newest.name == f"step-{stopped_at:06d}", newest
     assert info.value.checkpoint == str(newest)
+
+
+def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) -> None:
+    """``train`` hands the GCS's draining nodes to ``watch``: without it a worker pod's SIGTERM
+    reaches the driver only as an ActorDiedError when the grace period ends."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from ppojob_trainer.driver import run
+
+    seen: dict[str, object] = {}
+
+    @contextmanager
+    def recording_watch(grace_seconds=None, draining=None):
+        seen["draining"] = draining
+        raise RuntimeError("recorded")
+        yield  # pragma: no cover
+
+    class _NoTrainer:
+        def __init__(self, cfg, threads=None) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            seen["shutdown"] = True
+
+    monkeypatch.setattr(run.runtime, "connect_ray", lambda: None)
+    monkeypatch.setattr(run, "PPOTrainer", _NoTrainer)
+    monkeypatch.setattr(run, "watch", recording_watch)
+    cfg = SimpleNamespace(training=SimpleNamespace(steps=1, checkpoint_dir="ckpt"))
+    with pytest.raises(RuntimeError, match="recorded"):
+        run.train(cfg, tmp_path, reporter=None)  # type: ignore[arg-type]
+    assert seen == {"draining": run.draining_ray_nodes, "shutdown": True}
