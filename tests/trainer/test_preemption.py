@@ -298,3 +298,17 @@ def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) ->
     with pytest.raises(RuntimeError, match="recorded"):
         run.train(cfg, tmp_path, reporter=None)  # type: ignore[arg-type]
     assert seen == {"draining": run.draining_ray_nodes, "shutdown": True}
+
+
+def test_only_a_draining_node_with_an_actor_of_the_job_is_a_stop() -> None:
+    """The autoscaler drains idle nodes of an elastic rollout group (no actor left on them): no
+    reason to stop the job. A node with one of the job's live actors is."""
+    from ppojob_trainer.driver.run import stopping_nodes
+
+    draining = {"idle": 0, "busy": 1_700_000_030_000}
+    names = {"busy": "tiny-x-worker-1", "idle": "tiny-x-rollout-2"}
+    assert stopping_nodes(draining, {"busy", "head"}, names) == [
+        ("tiny-x-worker-1", 1_700_000_030.0)
+    ]
+    assert stopping_nodes(draining, {"head"}, names) == []
+    assert stopping_nodes({"busy": 0}, {"busy"}, {}) == [("busy", None)]

@@ -97,17 +97,34 @@ def train(
 
 
 def draining_ray_nodes() -> list[tuple[str, float | None]]:
-    """The Ray nodes being drained, by host name (a pod's name under KubeRay), with the drain's
-    deadline in epoch seconds (None without one). A worker pod's ``ray start --block`` asks the
-    GCS for this drain when its SIGTERM comes (``ray._private.node.Node``'s SIGTERM handler)."""
+    """The Ray nodes being drained that hold a live actor of this job, by host name (a pod's name
+    under KubeRay), with the drain's deadline in epoch seconds (None without one). A worker pod's
+    ``ray start --block`` asks the GCS for this drain when its SIGTERM comes
+    (``ray._private.node.Node``'s SIGTERM handler); the autoscaler drains only idle nodes (an
+    elastic rollout group's), which hold no actor and are no reason to stop."""
     import ray
     from ray._private.state import state
 
     draining = state.get_draining_nodes()
     if not draining:
         return []
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    actors = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
+    hosts = {a["Address"]["NodeID"] for a in actors.values()}
     names = {n["NodeID"]: n.get("NodeManagerHostname") or n["NodeID"] for n in ray.nodes()}
-    return [(names.get(node, node), ms / 1000 if ms else None) for node, ms in draining.items()]
+    return stopping_nodes(draining, hosts, names)
+
+
+def stopping_nodes(
+    draining: dict[str, int], hosts: set[str], names: dict[str, str]
+) -> list[tuple[str, float | None]]:
+    """Of the draining nodes (node id -> deadline in epoch ms, 0 for none), those in ``hosts``
+    (the nodes of the job's live actors), as (name, deadline in epoch seconds or None)."""
+    return [
+        (names.get(node, node), ms / 1000 if ms else None)
+        for node, ms in sorted(draining.items())
+        if node in hosts
+    ]
 
 
 @dataclass
