@@ -9,10 +9,10 @@ runs it before the SIGTERM, inside the same grace period) and waits for the trai
 container's first process), whose handler marks the Ray node as draining in the GCS and keeps the
 node's processes alive while its actors hold their leases (the operator sets the drain's bound,
 ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, to the grace period); :func:`watch` polls the GCS for
-draining nodes (``draining``) and sets the same :class:`StopSignal`, so the driver hears of it
-within a second rather than as an ``ActorDiedError`` when the grace period ends (the reasons,
-with references to Ray's and KubeRay's source: docs/trainer-guide.md, "Preemption"). Either way,
-:class:`StopSignal` is set, and the training loop:
+draining nodes that hold the job's actors (``draining``) and sets the same :class:`StopSignal`,
+so the driver hears of it within a second rather than as an ``ActorDiedError`` when the grace
+period ends (the reasons, with references to Ray's and KubeRay's source: docs/trainer-guide.md,
+"Preemption"). Either way, :class:`StopSignal` is set, and the training loop:
 
 - lets the step in flight finish (the workers cannot be checkpointed mid-step), writes a
   checkpoint of it, and raises :class:`Preempted`;
