@@ -288,6 +288,9 @@ def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) ->
         def __init__(self, cfg, threads=None) -> None:
             pass
 
+        def expendable_actors(self) -> set[str]:
+            return {"engine"}
+
         def shutdown(self) -> None:
             seen["shutdown"] = True
 
@@ -297,7 +300,11 @@ def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) ->
     cfg = SimpleNamespace(training=SimpleNamespace(steps=1, checkpoint_dir="ckpt"))
     with pytest.raises(RuntimeError, match="recorded"):
         run.train(cfg, tmp_path, reporter=None)  # type: ignore[arg-type]
-    assert seen == {"draining": run.draining_ray_nodes, "shutdown": True}
+    draining = seen.pop("draining")
+    assert seen == {"shutdown": True}
+    # the GCS's draining nodes, less those holding only actors the run can lose
+    assert draining.func is run.draining_ray_nodes  # type: ignore[attr-defined]
+    assert draining.args[0]() == {"engine"}  # type: ignore[attr-defined]
 
 
 def test_only_a_draining_node_with_an_actor_of_the_job_is_a_stop() -> None:
@@ -312,3 +319,19 @@ def test_only_a_draining_node_with_an_actor_of_the_job_is_a_stop() -> None:
     ]
     assert stopping_nodes(draining, {"head"}, names) == []
     assert stopping_nodes({"busy": 0}, {"busy"}, {}) == [("busy", None)]
+
+
+def test_a_node_holding_only_actors_the_run_can_lose_is_no_stop() -> None:
+    """Elastic engines and reward workers are dropped and replaced when lost: a draining node
+    holding only those does not stop the job; one holding any other actor of the job does."""
+    from ppojob_trainer.driver.run import actor_nodes
+
+    actors = {
+        "e1": {"Address": {"NodeID": "rollout-pod"}},
+        "r1": {"Address": {"NodeID": "reward-pod"}},
+        "a1": {"Address": {"NodeID": "actor-pod"}},
+        "a2": {"Address": {"NodeID": "reward-pod"}},
+    }
+    assert actor_nodes(actors, {"e1", "r1"}) == {"actor-pod", "reward-pod"}
+    assert actor_nodes(actors, {"e1", "r1", "a2"}) == {"actor-pod"}
+    assert actor_nodes(actors, set()) == {"rollout-pod", "reward-pod", "actor-pod"}
