@@ -61,6 +61,14 @@ ENV_ROLE = "PPOJOB_ROLE"
 ENV_GRACE = "PPOJOB_GRACE_SECONDS"  # ppojob_trainer.preemption.GRACE_ENV
 ENV_STOP_FILE = "PPOJOB_STOP_FILE"  # ppojob_trainer.preemption.STOP_FILE_ENV
 ENV_RUNNING_FILE = "PPOJOB_RUNNING_FILE"  # ppojob_trainer.preemption.RUNNING_FILE_ENV
+ENV_RAY_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+"""Ray's bound on the drain that ``ray start --block`` (a worker container's first process) runs
+on SIGTERM before it kills the node's processes (Ray's default: 30 s). A worker pod gets the
+grace period here, so its raylet and actors live until the driver, which hears of the drain from
+the GCS at once, has finished or abandoned its step and written the checkpoint (and let its actors
+go: a draining node with no leases left ends at once), or until kubelet's SIGKILL. Worker pods
+get no preStop hook: it would hold back the SIGTERM, and so the drain the driver hears of. See
+docs/trainer-guide.md, "Preemption"."""
 STOP_FILE = "/tmp/ppojob-stop"
 RUNNING_FILE = "/tmp/ppojob-running"
 PRESTOP_COMMAND = [
@@ -447,6 +455,8 @@ def _env(job_role: str, extra: list[Any], grace: int) -> list[dict[str, Any]]:
             {"name": ENV_STOP_FILE, "value": STOP_FILE},
             {"name": ENV_RUNNING_FILE, "value": RUNNING_FILE},
         ]
+    else:  # a worker's SIGTERM drains its Ray node for the whole grace period
+        env.append({"name": ENV_RAY_DRAIN, "value": str(grace)})
     seen = {e["name"] for e in env}
     env += [{"name": e.name, "value": e.value} for e in extra if e.name not in seen]
     return env

@@ -164,6 +164,10 @@ def test_restart_delay_counts_from_the_decision() -> None:
 
 
 def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
+    """The head's preStop hook asks the driver to stop. A worker's SIGTERM goes straight to its
+    ``ray start --block``, which drains the Ray node (the driver hears of it from the GCS) for up
+    to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: the grace period, so that the worker's actors live
+    until the driver has checkpointed; a preStop hook would only hold the SIGTERM back."""
     j = job(failurePolicy={"terminationGracePeriodSeconds": 300})
     rj = builders.build_children(j, namespace="ns1")[-1]
     spec = rj["spec"]
@@ -178,6 +182,10 @@ def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
     env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
     assert env["PPOJOB_STOP_FILE"] in hook[-1] and env["PPOJOB_RUNNING_FILE"] in hook[-1]
     assert all("lifecycle" not in w["containers"][0] for w in workers)
+    assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" not in env  # the head: its preStop hook
+    for w in workers:
+        env = {e["name"]: e.get("value") for e in w["containers"][0]["env"]}
+        assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "300"
 
 
 def test_a_pod_disruption_budget_covers_every_pod_of_the_job_unless_turned_off() -> None:

@@ -80,6 +80,12 @@ STILL_STARTING: list[int] = []
 """How many engines were still starting when the last :func:`_run` ended."""
 
 
+EXPENDABLE: list[Any] = []
+"""When the last :func:`_run` ended: how many actors a draining node may hold without stopping
+the job (the engines, live and starting; no reward workers here), and whether an actor worker
+was among them."""
+
+
 def _run(
     cfg: Any, gate: Any, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> tuple[list[dict[str, float]], list[tuple[list[int], list[int]]]]:
@@ -94,6 +100,9 @@ def _run(
             history.append(trainer.step(step))
             trained.append(ray.get(trainer.hosts["actor"][0].trained_ids.remote()))
         STILL_STARTING[:] = [len(trainer.engines.starting)]
+        spare = trainer.expendable_actors()
+        actors = {h._actor_id.hex() for h in trainer.hosts["actor"]}
+        EXPENDABLE[:] = [len(spare), bool(spare & actors)]
     finally:
         trainer.shutdown()
     return history, trained
@@ -180,6 +189,9 @@ def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
     assert [m["rollout/engines"] for m in history] == [1.0] * STEPS
     assert "time/weight_sync" not in history[0] and "time/weight_sync" in history[1]
     assert STILL_STARTING == [1]  # the engine beyond the minimum, started but never joined
+    # a draining node holding only engines (the live one or the one starting) stops nothing;
+    # one holding the actor worker does
+    assert EXPENDABLE == [2, False]
     first_start = next(a["engine"] for a in log if a["event"] == "start")
     assert {a["engine"] for a in log if a["event"] == "generate"} == {first_start}
 

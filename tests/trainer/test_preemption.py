@@ -119,6 +119,29 @@ def test_stop_file_requests_a_stop_and_the_running_file_goes(tmp_path, monkeypat
     assert not running.exists()
 
 
+def test_a_draining_ray_node_requests_a_stop_within_the_drains_deadline() -> None:
+    """A worker pod's SIGTERM drains its Ray node until kubelet's SIGKILL (the operator sets
+    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S to the grace period): the stop names the node, and the
+    abandon timer counts from the drain's deadline when that leaves less than the grace period.
+    A GCS that does not answer once is asked again. (tests/trainer/test_worker_stop.py drives it
+    with a real drain.)"""
+    answers: list[object] = [RuntimeError("GCS unreachable"), []]
+    deadline = time.time() + 10.0
+
+    def draining() -> list[tuple[str, float | None]]:
+        answer = answers.pop(0) if answers else [("tiny-x-worker-1", deadline)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    with watch(grace_seconds=30.0, draining=draining) as stop:
+        assert stop.wait(10)
+        assert stop.cause == "Ray node tiny-x-worker-1 is stopping (its pod got SIGTERM)"
+        assert not answers
+        assert stop._timer is not None
+        assert 10.0 - 2 - 2.0 < stop._timer.interval <= 10.0 - 2.0  # deadline - margin
+
+
 @pytest.fixture()
 def default_sigint():
     """SIGINT handled as a trainer process handles it (Python's default: KeyboardInterrupt),
@@ -243,3 +266,72 @@ def test_a_stop_anywhere_between_steps_checkpoints_every_completed_step(
     newest = latest_checkpoint(tmp_path / "ckpt")
     assert newest is not None and newest.name == f"step-{stopped_at:06d}", newest
     assert info.value.checkpoint == str(newest)
+
+
+def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) -> None:
+    """``train`` hands the GCS's draining nodes to ``watch``: without it a worker pod's SIGTERM
+    reaches the driver only as an ActorDiedError when the grace period ends."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from ppojob_trainer.driver import run
+
+    seen: dict[str, object] = {}
+
+    @contextmanager
+    def recording_watch(grace_seconds=None, draining=None):
+        seen["draining"] = draining
+        raise RuntimeError("recorded")
+        yield  # pragma: no cover
+
+    class _NoTrainer:
+        def __init__(self, cfg, threads=None) -> None:
+            pass
+
+        def expendable_actors(self) -> set[str]:
+            return {"engine"}
+
+        def shutdown(self) -> None:
+            seen["shutdown"] = True
+
+    monkeypatch.setattr(run.runtime, "connect_ray", lambda: None)
+    monkeypatch.setattr(run, "PPOTrainer", _NoTrainer)
+    monkeypatch.setattr(run, "watch", recording_watch)
+    cfg = SimpleNamespace(training=SimpleNamespace(steps=1, checkpoint_dir="ckpt"))
+    with pytest.raises(RuntimeError, match="recorded"):
+        run.train(cfg, tmp_path, reporter=None)  # type: ignore[arg-type]
+    draining = seen.pop("draining")
+    assert seen == {"shutdown": True}
+    # the GCS's draining nodes, less those holding only actors the run can lose
+    assert draining.func is run.draining_ray_nodes  # type: ignore[attr-defined]
+    assert draining.args[0]() == {"engine"}  # type: ignore[attr-defined]
+
+
+def test_only_a_draining_node_with_an_actor_of_the_job_is_a_stop() -> None:
+    """The autoscaler drains idle nodes of an elastic rollout group (no actor left on them): no
+    reason to stop the job. A node with one of the job's live actors is."""
+    from ppojob_trainer.driver.run import stopping_nodes
+
+    draining = {"idle": 0, "busy": 1_700_000_030_000}
+    names = {"busy": "tiny-x-worker-1", "idle": "tiny-x-rollout-2"}
+    assert stopping_nodes(draining, {"busy", "head"}, names) == [
+        ("tiny-x-worker-1", 1_700_000_030.0)
+    ]
+    assert stopping_nodes(draining, {"head"}, names) == []
+    assert stopping_nodes({"busy": 0}, {"busy"}, {}) == [("busy", None)]
+
+
+def test_a_node_holding_only_actors_the_run_can_lose_is_no_stop() -> None:
+    """Elastic engines and reward workers are dropped and replaced when lost: a draining node
+    holding only those does not stop the job; one holding any other actor of the job does."""
+    from ppojob_trainer.driver.run import actor_nodes
+
+    actors = {
+        "e1": {"Address": {"NodeID": "rollout-pod"}},
+        "r1": {"Address": {"NodeID": "reward-pod"}},
+        "a1": {"Address": {"NodeID": "actor-pod"}},
+        "a2": {"Address": {"NodeID": "reward-pod"}},
+    }
+    assert actor_nodes(actors, {"e1", "r1"}) == {"actor-pod", "reward-pod"}
+    assert actor_nodes(actors, {"e1", "r1", "a2"}) == {"actor-pod"}
+    assert actor_nodes(actors, set()) == {"rollout-pod", "reward-pod", "actor-pod"}

@@ -5,7 +5,14 @@ Kubernetes sends SIGTERM to a pod's containers and SIGKILL ``terminationGracePer
 later. The driver of a Ray job is not the head container's first process, so the operator also
 gives the head container a ``preStop`` hook that touches :data:`STOP_FILE_ENV`'s file (kubelet
 runs it before the SIGTERM, inside the same grace period) and waits for the trainer's
-:data:`RUNNING_FILE_ENV` file to go. Either way, :class:`StopSignal` is set, and the training loop:
+:data:`RUNNING_FILE_ENV` file to go. A worker pod's SIGTERM reaches ``ray start --block`` (its
+container's first process), whose handler marks the Ray node as draining in the GCS and keeps the
+node's processes alive while its actors hold their leases (the operator sets the drain's bound,
+``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, to the grace period); :func:`watch` polls the GCS for
+draining nodes that hold the job's actors (``draining``) and sets the same :class:`StopSignal`,
+so the driver hears of it within a second rather than as an ``ActorDiedError`` when the grace
+period ends (the reasons, with references to Ray's and KubeRay's source: docs/trainer-guide.md,
+"Preemption"). Either way, :class:`StopSignal` is set, and the training loop:
 
 - lets the step in flight finish (the workers cannot be checkpointed mid-step), writes a
   checkpoint of it, and raises :class:`Preempted`;
@@ -25,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -42,6 +49,11 @@ GRACE_ENV = "PPOJOB_GRACE_SECONDS"
 """The pods' grace period in seconds (the operator sets it from the spec)."""
 MARGIN_S = 2.0
 """Kept free at the end of the grace period (process exit, Ray shutdown)."""
+POLL_S = 0.5
+"""How often the stop file and the draining Ray nodes are looked at."""
+
+Draining = Callable[[], list[tuple[str, float | None]]]
+"""Ray nodes being drained: (name, the drain's deadline in epoch seconds or None) for each."""
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopSignal", "watch"]
 
@@ -79,15 +91,20 @@ class StopSignal:
     def requested(self) -> bool:
         return self._event.is_set()
 
-    def request(self, cause: str) -> None:
-        """Ask for a stop (idempotent); arms the abandon timer when a grace period is known."""
+    def request(self, cause: str, grace_left: float | None = None) -> None:
+        """Ask for a stop (idempotent); arms the abandon timer when a grace period is known.
+        ``grace_left``: what is left of it where the stop was asked before it reached here (a
+        draining Ray node's deadline), when that is shorter."""
         if self._event.is_set():
             return
         self.cause, self.at = cause, time.monotonic()
         self._event.set()
         log.warning("%s: stopping after the step in flight, with a checkpoint", cause)
-        if self.grace_seconds is not None:
-            budget = self.grace_seconds - self.checkpoint_seconds - MARGIN_S
+        grace = self.grace_seconds
+        if grace_left is not None:
+            grace = grace_left if grace is None else min(grace, grace_left)
+        if grace is not None:
+            budget = grace - self.checkpoint_seconds - MARGIN_S
             self._timer = threading.Timer(max(budget, 0.0), self._abandon)
             self._timer.daemon = True
             self._timer.start()
@@ -107,9 +124,27 @@ class StopSignal:
 
     def _poll_stop_file(self, done: threading.Event) -> None:
         assert self.stop_file is not None
-        while not done.wait(0.5):
+        while not done.wait(POLL_S):
             if self.stop_file.exists():
                 self.request(f"stop file {self.stop_file}")
+                return
+
+    def _poll_draining(self, draining: Draining, done: threading.Event) -> None:
+        """Sets the signal when a Ray node of the job is being drained: a worker pod's
+        ``ray start --block`` got its SIGTERM (or the autoscaler or ``ray drain-node`` asked)."""
+        failed = False
+        while not done.wait(POLL_S):
+            try:
+                nodes = draining()
+            except Exception as exc:  # the GCS briefly unreachable: look again
+                if not failed:
+                    log.warning("could not list the draining Ray nodes: %s", exc)
+                failed = True
+                continue
+            if nodes:
+                name, deadline = nodes[0]
+                left = None if deadline is None else max(deadline - time.time(), 0.0)
+                self.request(f"Ray node {name} is stopping (its pod got SIGTERM)", left)
                 return
 
 
@@ -123,10 +158,12 @@ def _env_float(name: str) -> float | None:
 
 
 @contextmanager
-def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
-    """A :class:`StopSignal` set by SIGTERM (main thread only) or by the stop file named in
-    ``$PPOJOB_STOP_FILE``; the previous SIGTERM handler is restored on exit. The file
-    ``$PPOJOB_RUNNING_FILE`` exists meanwhile."""
+def watch(
+    grace_seconds: float | None = None, draining: Draining | None = None
+) -> Iterator[StopSignal]:
+    """A :class:`StopSignal` set by SIGTERM (main thread only), by the stop file named in
+    ``$PPOJOB_STOP_FILE`` or by a Ray node that ``draining`` lists; the previous SIGTERM handler
+    is restored on exit. The file ``$PPOJOB_RUNNING_FILE`` exists meanwhile."""
     if grace_seconds is None:
         grace_seconds = _env_float(GRACE_ENV)
     raw_stop = os.environ.get(STOP_FILE_ENV)
@@ -153,10 +190,10 @@ def watch(grace_seconds: float | None = None) -> Iterator[StopSignal]:
             log.warning("could not write %s", running)
             running = None
     done = threading.Event()
-    poller = None
     if stop.stop_file is not None:
-        poller = threading.Thread(target=stop._poll_stop_file, args=(done,), daemon=True)
-        poller.start()
+        threading.Thread(target=stop._poll_stop_file, args=(done,), daemon=True).start()
+    if draining is not None:
+        threading.Thread(target=stop._poll_draining, args=(draining, done), daemon=True).start()
     try:
         yield stop
     finally:

@@ -15,6 +15,7 @@ RESERVED_ENV = {
     "PPOJOB_GRACE_SECONDS": "the operator sets it to spec.failurePolicy's grace period",
     "PPOJOB_STOP_FILE": "the operator sets it for the head's preStop hook",
     "PPOJOB_RUNNING_FILE": "the operator sets it for the head's preStop hook",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "the operator sets it to the grace period",
     "RAY_ADDRESS": "KubeRay sets it to the job's own Ray cluster",
     "CUDA_VISIBLE_DEVICES": "Ray sets it for each worker to the GPUs it assigned",
     "NVIDIA_VISIBLE_DEVICES": "the NVIDIA device plugin sets it to the pod's GPUs",

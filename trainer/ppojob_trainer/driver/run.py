@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +91,53 @@ def train(
     trainer.total_steps = total
     result = TrainResult(steps=0)
     try:
-        with watch(grace_seconds) as stop:
+        draining = partial(draining_ray_nodes, trainer.expendable_actors)
+        with watch(grace_seconds, draining=draining) as stop:
             _Run(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop).run()
     finally:
         trainer.shutdown()
     return result
+
+
+def draining_ray_nodes(
+    expendable: Callable[[], set[str]] = set,
+) -> list[tuple[str, float | None]]:
+    """The Ray nodes being drained that hold a live actor of this job, by host name (a pod's name
+    under KubeRay), with the drain's deadline in epoch seconds (None without one). A worker pod's
+    ``ray start --block`` asks the GCS for this drain when its SIGTERM comes
+    (``ray._private.node.Node``'s SIGTERM handler); the autoscaler drains only idle nodes (an
+    elastic rollout group's), which hold no actor and are no reason to stop. Actors whose loss
+    the run absorbs (``expendable()``: actor ids of elastic engines and reward workers, which
+    are replaced) do not count: a node holding only those is no reason to stop either."""
+    import ray
+    from ray._private.state import state
+
+    draining = state.get_draining_nodes()
+    if not draining:
+        return []
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    actors = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
+    hosts = actor_nodes(actors, expendable())
+    names = {n["NodeID"]: n.get("NodeManagerHostname") or n["NodeID"] for n in ray.nodes()}
+    return stopping_nodes(draining, hosts, names)
+
+
+def actor_nodes(actors: dict[str, dict[str, Any]], expendable: set[str]) -> set[str]:
+    """The node ids of the job's live actors (the GCS actor table, keyed by hex actor id), less
+    the actors whose loss the run absorbs."""
+    return {a["Address"]["NodeID"] for aid, a in actors.items() if aid not in expendable}
+
+
+def stopping_nodes(
+    draining: dict[str, int], hosts: set[str], names: dict[str, str]
+) -> list[tuple[str, float | None]]:
+    """Of the draining nodes (node id -> deadline in epoch ms, 0 for none), those in ``hosts``
+    (the nodes of the job's live actors), as (name, deadline in epoch seconds or None)."""
+    return [
+        (names.get(node, node), ms / 1000 if ms else None)
+        for node, ms in sorted(draining.items())
+        if node in hosts
+    ]
 
 
 @dataclass

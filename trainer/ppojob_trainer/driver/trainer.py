@@ -341,6 +341,17 @@ class PPOTrainer:
         )
         return directory
 
+    def expendable_actors(self) -> set[str]:
+        """Actor ids (hex) of the workers whose loss the run absorbs: elastic rollout engines
+        (dropped, their prompts generated again, replaced) and reward workers (their part
+        scored again by the others, replaced). A Ray node draining with only these on it is no
+        reason to stop the job (``run.draining_ray_nodes``). Read from the stop watcher's
+        thread: a snapshot of the lists, never changed here."""
+        hosts = list(self.rollouts.rewards.hosts)
+        if self.engines is not None:
+            hosts += [*self.groups.rollout.handles, *(s.host for s in self.engines.starting)]
+        return {h._actor_id.hex() for h in hosts}
+
     def shutdown(self) -> None:
         """Kill every worker started and release the placement group (safe to call twice)."""
         groups = getattr(self, "groups", None)  # (None: the start failed before the groups)
