@@ -86,6 +86,7 @@ class StopSignal:
         self.abandoned = False
         self._event = threading.Event()
         self._timer: threading.Timer | None = None
+        self._lock = threading.RLock()  # (re-entrant: a SIGTERM handler may run inside request)
 
     @property
     def requested(self) -> bool:
@@ -95,19 +96,21 @@ class StopSignal:
         """Ask for a stop (idempotent); arms the abandon timer when a grace period is known.
         ``grace_left``: what is left of it where the stop was asked before it reached here (a
         draining Ray node's deadline), when that is shorter."""
-        if self._event.is_set():
-            return
-        self.cause, self.at = cause, time.monotonic()
-        self._event.set()
+        with self._lock:
+            if self.cause is not None:
+                return
+            self.cause, self.at = cause, time.monotonic()
+            grace = self.grace_seconds
+            if grace_left is not None:
+                grace = grace_left if grace is None else min(grace, grace_left)
+            if grace is not None:
+                budget = grace - self.checkpoint_seconds - MARGIN_S
+                self._timer = threading.Timer(max(budget, 0.0), self._abandon)
+                self._timer.daemon = True
+                self._timer.start()
+            # set last: whoever wakes on the event (another thread) finds the timer armed
+            self._event.set()
         log.warning("%s: stopping after the step in flight, with a checkpoint", cause)
-        grace = self.grace_seconds
-        if grace_left is not None:
-            grace = grace_left if grace is None else min(grace, grace_left)
-        if grace is not None:
-            budget = grace - self.checkpoint_seconds - MARGIN_S
-            self._timer = threading.Timer(max(budget, 0.0), self._abandon)
-            self._timer.daemon = True
-            self._timer.start()
 
     def _abandon(self) -> None:
         if self.in_step:
