@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,15 +83,7 @@ class TorchGenerationEngine(GenerationEngine):
         )
         cache = DynamicCache()
         tap = self.tap
-        with tap.record() if tap is not None else nullcontext():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=attn,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_kw: cache},
-            )
+        out = self._feed(ids, attn, pos, cache, logits_to_keep=1)
         plen = ids.shape[1]
         prompt_routes = routes = None
         if tap is not None:  # the experts of every fed token; the last sampled one stays -1
@@ -115,15 +108,7 @@ class TorchGenerationEngine(GenerationEngine):
                 full = torch.cat([ids, tokens[:, :t]], 1)
                 full_attn = None if attn is None else attn  # already holds the t new columns
                 full_pos = None if full_attn is None else (full_attn.cumsum(-1) - 1).clamp_min(0)
-                with tap.record() if tap is not None else nullcontext():
-                    out = self.model(
-                        input_ids=full,
-                        attention_mask=full_attn,
-                        position_ids=full_pos,
-                        use_cache=True,
-                        logits_to_keep=1,
-                        **{self.cache_kw: cache},
-                    )
+                out = self._feed(full, full_attn, full_pos, cache, logits_to_keep=1)
                 if tap is not None:  # the new weights' routing governs the tokens from here
                     both = tap.stacked(tap.chosen, (bsz, plen + t))
                     prompt_routes, routes[:, :t] = both[:, :plen], both[:, plen:]
@@ -148,14 +133,7 @@ class TorchGenerationEngine(GenerationEngine):
                 break
             if attn is not None:
                 attn = torch.cat([attn, torch.ones(bsz, 1, dtype=attn.dtype, device=dev)], 1)
-            with tap.record() if tap is not None else nullcontext():
-                out = self.model(
-                    input_ids=tok[:, None],
-                    attention_mask=attn,
-                    position_ids=next_pos,
-                    use_cache=True,
-                    **{self.cache_kw: cache},
-                )
+            out = self._feed(tok[:, None], attn, next_pos, cache)
             if tap is not None:
                 routes[:, t] = tap.stacked(tap.chosen, (bsz, 1))[:, 0]
             next_pos = next_pos + 1
@@ -170,6 +148,26 @@ class TorchGenerationEngine(GenerationEngine):
             routed_experts=None if routes is None else routes[:, :width],
             prompt_routed_experts=prompt_routes,
         )
+
+    def _feed(
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor | None,
+        pos: torch.Tensor | None,
+        cache: Any,
+        **kw: Any,
+    ) -> Any:
+        """One forward of the model over ``ids`` with the KV ``cache`` (``kw``: e.g.
+        ``logits_to_keep``), recording each fed token's experts when routing is recorded."""
+        with self.tap.record() if self.tap is not None else nullcontext():
+            return self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=pos,
+                use_cache=True,
+                **{self.cache_kw: cache},
+                **kw,
+            )
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Full weights (every name of the model's state dict), or LoRA adapters only
