@@ -306,10 +306,9 @@ def test_every_sampling_param_the_adapter_sends_exists(sglang):
     assert set(sent) <= known, f"unknown sampling params {sorted(set(sent) - known)}"
 
 
-def test_the_output_fields_the_adapter_reads_are_produced(sglang):
-    meta, field = adapter.OUTPUT_FIELDS
-    path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
-    written = {
+def subscript_writes(sglang, path) -> set[tuple[str, object]]:  # type: ignore[no-untyped-def]
+    """Every ``name[constant] = ...`` assignment in the module at ``path``."""
+    return {
         (t.value.id, t.slice.value)
         for n in ast.walk(sglang.tree(path))
         if isinstance(n, ast.Assign)
@@ -318,6 +317,12 @@ def test_the_output_fields_the_adapter_reads_are_produced(sglang):
         and isinstance(t.value, ast.Name)
         and isinstance(t.slice, ast.Constant)
     }
+
+
+def test_the_output_fields_the_adapter_reads_are_produced(sglang):
+    meta, field = adapter.OUTPUT_FIELDS
+    path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
+    written = subscript_writes(sglang, path)
     assert (meta, field) in written, f"{meta}[{field!r}] is never written"
     # each entry is (logprob, token_id, text): the tuples detokenize_logprob_tokens builds
     fn = function(sglang, path, "detokenize_logprob_tokens")
@@ -346,15 +351,7 @@ def test_the_routed_experts_the_adapter_asks_for_are_sglangs(sglang):
     assert "return_routed_experts" in _params(generate)[0]
     meta, field = adapter.ROUTED_EXPERTS_FIELDS
     path = sglang.module_file("sglang.srt.managers.tokenizer_manager")
-    written = {
-        (t.value.id, t.slice.value)
-        for n in ast.walk(sglang.tree(path))
-        if isinstance(n, ast.Assign)
-        for t in n.targets
-        if isinstance(t, ast.Subscript)
-        and isinstance(t.value, ast.Name)
-        and isinstance(t.slice, ast.Constant)
-    }
+    written = subscript_writes(sglang, path)
     assert (meta, field) in written, f"{meta}[{field!r}] is never written"
     reader = function(
         sglang,
