@@ -303,8 +303,12 @@ main() {
     exec 9>"$root/.build.lock"
     flock 9
   fi
+  # The compiler's cache of this build is its own, removed at the end: the binaries are what is
+  # kept (components/), and a kept cache (~11 GB for the whole control plane) is disk the 7 GB
+  # trainer image build needs next (it failed with "no space left on device" beside one).
+  export GOCACHE="$root/go-build.$$"
   # shellcheck disable=SC2064 # expanded now: $out is local to main
-  trap "rm -rf '$out.tmp.$$'" EXIT # an interrupted assemble leaves nothing behind
+  trap "rm -rf '$out.tmp.$$' '$GOCACHE'" EXIT # an interrupted assemble leaves nothing behind
   local components=("$@")
   [ ${#components[@]} -gt 0 ] || components=("${all[@]}")
   for c in "${components[@]}"; do
