@@ -47,7 +47,14 @@ class Scheduling(ApiModel):
     for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g. `team-a`)."""
 
     priority_class_name: str | None = Field(None, min_length=1)
-    """PriorityClass of the job's pods (with every gang scheduler, `none` included)."""
+    """PriorityClass of the job's pods (with every gang scheduler, `none` included). Under
+    kueue without `workloadPriorityClass`, Kueue also takes the Workload's priority from it."""
+
+    workload_priority_class: str | None = Field(None, min_length=1, max_length=253)
+    """kueue only: the Kueue WorkloadPriorityClass of the job's Workload (the label
+    `kueue.x-k8s.io/priority-class` on its RayJob): its order in the queue and for Kueue's
+    preemption, apart from the pods' own PriorityClass (`priorityClassName`, which the kubelet
+    and kube-scheduler use). Unset: Kueue takes the pods' PriorityClass."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
     """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the

@@ -22,6 +22,10 @@ Flags (the Helm chart passes exactly these):
 --kuberay-sidecar-mode auto|supported|unsupported
                       whether KubeRay supports submissionMode SidecarMode (>= 1.5.0); auto (the
                       default) reads the installed RayJob CRD at start-up
+--ray-auth auto|token|off
+                      token authentication of each job's Ray dashboard and RPCs (KubeRay
+                      authOptions, KubeRay >= 1.6, rayVersion >= 2.52); auto (the default): on
+                      when the installed RayJob CRD has authOptions
 --network-policy JSON|off
                       each job's NetworkPolicy: off, or {"dashboardFrom": [peers], "extraIngress":
                       [rules]}; always: the job's own pods, and KubeRay's operator pods in
@@ -109,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the installed RayJob CRD",
     )
     p.add_argument(
+        "--ray-auth",
+        choices=["auto", "token", "off"],
+        default="auto",
+        help="token authentication of each job's Ray dashboard and RPCs (KubeRay authOptions: "
+        "KubeRay >= 1.6, rayVersion >= 2.52); auto: on when the RayJob CRD has authOptions",
+    )
+    p.add_argument(
         "--network-policy",
         default=None,
         metavar="JSON|off",
@@ -186,6 +197,7 @@ def operator_config(args: argparse.Namespace) -> Any:
         sidecar_supported={"auto": None, "supported": True, "unsupported": False}[
             args.kuberay_sidecar_mode
         ],
+        dashboard_auth={"auto": None, "token": True, "off": False}[args.ray_auth],
         detect_batch_scheduler=args.kuberay_batch_scheduler == "auto",
         kuberay_namespace=args.kuberay_namespace,
         network_policy=network_settings(args.network_policy, args.kuberay_namespace),

@@ -694,6 +694,18 @@ def gang_members(job: PPOJob, *, autoscaler: bool = False) -> list[scheduling.Ga
     return members
 
 
+def dashboard_auth_of(job: PPOJob, supported: bool) -> bool:
+    """Whether the job's Ray cluster gets token authentication: KubeRay supports it
+    (``supported``: its CRD has ``authOptions``) and the job's ``rayVersion`` is one KubeRay
+    enables it for (>= 2.52). With it, the dashboard's job API (port 8265, code execution in
+    the head pod) and Ray's RPCs answer only requests carrying the cluster's token, which
+    KubeRay keeps in a Secret of the job's namespace and gives to the job's own containers;
+    the NetworkPolicy (:func:`network_policy`) is then a second line, not the only one."""
+    from ppojob_operator.capabilities import ray_supports_auth
+
+    return supported and ray_supports_auth(job.spec.ray_version)
+
+
 def ray_job(
     job: PPOJob,
     namespace: str,
@@ -702,7 +714,11 @@ def ray_job(
     gang: scheduling.GangPlan,
     entrypoint: str | None = None,
     restart: int = 0,
+    dashboard_auth: bool = False,
 ) -> dict[str, Any]:
+    """The RayJob. ``dashboard_auth``: the installed KubeRay has ``authOptions`` (>= 1.6): the
+    Ray cluster gets token authentication when the job's ``rayVersion`` supports it
+    (:func:`dashboard_auth_of`)."""
     spec = job.spec
     name = job.metadata.name or ""
     head = spec.head
@@ -773,6 +789,8 @@ def ray_job(
             "workerGroupSpecs": workers,
         },
     }
+    if dashboard_auth_of(job, dashboard_auth):
+        body["rayClusterSpec"]["authOptions"] = {"mode": "token"}
     if autoscaled(job, gang.autoscaling):
         # KubeRay's in-tree autoscaler (a container in the head pod) grows the elastic rollout
         # group toward maxReplicas while the trainer's engines wait for room (Ray resource
@@ -805,12 +823,14 @@ def build_children(
     attempt: int = 0,
     restart: int = 0,
     network: NetworkPolicySettings | None = NetworkPolicySettings(),
+    dashboard_auth: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child of a valid PPOJob, in creation order (the RayJob last). ``attempt`` counts
     the RayJobs the operator has made for this PPOJob (a fresh YuniKorn application each);
     ``restart`` is the number of restarts made (the RayJob's ``ppojob.io/attempt``);
     ``network``: the NetworkPolicy's settings, None for none (``--network-policy=off``). The
-    sandbox pods' egress policy (``roles.sandbox``) is the job's own: made whatever ``network``."""
+    sandbox pods' egress policy (``roles.sandbox``) is the job's own: made whatever ``network``.
+    ``dashboard_auth``: KubeRay supports token authentication (:func:`dashboard_auth_of`)."""
     name = job.metadata.name or ""
     scheduler = scheduling.effective_scheduler(job, gang_default)
     owner_refs = [owner_reference(name, uid)] if uid else None
@@ -843,7 +863,15 @@ def build_children(
             else []
         ),
         *gang.objects,
-        ray_job(job, namespace, uid, gang=gang, entrypoint=entrypoint, restart=restart),
+        ray_job(
+            job,
+            namespace,
+            uid,
+            gang=gang,
+            entrypoint=entrypoint,
+            restart=restart,
+            dashboard_auth=dashboard_auth,
+        ),
     ]
 
 

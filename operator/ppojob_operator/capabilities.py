@@ -21,6 +21,7 @@ against that default here (``kueue`` needs ``spec.scheduling.queue``, a LocalQue
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ppojob_api.checks.podsecurity import ENFORCE_LABEL, check_pod_security, required_level
@@ -55,6 +56,46 @@ def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
             return None
         return SIDECAR_MARKER in props
     return None
+
+
+AUTH_MARKER = "authOptions"
+"""A ``RayJob.spec.rayClusterSpec`` property present in KubeRay's CRD from 1.6.0 on: token
+authentication of the Ray dashboard (and Ray's own RPCs). With ``authOptions.mode: token``
+KubeRay makes a Secret per RayCluster holding a random token, puts it (``RAY_AUTH_MODE``,
+``RAY_AUTH_TOKEN``) into every Ray container, the submitter and the ``wait-gcs-ready`` init
+container, and sends it on its own dashboard calls (``ray-operator/controllers/ray`` at v1.6.1:
+``common/pod.go`` ``configureTokenAuth``, ``rayjob_controller.go``
+``configureSubmitterContainer``, ``raycluster_controller.go`` ``reconcileAuthSecret``)."""
+
+AUTH_MIN_RAY = (2, 52)
+"""KubeRay refuses ``authOptions.mode: token`` for a ``rayVersion`` below 2.52.0
+(``utils/validation.go`` at v1.6.1): Ray reads ``RAY_AUTH_MODE`` from that release on."""
+
+
+def dashboard_auth_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
+    """Whether the installed RayJob CRD has ``spec.rayClusterSpec.authOptions`` (KubeRay >=
+    1.6.0; None: no CRD / unreadable)."""
+    if not rayjob_crd:
+        return None
+    for version in (rayjob_crd.get("spec") or {}).get("versions") or []:
+        if version.get("name") != "v1":
+            continue
+        try:
+            spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            cluster = spec["rayClusterSpec"]["properties"]
+        except (KeyError, TypeError):
+            return None
+        return AUTH_MARKER in cluster
+    return None
+
+
+def ray_supports_auth(ray_version: str) -> bool:
+    """Whether a ``rayVersion`` (``2.60.0``) is one KubeRay enables token authentication for
+    (:data:`AUTH_MIN_RAY`); an unparsable one is not."""
+    parts = re.findall(r"\d+", ray_version or "")[:2]
+    if len(parts) < 2:
+        return False
+    return (int(parts[0]), int(parts[1])) >= AUTH_MIN_RAY
 
 
 KUBERAY_DEPLOYMENT = "kuberay-operator"
@@ -191,6 +232,13 @@ def refusal(
         bad_queue = check_kueue_queue(sched.queue) if scheduler == "kueue" else []
         if bad_queue:
             return "InvalidQueue", f"the operator's default gang scheduler is kueue: {bad_queue[0]}"
+        if scheduler != "kueue" and sched.workload_priority_class:
+            return (
+                "NotKueue",
+                f"spec.scheduling.workloadPriorityClass is Kueue's, but the operator's default "
+                f"gang scheduler is {scheduler}: set spec.scheduling.gangScheduler: kueue, or use "
+                "spec.scheduling.priorityClassName",
+            )
         if scheduler == "none" and sched.queue:
             return (
                 "NoGangScheduler",
@@ -208,6 +256,44 @@ def refusal(
             "the trainer. Upgrade KubeRay to 1.5.0 or newer, or set spec.submissionMode: "
             "K8sJobMode",
         )
+    return None
+
+
+MULTIKUEUE_CONTROLLER = "kueue.x-k8s.io/multikueue"
+"""The ``controllerName`` of Kueue's MultiKueue AdmissionCheck (``apis/kueue/v1beta2/
+multikueue_types.go``, ``MultiKueueControllerName``)."""
+
+
+def cluster_queue_checks(cluster_queue: dict[str, Any]) -> list[str]:
+    """The names of a ClusterQueue's AdmissionChecks (``kueue.x-k8s.io/v1beta2``:
+    ``spec.admissionChecksStrategy.admissionChecks[].name``; v1beta1 also had
+    ``spec.admissionChecks``, a list of names)."""
+    spec = cluster_queue.get("spec") or {}
+    rules = (spec.get("admissionChecksStrategy") or {}).get("admissionChecks") or []
+    return [r["name"] for r in rules if r.get("name")] + list(spec.get("admissionChecks") or [])
+
+
+def multikueue_refusal(
+    queue: str, cluster_queue: str, checks: dict[str, dict[str, Any] | None]
+) -> tuple[str, str] | None:
+    """(reason, message) when the job's LocalQueue ``queue`` leads to ClusterQueue
+    ``cluster_queue`` with a MultiKueue AdmissionCheck among ``checks`` (name -> the
+    AdmissionCheck; None: not found). MultiKueue copies the admitted RayJob to a worker cluster
+    and runs it there (Kueue >= 0.10 for RayJob), but the job's other children (the trainer's
+    ConfigMap, ServiceAccount and Role, the PodDisruptionBudget, NetworkPolicy, PodGroup) and
+    its checkpoint claim live in this cluster, and the trainer reports to this API server: the
+    copy could not start, and would be half a job."""
+    for name, check in checks.items():
+        if ((check or {}).get("spec") or {}).get("controllerName") == MULTIKUEUE_CONTROLLER:
+            return (
+                "MultiKueueUnsupported",
+                f"spec.scheduling.queue {queue} leads to ClusterQueue {cluster_queue}, whose "
+                f"admission check {name} is MultiKueue: Kueue would run the RayJob on a worker "
+                "cluster, without the job's ConfigMap, ServiceAccount, Role, checkpoint claim "
+                "and other objects, which stay in this cluster. Use a LocalQueue whose "
+                "ClusterQueue has no MultiKueue admission check (or install ppojob on the "
+                "worker cluster and submit the PPOJob there)",
+            )
     return None
 
 

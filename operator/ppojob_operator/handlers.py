@@ -177,14 +177,29 @@ async def detect_kuberay(state: State) -> None:
     """Whether the installed KubeRay supports SidecarMode (unless the command line said), and
     its batch scheduler (``--kuberay-batch-scheduler=auto``)."""
     await detect_batch_scheduler(state)
-    if state.config.sidecar_supported is not None:
+    cfg = state.config
+    if cfg.sidecar_supported is not None and cfg.dashboard_auth is not None:
         return
     try:
         crd = await k8s.aget(
             "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "rayjobs.ray.io"
         )
     except Exception as exc:  # RBAC or network: do not refuse jobs on a guess
-        log.warning("cannot read the RayJob CRD (%s); SidecarMode support not checked", exc)
+        log.warning(
+            "cannot read the RayJob CRD (%s); SidecarMode and token authentication support "
+            "not checked (no token authentication)",
+            exc,
+        )
+        return
+    if cfg.dashboard_auth is None:
+        cfg.dashboard_auth = bool(capabilities.dashboard_auth_supported(crd))
+        log.info(
+            "Ray token authentication of each job's dashboard and RPCs: %s",
+            "on (KubeRay authOptions)"
+            if cfg.dashboard_auth
+            else "off (the installed KubeRay predates 1.6: no authOptions in the RayJob CRD)",
+        )
+    if cfg.sidecar_supported is not None:
         return
     state.config.sidecar_supported = capabilities.sidecar_supported(crd)
     if state.config.sidecar_supported is False:

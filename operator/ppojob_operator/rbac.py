@@ -88,6 +88,12 @@ OPERATOR_RULES: list[dict] = [
         "verbs": ["get", "list", "patch"],
     },
     {
+        # a kueue job's LocalQueue -> ClusterQueue -> AdmissionChecks: MultiKueue is refused
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["localqueues"],
+        "verbs": ["get"],
+    },
+    {
         "apiGroups": [""],
         "resources": ["pods"],
         "verbs": ["list", "watch"],
@@ -106,6 +112,11 @@ OPERATOR_RULES: list[dict] = [
         "apiGroups": [""],
         "resources": ["namespaces"],
         "verbs": ["get", "list", "watch"],
+    },
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["clusterqueues", "admissionchecks"],
+        "verbs": ["get"],
     },
 ]
 """ClusterRole rules of the operator's ServiceAccount (see the module docstring)."""

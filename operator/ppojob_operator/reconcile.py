@@ -183,6 +183,9 @@ async def admit(state: State, st: JobState, body: dict[str, Any]) -> PPOJob | Ou
     if refused is None and not status.get("rayJobName"):
         ns = body["metadata"].get("namespace") or ""
         refused = capabilities.pod_security_refusal(job, ns, await enforced_pod_security(ns))
+        queue = job.spec.scheduling.queue
+        if refused is None and queue and effective_scheduler(job, cfg.gang_default) == "kueue":
+            refused = await multikueue_refusal(ns, queue)
     if refused is not None and not status.get("rayJobName"):
         return Outcome(note=("Failed", *refused), event=("Warning", refused[0], refused[1]))
     return job
@@ -201,6 +204,36 @@ async def enforced_pod_security(namespace: str) -> str | None:
         return None
     labels = ((ns or {}).get("metadata") or {}).get("labels") or {}
     return labels.get(ENFORCE_LABEL)
+
+
+KUEUE = "kueue.x-k8s.io/v1beta2"
+
+
+async def multikueue_refusal(namespace: str, queue: str) -> tuple[str, str] | None:
+    """Why a kueue job cannot run here when its LocalQueue's ClusterQueue has a MultiKueue
+    admission check (:func:`capabilities.multikueue_refusal`), read for each job not yet
+    started. Anything unreadable (no such LocalQueue yet, RBAC, network) refuses nothing:
+    Kueue itself holds a job whose queue is missing, and spec.scheduling.queueTimeoutSeconds
+    bounds that."""
+    try:
+        lq = await k8s.aget(KUEUE, "LocalQueue", namespace, queue)
+        cq_name = ((lq or {}).get("spec") or {}).get("clusterQueue")
+        cq = await k8s.aget(KUEUE, "ClusterQueue", "", cq_name) if cq_name else None
+        if cq is None:
+            return None
+        checks = {
+            name: await k8s.aget(KUEUE, "AdmissionCheck", "", name)
+            for name in capabilities.cluster_queue_checks(cq)
+        }
+    except Exception as exc:
+        log.warning(
+            "cannot read LocalQueue %s/%s and its ClusterQueue (%s); MultiKueue not checked",
+            namespace,
+            queue,
+            exc,
+        )
+        return None
+    return capabilities.multikueue_refusal(queue, cq_name, checks)
 
 
 async def missing_scheduler_crd(state: State, scheduler: str) -> str | None:
@@ -299,6 +332,7 @@ def desired_children(
         gang_default=config.gang_default,
         entrypoint=config.entrypoint,
         network=config.network_policy,
+        dashboard_auth=bool(config.dashboard_auth),
         attempt=attempt.token,
         restart=restarts.next_attempt(attempt.status),
     )

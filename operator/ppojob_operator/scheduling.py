@@ -95,6 +95,9 @@ supported" (KubeRay v1.5 ``batchscheduler``): no RayJob can start under them."""
 GANG_LABEL = "ray.io/gang-scheduling-enabled"
 VOLCANO_QUEUE_LABEL = "volcano.sh/queue-name"
 PRIORITY_LABEL = "ray.io/priority-class-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+"""Kueue's WorkloadPriorityClass label on a job (``pkg/controller/constants``,
+``WorkloadPriorityClassLabel``): Kueue copies it to the Workload's ``priorityClassRef``."""
 YUNIKORN_APP_LABEL = "yunikorn.apache.org/app-id"
 YUNIKORN_QUEUE_LABEL = "yunikorn.apache.org/queue"
 YUNIKORN_POLICY_ANNOTATION = "yunikorn.apache.org/schedulingPolicyParameters"
@@ -217,7 +220,7 @@ class Kueue(GangScheduler):
 
     name = "kueue"
     owns_suspend = True
-    # Kueue 0.17's RayJob webhook refuses enableInTreeAutoscaling unless its
+    # Kueue's RayJob webhook (0.17 to 0.19) refuses enableInTreeAutoscaling unless its
     # ElasticJobsViaWorkloadSlices gate is on and the job opts in (raycluster/common.go): an
     # elastic rollout group under Kueue keeps the replicas it started with.
     autoscaling = False
@@ -227,6 +230,8 @@ class Kueue(GangScheduler):
         out = super().plan(gang)
         if sched.queue:
             out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
+        if sched.workload_priority_class:
+            out.rayjob_labels[KUEUE_PRIORITY_LABEL] = sched.workload_priority_class
         out.create_suspended = True
         return out
 

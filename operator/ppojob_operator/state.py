@@ -41,6 +41,9 @@ class OperatorConfig:
     """Where KubeRay's operator runs (``--kuberay-namespace``)."""
     sidecar_supported: bool | None = None
     """Whether KubeRay supports SidecarMode; None: read the RayJob CRD at start-up."""
+    dashboard_auth: bool | None = None
+    """Whether each job's Ray cluster gets token authentication (KubeRay's ``authOptions``,
+    KubeRay >= 1.6; for a ``rayVersion`` >= 2.52); None: read the RayJob CRD at start-up."""
     retry_max_s: float = 60.0
     network_policy: NetworkPolicySettings | None = field(default_factory=NetworkPolicySettings)
     """Each job's NetworkPolicy (builders.network_policy); None: none (``--network-policy=off``)."""

@@ -1031,6 +1031,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_scheduling,
+        "a Kueue WorkloadPriorityClass under another gang scheduler",
+        {"scheduling__gangScheduler": "volcano", "scheduling__workloadPriorityClass": "high"},
+        ["spec.scheduling.workloadPriorityClass"],
+    ),
+    (
+        check_scheduling,
         "a queue without a gang scheduler",
         {"scheduling__gangScheduler": "none", "scheduling__queue": "q"},
         ["spec.scheduling.queue"],

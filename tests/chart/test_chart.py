@@ -19,7 +19,7 @@ from tests.helpers.helm import CHART, ROOT, run_helm
 
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
 K8S_VERSION = "1.35"
-CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterqueues", "admissionchecks"}
 BUILTIN_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "apiextensions.k8s.io/v1"}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -27,7 +27,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
     "volcano-debug-extra": {
         "defaultGangScheduler": "volcano",
-        "kuberay": {"batchScheduler": "volcano", "sidecarMode": "supported"},
+        "kuberay": {"batchScheduler": "volcano", "sidecarMode": "supported", "rayAuth": "off"},
         "logLevel": "DEBUG",
         "extraArgs": ["--trainer-entrypoint=ppojob-train"],
         "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
@@ -196,6 +196,7 @@ def test_kuberays_batch_scheduler_is_read_at_run_time_in_its_namespace_only(rend
         "image.pullPolicy=Sometimes",
         "kuberay.batchScheduler=slurm",
         "kuberay.sidecarMode=maybe",
+        "kuberay.rayAuth=basic",
     ],
 )
 def test_values_schema_rejects(helm: Path, bad: str) -> None:
@@ -272,11 +273,14 @@ def test_namespaced_rbac_splits_operator_rules(render) -> None:
     cluster_rules = [r for r in OPERATOR_RULES if _is_cluster_scoped(r)]
     (cluster_role,) = _operator_rbac(objs, "ClusterRole")
     # namespaced mode: only kopf's reads of CRDs and namespaces cluster-wide (kopf lists and
-    # watches namespaces whenever it is not cluster-wide: kopf/_core/reactor/observation.py)
+    # watches namespaces whenever it is not cluster-wide: kopf/_core/reactor/observation.py),
+    # and gets of Kueue's cluster-scoped queues and admission checks (the MultiKueue refusal)
     assert cluster_role["rules"] == cluster_rules
     assert {res for r in cluster_role["rules"] for res in r["resources"]} == {
         "customresourcedefinitions",
         "namespaces",
+        "clusterqueues",
+        "admissionchecks",
     }
     assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
     roles = _operator_rbac(objs, "Role")
@@ -402,6 +406,8 @@ def test_args_are_accepted_by_the_operator_cli(render, name: str) -> None:
     assert parsed.kuberay_sidecar_mode == kuberay.get("sidecarMode", "auto")
     sidecar = {"auto": None, "supported": True, "unsupported": False}
     assert config.sidecar_supported is sidecar[kuberay.get("sidecarMode", "auto")]
+    auth = {"auto": None, "token": True, "off": False}
+    assert config.dashboard_auth is auth[kuberay.get("rayAuth", "auto")]
     assert config.gang_default == parsed.gang_scheduler
     assert parsed.log_level == VALUE_SETS[name].get("logLevel", "INFO")
     # the NetworkPolicy settings the operator gets are the values as written

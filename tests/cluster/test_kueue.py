@@ -1,4 +1,4 @@
-"""``gangScheduler: kueue`` on the real Kueue (v0.17, RayJob integration, its real webhooks), the
+"""``gangScheduler: kueue`` on the real Kueue (v0.19, RayJob integration, its real webhooks), the
 real KubeRay and our operator with the chart's RBAC.
 
 Each test makes its own ClusterQueue (quota for cpu, memory and ``nvidia.com/gpu`` in one
@@ -143,12 +143,14 @@ def test_kueue_admits_the_whole_job_and_queues_what_does_not_fit(cp, operator, k
     made = wait_until(lambda: all_running(cp, "first", ns), 90, "the first job's pods Running")
     gpus = [p["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for p in made]
     assert sorted(g for g in gpus if g) == ["1"] * 4
-    # SidecarMode: KubeRay adds the submitter to the head pod, outside Kueue's head podset (so
-    # Kueue counts 500m CPU and 200Mi less than the pod asks for; docs/gang-scheduling.md)
+    # SidecarMode: KubeRay adds the submitter to the head pod; Kueue (>= 0.19) counts it in the
+    # head podset with KubeRay's default resources, so the quota covers the whole head pod
     head_ps = next(p for p in wl["spec"]["podSets"] if p["name"] == "head")
     head_pod = next(p for p in made if p["metadata"]["labels"].get("ray.io/node-type") == "head")
-    assert [c["name"] for c in head_ps["template"]["spec"]["containers"]] == ["ray-head"]
-    assert "ray-job-submitter" in [c["name"] for c in head_pod["spec"]["containers"]]
+    counted = {c["name"]: c for c in head_ps["template"]["spec"]["containers"]}
+    sidecar = {c["name"]: c for c in head_pod["spec"]["containers"]}["ray-job-submitter"]
+    assert list(counted) == ["ray-head", "ray-job-submitter"], list(counted)
+    assert counted["ray-job-submitter"]["resources"]["requests"] == sidecar["resources"]["requests"]
     wait_until(
         lambda: phase(cp, "first", ns) in ("Initializing", "Running"),
         60,
@@ -396,3 +398,70 @@ def test_an_unusable_image_fails_the_job_and_leaves_no_pod_holding_its_gpus(
     wait_until(lambda: cp.get("rayjob.ray.io", "img", ns) is None, 60, "the RayJob gone")
     assert (status(cp, "img", ns).get("phase"), admitted_workloads()) == ("Failed", [])
     assert not job_pods(cp, "img", ns)
+
+
+def test_a_queue_whose_clusterqueue_uses_multikueue_is_refused_before_any_child(
+    cp, operator, kueue, ns
+):
+    """A LocalQueue whose ClusterQueue carries a MultiKueue admission check (Kueue would run the
+    RayJob on a worker cluster, without the job's other objects): the job fails at once with
+    reason MultiKueueUnsupported, naming the queue, the ClusterQueue and the check, and nothing
+    is made for it. The same job on a plain queue of the same namespace gets its RayJob."""
+    check, cq = f"mk-{ns}", f"cq-mk-{ns}"
+    cp.apply(
+        [
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "AdmissionCheck",
+                "metadata": {"name": check},
+                "spec": {"controllerName": "kueue.x-k8s.io/multikueue"},
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ClusterQueue",
+                "metadata": {"name": cq},
+                "spec": {
+                    "namespaceSelector": {},
+                    "admissionChecksStrategy": {"admissionChecks": [{"name": check}]},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": ["cpu"],
+                            "flavors": [
+                                {
+                                    "name": FLAVOR,
+                                    "resources": [{"name": "cpu", "nominalQuota": "1"}],
+                                }
+                            ],
+                        }
+                    ],
+                },
+            },
+            {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR}},
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "LocalQueue",
+                "metadata": {"name": "mk", "namespace": ns},
+                "spec": {"clusterQueue": cq},
+            },
+        ]
+    )
+    make_queue(cp, ns, gpus=4)  # "lq": no admission check
+    try:
+        cp.apply(gpu_job("far", ns, scheduler="kueue", queue="mk", gpus=1))
+        cp.apply(job("near", ns))
+        st = wait_until(
+            lambda: (s := status(cp, "far", ns)).get("phase") == "Failed" and s,
+            60,
+            "the MultiKueue job refused",
+        )
+        failed = condition(st, "Failed")
+        assert failed.get("reason") == "MultiKueueUnsupported", st
+        for named in ("spec.scheduling.queue mk", cq, check):
+            assert named in failed["message"], failed["message"]
+        wait_children(cp, "near", ns)  # the plain queue's job is made (so the operator has run)
+        assert cp.get("rayjob.ray.io", "far", ns) is None
+        assert cp.get("configmap", namespace=ns, selector="ppojob.io/job=far")["items"] == []
+    finally:
+        cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", cq, "--wait=false", check=False)
+        cp.kubectl("delete", "admissioncheck", check, "--wait=false", check=False)

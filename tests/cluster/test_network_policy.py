@@ -4,9 +4,10 @@ The test control plane has no CNI, so nothing enforces NetworkPolicy here; what 
 the policy the API server stores, evaluated (NetworkPolicy's peer semantics, Kubernetes' label
 selectors) against the real namespace and pod objects read back from the same API server: the
 namespace labels the API server sets itself included. A tenant's pod labelled like KubeRay's
-operator, in a namespace of the tenant's, must not reach the job's dashboard port (Ray's
-unauthenticated job API); KubeRay's operator pod in KubeRay's namespace and the job's own pods
-must.
+operator, in a namespace of the tenant's, must not reach the job's dashboard port (Ray's job
+API: code execution in the head pod); KubeRay's operator pod in KubeRay's namespace and the
+job's own pods must. Those that reach it still need the Ray cluster's token (KubeRay >= 1.6:
+``authOptions``; tests/realnode checks a real request without it is refused).
 """
 
 from __future__ import annotations
@@ -147,6 +148,20 @@ def test_a_pod_labelled_like_kuberay_in_a_tenants_namespace_does_not_reach_the_d
         # nothing else anywhere: only the job's pods and KubeRay's operator
         want = {(ns, p["metadata"]["name"]) for p in job_pods} | {(KUBERAY_NAMESPACE, kuberay_pod)}
         assert admitted == want
+        # and those that reach it still need the token (KubeRay >= 1.6, authOptions): every
+        # Ray container of the job reads it from the Secret KubeRay made in the job's namespace
+        rayjob = cp.get("rayjob.ray.io", "np", ns)
+        assert rayjob["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+        secrets = set()
+        for p in job_pods:
+            ray = p["spec"]["containers"][0]
+            env = {e["name"]: e for e in ray.get("env") or []}
+            assert env["RAY_AUTH_MODE"]["value"] == "token", (p["metadata"]["name"], env)
+            ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+            secrets.add((ref["name"], ref["key"]))
+        ((secret, key),) = secrets
+        token = cp.get("secret", secret, ns)["data"][key]
+        assert len(token) >= 32, "an empty or short token"
     finally:
         cp.kubectl(
             "delete", "pod", kuberay_pod, "-n", KUBERAY_NAMESPACE, "--wait=false", check=False

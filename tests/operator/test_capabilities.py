@@ -63,6 +63,12 @@ def job(**spec):
         ({"scheduling": {"queue": "Team_A"}}, {"gang_default": "kueue"}, "InvalidQueue"),
         ({"scheduling": {"queue": "team-a"}}, {"gang_default": "kueue"}, None),
         ({"scheduling": {"queue": "q"}}, {}, "NoGangScheduler"),
+        ({"scheduling": {"workloadPriorityClass": "high"}}, {}, "NotKueue"),
+        (
+            {"scheduling": {"queue": "q", "workloadPriorityClass": "high"}},
+            {"gang_default": "kueue"},
+            None,
+        ),
         (
             {"scheduling": {"queue": "q"}},
             {"gang_default": "volcano", "kuberay_batch_scheduler": ""},
@@ -145,3 +151,18 @@ def test_kuberays_batch_scheduler_is_read_from_its_deployment_as_kuberay_reads_i
     two = [_kuberay("a", ["--batch-scheduler=volcano"]), _kuberay("b", ["--batch-scheduler=x"])]
     assert of(two, {}) is None
     assert of([two[0], _kuberay("b", ["--batch-scheduler=volcano"])], {}) == "volcano"
+
+
+def test_token_auth_support_is_read_from_the_rayjob_crd() -> None:
+    """KubeRay 1.6 added ``spec.rayClusterSpec.authOptions`` to the RayJob CRD."""
+    assert capabilities.dashboard_auth_supported(RAYJOB_CRD) is True
+    older = copy.deepcopy(RAYJOB_CRD)
+    for v in older["spec"]["versions"]:
+        if v["name"] != "v1":
+            continue
+        spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        del spec["rayClusterSpec"]["properties"]["authOptions"]
+    assert capabilities.dashboard_auth_supported(older) is False
+    assert capabilities.dashboard_auth_supported(None) is None
+    assert capabilities.ray_supports_auth("2.52.0") and capabilities.ray_supports_auth("3.0")
+    assert not capabilities.ray_supports_auth("2.51.9") and not capabilities.ray_supports_auth("")

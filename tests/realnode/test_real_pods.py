@@ -264,6 +264,21 @@ print(json.dumps(out))
 """
 
 
+DASHBOARD_PROBE = r"""
+import json, os, sys, urllib.request
+url = f"http://{sys.argv[1]}:8265/api/jobs/"
+out = {}
+for label, token in [("none", None), ("wrong", "x" * 32), ("own", os.environ["RAY_AUTH_TOKEN"])]:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            out[label] = r.status
+    except urllib.error.HTTPError as e:
+        out[label] = e.code
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module")
 def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
     """One tiny job run to the end, observed on the way: its table rows, a token probe from
@@ -285,6 +300,11 @@ def trained(real_cluster: RealCluster) -> Iterator[dict[str, Any]]:
         argv = ["python", "-c", TOKEN_PROBE, name, "other"]
         out = cluster.kubectl("exec", "-n", ns, head_name, "-c", "ray-head", "--", *argv)
         seen["token"] = json.loads(out.strip().splitlines()[-1])
+        # the head's dashboard (job API), from another pod of the job, over the pod network
+        argv = ["python", "-c", DASHBOARD_PROBE, head["status"]["podIP"]]
+        worker_name = worker["metadata"]["name"]
+        out = cluster.kubectl("exec", "-n", ns, worker_name, "-c", "ray-worker", "--", *argv)
+        seen["dashboard"] = json.loads(out.strip().splitlines()[-1])
         seen["network"] = cluster.node.network_report(ns, head_name)
         seen["worker network"] = cluster.node.network_report(ns, worker["metadata"]["name"])
         seen["logs"] = cluster.kubectl("logs", "-n", ns, head_name, "-c", "ray-head")
@@ -395,6 +415,13 @@ def test_the_jobs_token_patches_only_its_own_jobs_status(trained: dict[str, Any]
         "own spec": 403,
         "secrets": 403,
     }
+
+
+def test_the_dashboards_job_api_answers_only_the_clusters_token(trained: dict[str, Any]) -> None:
+    """KubeRay >= 1.6 with ``authOptions.mode: token`` (the operator's default there): a real
+    request to the head's job API from another pod is refused without the token (401) and
+    with a wrong one (403); the token KubeRay gave the job's containers is accepted."""
+    assert trained["dashboard"] == {"none": 401, "wrong": 403, "own": 200}, trained["dashboard"]
 
 
 def test_the_images_ray_is_the_spec_default(trained: dict[str, Any]) -> None:

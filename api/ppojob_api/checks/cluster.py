@@ -23,6 +23,16 @@ def check_scheduling(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
         if not sched.queue:
             p.append(Problem(f"{path}.queue", "kueue needs a LocalQueue name", f"set {path}.queue"))
         p += check_kueue_queue(sched.queue)
+    if sched.workload_priority_class:
+        p += check_label_value(sched.workload_priority_class, f"{path}.workloadPriorityClass")
+        if sched.gang_scheduler not in (None, "kueue"):
+            p.append(
+                Problem(
+                    f"{path}.workloadPriorityClass",
+                    f"is Kueue's, and the gang scheduler is {sched.gang_scheduler}",
+                    f"use {path}.priorityClassName (the pods' PriorityClass) instead",
+                )
+            )
     if sched.gang_scheduler == "none" and sched.queue:
         p.append(
             Problem(

@@ -401,6 +401,13 @@ def check_pod_fields(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             k8s_rules.dns1123_subdomain(sched.priority_class_name),
             "use the PriorityClass's name (kubectl get priorityclasses)",
         )
+    if sched.workload_priority_class:
+        p += _one(
+            f"{prefix}.scheduling.workloadPriorityClass",
+            sched.workload_priority_class,
+            k8s_rules.dns1123_subdomain(sched.workload_priority_class),
+            "use the WorkloadPriorityClass's name (kubectl get workloadpriorityclasses)",
+        )
     if sched.queue and sched.gang_scheduler == "volcano":
         p += _one(
             f"{prefix}.scheduling.queue",

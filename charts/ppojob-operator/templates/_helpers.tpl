@@ -89,6 +89,9 @@ rules:
   - apiGroups: ["kueue.x-k8s.io"]
     resources: ["workloads"]
     verbs: ["get", "list", "patch"]
+  - apiGroups: ["kueue.x-k8s.io"]
+    resources: ["localqueues"]
+    verbs: ["get"]
   - apiGroups: [""]
     resources: ["pods"]
     verbs: ["list", "watch"]
@@ -101,11 +104,14 @@ rules:
   - apiGroups: [""]
     resources: ["namespaces"]
     verbs: ["get", "list", "watch"]
+  - apiGroups: ["kueue.x-k8s.io"]
+    resources: ["clusterqueues", "admissionchecks"]
+    verbs: ["get"]
 {{- end }}
 
 {{/* Resources that are cluster-scoped (never granted by a namespaced Role). */}}
 {{- define "ppojob-operator.clusterScopedResources" -}}
-customresourcedefinitions namespaces
+customresourcedefinitions namespaces clusterqueues admissionchecks
 {{- end }}
 
 {{/*
