@@ -19,7 +19,6 @@ phase pays the imports again.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import sys
@@ -163,38 +162,18 @@ def _worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _preload() -> None:
-    """Import what every phase's processes import (megatron-core's modules the backend loads
-    lazily included) before forking them; nothing here starts a thread or a process group."""
-    import megatron_cases  # noqa: F401
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: F401
-    from megatron.core.dist_checkpointing import optimizer, serialization  # noqa: F401
-    from megatron.core.dist_checkpointing.strategies import fully_parallel  # noqa: F401
-    from megatron.core.distributed import DistributedDataParallel  # noqa: F401
-    from megatron.core.models.gpt import GPTModel, gpt_layer_specs  # noqa: F401
-    from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
-
-    import ppojob_trainer.backends.megatron_backend  # noqa: F401
-
-
 def main() -> None:
-    import torch.multiprocessing as mp
+    from megatron_cases import start
 
     from ppojob_trainer.distributed import free_port
 
     model_dir, root, phases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    warnings.filterwarnings("ignore")
-    _preload()
     for phase in phases:
         name, world, tp, pp, load_from, save_to = phase.split(",")
         work = root / name
         work.mkdir(parents=True, exist_ok=True)
         argv = [tp, pp, model_dir, str(work), load_from, save_to]
-        mp.start_processes(
-            _worker, args=(int(world), free_port(), argv), nprocs=int(world), start_method="fork"
-        )
+        start(_worker, (int(world), free_port(), argv), int(world))
 
 
 if __name__ == "__main__":
