@@ -28,6 +28,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -302,14 +303,49 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
     dist.destroy_process_group()
 
 
-def main() -> None:
+def preload() -> None:
+    """Import what the workers of these scripts import (the megatron-core modules the backend
+    loads lazily, the torch backend, transformers' Llama and Qwen2) once, in the parent: its
+    forked workers (:func:`start`) then share them instead of each paying the imports. Nothing
+    here starts a thread or joins a process group."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.dist_checkpointing.optimizer
+        import megatron.core.dist_checkpointing.serialization
+        import megatron.core.dist_checkpointing.strategies.fully_parallel
+        import megatron.core.distributed
+        import megatron.core.models.gpt.gpt_layer_specs
+        import megatron.core.optimizer
+        import megatron.core.pipeline_parallel
+        import megatron.core.tensor_parallel  # noqa: F401
+        import transformers.models.llama.modeling_llama
+        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+        import ppojob_trainer.backends.megatron_backend
+        import ppojob_trainer.backends.megatron_logprobs
+        import ppojob_trainer.backends.torch_backend.policy
+        import ppojob_trainer.backends.torch_backend.value
+        import ppojob_trainer.models  # noqa: F401
+
+
+def start(worker: Any, args: tuple, nprocs: int) -> None:  # type: ignore[type-arg]
+    """``torch.multiprocessing.spawn``'s ``worker(rank, *args)`` in ``nprocs`` processes, forked
+    from this (undistributed, single-threaded) process after :func:`preload`: each is fresh
+    (no megatron-core state of another run) but pays no imports of its own."""
     import torch.multiprocessing as mp
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    preload()
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="fork")
+
+
+def main() -> None:
     from ppojob_trainer.distributed import free_port
 
     out_path, model_dirs = sys.argv[1], sys.argv[2:]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, free_port(), model_dirs, out_path), nprocs=2)
+    start(_worker, (2, free_port(), model_dirs, out_path), 2)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,24 @@
-"""One phase of the sharded megatron checkpoint test (issue 40, finding 4), run as a script:
+"""The phases of the sharded megatron checkpoint test (issue 40, finding 4), run as a script:
 
-``python megatron_ckpt_cases.py WORLD TP PP MODEL_DIR WORKDIR LOAD_FROM SAVE_TO``
+``python megatron_ckpt_cases.py MODEL_DIR ROOT NAME,WORLD,TP,PP,LOAD_FROM,SAVE_TO [...]``
 
-starts WORLD processes in one gloo world (tensor TP x pipeline PP x data WORLD / (TP x PP)),
+runs the phases one after the other; each (in ROOT/NAME as its WORKDIR) starts WORLD processes
+in one gloo world (tensor TP x pipeline PP x data WORLD / (TP x PP)),
 builds a megatron actor and critic from MODEL_DIR and, when LOAD_FROM is not ``-``, loads that
 checkpoint and compares the gathered, HF-named state (``_Sharded.state_dict``: weights, both Adam
 moments, Adam's step, the update count; layout-independent) bit for bit with the one the saving
 phase recorded beside it (``oracle.pt``). Then one actor and one critic update, and a save to
 SAVE_TO (not ``-``) measuring what each rank writes and every object collective's pickled size
 during the save; the phase records its own gathered state as SAVE_TO/../<name>.oracle.pt.
-Rank 0 writes WORKDIR/result.json. A fresh process per phase keeps megatron-core's
-process-global state apart.
+Rank 0 writes WORKDIR/result.json. Fresh processes per phase keep megatron-core's
+process-global state apart: this script imports torch, megatron-core and the backend once and
+forks each phase's processes from that (still undistributed, single-threaded) parent, so no
+phase pays the imports again.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import sys
@@ -161,13 +163,17 @@ def _worker(rank: int, world: int, port: int, argv: list[str]) -> None:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
+    from megatron_cases import start
 
     from ppojob_trainer.distributed import free_port
 
-    world, argv = int(sys.argv[1]), sys.argv[2:]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(world, free_port(), argv), nprocs=world)
+    model_dir, root, phases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    for phase in phases:
+        name, world, tp, pp, load_from, save_to = phase.split(",")
+        work = root / name
+        work.mkdir(parents=True, exist_ok=True)
+        argv = [tp, pp, model_dir, str(work), load_from, save_to]
+        start(_worker, (int(world), free_port(), argv), int(world))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The megatron backend's GPU optimizer path, as far as megatron-core runs it on a CPU.
 
-Run as ``python megatron_gpu_path.py STORE_FILE RANK OUT.json`` by two processes (one gloo
+Run as ``python megatron_gpu_path.py STORE_FILE RANK OUT.json`` by two processes, or once with
+RANK ``both`` (forking the two from one process that imported megatron-core; one gloo
 world over a ``FileStore``: no listener), each a data-parallel rank of a tiny GPTModel. Written
 for ``tests/trainer/backends/test_megatron_gpu_path.py``; a separate process keeps
 megatron-core's process-global state out of pytest's.
@@ -33,6 +34,7 @@ import json
 import sys
 import traceback
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -185,8 +187,7 @@ def resume(shape, initial: dict, rank: int, full: dict) -> dict:  # type: ignore
     }
 
 
-def main() -> None:
-    store_file, rank, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def run(rank: int, store_file: str, out_path: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2)
@@ -279,6 +280,19 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(out, f)
     dist.barrier()
+
+
+def main() -> None:
+    """``RANK`` ``both``: this process imports megatron-core and the backend once and forks the
+    two ranks (fresh processes, no import of their own); a number: this process is that rank."""
+    store_file, rank, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    if rank != "both":
+        run(int(rank), store_file, out_path)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from megatron_cases import start
+
+    start(run, (store_file, out_path), 2)
 
 
 if __name__ == "__main__":

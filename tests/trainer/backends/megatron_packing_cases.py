@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -156,13 +155,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> 
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
+    from megatron_cases import start
 
     from ppojob_trainer.distributed import free_port
 
     out_path, model_dir = sys.argv[1], sys.argv[2]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, free_port(), model_dir, out_path), nprocs=2)
+    start(_worker, (2, free_port(), model_dir, out_path), 2)
 
 
 if __name__ == "__main__":

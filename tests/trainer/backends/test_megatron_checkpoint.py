@@ -1,7 +1,8 @@
 """Sharded megatron checkpoints (issue 40, finding 4): every worker writes only its shard through
 megatron-core's ``dist_checkpointing`` (``torch_dist`` on gloo), and a checkpoint resumes under
 another data-parallel size (and tensor split) with bit-identical weights, Adam moments, Adam's
-step and update count. Four phases, each a fresh gloo world (``megatron_ckpt_cases.py``):
+step and update count. Four phases, each a fresh gloo world forked from one script process that
+imported megatron-core once (``megatron_ckpt_cases.py``):
 
     data 2 --save--> A --load at data 1, step, save--> B --load at data 2, step, save--> C
     --load at tensor 2 (data 1)
@@ -28,15 +29,19 @@ SCRIPT = Path(__file__).with_name("megatron_ckpt_cases.py")
 OVERHEAD = 64 * 2**10  # bytes a rank may write beyond its share (common.pt, .metadata, headers)
 
 
-def _phase(tmp: Path, name: str, world: int, tp: int, model: Path, load: str, save: str) -> dict:
-    work = tmp / name
-    work.mkdir()
+def _phases(tmp: Path, model: Path, phases: list[tuple[str, int, int, str, str]]) -> dict:
+    """Run ``phases`` (name, world, tensor, load from, save to) one after the other in one
+    script process, which forks each phase's fresh gloo world (see ``megatron_ckpt_cases.py``)."""
     ours = [str(Path(m.__file__).parents[1]) for m in (ppojob_api, ppojob_trainer)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(ours), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), str(world), str(tp), "1", str(model), str(work), load, save]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    specs = [
+        ",".join(map(str, (name, world, tp, 1, load, save)))
+        for name, world, tp, load, save in phases
+    ]
+    cmd = [sys.executable, str(SCRIPT), str(model), str(tmp), *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((work / "result.json").read_text())
+    return {name: json.loads((tmp / name / "result.json").read_text()) for name, *_ in phases}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +50,16 @@ def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("megatron_ckpt")
     model = models.materialize_builtin("tiny-llama", 5, tmp / "cache")
     ck = {k: str(tmp / f"ckpt-{k}") for k in "ABC"}
-    return {
-        "dp2": _phase(tmp, "dp2", 2, 1, model, "-", ck["A"]),
-        "dp1": _phase(tmp, "dp1", 1, 1, model, ck["A"], ck["B"]),
-        "dp2_again": _phase(tmp, "dp2_again", 2, 1, model, ck["B"], ck["C"]),
-        "tp2": _phase(tmp, "tp2", 2, 2, model, ck["C"], "-"),
-    }
+    return _phases(
+        tmp,
+        model,
+        [
+            ("dp2", 2, 1, "-", ck["A"]),
+            ("dp1", 1, 1, ck["A"], ck["B"]),
+            ("dp2_again", 2, 1, ck["B"], ck["C"]),
+            ("tp2", 2, 2, ck["C"], "-"),
+        ],
+    )
 
 
 def test_each_rank_writes_its_share_and_no_object_collective_carries_state(phases) -> None:  # type: ignore[no-untyped-def]

@@ -30,18 +30,11 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "OMP_NUM_THREADS": "1",
     }
     out = tmp / "out.json"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp / "store"), str(rank), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    cmd = [sys.executable, str(SCRIPT), str(tmp / "store"), "both", str(out)]
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return json.loads(out.read_text())
 
 
