@@ -558,8 +558,8 @@ def progress_step(job: dict[str, Any]) -> int:
 
 # A step of the tiny job takes about 0.15 s in these pods and the trainer reports its progress
 # every 5 s: the disruption, sent once the first report is seen, must land well before the end.
-DISRUPTION_STEPS = 200
-SUSPEND_STEPS = 300  # a suspension goes through KubeRay (a few seconds more)
+DISRUPTION_STEPS = 80  # ~0.25 s a step here; each disruption came within 5 steps of its cue
+SUSPEND_STEPS = 80  # a suspension goes through KubeRay (a few seconds more); it came at step 3
 
 
 # One job, two disruptions in turn (one job start instead of two: pods take about a minute to
