@@ -465,3 +465,31 @@ def test_a_queue_whose_clusterqueue_uses_multikueue_is_refused_before_any_child(
         cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
         cp.kubectl("delete", "clusterqueue", cq, "--wait=false", check=False)
         cp.kubectl("delete", "admissioncheck", check, "--wait=false", check=False)
+
+
+def test_a_workload_priority_class_is_the_workloads_priority(cp, operator, kueue, ns):
+    """``spec.scheduling.workloadPriorityClass``: Kueue gives the job's Workload that
+    WorkloadPriorityClass and its value (the pods keep no PriorityClass of their own)."""
+    make_queue(cp, ns, gpus=4)
+    wpc = f"{ns}-urgent"
+    cp.apply(
+        [
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "WorkloadPriorityClass",
+                "metadata": {"name": wpc},
+                "value": 5000,
+            }
+        ]
+    )
+    try:
+        doc = job("urgent", ns)
+        doc["spec"]["scheduling"]["workloadPriorityClass"] = wpc
+        cp.apply(doc)
+        wl = wait_until(lambda: workload(cp, "urgent", ns), 60, "the job's Workload")
+        assert wl["spec"]["priority"] == 5000, wl["spec"]
+        ref = wl["spec"]["priorityClassRef"]
+        assert (ref["kind"], ref["name"]) == ("WorkloadPriorityClass", wpc), ref
+    finally:
+        cp.kubectl("delete", PPOJOB, "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "workloadpriorityclass", wpc, "--wait=false", check=False)
