@@ -34,17 +34,18 @@ PHASES = ("Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspende
 class Scheduling(ApiModel):
     """Gang scheduling: all pods of the job (head and every worker) start together or not at all."""
 
-    gang_scheduler: Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "none"] | None = (
-        None
-    )
+    gang_scheduler: (
+        Literal["volcano", "yunikorn", "kueue", "scheduler-plugins", "kai", "none"] | None
+    ) = None
     """Which gang scheduler admits the job. Unset: the operator's default (its
     `--gang-scheduler` flag, chart value `defaultGangScheduler`; `none` when that is unset).
     KubeRay must be configured for it (see the gang-scheduling guide); `none` relies on the
     default scheduler (no all-or-nothing guarantee)."""
 
     queue: str | None = Field(None, min_length=1)
-    """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue). Required
-    for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g. `team-a`)."""
+    """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue, KAI Queue).
+    Required for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g.
+    `team-a`), and for kai (KAI leaves a pod without a queue pending)."""
 
     priority_class_name: str | None = Field(None, min_length=1)
     """PriorityClass of the job's pods (with every gang scheduler, `none` included). Under

@@ -33,10 +33,12 @@ SCHEDULER_CRDS = {
     "kueue": "workloads.kueue.x-k8s.io",
     "scheduler-plugins": "podgroups.scheduling.x-k8s.io",
     "volcano": "podgroups.scheduling.volcano.sh",
+    "kai": "queues.scheduling.run.ai",
 }
 """The CRD each gang scheduler's objects need: Kueue's Workloads (Kueue makes one per RayJob and
 admits it), scheduler-plugins' PodGroups (the operator makes them), Volcano's PodGroups (KubeRay
-makes them). Without it nothing would ever admit or place the job: it would wait forever.
+makes them), KAI's Queues (the job's pods name one). Without it nothing would ever admit or
+place the job: it would wait forever.
 YuniKorn has no CRD (its pods wait; ``spec.scheduling.queueTimeoutSeconds`` bounds that)."""
 
 SIDECAR_MARKER = "deletionStrategy"

@@ -61,11 +61,13 @@ explicit ``none`` stays ``none``.
 KubeRay's ``batchScheduler`` is one setting per KubeRay installation, applied to every RayJob it
 reconciles (KubeRay v1.5 ``batchscheduler/schedulermanager.go``: one scheduler for the operator;
 ``volcano`` makes a PodGroup for every RayJob and sets ``schedulerName: volcano`` on every pod;
-``scheduler-plugins`` and ``kai-scheduler`` answer every RayJob with "currently only RayCluster is
-supported", so no RayJob ever starts). The operator is told that setting
-(``--kuberay-batch-scheduler``,
-chart value ``kuberay.batchScheduler``) and :func:`kuberay_disagreement` refuses a job whose gang
-scheduler cannot work with it:
+``scheduler-plugins`` answers every RayJob with "currently only RayCluster is supported", so no
+RayJob ever starts; ``kai-scheduler`` did the same up to v1.5 and from v1.6 sets
+``schedulerName: kai-scheduler`` and the RayJob's ``kai.scheduler/queue`` label on every pod,
+refusing K8sJobMode, whose submitter pod comes after the cluster and so outside the gang).
+The operator is told that setting (``--kuberay-batch-scheduler``, chart value
+``kuberay.batchScheduler``) and :func:`kuberay_disagreement` refuses a job whose gang scheduler
+cannot work with it:
 
 ====================  ==========================================================
 KubeRay batchScheduler  jobs that work (gangScheduler)
@@ -74,7 +76,7 @@ unset                 kueue, scheduler-plugins, none
 volcano               volcano
 yunikorn              yunikorn
 scheduler-plugins     none (KubeRay fails every RayJob)
-kai-scheduler         none (KubeRay fails every RayJob)
+kai-scheduler         kai (KubeRay >= 1.6, SidecarMode; 1.5 fails every RayJob)
 ====================  ==========================================================
 """
 
@@ -88,12 +90,16 @@ from ppojob_api.spec import PPOJob
 
 KUBERAY_BATCH_SCHEDULERS = ("", "volcano", "yunikorn", "scheduler-plugins", "kai-scheduler")
 """Values of KubeRay's ``batchScheduler.name`` ("" = unset) the operator can be told."""
-KUBERAY_RAYCLUSTER_ONLY = ("scheduler-plugins", "kai-scheduler")
+KUBERAY_RAYCLUSTER_ONLY = ("scheduler-plugins",)
 """KubeRay batchSchedulers that answer every RayJob with "currently only RayCluster is
-supported" (KubeRay v1.5 ``batchscheduler``): no RayJob can start under them."""
+supported" (KubeRay v1.5 and v1.6 ``batchscheduler``): no RayJob can start under them.
+(``kai-scheduler`` did too up to v1.5.)"""
 
 GANG_LABEL = "ray.io/gang-scheduling-enabled"
 VOLCANO_QUEUE_LABEL = "volcano.sh/queue-name"
+KAI_QUEUE_LABEL = "kai.scheduler/queue"
+"""The KAI Queue of a RayJob; KubeRay (v1.6 ``batchscheduler/kai-scheduler``) copies it onto
+every pod, and leaves a pod without it pending."""
 PRIORITY_LABEL = "ray.io/priority-class-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 """Kueue's WorkloadPriorityClass label on a job (``pkg/controller/constants``,
@@ -260,6 +266,22 @@ class SchedulerPlugins(GangScheduler):
         return out
 
 
+class Kai(GangScheduler):
+    """KubeRay (>= 1.6, ``--batch-scheduler=kai-scheduler``) sends every pod to KAI with the
+    RayJob's queue label; KAI's pod grouper makes one PodGroup from the pods' common owner, so
+    the head and every worker group are admitted together (SidecarMode: the submitter is a
+    container of the head pod, inside the gang)."""
+
+    name = "kai"
+    kuberay_batch_scheduler = "kai-scheduler"
+
+    def plan(self, gang: GangJob) -> GangPlan:
+        out = super().plan(gang)
+        if gang.job.spec.scheduling.queue:
+            out.rayjob_labels[KAI_QUEUE_LABEL] = gang.job.spec.scheduling.queue
+        return out
+
+
 class NoGang(GangScheduler):
     """The default scheduler, pod by pod: nothing to add."""
 
@@ -267,7 +289,7 @@ class NoGang(GangScheduler):
 
 
 STRATEGIES: dict[str, GangScheduler] = {
-    s.name: s for s in (Volcano(), YuniKorn(), Kueue(), SchedulerPlugins(), NoGang())
+    s.name: s for s in (Volcano(), YuniKorn(), Kueue(), SchedulerPlugins(), Kai(), NoGang())
 }
 """Every gang scheduler by its ``gangScheduler`` value."""
 GANG_SCHEDULERS = tuple(STRATEGIES)

@@ -1031,6 +1031,12 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_scheduling,
+        "kai without a queue, in K8sJobMode",
+        {"scheduling__gangScheduler": "kai", "submissionMode": "K8sJobMode"},
+        ["spec.scheduling.queue", "spec.submissionMode"],
+    ),
+    (
+        check_scheduling,
         "a Kueue WorkloadPriorityClass under another gang scheduler",
         {"scheduling__gangScheduler": "volcano", "scheduling__workloadPriorityClass": "high"},
         ["spec.scheduling.workloadPriorityClass"],

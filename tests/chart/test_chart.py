@@ -214,6 +214,12 @@ def test_default_gang_scheduler_must_agree_with_kuberay(helm: Path) -> None:
     # the value, where it came from (here the chart value, not a detection) and the fix
     assert 'but it is "none" (set in kuberay.batchScheduler)' in out.stderr, out.stderr
     assert "start KubeRay with --batch-scheduler=volcano" in out.stderr, out.stderr
+    # kai is KubeRay's kai-scheduler: agreeing renders, another batchScheduler does not
+    kai = ["--set", "defaultGangScheduler=kai", "--set", "kuberay.batchScheduler=kai-scheduler"]
+    assert run_helm(helm, "template", "x", str(CHART), *kai, check=False).returncode == 0
+    kai[-1] = "kuberay.batchScheduler=volcano"
+    out = run_helm(helm, "template", "x", str(CHART), *kai, check=False)
+    assert "start KubeRay with --batch-scheduler=kai-scheduler" in out.stderr, out.stderr
 
 
 # ---------------------------------------------------------------------------------------------

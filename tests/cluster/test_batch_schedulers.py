@@ -1,10 +1,11 @@
-"""KubeRay's batch schedulers, for real: what KubeRay v1.5 itself creates for our RayJob when it
-runs with ``--batch-scheduler=volcano`` or ``--batch-scheduler=yunikorn``, checked against the
-gang our builders compute; and the operator reading that setting from a KubeRay Deployment.
+"""KubeRay's batch schedulers, for real: what KubeRay (v1.6.1) itself creates for our RayJob when
+it runs with ``--batch-scheduler=volcano``, ``yunikorn`` or ``kai-scheduler``, checked against
+the gang our builders compute; and the operator reading that setting from a KubeRay Deployment.
 
-Volcano's and YuniKorn's own controllers cannot be built here (their Go modules are refused by
-the module proxy), so their pods stay Pending: these tests prove KubeRay's side of the contract
-(the PodGroup or task groups it writes from our RayJob), not Volcano's or YuniKorn's placement.
+Volcano's, YuniKorn's and KAI's own controllers are not built here (Volcano's and YuniKorn's Go
+modules are refused by the module proxy), so their pods stay Pending: these tests prove
+KubeRay's side of the contract (the PodGroup, task groups or labels it writes from our RayJob),
+not the schedulers' placement.
 The session's KubeRay and ppojob operator step aside for the module and come back after it.
 """
 
@@ -242,6 +243,39 @@ def kuberay_deployment(name: str, ns: str, args: list[str], **extra: Any) -> dic
             },
         },
     }
+
+
+KAI_QUEUE_CRD = Path(__file__).parents[1] / "external-crds" / "scheduling.run.ai_queues.yaml"
+
+
+def test_kuberay_with_kai_sends_every_pod_to_kai_in_the_jobs_queue(cp, kuberay_with, ns):
+    """KubeRay >= 1.6 with ``--batch-scheduler=kai-scheduler`` (KAI's own controllers are not
+    built here: its pods stay Pending): a ``gangScheduler: kai`` job's pods, the head with the
+    SidecarMode submitter in it, all go to ``kai-scheduler`` with the job's queue label, which
+    KAI's pod grouper makes one PodGroup of. A job for another gang scheduler is refused."""
+    cp.kubectl("apply", "-f", str(KAI_QUEUE_CRD))
+    cp.kubectl("wait", "--for=condition=Established", "crd/queues.scheduling.run.ai")
+    try:
+        kuberay_with("kai-scheduler")
+        cp.apply(
+            gpu_job("kai", ns, scheduler="kai", actor=2, critic=1, rollout=1, queue="research")
+        )
+        wait_children(cp, "kai", ns)
+        got = wait_until(lambda: len(p := pods(cp, "kai", ns)) == 5 and p, 60, "the 5 pods")
+        for p in got:
+            assert p["spec"]["schedulerName"] == "kai-scheduler", p["metadata"]["name"]
+            assert p["metadata"]["labels"]["kai.scheduler/queue"] == "research"
+        head = next(p for p in got if p["metadata"]["labels"].get("ray.io/node-type") == "head")
+        assert "ray-job-submitter" in [c["name"] for c in head["spec"]["containers"]]
+        cp.apply(gpu_job("plain", ns, scheduler="none", actor=1, critic=1, rollout=1))
+        st = wait_until(
+            lambda: (s := status(cp, "plain", ns)).get("reason") == "BatchSchedulerMismatch" and s,
+            60,
+            "BatchSchedulerMismatch on a gangScheduler: none job",
+        )
+        assert st["phase"] == "Failed" and cp.get("rayjob.ray.io", "plain", ns) is None
+    finally:
+        cp.kubectl("delete", "ppojob", "--all", "-n", ns, "--wait=false", check=False)
 
 
 def test_the_operator_reads_kuberays_batch_scheduler_from_its_deployment(cp, operator, ns):

@@ -388,6 +388,7 @@ SCHEDULING = {
     "volcano": {"gangScheduler": "volcano", "queue": "q1", "priorityClassName": "high"},
     "yunikorn": {"gangScheduler": "yunikorn", "queue": "root.ml"},
     "kueue": {"gangScheduler": "kueue", "queue": "lq"},
+    "kai": {"gangScheduler": "kai", "queue": "research"},
     "scheduler-plugins": {
         "gangScheduler": "scheduler-plugins",
         "timeoutSeconds": 600,

@@ -50,7 +50,12 @@ def cluster() -> Any:
 
         for crd, (kind, version) in zip(
             SCHEDULER_CRDS.values(),
-            [("Workload", "v1beta1"), ("PodGroup", "v1alpha1"), ("PodGroup", "v1beta1")],
+            [
+                ("Workload", "v1beta1"),
+                ("PodGroup", "v1alpha1"),
+                ("PodGroup", "v1beta1"),
+                ("Queue", "v2"),
+            ],
             strict=True,
         ):
             plural, group = crd.split(".", 1)

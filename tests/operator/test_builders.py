@@ -175,6 +175,9 @@ def test_gang_labels_per_scheduler():
     rj = builders.build_children(wpc, namespace="ns1")[-1]
     assert rj["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "urgent"
     assert k["spec"]["suspend"] is True
+    kai = labels("kai")
+    assert kai["metadata"]["labels"]["kai.scheduler/queue"] == "research"
+    assert kai["spec"]["submissionMode"] == "SidecarMode"
     sp = labels("scheduler-plugins")
     for g in [sp["spec"]["rayClusterSpec"]["headGroupSpec"]] + sp["spec"]["rayClusterSpec"][
         "workerGroupSpecs"
@@ -483,12 +486,12 @@ def test_yunikorn_hard_gang_fresh_app_ids_and_no_truncation_collisions():
 @pytest.mark.parametrize(
     ("kuberay", "ok"),
     [
-        (None, {"volcano", "yunikorn", "kueue", "scheduler-plugins", "none"}),
+        (None, {"volcano", "yunikorn", "kueue", "scheduler-plugins", "kai", "none"}),
         ("", {"kueue", "scheduler-plugins", "none"}),
         ("volcano", {"volcano"}),
         ("yunikorn", {"yunikorn"}),
         ("scheduler-plugins", set()),
-        ("kai-scheduler", set()),
+        ("kai-scheduler", {"kai"}),
     ],
 )
 def test_kuberay_batch_scheduler_matrix(kuberay, ok):

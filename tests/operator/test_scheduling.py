@@ -139,7 +139,9 @@ def test_no_gang_adds_nothing() -> None:
         ("scheduler-plugins", "", None),
         ("none", "", None),
         ("none", "scheduler-plugins", "supports RayCluster only"),
-        ("kueue", "kai-scheduler", "runs with batchScheduler kai-scheduler, which supports"),
+        ("kai", "kai-scheduler", None),
+        ("kueue", "kai-scheduler", "gangScheduler is kueue, but KubeRay runs with batchScheduler"),
+        ("kai", "", "runs without a batchScheduler, so nothing would create the kai gang"),
         (
             "kueue",
             "volcano",

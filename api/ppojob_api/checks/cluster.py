@@ -33,6 +33,24 @@ def check_scheduling(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
                     f"use {path}.priorityClassName (the pods' PriorityClass) instead",
                 )
             )
+    if sched.gang_scheduler == "kai":
+        if not sched.queue:
+            p.append(
+                Problem(
+                    f"{path}.queue",
+                    "kai needs a KAI Queue (KAI leaves a pod without one pending)",
+                    f"set {path}.queue",
+                )
+            )
+        if spec.submission_mode == "K8sJobMode":
+            p.append(
+                Problem(
+                    f"{prefix}.submissionMode",
+                    "KubeRay refuses K8sJobMode under kai-scheduler: its submitter pod is made "
+                    "after the Ray cluster, outside the gang",
+                    f"set {prefix}.submissionMode: SidecarMode",
+                )
+            )
     if sched.gang_scheduler == "none" and sched.queue:
         p.append(
             Problem(
