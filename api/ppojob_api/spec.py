@@ -45,7 +45,7 @@ class Scheduling(ApiModel):
     queue: str | None = Field(None, min_length=1)
     """Queue of the gang scheduler (Volcano queue, YuniKorn queue, Kueue LocalQueue, KAI Queue).
     Required for kueue, where it names a LocalQueue in the job's namespace (lower case, e.g.
-    `team-a`), and for kai (KAI leaves a pod without a queue pending)."""
+    `team-a`), and for kai (the KAI Queue; KubeRay copies it onto every pod)."""
 
     priority_class_name: str | None = Field(None, min_length=1)
     """PriorityClass of the job's pods (with every gang scheduler, `none` included). Under

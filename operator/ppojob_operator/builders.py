@@ -606,9 +606,9 @@ def submitter_template(job: PPOJob) -> dict[str, Any]:
 
     KubeRay (v1.5, v1.6: ``GetSubmitterTemplate``) takes this template whole instead of its
     default one and only sets the first container's command, args (when it has no command)
-    and two variables; Kueue (v0.17) reads the same template for the Workload's ``submitter``
-    podset. So everything KubeRay's default has is here: the head's image, its resources, and
-    ``restartPolicy: Never`` (the Job's pods)."""
+    and two variables; Kueue (v0.17 to v0.19) reads the same template for the Workload's
+    ``submitter`` podset. So everything KubeRay's default has is here: the head's image, its
+    resources, and ``restartPolicy: Never`` (the Job's pods)."""
     spec = job.spec
     pod: dict[str, Any] = {
         "restartPolicy": "Never",

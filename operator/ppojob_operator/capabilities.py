@@ -211,6 +211,7 @@ def refusal(
     kuberay_batch_scheduler: str | None,
     sidecar: bool | None,
     missing_crd: str | None = None,
+    kuberay_1_6: bool | None = None,
 ) -> tuple[str, str] | None:
     """(reason, message) when this installation cannot run the job; None when it can.
     ``missing_crd``: the job's gang scheduler's CRD (:data:`SCHEDULER_CRDS`), found missing."""
@@ -250,6 +251,28 @@ def refusal(
     why = kuberay_disagreement(scheduler, kuberay_batch_scheduler)
     if why:
         return "BatchSchedulerMismatch", why
+    if scheduler == "kai":
+        # KubeRay requeues such a RayJob with its error, writing no status: refuse it here
+        if kuberay_1_6 is False:
+            return (
+                "KubeRayTooOld",
+                "the gang scheduler is kai, which needs KubeRay >= 1.6, but the installed "
+                "RayJob CRD is older (no spec.rayClusterSpec.authOptions): KubeRay 1.5 answers "
+                'every RayJob under kai-scheduler with "currently only RayCluster is supported". '
+                "Upgrade KubeRay to 1.6 or newer, or choose another gang scheduler",
+            )
+        if job.spec.submission_mode == "K8sJobMode":
+            return (
+                "KaiNeedsSidecarMode",
+                "the gang scheduler is kai, and KubeRay refuses submissionMode K8sJobMode under "
+                "kai-scheduler (its submitter pod is made after the Ray cluster, outside the "
+                "gang): set spec.submissionMode: SidecarMode",
+            )
+        if not sched.queue:
+            return (
+                "QueueRequired",
+                "the gang scheduler is kai, which needs a KAI Queue: set spec.scheduling.queue",
+            )
     if job.spec.submission_mode == "SidecarMode" and sidecar is False:
         return (
             "KubeRayTooOld",

@@ -178,8 +178,6 @@ async def detect_kuberay(state: State) -> None:
     its batch scheduler (``--kuberay-batch-scheduler=auto``)."""
     await detect_batch_scheduler(state)
     cfg = state.config
-    if cfg.sidecar_supported is not None and cfg.dashboard_auth is not None:
-        return
     try:
         crd = await k8s.aget(
             "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "rayjobs.ray.io"
@@ -191,8 +189,15 @@ async def detect_kuberay(state: State) -> None:
             exc,
         )
         return
+    cfg.kuberay_1_6 = capabilities.dashboard_auth_supported(crd)
+    if cfg.dashboard_auth and cfg.kuberay_1_6 is False:
+        log.warning(
+            "--ray-auth=token, but the installed KubeRay predates 1.6 (no authOptions in the "
+            "RayJob CRD): the API server drops authOptions and the jobs' Ray clusters run "
+            "without token authentication"
+        )
     if cfg.dashboard_auth is None:
-        cfg.dashboard_auth = bool(capabilities.dashboard_auth_supported(crd))
+        cfg.dashboard_auth = bool(cfg.kuberay_1_6)
         log.info(
             "Ray token authentication of each job's dashboard and RPCs: %s",
             "on (KubeRay authOptions)"

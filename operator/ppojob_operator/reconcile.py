@@ -179,6 +179,7 @@ async def admit(state: State, st: JobState, body: dict[str, Any]) -> PPOJob | Ou
         kuberay_batch_scheduler=cfg.kuberay_batch_scheduler,
         sidecar=cfg.sidecar_supported,
         missing_crd=missing,
+        kuberay_1_6=cfg.kuberay_1_6,
     )
     if refused is None and not status.get("rayJobName"):
         ns = body["metadata"].get("namespace") or ""

@@ -41,6 +41,9 @@ class OperatorConfig:
     """Where KubeRay's operator runs (``--kuberay-namespace``)."""
     sidecar_supported: bool | None = None
     """Whether KubeRay supports SidecarMode; None: read the RayJob CRD at start-up."""
+    kuberay_1_6: bool | None = None
+    """Whether the installed RayJob CRD is KubeRay >= 1.6's (it has ``authOptions``), read at
+    start-up; None: not read. ``gangScheduler: kai`` needs it."""
     dashboard_auth: bool | None = None
     """Whether each job's Ray cluster gets token authentication (KubeRay's ``authOptions``,
     KubeRay >= 1.6; for a ``rayVersion`` >= 2.52); None: read the RayJob CRD at start-up."""

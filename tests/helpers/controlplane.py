@@ -841,10 +841,10 @@ class Kueue:
 
     Configuration: RayJob integration only, no leader election, no internal certificate
     management (the serving certificate is the PKI's ``webhook.crt``), visibility server off,
-    every listener on 127.0.0.1. Kueue v0.17 then reads its metrics certificate from the fixed
-    path ``/etc/kueue/metrics/certs`` (``cmd/kueue/main.go``), so it runs in a private mount
-    namespace (``unshare``) where an overlay on ``/etc`` adds that directory; the host's /etc is
-    untouched. As a non-root user that needs unprivileged user namespaces.
+    every listener on 127.0.0.1. Kueue (v0.17 to v0.19) then reads its metrics certificate from
+    the fixed path ``/etc/kueue/metrics/certs`` (``cmd/kueue/main.go``), so it runs in a private
+    mount namespace (``unshare``) where an overlay on ``/etc`` adds that directory; the host's /etc
+    is untouched. As a non-root user that needs unprivileged user namespaces.
     """
 
     def __init__(self, cp: ControlPlane) -> None:
@@ -935,8 +935,9 @@ class Kueue:
         unshare = shutil.which("unshare")
         if unshare is None:
             raise ControlPlaneError(
-                "the Kueue tests need `unshare` (util-linux): Kueue v0.17 reads its metrics "
-                "certificate from /etc/kueue/metrics/certs, provided in a private mount namespace"
+                "the Kueue tests need `unshare` (util-linux): Kueue (v0.17 to v0.19) reads its "
+                "metrics certificate from /etc/kueue/metrics/certs, provided in a private mount "
+                "namespace"
             )
         ns = [unshare, "--mount", "--propagation", "private"]
         if os.geteuid() != 0:

@@ -64,6 +64,23 @@ def job(**spec):
         ({"scheduling": {"queue": "team-a"}}, {"gang_default": "kueue"}, None),
         ({"scheduling": {"queue": "q"}}, {}, "NoGangScheduler"),
         ({"scheduling": {"workloadPriorityClass": "high"}}, {}, "NotKueue"),
+        # kai as the operator's default: KubeRay would requeue these RayJobs with no status
+        (
+            {"submissionMode": "K8sJobMode", "scheduling": {"queue": "q"}},
+            {"gang_default": "kai", "kuberay_batch_scheduler": "kai-scheduler"},
+            "KaiNeedsSidecarMode",
+        ),
+        ({}, {"gang_default": "kai", "kuberay_batch_scheduler": "kai-scheduler"}, "QueueRequired"),
+        (
+            {"scheduling": {"gangScheduler": "kai", "queue": "q"}},
+            {"kuberay_batch_scheduler": "kai-scheduler", "kuberay_1_6": False},
+            "KubeRayTooOld",
+        ),
+        (
+            {"scheduling": {"gangScheduler": "kai", "queue": "q"}},
+            {"kuberay_batch_scheduler": "kai-scheduler", "kuberay_1_6": True},
+            None,
+        ),
         (
             {"scheduling": {"queue": "q", "workloadPriorityClass": "high"}},
             {"gang_default": "kueue"},
@@ -166,3 +183,39 @@ def test_token_auth_support_is_read_from_the_rayjob_crd() -> None:
     assert capabilities.dashboard_auth_supported(None) is None
     assert capabilities.ray_supports_auth("2.52.0") and capabilities.ray_supports_auth("3.0")
     assert not capabilities.ray_supports_auth("2.51.9") and not capabilities.ray_supports_auth("")
+
+
+@pytest.mark.parametrize(
+    ("crd", "ray_auth", "want"),
+    [
+        ("1.6", None, (True, True)),  # auto: token where KubeRay has authOptions
+        ("1.5", None, (False, False)),
+        ("1.6", False, (True, False)),  # --ray-auth=off: the version is still known
+        (None, None, (None, False)),  # no CRD readable: nothing refused, no token
+    ],
+)
+def test_start_up_reads_kuberay_1_6_and_token_support_from_the_rayjob_crd(
+    monkeypatch, crd, ray_auth, want
+) -> None:
+    """handlers.detect_kuberay: one read of the RayJob CRD gives whether KubeRay is >= 1.6 (kai
+    needs it) and, unless the command line said, whether jobs get token authentication."""
+    import asyncio
+
+    from ppojob_operator import handlers, k8s
+    from ppojob_operator.state import OperatorConfig, State
+
+    older = copy.deepcopy(RAYJOB_CRD)
+    for v in older["spec"]["versions"]:
+        if v["name"] == "v1":
+            props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            del props["rayClusterSpec"]["properties"]["authOptions"]
+    found = {"1.6": RAYJOB_CRD, "1.5": older, None: None}[crd]
+
+    async def aget(api_version, kind, namespace, name):  # type: ignore[no-untyped-def]
+        assert (kind, name) == ("CustomResourceDefinition", "rayjobs.ray.io")
+        return found
+
+    monkeypatch.setattr(k8s, "aget", aget)
+    state = State(OperatorConfig(sidecar_supported=True, dashboard_auth=ray_auth))
+    asyncio.run(handlers.detect_kuberay(state))
+    assert (state.config.kuberay_1_6, bool(state.config.dashboard_auth)) == want

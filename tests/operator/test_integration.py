@@ -393,7 +393,7 @@ def test_recreated_job_waits_for_the_old_jobs_children_with_backoff(cluster):
 
 
 # Kueue before v0.15 serves only v1beta1: kmock serves no v1beta2, so these tests also cover the
-# operator's fallback to v1beta1 (tests/cluster/test_kueue.py runs Kueue v0.17, v1beta2).
+# operator's fallback to v1beta1 (tests/cluster/test_kueue.py runs Kueue v0.19, v1beta2).
 WL = ("kueue.x-k8s.io/v1beta1", "Workload")
 KUEUE = {"gangScheduler": "kueue", "queue": "lq"}
 

@@ -38,7 +38,8 @@ def check_scheduling(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
             p.append(
                 Problem(
                     f"{path}.queue",
-                    "kai needs a KAI Queue (KAI leaves a pod without one pending)",
+                    "kai needs the KAI Queue the job's pods are admitted from (KubeRay copies it "
+                    "onto every pod)",
                     f"set {path}.queue",
                 )
             )

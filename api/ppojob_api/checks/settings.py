@@ -17,6 +17,8 @@ RESERVED_ENV = {
     "PPOJOB_RUNNING_FILE": "the operator sets it for the head's preStop hook",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "the operator sets it to the grace period",
     "RAY_ADDRESS": "KubeRay sets it to the job's own Ray cluster",
+    "RAY_AUTH_MODE": "KubeRay sets it when the job's Ray cluster has token authentication",
+    "RAY_AUTH_TOKEN": "KubeRay sets it from the Ray cluster's token Secret",
     "CUDA_VISIBLE_DEVICES": "Ray sets it for each worker to the GPUs it assigned",
     "NVIDIA_VISIBLE_DEVICES": "the NVIDIA device plugin sets it to the pod's GPUs",
 }
