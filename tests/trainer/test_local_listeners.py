@@ -67,3 +67,13 @@ def test_a_rendezvous_port_comes_with_no_store_left_from_a_killed_run(monkeypatc
     fresh = dist.FileStore(distributed.store_path(port), 1)
     assert fresh.check(["rank0-address"]) is False
     del stale, fresh
+    # the driver's rendezvous of each role's world (its rank 0's node) hands out the same: with
+    # free_port there, a role's two workers hung in init_process_group on a stale store (seen)
+    from ppojob_trainer.driver import cluster
+
+    monkeypatch.setattr(cluster.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    stale = dist.FileStore(distributed.store_path(port), 2)
+    stale.set("rank0-address", "127.0.0.1:18312")
+    assert cluster.rendezvous_address() == ("127.0.0.1", port)
+    assert not os.path.exists(distributed.store_path(port))
+    del stale

@@ -11,7 +11,7 @@ import ray
 
 from ppojob_api.training import TrainerConfig
 
-from ..distributed import free_port, nccl_env
+from ..distributed import nccl_env, rendezvous_port
 from ..errors import StartupError
 from ..models import BUILTIN_PREFIX, cache_root, materialize_builtin
 from ..placement import cluster_pins_roles, plan_placement, reserve_placement, wait_for_gang
@@ -44,9 +44,11 @@ def worker_env() -> dict[str, str]:
 
 
 def rendezvous_address() -> tuple[str, int]:
-    """Address and a free port on this node, for a process group's rendezvous."""
+    """Address and a free port on this node, for a process group's rendezvous, with no store
+    left at its path by a killed run (:func:`~..distributed.rendezvous_port`): the role's ranks
+    meet in a ``FileStore`` named after the port on a local run."""
     host = ray.util.get_node_ip_address()
-    return host, free_port(host)
+    return host, rendezvous_port(host)
 
 
 class Cluster:
