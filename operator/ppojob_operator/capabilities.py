@@ -45,8 +45,9 @@ SIDECAR_MARKER = "deletionStrategy"
 """A ``RayJob.spec`` property present in KubeRay's CRD from 1.5.0 on (the SidecarMode release)."""
 
 
-def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
-    """Whether the installed RayJob CRD is from KubeRay >= 1.5.0 (None: no CRD / unreadable)."""
+def _has_property(rayjob_crd: dict[str, Any] | None, *path: str) -> bool | None:
+    """Whether the v1 schema of the RayJob CRD has the property at ``path`` (names of nested
+    properties under ``spec``, the last one looked for); None: no CRD, or unreadable."""
     if not rayjob_crd:
         return None
     for version in (rayjob_crd.get("spec") or {}).get("versions") or []:
@@ -54,10 +55,17 @@ def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
             continue
         try:
             props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            for name in path[:-1]:
+                props = props[name]["properties"]
         except (KeyError, TypeError):
             return None
-        return SIDECAR_MARKER in props
+        return path[-1] in props
     return None
+
+
+def sidecar_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
+    """Whether the installed RayJob CRD is from KubeRay >= 1.5.0 (None: no CRD / unreadable)."""
+    return _has_property(rayjob_crd, SIDECAR_MARKER)
 
 
 AUTH_MARKER = "authOptions"
@@ -77,18 +85,7 @@ AUTH_MIN_RAY = (2, 52)
 def dashboard_auth_supported(rayjob_crd: dict[str, Any] | None) -> bool | None:
     """Whether the installed RayJob CRD has ``spec.rayClusterSpec.authOptions`` (KubeRay >=
     1.6.0; None: no CRD / unreadable)."""
-    if not rayjob_crd:
-        return None
-    for version in (rayjob_crd.get("spec") or {}).get("versions") or []:
-        if version.get("name") != "v1":
-            continue
-        try:
-            spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-            cluster = spec["rayClusterSpec"]["properties"]
-        except (KeyError, TypeError):
-            return None
-        return AUTH_MARKER in cluster
-    return None
+    return _has_property(rayjob_crd, "rayClusterSpec", AUTH_MARKER)
 
 
 def ray_supports_auth(ray_version: str) -> bool:
