@@ -185,8 +185,9 @@ async def detect_kuberay(state: State) -> None:
     except Exception as exc:  # RBAC or network: do not refuse jobs on a guess
         log.warning(
             "cannot read the RayJob CRD (%s); SidecarMode and token authentication support "
-            "not checked (no token authentication)",
+            "not checked (token authentication: %s)",
             exc,
+            "on (--ray-auth=token)" if cfg.dashboard_auth else "off",
         )
         return
     cfg.kuberay_1_6 = capabilities.dashboard_auth_supported(crd)
