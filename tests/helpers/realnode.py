@@ -66,6 +66,8 @@ SERVICE_CIDR = "10.0.0.0/24"  # ControlPlane's --service-cluster-ip-range
 NODE_NAME = "node-0"
 IMAGES = ROOT / "hack" / "images" / "build.sh"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ppojob" / "node"
+# the node's containerd snapshotter: CRI's, and the one images are unpacked into at import
+SNAPSHOTTER = "overlayfs"
 PACKAGES = {
     "containerd": "containerd",
     "runc": "runc",
@@ -288,11 +290,18 @@ state = "{self.state / "state"}"
             or (r.startswith("sha256:") and r not in ids)
         ]
         for ref in images.values():
+            if ref in present and not self._unpacked(ref):
+                # imported by an earlier version of this file (``--no-unpack``) and never run:
+                # its blobs may not be dropped before it is unpacked, so it comes in again
+                self.ctr("images", "remove", "--sync", ref)
+                present.remove(ref)
             if ref not in present:
                 if stale and self._shortfall(ref) is not None:
                     self.ctr("images", "remove", "--sync", *stale)
                     stale = []
                 self._import(ref)
+            else:
+                self._drop_layer_blobs(ref)  # a no-op unless an earlier version kept them
             self.imported.append(ref)
         if stale:
             self.ctr("images", "remove", "--sync", *stale)
@@ -306,7 +315,8 @@ state = "{self.state / "state"}"
         return (need, free) if free < need else None
 
     def _import(self, ref: str) -> None:
-        """buildah's image ``ref`` into containerd through a pipe (no archive on disk)."""
+        """buildah's image ``ref`` into containerd through a pipe (no archive on disk), unpacked
+        there, then without its layer blobs (:meth:`_drop_layer_blobs`)."""
         short = self._shortfall(ref)
         if short is not None:
             root = CACHE / "containerd"
@@ -321,8 +331,10 @@ state = "{self.state / "state"}"
             stderr=subprocess.PIPE,
         )
         ctr = ["ctr", "--address", str(self.sock), "--namespace", "k8s.io"]
+        # unpacked into CRI's snapshotter (the config's ``snapshotter``): the pods' containers
+        # start from those snapshots, and CRI never needs the layer blobs again
         imp = subprocess.run(
-            [*ctr, "images", "import", "--no-unpack", "-"],
+            [*ctr, "images", "import", "--snapshotter", SNAPSHOTTER, "-"],
             stdin=push.stdout,
             capture_output=True,
             text=True,
@@ -335,6 +347,65 @@ state = "{self.state / "state"}"
             raise ControlPlaneError(f"importing {ref}: {err.decode()[-1500:]} {imp.stderr[-1500:]}")
         if ref not in self.ctr("images", "list", "--quiet").split():
             raise ControlPlaneError(f"importing {ref} gave no image of that name")
+        self._drop_layer_blobs(ref)
+
+    def _manifest(self, ref: str) -> tuple[str, dict[str, Any]]:
+        """The digest and the manifest of the node's image ``ref``."""
+        digest = next(
+            (
+                line.split()[2]
+                for line in self.ctr("images", "list", f"name=={ref}").splitlines()[1:]
+                if line.split()[:1] == [ref]
+            ),
+            None,
+        )
+        if digest is None:
+            raise ControlPlaneError(f"no image {ref} in the node's containerd")
+        manifest = json.loads(self.ctr("content", "get", digest))
+        if not isinstance(manifest.get("layers"), list):  # buildah's docker-archive: no index
+            raise ControlPlaneError(f"{ref}: {digest} is not an image manifest")
+        return digest, manifest
+
+    def _labels(self) -> dict[str, str]:
+        """Each blob of the content store: its labels (``ctr content list``'s last column)."""
+        rows = self.ctr("content", "list").splitlines()[1:]
+        return {row.split()[0]: row.split()[-1] for row in rows if row.split()}
+
+    def _unpacked(self, ref: str) -> bool:
+        """Whether ``ref`` is unpacked into :data:`SNAPSHOTTER` (its config then holds the top
+        snapshot: ``containerd.io/gc.ref.snapshot.<snapshotter>``)."""
+        _, manifest = self._manifest(ref)
+        labels = self._labels().get(manifest["config"]["digest"], "")
+        return f"containerd.io/gc.ref.snapshot.{SNAPSHOTTER}=" in labels
+
+    def _drop_layer_blobs(self, ref: str) -> None:
+        """Let containerd collect ``ref``'s layer blobs, now that they are unpacked: the image
+        keeps its manifest, its config and the snapshots (the config's
+        ``containerd.io/gc.ref.snapshot.<snapshotter>`` label holds them), which is all CRI
+        reads to start a container. The blobs are as big as the unpacked image (7 GB for the
+        trainer's; docker-archive layers are uncompressed), so this halves the node's image
+        cache. What CRI's ``discard_unpacked_layers`` does for images it pulls: the manifest's
+        ``containerd.io/gc.ref.content.l.<i>`` labels go, then a synchronous garbage collection
+        (deleting a lease with ``--sync`` runs one) removes the blobs nothing references."""
+        digest, manifest = self._manifest(ref)
+        layers = [layer["digest"] for layer in manifest["layers"]]
+        if not set(layers) & set(self._labels()):
+            return
+        if not self._unpacked(ref):
+            raise ControlPlaneError(f"{ref} is not unpacked: its layer blobs must stay")
+        self.ctr(
+            "content",
+            "label",
+            digest,
+            *(f"containerd.io/gc.ref.content.l.{i}=" for i in range(len(layers))),
+        )
+        lease = self.ctr("leases", "create").strip()
+        self.ctr("leases", "delete", "--sync", lease)
+        kept = set(layers) & set(self._labels())
+        if kept:
+            raise ControlPlaneError(
+                f"{ref}: containerd kept {len(kept)} layer blob(s) after unpacking"
+            )
 
     def _start_coredns(self) -> None:
         health, ready = free_port(), free_port()
