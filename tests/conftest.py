@@ -1,0 +1,3 @@
+"""Plugins of the whole suite."""
+
+pytest_plugins = ["tests.helpers.deadline"]
