@@ -32,9 +32,9 @@ def _positions() -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in LENGTHS])[None]
 
 
-def _dense(q, k, v, window: int | None = None) -> torch.Tensor:
+def _dense(q, k, v, window: int | None = None, lengths: list[int] = LENGTHS) -> torch.Tensor:
     """Block-diagonal causal (optionally windowed) attention over the whole row, [1, T, H, d]."""
-    seq = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     i = torch.arange(seq.numel())
     mask = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
     if window is not None:
@@ -234,3 +234,45 @@ def test_only_an_sdpa_model_is_switched(model_dir):
     windowed.config.sliding_window, windowed.config.use_sliding_window = 4, True
     assert not pa.use_packed_attention(windowed)
     assert windowed.config._attn_implementation == "sdpa"
+
+
+def test_a_rows_plan_is_worked_out_once_per_micro_batch_not_per_layer(model_dir, monkeypatch):
+    """Reading a row's boundaries (``cu_seq_lens_q`` to the host: a device synchronisation on a
+    GPU) and building its index tensors happen once per model call, whatever the layer count,
+    and activation checkpointing's recomputation reuses them."""
+    monkeypatch.setattr(pa, "DENSE_ROW_TOKENS", 0)
+    reads: list[int] = []
+    real = pa.segment_offsets
+
+    def counting(kwargs, length):
+        reads.append(length)
+        return real(kwargs, length)
+
+    monkeypatch.setattr(pa, "segment_offsets", counting)
+    batch = mixed_batch()
+    settings = TrainingSettings(
+        learning_rate=1e-2, packing=True, micro_batch_size=5, gradient_checkpointing=True
+    )
+    actor = TorchPolicyTrainer(
+        model_dir, "float32", settings, total_updates=1, temperature=0.7, need_reference=False
+    )
+    assert actor.lm.config.num_hidden_layers > 1
+    calls: list[int] = []
+    actor.lm.get_decoder().register_forward_pre_hook(lambda module, args: calls.append(1))
+    actor.logprobs(batch)
+    actor.update(batch, ppo_policy_loss, 5)
+    assert calls and len(reads) == len(calls)
+
+
+def test_boundaries_changed_in_place_get_a_new_plan():
+    """The plan is kept for the same boundaries tensor only while it is unchanged: rewritten in
+    place (a reused buffer), the next call attends by its new boundaries."""
+    q, k, v = _qkv(4, 2)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    first, _ = pa.packed_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+    torch.testing.assert_close(first, _dense(q, k, v), atol=1e-6, rtol=1e-5)
+    cu.copy_(torch.tensor([0, 2, 8, 17, 22, 24, 26]))
+    second, _ = pa.packed_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+    ref = _dense(q, k, v, lengths=[2, 6, 9, 5, 2, 2])
+    torch.testing.assert_close(second, ref, atol=1e-6, rtol=1e-5)

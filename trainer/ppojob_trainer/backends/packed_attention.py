@@ -22,6 +22,7 @@ e.g. soft-capping, that sdpa does not support).
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import torch
@@ -78,6 +79,83 @@ def block_causal_mask(offsets: list[int], window: int | None, device: torch.devi
     return mask[None, None]
 
 
+class RowPlan:
+    """What the attention of every layer needs of one packed row, worked out once per row (per
+    micro-batch) instead of once per layer: the sequences' ``offsets`` (reading them from
+    ``cu_seq_lens_q`` copies the tensor to the host: a device synchronisation), the
+    block-diagonal masks of a short row, and the index tensors that stack the sequences of each
+    length, all on the row's device."""
+
+    def __init__(self, offsets: list[int], device: torch.device) -> None:
+        self.offsets = offsets
+        self.length = offsets[-1]
+        self.device = device
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
+        self._groups: tuple[list[tuple[int, torch.Tensor]], torch.Tensor] | None = None
+
+    def mask(self, window: int | None, n: int | None = None) -> torch.Tensor:
+        """:func:`block_causal_mask` of the row, or with ``n`` of one sequence of n positions
+        (layers may differ in their window)."""
+        key = (window, n)
+        if key not in self._masks:
+            offsets = self.offsets if n is None else [0, n]
+            self._masks[key] = block_causal_mask(offsets, window, self.device)
+        return self._masks[key]
+
+    def groups(self) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
+        """``[(n, index)]``, one per sequence length n (``index``: the row positions of the
+        sequences of that length, in order), and the inverse permutation that puts the
+        stacked outputs back in row order."""
+        if self._groups is None:
+            by_length: dict[int, list[int]] = {}
+            for start, end in itertools.pairwise(self.offsets):
+                by_length.setdefault(end - start, []).append(start)
+            indices = [
+                (n, (torch.tensor(starts)[:, None] + torch.arange(n)[None, :]).reshape(-1))
+                for n, starts in by_length.items()
+            ]
+            inverse = torch.empty(self.length, dtype=torch.long)
+            inverse[torch.cat([index for _, index in indices])] = torch.arange(self.length)
+            self._groups = (
+                [(n, index.to(self.device)) for n, index in indices],
+                inverse.to(self.device),
+            )
+        return self._groups
+
+
+_last = threading.local()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
+
+
+def row_plan(kwargs: dict[str, Any], length: int, device: torch.device) -> RowPlan:
+    """The :class:`RowPlan` of the row whose boundaries ``kwargs`` carry: the one the previous
+    layer used when they are the same tensor, unchanged since (every layer of a forward, and
+    activation checkpointing's recomputation, gets the tensor the model was called with; each
+    micro-batch brings a new one), else a new plan."""
+    source = kwargs.get("cu_seq_lens_q")
+    if source is None:
+        source = kwargs.get("position_ids")
+    cached = getattr(_last, "plan", None)
+    if (
+        cached is not None
+        and source is not None
+        and cached[0] is source
+        and cached[1] == _version(source)
+        and cached[2].length == length
+        and cached[2].device == device
+    ):
+        return cached[2]
+    plan = RowPlan(segment_offsets(kwargs, length), device)
+    _last.plan = None if source is None else (source, _version(source), plan)
+    return plan
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -99,14 +177,14 @@ def packed_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    offsets = segment_offsets(kwargs, length)
+    plan = row_plan(kwargs, length, query.device)
     rest = {
         k: v
         for k, v in kwargs.items()
         if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
         and k not in ("position_ids", "is_causal")
     }
-    if len(offsets) == 2 and (sliding_window is None or length <= sliding_window):
+    if len(plan.offsets) == 2 and (sliding_window is None or length <= sliding_window):
         return sdpa_attention_forward(  # one sequence: plain causal attention
             module,
             query,
@@ -119,20 +197,21 @@ def packed_attention_forward(
             **rest,
         )
     if length <= DENSE_ROW_TOKENS:  # a short row: one call with the block-diagonal mask
-        mask = block_causal_mask(offsets, sliding_window, query.device)
         return sdpa_attention_forward(
-            module, query, key, value, mask, dropout=dropout, scaling=scaling, **rest
+            module,
+            query,
+            key,
+            value,
+            plan.mask(sliding_window),
+            dropout=dropout,
+            scaling=scaling,
+            **rest,
         )
     # sequences of equal length go through one call, stacked as a batch of their own
-    by_length: dict[int, list[int]] = {}
-    for start, end in itertools.pairwise(offsets):
-        by_length.setdefault(end - start, []).append(start)
+    groups, inverse = plan.groups()
     batch, heads = query.shape[:2]
-    order, outs = [], []
-    for n, starts in by_length.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
-        order.append(index)
-        index = index.to(query.device)
+    outs = []
+    for n, index in groups:
 
         def stacked(x: torch.Tensor, n: int = n, index: torch.Tensor = index) -> torch.Tensor:
             # [B, h, G*n, d] -> [B*G, h, n, d]
@@ -142,7 +221,7 @@ def packed_attention_forward(
 
         mask = None
         if sliding_window is not None and n > sliding_window:
-            mask = block_causal_mask([0, n], sliding_window, query.device)
+            mask = plan.mask(sliding_window, n)
         out, _ = sdpa_attention_forward(
             module,
             stacked(query),
@@ -157,9 +236,7 @@ def packed_attention_forward(
         # [B*G, n, h, d] -> [B, G*n, h, d]
         outs.append(out.reshape(batch, -1, heads, out.shape[-1]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    inverse = torch.empty(length, dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(length)
-    return out.index_select(1, inverse.to(out.device)), None
+    return out.index_select(1, inverse), None
 
 
 def packed_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
