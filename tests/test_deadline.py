@@ -17,6 +17,8 @@ HANGS = """
 import signal
 import threading
 
+import pytest
+
 
 def test_hangs():
     threading.Event().wait()
@@ -29,12 +31,28 @@ def test_blocks_the_alarm_then_hangs():
 
 def test_after():
     pass
+
+
+@pytest.fixture(scope="module")
+def outer(tmp_path_factory):
+    yield
+    (tmp_path_factory.getbasetemp().parent / "outer-torn-down").touch()
+
+
+@pytest.fixture
+def slow_teardown(outer):
+    yield
+    threading.Event().wait(3)  # a teardown past the deadline, but within its grace
+
+
+def test_with_a_slow_teardown(slow_teardown):
+    pass
 """
 
 
-def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _pytest(tmp_path: Path, *args: str, deadline: str = "1") -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_hang.py").write_text(HANGS)
-    env = {**os.environ, "PPOJOB_TEST_DEADLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PPOJOB_TEST_DEADLINE": deadline, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [
             sys.executable,
@@ -72,6 +90,19 @@ def test_a_hang_the_signal_cannot_reach_ends_the_process_with_every_stack(tmp_pa
     assert proc.returncode != 0
     assert "Timeout (0:00:02)!" in proc.stderr
     assert "in test_blocks_the_alarm_then_hangs" in proc.stderr
+
+
+def test_a_teardown_past_the_deadline_is_left_to_finish_and_every_finalizer_runs(
+    tmp_path: Path,
+) -> None:
+    """pytest lets only an ``Exception`` pass between finalizers: a deadline raised in one would
+    skip the rest (here the module fixture's). Teardown gets the backstop only."""
+    proc = _pytest(
+        tmp_path, "-k", "test_with_a_slow_teardown", "--basetemp", str(tmp_path / "t"), deadline="2"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
+    assert (tmp_path / "outer-torn-down").exists()
 
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5"])

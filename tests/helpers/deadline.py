@@ -4,12 +4,14 @@ A test that hangs (a rendezvous nobody joins, a pod that never starts) would oth
 CI's own limit on the whole suite, which prints nothing about where it was. With this plugin each
 test, its setup and teardown included, gets :func:`limit` seconds:
 
-- at the deadline a ``SIGALRM`` raises :class:`DeadlineExceeded` where the test is, so the test
-  fails with its traceback and the run goes on with the next one (and the fixtures' teardowns
-  run, stopping the control plane or the node);
+- at the deadline a ``SIGALRM`` raises :class:`DeadlineExceeded` where the test's setup or call
+  is, so the test fails with its traceback and the run goes on with the next one (and the
+  fixtures' teardowns run, stopping the control plane or the node). Teardown itself gets no
+  signal: pytest lets only an ``Exception`` pass from one finalizer to the next, so a deadline
+  raised in one would skip the rest;
 - code that never returns to the interpreter (a C call blocked on a socket) cannot see that
-  signal: :mod:`faulthandler` then prints every thread's stack and ends the process after a
-  grace of :func:`grace` more seconds.
+  signal, and a teardown does not get it: :mod:`faulthandler` then prints every thread's stack
+  and ends the process after a grace of :func:`grace` more seconds.
 
 ``PPOJOB_TEST_DEADLINE`` sets the limit in seconds (1800 by default: the real-node fixture's cold
 start, images built and imported, takes about 10 min here, the longest real-node test about
@@ -91,3 +93,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         signal.setitimer(signal.ITIMER_REAL, 0)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # before any finalizer runs: from here only the backstop acts (see the module's docstring)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM"):
+        signal.setitimer(signal.ITIMER_REAL, 0)

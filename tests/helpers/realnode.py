@@ -300,11 +300,19 @@ state = "{self.state / "state"}"
                     self.ctr("images", "remove", "--sync", *stale)
                     stale = []
                 self._import(ref)
-            else:
-                self._drop_layer_blobs(ref)  # a no-op unless an earlier version kept them
             self.imported.append(ref)
         if stale:
             self.ctr("images", "remove", "--sync", *stale)
+        # every image's blobs once the stale ones are gone (an image imported by an earlier
+        # version of this file kept its own, and with them any layer it shares with ours)
+        self._release_layer_blobs()
+        present = set(self._labels())
+        for ref in images.values():
+            kept = [x["digest"] for x in self._manifest(ref)[1]["layers"] if x["digest"] in present]
+            if kept:
+                raise ControlPlaneError(
+                    f"{ref}: the node's containerd kept {len(kept)} layer blob(s)"
+                )
 
     def _shortfall(self, ref: str) -> tuple[float, float] | None:
         """(needed, free) bytes to import ``ref`` when the disk is too short, else None."""
@@ -316,7 +324,7 @@ state = "{self.state / "state"}"
 
     def _import(self, ref: str) -> None:
         """buildah's image ``ref`` into containerd through a pipe (no archive on disk), unpacked
-        there, then without its layer blobs (:meth:`_drop_layer_blobs`)."""
+        there, then without its layer blobs (:meth:`_release_layer_blobs`)."""
         short = self._shortfall(ref)
         if short is not None:
             root = CACHE / "containerd"
@@ -347,7 +355,7 @@ state = "{self.state / "state"}"
             raise ControlPlaneError(f"importing {ref}: {err.decode()[-1500:]} {imp.stderr[-1500:]}")
         if ref not in self.ctr("images", "list", "--quiet").split():
             raise ControlPlaneError(f"importing {ref} gave no image of that name")
-        self._drop_layer_blobs(ref)
+        self._release_layer_blobs()  # now: the next import needs the room
 
     def _manifest(self, ref: str) -> tuple[str, dict[str, Any]]:
         """The digest and the manifest of the node's image ``ref``."""
@@ -378,34 +386,27 @@ state = "{self.state / "state"}"
         labels = self._labels().get(manifest["config"]["digest"], "")
         return f"containerd.io/gc.ref.snapshot.{SNAPSHOTTER}=" in labels
 
-    def _drop_layer_blobs(self, ref: str) -> None:
-        """Let containerd collect ``ref``'s layer blobs, now that they are unpacked: the image
+    def _release_layer_blobs(self) -> None:
+        """Let containerd collect the layer blobs of every unpacked image of the node: an image
         keeps its manifest, its config and the snapshots (the config's
         ``containerd.io/gc.ref.snapshot.<snapshotter>`` label holds them), which is all CRI
         reads to start a container. The blobs are as big as the unpacked image (7 GB for the
         trainer's; docker-archive layers are uncompressed), so this halves the node's image
-        cache. What CRI's ``discard_unpacked_layers`` does for images it pulls: the manifest's
+        cache. What CRI's ``discard_unpacked_layers`` does for images it pulls: each manifest's
         ``containerd.io/gc.ref.content.l.<i>`` labels go, then a synchronous garbage collection
-        (deleting a lease with ``--sync`` runs one) removes the blobs nothing references."""
-        digest, manifest = self._manifest(ref)
-        layers = [layer["digest"] for layer in manifest["layers"]]
-        if not set(layers) & set(self._labels()):
-            return
-        if not self._unpacked(ref):
-            raise ControlPlaneError(f"{ref} is not unpacked: its layer blobs must stay")
-        self.ctr(
-            "content",
-            "label",
-            digest,
-            *(f"containerd.io/gc.ref.content.l.{i}=" for i in range(len(layers))),
-        )
+        (deleting a lease with ``--sync`` runs one) removes the blobs nothing references. Every
+        image, not one: the images share the base's layers, and one manifest still labelled
+        keeps a shared blob. An image not unpacked (none, unless imported by other means) keeps
+        its blobs."""
+        for ref in self.ctr("images", "list", "--quiet").split():
+            digest, manifest = self._manifest(ref)
+            if self._unpacked(ref):
+                labels = (
+                    f"containerd.io/gc.ref.content.l.{i}=" for i in range(len(manifest["layers"]))
+                )
+                self.ctr("content", "label", digest, *labels)
         lease = self.ctr("leases", "create").strip()
         self.ctr("leases", "delete", "--sync", lease)
-        kept = set(layers) & set(self._labels())
-        if kept:
-            raise ControlPlaneError(
-                f"{ref}: containerd kept {len(kept)} layer blob(s) after unpacking"
-            )
 
     def _start_coredns(self) -> None:
         health, ready = free_port(), free_port()
