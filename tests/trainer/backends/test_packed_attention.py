@@ -264,6 +264,30 @@ def test_a_rows_plan_is_worked_out_once_per_micro_batch_not_per_layer(model_dir,
     assert calls and len(reads) == len(calls)
 
 
+def test_another_thread_finds_the_plan_of_the_same_boundaries(monkeypatch):
+    """On a GPU, autograd recomputes a checkpointed block in its own device thread: that thread
+    reuses the plan the forward made for the same boundaries tensor."""
+    import threading
+
+    reads: list[int] = []
+    real = pa.segment_offsets
+    monkeypatch.setattr(pa, "segment_offsets", lambda kw, n: reads.append(n) or real(kw, n))
+    q, k, v = _qkv(4, 2)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    first, _ = pa.packed_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.append(
+            pa.packed_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+        )
+    )
+    worker.start()
+    worker.join()
+    assert len(reads) == 1
+    torch.testing.assert_close(out[0][0], first)
+
+
 def test_boundaries_changed_in_place_get_a_new_plan():
     """The plan is kept for the same boundaries tensor only while it is unchanged: rewritten in
     place (a reused buffer), the next call attends by its new boundaries."""

@@ -22,7 +22,6 @@ e.g. soft-capping, that sdpa does not support).
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Any
 
 import torch
@@ -123,7 +122,11 @@ class RowPlan:
         return self._groups
 
 
-_last = threading.local()
+# One slot for the whole process, not per thread: on a GPU, autograd runs activation
+# checkpointing's recomputation in its device thread, which must find the forward's plan. A
+# tuple is replaced whole, so a reader in another thread sees an old entry or a new one, and an
+# entry is used only for the very tensor it was made from.
+_last: list[tuple[torch.Tensor, int | None, RowPlan] | None] = [None]
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -141,7 +144,7 @@ def row_plan(kwargs: dict[str, Any], length: int, device: torch.device) -> RowPl
     source = kwargs.get("cu_seq_lens_q")
     if source is None:
         source = kwargs.get("position_ids")
-    cached = getattr(_last, "plan", None)
+    cached = _last[0]
     if (
         cached is not None
         and source is not None
@@ -152,7 +155,7 @@ def row_plan(kwargs: dict[str, Any], length: int, device: torch.device) -> RowPl
     ):
         return cached[2]
     plan = RowPlan(segment_offsets(kwargs, length), device)
-    _last.plan = None if source is None else (source, _version(source), plan)
+    _last[0] = None if source is None else (source, _version(source), plan)
     return plan
 
 
