@@ -85,6 +85,13 @@ class Parallelism(ApiModel):
     """Context-parallel size. Reserved: the megatron backend does not split sequences over
     context-parallel ranks yet, so validation refuses a value above 1 for megatron roles."""
 
+    expert: int = Field(1, ge=1, le=1024)
+    """Expert-parallel size (megatron backend, mixture-of-experts models): each MoE layer's
+    experts are split over `expert` of the role's data-parallel ranks (megatron-core's
+    `expert_model_parallel_size`; the experts keep the role's tensor parallelism). It must
+    divide the data-parallel size and the model's number of experts; dense weights stay
+    replicated over all data-parallel ranks."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism: split the activations outside the tensor-parallel layers
     along the sequence over the tensor-parallel ranks (megatron backend on GPUs with Transformer
