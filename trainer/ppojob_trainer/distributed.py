@@ -49,6 +49,8 @@ class ShardIdentity:
     pp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    ep_rank: int = 0  # expert parallel (MoE layers' experts): over the data-parallel ranks
+    ep_size: int = 1
 
     @property
     def is_dp_leader(self) -> bool:
@@ -189,11 +191,20 @@ def init_role_groups(
 
 
 def identity(
-    role: str, rank: int, world: int, tensor: int = 1, pipeline: int = 1, context: int = 1
+    role: str,
+    rank: int,
+    world: int,
+    tensor: int = 1,
+    pipeline: int = 1,
+    context: int = 1,
+    expert: int = 1,
 ) -> ShardIdentity:
     """Shard identity of worker ``rank`` of ``world`` under tensor x pipeline x context model
     parallelism (data parallel over the rest), in megatron-core's rank order ``tp-cp-dp-pp``:
-    ``rank = tp + T * (cp + C * (dp + D * pp))``. With no model parallelism: data parallel only."""
+    ``rank = tp + T * (cp + C * (dp + D * pp))``. With no model parallelism: data parallel only.
+    Expert parallelism (``expert``) splits the MoE layers' experts over the context x data
+    parallel ranks of a stage, as megatron-core's expert order ``tp-ep-dp-pp`` (expert tensor
+    parallelism = ``tensor``): ``ep = (cp + C * dp) % expert``."""
     mp = tensor * pipeline * context
     if world % mp:
         raise ValueError(f"{role}: {world} workers do not split into model-parallel groups of {mp}")
@@ -201,6 +212,11 @@ def identity(
     tp_rank, rest = rank % tensor, rank // tensor
     cp_rank, rest = rest % context, rest // context
     dp_rank, pp_rank = rest % dp, rest // dp
+    if (context * dp) % expert:
+        raise ValueError(
+            f"{role}: expert parallelism {expert} does not divide the {context * dp} data "
+            f"(x context) parallel ranks of {world} workers"
+        )
     return ShardIdentity(
         role=role,
         dp_rank=dp_rank,
@@ -211,6 +227,8 @@ def identity(
         pp_size=pipeline,
         cp_rank=cp_rank,
         cp_size=context,
+        ep_rank=(cp_rank + context * dp_rank) % expert,
+        ep_size=expert,
     )
 
 
@@ -221,7 +239,7 @@ def model_parallel_identity(cfg: Any, role: str, rank: int, world: int) -> Shard
     if spec.backend != "megatron":
         return identity(role, rank, world)
     p = spec.parallelism
-    return identity(role, rank, world, p.tensor, p.pipeline, p.context)
+    return identity(role, rank, world, p.tensor, p.pipeline, p.context, p.expert)
 
 
 def data_parallel_group(group: Any, shard: ShardIdentity) -> Any:

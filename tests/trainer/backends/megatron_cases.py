@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 
-def _cfg(tp: int, pp: int, micro: int | None = None, **training: object) -> object:
-    """A megatron actor and colocated critic of ``tp`` x ``pp`` over two processes; ``training``
-    adds to (or replaces) the training settings of these cases."""
+def _cfg(tp: int, pp: int, micro: int | None = None, ep: int = 1, **training: object) -> object:
+    """A megatron actor and colocated critic of ``tp`` x ``pp`` (experts over ``ep``) over two
+    processes; ``training`` adds to (or replaces) the training settings of these cases."""
     from ppojob_api.training import TrainerConfig
 
-    par = {"tensor": tp, "pipeline": pp}
+    par = {"tensor": tp, "pipeline": pp, "expert": ep}
     settings = {"learningRate": 1e-2, "seed": 3, "microBatchSize": micro, **training}
     return TrainerConfig.model_validate(
         {
@@ -110,13 +110,15 @@ def _maxdiff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _layout(rank: int, tp: int, pp: int, world: int) -> object:
+def _layout(rank: int, tp: int, pp: int, world: int, ep: int = 1) -> object:
     from ppojob_trainer.distributed import identity
 
-    return identity("actor", rank, world, tp, pp, 1)
+    return identity("actor", rank, world, tp, pp, 1, ep)
 
 
-def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict[str, object]:
+def run_layout(
+    rank: int, world: int, model_dir: Path, tp: int, pp: int, ep: int = 1
+) -> dict[str, object]:
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -128,8 +130,8 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2
-    cfg = _cfg(tp, pp, micro, gradClip=0.5, adamEps=1e-3)
-    shard = _layout(rank, tp, pp, world)
+    cfg = _cfg(tp, pp, micro, ep, gradClip=0.5, adamEps=1e-3)
+    shard = _layout(rank, tp, pp, world, ep)
     out: dict[str, object] = {}
     n = 8
     batch = _batch(n, seed=11)
@@ -218,6 +220,7 @@ def run_layout(rank: int, world: int, model_dir: Path, tp: int, pp: int) -> dict
     torch.distributed.all_gather_object(states, state)
     state = states[0]
     fresh = MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False, total_updates=4)
+    out["local_params"] = sum(p.numel() for p in actor.m.model.parameters())
     fresh.load_state_dict(state)
     actor.update(mine, loss_fn, micro)
     fresh.update(mine, loss_fn, micro)
@@ -278,7 +281,9 @@ def merge(per_rank: list[dict[str, object]]) -> dict[str, object]:
     return merged
 
 
-def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, model_dirs: list[str], out_path: str, moe: bool = False
+) -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
@@ -288,13 +293,18 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_path: s
     )
     results = {}
     cases = [
-        (model_dirs[0], "tp2", 2, 1),
-        (model_dirs[0], "pp2", 1, 2),
-        (model_dirs[0], "dp2", 1, 1),
+        (model_dirs[0], "tp2", 2, 1, 1),
+        (model_dirs[0], "pp2", 1, 2, 1),
+        (model_dirs[0], "dp2", 1, 1, 1),
     ]
-    cases += [(d, "tp2", 2, 1) for d in model_dirs[1:]]  # further models: tensor parallel 2
-    for model_dir, name, tp, pp in cases:
-        res = run_layout(rank, world, Path(model_dir), tp, pp)
+    cases += [(d, "tp2", 2, 1, 1) for d in model_dirs[1:]]  # further models: tensor parallel 2
+    if moe:  # mixture-of-experts models: experts over 2 data-parallel ranks, and pipeline 2
+        # (tensor parallelism: megatron-core's MoE layers train only with sequence parallelism,
+        # which needs Transformer Engine)
+        cases = [(d, "ep2", 1, 1, 2) for d in model_dirs]
+        cases += [(model_dirs[0], "pp2", 1, 2, 1)]
+    for model_dir, name, tp, pp, ep in cases:
+        res = run_layout(rank, world, Path(model_dir), tp, pp, ep)
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         results[f"{Path(model_dir).name}/{name}"] = merge(gathered)
@@ -321,7 +331,9 @@ def preload() -> None:
         import megatron.core.pipeline_parallel
         import megatron.core.tensor_parallel  # noqa: F401
         import transformers.models.llama.modeling_llama
-        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+        import transformers.models.mixtral.modeling_mixtral
+        import transformers.models.qwen2.modeling_qwen2
+        import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
         import ppojob_trainer.backends.megatron_backend
         import ppojob_trainer.backends.megatron_logprobs
@@ -344,8 +356,9 @@ def start(worker: Any, args: tuple, nprocs: int) -> None:  # type: ignore[type-a
 def main() -> None:
     from ppojob_trainer.distributed import free_port
 
-    out_path, model_dirs = sys.argv[1], sys.argv[2:]
-    start(_worker, (2, free_port(), model_dirs, out_path), 2)
+    moe = sys.argv[1] == "--moe"
+    out_path, model_dirs = sys.argv[1 + moe], sys.argv[2 + moe :]
+    start(_worker, (2, free_port(), model_dirs, out_path, moe), 2)
 
 
 if __name__ == "__main__":

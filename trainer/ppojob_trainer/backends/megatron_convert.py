@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core weight conversion for the Llama and Qwen2 families.
+"""Hugging Face <-> megatron-core weight conversion for the Llama, Qwen2, Qwen3-MoE and Mixtral
+families.
 
 Pure tensor code (no megatron import, no process group): :func:`hf_to_megatron` cuts a Hugging
 Face state dict into the state dict of one tensor/pipeline-parallel rank of a megatron-core
@@ -18,6 +19,17 @@ Layout facts (megatron-core 0.16, local spec):
 - ``linear_proj`` and ``linear_fc2`` are row parallel (split along the input dimension); the
   embedding and the output layer are split along the vocabulary.
 - Layer ``i`` of pipeline stage ``s`` is HF layer ``s * layers / pipeline + i``.
+- Mixture-of-experts layers (Qwen3-MoE, Mixtral; megatron-core's ``MoELayer`` with its
+  ``SequentialMLP``): the router ``mlp.router.weight`` [experts, hidden] is replicated; each
+  expert is a gated MLP laid out like the dense one under ``mlp.experts.local_experts.<j>``, split
+  over the tensor-parallel ranks (expert tensor parallelism = tensor), and expert parallel rank
+  ``p`` of ``P`` holds experts ``p * experts / P`` onwards. ``transformers`` >= 5 keeps a layer's
+  experts fused in two tensors, ``mlp.experts.gate_up_proj`` [experts, 2 x intermediate, hidden]
+  (gate rows then up rows) and ``mlp.experts.down_proj`` [experts, hidden, intermediate]. Here a
+  rank's experts travel stacked under :data:`STACKED_FC1` / :data:`STACKED_FC2` keys
+  ([local experts, ...]: :func:`stack_experts`, :func:`unstack_experts`), so that expert
+  parallel ranks' pieces concatenate along dimension 0. Qwen3's per-head ``q_norm`` / ``k_norm``
+  are megatron's ``q_layernorm`` / ``k_layernorm``.
 
 A critic is the same model with a value head instead of the output layer: HF-side names
 ``value_head.weight`` [1, hidden] and ``value_head.bias`` [1]; megatron-side ``output_layer.weight``
@@ -26,14 +38,24 @@ and ``output_layer.bias``, replicated on every tensor-parallel rank.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+STACKED_FC1 = "mlp.experts.linear_fc1.weight"
+STACKED_FC2 = "mlp.experts.linear_fc2.weight"
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # (low_freq_factor, high_freq_factor, original_max_position_embeddings) of the llama3 RoPE scaling
 # megatron-core 0.16 implements (RotaryEmbedding._apply_scaling's fixed values).
 LLAMA3_ROPE = (1.0, 4.0, 8192)
@@ -43,7 +65,7 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 class ModelShape:
     """What the conversion and the megatron config need from a HF ``config.json``."""
 
-    family: str  # "llama" or "qwen2"
+    family: str  # "llama", "qwen2", "qwen3_moe" or "mixtral"
     hidden: int
     intermediate: int
     layers: int
@@ -58,6 +80,14 @@ class ModelShape:
     max_positions: int
     pad_id: int | None = None  # HF's embedding ``padding_idx``: no lookup gradient to that row
     rope_scaling_factor: float | None = None  # llama3-type RoPE scaling (megatron's rope_scaling)
+    experts: int = 0  # a MoE model's experts per layer (0: dense)
+    experts_per_token: int = 0  # its router's top-k
+    norm_topk: bool = True  # the top-k weights renormalised (Mixtral; Qwen3-MoE's norm_topk_prob)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @classmethod
     def from_hf_config(cls, config: Any, field: str = "spec.model.path") -> ModelShape:
@@ -100,10 +130,14 @@ class ModelShape:
             )
         heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
+        moe: dict[str, Any] = {}
+        intermediate = int(c["intermediate_size"])
+        if family in MOE_FAMILIES:
+            moe, intermediate = _moe_fields(c, family, field)
         return cls(
             family=family,
             hidden=hidden,
-            intermediate=int(c["intermediate_size"]),
+            intermediate=intermediate,
             layers=int(c["num_hidden_layers"]),
             heads=heads,
             kv_heads=int(c.get("num_key_value_heads") or heads),
@@ -113,15 +147,65 @@ class ModelShape:
             rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling_factor=factor,
             qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+            qk_norm=family == "qwen3_moe",
             tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=int(c.get("max_position_embeddings", 4096)),
             pad_id=None if c.get("pad_token_id") is None else int(c["pad_token_id"]),
+            **moe,
         )
 
 
-def parallel_problems(shape: ModelShape, tensor: int, pipeline: int) -> list[tuple[str, str]]:
-    """(what, fix) for every way ``tensor`` x ``pipeline`` cannot split ``shape``."""
+def _moe_fields(c: Mapping[str, Any], family: str, field: str) -> tuple[dict[str, Any], int]:
+    """(the MoE fields of :class:`ModelShape`, each expert's intermediate size) of a Qwen3-MoE or
+    Mixtral config; a clear error for what megatron-core's MoE layer here would compute
+    differently (dense layers between sparse ones, router noise, sliding windows)."""
+    fix = "use backend torch for this model"
+    if family == "qwen3_moe":
+        if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1) or 1) != 1:
+            raise ValueError(
+                f"{field}: Qwen3-MoE configs with dense layers (mlp_only_layers, "
+                f"decoder_sparse_step > 1) are not supported by the megatron backend; {fix}"
+            )
+        inter, norm = int(c["moe_intermediate_size"]), bool(c.get("norm_topk_prob", False))
+    else:
+        if c.get("sliding_window"):
+            raise ValueError(
+                f"{field}: sliding-window attention (sliding_window {c['sliding_window']}) is not "
+                f"supported by the megatron backend; {fix}"
+            )
+        inter, norm = int(c["intermediate_size"]), True
+    # (transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts too)
+    experts = int(c.get("num_experts") or c["num_local_experts"])
+    if float(c.get("router_jitter_noise") or 0.0):
+        raise ValueError(
+            f"{field}: router_jitter_noise {c['router_jitter_noise']} (noise on the router "
+            f"during training) is not supported by the megatron backend; set it to 0 or {fix}"
+        )
+    top = int(c["num_experts_per_tok"])
+    return {"experts": experts, "experts_per_token": top, "norm_topk": norm}, inter
+
+
+def parallel_problems(
+    shape: ModelShape, tensor: int, pipeline: int, expert: int = 1
+) -> list[tuple[str, str]]:
+    """(what, fix) for every way ``tensor`` x ``pipeline`` (x ``expert``) cannot split
+    ``shape``."""
     out = []
+    if expert > 1 and not shape.moe:
+        out.append(
+            (
+                f"expert parallelism ({expert}) needs a mixture-of-experts model; this one is "
+                "dense",
+                "set expert: 1",
+            )
+        )
+    elif shape.moe and shape.experts % expert:
+        out.append(
+            (
+                f"expert {expert} does not divide the model's {shape.experts} experts",
+                f"use an expert size that divides {shape.experts}",
+            )
+        )
     for name, n in (
         ("attention heads", shape.heads),
         ("key/value heads", shape.kv_heads),
@@ -197,8 +281,12 @@ def hf_to_megatron(
     pp_size: int = 1,
     *,
     value_head: Mapping[str, torch.Tensor] | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The megatron state dict of rank (``tp_rank``, ``pp_rank``) from a HF state dict.
+    """The megatron state dict of rank (``tp_rank``, ``pp_rank``, ``ep_rank``) from a HF state
+    dict, a MoE layer's experts stacked (:data:`STACKED_FC1`; :func:`unstack_experts` gives
+    megatron's own names).
 
     ``hf`` uses the ``AutoModelForCausalLM`` names (``model.layers.0...``, ``lm_head.weight``).
     With ``value_head`` (``{"weight", "bias"}``) the last stage gets a value head instead of the
@@ -228,7 +316,20 @@ def hf_to_megatron(
         out[dst + "self_attention.linear_proj.weight"] = _chunk(
             hf[attn + "o_proj.weight"], tp, r, 1
         )
+        if shape.qk_norm:
+            for k in "qk":
+                out[dst + f"self_attention.{k}_layernorm.weight"] = hf[
+                    attn + f"{k}_norm.weight"
+                ].clone()
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
+        if shape.moe:
+            local = shape.experts // ep_size
+            mine = slice(ep_rank * local, (ep_rank + 1) * local)
+            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"].clone()
+            gate, up = hf[src + "mlp.experts.gate_up_proj"][mine].chunk(2, 1)
+            out[dst + STACKED_FC1] = torch.cat([gate.chunk(tp, 1)[r], up.chunk(tp, 1)[r]], 1)
+            out[dst + STACKED_FC2] = _chunk(hf[src + "mlp.experts.down_proj"][mine], tp, r, 2)
+            continue
         gate = hf[src + "mlp.gate_proj.weight"].chunk(tp, 0)[r]
         up = hf[src + "mlp.up_proj.weight"].chunk(tp, 0)[r]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
@@ -252,7 +353,11 @@ class HfTensor:
     - ``cat0`` / ``cat1``: the pieces concatenated along dimension 0 / 1;
     - ``q``, ``k``, ``v``: those rows of each piece of ``linear_qkv`` (whole key/value groups per
       rank), concatenated over the pieces;
-    - ``gate``, ``up``: that half of each piece of ``linear_fc1``, concatenated over the pieces.
+    - ``gate``, ``up``: that half of each piece of ``linear_fc1``, concatenated over the pieces;
+    - ``experts_gate_up``: a MoE layer's experts' ``gate_up_proj`` from the stacked
+      :data:`STACKED_FC1` pieces (every expert, expert parallel ranks' stacks concatenated);
+    - ``experts_down``: their ``down_proj``, the stacked :data:`STACKED_FC2` pieces concatenated
+      along dimension 2.
     """
 
     name: str
@@ -287,11 +392,30 @@ def hf_layout(shape: ModelShape, pp_size: int = 1, *, value: bool = False) -> li
             for k, n in (rows if shape.qkv_bias else ())
         ),
         ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "cat1", (h, q_rows)),
+        *(
+            (
+                f"self_attn.{k}_norm.weight",
+                f"self_attention.{k}_layernorm.weight",
+                "replicated",
+                (d,),
+            )
+            for k in ("qk" if shape.qk_norm else "")
+        ),
         ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "replicated", (h,)),
-        ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate", (inter, h)),
-        ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up", (inter, h)),
-        ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "cat1", (h, inter)),
     ]
+    e = shape.experts
+    if shape.moe:
+        layer += [
+            ("mlp.gate.weight", "mlp.router.weight", "replicated", (e, h)),
+            ("mlp.experts.gate_up_proj", STACKED_FC1, "experts_gate_up", (e, 2 * inter, h)),
+            ("mlp.experts.down_proj", STACKED_FC2, "experts_down", (e, h, inter)),
+        ]
+    else:
+        layer += [
+            ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate", (inter, h)),
+            ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up", (inter, h)),
+            ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "cat1", (h, inter)),
+        ]
     for pp_rank in range(pp_size):
         for local, i in enumerate(stage_layers(shape, pp_rank, pp_size)):
             out += [
@@ -327,7 +451,46 @@ def hf_from_pieces(shape: ModelShape, t: HfTensor, pieces: Sequence[torch.Tensor
     if t.kind in ("gate", "up"):
         j = ("gate", "up").index(t.kind)
         return torch.cat([p.chunk(2, 0)[j] for p in pieces], 0)
+    if t.kind == "experts_gate_up":
+        halves = [torch.cat([p.chunk(2, 1)[j] for p in pieces], 1) for j in (0, 1)]
+        return torch.cat(halves, 1)
+    if t.kind == "experts_down":
+        return torch.cat(list(pieces), 2)
     raise ValueError(f"unknown piece layout {t.kind!r} of {t.name}")
+
+
+def stack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with each MoE layer's ``local_experts.<j>.linear_fc1/2.weight`` stacked in ``j``'s
+    order under :data:`STACKED_FC1` / :data:`STACKED_FC2` (a dense model's: unchanged)."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for k, v in sd.items():
+        m = _LOCAL_EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            stacks.setdefault(m.group(1) + m.group(3), {})[int(m.group(2))] = v
+    for key, experts in stacks.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"megatron conversion: experts {sorted(experts)} of {key}")
+        out[key] = torch.stack([experts[j] for j in range(len(experts))])
+    return out
+
+
+def unstack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`stack_experts` undone: megatron-core's own names."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        for stacked in (STACKED_FC1, STACKED_FC2):
+            if k.endswith("." + stacked):
+                head = k[: -len(stacked)]
+                leaf = stacked.rsplit(".", 2)[-2] + ".weight"
+                for j, piece in enumerate(v.unbind(0)):
+                    out[f"{head}mlp.experts.local_experts.{j}.{leaf}"] = piece
+                break
+        else:
+            out[k] = v
+    return out
 
 
 SliceReader = Callable[[str, int, int, int], torch.Tensor]
@@ -388,6 +551,8 @@ def local_from_slices(
         return _qkv_rows(local, *(rows_of(kinds[k], 0) for k in "qkv"))
     if set(kinds) == {"gate", "up"}:
         return torch.cat([rows_of(kinds["gate"], 0), rows_of(kinds["up"], 0)], 0)
+    # (a MoE layer's fused experts: transformers writes them to its files per expert, so a
+    # checkpoint's files never hold them under these names and they are loaded whole)
     raise ValueError(f"megatron tensor {first.key}: unknown piece layouts {sorted(kinds)}")
 
 
@@ -423,6 +588,9 @@ def _split_qkv_local(shape: ModelShape, qkv: torch.Tensor, tp: int) -> tuple[tor
 
 
 __all__ = [
+    "MOE_FAMILIES",
+    "STACKED_FC1",
+    "STACKED_FC2",
     "SUPPORTED_ARCHITECTURES",
     "HfTensor",
     "ModelShape",
@@ -432,6 +600,8 @@ __all__ = [
     "local_from_slices",
     "megatron_to_hf",
     "parallel_problems",
+    "stack_experts",
     "stage_layers",
     "stage_pieces",
+    "unstack_experts",
 ]

@@ -129,6 +129,7 @@ def parallel_kwargs(shard: ShardIdentity, device: str) -> dict[str, Any]:
         "tensor_model_parallel_size": shard.tp_size,
         "pipeline_model_parallel_size": shard.pp_size,
         "context_parallel_size": shard.cp_size,
+        "expert_model_parallel_size": shard.ep_size,
         "create_gloo_process_groups": GLOO_GROUPS,
     }
 
@@ -143,7 +144,7 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
     import torch.distributed as dist
 
     ps = _import(shard.role)
-    sizes = (shard.tp_size, shard.pp_size, shard.cp_size, shard.dp_size)
+    sizes = (shard.tp_size, shard.pp_size, shard.cp_size, shard.dp_size, shard.ep_size)
     world = shard.tp_size * shard.pp_size * shard.cp_size * shard.dp_size
     if not dist.is_initialized():
         if world != 1:
@@ -171,12 +172,13 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_context_parallel_world_size(),
             ps.get_data_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
         )
         if have != sizes:
             raise RuntimeError(
                 f"spec.roles.{shard.role}.parallelism: megatron-core holds one layout per process "
-                f"and this process already has tensor x pipeline x context x data = {have}; give "
-                f"a colocated actor and critic the same parallelism"
+                f"and this process already has tensor x pipeline x context x data x expert = "
+                f"{have}; give a colocated actor and critic the same parallelism"
             )
         return
     if device.startswith("cuda"):
@@ -187,8 +189,9 @@ def init_parallel(shard: ShardIdentity, device: str, seed: int) -> None:
         ps.get_pipeline_model_parallel_rank(),
         ps.get_context_parallel_rank(),
         ps.get_data_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
     )
-    want = (shard.tp_rank, shard.pp_rank, shard.cp_rank, shard.dp_rank)
+    want = (shard.tp_rank, shard.pp_rank, shard.cp_rank, shard.dp_rank, shard.ep_rank)
     if got != want:
         raise RuntimeError(f"megatron backend: rank layout {got} differs from the worker's {want}")
     if device.startswith("cuda"):
@@ -282,18 +285,47 @@ def transformer_config(
     tp: int,
     pp: int,
     cp: int = 1,
+    ep: int = 1,
     sequence_parallel: bool = False,
     role: str = "actor",
+    routing_replay: bool = False,
 ) -> Any:
-    """megatron-core ``TransformerConfig`` of a Llama/Qwen2 model (RMSNorm, SwiGLU, RoPE, GQA,
-    no linear biases but Qwen2's q/k/v bias, no dropout: the HF models' own inference setup),
-    with the fusions of :func:`kernel_choice` (which refuses a GPU without Transformer Engine
-    unless the role opted into the local spec)."""
+    """megatron-core ``TransformerConfig`` of a Llama/Qwen2/Qwen3-MoE/Mixtral model (RMSNorm,
+    SwiGLU, RoPE, GQA, no linear biases but Qwen2's q/k/v bias, Qwen3's q/k norms, no dropout:
+    the HF models' own inference setup), with the fusions of :func:`kernel_choice` (which
+    refuses a GPU without Transformer Engine unless the role opted into the local spec).
+
+    A MoE model's layers route as the HF model does: softmax over the router's logits, the top
+    ``experts_per_token``, renormalised (megatron's top-k of the logits, then their softmax) or
+    not (``moe_router_pre_softmax``), in fp32; no load-balancing loss (the torch backend's HF
+    models add none either); experts one MLP each (``SequentialMLP``: the same names under
+    Transformer Engine's spec); tokens to the experts' ranks by all-to-all (on a CPU by
+    all-gather). ``routing_replay``: megatron-core's ``RouterReplay`` in every router."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     gpu = device.startswith("cuda")
     choice = kernel_choice(device, role)
+    moe: dict[str, Any] = {}
+    if shape.moe:
+        moe = dict(
+            num_moe_experts=shape.experts,
+            moe_router_topk=shape.experts_per_token,
+            moe_ffn_hidden_size=shape.intermediate,
+            moe_router_pre_softmax=not shape.norm_topk,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # all-to-all on GPUs; on a CPU megatron-core's all-to-all dispatcher needs CUDA
+            # streams, and its all-gather one (every expert rank sees every token) runs on gloo
+            moe_token_dispatcher_type="alltoall" if gpu else "allgather",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
+            moe_enable_routing_replay=routing_replay,
+        )
     return TransformerConfig(
         num_layers=shape.layers,
         hidden_size=shape.hidden,
@@ -321,8 +353,36 @@ def transformer_config(
         perform_initialization=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
+        qk_layernorm=shape.qk_norm,
         **choice.fusions,
+        **moe,
     )
+
+
+_TE_MOE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
+"""What megatron-core 0.16.1's ``moe_utils`` imports from Transformer Engine when it can."""
+
+
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router without Transformer Engine: ``moe_utils`` leaves
+    :data:`_TE_MOE_NAMES` undefined when the import fails, and the router's gating linear then
+    tests ``te_general_gemm is not None`` (a ``NameError``). Defined as None, as the module
+    means, megatron-core takes its torch path (``torch.mm``)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_MOE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def layer_spec(config: Any, role: str = "actor") -> Any:
@@ -333,14 +393,19 @@ def layer_spec(config: Any, role: str = "actor") -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     device = "cpu" if config.use_cpu_initialization else "cuda"
+    moe = dict(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+    )
     if kernel_choice(device, role).transformer_engine:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     if config.sequence_parallel:
         raise ValueError(
             f"spec.roles.{role}.parallelism.sequenceParallel: needs Transformer Engine, which is "
             f"not installed in this image; remove it or use an image with transformer-engine"
         )
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if config.num_moe_experts:
+        _moe_without_transformer_engine()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
 
 
 class ValueHead(torch.nn.Module):

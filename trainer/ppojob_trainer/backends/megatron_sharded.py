@@ -18,6 +18,8 @@ from ppojob_api.training import TrainingSettings
 
 from ..distributed import ShardIdentity
 from .megatron_convert import (
+    STACKED_FC1,
+    STACKED_FC2,
     HfTensor,
     ModelShape,
     hf_from_pieces,
@@ -26,7 +28,9 @@ from .megatron_convert import (
     local_from_slices,
     megatron_to_hf,
     parallel_problems,
+    stack_experts,
     stage_pieces,
+    unstack_experts,
 )
 from .megatron_inputs import (
     _causal_mask,
@@ -81,6 +85,7 @@ class _Sharded:
         seed: int,
         sequence_parallel: bool = False,
         frozen_copy: bool = False,
+        routing_replay: bool = False,
     ) -> None:
         from transformers import AutoConfig
 
@@ -97,12 +102,19 @@ class _Sharded:
         self.shape = ModelShape.from_hf_config(
             AutoConfig.from_pretrained(str(model_dir)), field="spec.model.path"
         )
-        problems = parallel_problems(self.shape, shard.tp_size, shard.pp_size)
+        problems = parallel_problems(self.shape, shard.tp_size, shard.pp_size, shard.ep_size)
         if problems:
             what, fix = problems[0]
             raise ValueError(f"{field}.parallelism: {what}; {fix}")
         if shard.cp_size > 1 and not self.gpu:
             raise ValueError(f"{field}.parallelism.context: context parallelism needs GPUs; set 1")
+        if self.shape.moe and shard.tp_size > 1 and not sequence_parallel:
+            raise ValueError(
+                f"{field}.parallelism.sequenceParallel: megatron-core trains a mixture-of-experts "
+                f"model with tensor parallelism ({shard.tp_size}) only under sequence "
+                f"parallelism; set sequenceParallel: true (GPUs with Transformer Engine) or "
+                f"tensor: 1"
+            )
         dtype = torch_dtype(dtype_name)
         if not self.gpu and dtype != torch.float32:
             raise ValueError("spec.model.dtype: the megatron backend on CPU runs float32; set it")
@@ -120,8 +132,10 @@ class _Sharded:
             tp=shard.tp_size,
             pp=shard.pp_size,
             cp=shard.cp_size,
+            ep=shard.ep_size,
             sequence_parallel=self.sequence_parallel,
             role=shard.role,
+            routing_replay=routing_replay,
         )
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
@@ -159,7 +173,8 @@ class _Sharded:
         ``transformers``."""
         from ..models import CheckpointSlices, torch_dtype, value_head_state
 
-        slices = CheckpointSlices.open(model_dir)
+        # (a MoE model's experts are fused in memory but written per expert: loaded whole)
+        slices = None if self.shape.moe else CheckpointSlices.open(model_dir)
         head = None
         if self.value:
             head = value_head_state(model_dir, self.shape.hidden, dtype, seed)
@@ -210,9 +225,18 @@ class _Sharded:
         head = None
         if self.value:
             head = {"weight": hf["value_head.weight"], "bias": hf["value_head.bias"]}
-        return hf_to_megatron(
-            hf, self.shape, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size, value_head=head
+        local = hf_to_megatron(
+            hf,
+            self.shape,
+            s.tp_rank,
+            s.tp_size,
+            s.pp_rank,
+            s.pp_size,
+            value_head=head,
+            ep_rank=s.ep_rank,
+            ep_size=s.ep_size,
         )
+        return unstack_experts(local)
 
     @staticmethod
     def _load_local(model: Any, local: Mapping[str, torch.Tensor]) -> None:
@@ -221,8 +245,9 @@ class _Sharded:
             for k, v in model.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
+        local = unstack_experts(local)
         if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
-            local = _rename(local, TE_NORMS)
+            local = _te_names(local, params)
         if set(params) != set(local):
             raise RuntimeError(
                 f"megatron conversion: model keys {sorted(set(params) ^ set(local))[:6]} do not "
@@ -371,6 +396,8 @@ class _Sharded:
         if isinstance(plan, int):
             plan = [torch.arange(sl.start, sl.stop) for sl in _split(n, plan)]
         micros = [self._inputs({k: v[idx] for k, v in batch.items()}) for idx in plan]
+        if self.shard.ep_size > 1:
+            micros = self._align_for_experts(micros)
         packed, te = self.settings.packing, self.te
 
         def step(data: Iterator[dict[str, torch.Tensor]], module: Any) -> tuple[Any, Any]:
@@ -393,14 +420,18 @@ class _Sharded:
                     out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-                loss, payload = head(output, mb)
+                if "_filler" in mb:  # (its backward still runs the experts' collectives)
+                    return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), _FILLER
+                rows = mb.get("_rows")
+                loss, payload = head(output if rows is None else output[:rows], mb)
                 return loss, torch.tensor(1, dtype=torch.int), payload
 
             return out, loss_func
 
         if not self.gpu:
-            return self._cpu_schedule(model, micros, step, forward_only=forward_only)
-        return get_forward_backward_func()(  # pragma: no cover - needs CUDA
+            done = self._cpu_schedule(model, micros, step, forward_only=forward_only)
+            return [p for p in done if p is not _FILLER]
+        done = get_forward_backward_func()(  # pragma: no cover - needs CUDA
             forward_step_func=step,
             data_iterator=iter(micros),
             model=[model],
@@ -409,6 +440,45 @@ class _Sharded:
             micro_batch_size=max(mb["_ids"].shape[0] for mb in micros),
             forward_only=forward_only,
         )
+        return [p for p in done if p is not _FILLER]  # pragma: no cover - needs CUDA
+
+    def _align_for_experts(self, micros: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``micros`` made to match those of every expert-parallel rank: each forward of a MoE
+        layer is a collective over them (the tokens go to their experts' ranks), so every rank
+        runs as many micro-batches (a rank with fewer adds fillers: its first micro-batch again,
+        whose loss is 0 and whose result is dropped), and the i-th micro-batches of all ranks
+        have one shape (megatron-core's all-gather dispatcher, the one that runs on a CPU,
+        gathers equal pieces): the rows and columns each lacks are padding, which the causal
+        mask keeps from the real tokens (a packed row: one more padding sequence), and the
+        loss reads the real rows only (``_rows``)."""
+        import torch.distributed as dist
+
+        from ..algorithms import collectives as C
+
+        group = self.ps.get_expert_model_parallel_group()
+        count = C.to_group(torch.tensor([len(micros)], dtype=torch.long), group)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        n = int(count.item())
+        out = list(micros) + [{**micros[0], "_filler": True} for _ in range(n - len(micros))]
+        sizes = torch.zeros(n, 2, dtype=torch.long)
+        for i, mb in enumerate(out):
+            sizes[i] = torch.tensor(mb["_ids"].shape)
+        sizes = C.to_group(sizes, group)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        for i, (rows, cols) in enumerate(sizes.cpu().tolist()):
+            mb = out[i] = dict(out[i])
+            b, length = mb["_ids"].shape
+            if (b, length) == (rows, cols):
+                continue
+            ids = mb["_ids"].new_zeros(rows, cols)
+            ids[:b, :length] = mb["_ids"]
+            mb["_ids"], mb["_rows"] = ids, b
+            if "_pos" in mb:  # a packed row (one row on every rank): a padding sequence
+                tail = cols - length
+                pos = torch.arange(tail, device=mb["_pos"].device)[None]
+                mb["_pos"] = torch.cat([mb["_pos"], pos], 1)
+                mb["_lengths"] = torch.cat([mb["_lengths"], torch.tensor([tail])])
+        return out
 
     @staticmethod
     def assemble(plan: list[torch.Tensor], parts: list[torch.Tensor], width: int) -> Any:
@@ -562,14 +632,23 @@ class _Sharded:
         if self.shard.dp_size > 1:
             from ..algorithms import collectives
 
-            group = self.ps.get_data_parallel_group()
-            flat = collectives.to_group(torch.cat([p.grad.reshape(-1) for p in self.params]), group)
-            dist.all_reduce(flat, group=group)
-            flat /= self.shard.dp_size
-            offset = 0
-            for p in self.params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            # an expert's gradient already sums the tokens every expert-parallel rank sent it:
+            # the rest comes from its replicas (megatron's expert data-parallel group)
+            expert_dp = self.ps.get_expert_data_parallel_group() if self.shard.ep_size > 1 else None
+            for params, group in (
+                ([p for p in self.params if not _is_expert(p)], self.ps.get_data_parallel_group()),
+                ([p for p in self.params if _is_expert(p)], expert_dp),
+            ):
+                if not params:
+                    continue
+                flat = collectives.to_group(torch.cat([p.grad.reshape(-1) for p in params]), group)
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(flat, group=group)
+                flat /= self.shard.dp_size  # (every loss was weighted for an average)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
         norm = self._global_grad_norm()
         clip = self.settings.grad_clip
         if clip:
@@ -591,15 +670,27 @@ class _Sharded:
 
         from ..algorithms import collectives
 
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)  # where the gradients are
-        for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or self.shard.tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
-        if self.shard.tp_size * self.shard.pp_size > 1:
-            group = self.ps.get_model_parallel_group()
-            sq = collectives.to_group(sq, group)  # NCCL: never the CPU
-            dist.all_reduce(sq, group=group)
-        return float(sq.sqrt())
+        s = self.shard
+        total = 0.0
+        for expert in (False, True):
+            sq = torch.zeros(1, dtype=torch.float64, device=self.device)  # the gradients' device
+            for p in self.params:
+                if _is_expert(p) != expert:
+                    continue
+                if getattr(p, "tensor_model_parallel", False) or s.tp_rank == 0:
+                    sq += p.grad.double().pow(2).sum()
+            if expert and s.tp_size * s.pp_size * s.ep_size > 1:
+                # each expert once: over tensor, expert and pipeline ranks
+                group = self.ps.get_expert_tensor_model_pipeline_parallel_group()
+            elif not expert and s.tp_size * s.pp_size > 1:
+                group = self.ps.get_model_parallel_group()
+            else:
+                group = None
+            if group is not None:
+                sq = collectives.to_group(sq, group)  # NCCL: never the CPU
+                dist.all_reduce(sq, group=group)
+            total += float(sq.item())
+        return math.sqrt(total)
 
     # -- gathering and checkpoints -------------------------------------------------------------
     def _gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -607,7 +698,7 @@ class _Sharded:
         tensors, on model-parallel rank 0 (None elsewhere). Collective over that group."""
         import torch.distributed as dist
 
-        local = {k: v.detach().to("cpu") for k, v in local.items()}
+        local = {k: v.detach().to("cpu") for k, v in stack_experts(local).items()}
         s = self.shard
         if s.tp_size * s.pp_size == 1:
             pieces = [local]
@@ -626,15 +717,37 @@ class _Sharded:
         return megatron_to_hf([pieces], self.shape, value=self.value)
 
     def _local_weights(self, model: Any) -> dict[str, torch.Tensor]:
-        """The shard's weights under the local layer spec's names."""
+        """The shard's weights under the local layer spec's names, a MoE layer's experts stacked
+        (:func:`~.megatron_convert.stack_experts`)."""
         out = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        return _rename(out, [(b, a) for a, b in TE_NORMS])
+        return stack_experts(_rename(out, [(b, a) for a, b in TE_NORMS]))
+
+    def _every_expert(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` (stacked) with each MoE layer's experts of every expert-parallel rank, in
+        expert order (a collective over the expert-parallel group; unchanged without it)."""
+        if self.shard.ep_size == 1:
+            return dict(local)
+        import torch.distributed as dist
+
+        from ..algorithms import collectives as C
+
+        group = self.ps.get_expert_model_parallel_group()
+        out = dict(local)
+        for k in sorted(local):
+            if not k.endswith((STACKED_FC1, STACKED_FC2)):
+                continue
+            piece = C.to_group(local[k].detach().contiguous(), group)
+            pieces = [torch.empty_like(piece) for _ in range(self.shard.ep_size)]
+            dist.all_gather(pieces, piece, group=group)
+            out[k] = torch.cat(pieces, 0).to(local[k].device)
+        return out
 
     def gathered_weights(self) -> dict[str, torch.Tensor]:
         """HF-named weights on the role's leader ({} elsewhere). Every worker calls it."""
+        local = self._every_expert(self._local_weights(self.model))
         if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
             return {}
-        return self._gather(self._local_weights(self.model)) or {}
+        return self._gather(local) or {}
 
     def weight_stream(self, max_bytes: int) -> WeightStream:
         """The HF-named weights in buckets of at most ``max_bytes``, each assembled when asked
@@ -688,6 +801,8 @@ class _Sharded:
             fused.clear()  # the layout has moved past the last fused tensor
         if t.stage == s.pp_rank:
             piece = local[t.key].detach()
+            if t.kind.startswith("experts") and s.ep_size > 1:
+                piece = self._every_expert({t.key: piece})[t.key]
             if s.tp_size == 1:
                 pieces = [piece]
             elif fused is not None and t.key in fused:
@@ -730,12 +845,16 @@ class _Sharded:
                     moments[k][names[id(p)]] = st[k] if k in st else torch.zeros_like(p)
                 steps.append(float(st["step"]) if "step" in st else 0.0)
             step = max(steps, default=0.0)
+        te = [(b, a) for a, b in TE_NORMS]
+        weights = self._every_expert(self._local_weights(self.model))
+        moments = {k: self._every_expert(stack_experts(_rename(moments[k], te))) for k in ADAM_KEYS}
+        if master is not None:
+            master = self._every_expert(stack_experts(_rename(master, te)))
         if self.shard.dp_rank != 0 or self.shard.cp_rank != 0:
             return {}
-        te = [(b, a) for a, b in TE_NORMS]
-        model = self._gather(self._local_weights(self.model))
-        adam = {k: self._gather(_rename(moments[k], te)) for k in ADAM_KEYS}
-        main = self._gather(_rename(master, te)) if master is not None else None
+        model = self._gather(weights)
+        adam = {k: self._gather(moments[k]) for k in ADAM_KEYS}
+        main = self._gather(master) if master is not None else None
         if model is None:
             return {}
         out = {"model": model, "adam": adam, "adam_step": step, "updates": self.updates}
@@ -865,14 +984,22 @@ class _Sharded:
                 step = torch.maximum(step, tensors["step"].detach().double().cpu().reshape(1))
         if self.shard.dp_size > 1:
             group = self.ps.get_data_parallel_group()
-            flat = C.to_group(torch.cat([t for k in keys for t in full[k].values()]), group)
-            dist.all_reduce(flat, group=group)  # the slices are disjoint: a sum assembles them
-            flat = flat.cpu()
-            offset = 0
-            for k in keys:
-                for name, t in full[k].items():
-                    full[k][name] = flat[offset : offset + t.numel()]
-                    offset += t.numel()
+            params = dict(self.model.named_parameters())
+            expert_dp = self.ps.get_expert_data_parallel_group() if self.shard.ep_size > 1 else None
+            # the slices are disjoint: a sum assembles them (an expert's over its replicas)
+            for expert, g in ((False, group), (True, expert_dp or group)):
+                names_here = [n for n in full[keys[0]] if _is_expert(params[n]) == expert]
+                if not names_here:
+                    continue
+                flat = C.to_group(torch.cat([full[k][n] for k in keys for n in names_here]), g)
+                dist.all_reduce(flat, group=g)
+                flat = flat.cpu()
+                offset = 0
+                for k in keys:
+                    for name in names_here:
+                        n = full[k][name].numel()
+                        full[k][name] = flat[offset : offset + n]
+                        offset += n
             step = C.to_group(step, group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
         params = dict(self.model.named_parameters())
@@ -929,9 +1056,11 @@ class _Sharded:
             return
         te = any(k.endswith(TE_NORMS[0][1]) for k in dict(self.model.named_parameters()))
 
+        params = dict(self.model.named_parameters())
+
         def local(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out = self._local_from_hf(_with_frozen(hf, state["model"]))
-            return _rename(out, TE_NORMS) if te else out
+            return _te_names(out, params) if te else out
 
         saved = {k: local(state["adam"][k]) for k in ADAM_KEYS}
         if "master" in state:
@@ -1018,6 +1147,29 @@ class _SliceShard(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.pieces)
+
+
+_FILLER = object()
+"""The result of a filler micro-batch (:meth:`_Sharded._align_for_experts`), dropped."""
+
+
+def _is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert's weight split over expert-parallel ranks (megatron-core marks
+    them ``allreduce = False``: not all-reduced over the whole data-parallel group)."""
+    return not getattr(p, "allreduce", True)
+
+
+def _te_names(local: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict:
+    """``local`` under Transformer Engine's layer spec's names (:data:`TE_NORMS`), for the layers
+    whose norm that spec fuses (a MoE layer keeps its ``pre_mlp_layernorm``)."""
+    out = {}
+    for k, v in local.items():
+        for old, new in TE_NORMS:
+            if k.endswith(old) and k[: -len(old)] + new in params:
+                k = k[: -len(old)] + new
+                break
+        out[k] = v
+    return out
 
 
 def _with_frozen(moments: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict:
