@@ -224,3 +224,33 @@ def test_moe_on_megatron_matches_hf_and_the_torch_backend_with_experts_split(
     per_layer = 4 * hidden * hidden + 2 * hidden + 8 * hidden  # q k v o, two norms, router
     whole = 2 * vocab * hidden + hidden + layers * per_layer + experts
     assert results["tiny-mixtral-seed5/ep2"]["local_params"] == whole - experts // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "packing"), [("tiny-qwen3-moe", False), ("tiny-mixtral", True)])
+def test_megatron_replays_the_engines_routing_and_lowers_the_mismatch(
+    tmp_path: Path, name: str, packing: bool
+) -> None:
+    """A bfloat16 engine's samples and recorded experts; the float32 megatron actor's old
+    log-probs with its experts over 2 processes, without and with replay
+    (``megatron_routing_case.py``): with replay every token-layer uses the engine's experts,
+    though its routers would choose otherwise for some, and the log-prob mismatch falls."""
+    path = models.materialize_builtin(name, 1, tmp_path / "cache")
+    out = tmp_path / "routing.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / d) for d in ("api", "trainer", "operator", "tests/trainer")]
+        ),
+    }
+    cmd = [sys.executable, str(HERE / "megatron_routing_case.py"), str(out), str(path)]
+    cmd += ["--packing"] if packing else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    print(name, r)
+    same, total = r["used_agreement"]
+    assert total > 500 and same == total
+    assert 0.9 < r["own_agreement"] < 1.0
+    (off_mean, off_max), (on_mean, on_max) = r["none"], r["rollout"]
+    assert on_mean < off_mean and on_max < off_max

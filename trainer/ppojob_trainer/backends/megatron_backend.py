@@ -108,6 +108,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
             seed=cfg.training.seed,
             sequence_parallel=cfg.roles.actor.parallelism.sequence_parallel,
             frozen_copy=need_reference,
+            routing_replay=cfg.algorithm.routing_replay == "rollout",
         )
         self.logits_chunk = LOGITS_CHUNK_TOKENS
         for model in (self.m.model, self.m.reference):
@@ -150,10 +151,34 @@ class MegatronPolicyTrainer(PolicyTrainer):
             return output.new_zeros(()), logp.cpu()
 
         plan = self.m.plan(batch, self.micro or n)
-        with _eval_mode(model):
-            parts = self.m.run(batch, plan, head, forward_only=True, reference=reference)
+        if not reference:  # routingReplay: the agreement of this pass (old log-probs)
+            self.m.routing_counts = [0.0, 0.0]
+        self.m.measure_routing = not reference
+        try:
+            with _eval_mode(model):
+                parts = self.m.run(batch, plan, head, forward_only=True, reference=reference)
+        finally:
+            self.m.measure_routing = False
         width = batch["response_ids"].shape[1]
         return self.m.from_last_stage(self.m.assemble(plan, parts, width))
+
+    def routing_stats(self) -> dict[str, float]:
+        """The last old log-probs' routing agreement with the engine's (sums: choices made
+        alike, choices compared, every layer of the pipeline's stages); empty without routing
+        replay. Every worker of the role calls it (a collective over the pipeline)."""
+        if not self.m.routers:
+            return {}
+        counts = torch.tensor(self.m.routing_counts, dtype=torch.float64)
+        if self.m.shard.pp_size > 1:
+            import torch.distributed as dist
+
+            from ..algorithms import collectives
+
+            group = self.m.ps.get_pipeline_model_parallel_group()
+            counts = collectives.to_group(counts, group)
+            dist.all_reduce(counts, group=group)
+        same, total = counts.cpu().tolist()
+        return {"router_agree_sum": same, "router_choices": total}
 
     def update(
         self,
@@ -316,7 +341,8 @@ def _loss_inputs(mb: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
     """The micro-batch a loss function sees: its tensors on the device of the log-probs or
     values it is combined with (the batch crosses the seam on the CPU; the model's output is on
     the GPU), without the schedule's own ``_ids``/``_index``."""
-    return {k: v.to(device) for k, v in mb.items() if not k.startswith("_")}
+    routes = ("routed_experts", "prompt_routed_experts")  # (routing replay: used already)
+    return {k: v.to(device) for k, v in mb.items() if not k.startswith("_") and k not in routes}
 
 
 @contextmanager

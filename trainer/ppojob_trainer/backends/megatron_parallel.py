@@ -288,7 +288,6 @@ def transformer_config(
     ep: int = 1,
     sequence_parallel: bool = False,
     role: str = "actor",
-    routing_replay: bool = False,
 ) -> Any:
     """megatron-core ``TransformerConfig`` of a Llama/Qwen2/Qwen3-MoE/Mixtral model (RMSNorm,
     SwiGLU, RoPE, GQA, no linear biases but Qwen2's q/k/v bias, Qwen3's q/k norms, no dropout:
@@ -300,7 +299,7 @@ def transformer_config(
     not (``moe_router_pre_softmax``), in fp32; no load-balancing loss (the torch backend's HF
     models add none either); experts one MLP each (``SequentialMLP``: the same names under
     Transformer Engine's spec); tokens to the experts' ranks by all-to-all (on a CPU by
-    all-gather). ``routing_replay``: megatron-core's ``RouterReplay`` in every router."""
+    all-gather). Routing replay: :mod:`.megatron_routing`."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -324,7 +323,6 @@ def transformer_config(
             moe_permute_fusion=False,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=tp,
-            moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(
         num_layers=shape.layers,

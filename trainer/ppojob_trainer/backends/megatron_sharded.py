@@ -135,7 +135,6 @@ class _Sharded:
             ep=shard.ep_size,
             sequence_parallel=self.sequence_parallel,
             role=shard.role,
-            routing_replay=routing_replay,
         )
         self.config.calculate_per_token_loss = True  # the loss functions weigh micro-batches
         self.config.variable_seq_lengths = True  # micro-batches may differ in size
@@ -150,6 +149,18 @@ class _Sharded:
             self.reference = self._new_model(build_model, local).eval()
             self.reference.requires_grad_(False)
         del local
+        # routingReplay: the routers of each model by decoder layer (megatron_routing)
+        self.routers: dict[str, dict[int, Any]] = {}
+        self.routing_counts = [0.0, 0.0]  # (choices made as the engine's, choices compared)
+        self.measure_routing = False
+        if routing_replay:
+            from .megatron_convert import stage_layers
+            from .megatron_routing import install
+
+            first = stage_layers(self.shape, shard.pp_rank, shard.pp_size).start
+            self.routers["model"] = install(self.model, first)
+            if self.reference is not None:
+                self.routers["reference"] = install(self.reference, first)
         self.updates = 0
         self.ddp = None
         if self.gpu:
@@ -356,9 +367,16 @@ class _Sharded:
 
         mb, _ = trim_padding(mb)
         pad_to = self.shard.tp_size if self.sequence_parallel else 1
+        routes = None
+        if self.routers and "routed_experts" in mb:
+            from .torch_backend.policy import replay_layout
+
+            routes = replay_layout(mb, self.settings.packing)
         if not self.settings.packing:
             ids, index = left_aligned(mb, pad_to)
             mb["_ids"], mb["_index"] = ids.to(self.device), index.to(self.device)
+            if routes is not None:
+                mb["_routes"], mb["_valid"] = left_aligned_routes(mb, *routes, ids.shape[1])
             return mb
         ids, pos, select, rows, cols = pack_rows(mb)
         tail = -ids.shape[1] % pad_to  # one more sequence of padding (sequence parallelism)
@@ -370,6 +388,11 @@ class _Sharded:
         mb["_ids"], mb["_pos"] = ids.to(self.device), pos.to(self.device)
         mb["_index"] = index.to(self.device)
         mb["_lengths"] = torch.tensor(packed_lengths(pos))  # on the CPU: no device sync
+        if routes is not None:  # (replay_layout's packed order is pack_rows')
+            mb["_routes"], mb["_valid"] = (
+                _pad_columns(r, ids.shape[1], fill)
+                for r, fill in zip(routes, (-1, False), strict=True)
+            )
         return mb
 
     def run(
@@ -400,9 +423,13 @@ class _Sharded:
             micros = self._align_for_experts(micros)
         packed, te = self.settings.packing, self.te
 
+        routers = self.routers.get("reference" if reference else "model", {})
+        measure = self.measure_routing and not reference
+
         def step(data: Iterator[dict[str, torch.Tensor]], module: Any) -> tuple[Any, Any]:
             mb = next(data)
             length = mb["_ids"].shape[1]
+            routes = self._routes(routers, mb, measure)
             if not packed:
                 mask = None if self.gpu else _causal_mask(length, self.device)
                 out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
@@ -418,6 +445,13 @@ class _Sharded:
                 mask = block_causal_mask(mb["_lengths"].tolist(), self.device)
                 with rope_positions(module, mb["_pos"]):
                     out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
+
+            if routes is not None and measure and "_filler" not in mb:
+                from .megatron_routing import agreement
+
+                same, total = agreement(routers, *routes)
+                self.routing_counts[0] += same
+                self.routing_counts[1] += total
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 if "_filler" in mb:  # (its backward still runs the experts' collectives)
@@ -441,6 +475,27 @@ class _Sharded:
             forward_only=forward_only,
         )
         return [p for p in done if p is not _FILLER]  # pragma: no cover - needs CUDA
+
+    def _routes(
+        self, routers: Mapping[int, Any], mb: Mapping[str, Any], measure: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Set ``routers`` to replay ``mb``'s recorded routing (none recorded: their own) and
+        to record their own choice when ``measure``; the routing and its valid tokens in the
+        routers' order, or None."""
+        if not routers:
+            return None
+        from .megatron_routing import set_forced, token_major
+
+        routes = None
+        if "_routes" in mb:
+            tp = self.shard.tp_size if self.sequence_parallel else 1
+            routes = tuple(
+                token_major(mb[k], self.shard.tp_rank, tp) for k in ("_routes", "_valid")
+            )
+        set_forced(routers, None if routes is None else routes[0])
+        for router in routers.values():
+            router.recording, router.chosen = measure, None
+        return routes
 
     def _align_for_experts(self, micros: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``micros`` made to match those of every expert-parallel rank: each forward of a MoE
@@ -473,6 +528,11 @@ class _Sharded:
             ids = mb["_ids"].new_zeros(rows, cols)
             ids[:b, :length] = mb["_ids"]
             mb["_ids"], mb["_rows"] = ids, b
+            for key, fill in (("_routes", -1), ("_valid", False)):  # routing replay's
+                if key in mb:
+                    pad = mb[key].new_full((rows, cols, *mb[key].shape[2:]), fill)
+                    pad[:b, :length] = mb[key]
+                    mb[key] = pad
             if "_pos" in mb:  # a packed row (one row on every rank): a padding sequence
                 tail = cols - length
                 pos = torch.arange(tail, device=mb["_pos"].device)[None]
@@ -1151,6 +1211,33 @@ class _SliceShard(Mapping[str, torch.Tensor]):
 
 _FILLER = object()
 """The result of a filler micro-batch (:meth:`_Sharded._align_for_experts`), dropped."""
+
+
+def _pad_columns(x: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
+    """``x`` [b, n, ...] with columns of ``fill`` up to ``width``."""
+    if x.shape[1] >= width:
+        return x
+    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)
+    return torch.cat([x, pad], 1)
+
+
+def left_aligned_routes(
+    mb: Mapping[str, torch.Tensor], recorded: torch.Tensor, valid: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recorded routing ``[b, P + T, layers, k]`` and its valid tokens ``[b, P + T]``
+    (prompt then response columns, :func:`~.torch_backend.policy.replay_layout`) moved as
+    :func:`~.megatron_inputs.left_aligned` moves the tokens, ``width`` columns (``-1`` and
+    False where no token is)."""
+    p = mb["prompt_ids"].shape[1]
+    total = recorded.shape[1]
+    shift = p - mb["prompt_mask"].long().sum(1)
+    cols = torch.arange(total)[None, :] + shift[:, None]
+    inside = cols < total
+    idx = cols.clamp(max=total - 1)
+    routes = recorded.gather(1, idx[:, :, None, None].expand(-1, -1, *recorded.shape[2:]))
+    routes = routes.masked_fill(~inside[:, :, None, None], -1)
+    ok = valid.gather(1, idx) & inside
+    return _pad_columns(routes, width, -1), _pad_columns(ok, width, False)
 
 
 def _is_expert(p: torch.Tensor) -> bool:
