@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,10 @@ generates (activations, CUDA graphs, sampling buffers): an assumption, not a mea
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer (Llama/Qwen/Mistral family)."""
+    """A decoder-only transformer (Llama/Qwen/Mistral family), dense or mixture-of-experts
+    (Qwen3-MoE, Mixtral): ``moe_layers`` of its ``layers`` replace the dense MLP of
+    ``intermediate`` with a router over ``experts`` experts (each a gated MLP of
+    ``expert_intermediate``), ``experts_per_token`` of which each token runs through."""
 
     hidden: int
     layers: int
@@ -113,16 +116,66 @@ class Shape:
     vocab: int
     tied: bool = False
     qkv_bias: bool = False
+    head_dim: int = 0
+    """Width of an attention head; 0: hidden / heads (Qwen3-MoE's may differ)."""
+    experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
+    """Blocks with experts; the other ``layers - moe_layers`` have a dense MLP of
+    ``intermediate`` (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    qk_norm: bool = False
+    """Qwen3's RMS norms of each head's queries and keys (``head_dim`` weights each)."""
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.hidden if not self.head_dim else self.heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0) + norms
+
+    @property
+    def dense_block_params(self) -> int:
+        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def expert_block_params(self) -> int:
+        """One expert's gate, up and down projections."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def moe_block_params(self) -> int:
+        """A MoE block: attention, the router (experts x hidden), every expert, two norms."""
+        h, e = self.hidden, self.experts
+        return self.attention_params + e * h + e * self.expert_block_params + 2 * h
 
     @property
     def block_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        attn = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0)
-        return attn + 3 * h * self.intermediate + 2 * h
+        """The largest block (what FSDP gathers at once)."""
+        if not self.moe_layers:
+            return self.dense_block_params
+        dense = self.dense_block_params if self.moe_layers < self.layers else 0
+        return max(self.moe_block_params, dense)
+
+    @property
+    def expert_params(self) -> int:
+        """The experts of every MoE block (what expert parallelism splits)."""
+        return self.moe_layers * self.experts * self.expert_block_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters a token runs through (top-k experts of each MoE block)."""
+        return self.params - self.moe_layers * (
+            (self.experts - self.experts_per_token) * self.expert_block_params
+        )
 
     @property
     def root_params(self) -> int:
@@ -131,23 +184,51 @@ class Shape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.block_params + self.root_params
+        dense = self.layers - self.moe_layers
+        blocks = dense * self.dense_block_params + self.moe_layers * self.moe_block_params
+        return blocks + self.root_params
+
+    def forward_width(self, moe: bool) -> int:
+        """Values a block's forward makes per token in the compute dtype: the two norm
+        outputs, q/k/v, the attention output and the MLP's intermediates (a MoE block: its
+        top-k experts' intermediates, the token's k dispatched copies and its router logits)."""
+        h = self.hidden
+        if moe:
+            k = self.experts_per_token
+            mlp = 3 * k * self.expert_intermediate + k * h + self.experts
+        else:
+            mlp = 3 * self.intermediate
+        return 2 * h + 2 * self.q_dim + 2 * self.kv_dim + mlp
+
+    @property
+    def widest_forward(self) -> int:
+        """:meth:`forward_width` of the widest block."""
+        dense = self.forward_width(False) if self.moe_layers < self.layers else 0
+        return max(self.forward_width(True) if self.moe_layers else 0, dense)
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Parameters of LoRA adapters of ``rank`` on the named linear layers of every block
-        (``rank x (in + out)`` each; ``all-linear``: all seven)."""
-        h, kv, i = self.hidden, self.kv_dim, self.intermediate
-        dims = {
-            "q_proj": (h, h),
+        (``rank x (in + out)`` each; ``all-linear``: all seven; a MoE block's experts are 3-D
+        parameters, no linear layers: its MLP names have none)."""
+        h, kv, i, q = self.hidden, self.kv_dim, self.intermediate, self.q_dim
+        attention = {
+            "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
-            "o_proj": (h, h),
+            "o_proj": (q, h),
+        }
+        mlp = {
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
-        names = list(dims) if "all-linear" in targets else targets
-        return self.layers * sum(rank * sum(dims[n]) for n in names if n in dims)
+        names = [*attention, *mlp] if "all-linear" in targets else targets
+        dense = self.layers - self.moe_layers
+        return sum(
+            (self.layers if n in attention else dense) * rank * sum({**attention, **mlp}[n])
+            for n in names
+            if n in attention or n in mlp
+        )
 
     def sglang_lora_pool(self, rank: int, targets: list[str], dtype_bytes: int, tp: int) -> int:
         """Bytes of SGLang's LoRA buffers on one of an engine's ``tp`` GPUs for one adapter slot
@@ -186,18 +267,52 @@ KNOWN_SHAPES: dict[str, Shape] = {
     "Qwen/Qwen2.5-7B": _qwen(3584, 28, 28, 4, 18944, 152064, False),
     "meta-llama/Llama-3.2-1B": Shape(2048, 16, 32, 8, 8192, 128256, tied=True),
     "meta-llama/Llama-3.1-8B": Shape(4096, 32, 32, 8, 14336, 128256),
+    # Qwen3-MoE: 128 experts of intermediate 768, top-8, in all 48 blocks (30.5B, 3.3B active)
+    "Qwen/Qwen3-30B-A3B": Shape(
+        2048,
+        48,
+        32,
+        4,
+        6144,
+        151936,
+        head_dim=128,
+        experts=128,
+        experts_per_token=8,
+        expert_intermediate=768,
+        moe_layers=48,
+        qk_norm=True,
+    ),
     "builtin:tiny-llama": Shape(64, 2, 4, 4, 256, 14),
     "builtin:tiny-qwen2": Shape(64, 2, 4, 4, 256, 14, qkv_bias=True),
     "builtin:small-llama": Shape(128, 5, 4, 4, 512, 14),
     "builtin:count-up-teacher": Shape(64, 2, 4, 4, 256, 14),
+    # models.BUILTIN_MODELS' MoE ones: 8 experts of intermediate 64, top-2, in both blocks
+    "builtin:tiny-qwen3-moe": Shape(
+        64,
+        2,
+        4,
+        4,
+        64,
+        14,
+        head_dim=16,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=64,
+        moe_layers=2,
+        qk_norm=True,
+    ),
+    "builtin:tiny-mixtral": Shape(
+        64, 2, 4, 4, 64, 14, experts=8, experts_per_token=2, expert_intermediate=64, moe_layers=2
+    ),
 }
 """Shapes of common models by hub id (``-Instruct`` variants share them)."""
 
 
 def shape_from_config(cfg: dict[str, Any]) -> Shape:
-    """The shape of a Hugging Face ``config.json``."""
+    """The shape of a Hugging Face ``config.json`` (a MoE one: :data:`MOE_MODEL_TYPES` only,
+    else ValueError)."""
     heads = int(cfg["num_attention_heads"])
-    return Shape(
+    dense = Shape(
         hidden=int(cfg["hidden_size"]),
         layers=int(cfg["num_hidden_layers"]),
         heads=heads,
@@ -207,11 +322,46 @@ def shape_from_config(cfg: dict[str, Any]) -> Shape:
         tied=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
     )
+    if not any(cfg.get(k) for k in MOE_KEYS):
+        return dense
+    return _moe_shape(cfg, dense)
 
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-"""Config keys of a mixture-of-experts model: its experts' parameters and activations are not
-what :class:`Shape` counts (a dense MLP of ``intermediate_size``), so it has no plan here."""
+"""Config keys of a mixture-of-experts model."""
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+"""The MoE architectures :class:`Shape` counts; another MoE config has no plan here (its shared
+experts or dense layers are not counted: no promise rather than a wrong one)."""
+
+
+def _moe_shape(cfg: dict[str, Any], dense: Shape) -> Shape:
+    """A Qwen3-MoE or Mixtral ``config.json``'s shape (transformers' ``Qwen3MoeDecoderLayer``:
+    block i has experts unless i is in ``mlp_only_layers`` or (i + 1) is no multiple of
+    ``decoder_sparse_step``; Mixtral: every block, experts of ``intermediate_size``)."""
+    kind = cfg.get("model_type")
+    if kind not in MOE_MODEL_TYPES:
+        raise ValueError(f"a mixture-of-experts model of type {kind!r}")
+    head_dim = int(cfg.get("head_dim") or dense.hidden // dense.heads)
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts too
+    experts = int(next(cfg[k] for k in MOE_KEYS if cfg.get(k)))
+    if kind == "mixtral":
+        inner, moe_layers = dense.intermediate, dense.layers
+    else:
+        inner = int(cfg["moe_intermediate_size"])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense_only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        moe_layers = sum(
+            1 for i in range(dense.layers) if i not in dense_only and (i + 1) % step == 0
+        )
+    return replace(
+        dense,
+        head_dim=head_dim,
+        experts=experts,
+        experts_per_token=int(cfg["num_experts_per_tok"]),
+        expert_intermediate=inner,
+        moe_layers=moe_layers,
+        qk_norm=kind == "qwen3_moe",
+    )
 
 
 def resolve_shape(path: str) -> Shape | None:
@@ -220,12 +370,9 @@ def resolve_shape(path: str) -> Shape | None:
     local = Path(path) / "config.json"
     try:
         if local.is_file():
-            config = json.loads(local.read_text())
-            if any(config.get(k) for k in MOE_KEYS):
-                return None  # experts are not in Shape: no promise rather than a wrong one
-            return shape_from_config(config)
+            return shape_from_config(json.loads(local.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # not a Hugging Face config: the model loader says why
+        return None  # not a Hugging Face config (the model loader says why), or another MoE
     return KNOWN_SHAPES.get(path) or KNOWN_SHAPES.get(re.sub(r"-Instruct$", "", path))
 
 
@@ -239,6 +386,7 @@ class TrainedModel:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism (megatron): each rank holds experts / ep of each MoE block
     sharding: str = "none"
     micro_batch: int = 1
     seq_len: int = 1024
@@ -264,14 +412,23 @@ class TrainedModel:
             return sh.params if self.lm_head else sh.params + sh.hidden + 1
         return sh.params - sh.vocab * sh.hidden + sh.hidden + 1
 
+    def held(self, params: int) -> float:
+        """Of a model of ``params`` parameters (this shape's experts among them), those one
+        megatron rank holds: its tensor and pipeline share, of the experts also its
+        expert-parallel share (the experts keep the tensor parallelism)."""
+        experts = self.shape.expert_params
+        return ((params - experts) + experts / self.ep) / (self.tp * self.pp)
+
     def states(self) -> dict[str, float]:
         """Persistent bytes: weights, gradients, optimizer state."""
         p = self.params
         if self.backend == "megatron":  # bf16 params, fp32 grads, distributed fp32 optimizer
             mp = self.tp * self.pp
+            # the distributed optimizer shards dense states over dp and the experts' over the
+            # expert-data-parallel group (dp / ep ranks, each holding experts / ep): p / (mp x dp)
             return {
-                "weights": 2 * p / mp,
-                "grads": 4 * p / mp,
+                "weights": 2 * self.held(p),
+                "grads": 4 * self.held(p),
                 "optimizer": 12 * p / (mp * self.dp),
             }
         s = self.dp if self.fsdp else 1
@@ -299,15 +456,18 @@ class TrainedModel:
         stream = c if (self.fsdp or self.backend == "megatron") else 4
         tokens = self.tokens_per_micro_batch or self.micro_batch * self.seq_len
         # kept per token and block: the two residual inputs (stream dtype) and, in the compute
-        # dtype, the norm outputs, q/k/v, the attention output and the MLP's intermediates
+        # dtype, the norm outputs, q/k/v, the attention output and the MLP's intermediates (a
+        # MoE block: its top-k experts'; Shape.forward_width)
         # (coefficients checked against measured peaks: bench/memory.py --measure)
-        per_token_block = stream * 2 * sh.hidden + c * (
-            4 * sh.hidden + 2 * sh.kv_dim + 3 * sh.intermediate
-        )
+        residual = stream * 2 * sh.hidden
         if self.gradient_checkpointing:
-            acts = tokens * (sh.layers * stream * sh.hidden + per_token_block)
+            acts = tokens * (sh.layers * stream * sh.hidden + residual + c * sh.widest_forward)
         else:
-            acts = tokens * sh.layers * per_token_block
+            dense, moe = sh.layers - sh.moe_layers, sh.moe_layers
+            acts = tokens * (
+                dense * (residual + c * sh.forward_width(False))
+                + moe * (residual + c * sh.forward_width(True))
+            )
         out["activations"] = acts / self.tp
         if self.lm_head:
             chunk = min(tokens, LOGITS_CHUNK_TOKENS)
@@ -388,6 +548,7 @@ def _model(half: Any, role: str, shape: Shape) -> TrainedModel:
         dp=dp,
         tp=spec.parallelism.tensor,
         pp=spec.parallelism.pipeline,
+        ep=spec.parallelism.expert if spec.backend == "megatron" else 1,
         sharding=settings.sharding,
         micro_batch=micro,
         seq_len=data.max_prompt_length + data.max_response_length,
@@ -478,9 +639,7 @@ def _reward_model_parts(half: Any) -> tuple[dict[str, float], dict[str, float], 
         params = rm_shape.params - (0 if rm_shape.tied else rm_shape.vocab * rm_shape.hidden)
         persistent[f"{label} weights"] = c * (params + rm_shape.hidden)
         tokens = rm.batch_size * rm.max_length
-        scoring[f"{label} scoring"] = (
-            tokens * c * (4 * rm_shape.hidden + 2 * rm_shape.kv_dim + 3 * rm_shape.intermediate)
-        )
+        scoring[f"{label} scoring"] = tokens * c * rm_shape.widest_forward
     return persistent, scoring, notes
 
 
@@ -497,7 +656,7 @@ def _add_teacher(half: Any, actor: TrainedModel, plan: ProcessPlan) -> None:
     c = _BYTES[d.dtype or half.model.dtype]
     plan.persistent["teacher"] = c * t_shape.params
     tokens = actor.tokens_per_micro_batch or actor.micro_batch * actor.seq_len
-    block = tokens * c * (4 * t_shape.hidden + 2 * t_shape.kv_dim + 3 * t_shape.intermediate)
+    block = tokens * c * t_shape.widest_forward
     logits = min(tokens, LOGITS_CHUNK_TOKENS) * t_shape.vocab * 3 * 4
     plan.phases["teacher scoring"] = {
         "teacher forward (one block)": block,
@@ -562,12 +721,13 @@ def plan_job(
     p.phases["actor update"] = {f"actor {k}": v for k, v in actor.update_transient().items()}
     # with LoRA the reference is the base model with the adapters off: no second copy
     if algo.kl.coefficient > 0 and not half.training.offload_reference and not actor.lora_params:
-        mp = actor.tp * actor.pp
         p.persistent["reference"] = (
-            actor.compute_bytes * shape.params / (mp * (actor.dp if actor.fsdp else 1))
+            actor.compute_bytes * actor.held(shape.params) / (actor.dp if actor.fsdp else 1)
         )
     if actor.backend == "megatron":
         p.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
+    if shape.experts:
+        p.notes.append(_experts_note(shape, actor))
     _add_teacher(half, actor, p)
     critic = None
     if critic_spec is not None:
@@ -581,6 +741,8 @@ def plan_job(
             cp = ProcessPlan("critic", persistent=c_states, phases={"critic update": c_phase})
             if critic.backend == "megatron":
                 cp.notes.append("megatron: assumed bf16 params, fp32 grads, distributed optimizer")
+            if critic_shape.experts:
+                cp.notes.append(_experts_note(critic_shape, critic))
             plans.append(cp)
     ro = roles.rollout
     colocated_sglang = ro.colocate_with_actor and ro.backend == "sglang"
@@ -620,6 +782,24 @@ def plan_job(
         _size_engine(half, shape, host, gpu_bytes)
     plans.insert(0, p)
     return plans
+
+
+def _experts_note(shape: Shape, model: TrainedModel) -> str:
+    """The plan's line on a MoE model: its experts, and those each rank holds."""
+    total, active = shape.params / 1e9, shape.active_params / 1e9
+    held = shape.experts // model.ep
+    where = (
+        f"expert parallel {model.ep}: each rank holds {held} of them per block"
+        if model.ep > 1
+        else "FSDP shards them with the other weights"
+        if model.fsdp
+        else "each rank holds all of them"
+    )
+    return (
+        f"mixture of experts: {shape.experts} experts (top-{shape.experts_per_token}, "
+        f"intermediate {shape.expert_intermediate}) in {shape.moe_layers} of {shape.layers} "
+        f"blocks, {total:.2f}B parameters ({active:.2f}B active per token); {where}"
+    )
 
 
 def _down(fraction: float) -> float:

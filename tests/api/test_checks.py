@@ -43,7 +43,11 @@ from ppojob_api.checks.megatron import (
     check_megatron_splits,
     check_megatron_top_p,
 )
-from ppojob_api.checks.moe import check_moe_backends, check_routing_replay
+from ppojob_api.checks.moe import (
+    check_expert_parallel,
+    check_moe_backends,
+    check_routing_replay,
+)
 from ppojob_api.checks.offpolicy import (
     check_importance_sampling,
     check_partial_rollout,
@@ -2847,6 +2851,10 @@ TABLE += [
 # --- mixture-of-experts models and routing replay
 REPLAY = {"algorithm__routingReplay": "rollout"}
 MOE_MODEL = {"model__path": "builtin:tiny-qwen3-moe"}
+MODELS = Path(__file__).with_name("models")
+"""Model directories (a config.json each) of the rows below; check_messages.txt names them
+relative to the repository (``_every_message``)."""
+OTHER_MOE = {"model__path": str(MODELS / "tiny-deepseek-v3")}
 TABLE += [
     (check_routing_replay, "replay on a built-in MoE model", {**REPLAY, **MOE_MODEL}, []),
     (check_routing_replay, "no replay on a dense model", {}, []),
@@ -2858,6 +2866,12 @@ TABLE += [
     ),
     (
         check_routing_replay,
+        "replay on a megatron actor (megatron-core's RouterReplay)",
+        {**REPLAY, "model__path": "builtin:tiny-mixtral", "roles__actor": MEGATRON_CPU},
+        [],
+    ),
+    (
+        check_routing_replay,
         "replay on a megatron actor, multi-turn",
         {
             **REPLAY,
@@ -2865,7 +2879,7 @@ TABLE += [
             "roles__actor": MEGATRON_CPU,
             **SANDBOX_AGENT,
         },
-        ["spec.algorithm.routingReplay", "spec.algorithm.routingReplay"],
+        ["spec.algorithm.routingReplay"],
     ),
     (
         check_routing_replay,
@@ -2876,9 +2890,193 @@ TABLE += [
     (check_moe_backends, "a MoE model on torch roles", MOE_MODEL, []),
     (
         check_moe_backends,
-        "a MoE model on a megatron actor and critic",
-        {**MOE_MODEL, "roles__actor": MEGATRON_CPU, "roles__critic": {"backend": "megatron"}},
+        "Qwen3-MoE and Mixtral models on a megatron actor and critic",
+        {
+            **MOE_MODEL,
+            "model__criticPath": "builtin:tiny-mixtral",
+            "roles__actor": MEGATRON_CPU,
+            "roles__critic": {"backend": "megatron"},
+        },
+        [],
+    ),
+    (
+        check_moe_backends,
+        "another MoE architecture on a megatron actor and critic",
+        {**OTHER_MOE, "roles__actor": MEGATRON_CPU, "roles__critic": {"backend": "megatron"}},
         ["spec.roles.actor.backend", "spec.roles.critic.backend"],
+    ),
+    (
+        check_moe_backends,
+        "another MoE architecture as the critic only, on megatron",
+        {
+            **MOE_MODEL,
+            "model__criticPath": OTHER_MOE["model__path"],
+            "roles__actor": MEGATRON_CPU,
+            "roles__critic": {"backend": "megatron"},
+        },
+        ["spec.roles.critic.backend"],
+    ),
+    (check_moe_backends, "another MoE architecture on torch roles", OTHER_MOE, []),
+]
+
+# --- expert parallelism (parallelism.expert): megatron only, a MoE model, dividing dp and experts
+EP = {"parallelism": {"expert": 2}}
+TABLE += [
+    (
+        check_backends,
+        "expert parallelism on torch actor and critic, and an sglang rollout",
+        {
+            **MOE_MODEL,
+            "roles__actor": {"replicas": 2, **EP},
+            "roles__critic": EP,
+            "roles__rollout": {**SGLANG_GPU, **EP},
+        },
+        [
+            "spec.roles.actor.parallelism.expert",
+            "spec.roles.critic.parallelism.expert",
+            "spec.roles.rollout.parallelism.expert",
+        ],
+    ),
+    (
+        check_backends,
+        "expert parallelism on a torch rollout",
+        {**MOE_MODEL, "roles__rollout": EP},
+        ["spec.roles.rollout.parallelism.expert"],
+    ),
+    (
+        check_backends,
+        "expert parallelism on a megatron actor and critic",
+        {**MOE_MODEL, "roles__actor": {**GPU_ACTOR, **EP}, "roles__critic": {**GPU_ACTOR, **EP}},
+        [],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 and 8 on megatron roles of 8 data-parallel ranks, 8 experts",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, **EP},
+            "roles__critic": {**GPU_ACTOR, "parallelism": {"expert": 8}},
+        },
+        [],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 on torch roles (check_backends refuses it)",
+        {**MOE_MODEL, "roles__actor": {"replicas": 2, **EP}, "roles__critic": EP},
+        [],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 with a dense model",
+        {"roles__actor": {**GPU_ACTOR, **EP}},
+        ["spec.roles.actor.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 with a known dense hub model",
+        {"model__path": "Qwen/Qwen2.5-7B-Instruct", "roles__actor": {**GPU_ACTOR, **EP}},
+        ["spec.roles.actor.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 4 of 2 data-parallel ranks (8 GPUs / tensor 4)",
+        {**MOE_MODEL, "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 4, "expert": 4}}},
+        ["spec.roles.actor.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 of 4 data-parallel ranks (8 GPUs / pipeline 2)",
+        {**MOE_MODEL, "roles__actor": {**GPU_ACTOR, "parallelism": {"pipeline": 2, "expert": 2}}},
+        [],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 on a colocated critic of the actor's 3 data-parallel ranks",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, "replicas": 3, "resources": {"gpus": 1}, **EP},
+            "roles__critic": {"backend": "megatron", "colocateWithActor": True, **EP},
+        },
+        ["spec.roles.actor.parallelism.expert", "spec.roles.critic.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 4 of a critic's own 2 data-parallel ranks (the actor has 8)",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"expert": 4}},
+            "roles__critic": {**GPU_ACTOR, "resources": {"gpus": 2}, "parallelism": {"expert": 4}},
+        },
+        ["spec.roles.critic.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 3 divides 12 data-parallel ranks but not 8 experts",
+        {
+            **MOE_MODEL,
+            "roles__actor": {
+                **GPU_ACTOR,
+                "replicas": 3,
+                "resources": {"gpus": 4},
+                "parallelism": {"expert": 3},
+            },
+        },
+        ["spec.roles.actor.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 4 of a config.json's 6 experts",
+        {
+            "model__path": str(MODELS / "tiny-qwen3-moe-6-experts"),
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"expert": 4}},
+        },
+        ["spec.roles.actor.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 of a config.json's 6 experts; the critic's own dense model",
+        {
+            "model__path": str(MODELS / "tiny-qwen3-moe-6-experts"),
+            "model__criticPath": "builtin:tiny-llama",
+            "roles__actor": {**GPU_ACTOR, **EP},
+            "roles__critic": {**GPU_ACTOR, **EP},
+        },
+        ["spec.roles.critic.parallelism.expert"],
+    ),
+    (
+        check_expert_parallel,
+        "expert 16 of a hub model's 128 experts (Qwen3-30B-A3B), 16 data-parallel ranks",
+        {
+            "model__path": "Qwen/Qwen3-30B-A3B",
+            "roles__actor": {**GPU_ACTOR, "replicas": 2, "parallelism": {"expert": 16}},
+        },
+        [],
+    ),
+    (
+        check_expert_parallel,
+        "expert 2 of a hub model the plan does not know (told at load)",
+        {"model__path": "org/m", "roles__actor": {**GPU_ACTOR, **EP}},
+        [],
+    ),
+    (
+        check_megatron_colocated_critic,
+        "colocated megatron critic with another expert size",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, **EP},
+            "roles__critic": {"backend": "megatron", "colocateWithActor": True},
+        },
+        ["spec.roles.critic.parallelism"],
+    ),
+    (
+        check_megatron_colocated_critic,
+        "colocated megatron critic with the actor's expert size",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, **EP},
+            "roles__critic": {"backend": "megatron", "colocateWithActor": True, **EP},
+        },
+        [],
     ),
 ]
 
@@ -2892,7 +3090,8 @@ def _every_message() -> str:
     for check, name, settings, _ in TABLE:
         for problem in check(spec(**settings), "spec"):
             lines.append(f"{check.__name__} | {name} | {problem}")
-    return "\n".join(lines) + "\n"
+    repo = str(Path(__file__).resolve().parents[2]) + "/"
+    return "\n".join(lines).replace(repo, "") + "\n"
 
 
 def test_every_message_and_fix_reads_as_recorded() -> None:

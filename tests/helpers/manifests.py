@@ -303,6 +303,29 @@ INVALID += [
     ),
 ]
 
+# Expert parallelism (parallelism.expert): megatron roles only, dividing the data-parallel size
+# (GPU_JOB's actor: 16 GPUs / tensor 4 = 4 ranks) and a MoE model's number of experts.
+INVALID += [
+    (
+        "expert parallelism on the sglang rollout",
+        "spec.roles.rollout.parallelism.expert",
+        2,
+        "spec.roles.rollout.parallelism.expert",
+    ),
+    (
+        "expert 8 of the actor's 4 data-parallel ranks",
+        "spec.roles.actor.parallelism.expert",
+        8,
+        "spec.roles.actor.parallelism.expert",
+    ),
+    (
+        "expert above the schema's 1024",
+        "spec.roles.critic.parallelism.expert",
+        2048,
+        "spec.roles.critic.parallelism.expert",
+    ),
+]
+
 GRPO_INVALID: list[tuple[str, str, Any, str]] = [
     ("critic role with grpo", "spec.roles.critic", {"replicas": 1}, "spec.roles.critic"),
     (

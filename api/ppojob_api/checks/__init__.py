@@ -39,7 +39,11 @@ from ppojob_api.checks.megatron import (
     check_megatron_top_p,
 )
 from ppojob_api.checks.memory import check_memory_plan
-from ppojob_api.checks.moe import check_moe_backends, check_routing_replay
+from ppojob_api.checks.moe import (
+    check_expert_parallel,
+    check_moe_backends,
+    check_routing_replay,
+)
 from ppojob_api.checks.offpolicy import (
     check_importance_sampling,
     check_partial_rollout,
@@ -90,6 +94,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_splits,
     check_megatron_colocated_critic,
     check_moe_backends,
+    check_expert_parallel,
     check_routing_replay,
     check_sequence_parallel,
     check_tensor_within_pod,

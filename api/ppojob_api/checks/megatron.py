@@ -123,20 +123,27 @@ def check_megatron_splits(half: TrainingHalf, prefix: str = "spec") -> list[Prob
 
 
 def check_megatron_colocated_critic(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
-    """A colocated megatron critic shares the actor's processes, which hold one parallel layout."""
+    """A colocated megatron critic shares the actor's processes, which hold one parallel layout
+    (tensor, pipeline, context and expert sizes, sequence parallelism)."""
     critic = half.roles.effective_critic(half.algorithm.needs_critic)
+    actor = half.roles.actor.parallelism
     if (
-        len(megatron_roles(half)) == 2
-        and critic is not None
-        and critic.colocate_with_actor
-        and critic.parallelism != half.roles.actor.parallelism
+        len(megatron_roles(half)) != 2
+        or critic is None
+        or not critic.colocate_with_actor
+        or critic.parallelism == actor
     ):
-        return [
-            Problem(
-                f"{prefix}.roles.critic.parallelism",
-                "a colocated critic shares the actor's processes, and megatron-core "
-                "holds one parallel layout per process",
-                "give the critic the actor's parallelism",
-            )
-        ]
-    return []
+        return []
+    mine = critic.parallelism.model_dump(by_alias=True)
+    theirs = actor.model_dump(by_alias=True)
+    differ = ", ".join(
+        f"{k} {mine[k]} (the actor's {theirs[k]})" for k in mine if mine[k] != theirs[k]
+    )
+    return [
+        Problem(
+            f"{prefix}.roles.critic.parallelism",
+            "a colocated critic shares the actor's processes, and megatron-core "
+            f"holds one parallel layout per process: {differ}",
+            "give the critic the actor's parallelism",
+        )
+    ]

@@ -73,8 +73,8 @@ def check_colocation(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
 
 def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """Each role's backend against its GPUs and parallelism: sglang needs GPUs, torch is data
-    parallel only, sglang is tensor parallel only, workers tile the model-parallel size, and an
-    engine fits its pod."""
+    parallel only, sglang is tensor parallel only, expert parallelism is megatron's only,
+    workers tile the model-parallel size, and an engine fits its pod."""
     roles = half.roles
     actor = roles.actor
     p: list[Problem] = []
@@ -111,6 +111,16 @@ def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                     "set pipeline and context to 1",
                 )
             )
+        if mp.expert > 1 and spec.backend != "megatron":
+            rollout = name == "rollout"
+            p.append(
+                Problem(
+                    f"{rpath}.parallelism.expert",
+                    f"the {spec.backend} {'rollout ' if rollout else ''}backend has no expert "
+                    f"parallelism: {_NO_EXPERT_PARALLEL[spec.backend, rollout]}",
+                    "set expert: 1" + ("" if rollout else ", or use backend megatron"),
+                )
+            )
         workers = roles.workers_of(name)
         if workers % mp.model_parallel:
             p.append(
@@ -135,6 +145,17 @@ def check_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
                 )
             )
     return p
+
+
+_NO_EXPERT_PARALLEL = {
+    ("torch", False): "FSDP2 (training.sharding: fsdp) shards a MoE model's experts with the "
+    "rest of its weights",
+    ("torch", True): "each torch engine holds the whole model",
+    ("sglang", True): "the engine is started with tensor parallelism only (no ep_size), which "
+    "splits every expert over its parallelism.tensor GPUs",
+}
+"""Why a backend has no ``parallelism.expert`` (keyed by backend, and whether it is the
+rollout's): the trainer's sglang engine passes ``tp_size`` and no ``ep_size``."""
 
 
 def check_sequence_parallel(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

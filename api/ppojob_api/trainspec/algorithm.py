@@ -201,8 +201,9 @@ class Algorithm(ApiModel):
     `rollout` every step reports moe/router_agreement: the share of token-layer expert choices
     the actor's own routers make exactly as the engine did (what replay overrides where it is
     below 1); either way rollout/logprob_diff_mean and _max show the mismatch left. Needs a
-    MoE model (Qwen3-MoE or Mixtral architecture), torch actor workers and single-turn
-    generation; the sglang engine records with its own enable_return_routed_experts."""
+    MoE model (Qwen3-MoE or Mixtral architecture) and single-turn generation; torch actor
+    workers replay through their routers, megatron ones through megatron-core's RouterReplay.
+    The sglang engine records with its own enable_return_routed_experts."""
 
     max_staleness: int = Field(0, ge=0, le=16)
     """Bounded staleness: how many policy versions older than the actor a sample's tokens may be
