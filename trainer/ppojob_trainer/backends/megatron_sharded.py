@@ -256,7 +256,8 @@ class _Sharded:
             for k, v in model.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
-        local = unstack_experts(local)
+        if any(k.endswith((STACKED_FC1, STACKED_FC2)) for k in local):  # (keys only: a
+            local = unstack_experts(local)  # _SliceShard reads a tensor when it is asked for)
         if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
             local = _te_names(local, params)
         if set(params) != set(local):
