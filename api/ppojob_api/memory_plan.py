@@ -976,7 +976,9 @@ def plan_problems(
                     f"the memory plan needs {plan.peak / GiB:.1f} GiB per GPU, more than its "
                     f"{gib:.0f} GiB ({parts} GiB)",
                     "training.sharding: fsdp, gradientCheckpointing, a smaller microBatchSize "
-                    "or offloadReference; `ppojob validate --plan` prints the plan",
+                    "or offloadReference"
+                    + (_EXPERT_FIX if _splits_experts(half, plan.name, shape) else "")
+                    + "; `ppojob validate --plan` prints the plan",
                 )
             )
         if wake is not None:
@@ -993,6 +995,19 @@ def plan_problems(
         hint = ASSUMED_GPU_FIX.format(gib=gib)
         out = [Problem(p.path, p.message, p.fix + hint) for p in out]
     return out
+
+
+_EXPERT_FIX = ", or (megatron) a larger parallelism.expert to split the experts"
+
+
+def _splits_experts(half: Any, name: str, shape: Shape | None) -> bool:
+    """Whether a megatron role ``name`` of a MoE model could hold fewer experts per GPU."""
+    spec = getattr(half.roles, name, None)
+    if spec is None or getattr(spec, "backend", None) != "megatron":
+        return False
+    path = half.model.critic_path if name == "critic" and half.model.critic_path else None
+    found = shape if shape is not None and path is None else resolve_shape(path or half.model.path)
+    return bool(found is not None and found.experts)
 
 
 def _engine_problem(plan: ProcessPlan, gib: float, prefix: str) -> Problem:
