@@ -139,7 +139,7 @@ class Shape:
     @property
     def attention_params(self) -> int:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        norms = 2 * self.head_dim if self.qk_norm else 0
+        norms = 2 * (self.head_dim or self.hidden // self.heads) if self.qk_norm else 0
         return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0) + norms
 
     @property
@@ -341,7 +341,7 @@ def _moe_shape(cfg: dict[str, Any], dense: Shape) -> Shape:
     kind = cfg.get("model_type")
     if kind not in MOE_MODEL_TYPES:
         raise ValueError(f"a mixture-of-experts model of type {kind!r}")
-    head_dim = int(cfg.get("head_dim") or dense.hidden // dense.heads)
+    head_dim = int(cfg.get("head_dim") or 0)  # 0: hidden / heads
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts too
     experts = int(next(cfg[k] for k in MOE_KEYS if cfg.get(k)))
     if kind == "mixtral":
