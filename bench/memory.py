@@ -1,10 +1,14 @@
 """Memory plan of a PPOJob per GPU process, by part; and a check of the plan against the real peak.
 
     python bench/memory.py examples/ppojob-7b-megatron-volcano.yaml           # the plan
+    python bench/memory.py examples/ppojob-qwen3-moe-megatron-ep.yaml         # a MoE plan
     python bench/memory.py FILE --set roles.actor.backend=torch ...           # another layout
     python bench/memory.py --measure                                          # plan vs CPU peak
 
-The plan (``ppojob_api.memory_plan``) is arithmetic over the model's shape and the spec.
+The plan (``ppojob_api.memory_plan``) is arithmetic over the model's shape and the spec. For a
+mixture-of-experts model (the Qwen3-30B-A3B-shaped example, plan only: no GPU here) it also
+prints the experts' share: parameters, active parameters, and the experts' bf16 weights per
+actor rank under the role's expert parallelism.
 ``--measure`` checks it: for a few small random-init Llama models it runs two real actor (or
 critic) updates through the torch backend on the CPU, in a fresh process with glibc's mmap
 threshold pinned (so freed tensors go back to the OS), and compares the peak resident memory
@@ -42,6 +46,7 @@ from ppojob_api.memory_plan import (  # noqa: E402
     format_plan,
     gpu_gib_of,
     plan_job,
+    resolve_shape,
 )
 
 # (name, shape, role, micro batch, sequence length, gradient checkpointing)
@@ -215,6 +220,22 @@ def measure() -> int:
     return 0 if held <= 0.20 else 1
 
 
+def _experts_line(shape: Shape, actor: object) -> str:
+    """A MoE model's figures: parameters, active ones, and the experts' weights per actor rank
+    (model.dtype bytes; megatron: / tensor / expert)."""
+    mp = actor.parallelism  # type: ignore[attr-defined]
+    megatron = actor.backend == "megatron"  # type: ignore[attr-defined]
+    ep, tp = (mp.expert, mp.tensor) if megatron else (1, 1)
+    per_rank = 2 * shape.expert_params / (ep * tp * (mp.pipeline if megatron else 1))
+    return (
+        f"experts: {shape.experts} per MoE block (top-{shape.experts_per_token}), "
+        f"{shape.moe_layers} MoE blocks; {shape.params / 1e9:.2f}B parameters "
+        f"({shape.expert_params / 1e9:.2f}B in experts, {shape.active_params / 1e9:.2f}B active "
+        f"per token); expert weights per actor rank {per_rank / GiB:.2f} GiB in bf16 "
+        f"(expert {ep}, tensor {tp}; {2 * shape.expert_params / GiB:.2f} GiB whole)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("manifest", nargs="?", help="a PPOJob manifest")
@@ -249,6 +270,9 @@ def main() -> int:
         )
         return 2
     print(f"{args.manifest}: model {cfg.model.path}, dtype {cfg.model.dtype}, GPU {gib:.0f} GiB")
+    shape = resolve_shape(cfg.model.path)
+    if shape is not None and shape.experts:
+        print(_experts_line(shape, actor))
     print(format_plan(plans, gib))
     return 0 if all(p.peak <= gib * GiB for p in plans) else 1
 

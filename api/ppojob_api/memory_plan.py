@@ -139,7 +139,7 @@ class Shape:
     @property
     def attention_params(self) -> int:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        norms = 2 * self.head_dim if self.qk_norm else 0
+        norms = 2 * (self.head_dim or self.hidden // self.heads) if self.qk_norm else 0
         return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0) + norms
 
     @property
@@ -341,7 +341,7 @@ def _moe_shape(cfg: dict[str, Any], dense: Shape) -> Shape:
     kind = cfg.get("model_type")
     if kind not in MOE_MODEL_TYPES:
         raise ValueError(f"a mixture-of-experts model of type {kind!r}")
-    head_dim = int(cfg.get("head_dim") or dense.hidden // dense.heads)
+    head_dim = int(cfg.get("head_dim") or 0)  # 0: hidden / heads
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts too
     experts = int(next(cfg[k] for k in MOE_KEYS if cfg.get(k)))
     if kind == "mixtral":
@@ -976,7 +976,9 @@ def plan_problems(
                     f"the memory plan needs {plan.peak / GiB:.1f} GiB per GPU, more than its "
                     f"{gib:.0f} GiB ({parts} GiB)",
                     "training.sharding: fsdp, gradientCheckpointing, a smaller microBatchSize "
-                    "or offloadReference; `ppojob validate --plan` prints the plan",
+                    "or offloadReference"
+                    + (_EXPERT_FIX if _splits_experts(half, plan.name, shape) else "")
+                    + "; `ppojob validate --plan` prints the plan",
                 )
             )
         if wake is not None:
@@ -993,6 +995,19 @@ def plan_problems(
         hint = ASSUMED_GPU_FIX.format(gib=gib)
         out = [Problem(p.path, p.message, p.fix + hint) for p in out]
     return out
+
+
+_EXPERT_FIX = ", or (megatron) a larger parallelism.expert to split the experts"
+
+
+def _splits_experts(half: Any, name: str, shape: Shape | None) -> bool:
+    """Whether a megatron role ``name`` of a MoE model could hold fewer experts per GPU."""
+    spec = getattr(half.roles, name, None)
+    if spec is None or getattr(spec, "backend", None) != "megatron":
+        return False
+    path = half.model.critic_path if name == "critic" and half.model.critic_path else None
+    found = shape if shape is not None and path is None else resolve_shape(path or half.model.path)
+    return bool(found is not None and found.experts)
 
 
 def _engine_problem(plan: ProcessPlan, gib: float, prefix: str) -> Problem:

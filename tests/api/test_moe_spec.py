@@ -295,3 +295,13 @@ def test_the_plan_of_a_job_splits_the_experts_over_expert_parallel_ranks() -> No
     dense_mlp = M.Shape(2048, 48, 32, 4, 6144, 151936, head_dim=128)
     assert shape.forward_width(True) != dense_mlp.forward_width(False)
     assert shape.widest_forward == (2 * 2048 + 2 * 4096 + 2 * 512 + 3 * 8 * 768 + 8 * 2048 + 128)
+
+
+def test_render_and_validate_plan_show_the_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).parents[2] / "examples" / "ppojob-qwen3-moe-megatron-ep.yaml"
+    for command in (["render", str(example)], ["validate", "--plan", str(example)]):
+        assert ppojob(command) == 0
+        out = capsys.readouterr().out
+        assert "mixture of experts: 128 experts (top-8, intermediate 768) in 48 of 48 blocks" in out
+        assert "30.53B parameters (3.35B active per token)" in out
+        assert "expert parallel 8: each rank holds 16 of them per block" in out

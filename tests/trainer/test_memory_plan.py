@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = ROOT / "examples" / "ppojob-7b-megatron-volcano.yaml"
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "small-llama"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama", "tiny-qwen2", "small-llama", "tiny-qwen3-moe", "tiny-mixtral"]
+)
 def test_shapes_count_the_parameters_of_the_real_models(name):
     from ppojob_trainer.models import build_builtin_model, count_parameters
 
