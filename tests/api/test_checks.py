@@ -46,6 +46,7 @@ from ppojob_api.checks.megatron import (
 from ppojob_api.checks.moe import (
     check_expert_parallel,
     check_moe_backends,
+    check_moe_tensor_parallel,
     check_routing_replay,
 )
 from ppojob_api.checks.offpolicy import (
@@ -3198,3 +3199,45 @@ def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> Non
     assert check(spec(**settings)) == found  # `spec` is the default prefix
     for problem in found:
         assert problem.message and problem.fix, f"{problem} needs a message and a fix"
+
+
+# --- a MoE model under megatron tensor parallelism needs sequence parallelism
+TABLE += [
+    (
+        check_moe_tensor_parallel,
+        "tensor 2 without sequence parallelism on a MoE megatron actor and its critic",
+        {
+            **MOE_MODEL,
+            "roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2}},
+            "roles__critic": {**GPU_ACTOR, "parallelism": {"tensor": 2}},
+        },
+        [
+            "spec.roles.actor.parallelism.sequenceParallel",
+            "spec.roles.critic.parallelism.sequenceParallel",
+        ],
+    ),
+    (
+        check_moe_tensor_parallel,
+        "tensor 2 with sequence parallelism on a MoE megatron actor",
+        {
+            **MOE_MODEL,
+            "roles__actor": {
+                **GPU_ACTOR,
+                "parallelism": {"tensor": 2, "sequenceParallel": True},
+            },
+        },
+        [],
+    ),
+    (
+        check_moe_tensor_parallel,
+        "tensor 2 without sequence parallelism on a dense megatron actor",
+        {"roles__actor": {**GPU_ACTOR, "parallelism": {"tensor": 2}}},
+        [],
+    ),
+    (
+        check_moe_tensor_parallel,
+        "tensor 2 on a MoE torch actor (FSDP2: no tensor parallelism to mind)",
+        {**MOE_MODEL, "roles__actor": {"parallelism": {"tensor": 2}}},
+        [],
+    ),
+]

@@ -84,7 +84,10 @@ def plan_time(half: Any, shape: Shape | None = None, hw: Hardware | None = None)
     critic_shape = shape
     if half.model.critic_path:
         critic_shape = resolve_shape(half.model.critic_path) or shape
-    n, nc = float(shape.params), float(critic_shape.params)
+    # FLOPs follow the parameters a token runs through (a MoE model's top-k experts), bytes
+    # (weights read per decode step, weight sync) all of them
+    n, nc = float(shape.active_params), float(critic_shape.active_params)
+    total = float(shape.params)
     samples = data.samples_per_step
     prompt, response = data.max_prompt_length, data.max_response_length
     tokens = samples * (prompt + response)
@@ -104,7 +107,7 @@ def plan_time(half: Any, shape: Shape | None = None, hw: Hardware | None = None)
     per_engine = max(ro_gpus / engines, 1e-9)
     seqs = -(-samples // engines)
     gen_rate = per_engine * peak * GENERATE_MFU[ro.backend]
-    weight_bytes = _BYTES[half.model.dtype] * n
+    weight_bytes = _BYTES[half.model.dtype] * total
     read = weight_bytes / (per_engine * hw.memory_tbps * 1e12 * DECODE_BANDWIDTH[ro.backend])
     decode_step = max(read, 2 * n * seqs / gen_rate)
     phases["generate"] = 2 * n * seqs * prompt / gen_rate + response * decode_step
@@ -135,8 +138,10 @@ def plan_time(half: Any, shape: Shape | None = None, hw: Hardware | None = None)
         f"{DECODE_BANDWIDTH[ro.backend]:.0%} of memory bandwidth per decode step ({ro.backend})",
         f"every response at maxResponseLength: {samples} samples x ({prompt} + {response}) = "
         f"{tokens} tokens per step",
-        f"model {n / 1e9:.3g}B parameters (2 N FLOPs per token forward, 6 N forward + backward); "
-        "attention, Ray and data movement other than weight sync not counted",
+        f"model {total / 1e9:.3g}B parameters"
+        + (f", {n / 1e9:.3g}B active per token" if n != total else "")
+        + " (2 N FLOPs per token forward, 6 N forward + backward, N active); attention, Ray and "
+        "data movement other than weight sync not counted",
         f"GPUs: actor {actor_gpus}, rollout {ro_gpus} in {engines} engine(s)"
         + (" (colocated: time-shared)" if ro.colocate_with_actor else "")
         + "; phases one after another (on-policy loop)",

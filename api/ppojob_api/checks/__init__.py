@@ -42,6 +42,7 @@ from ppojob_api.checks.memory import check_memory_plan
 from ppojob_api.checks.moe import (
     check_expert_parallel,
     check_moe_backends,
+    check_moe_tensor_parallel,
     check_routing_replay,
 )
 from ppojob_api.checks.offpolicy import (
@@ -95,6 +96,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_megatron_colocated_critic,
     check_moe_backends,
     check_expert_parallel,
+    check_moe_tensor_parallel,
     check_routing_replay,
     check_sequence_parallel,
     check_tensor_within_pod,

@@ -187,3 +187,24 @@ def check_expert_parallel(half: TrainingHalf, prefix: str = "spec") -> list[Prob
                 )
             )
     return problems
+
+
+def check_moe_tensor_parallel(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """A mixture-of-experts model on a megatron role under tensor parallelism needs sequence
+    parallelism: megatron-core 0.16's MoE layer refuses to train without it."""
+    problems: list[Problem] = []
+    for name, spec in megatron_roles(half):
+        mp = spec.parallelism
+        path = half.model.critic_path if name == "critic" and half.model.critic_path else None
+        path = path or half.model.path
+        if mp.tensor > 1 and not mp.sequence_parallel and moe_kind(path) == "replayable":
+            problems.append(
+                Problem(
+                    f"{prefix}.roles.{name}.parallelism.sequenceParallel",
+                    f"{path} is a mixture-of-experts model, which megatron-core trains under "
+                    f"tensor parallelism ({mp.tensor}) only with sequence parallelism",
+                    "set sequenceParallel: true (GPUs with Transformer Engine), or tensor: 1 "
+                    "and parallelism.expert to split the experts",
+                )
+            )
+    return problems

@@ -21,12 +21,14 @@ expert's), for the size checks (`models.py` builds
 them; a test keeps the two in step)."""
 
 # What the megatron backend splits in the built-in models (models.BUILTIN_MODELS, which needs
-# torch): family, hidden, intermediate, layers, heads, key/value heads, vocabulary. A trainer test
-# checks they agree with the models.
+# torch): family, hidden, intermediate (a MoE model's: each expert's), layers, heads, key/value
+# heads, vocabulary. A trainer test checks they agree with the models.
 BUILTIN_MEGATRON_SHAPES = {
     "tiny-llama": ("llama", 64, 256, 2, 4, 4, 14),
     "tiny-qwen2": ("qwen2", 64, 256, 2, 4, 4, 14),
     "small-llama": ("llama", 128, 512, 5, 4, 4, 14),
+    "tiny-qwen3-moe": ("qwen3_moe", 64, 64, 2, 4, 4, 14),
+    "tiny-mixtral": ("mixtral", 64, 64, 2, 4, 4, 14),
 }
 BUILTIN_TASKS = ("count-up", "reverse", "calculator")
 BUILTIN_AGENTS = ("calculator",)

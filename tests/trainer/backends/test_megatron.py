@@ -167,9 +167,7 @@ def test_builtin_shapes_table_matches_the_models() -> None:
             shape.vocab,
         )
         assert got == (family, hidden, inter, layers, heads, kv, vocab), name
-    # every dense built-in; the MoE ones are refused on megatron roles (check_moe_backends)
-    dense = {n for n, m in models.BUILTIN_MODELS.items() if not m.experts}
-    assert set(BUILTIN_MEGATRON_SHAPES) == dense
+    assert set(BUILTIN_MEGATRON_SHAPES) == set(models.BUILTIN_MODELS)
 
 
 def test_identity_follows_megatron_rank_order() -> None:
