@@ -292,3 +292,41 @@ def test_a_weight_update_mid_generation_rerecords_the_tokens_so_far(cache: Path)
     got = torch.cat([gen.prompt_routed_experts, gen.routed_experts[:, :2]], 1)
     real = attn.bool()
     assert torch.equal(got[real], want[real])
+
+
+@pytest.mark.parametrize("backend", ["sglang", "torch"])
+def test_a_moe_actors_weights_reach_sglang_under_its_per_expert_names(backend: str) -> None:
+    """SGLang's load_weights takes a MoE model's experts one tensor each (checkpoint names) and
+    skips the fused names of transformers >= 5 without a word; the host hands an sglang engine
+    the former (any actor backend: the megatron actor's family is the model type), a torch
+    engine the model's own names."""
+    import types
+    from collections import deque
+
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.backends.sglang_backend import SGLANG_EXPERT_NAMES
+    from ppojob_trainer.backends.weight_sync import WeightStream
+    from ppojob_trainer.workers.host import WorkerHost
+
+    lm = models.build_builtin_model("tiny-mixtral", 0)
+    weights = {k: v.detach() for k, v in lm.state_dict().items()}
+    cfg = TrainerConfig.model_validate({"roles": {"rollout": {"backend": backend}}})
+    host = WorkerHost.__new__(WorkerHost)
+    host.cfg, host.device, host.events = cfg, "cpu", deque()
+    trainer = types.SimpleNamespace(
+        lm=lm, export_weight_stream=lambda limit: WeightStream.of(weights, limit)
+    )
+    host.actor = types.SimpleNamespace(trainer=trainer)
+    host._weights = host._staged = None
+    stream = host._exported(1)
+    got = {k: v for i in range(len(stream.plan)) for k, v in stream.bucket(i).items()}
+    if backend == "torch":
+        assert got.keys() == weights.keys()
+        return
+    block, (gate, up, down) = SGLANG_EXPERT_NAMES["mixtral"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in got
+    fused = weights["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(got[f"model.layers.1.{block}.experts.7.{gate}.weight"], fused[7, :64])
+    assert torch.equal(got[f"model.layers.1.{block}.experts.7.{up}.weight"], fused[7, 64:])
+    assert f"model.layers.0.{block}.experts.0.{down}.weight" in got
+    assert sum(".experts." in k for k in got) == 2 * 8 * 3

@@ -619,3 +619,73 @@ def test_every_nccl_variable_sglangs_engine_sets_is_in_every_workers_env(
     assert {k: v for k, v in environ.items() if k.startswith("NCCL_")} == {
         k: v for k, v in ours.items() if k.startswith("NCCL_")
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# A MoE model's weight names as SGLang's load_weights takes them
+# ---------------------------------------------------------------------------------------------
+def _expert_mapping(sglang: Source, model: str) -> tuple[str, tuple[str, str, str]]:
+    """(the MoE block's module name, the checkpoint names of an expert's gate, up and down
+    projections) that SGLang's ``<model>.py`` builds and passes to
+    ``FusedMoE.make_expert_params_mapping`` in its ``load_weights``."""
+    text = sglang.zip.read(sglang.module_file(f"sglang.srt.models.{model}")).decode()
+    call = re.search(r"make_expert_params_mapping\((.*?)\)", text, flags=re.S)
+    assert call, f"{model}.py no longer calls make_expert_params_mapping"
+    kw = dict(re.findall(r'ckpt_(\w+?)_proj_name="(\w+)"', call.group(1)))
+    path = sglang.module_file(f"sglang.srt.models.{model}")
+    blocks = {  # the classes whose __init__ holds the experts (``self.experts = ...``)
+        name
+        for name, cls in sglang.classes(path).items()
+        if any(
+            isinstance(t, ast.Attribute) and t.attr == "experts"
+            for node in ast.walk(cls)
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+        )
+    }
+    found = set()
+    for node in ast.walk(sglang.tree(path)):  # self.<attr> = <block>(..., prefix=add_prefix(..))
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id in blocks
+        ):
+            continue
+        prefix = next(k.value for k in node.value.keywords if k.arg == "prefix")
+        assert isinstance(prefix, ast.Call) and isinstance(prefix.args[0], ast.Constant)
+        found.add((node.targets[0].attr, prefix.args[0].value))  # type: ignore[union-attr]
+    assert len(found) == 1, f"{model}.py: MoE blocks {found}"
+    ((attr, name),) = found
+    assert attr == name
+    return name, (kw["gate"], kw["up"], kw["down"])
+
+
+@pytest.mark.parametrize("model", sorted(adapter.SGLANG_EXPERT_NAMES))
+def test_moe_weight_names_are_the_ones_sglangs_load_weights_maps(
+    sglang: Source, model: str
+) -> None:
+    """The adapter's table against SGLang's source, and the names it makes against
+    ``FusedMoE.make_expert_params_mapping``'s ``experts.{expert_id}.{weight_name}.``."""
+    assert adapter.SGLANG_EXPERT_NAMES[model] == _expert_mapping(sglang, model)
+    layer = sglang.zip.read(
+        sglang.module_file("sglang.srt.layers.moe.fused_moe_triton.layer")
+    ).decode()
+    assert 'f"experts.{expert_id}.{weight_name}."' in layer
+    import torch
+
+    fused = {
+        "model.layers.1.mlp.experts.gate_up_proj": torch.arange(3 * 8 * 2.0).view(3, 8, 2),
+        "model.layers.1.mlp.experts.down_proj": torch.arange(3 * 2 * 4.0).view(3, 2, 4),
+        "model.layers.1.mlp.gate.weight": torch.ones(3, 2),
+        "model.layers.1.self_attn.q_proj.weight": torch.zeros(2, 2),
+    }
+    out = adapter.sglang_weight_names(model, fused)
+    block, (gate, up, down) = adapter.SGLANG_EXPERT_NAMES[model]
+    head = f"model.layers.1.{block}."
+    assert len(out) == 3 * 3 + 2
+    assert torch.equal(out[f"{head}experts.2.{gate}.weight"], fused[next(iter(fused))][2, :4])
+    assert torch.equal(out[f"{head}experts.2.{up}.weight"], fused[next(iter(fused))][2, 4:])
+    assert torch.equal(out[f"{head}experts.0.{down}.weight"], fused[list(fused)[1]][0])
+    assert f"{head}gate.weight" in out and "model.layers.1.self_attn.q_proj.weight" in out
+    assert adapter.sglang_weight_names("llama", fused) == fused  # dense types: unchanged

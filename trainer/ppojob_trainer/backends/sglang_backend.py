@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -307,6 +308,53 @@ def _engine_env(devices: Sequence[str] | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+SGLANG_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+"""model_type -> (the MoE block's module name in SGLang 0.5.23's model, its checkpoint names of
+an expert's gate, up and down projections: ``FusedMoE.make_expert_params_mapping``'s
+``ckpt_gate_proj_name``, ``ckpt_up_proj_name``, ``ckpt_down_proj_name`` in its ``load_weights``).
+A test reads them from SGLang's source."""
+
+_FUSED_EXPERTS = re.compile(
+    r"^(.*\.layers\.\d+\.)mlp\.(experts\.(?:gate_up_proj|down_proj)|gate\.weight)$"
+)
+
+
+def sglang_weight_names(
+    model_type: str, named: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``named`` (the trainer's Hugging Face names: transformers >= 5 keeps a MoE layer's
+    experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, h] and ``mlp.experts.down_proj``
+    [E, h, I]) under the names SGLang's ``load_weights`` takes: the checkpoint's, one tensor
+    per expert and projection (``...experts.<e>.<gate>.weight`` [I, h], ...), the MoE block's
+    router under SGLang's block name. SGLang skips a name it does not know without a word: the
+    fused names would leave the engine's experts at their first weights. Dense models and
+    other names pass unchanged."""
+    if model_type not in SGLANG_EXPERT_NAMES:
+        return dict(named)
+    block, (gate, up, down) = SGLANG_EXPERT_NAMES[model_type]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        head, what = m.group(1) + block + ".", m.group(2)
+        if what == "gate.weight":
+            out[head + what] = t
+        elif what == "experts.gate_up_proj":
+            g, u = t.chunk(2, 1)
+            for e in range(t.shape[0]):
+                out[f"{head}experts.{e}.{gate}.weight"] = g[e]
+                out[f"{head}experts.{e}.{up}.weight"] = u[e]
+        else:
+            for e in range(t.shape[0]):
+                out[f"{head}experts.{e}.{down}.weight"] = t[e]
+    return out
 
 
 def serialize_bucket(bucket: FlatBucket) -> bytes:

@@ -153,6 +153,13 @@ class WeightStream:
     def __bool__(self) -> bool:
         return bool(self.plan)
 
+    def mapped(
+        self, fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    ) -> WeightStream:
+        """The same buckets, each made by this stream and then passed through ``fn`` (names
+        changed, tensors split: the engine's layout)."""
+        return WeightStream(self.plan, lambda names: fn(self._produce(names)))
+
     def bucket(self, index: int) -> dict[str, torch.Tensor]:
         """Bucket ``index``: the current one again, or the next (the one before is dropped)."""
         if index == self._index and self._current is not None:

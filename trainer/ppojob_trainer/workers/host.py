@@ -451,8 +451,33 @@ class WorkerHost:
                 stream = WeightStream.of(weights, plan=[list(weights)] if weights else [])
             else:
                 stream = self.actor.trainer.export_weight_stream(limit)
+                if self.cfg.roles.rollout.backend == "sglang":
+                    stream = self._sglang_names(stream)
             self._weights = (sync_id, stream)
         return self._weights[1]
+
+    def _sglang_names(self, stream: WeightStream) -> WeightStream:
+        """``stream`` with each bucket under SGLang's names (a MoE model's experts one tensor
+        each: :func:`~..backends.sglang_backend.sglang_weight_names`); the same buckets."""
+        from ..backends.sglang_backend import sglang_weight_names
+
+        model_type = self._model_type()
+        if model_type is None:
+            return stream
+        return stream.mapped(lambda bucket: sglang_weight_names(model_type, bucket))
+
+    def _model_type(self) -> str | None:
+        """The actor's Hugging Face ``model_type`` when it is a MoE type whose names SGLang
+        takes per expert, else None."""
+        from ..backends.sglang_backend import SGLANG_EXPERT_NAMES
+
+        config = getattr(getattr(self.actor.trainer, "lm", None), "config", None)
+        if config is None:  # the megatron actor: its shape's family is the model type
+            shape = getattr(getattr(self.actor.trainer, "m", None), "shape", None)
+            kind = getattr(shape, "family", None)
+        else:
+            kind = getattr(config, "model_type", None)
+        return kind if kind in SGLANG_EXPERT_NAMES else None
 
     def stage_weight_bucket(self, sync_id: int, index: int) -> Any:
         """Bucket ``index`` of this process's copy of the actor's weights, on its device, as the
