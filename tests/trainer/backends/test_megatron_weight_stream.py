@@ -40,17 +40,21 @@ import torch
 
 WORLD = 4
 BUCKET = 48 * 2**10  # bytes (several tensors a bucket; the largest tensor is 32 KiB)
-CASES = [("llama", 2, 2), ("qwen2", 2, 1)]  # (model, tensor, pipeline); data = 4 / (t * p)
+# (model, tensor, pipeline, expert); data = 4 / (t * p)
+CASES = [("llama", 2, 2, 1), ("qwen2", 2, 1, 1), ("mixtral", 1, 2, 2)]
 DEADLOCK_S = 240  # the workers take ~50 s on a loaded 2-core machine
 OBJECT_COLLECTIVES = ("gather_object", "all_gather_object", "broadcast_object_list")
 
 
 def _hf_model(family: str):  # type: ignore[no-untyped-def]
-    """A Llama with grouped key/value heads (untied), or a tied Qwen2 (q/k/v biases)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A Llama with grouped key/value heads (untied), a tied Qwen2 (q/k/v biases), or a
+    Mixtral of 4 experts (top 2) whose experts the case splits over 2 expert-parallel ranks."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
 
-    cls = LlamaConfig if family == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mixtral": MixtralConfig}[family]
+    moe = {"num_local_experts": 4, "num_experts_per_tok": 2} if family == "mixtral" else {}
     config = cls(
+        **moe,
         vocab_size=32,
         hidden_size=64,
         intermediate_size=128,
@@ -64,7 +68,7 @@ def _hf_model(family: str):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
 def test_the_plan_follows_from_the_shape_alone(family: str) -> None:
     from ppojob_trainer.backends.megatron_convert import (
         ModelShape,
@@ -86,10 +90,10 @@ def test_the_plan_follows_from_the_shape_alone(family: str) -> None:
             assert t.key in shards[t.stage][0], (t.name, t.key, t.stage)
 
 
-def _cfg(tp: int, pp: int):  # type: ignore[no-untyped-def]
+def _cfg(tp: int, pp: int, ep: int = 1):  # type: ignore[no-untyped-def]
     from ppojob_api.training import TrainerConfig
 
-    par = {"tensor": tp, "pipeline": pp}
+    par = {"tensor": tp, "pipeline": pp, "expert": ep}
     return TrainerConfig.model_validate(
         {
             "roles": {
@@ -102,7 +106,9 @@ def _cfg(tp: int, pp: int):  # type: ignore[no-untyped-def]
     )
 
 
-def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str, object]:
+def _case(
+    rank: int, model_dir: str, tp: int, pp: int, critic: bool, ep: int = 1
+) -> dict[str, object]:
     import dataclasses
     import types
     from collections import deque
@@ -118,8 +124,8 @@ def _case(rank: int, model_dir: str, tp: int, pp: int, critic: bool) -> dict[str
     from ppojob_trainer.distributed import identity
     from ppojob_trainer.workers.host import WorkerHost
 
-    cfg = _cfg(tp, pp)
-    shard = identity("actor", rank, WORLD, tp, pp, 1)
+    cfg = _cfg(tp, pp, ep)
+    shard = identity("actor", rank, WORLD, tp, pp, 1, ep)
     actor = MegatronPolicyTrainer(cfg, Path(model_dir), shard, need_reference=False)
     result: dict[str, object] = {"dp_rank": shard.dp_rank}
     result["before"] = actor.export_weights()  # the whole export of before ({} off its leader)
@@ -228,8 +234,8 @@ def _worker(rank: int, model_dirs: list[str], port: int, out: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
     results = {}
-    for model_dir, (family, tp, pp) in zip(model_dirs, CASES, strict=True):
-        results[family] = _case(rank, model_dir, tp, pp, critic=family == "llama")
+    for model_dir, (family, tp, pp, ep) in zip(model_dirs, CASES, strict=True):
+        results[family] = _case(rank, model_dir, tp, pp, family != "qwen2", ep)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -245,7 +251,7 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
     from ppojob_trainer.models import build_char_tokenizer
 
     dirs = []
-    for family, _, _ in CASES:
+    for family, *_ in CASES:
         d = tmp_path / family
         _hf_model(family).save_pretrained(d)
         build_char_tokenizer().save_pretrained(d)
@@ -260,7 +266,7 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
             pytest.fail(f"the workers did not finish in {DEADLOCK_S} s: a collective deadlocked")
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for family, tp, pp in CASES:
+    for family, tp, pp, ep in CASES:
         res = [r[family] for r in ranks]
         before = res[0]["before"]
         model_bytes = sum(v.numel() * v.element_size() for v in before.values())
@@ -271,7 +277,8 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
             sum(before[n].numel() * before[n].element_size() for n in b) for b in r0["plan"]
         )
         print(
-            f"{family} tensor {tp} x pipeline {pp} x data {WORLD // (tp * pp)}: model "
+            f"{family} tensor {tp} x pipeline {pp} x data {WORLD // (tp * pp)} (expert {ep}): "
+            f"model "
             f"{model_bytes} B, bound {bound} B, {len(r0['plan'])} buckets (largest {biggest} B); "
             f"peak held by the stream on rank 0: colocated {r0['peak_stream']} B, disaggregated "
             f"{r0['peak_joined']} B"
@@ -297,7 +304,10 @@ def test_a_megatron_sync_streams_bucket_by_bucket_and_sends_the_same_tensors(
             mine = [t for t in layout if t.stage == r["pp_rank"] and t.split]
             runs = [t for i, t in enumerate(mine) if i == 0 or mine[i - 1].key != t.key]
             assert len(runs) < len(mine)  # fused tensors exist: the check means something
-            assert r["all_gathers"] == len(runs), (family, rank, r["all_gathers"], len(mine))
+            # a MoE layer's experts: one more all-gather each, over the expert-parallel ranks
+            experts = sum(t.kind.startswith("experts") for t in mine) if ep > 1 else 0
+            want = (len(runs) if tp > 1 else 0) + experts
+            assert r["all_gathers"] == want, (family, rank, r["all_gathers"], len(mine))
         assert list(r0["sent"]) == list(before)
         assert all(torch.equal(r0["sent"][k], v) for k, v in before.items())
         if "critic_stream" in r0:
