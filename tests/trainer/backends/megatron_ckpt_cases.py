@@ -1,9 +1,10 @@
 """The phases of the sharded megatron checkpoint test (issue 40, finding 4), run as a script:
 
-``python megatron_ckpt_cases.py MODEL_DIR ROOT NAME,WORLD,TP,PP,LOAD_FROM,SAVE_TO [...]``
+``python megatron_ckpt_cases.py MODEL_DIR ROOT NAME,WORLD,TP,PP,LOAD_FROM,SAVE_TO[,EP] [...]``
 
 runs the phases one after the other; each (in ROOT/NAME as its WORKDIR) starts WORLD processes
-in one gloo world (tensor TP x pipeline PP x data WORLD / (TP x PP)),
+in one gloo world (tensor TP x pipeline PP x data WORLD / (TP x PP), a MoE model's experts over
+EP of the data-parallel ranks),
 builds a megatron actor and critic from MODEL_DIR and, when LOAD_FROM is not ``-``, loads that
 checkpoint and compares the gathered, HF-named state (``_Sharded.state_dict``: weights, both Adam
 moments, Adam's step, the update count; layout-independent) bit for bit with the one the saving
@@ -105,14 +106,14 @@ def _worker(rank: int, world: int, port: int, argv: list[str]) -> None:
         MegatronValueTrainer,
     )
 
-    tp, pp, model_dir, work, load_from, save_to = argv
-    tp, pp, work = int(tp), int(pp), Path(work)
+    tp, pp, model_dir, work, load_from, save_to, ep = argv
+    tp, pp, ep, work = int(tp), int(pp), int(ep), Path(work)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    cfg = _cfg(tp, pp, 2, adamEps=1e-3)
-    shard = _layout(rank, tp, pp, world)
+    cfg = _cfg(tp, pp, 2, ep, adamEps=1e-3)
+    shard = _layout(rank, tp, pp, world, ep)
     actor = MegatronPolicyTrainer(
         cfg, Path(model_dir), shard, need_reference=False, total_updates=8
     )
@@ -169,10 +170,10 @@ def main() -> None:
 
     model_dir, root, phases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     for phase in phases:
-        name, world, tp, pp, load_from, save_to = phase.split(",")
+        name, world, tp, pp, load_from, save_to, *ep = phase.split(",")
         work = root / name
         work.mkdir(parents=True, exist_ok=True)
-        argv = [tp, pp, model_dir, str(work), load_from, save_to]
+        argv = [tp, pp, model_dir, str(work), load_from, save_to, ep[0] if ep else "1"]
         start(_worker, (int(world), free_port(), argv), int(world))
 
 
