@@ -202,8 +202,8 @@ class Algorithm(ApiModel):
     the actor's own routers make exactly as the engine did (what replay overrides where it is
     below 1); either way rollout/logprob_diff_mean and _max show the mismatch left. Needs a
     MoE model (Qwen3-MoE or Mixtral architecture) and single-turn generation; torch actor
-    workers replay through their routers, megatron ones through megatron-core's RouterReplay.
-    The sglang engine records with its own enable_return_routed_experts."""
+    workers replay through their routers, megatron ones through megatron-core's router top-k
+    hook. The sglang engine records with its own enable_return_routed_experts."""
 
     max_staleness: int = Field(0, ge=0, le=16)
     """Bounded staleness: how many policy versions older than the actor a sample's tokens may be
