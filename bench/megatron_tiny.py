@@ -11,10 +11,12 @@ The step is found as in bench/time_to_reward.py: the first step whose 10-step tr
 reward (``--window``) is >= the threshold and stays so for 10 consecutive steps (``--hold``),
 not the first single (noisy) step over it.
 
-``--backend torch`` runs the same 2-worker layout on the torch backend (data parallel 2).
+``--backend torch`` runs the same 2-worker layout on the torch backend (data parallel 2);
+``megatron-moe`` and ``torch-moe`` run ``builtin:tiny-mixtral`` (8 experts, top 2) with routing
+replay, its experts over the 2 megatron workers (expert 2) or data parallel 2 on the torch backend.
 
 Usage: python bench/megatron_tiny.py [--seeds 1] [--threshold 0.9] [--steps 500]
-       [--backend megatron|torch] [--window 10] [--hold 10]
+       [--backend megatron|torch|megatron-moe|torch-moe] [--window 10] [--hold 10]
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ LAYOUTS = {
     ],
     # The same 2 workers on the torch backend (data parallel 2), for comparison.
     "torch": ["roles.actor={replicas: 2, resources: {cpus: 1, memory: 2Gi}}"],
+    # builtin:tiny-mixtral (8 experts, top 2): its experts over the 2 megatron workers (expert
+    # 2, data 2), a colocated megatron critic of that layout, routing replay on.
+    "megatron-moe": [
+        "model.path=builtin:tiny-mixtral",
+        "roles.actor={replicas: 2, backend: megatron, parallelism: {expert: 2},"
+        " resources: {cpus: 1, memory: 2Gi}}",
+        "roles.critic={colocateWithActor: true, backend: megatron, parallelism: {expert: 2}}",
+        "algorithm.routingReplay=rollout",
+    ],
+    # The same MoE model and replay on the torch backend (data parallel 2), for comparison.
+    "torch-moe": [
+        "model.path=builtin:tiny-mixtral",
+        "roles.actor={replicas: 2, resources: {cpus: 1, memory: 2Gi}}",
+        "algorithm.routingReplay=rollout",
+    ],
 }
 
 
@@ -88,7 +105,12 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10, help="moving-average steps")
     parser.add_argument("--hold", type=int, default=10, help="steps the average must stay up")
     args = parser.parse_args()
-    what = "megatron TP2" if args.backend == "megatron" else "torch DP2"
+    what = {
+        "megatron": "megatron TP2",
+        "torch": "torch DP2",
+        "megatron-moe": "tiny-mixtral, megatron expert 2 (data 2), routing replay",
+        "torch-moe": "tiny-mixtral, torch DP2, routing replay",
+    }[args.backend]
     print(
         f"{what} actor + critic, time to mean reward >= {args.threshold} "
         f"({args.window}-step trailing average, held {args.hold} steps) "
