@@ -38,11 +38,32 @@ def _batch(n: int = 8) -> dict[str, torch.Tensor]:
     }
 
 
+def policy_loss(logp, ent, mb):  # type: ignore[no-untyped-def]
+    from ppojob_trainer import algorithms as A
+
+    loss, _ = A.policy_loss(
+        logp,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["response_mask"],
+        entropy=ent,
+        entropy_coef=0.01,
+    )
+    kl = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"], "k3", "token-mean")
+    return loss + 0.1 * kl, {"pg_loss": loss.detach(), "kl_loss": kl.detach()}
+
+
+def value_loss(values, mb):  # type: ignore[no-untyped-def]
+    from ppojob_trainer import algorithms as A
+
+    loss, _ = A.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], 0.2)
+    return loss, {"vf_loss": loss.detach()}
+
+
 def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from ppojob_api.training import TrainingSettings
-    from ppojob_trainer import algorithms as A
     from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
     from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
@@ -57,22 +78,6 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
     full = _batch()
     rows = slice(rank * 4, rank * 4 + 4)
     mine = {k: v[rows] for k, v in full.items()}
-
-    def policy_loss(logp, ent, mb):
-        loss, _ = A.policy_loss(
-            logp,
-            mb["old_logprobs"],
-            mb["advantages"],
-            mb["response_mask"],
-            entropy=ent,
-            entropy_coef=0.01,
-        )
-        kl = A.kl_loss(logp, mb["ref_logprobs"], mb["response_mask"], "k3", "token-mean")
-        return loss + 0.1 * kl, {"pg_loss": loss.detach(), "kl_loss": kl.detach()}
-
-    def value_loss(values, mb):
-        loss, _ = A.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], 0.2)
-        return loss, {"vf_loss": loss.detach()}
 
     def build(sharding: str):
         s = TrainingSettings(learning_rate=1e-2, sharding=sharding, grad_clip=1.0)
@@ -216,3 +221,39 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
         assert _max_diff(r["resumed"]["critic"], r["fsdp"]["critic"]) == 0.0
         assert r["bf16_changed"] >= 0.99 and r["bf16_dtypes"] == {"torch.float32"}
     assert len(list((tmp_path / "ckpt" / "actor").glob("*.distcp"))) == WORLD
+
+    # another data-parallel size: one process (no group) resumes from the two workers' shards
+    # and makes the last update on the whole batch; it lands where the two workers' did
+    from ppojob_api.training import TrainingSettings
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
+    from ppojob_trainer.distributed import ShardIdentity
+
+    s = TrainingSettings(learning_rate=1e-2, sharding="fsdp", grad_clip=1.0)
+    actor = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        s,
+        temperature=1.0,
+        need_reference=True,
+        entropy_grad=True,
+        total_updates=UPDATES,
+    )
+    critic = TorchValueTrainer(model_dir, "float32", s, seed=0, total_updates=UPDATES)
+    one = ShardIdentity("actor", dp_rank=0, dp_size=1)
+    actor.load_checkpoint(tmp_path / "ckpt" / "actor", one)
+    critic.load_checkpoint(tmp_path / "ckpt" / "critic", one)
+    assert actor.opt.updates == critic.opt.updates == UPDATES - 1
+    batch = _batch()
+    batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
+    a = actor.update(batch, policy_loss, micro_batch_size=2)
+    critic.update(batch, value_loss, micro_batch_size=2)
+    r = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert a["grad_norm"] == pytest.approx(r["fsdp"]["metrics"][-1]["actor/grad_norm"], rel=1e-5)
+    diff_actor = _max_diff(
+        {k: v.float() for k, v in full_state_dict(actor.lm).items()}, r["fsdp"]["actor"]
+    )
+    diff_critic = _max_diff(full_state_dict(critic.model), r["fsdp"]["critic"])
+    print(f"data 2 -> 1 resume: max |w - w_fsdp| actor {diff_actor:.2e} critic {diff_critic:.2e}")
+    assert diff_actor <= 1e-5 and diff_critic <= 1e-5
