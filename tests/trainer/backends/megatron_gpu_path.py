@@ -147,6 +147,7 @@ def gpu_shard(shape, initial: dict, rank: int):  # type: ignore[no-untyped-def]
     m.device, m.gpu, m.first, m.last = torch.device("cpu"), False, True, True
     m.sequence_parallel, m.ps, m.ddp, m.updates, m.total_updates = False, ps, None, 0, 10
     m.te = False  # megatron-core's local layer spec
+    m.routers, m.measure_routing = {}, False  # no routing replay
     m.settings = TrainerConfig.model_validate(
         {"training": {"learningRate": 1e-2, "adamEps": 1e-6, "gradClip": 1.0}}
     ).training
@@ -222,6 +223,7 @@ def run(rank: int, store_file: str, out_path: str) -> None:
     m.device, m.gpu, m.first, m.last = torch.device("cpu"), False, True, True
     m.sequence_parallel, m.ps, m.ddp = False, ps, None
     m.te = False
+    m.routers, m.measure_routing = {}, False  # no routing replay
     m.settings = SimpleNamespace(
         learning_rate=1e-3,
         weight_decay=0.0,

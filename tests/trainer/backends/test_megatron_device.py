@@ -47,6 +47,7 @@ def meta_shard(width: int, packing: bool = False) -> megatron_sharded._Sharded:
     m.device, m.gpu, m.first, m.last = torch.device("meta"), False, True, True
     m.sequence_parallel, m.ddp, m.ps = False, None, SimpleNamespace()
     m.te = False
+    m.routers, m.measure_routing = {}, False  # no routing replay
     m.settings = SimpleNamespace(
         micro_batch_size=None, max_tokens_per_micro_batch=None, packing=packing
     )

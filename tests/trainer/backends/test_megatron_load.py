@@ -152,3 +152,31 @@ def test_peak_host_memory_per_rank_is_its_shard_not_the_model(tmp_path: Path) ->
             f"{r['shard'] / MiB:.0f} MiB shard (overhead {overhead / MiB:.0f} MiB; the whole "
             f"model is {model_bytes / MiB:.0f} MiB)"
         )
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_a_moe_rank_reads_its_experts_slices_from_the_per_expert_files(
+    name: str, tmp_path: Path
+) -> None:
+    """transformers writes a MoE model's fused experts per expert (``experts.<e>.gate_proj``,
+    Mixtral's ``block_sparse_moe.experts.<e>.w1``): each rank reads its experts' rows from
+    those, equal bit for bit to cutting the in-memory model (fused ``gate_up_proj``)."""
+    from ppojob_trainer.backends.megatron_sharded import _SliceShard
+
+    model = models.build_builtin_model(name, 0)
+    hf = model.state_dict()
+    shape = ModelShape.from_hf_config(model.config)
+    d = _saved(model, tmp_path / "m")
+    slices = models.CheckpointSlices.open(d)
+    assert slices is not None and not any("gate_up_proj" in n for n in slices.files)
+    for tp, pp, ep in ((1, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 8)):
+        for rank in range(tp * pp * ep):
+            shard = identity("actor", rank, tp * pp * ep, tp, pp, 1, ep)
+            want = hf_to_megatron(
+                hf, shape, shard.tp_rank, tp, shard.pp_rank, pp, ep_rank=shard.ep_rank, ep_size=ep
+            )
+            got = _SliceShard(slices, shape, shard, torch.float32)
+            assert got.missing == [], got.missing[:3]
+            assert set(got) == set(want)
+            for k, v in want.items():
+                assert torch.equal(got[k], v), (tp, pp, ep, rank, k)

@@ -55,6 +55,15 @@ MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 STACKED_FC1 = "mlp.experts.linear_fc1.weight"
 STACKED_FC2 = "mlp.experts.linear_fc2.weight"
+CHECKPOINT_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+"""family -> (a MoE layer's block name in the model's checkpoint files, the file names of an
+expert's gate, up and down projections): what transformers writes (``save_pretrained``
+unfuses its in-memory ``mlp.experts.gate_up_proj``) and what SGLang's ``load_weights`` reads:
+``model.layers.<i>.<block>.experts.<e>.<gate>.weight`` [intermediate, hidden], ..., the router
+``model.layers.<i>.<block>.gate.weight``."""
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # (low_freq_factor, high_freq_factor, original_max_position_embeddings) of the llama3 RoPE scaling
 # megatron-core 0.16 implements (RotaryEmbedding._apply_scaling's fixed values).
@@ -459,6 +468,19 @@ def hf_from_pieces(shape: ModelShape, t: HfTensor, pieces: Sequence[torch.Tensor
     raise ValueError(f"unknown piece layout {t.kind!r} of {t.name}")
 
 
+def checkpoint_names(family: str, t: HfTensor, expert: int) -> str:
+    """The name in the checkpoint files of HF tensor ``t`` (a router: ``expert`` unused) or of
+    expert ``expert``'s part of it: ``experts_gate_up`` the gate's (``"<gate>|<up>"``: both,
+    split on ``|``), ``experts_down`` the down projection's."""
+    block, (gate, up, down) = CHECKPOINT_EXPERT_NAMES[family]
+    head = t.name.split(".mlp.")[0] + f".{block}."
+    if t.kind == "experts_gate_up":
+        return f"{head}experts.{expert}.{gate}.weight|{head}experts.{expert}.{up}.weight"
+    if t.kind == "experts_down":
+        return f"{head}experts.{expert}.{down}.weight"
+    return head + "gate.weight"
+
+
 def stack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sd`` with each MoE layer's ``local_experts.<j>.linear_fc1/2.weight`` stacked in ``j``'s
     order under :data:`STACKED_FC1` / :data:`STACKED_FC2` (a dense model's: unchanged)."""
@@ -588,12 +610,14 @@ def _split_qkv_local(shape: ModelShape, qkv: torch.Tensor, tp: int) -> tuple[tor
 
 
 __all__ = [
+    "CHECKPOINT_EXPERT_NAMES",
     "MOE_FAMILIES",
     "STACKED_FC1",
     "STACKED_FC2",
     "SUPPORTED_ARCHITECTURES",
     "HfTensor",
     "ModelShape",
+    "checkpoint_names",
     "hf_from_pieces",
     "hf_layout",
     "hf_to_megatron",

@@ -22,6 +22,7 @@ from .megatron_convert import (
     STACKED_FC2,
     HfTensor,
     ModelShape,
+    checkpoint_names,
     hf_from_pieces,
     hf_layout,
     hf_to_megatron,
@@ -184,8 +185,7 @@ class _Sharded:
         ``transformers``."""
         from ..models import CheckpointSlices, torch_dtype, value_head_state
 
-        # (a MoE model's experts are fused in memory but written per expert: loaded whole)
-        slices = None if self.shape.moe else CheckpointSlices.open(model_dir)
+        slices = CheckpointSlices.open(model_dir)
         head = None
         if self.value:
             head = value_head_state(model_dir, self.shape.hidden, dtype, seed)
@@ -256,23 +256,32 @@ class _Sharded:
             for k, v in model.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
-        if any(k.endswith((STACKED_FC1, STACKED_FC2)) for k in local):  # (keys only: a
-            local = unstack_experts(local)  # _SliceShard reads a tensor when it is asked for)
-        if any(k.endswith(TE_NORMS[0][1]) for k in params):  # Transformer Engine's layer spec
-            local = _te_names(local, params)
-        if set(params) != set(local):
+        te = any(k.endswith(TE_NORMS[0][1]) for k in params)  # Transformer Engine's layer spec
+        # keys only here: a _SliceShard reads a tensor when it is asked for, and each is copied
+        # into the model before the next is read (a MoE layer's stacked experts one stack at once)
+        names = {k: k for k in local}
+        if te:
+            names = {k: v for k, v in zip(local, _te_names(names, params), strict=True)}
+        stacked = {k for k in local if k.endswith((STACKED_FC1, STACKED_FC2))}
+        wanted = {names[k] for k in local if k not in stacked}
+        for k in stacked:
+            wanted |= set(unstack_experts({k: torch.empty(_stack_len(k, params))}))
+        if set(params) != wanted:
             raise RuntimeError(
-                f"megatron conversion: model keys {sorted(set(params) ^ set(local))[:6]} do not "
+                f"megatron conversion: model keys {sorted(set(params) ^ wanted)[:6]} do not "
                 f"match the converted checkpoint"
             )
         with torch.no_grad():
-            for k, p in params.items():
-                if p.shape != local[k].shape:
-                    raise RuntimeError(
-                        f"megatron conversion: {k} {tuple(local[k].shape)} does "
-                        f"not fit {tuple(p.shape)}"
-                    )
-                p.copy_(local[k])
+            for k in local:
+                pieces = unstack_experts({k: local[k]}) if k in stacked else {names[k]: local[k]}
+                for name, value in pieces.items():
+                    p = params[name]
+                    if p.shape != value.shape:
+                        raise RuntimeError(
+                            f"megatron conversion: {name} {tuple(value.shape)} does "
+                            f"not fit {tuple(p.shape)}"
+                        )
+                    p.copy_(value)
 
     def _gpu_optimizer(self) -> None:  # pragma: no cover - needs CUDA
         """megatron-core DDP + distributed optimizer (bf16 weights, fp32 main weights)."""
@@ -1179,20 +1188,37 @@ class _SliceShard(Mapping[str, torch.Tensor]):
         value = value_head is not None
         self.pieces = stage_pieces(shape, shard.pp_rank, shard.pp_size, value=value)
         self.extra = {f"value_head.{k}": v for k, v in (value_head or {}).items()}
-        self.names: dict[str, str] = {}  # HF name -> its name in the files
+        self.names: dict[str, str] = {}  # HF (or per-expert file) name -> its name in the files
         self.missing: list[str] = []
+        local = shape.experts // shard.ep_size
+        self.experts = range(shard.ep_rank * local, (shard.ep_rank + 1) * local)
         for parts in self.pieces.values():
             for t in parts:
                 if t.name in self.extra:
                     continue
-                # a backbone saved alone (an exported critic's) has no "model." prefix
-                found = next(
-                    (n for n in (t.name, t.name.removeprefix("model.")) if n in slices), None
-                )
-                if found is None:
-                    self.missing.append(t.name)
-                else:
-                    self.names[t.name] = found
+                for name in self._file_names(t):
+                    # a backbone saved alone (an exported critic's) has no "model." prefix
+                    found = next(
+                        (n for n in (name, name.removeprefix("model.")) if n in slices), None
+                    )
+                    if found is None:
+                        self.missing.append(name)
+                    else:
+                        self.names[name] = found
+
+    def _file_names(self, t: HfTensor) -> list[str]:
+        """The names under which the files hold ``t``: its own, or a MoE layer's router and
+        this rank's experts under the checkpoint's per-expert names (transformers writes its
+        fused experts so)."""
+        if not self.shape.moe or not (
+            t.kind.startswith("experts") or t.name.endswith(".mlp.gate.weight")
+        ):
+            return [t.name]
+        if not t.kind.startswith("experts"):
+            return [checkpoint_names(self.shape.family, t, 0)]
+        return [
+            n for e in self.experts for n in checkpoint_names(self.shape.family, t, e).split("|")
+        ]
 
     def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name in self.extra:
@@ -1201,7 +1227,24 @@ class _SliceShard(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         s = self.shard
-        return local_from_slices(self.shape, self.pieces[key], self._read, s.tp_rank, s.tp_size)
+        parts = self.pieces[key]
+        first = parts[0]
+        if first.kind.startswith("experts"):  # this rank's experts, stacked, its tensor share
+            n = self.shape.intermediate // s.tp_size
+            rows = (s.tp_rank * n, (s.tp_rank + 1) * n)
+            if first.kind == "experts_down":
+                return torch.stack([self._read(name, 1, *rows) for name in self._file_names(first)])
+            names = self._file_names(first)  # gate, up of each expert in turn
+            return torch.stack(
+                [
+                    torch.cat([self._read(g, 0, *rows), self._read(u, 0, *rows)])
+                    for g, u in zip(names[::2], names[1::2], strict=True)
+                ]
+            )
+        if self.shape.moe and first.name.endswith(".mlp.gate.weight"):  # a router
+            name = self._file_names(first)[0]
+            return self._read(name, 0, 0, first.shape[0])
+        return local_from_slices(self.shape, parts, self._read, s.tp_rank, s.tp_size)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.pieces)
@@ -1239,6 +1282,12 @@ def left_aligned_routes(
     routes = routes.masked_fill(~inside[:, :, None, None], -1)
     ok = valid.gather(1, idx) & inside
     return _pad_columns(routes, width, -1), _pad_columns(ok, width, False)
+
+
+def _stack_len(key: str, params: Mapping[str, Any]) -> int:
+    """How many local experts the model holds under stacked key ``key``'s layer."""
+    head = key.rsplit(".mlp.experts.", 1)[0] + ".mlp.experts.local_experts."
+    return len({k[len(head) :].split(".")[0] for k in params if k.startswith(head)})
 
 
 def _is_expert(p: torch.Tensor) -> bool:

@@ -69,6 +69,7 @@ import torch
 
 from . import missing_backend
 from .base import Generation, GenerationEngine
+from .megatron_convert import CHECKPOINT_EXPERT_NAMES
 from .weight_sync import FlatBucket
 
 if TYPE_CHECKING:
@@ -310,14 +311,11 @@ def _engine_env(devices: Sequence[str] | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
-SGLANG_EXPERT_NAMES = {
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-}
+SGLANG_EXPERT_NAMES = CHECKPOINT_EXPERT_NAMES
 """model_type -> (the MoE block's module name in SGLang 0.5.23's model, its checkpoint names of
 an expert's gate, up and down projections: ``FusedMoE.make_expert_params_mapping``'s
-``ckpt_gate_proj_name``, ``ckpt_up_proj_name``, ``ckpt_down_proj_name`` in its ``load_weights``).
-A test reads them from SGLang's source."""
+``ckpt_gate_proj_name``, ``ckpt_up_proj_name``, ``ckpt_down_proj_name`` in its ``load_weights``):
+the names transformers writes to a checkpoint's files. A test reads them from SGLang's source."""
 
 _FUSED_EXPERTS = re.compile(
     r"^(.*\.layers\.\d+\.)mlp\.(experts\.(?:gate_up_proj|down_proj)|gate\.weight)$"
