@@ -117,7 +117,7 @@ def _layout(rank: int, tp: int, pp: int, world: int, ep: int = 1) -> object:
 
 
 def run_layout(
-    rank: int, world: int, model_dir: Path, tp: int, pp: int, ep: int = 1
+    rank: int, world: int, model_dir: Path, tp: int, pp: int, ep: int = 1, budget: int | None = None
 ) -> dict[str, object]:
     import dataclasses
 
@@ -130,7 +130,7 @@ def run_layout(
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2
-    cfg = _cfg(tp, pp, micro, ep, gradClip=0.5, adamEps=1e-3)
+    cfg = _cfg(tp, pp, micro, ep, gradClip=0.5, adamEps=1e-3, maxTokensPerMicroBatch=budget)
     shard = _layout(rank, tp, pp, world, ep)
     out: dict[str, object] = {}
     n = 8
@@ -221,6 +221,7 @@ def run_layout(
     state = states[0]
     fresh = MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False, total_updates=4)
     out["local_params"] = sum(p.numel() for p in actor.m.model.parameters())
+    out["fillers"] = actor.m.fillers
     fresh.load_state_dict(state)
     actor.update(mine, loss_fn, micro)
     fresh.update(mine, loss_fn, micro)
@@ -276,6 +277,8 @@ def merge(per_rank: list[dict[str, object]]) -> dict[str, object]:
                 merged[key] = max(merged[key], value)
             elif key == "update_changed":
                 merged[key] = min(merged[key], value)
+            elif key == "fillers":  # (per rank: the total)
+                merged[key] += value
             elif isinstance(value, bool):
                 merged[key] = merged[key] and value
     return merged
@@ -293,18 +296,20 @@ def _worker(
     )
     results = {}
     cases = [
-        (model_dirs[0], "tp2", 2, 1, 1),
-        (model_dirs[0], "pp2", 1, 2, 1),
-        (model_dirs[0], "dp2", 1, 1, 1),
+        (model_dirs[0], "tp2", 2, 1, 1, None),
+        (model_dirs[0], "pp2", 1, 2, 1, None),
+        (model_dirs[0], "dp2", 1, 1, 1, None),
     ]
-    cases += [(d, "tp2", 2, 1, 1) for d in model_dirs[1:]]  # further models: tensor parallel 2
+    cases += [(d, "tp2", 2, 1, 1, None) for d in model_dirs[1:]]  # further models: tensor 2
     if moe:  # mixture-of-experts models: experts over 2 data-parallel ranks, and pipeline 2
         # (tensor parallelism: megatron-core's MoE layers train only with sequence parallelism,
         # which needs Transformer Engine)
-        cases = [(d, "ep2", 1, 1, 2) for d in model_dirs]
-        cases += [(model_dirs[0], "pp2", 1, 2, 1)]
-    for model_dir, name, tp, pp, ep in cases:
-        res = run_layout(rank, world, Path(model_dir), tp, pp, ep)
+        cases = [(d, "ep2", 1, 1, 2, None) for d in model_dirs]
+        cases += [(model_dirs[0], "pp2", 1, 2, 1, None)]
+        # a token budget of 12: the two ranks' rows need 4 and 3 micro-batches
+        cases += [(model_dirs[0], "ep2-budget", 1, 1, 2, 12)]
+    for model_dir, name, tp, pp, ep, budget in cases:
+        res = run_layout(rank, world, Path(model_dir), tp, pp, ep, budget)
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         results[f"{Path(model_dir).name}/{name}"] = merge(gathered)

@@ -154,6 +154,7 @@ class _Sharded:
         self.routers: dict[str, dict[int, Any]] = {}
         self.routing_counts = [0.0, 0.0]  # (choices made as the engine's, choices compared)
         self.measure_routing = False
+        self.fillers = 0  # micro-batches run only to match the expert-parallel ranks'
         if routing_replay:
             from .megatron_convert import stage_layers
             from .megatron_routing import install
@@ -525,6 +526,7 @@ class _Sharded:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         n = int(count.item())
         out = list(micros) + [{**micros[0], "_filler": True} for _ in range(n - len(micros))]
+        self.fillers += n - len(micros)
         sizes = torch.zeros(n, 2, dtype=torch.long)
         for i, mb in enumerate(out):
             sizes[i] = torch.tensor(mb["_ids"].shape)
