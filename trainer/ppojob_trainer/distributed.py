@@ -49,7 +49,7 @@ class ShardIdentity:
     pp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
-    ep_rank: int = 0  # expert parallel (MoE layers' experts): over the data-parallel ranks
+    ep_rank: int = 0  # expert parallel (MoE layers' experts): over the context x data ranks
     ep_size: int = 1
 
     @property

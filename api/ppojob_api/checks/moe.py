@@ -76,8 +76,8 @@ def _model_of(half: TrainingHalf, role: str) -> str:
 def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
     """`routingReplay: rollout` needs a MoE model whose routers the trainer can drive and
     single-turn generation (the multi-turn engine calls do not record routing). Both actor
-    backends replay: torch through its routers, megatron through megatron-core's
-    RouterReplay."""
+    backends replay: torch through hooks on its routers, megatron through the top-k hook of
+    megatron-core's router (trainer's megatron_routing.py)."""
     algo = half.algorithm
     if algo.routing_replay != "rollout":
         return []

@@ -296,10 +296,10 @@ def transformer_config(
 
     A MoE model's layers route as the HF model does: softmax over the router's logits, the top
     ``experts_per_token``, renormalised (megatron's top-k of the logits, then their softmax) or
-    not (``moe_router_pre_softmax``), in fp32; no load-balancing loss (the torch backend's HF
-    models add none either); experts one MLP each (``SequentialMLP``: the same names under
-    Transformer Engine's spec); tokens to the experts' ranks by all-to-all (on a CPU by
-    all-gather). Routing replay: :mod:`.megatron_routing`."""
+    not (``moe_router_pre_softmax``), the logits in the model's dtype; no load-balancing loss
+    (the torch backend's HF models add none either); experts one MLP each (``SequentialMLP``:
+    the same names under Transformer Engine's spec); tokens to the experts' ranks by
+    all-to-all (on a CPU by all-gather). Routing replay: :mod:`.megatron_routing`."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -313,7 +313,8 @@ def transformer_config(
             moe_ffn_hidden_size=shape.intermediate,
             moe_router_pre_softmax=not shape.norm_topk,
             moe_router_score_function="softmax",
-            moe_router_dtype="fp32",
+            # (no moe_router_dtype: the router's logits in the model's dtype, softmax in fp32,
+            # as the HF models and SGLang's gate compute them)
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             # all-to-all on GPUs; on a CPU megatron-core's all-to-all dispatcher needs CUDA

@@ -512,9 +512,10 @@ class _Sharded:
         """``micros`` made to match those of every expert-parallel rank: each forward of a MoE
         layer is a collective over them (the tokens go to their experts' ranks), so every rank
         runs as many micro-batches (a rank with fewer adds fillers: its first micro-batch again,
-        whose loss is 0 and whose result is dropped), and the i-th micro-batches of all ranks
-        have one shape (megatron-core's all-gather dispatcher, the one that runs on a CPU,
-        gathers equal pieces): the rows and columns each lacks are padding, which the causal
+        whose loss is 0 and whose result is dropped), and, under megatron-core's all-gather
+        dispatcher (the one that runs on a CPU, which gathers equal pieces), the i-th
+        micro-batches of all ranks have one shape: the rows and columns each lacks are padding,
+        which the causal
         mask keeps from the real tokens (a packed row: one more padding sequence), and the
         loss reads the real rows only (``_rows``)."""
         import torch.distributed as dist
@@ -525,8 +526,15 @@ class _Sharded:
         count = C.to_group(torch.tensor([len(micros)], dtype=torch.long), group)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         n = int(count.item())
+        if not micros and n:
+            raise RuntimeError(
+                "megatron expert parallelism: this rank has no rows in a batch its expert-"
+                "parallel ranks run (each data-parallel rank must get at least one sample)"
+            )
         out = list(micros) + [{**micros[0], "_filler": True} for _ in range(n - len(micros))]
         self.fillers += n - len(micros)
+        if self.config.moe_token_dispatcher_type != "allgather":
+            return out  # (all-to-all exchanges the token counts: shapes may differ)
         sizes = torch.zeros(n, 2, dtype=torch.long)
         for i, mb in enumerate(out):
             sizes[i] = torch.tensor(mb["_ids"].shape)
@@ -834,7 +842,10 @@ class _Sharded:
         in turn (colocated engines stage it from their own GPU), and the collectives stay
         within one data-parallel (and context-parallel) replica's tensor and pipeline groups:
         replicas never wait on each other, and every worker of a replica walks the same
-        buckets in the same order."""
+        buckets in the same order. (A MoE model's experts under expert parallelism are the
+        exception: their tensors are gathered over the expert-parallel ranks, which are
+        data-parallel replicas of the dense weights; every worker walks every bucket, so they
+        meet.)"""
         layout = hf_layout(self.shape, self.shard.pp_size, value=self.value)
         local = self._local_weights(self.model)
         mine = next(t for t in layout if t.stage == self.shard.pp_rank)
@@ -1054,12 +1065,14 @@ class _Sharded:
                     full[k][names[id(p)]][rng.start : rng.end] = tensors[k].detach().float().cpu()
             if "step" in tensors:
                 step = torch.maximum(step, tensors["step"].detach().double().cpu().reshape(1))
-        if self.shard.dp_size > 1:
-            group = self.ps.get_data_parallel_group()
+        if self.shard.dp_size * self.shard.cp_size > 1:
+            # megatron shards the dense parameters' state over the data x context ranks, an
+            # expert's over its expert data-parallel ranks
+            group = self.ps.get_data_parallel_group(with_context_parallel=True)
             params = dict(self.model.named_parameters())
-            expert_dp = self.ps.get_expert_data_parallel_group() if self.shard.ep_size > 1 else None
-            # the slices are disjoint: a sum assembles them (an expert's over its replicas)
-            for expert, g in ((False, group), (True, expert_dp or group)):
+            expert_dp = self.ps.get_expert_data_parallel_group()
+            # the slices are disjoint: a sum assembles them
+            for expert, g in ((False, group), (True, expert_dp)):
                 names_here = [n for n in full[keys[0]] if _is_expert(params[n]) == expert]
                 if not names_here:
                     continue
