@@ -3186,21 +3186,6 @@ TABLE += [
 ]
 
 
-# ---------------------------------------------------------------- every row above, each on its own
-# (last in the file: the parametrisation reads TABLE when the decorator runs, so a row added
-# after it would be left out)
-@pytest.mark.parametrize(
-    ("check", "settings", "expected"),
-    [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
-)
-def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
-    found = check(spec(**settings), "spec")
-    assert [p.path for p in found] == expected, [str(p) for p in found]
-    assert check(spec(**settings)) == found  # `spec` is the default prefix
-    for problem in found:
-        assert problem.message and problem.fix, f"{problem} needs a message and a fix"
-
-
 # --- a MoE model under megatron tensor parallelism needs sequence parallelism
 TABLE += [
     (
@@ -3241,3 +3226,18 @@ TABLE += [
         [],
     ),
 ]
+
+
+# ---------------------------------------------------------------- every row above, each on its own
+# (last in the file: the parametrisation reads TABLE when the decorator runs, so a row added
+# after it would be left out)
+@pytest.mark.parametrize(
+    ("check", "settings", "expected"),
+    [pytest.param(c, s, e, id=f"{c.__name__}: {name}") for c, name, s, e in TABLE],
+)
+def test_check(check: Any, settings: dict[str, Any], expected: list[str]) -> None:
+    found = check(spec(**settings), "spec")
+    assert [p.path for p in found] == expected, [str(p) for p in found]
+    assert check(spec(**settings)) == found  # `spec` is the default prefix
+    for problem in found:
+        assert problem.message and problem.fix, f"{problem} needs a message and a fix"
