@@ -87,14 +87,19 @@ def _torch_case(rank: int, model_dir: str, group: Any, **settings: Any) -> None:
     actor.update(batch, _policy_loss, micro_batch_size=2)
 
 
-def _megatron_case(rank: int, model_dir: str, tp: int, pp: int, **training: Any) -> None:
+def _megatron_case(
+    rank: int, model_dir: str, tp: int, pp: int, ep: int = 1, **training: Any
+) -> None:
     from megatron.core import parallel_state as ps
 
     from ppojob_api.training import TrainerConfig
+    from ppojob_trainer import models
     from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer
     from ppojob_trainer.distributed import identity
 
-    par = {"tensor": tp, "pipeline": pp}
+    if ep > 1:  # a mixture-of-experts model beside the dense one (the same cache)
+        model_dir = str(models.materialize_builtin("tiny-mixtral", 5, Path(model_dir).parents[1]))
+    par = {"tensor": tp, "pipeline": pp, "expert": ep}
     cfg = TrainerConfig.model_validate(
         {
             "roles": {"actor": {"replicas": 2, "backend": "megatron", "parallelism": par}},
@@ -103,8 +108,10 @@ def _megatron_case(rank: int, model_dir: str, tp: int, pp: int, **training: Any)
             "training": {"learningRate": 1e-2, "seed": 3, "microBatchSize": 2, **training},
         }
     )
-    shard = identity("actor", rank, WORLD, tp, pp, 1)
-    actor = MegatronPolicyTrainer(cfg, model_dir, shard, need_reference=False, total_updates=4)
+    shard = identity("actor", rank, WORLD, tp, pp, 1, ep)
+    actor = MegatronPolicyTrainer(
+        cfg, Path(model_dir), shard, need_reference=False, total_updates=4
+    )
     batch = _mine(rank) if shard.dp_size > 1 else _batch(8, 11)
     actor.logprobs(batch)
     actor.update(batch, _policy_loss, 2)  # the entropy's gradient flows (coefficient > 0)
@@ -130,6 +137,10 @@ def cases(model_dir: str, group: Any) -> dict[str, Callable[[int], None]]:
         "megatron/dp2": lambda r: _megatron_case(r, model_dir, 1, 1),
         "megatron/dp2+budget": lambda r: _megatron_case(
             r, model_dir, 1, 1, maxTokensPerMicroBatch=BUDGET
+        ),
+        # experts over the two ranks; the budget gives them different micro-batch counts
+        "megatron/ep2+budget": lambda r: _megatron_case(
+            r, model_dir, 1, 1, 2, maxTokensPerMicroBatch=BUDGET
         ),
     }
 

@@ -83,6 +83,10 @@ def _violations(judged: dict[str, dict], case: str) -> list[str]:
         ),
         ("megatron/dp2", {"_Sharded._dp_sum", "_Sharded._step"}),
         ("megatron/dp2+budget", {"_Sharded._dp_sum", "_Sharded._step"}),
+        (
+            "megatron/ep2+budget",
+            {"_Sharded._align_for_experts", "_Sharded._every_expert", "_Sharded._step"},
+        ),
     ],
 )
 def test_every_tensor_handed_to_an_nccl_group_was_placed_for_it(

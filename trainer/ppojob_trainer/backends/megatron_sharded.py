@@ -817,7 +817,9 @@ class _Sharded:
             if not k.endswith((STACKED_FC1, STACKED_FC2)):
                 continue
             piece = C.to_group(local[k].detach().contiguous(), group)
-            pieces = [torch.empty_like(piece) for _ in range(self.shard.ep_size)]
+            pieces = [
+                C.group_empty(group, piece.shape, piece.dtype) for _ in range(self.shard.ep_size)
+            ]
             dist.all_gather(pieces, piece, group=group)
             out[k] = torch.cat(pieces, 0).to(local[k].device)
         return out
