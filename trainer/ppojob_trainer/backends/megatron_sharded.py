@@ -515,9 +515,8 @@ class _Sharded:
         whose loss is 0 and whose result is dropped), and, under megatron-core's all-gather
         dispatcher (the one that runs on a CPU, which gathers equal pieces), the i-th
         micro-batches of all ranks have one shape: the rows and columns each lacks are padding,
-        which the causal
-        mask keeps from the real tokens (a packed row: one more padding sequence), and the
-        loss reads the real rows only (``_rows``)."""
+        which the causal mask keeps from the real tokens (a packed row: one more padding
+        sequence), and the loss reads the real rows only (``_rows``)."""
         import torch.distributed as dist
 
         from ..algorithms import collectives as C
