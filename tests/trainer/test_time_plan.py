@@ -54,6 +54,32 @@ def test_phases_by_hand() -> None:
     assert "256 samples x (32 + 64) = 24576 tokens per step" in text
 
 
+def test_a_moe_models_flops_follow_its_active_parameters_and_its_bytes_all_of_them() -> None:
+    """8 experts, 2 per token: compute phases count the parameters a token runs through, the
+    weight sync (and the engine's reads) every parameter."""
+    moe = Shape(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=4,
+        intermediate=128,
+        vocab=1000,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=32,
+        moe_layers=2,
+    )
+    assert moe.active_params < moe.params
+    half = _half(**{"spec.data.maxPromptLength": 32, "spec.data.maxResponseLength": 64})
+    plan = plan_time(half, moe, HW)
+    actor = 16 * 100e12 * 0.40
+    tokens = 256 * 96
+    assert plan.phases["trainActor"] == pytest.approx(6 * moe.active_params * tokens / actor)
+    assert plan.phases["logprobs"] == pytest.approx(2 * moe.active_params * tokens / actor)
+    assert plan.phases["weightSync"] == pytest.approx(2 * moe.params / 10e9)
+    assert "active per token" in format_time_plan(plan)
+
+
 def test_epochs_checkpointing_kl_and_colocation_change_what_they_should() -> None:
     base = plan_time(_half(), SHAPE, HW)
     more = plan_time(

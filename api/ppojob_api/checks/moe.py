@@ -195,8 +195,7 @@ def check_moe_tensor_parallel(half: TrainingHalf, prefix: str = "spec") -> list[
     problems: list[Problem] = []
     for name, spec in megatron_roles(half):
         mp = spec.parallelism
-        path = half.model.critic_path if name == "critic" and half.model.critic_path else None
-        path = path or half.model.path
+        path = _model_of(half, name)
         if mp.tensor > 1 and not mp.sequence_parallel and moe_kind(path) == "replayable":
             problems.append(
                 Problem(
