@@ -47,6 +47,7 @@ from ppojob_api.checks.moe import (
     check_expert_parallel,
     check_moe_backends,
     check_moe_tensor_parallel,
+    check_router_aux_loss,
     check_routing_replay,
 )
 from ppojob_api.checks.offpolicy import (
@@ -2851,6 +2852,7 @@ TABLE += [
 
 # --- mixture-of-experts models and routing replay
 REPLAY = {"algorithm__routingReplay": "rollout"}
+AUX = {"algorithm__routerAuxLossCoefficient": 0.01}
 MOE_MODEL = {"model__path": "builtin:tiny-qwen3-moe"}
 MODELS = Path(__file__).with_name("models")
 """Model directories (a config.json each) of the rows below; check_messages.txt names them
@@ -2887,6 +2889,25 @@ TABLE += [
         "replay on a hub model (told at load)",
         {**REPLAY, "model__path": "org/m"},
         [],
+    ),
+    (
+        check_router_aux_loss,
+        "a load-balancing loss on a MoE model, megatron actor",
+        {**AUX, "model__path": "builtin:tiny-mixtral", "roles__actor": MEGATRON_CPU},
+        [],
+    ),
+    (check_router_aux_loss, "no load-balancing loss on a dense model", {}, []),
+    (
+        check_router_aux_loss,
+        "a load-balancing loss on a dense model",
+        AUX,
+        ["spec.algorithm.routerAuxLossCoefficient"],
+    ),
+    (
+        check_router_aux_loss,
+        "a load-balancing loss on a MoE architecture the trainer does not drive",
+        {**AUX, **OTHER_MOE},
+        ["spec.algorithm.routerAuxLossCoefficient"],
     ),
     (check_moe_backends, "a MoE model on torch roles", MOE_MODEL, []),
     (

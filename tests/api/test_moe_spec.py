@@ -62,7 +62,7 @@ def test_a_model_directory_is_told_by_its_config(tmp_path: Path) -> None:
     half.model.path = deepseek
     (problem,) = check_routing_replay(half, "spec")
     assert problem.path == "spec.algorithm.routingReplay"
-    assert "cannot replay" in problem.message and "routingReplay: none" in problem.fix
+    assert "does not drive" in problem.message and "routingReplay: none" in problem.fix
 
 
 def test_validate_refuses_replay_on_a_dense_model_and_accepts_it_on_a_moe_one(
@@ -98,7 +98,7 @@ def test_validate_refuses_replay_on_a_dense_model_and_accepts_it_on_a_moe_one(
     assert ppojob(["validate", str(other)]) == 1
     err = capsys.readouterr().err
     assert "spec.roles.actor.backend" in err and "does not convert" in err
-    assert "spec.algorithm.routingReplay" in err and "cannot replay" in err
+    assert "spec.algorithm.routingReplay" in err and "does not drive" in err
 
 
 def test_the_number_of_experts_is_read_from_each_config_key(tmp_path: Path) -> None:

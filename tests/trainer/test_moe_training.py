@@ -75,7 +75,8 @@ def test_two_fsdp_actor_workers_replay_routing_over_packed_rows(tmp_path: Path) 
     a KL reference (replayed too). FSDP2's mixed precision casts the parameters to bfloat16
     and computes as the engine does (no float32 norms as under autocast): here the routers
     agreed on every choice (rollout/logprob_diff_mean about 2.7e-4, against 7.8e-4 unsharded),
-    so this run shows that replay works sharded and packed, not its effect."""
+    so this run shows that replay works sharded and packed, not its effect. A router
+    load-balancing loss joins the actor's (the run reports it)."""
     records = run(
         tmp_path / "fsdp",
         "tiny-qwen3-moe",
@@ -85,9 +86,11 @@ def test_two_fsdp_actor_workers_replay_routing_over_packed_rows(tmp_path: Path) 
         ("training.packing", True),
         ("roles.actor.replicas", 2),
         ("roles.actor.resources.cpus", 1),
+        ("algorithm.routerAuxLossCoefficient", 0.01),
     )
     assert [r["step"] for r in records] == [1, 2]
     assert all(0.9 < r["moe/router_agreement"] <= 1.0 for r in records)
+    assert all(0.5 < r["actor/router_balance"] < 4.0 for r in records)  # (1: uniform; E/k: 4)
     assert all(math.isfinite(r["actor/kl_loss"]) for r in records)
 
 
@@ -111,7 +114,8 @@ def test_a_tiny_moe_trains_on_the_megatron_backend(
     tmp_path: Path, model: str, estimator: str, replay: str, extra: tuple
 ) -> None:
     """megatron-core's MoE layers (float32 on the CPU, as the engine: the routers agree), PPO
-    with a critic and routing replay on one worker, GRPO with the experts over two (expert 2).
+    with a critic and routing replay on one worker, GRPO with the experts over two (expert 2),
+    both with a router load-balancing loss.
     Step 2's rollout ran on the weights step 1 trained and synced to the engine (the expert-
     parallel shards gathered): the engine's and the actor's log-probs still agree to ~1e-7."""
     records = run(
@@ -121,10 +125,12 @@ def test_a_tiny_moe_trains_on_the_megatron_backend(
         replay,
         ("model.dtype", "float32"),
         ("roles.actor.backend", "megatron"),
+        ("algorithm.routerAuxLossCoefficient", 0.01),
         *extra,
     )
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in records)
+    assert all(0.5 < r["actor/router_balance"] < 4.0 for r in records)  # (1: uniform; E/k: 4)
     assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in records)
     if replay == "rollout":
         assert all(r["moe/router_agreement"] > 0.99 for r in records)

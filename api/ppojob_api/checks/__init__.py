@@ -43,6 +43,7 @@ from ppojob_api.checks.moe import (
     check_expert_parallel,
     check_moe_backends,
     check_moe_tensor_parallel,
+    check_router_aux_loss,
     check_routing_replay,
 )
 from ppojob_api.checks.offpolicy import (
@@ -98,6 +99,7 @@ TRAINING_CHECKS: tuple[Check[TrainingHalf], ...] = (
     check_expert_parallel,
     check_moe_tensor_parallel,
     check_routing_replay,
+    check_router_aux_loss,
     check_sequence_parallel,
     check_tensor_within_pod,
     check_env,

@@ -82,28 +82,7 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
     if algo.routing_replay != "rollout":
         return []
     field = f"{prefix}.algorithm.routingReplay"
-    problems: list[Problem] = []
-    path = half.model.path
-    kind = moe_kind(path)
-    if kind == "dense":
-        problems.append(
-            Problem(
-                field,
-                f"routing replay needs a mixture-of-experts model, but {path} is dense (it has "
-                "no router whose choice could be replayed)",
-                f"set routingReplay: none, or use a MoE model ({', '.join(_MOE_BUILTINS)}, or a "
-                "Qwen3-MoE or Mixtral checkpoint)",
-            )
-        )
-    elif kind == "other-moe":
-        problems.append(
-            Problem(
-                field,
-                f"{path} is a mixture-of-experts model of an architecture whose routers the "
-                f"trainer cannot replay (it drives {', '.join(REPLAY_MODEL_TYPES)})",
-                "set routingReplay: none, or use a Qwen3-MoE or Mixtral checkpoint",
-            )
-        )
+    problems = _router_model(half, field, "routing replay", "set routingReplay: none")
     if half.data.agent is not None:
         problems.append(
             Problem(
@@ -114,6 +93,43 @@ def check_routing_replay(half: TrainingHalf, prefix: str = "spec") -> list[Probl
             )
         )
     return problems
+
+
+def check_router_aux_loss(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:
+    """`routerAuxLossCoefficient` > 0 needs a MoE model whose routers the trainer reads
+    (Qwen3-MoE, Mixtral): on a dense model the loss would not exist."""
+    if not half.algorithm.router_aux_loss_coefficient:
+        return []
+    field = f"{prefix}.algorithm.routerAuxLossCoefficient"
+    return _router_model(
+        half, field, "a router load-balancing loss", "set routerAuxLossCoefficient: 0"
+    )
+
+
+def _router_model(half: TrainingHalf, field: str, what: str, off: str) -> list[Problem]:
+    """``what`` (a feature that drives the routers) refused on a dense model or a MoE model of
+    an architecture whose routers the trainer does not know; ``off`` turns it off."""
+    path = half.model.path
+    kind = moe_kind(path)
+    if kind == "dense":
+        return [
+            Problem(
+                field,
+                f"{what} needs a mixture-of-experts model, but {path} is dense (it has no router)",
+                f"{off}, or use a MoE model ({', '.join(_MOE_BUILTINS)}, or a Qwen3-MoE or "
+                "Mixtral checkpoint)",
+            )
+        ]
+    if kind == "other-moe":
+        return [
+            Problem(
+                field,
+                f"{path} is a mixture-of-experts model of an architecture whose routers the "
+                f"trainer does not drive (it drives {', '.join(REPLAY_MODEL_TYPES)})",
+                f"{off}, or use a Qwen3-MoE or Mixtral checkpoint",
+            )
+        ]
+    return []
 
 
 def check_moe_backends(half: TrainingHalf, prefix: str = "spec") -> list[Problem]:

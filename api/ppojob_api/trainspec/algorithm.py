@@ -205,6 +205,18 @@ class Algorithm(ApiModel):
     workers replay through their routers, megatron ones through megatron-core's router top-k
     hook. The sglang engine records with its own enable_return_routed_experts."""
 
+    router_aux_loss_coefficient: float = Field(0.0, ge=0, le=1)
+    """Mixture-of-experts models: the weight of the router load-balancing loss added to the
+    actor's loss (0, the default: none; Hugging Face's router_aux_loss_coef and megatron-core's
+    moe_aux_loss_coeff are the same idea, commonly 0.001 to 0.02). The loss is the Switch
+    Transformer's E * sum_e f_e * P_e per MoE layer (f_e: the share of the tokens' top-k
+    choices that went to expert e, by the router's own choice; P_e: e's mean router
+    probability), over each micro-batch's real tokens, averaged over the layers, and weighted
+    like the micro-batch's policy loss; it is 1 when the routing is uniform and grows as
+    tokens crowd onto few experts. The torch and megatron actor backends compute it alike
+    (with sequence parallelism over the whole sequence); every step reports it as
+    actor/router_balance. Needs a MoE model (Qwen3-MoE or Mixtral architecture)."""
+
     max_staleness: int = Field(0, ge=0, le=16)
     """Bounded staleness: how many policy versions older than the actor a sample's tokens may be
     when it is trained on. 0 (the default) is the synchronous on-policy loop: a step generates,

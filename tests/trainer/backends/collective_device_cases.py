@@ -88,7 +88,13 @@ def _torch_case(rank: int, model_dir: str, group: Any, **settings: Any) -> None:
 
 
 def _megatron_case(
-    rank: int, model_dir: str, tp: int, pp: int, ep: int = 1, **training: Any
+    rank: int,
+    model_dir: str,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    aux: float = 0.0,
+    **training: Any,
 ) -> None:
     from megatron.core import parallel_state as ps
 
@@ -97,13 +103,13 @@ def _megatron_case(
     from ppojob_trainer.backends.megatron_backend import MegatronPolicyTrainer
     from ppojob_trainer.distributed import identity
 
-    if ep > 1:  # a mixture-of-experts model beside the dense one (the same cache)
+    if ep > 1 or aux:  # a mixture-of-experts model beside the dense one (the same cache)
         model_dir = str(models.materialize_builtin("tiny-mixtral", 5, Path(model_dir).parents[1]))
     par = {"tensor": tp, "pipeline": pp, "expert": ep}
     cfg = TrainerConfig.model_validate(
         {
             "roles": {"actor": {"replicas": 2, "backend": "megatron", "parallelism": par}},
-            "algorithm": {"entropyCoefficient": 0.01},
+            "algorithm": {"entropyCoefficient": 0.01, "routerAuxLossCoefficient": aux},
             "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
             "training": {"learningRate": 1e-2, "seed": 3, "microBatchSize": 2, **training},
         }
@@ -134,6 +140,8 @@ def cases(model_dir: str, group: Any) -> dict[str, Callable[[int], None]]:
         ),
         "megatron/tp2": lambda r: _megatron_case(r, model_dir, 2, 1),
         "megatron/pp2": lambda r: _megatron_case(r, model_dir, 1, 2),
+        # a MoE model's load-balancing loss: its value summed over the stages
+        "megatron/pp2+aux": lambda r: _megatron_case(r, model_dir, 1, 2, aux=0.01),
         "megatron/dp2": lambda r: _megatron_case(r, model_dir, 1, 1),
         "megatron/dp2+budget": lambda r: _megatron_case(
             r, model_dir, 1, 1, maxTokensPerMicroBatch=BUDGET

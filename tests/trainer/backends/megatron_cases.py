@@ -32,10 +32,16 @@ from typing import Any
 
 import torch
 
+AUX = float(os.environ.get("PPOJOB_CASE_AUX", "0.1"))
+"""The router load-balancing coefficient of the MoE cases with one."""
 
-def _cfg(tp: int, pp: int, micro: int | None = None, ep: int = 1, **training: object) -> object:
-    """A megatron actor and colocated critic of ``tp`` x ``pp`` (experts over ``ep``) over two
-    processes; ``training`` adds to (or replaces) the training settings of these cases."""
+
+def _cfg(
+    tp: int, pp: int, micro: int | None = None, ep: int = 1, aux: float = 0.0, **training: object
+) -> object:
+    """A megatron actor and colocated critic of ``tp`` x ``pp`` (experts over ``ep``; ``aux``:
+    the router load-balancing coefficient) over two processes; ``training`` adds to (or
+    replaces) the training settings of these cases."""
     from ppojob_api.training import TrainerConfig
 
     par = {"tensor": tp, "pipeline": pp, "expert": ep}
@@ -46,7 +52,11 @@ def _cfg(tp: int, pp: int, micro: int | None = None, ep: int = 1, **training: ob
                 "actor": {"replicas": 2, "backend": "megatron", "parallelism": par},
                 "critic": {"colocateWithActor": True, "backend": "megatron", "parallelism": par},
             },
-            "algorithm": {"advantageEstimator": "gae", "entropyCoefficient": 0.01},
+            "algorithm": {
+                "advantageEstimator": "gae",
+                "entropyCoefficient": 0.01,
+                "routerAuxLossCoefficient": aux,
+            },
             "data": {"temperature": 0.8, "rolloutBatchSize": 4, "samplesPerPrompt": 2},
             "training": settings,
         }
@@ -117,7 +127,14 @@ def _layout(rank: int, tp: int, pp: int, world: int, ep: int = 1) -> object:
 
 
 def run_layout(
-    rank: int, world: int, model_dir: Path, tp: int, pp: int, ep: int = 1, budget: int | None = None
+    rank: int,
+    world: int,
+    model_dir: Path,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    budget: int | None = None,
+    aux: float = 0.0,
 ) -> dict[str, object]:
     import dataclasses
 
@@ -130,7 +147,7 @@ def run_layout(
     from ppojob_trainer.models import load_causal_lm
 
     micro = 2
-    cfg = _cfg(tp, pp, micro, ep, gradClip=0.5, adamEps=1e-3, maxTokensPerMicroBatch=budget)
+    cfg = _cfg(tp, pp, micro, ep, aux, gradClip=0.5, adamEps=1e-3, maxTokensPerMicroBatch=budget)
     shard = _layout(rank, tp, pp, world, ep)
     out: dict[str, object] = {}
     n = 8
@@ -178,6 +195,7 @@ def run_layout(
         temperature=0.8,
         need_reference=True,
         entropy_grad=True,
+        router_aux_loss=aux,
     )
     lp_m = actor.logprobs(mine)
     lp_t = torch_actor.logprobs(mine)
@@ -193,7 +211,8 @@ def run_layout(
     loss_fn = _policy_loss(cfg)
     m_metrics = actor.update(mine, loss_fn, micro)
     t_metrics = torch_actor.update(batch, loss_fn, micro)
-    # The same update with another valid fp32 summation order (micro-batches of 1 row): how far
+    # The same update with another valid fp32 summation order (micro-batches of 1 row, or with a
+    # load-balancing loss the same micro-batches in reverse order): how far
     # two correct updates differ on this machine, amplified as Adam's first step amplifies it.
     torch_order = TorchPolicyTrainer(
         model_dir,
@@ -203,8 +222,13 @@ def run_layout(
         temperature=0.8,
         need_reference=True,
         entropy_grad=True,
+        router_aux_loss=aux,
     )
-    torch_order.update(batch, loss_fn, 1)
+    if aux:  # (micro-batches of other rows would change the load-balancing loss itself)
+        blocks = torch.arange(n).reshape(-1, micro).flip(0).reshape(-1)
+        torch_order.update({k: v[blocks] for k, v in batch.items()}, loss_fn, micro)
+    else:
+        torch_order.update(batch, loss_fn, 1)
     after = actor.export_weights()
     if after:
         out["update_noise"] = _maxdiff(torch_order.lm.state_dict(), torch_actor.lm.state_dict())
@@ -213,6 +237,8 @@ def run_layout(
         out["grad_norm"] = [m_metrics["grad_norm"], t_metrics["grad_norm"]]
     if shard.dp_size == 1:
         out["pg_loss"] = [m_metrics["pg_loss"], t_metrics["pg_loss"]]
+        if aux:
+            out["router_balance"] = [m_metrics["router_balance"], t_metrics["router_balance"]]
 
     # Checkpoint state round trip (gathered weights and Adam moments) into a fresh actor.
     state = actor.state_dict()
@@ -304,12 +330,13 @@ def _worker(
     if moe:  # mixture-of-experts models: experts over 2 data-parallel ranks, and pipeline 2
         # (tensor parallelism: megatron-core's MoE layers train only with sequence parallelism,
         # which needs Transformer Engine)
-        cases = [(d, "ep2", 1, 1, 2, None) for d in model_dirs]
-        cases += [(model_dirs[0], "pp2", 1, 2, 1, None)]
+        # with a router load-balancing loss (micro-batches of the same rows in both backends)
+        cases = [(d, "ep2", 1, 1, 2, None, AUX) for d in model_dirs]
+        cases += [(model_dirs[0], "pp2", 1, 2, 1, None, AUX)]
         # a token budget of 12: the two ranks' rows need 4 and 3 micro-batches
         cases += [(model_dirs[0], "ep2-budget", 1, 1, 2, 12)]
-    for model_dir, name, tp, pp, ep, budget in cases:
-        res = run_layout(rank, world, Path(model_dir), tp, pp, ep, budget)
+    for model_dir, name, tp, pp, ep, budget, *aux in cases:
+        res = run_layout(rank, world, Path(model_dir), tp, pp, ep, budget, *aux)
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         results[f"{Path(model_dir).name}/{name}"] = merge(gathered)

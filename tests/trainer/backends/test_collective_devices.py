@@ -81,6 +81,7 @@ def _violations(judged: dict[str, dict], case: str) -> list[str]:
             "megatron/pp2",
             {"_Sharded._cpu_schedule", "_Sharded._global_grad_norm", "_Sharded._hf_tensor"},
         ),
+        ("megatron/pp2+aux", {"_Sharded._cpu_schedule", "_Sharded._pipeline_sum"}),
         ("megatron/dp2", {"_Sharded._dp_sum", "_Sharded._step"}),
         ("megatron/dp2+budget", {"_Sharded._dp_sum", "_Sharded._step"}),
         (

@@ -186,7 +186,9 @@ def test_moe_on_megatron_matches_hf_and_the_torch_backend_with_experts_split(
     token budget that gives the two ranks different numbers of micro-batches), and pipeline 2:
     logits, log-probs, values, one actor and one critic update, the round trip through the
     expert-parallel gather and a checkpoint state round trip, against HF and the torch backend
-    (which sees the whole batch in one process)."""
+    (which sees the whole batch in one process). The expert-2 and pipeline-2 updates add a
+    router load-balancing loss (coefficient ``megatron_cases.AUX``): the same update, and the
+    same reported loss, in both backends."""
     dirs = [
         str(models.materialize_builtin(n, 5, tmp_path / "cache"))
         for n in ("tiny-mixtral", "tiny-qwen3-moe")
@@ -222,6 +224,8 @@ def test_moe_on_megatron_matches_hf_and_the_torch_backend_with_experts_split(
         m_norm, t_norm = r["grad_norm"]
         assert abs(m_norm - t_norm) < 1e-5 * t_norm, (name, r)
         assert r["resume_max_abs"] == 0.0, (name, r)
+    m_balance, t_balance = results["tiny-mixtral-seed5/pp2"]["router_balance"]
+    assert m_balance > 1.0 and abs(m_balance - t_balance) < 1e-6 * t_balance
     # expert 2: each rank holds half of the experts. tiny-mixtral: vocabulary 14, hidden 64,
     # 2 layers of 8 experts (intermediate 64), 4 heads of 16 with as many key/value heads
     hidden, vocab, layers = 64, 14, 2

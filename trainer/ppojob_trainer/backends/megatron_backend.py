@@ -109,6 +109,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
             sequence_parallel=cfg.roles.actor.parallelism.sequence_parallel,
             frozen_copy=need_reference,
             routing_replay=cfg.algorithm.routing_replay == "rollout",
+            router_aux_loss=cfg.algorithm.router_aux_loss_coefficient,
         )
         self.logits_chunk = LOGITS_CHUNK_TOKENS
         for model in (self.m.model, self.m.reference):
@@ -166,7 +167,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         """The last old log-probs' routing agreement with the engine's (sums: choices made
         alike, choices compared, every layer of the pipeline's stages); empty without routing
         replay. Every worker of the role calls it (a collective over the pipeline)."""
-        if not self.m.routers:
+        if not self.m.routing_replay:
             return {}
         counts = torch.tensor(self.m.routing_counts, dtype=torch.float64)
         if self.m.shard.pp_size > 1:

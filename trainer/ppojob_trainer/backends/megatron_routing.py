@@ -13,6 +13,15 @@ experts: megatron-core then takes their softmax (top-k renormalised) or, with
 backend's replay (:func:`~.torch_backend.moe.replay_choice`) do. Gradients reach the router
 through those scores.
 
+With ``algorithm.routerAuxLossCoefficient`` the same hook computes each router's load-balancing
+loss (:func:`~.torch_backend.moe.balance_loss`, as the torch backend does) from its scores and
+its own top-k, over the tokens :attr:`ReplayTopK.valid`; with sequence (or context) parallelism
+the expert counts, probability sums and token counts are summed over the tensor-and-context
+group first, so every rank's share adds up to the whole sequence's loss. The loss joins the
+backward through :class:`_WithLoss` on the top-k scores, scaled by :attr:`ReplayTopK.scale`
+(the coefficient times the micro-batch's loss weight over the layers): a pipeline stage's
+routers need no loss from the last stage.
+
 Token order: the router sees a layer's hidden states ``[s, b, h]`` flattened to ``[s * b]``
 (with sequence parallelism each tensor-parallel rank its ``s / tp`` slice).
 """
@@ -28,16 +37,37 @@ import torch
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+class _WithLoss(torch.autograd.Function):
+    """``x`` unchanged; its backward also sends ``scale`` down ``loss``'s graph (as if
+    ``scale * loss`` were added to the objective)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
 class ReplayTopK:
     """One router's replay: :attr:`forced` ``[s * b, k]`` (or None: the router's own choice);
     with :attr:`recording`, :attr:`chosen` receives the router's own top-k and :attr:`used`
-    the experts the layer used."""
+    the experts the layer used. With :attr:`scale` set (a training forward with a
+    load-balancing loss) the router's loss over the tokens :attr:`valid` (``[s * b]``) joins
+    the backward and :attr:`balance` receives its value (the whole sequence's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None, pre_softmax: bool = False) -> None:
         self.forced: torch.Tensor | None = None
         self.recording = False
         self.chosen: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
+        self.group = group  # the tensor-and-context group (None: this rank sees every token)
+        self.pre_softmax = pre_softmax  # the scores are probabilities, not logits
+        self.scale: float | None = None
+        self.valid: torch.Tensor | None = None
+        self.balance: torch.Tensor | None = None
 
     def get_replay_topk(
         self,
@@ -54,6 +84,8 @@ class ReplayTopK:
         )
         if self.recording:
             self.chosen = self.used = index.detach()
+        if self.scale is not None and torch.is_grad_enabled():
+            values = _WithLoss.apply(values, self._balance_loss(scores, index), self.scale)
         if self.forced is None:
             return values, index
         forced = self.forced.to(index.device)
@@ -67,12 +99,40 @@ class ReplayTopK:
         used = torch.where(known, forced.long(), index)
         if self.recording:
             self.used = used.detach()
-        return scores.gather(1, used), used
+        chosen = scores.gather(1, used)
+        if self.scale is not None and torch.is_grad_enabled():
+            chosen = _WithLoss.apply(chosen, self._balance_loss(scores, index), self.scale)
+        return chosen, used
+
+    def _balance_loss(self, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the router's load-balancing loss (its own choice ``index``;
+        the gradient through this rank's probabilities); :attr:`balance`: the whole loss."""
+        from .torch_backend.moe import balance_loss, balance_terms
+
+        probs = scores.float() if self.pre_softmax else torch.softmax(scores.float(), dim=-1)
+        counts, sums, tokens = balance_terms(probs, index, self.valid)
+        k = index.shape[-1]
+        if self.group is None:
+            loss = balance_loss(counts, sums, tokens, k)
+            self.balance = loss.detach()
+            return loss
+        from ..algorithms import collectives
+
+        experts = counts.shape[0]
+        whole = torch.cat([counts, sums.detach(), tokens[None]]).double()
+        whole = collectives.all_reduce_sum(whole, self.group).to(sums.device, torch.float32)
+        counts, tokens = whole[:experts], whole[-1]
+        self.balance = balance_loss(counts, whole[experts:-1], tokens, k)
+        return balance_loss(counts, sums, tokens, k)
 
 
-def install(model: Any, first_layer: int) -> dict[int, ReplayTopK]:
+def install(
+    model: Any, first_layer: int, balance: tuple[Any, bool] | None = None
+) -> dict[int, ReplayTopK]:
     """A :class:`ReplayTopK` on every ``TopKRouter`` of ``model`` (a pipeline stage whose first
-    layer is decoder layer ``first_layer``), by decoder layer index."""
+    layer is decoder layer ``first_layer``), by decoder layer index; ``balance``: (the
+    tensor-and-context group or None, whether the router's scores are probabilities) for a
+    load-balancing loss."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     out: dict[int, ReplayTopK] = {}
@@ -81,9 +141,13 @@ def install(model: Any, first_layer: int) -> dict[int, ReplayTopK]:
             match = _LAYER.search(name)
             if match is None:
                 raise ValueError(f"routing replay: router {name!r} is not inside a layer")
-            module.router_replay = out[first_layer + int(match.group(1))] = ReplayTopK()
+            hook = ReplayTopK() if balance is None else ReplayTopK(*balance)
+            module.router_replay = out[first_layer + int(match.group(1))] = hook
     if not out:
-        raise ValueError("routing replay: the megatron model has no mixture-of-experts router")
+        raise ValueError(
+            "routing replay / routerAuxLossCoefficient: the megatron model has no "
+            "mixture-of-experts router"
+        )
     return out
 
 

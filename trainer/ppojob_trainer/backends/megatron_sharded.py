@@ -87,6 +87,7 @@ class _Sharded:
         sequence_parallel: bool = False,
         frozen_copy: bool = False,
         routing_replay: bool = False,
+        router_aux_loss: float = 0.0,
     ) -> None:
         from transformers import AutoConfig
 
@@ -155,13 +156,24 @@ class _Sharded:
         self.routing_counts = [0.0, 0.0]  # (choices made as the engine's, choices compared)
         self.measure_routing = False
         self.fillers = 0  # micro-batches run only to match the expert-parallel ranks'
-        if routing_replay:
+        self.balance_sum = 0.0  # the routers' load-balancing losses of an update, row-weighted
+        # routerAuxLossCoefficient: the load-balancing loss, through the same router hooks
+        self.router_aux_loss = float(router_aux_loss)
+        self.routing_replay = routing_replay
+        if routing_replay or self.router_aux_loss > 0:
             from .megatron_convert import stage_layers
             from .megatron_routing import install
 
             first = stage_layers(self.shape, shard.pp_rank, shard.pp_size).start
-            self.routers["model"] = install(self.model, first)
-            if self.reference is not None:
+            balance = None
+            if self.router_aux_loss > 0:
+                tp_cp = shard.tp_size * shard.cp_size > 1
+                balance = (
+                    self.ps.get_tensor_and_context_parallel_group() if tp_cp else None,
+                    not self.shape.norm_topk,  # moe_router_pre_softmax: the scores are probs
+                )
+            self.routers["model"] = install(self.model, first, balance)
+            if self.reference is not None and routing_replay:
                 self.routers["reference"] = install(self.reference, first)
         self.updates = 0
         self.ddp = None
@@ -386,6 +398,8 @@ class _Sharded:
         if not self.settings.packing:
             ids, index = left_aligned(mb, pad_to)
             mb["_ids"], mb["_index"] = ids.to(self.device), index.to(self.device)
+            if self.router_aux_loss > 0:
+                mb["_tokens"] = left_aligned_tokens(mb, ids.shape[1])
             if routes is not None:
                 mb["_routes"], mb["_valid"] = left_aligned_routes(mb, *routes, ids.shape[1])
             return mb
@@ -399,6 +413,8 @@ class _Sharded:
         mb["_ids"], mb["_pos"] = ids.to(self.device), pos.to(self.device)
         mb["_index"] = index.to(self.device)
         mb["_lengths"] = torch.tensor(packed_lengths(pos))  # on the CPU: no device sync
+        if self.router_aux_loss > 0:
+            mb["_tokens"] = torch.arange(ids.shape[1])[None] < ids.shape[1] - tail
         if routes is not None:  # (replay_layout's packed order is pack_rows')
             mb["_routes"], mb["_valid"] = (
                 _pad_columns(r, ids.shape[1], fill)
@@ -414,6 +430,7 @@ class _Sharded:
         *,
         forward_only: bool,
         reference: bool = False,
+        aux_weights: list[float] | None = None,
     ) -> list[Any]:
         """Run ``batch`` in micro-batches (the row indices of ``plan``, or runs of ``plan``
         rows) through megatron-core's schedule, each padded to its own longest sequence, or
@@ -422,7 +439,8 @@ class _Sharded:
         ``head(output, micro_batch)`` runs on the last stage and returns ``(loss, payload)``;
         the payloads of the micro-batches come back in ``plan``'s order (on the last stage; []
         elsewhere). ``output`` is [b, L, ...], or [1, N, ...] for a packed row: read it at
-        ``micro_batch["_index"]`` with :func:`_at_index`."""
+        ``micro_batch["_index"]`` with :func:`_at_index`. ``aux_weights``: each micro-batch's
+        loss weight, for the routers' load-balancing loss (:meth:`_balance`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         model = self.reference if reference else self._train_module
@@ -432,6 +450,9 @@ class _Sharded:
         micros = [self._inputs({k: v[idx] for k, v in batch.items()}) for idx in plan]
         if self.shard.ep_size > 1:
             micros = self._align_for_experts(micros)
+        if aux_weights is not None and self.router_aux_loss > 0:
+            for i, idx in enumerate(plan):  # (fillers, appended after these, have none)
+                micros[i] = {**micros[i], "_aux": (aux_weights[i], len(idx) / n)}
         packed, te = self.settings.packing, self.te
 
         routers = self.routers.get("reference" if reference else "model", {})
@@ -441,6 +462,7 @@ class _Sharded:
             mb = next(data)
             length = mb["_ids"].shape[1]
             routes = self._routes(routers, mb, measure)
+            balancing = self._balance(routers, mb)
             if not packed:
                 mask = None if self.gpu else _causal_mask(length, self.device)
                 out = module(input_ids=mb["_ids"], position_ids=None, attention_mask=mask)
@@ -457,6 +479,9 @@ class _Sharded:
                 with rope_positions(module, mb["_pos"]):
                     out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
 
+            if balancing:
+                share = mb["_aux"][1]
+                self.balance_sum += share * sum(float(r.balance) for r in routers.values())
             if routes is not None and measure and "_filler" not in mb:
                 from .megatron_routing import agreement
 
@@ -508,6 +533,22 @@ class _Sharded:
             router.recording, router.chosen = measure, None
         return routes
 
+    def _balance(self, routers: Mapping[int, Any], mb: Mapping[str, Any]) -> bool:
+        """Set ``routers``' load-balancing loss for ``mb``: on (the coefficient times the
+        micro-batch's loss weight, shared by the model's layers; the real tokens in the routers'
+        order) for a trained micro-batch that is not a filler, else off; whether it is on."""
+        on = "_aux" in mb and "_filler" not in mb
+        scale = valid = None
+        if on:
+            from .megatron_routing import token_major
+
+            scale = self.router_aux_loss * mb["_aux"][0] / self.shape.layers
+            tp = self.shard.tp_size if self.sequence_parallel else 1
+            valid = token_major(mb["_tokens"], self.shard.tp_rank, tp)
+        for router in routers.values():
+            router.scale, router.valid = scale, valid
+        return on
+
     def _align_for_experts(self, micros: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``micros`` made to match those of every expert-parallel rank: each forward of a MoE
         layer is a collective over them (the tokens go to their experts' ranks), so every rank
@@ -547,7 +588,7 @@ class _Sharded:
             ids = mb["_ids"].new_zeros(rows, cols)
             ids[:b, :length] = mb["_ids"]
             mb["_ids"], mb["_rows"] = ids, b
-            for key, fill in (("_routes", -1), ("_valid", False)):  # routing replay's
+            for key, fill in (("_routes", -1), ("_valid", False), ("_tokens", False)):
                 if key in mb:
                     pad = mb[key].new_full((rows, cols, *mb[key].shape[2:]), fill)
                     pad[:b, :length] = mb[key]
@@ -671,14 +712,27 @@ class _Sharded:
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-        parts = self.run(minibatch, plan, head, forward_only=False)
+        self.balance_sum = 0.0
+        parts = self.run(minibatch, plan, head, forward_only=False, aux_weights=weights)
         out: dict[str, float] = {}
         for rows, metrics in parts:
             for k, v in metrics.items():
                 out[k] = out.get(k, 0.0) + rows * float(v)
         out = self.from_last_stage(out)
+        if self.router_aux_loss > 0:  # every stage's layers
+            out["router_balance"] = self._pipeline_sum(self.balance_sum) / self.shape.layers
         out.update(self._step())
         return out
+
+    def _pipeline_sum(self, local: float) -> float:
+        """``local`` summed over the pipeline stages."""
+        if self.shard.pp_size == 1:
+            return float(local)
+        from ..algorithms import collectives
+
+        t = torch.tensor([float(local)], dtype=torch.float64)
+        group = self.ps.get_pipeline_model_parallel_group()
+        return float(collectives.all_reduce_sum(t, group).item())
 
     def _dp_sum(self, local: float) -> float:
         if self.shard.dp_size == 1:
@@ -1279,6 +1333,21 @@ def _pad_columns(x: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
         return x
     pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)
     return torch.cat([x, pad], 1)
+
+
+def left_aligned_tokens(mb: Mapping[str, torch.Tensor], width: int) -> torch.Tensor:
+    """The real tokens (prompt and response, not padding) of :func:`~.megatron_inputs.
+    left_aligned`'s rows: ``[b, width]`` bool."""
+    p = mb["prompt_ids"].shape[1]
+    response = mb.get("response_mask")
+    if response is None:
+        response = torch.ones_like(mb["response_ids"], dtype=torch.bool)
+    real = torch.cat([mb["prompt_mask"].bool(), response.bool()], 1)
+    total = real.shape[1]
+    shift = p - mb["prompt_mask"].long().sum(1)
+    cols = torch.arange(total)[None, :] + shift[:, None]
+    moved = real.gather(1, cols.clamp(max=total - 1)) & (cols < total)
+    return _pad_columns(moved, width, False)
 
 
 def left_aligned_routes(

@@ -101,6 +101,7 @@ def make_policy_trainer(
         # both engines take the adapters only (sglang: its LoRA adapter loading)
         sync_adapters=True,
         routing_replay=cfg.algorithm.routing_replay == "rollout",
+        router_aux_loss=cfg.algorithm.router_aux_loss_coefficient,
     )
 
 

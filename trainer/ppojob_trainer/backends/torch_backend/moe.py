@@ -187,3 +187,92 @@ def agreement(
     both = (a >= 0).all(-1) & (b >= 0).all(-1) & valid.unsqueeze(-1)
     same = (a == b).all(-1) & both
     return float(same.sum()), float(both.sum())
+
+
+# -- the router load-balancing loss (algorithm.routerAuxLossCoefficient) -----------------------
+
+
+def balance_terms(
+    probs: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One router's load-balancing statistics over the tokens ``valid`` (``[N]`` bool, None:
+    all): the choices each expert received (``chosen`` ``[N, k]``, the router's own top-k; no
+    gradient), each expert's summed probability (``probs`` ``[N, E]``, float32, with its
+    gradient) and the number of tokens, as float32 tensors ``[E]``, ``[E]``, ``[]``."""
+    experts = probs.shape[-1]
+    if valid is not None:
+        keep = valid.reshape(-1).to(probs.device, torch.bool)
+        probs, chosen = probs[keep], chosen[keep]
+    counts = torch.bincount(chosen.reshape(-1).long(), minlength=experts).float()
+    tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+    return counts, probs.float().sum(0), tokens
+
+
+def balance_loss(
+    counts: torch.Tensor, prob_sums: torch.Tensor, tokens: torch.Tensor, k: int
+) -> torch.Tensor:
+    """The Switch Transformer load-balancing loss of one MoE layer (Fedus et al. 2021, eq. 4,
+    for top-k routing): ``E * sum_e f_e * P_e``, with ``f_e`` the share of the tokens' ``k``
+    choices that went to expert ``e`` and ``P_e`` its mean router probability (from
+    :func:`balance_terms`). 1.0 when the routing is uniform, up to ``E / k`` when every token
+    goes to the same experts; its gradient reaches the router through ``P`` only. No tokens:
+    0."""
+    n = tokens.clamp_min(1.0)
+    return counts.shape[0] * ((counts / (n * k)) * (prob_sums / n)).sum()
+
+
+class BalanceTap:
+    """Forward hooks on every router of a HF model that, inside :meth:`collect`, keep each
+    layer's :func:`balance_terms` (the router's own top-k, its softmax over this forward's
+    logits, the tokens marked valid); :meth:`loss` is their mean :func:`balance_loss` over
+    the layers. The hooks run again in activation checkpointing's recomputation and write the
+    same values (only the first forward's graph is backpropagated)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError(
+                f"routerAuxLossCoefficient: {type(model).__name__} has no mixture-of-experts "
+                f"router ({', '.join(n for _, n in ROUTER_CLASSES)})"
+            )
+        self.k = top_k(model)
+        self.valid: torch.Tensor | None = None
+        self.active = False
+        self.terms: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.handles = [
+            router.register_forward_hook(self._hook(layer))
+            for layer, router in self.routers.items()
+        ]
+
+    def _hook(self, layer: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not (self.active and torch.is_grad_enabled()):
+                return
+            logits, _, _ = output
+            probs = torch.softmax(logits.float(), dim=-1)
+            chosen = probs.detach().topk(self.k, dim=-1).indices
+            self.terms[layer] = balance_terms(probs, chosen, self.valid)
+
+        return hook
+
+    @contextmanager
+    def collect(self, valid: torch.Tensor | None) -> Iterator[None]:
+        """Keep the routers' statistics of the forwards inside the block, over the tokens
+        ``valid`` (in the decoder's flattened order; None: all)."""
+        self.terms, self.valid, self.active = {}, valid, True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def loss(self) -> torch.Tensor:
+        """The mean over the layers of the last collected forward's load-balancing losses."""
+        if not self.terms:
+            raise RuntimeError("routerAuxLossCoefficient: no router ran in the forward pass")
+        losses = [balance_loss(*t, self.k) for t in self.terms.values()]
+        return torch.stack(losses).mean()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

@@ -20,7 +20,7 @@ from ..weight_sync import WeightStream
 from .common import _eval_mode
 from .lora import apply_lora, lora_adapter_tensors, merged_lora_weights
 from .memory import LOGITS_CHUNK_TOKENS, to_device
-from .moe import RouterTap, agreement
+from .moe import BalanceTap, RouterTap, agreement
 from .optimiser import _Optimised
 from .packing import check_packing_support, unpack
 from .sharding import activation_checkpointing, full_state_dict, shard_module, stream_state_dict
@@ -58,13 +58,15 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         lora: LoraSpec | None = None,
         sync_adapters: bool = True,
         routing_replay: bool = False,
+        router_aux_loss: float = 0.0,
     ) -> None:
         """``need_entropy``: hand ``loss_fn`` the per-token entropy; ``entropy_grad``: with its
         graph (only when the loss uses it: an entropy coefficient > 0), else as a detached
         metric computed under ``no_grad`` (no [B, T, V] activations kept for backward).
         ``lora``: train adapters only (the reference is the base model with them disabled);
         ``sync_adapters``: :meth:`export_weights` gives only the adapters (engines that apply
-        them), else the merged weights."""
+        them), else the merged weights. ``router_aux_loss``: a MoE model's load-balancing loss
+        coefficient (:class:`~.moe.BalanceTap`; 0: none)."""
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.dtype = torch_dtype(dtype)
@@ -82,6 +84,8 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         if routing_replay:
             self.taps[id(lm)] = RouterTap(lm)
         self.routing_counts = [0.0, 0.0]  # (choices the routers made as the engine did, all)
+        self.router_aux_loss = float(router_aux_loss)
+        self.balance = BalanceTap(lm) if self.router_aux_loss > 0 else None
         if lora is not None:
             lm = apply_lora(lm, lora)
         self.model = CausalLMLogprobs(lm)
@@ -218,13 +222,25 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
         agg: str = "token-mean",
     ) -> dict[str, float]:
         def micro_loss(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-            logp, ent = self._logp(self.model, micro, entropy=self.need_entropy)
+            balance = self.balance
+            collect = (
+                balance.collect(real_tokens(micro, self.settings.packing))
+                if balance is not None
+                else nullcontext()
+            )
+            with collect:
+                logp, ent = self._logp(self.model, micro, entropy=self.need_entropy)
             routes = ("routed_experts", "prompt_routed_experts")
-            return loss_fn(
+            loss, metrics = loss_fn(
                 logp,
                 ent,
                 to_device({k: v for k, v in micro.items() if k not in routes}, self.device),
             )
+            if balance is not None:
+                aux = balance.loss()
+                loss = loss + self.router_aux_loss * aux
+                metrics = {**metrics, "router_balance": aux.detach()}
+            return loss, metrics
 
         return self.opt.accumulate(minibatch, micro_batch_size, agg, micro_loss)
 
@@ -273,6 +289,17 @@ class TorchPolicyTrainer(_OptimisedState, PolicyTrainer):
             save_pretrained(
                 plain, merged_lora_weights(self.lm, self.dtype), out / "merged", self.model_dir
             )
+
+
+def real_tokens(micro: Mapping[str, torch.Tensor], packed: bool) -> torch.Tensor | None:
+    """The tokens of a micro-batch's forward that are real (each row's prompt and response
+    tokens, not its padding) in the order the decoder flattens them: ``[b * (P + T)]`` bool
+    (prompt then response columns), or None when packed (:func:`~.packing.pack_rows` keeps
+    only real tokens)."""
+    if packed:
+        return None
+    mask = torch.cat([micro["prompt_mask"], micro["response_mask"]], 1)
+    return mask.bool().reshape(-1)
 
 
 def replay_layout(
