@@ -207,15 +207,17 @@ class Algorithm(ApiModel):
 
     router_aux_loss_coefficient: float = Field(0.0, ge=0, le=1)
     """Mixture-of-experts models: the weight of the router load-balancing loss added to the
-    actor's loss (0, the default: none; Hugging Face's router_aux_loss_coef and megatron-core's
-    moe_aux_loss_coeff are the same idea, commonly 0.001 to 0.02). The loss is the Switch
-    Transformer's E * sum_e f_e * P_e per MoE layer (f_e: the share of the tokens' top-k
-    choices that went to expert e, by the router's own choice; P_e: e's mean router
-    probability), over each micro-batch's real tokens, averaged over the layers, and weighted
-    like the micro-batch's policy loss; it is 1 when the routing is uniform and grows as
-    tokens crowd onto few experts. The torch and megatron actor backends compute it alike
-    (with sequence parallelism over the whole sequence); every step reports it as
-    actor/router_balance. Needs a MoE model (Qwen3-MoE or Mixtral architecture)."""
+    actor's loss (0, the default: none). The loss is the Switch Transformer's
+    E * sum_e f_e * P_e per MoE layer (f_e: the share of the tokens' top-k choices that went to
+    expert e, by the router's own choice; P_e: e's mean router probability), over each
+    micro-batch's real tokens, averaged over the layers, and weighted like the micro-batch's
+    policy loss; it is 1 when the routing is uniform and grows as tokens crowd onto few
+    experts. The same idea as Hugging Face's router_aux_loss_coef and megatron-core's
+    moe_aux_loss_coeff, on another scale: HF's loss is k times this one (pooled over the
+    layers) and megatron-core sums its layers' losses, so their coefficient c matches
+    c * k here (HF) or c * layers (megatron-core). The torch and megatron actor backends
+    compute it alike (with sequence parallelism over the whole sequence); every step reports
+    it as actor/router_balance. Needs a MoE model (Qwen3-MoE or Mixtral architecture)."""
 
     max_staleness: int = Field(0, ge=0, le=16)
     """Bounded staleness: how many policy versions older than the actor a sample's tokens may be

@@ -148,6 +148,7 @@ def gpu_shard(shape, initial: dict, rank: int):  # type: ignore[no-untyped-def]
     m.sequence_parallel, m.ps, m.ddp, m.updates, m.total_updates = False, ps, None, 0, 10
     m.te = False  # megatron-core's local layer spec
     m.routers, m.measure_routing = {}, False  # no routing replay
+    m.router_aux_loss, m.routing_replay = 0.0, False  # nor a load-balancing loss
     m.settings = TrainerConfig.model_validate(
         {"training": {"learningRate": 1e-2, "adamEps": 1e-6, "gradClip": 1.0}}
     ).training
@@ -224,6 +225,7 @@ def run(rank: int, store_file: str, out_path: str) -> None:
     m.sequence_parallel, m.ps, m.ddp = False, ps, None
     m.te = False
     m.routers, m.measure_routing = {}, False  # no routing replay
+    m.router_aux_loss, m.routing_replay = 0.0, False  # nor a load-balancing loss
     m.settings = SimpleNamespace(
         learning_rate=1e-3,
         weight_decay=0.0,

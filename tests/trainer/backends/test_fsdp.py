@@ -1,5 +1,6 @@
 """FSDP2 on CPU (gloo, two processes): sharded training equals ONE single-process update on
-the full batch, and each worker's checkpoint shard restores it exactly.
+the full batch, and each worker's checkpoint shard restores it exactly (and at another
+data-parallel size, 2 -> 1 and 1 -> 2, DCP resharding).
 
 Both processes train the same actor (with a sharded reference model and the KL loss) and critic
 for three updates on their half of the batch, once with ``sharding: none`` (replicas + one
@@ -151,6 +152,17 @@ def _worker(rank: int, model_dir: str, port: int, out: str) -> None:
         "actor": full_state_dict(actor.lm),
         "critic": full_state_dict(critic.model),
     }
+    # another data-parallel size: the shards one process wrote (the test, before it started
+    # these workers), resumed by two; the last update lands where the single process's did
+    actor, critic = build("fsdp")
+    actor.load_checkpoint(Path(out) / "ckpt1" / "actor", shard)
+    critic.load_checkpoint(Path(out) / "ckpt1" / "critic", shard)
+    results["from_one"] = {
+        "updates": (actor.opt.updates, critic.opt.updates),
+        "metrics": [update(actor, critic)],
+        "actor": {k: v.float() for k, v in full_state_dict(actor.lm).items()},
+        "critic": full_state_dict(critic.model),
+    }
     # bfloat16 compute (FSDP mixed precision) over float32 sharded masters: lr 1e-6 moves
     # nearly every element in three updates
     s16 = TrainingSettings(learning_rate=1e-6, sharding="fsdp", grad_clip=None)
@@ -184,6 +196,35 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def _one_process_shards(model_dir: Path, out: Path) -> None:
+    """A one-process FSDP actor and critic (no group) after all but the last update on the
+    whole batch, checkpointed to ``out`` (``actor/``, ``critic/``)."""
+    from ppojob_api.training import TrainingSettings
+    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
+    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
+    from ppojob_trainer.distributed import ShardIdentity
+
+    s = TrainingSettings(learning_rate=1e-2, sharding="fsdp", grad_clip=1.0)
+    actor = TorchPolicyTrainer(
+        model_dir,
+        "float32",
+        s,
+        temperature=1.0,
+        need_reference=True,
+        entropy_grad=True,
+        total_updates=UPDATES,
+    )
+    critic = TorchValueTrainer(model_dir, "float32", s, seed=0, total_updates=UPDATES)
+    for _ in range(UPDATES - 1):
+        batch = _batch()
+        batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
+        actor.update(batch, policy_loss, micro_batch_size=2)
+        critic.update(batch, value_loss, micro_batch_size=2)
+    one = ShardIdentity("actor", dp_rank=0, dp_size=1)
+    actor.save_checkpoint(out / "actor", one)
+    critic.save_checkpoint(out / "critic", one)
+
+
 def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
@@ -191,6 +232,7 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
     from ppojob_trainer.distributed import free_port
 
     model_dir = models.materialize_builtin("tiny-llama", 5, tmp_path / "cache")
+    _one_process_shards(model_dir, tmp_path / "ckpt1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.spawn(_worker, args=(str(model_dir), free_port(), str(tmp_path)), nprocs=WORLD)
 
@@ -215,6 +257,17 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
         torch.testing.assert_close(
             r["fsdp"]["logprobs"], r["none"]["logprobs"], atol=1e-5, rtol=1e-5
         )
+        # data 1 -> 2: the two workers resume the one process's shards and land on the single
+        # process's last update
+        one = r["from_one"]
+        assert one["updates"] == (UPDATES - 1, UPDATES - 1)
+        assert one["metrics"][0]["actor/grad_norm"] == pytest.approx(
+            r["single"]["metrics"][-1]["actor/grad_norm"], rel=1e-5
+        )
+        diff_actor = _max_diff(one["actor"], r["single"]["actor"])
+        diff_critic = _max_diff(one["critic"], r["single"]["critic"])
+        print(f"data 1 -> 2 resume: max |w - w_single| actor {diff_actor:.2e} {diff_critic:.2e}")
+        assert diff_actor <= 1e-5 and diff_critic <= 1e-5
         # the resumed last update is the uninterrupted one, exactly
         assert r["resumed"]["metrics"][0] == r["fsdp"]["metrics"][-1]
         assert _max_diff(r["resumed"]["actor"], r["fsdp"]["actor"]) == 0.0

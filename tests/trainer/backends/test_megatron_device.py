@@ -48,6 +48,7 @@ def meta_shard(width: int, packing: bool = False) -> megatron_sharded._Sharded:
     m.sequence_parallel, m.ddp, m.ps = False, None, SimpleNamespace()
     m.te = False
     m.routers, m.measure_routing = {}, False  # no routing replay
+    m.router_aux_loss, m.routing_replay = 0.0, False  # nor a load-balancing loss
     m.settings = SimpleNamespace(
         micro_batch_size=None, max_tokens_per_micro_batch=None, packing=packing
     )

@@ -128,6 +128,40 @@ def test_torch_updates_with_the_loss_alone_balance_the_routers(tmp_path: Path) -
     assert all(torch.equal(v, before[k]) for k, v in plain.lm.state_dict().items())
 
 
+def test_the_loss_under_activation_checkpointing_is_the_loss_without(tmp_path: Path) -> None:
+    """Recomputed blocks (gradient checkpointing) run the router hooks again in the backward
+    pass: the update with the loss is the update without recomputation."""
+    src = models.materialize_builtin("tiny-mixtral", 4, tmp_path / "cache")
+    g = torch.Generator().manual_seed(3)
+    n, p, t = 4, 5, 5
+    batch = {
+        "prompt_ids": torch.randint(3, 14, (n, p), generator=g),
+        "prompt_mask": torch.ones(n, p, dtype=torch.bool),
+        "response_ids": torch.randint(3, 14, (n, t), generator=g),
+        "response_mask": torch.ones(n, t, dtype=torch.bool),
+    }
+    batch["prompt_mask"][0, :2] = False
+
+    def loss_fn(logp, ent, mb):  # type: ignore[no-untyped-def]
+        return -(logp * mb["response_mask"]).sum() / mb["response_mask"].sum(), {}
+
+    weights, seen = [], []
+    for recompute in (False, True):
+        trainer = TorchPolicyTrainer(
+            src,
+            "float32",
+            TrainingSettings(learningRate=0.01, gradientCheckpointing=recompute),
+            total_updates=2,
+            temperature=1.0,
+            need_reference=False,
+            router_aux_loss=0.5,
+        )
+        seen.append(trainer.update(batch, loss_fn, 2)["router_balance"])
+        weights.append({k: v.clone() for k, v in trainer.lm.state_dict().items()})
+    assert seen[0] == pytest.approx(seen[1], rel=1e-6)
+    assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < 1e-6
+
+
 def test_sequence_parallel_shares_add_up_to_the_whole_sequence(tmp_path: Path) -> None:
     """megatron's router hook on two gloo ranks that each see half of the tokens (sequence
     parallelism): every rank reports the whole sequence's loss, and the gradients of the two

@@ -296,8 +296,10 @@ def transformer_config(
 
     A MoE model's layers route as the HF model does: softmax over the router's logits, the top
     ``experts_per_token``, renormalised (megatron's top-k of the logits, then their softmax) or
-    not (``moe_router_pre_softmax``), the logits in the model's dtype; no load-balancing loss
-    (the torch backend's HF models add none either); experts one MLP each (``SequentialMLP``:
+    not (``moe_router_pre_softmax``), the logits in the model's dtype; megatron-core's own
+    load-balancing loss off (``algorithm.routerAuxLossCoefficient`` adds ours, the torch
+    backend's definition, through the router's top-k hook: :mod:`.megatron_routing`); experts
+    one MLP each (``SequentialMLP``:
     the same names under Transformer Engine's spec); tokens to the experts' ranks by
     all-to-all (on a CPU by all-gather). Routing replay: :mod:`.megatron_routing`."""
     import torch.nn.functional as F

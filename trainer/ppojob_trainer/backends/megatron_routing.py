@@ -16,11 +16,12 @@ through those scores.
 With ``algorithm.routerAuxLossCoefficient`` the same hook computes each router's load-balancing
 loss (:func:`~.torch_backend.moe.balance_loss`, as the torch backend does) from its scores and
 its own top-k, over the tokens :attr:`ReplayTopK.valid`; with sequence (or context) parallelism
-the expert counts, probability sums and token counts are summed over the tensor-and-context
-group first, so every rank's share adds up to the whole sequence's loss. The loss joins the
+the expert counts, probability sums and token counts are summed over the group that splits the
+tokens first, so every rank's share adds up to the whole sequence's loss. The loss joins the
 backward through :class:`_WithLoss` on the top-k scores, scaled by :attr:`ReplayTopK.scale`
-(the coefficient times the micro-batch's loss weight over the layers): a pipeline stage's
-routers need no loss from the last stage.
+(the coefficient times the micro-batch's loss weight over the layers, times the fp16 loss
+scale where megatron-core's optimizer scales the loss): a pipeline stage's routers need no
+loss from the last stage.
 
 Token order: the router sees a layer's hidden states ``[s, b, h]`` flattened to ``[s * b]``
 (with sequence parallelism each tensor-parallel rank its ``s / tp`` slice).
@@ -63,7 +64,7 @@ class ReplayTopK:
         self.recording = False
         self.chosen: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
-        self.group = group  # the tensor-and-context group (None: this rank sees every token)
+        self.group = group  # the group splitting the tokens (None: this rank sees every token)
         self.pre_softmax = pre_softmax  # the scores are probabilities, not logits
         self.scale: float | None = None
         self.valid: torch.Tensor | None = None
@@ -84,9 +85,12 @@ class ReplayTopK:
         )
         if self.recording:
             self.chosen = self.used = index.detach()
+        balance = None
         if self.scale is not None and torch.is_grad_enabled():
-            values = _WithLoss.apply(values, self._balance_loss(scores, index), self.scale)
+            balance = self._balance_loss(scores, index)
         if self.forced is None:
+            if balance is not None:
+                values = _WithLoss.apply(values, balance, self.scale)
             return values, index
         forced = self.forced.to(index.device)
         if forced.shape != index.shape:
@@ -100,8 +104,8 @@ class ReplayTopK:
         if self.recording:
             self.used = used.detach()
         chosen = scores.gather(1, used)
-        if self.scale is not None and torch.is_grad_enabled():
-            chosen = _WithLoss.apply(chosen, self._balance_loss(scores, index), self.scale)
+        if balance is not None:
+            chosen = _WithLoss.apply(chosen, balance, self.scale)
         return chosen, used
 
     def _balance_loss(self, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

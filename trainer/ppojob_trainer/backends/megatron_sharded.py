@@ -156,7 +156,8 @@ class _Sharded:
         self.routing_counts = [0.0, 0.0]  # (choices made as the engine's, choices compared)
         self.measure_routing = False
         self.fillers = 0  # micro-batches run only to match the expert-parallel ranks'
-        self.balance_sum = 0.0  # the routers' load-balancing losses of an update, row-weighted
+        # the routers' load-balancing losses of an update, row-weighted (a float or a tensor)
+        self.balance_sum: Any = 0.0
         # routerAuxLossCoefficient: the load-balancing loss, through the same router hooks
         self.router_aux_loss = float(router_aux_loss)
         self.routing_replay = routing_replay
@@ -167,11 +168,16 @@ class _Sharded:
             first = stage_layers(self.shape, shard.pp_rank, shard.pp_size).start
             balance = None
             if self.router_aux_loss > 0:
-                tp_cp = shard.tp_size * shard.cp_size > 1
-                balance = (
-                    self.ps.get_tensor_and_context_parallel_group() if tp_cp else None,
-                    not self.shape.norm_topk,  # moe_router_pre_softmax: the scores are probs
-                )
+                # the ranks that split a sequence's tokens: sequence parallelism's tensor ranks
+                # (without it each tensor rank sees every token), the context ranks
+                split_tp = self.sequence_parallel and shard.tp_size > 1
+                if split_tp:
+                    group = self.ps.get_tensor_and_context_parallel_group()
+                elif shard.cp_size > 1:
+                    group = self.ps.get_context_parallel_group()
+                else:
+                    group = None
+                balance = (group, not self.shape.norm_topk)  # pre-softmax: scores are probs
             self.routers["model"] = install(self.model, first, balance)
             if self.reference is not None and routing_replay:
                 self.routers["reference"] = install(self.reference, first)
@@ -479,9 +485,11 @@ class _Sharded:
                 with rope_positions(module, mb["_pos"]):
                     out = module(input_ids=mb["_ids"], position_ids=mb["_pos"], attention_mask=mask)
 
-            if balancing:
+            if balancing:  # (a tensor: no device sync per layer)
                 share = mb["_aux"][1]
-                self.balance_sum += share * sum(float(r.balance) for r in routers.values())
+                self.balance_sum = self.balance_sum + share * sum(
+                    r.balance for r in routers.values()
+                )
             if routes is not None and measure and "_filler" not in mb:
                 from .megatron_routing import agreement
 
@@ -543,6 +551,9 @@ class _Sharded:
             from .megatron_routing import token_major
 
             scale = self.router_aux_loss * mb["_aux"][0] / self.shape.layers
+            if self.config.grad_scale_func is not None:  # fp16: the loss scale, as the loss's
+                one = torch.ones((), device=self.device)
+                scale *= float(self.config.grad_scale_func(one))
             tp = self.shard.tp_size if self.sequence_parallel else 1
             valid = token_major(mb["_tokens"], self.shard.tp_rank, tp)
         for router in routers.values():
@@ -720,7 +731,8 @@ class _Sharded:
                 out[k] = out.get(k, 0.0) + rows * float(v)
         out = self.from_last_stage(out)
         if self.router_aux_loss > 0:  # every stage's layers
-            out["router_balance"] = self._pipeline_sum(self.balance_sum) / self.shape.layers
+            local = float(self.balance_sum)
+            out["router_balance"] = self._pipeline_sum(local) / self.shape.layers
         out.update(self._step())
         return out
 

@@ -198,14 +198,14 @@ def balance_terms(
     """One router's load-balancing statistics over the tokens ``valid`` (``[N]`` bool, None:
     all): the choices each expert received (``chosen`` ``[N, k]``, the router's own top-k; no
     gradient), each expert's summed probability (``probs`` ``[N, E]``, float32, with its
-    gradient) and the number of tokens, as float32 tensors ``[E]``, ``[E]``, ``[]``."""
+    gradient) and the number of tokens, as float32 tensors ``[E]``, ``[E]``, ``[]`` on
+    ``probs``' device (masked sums: no device sync)."""
     experts = probs.shape[-1]
-    if valid is not None:
-        keep = valid.reshape(-1).to(probs.device, torch.bool)
-        probs, chosen = probs[keep], chosen[keep]
-    counts = torch.bincount(chosen.reshape(-1).long(), minlength=experts).float()
-    tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
-    return counts, probs.float().sum(0), tokens
+    picks = torch.nn.functional.one_hot(chosen.long(), experts).sum(-2).float()  # [N, E]
+    if valid is None:
+        return picks.sum(0), probs.float().sum(0), probs.new_tensor(float(probs.shape[0]))
+    mask = valid.reshape(-1, 1).to(probs.device, torch.float32)
+    return (picks * mask).sum(0), (probs.float() * mask).sum(0), mask.sum()
 
 
 def balance_loss(
@@ -223,10 +223,12 @@ def balance_loss(
 
 class BalanceTap:
     """Forward hooks on every router of a HF model that, inside :meth:`collect`, keep each
-    layer's :func:`balance_terms` (the router's own top-k, its softmax over this forward's
-    logits, the tokens marked valid); :meth:`loss` is their mean :func:`balance_loss` over
-    the layers. The hooks run again in activation checkpointing's recomputation and write the
-    same values (only the first forward's graph is backpropagated)."""
+    layer's router logits; :meth:`loss` is the mean over the layers of their
+    :func:`balance_loss` (the router's own top-k, its softmax, the tokens marked valid). The
+    hooks only keep a reference (no operation of theirs is recorded), so activation
+    checkpointing's recomputation, which runs them again outside :meth:`collect`, saves what
+    the first forward saved; the loss is computed after the forward, outside the checkpointed
+    blocks, and its gradient reaches the routers through the kept logits."""
 
     def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
@@ -238,7 +240,7 @@ class BalanceTap:
         self.k = top_k(model)
         self.valid: torch.Tensor | None = None
         self.active = False
-        self.terms: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.logits: dict[int, torch.Tensor] = {}
         self.handles = [
             router.register_forward_hook(self._hook(layer))
             for layer, router in self.routers.items()
@@ -246,30 +248,32 @@ class BalanceTap:
 
     def _hook(self, layer: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not (self.active and torch.is_grad_enabled()):
-                return
-            logits, _, _ = output
-            probs = torch.softmax(logits.float(), dim=-1)
-            chosen = probs.detach().topk(self.k, dim=-1).indices
-            self.terms[layer] = balance_terms(probs, chosen, self.valid)
+            if self.active and torch.is_grad_enabled():
+                self.logits[layer] = output[0]
 
         return hook
 
     @contextmanager
     def collect(self, valid: torch.Tensor | None) -> Iterator[None]:
-        """Keep the routers' statistics of the forwards inside the block, over the tokens
-        ``valid`` (in the decoder's flattened order; None: all)."""
-        self.terms, self.valid, self.active = {}, valid, True
+        """Keep the routers' logits of the forwards inside the block, for a loss over the
+        tokens ``valid`` (in the decoder's flattened order; None: all)."""
+        self.logits, self.valid, self.active = {}, valid, True
         try:
             yield
         finally:
             self.active = False
 
     def loss(self) -> torch.Tensor:
-        """The mean over the layers of the last collected forward's load-balancing losses."""
-        if not self.terms:
+        """The mean over the layers of the last collected forward's load-balancing losses
+        (the kept logits are let go)."""
+        if not self.logits:
             raise RuntimeError("routerAuxLossCoefficient: no router ran in the forward pass")
-        losses = [balance_loss(*t, self.k) for t in self.terms.values()]
+        losses = []
+        for logits in self.logits.values():
+            probs = torch.softmax(logits.float(), dim=-1)
+            chosen = probs.detach().topk(self.k, dim=-1).indices
+            losses.append(balance_loss(*balance_terms(probs, chosen, self.valid), self.k))
+        self.logits = {}
         return torch.stack(losses).mean()
 
     def remove(self) -> None:
