@@ -31,6 +31,24 @@ SHORT_NAMES = ["ppo"]
 PHASES = ("Pending", "Initializing", "Running", "Succeeded", "Failed", "Suspended", "Invalid")
 
 
+class Topology(ApiModel):
+    """Kueue Topology-Aware Scheduling: how close together each group of the job's pods must
+    run. The cluster describes its topology to Kueue (a Topology object listing node labels
+    from the widest domain to the node, and a ResourceFlavor whose topologyName names it);
+    the job names one of those labels."""
+
+    level: str = Field(min_length=1, max_length=317)
+    """The node label of the domain each pod group must fit in, one of the Topology's levels
+    (e.g. `cloud.provider.com/topology-rack`, or `kubernetes.io/hostname` for one node). Kueue
+    admits the job only when every group (the head, each worker group: actor, critic, rollout
+    ...) fits in one domain of this level, each its own domain, and places its pods there."""
+
+    mode: Literal["required", "preferred"] = "required"
+    """`required`: a group that fits in no single domain waits (Kueue's
+    `podset-required-topology`). `preferred`: Kueue tries this level, then wider ones (its
+    `podset-preferred-topology`)."""
+
+
 class Scheduling(ApiModel):
     """Gang scheduling: all pods of the job (head and every worker) start together or not at all."""
 
@@ -56,6 +74,11 @@ class Scheduling(ApiModel):
     `kueue.x-k8s.io/priority-class` on its RayJob): its order in the queue and for Kueue's
     preemption, apart from the pods' own PriorityClass (`priorityClassName`, which the kubelet
     and kube-scheduler use). Unset: Kueue takes the pods' PriorityClass."""
+
+    topology: Topology | None = None
+    """kueue only: Topology-Aware Scheduling of each pod group (the `kueue.x-k8s.io/podset-
+    required-topology` or `-preferred-topology` annotation on every pod template of the
+    RayJob). Unset: Kueue places the pods without regard to topology."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
     """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the

@@ -232,6 +232,13 @@ def refusal(
         bad_queue = check_kueue_queue(sched.queue) if scheduler == "kueue" else []
         if bad_queue:
             return "InvalidQueue", f"the operator's default gang scheduler is kueue: {bad_queue[0]}"
+        if scheduler != "kueue" and sched.topology is not None:
+            return (
+                "NotKueue",
+                f"spec.scheduling.topology is Kueue's Topology-Aware Scheduling, but the "
+                f"operator's default gang scheduler is {scheduler}: set "
+                "spec.scheduling.gangScheduler: kueue, or remove spec.scheduling.topology",
+            )
         if scheduler != "kueue" and sched.workload_priority_class:
             return (
                 "NotKueue",

@@ -108,6 +108,13 @@ YUNIKORN_APP_LABEL = "yunikorn.apache.org/app-id"
 YUNIKORN_QUEUE_LABEL = "yunikorn.apache.org/queue"
 YUNIKORN_POLICY_ANNOTATION = "yunikorn.apache.org/schedulingPolicyParameters"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_TOPOLOGY_ANNOTATIONS = {
+    "required": "kueue.x-k8s.io/podset-required-topology",
+    "preferred": "kueue.x-k8s.io/podset-preferred-topology",
+}
+"""Kueue's Topology-Aware Scheduling annotations on a pod set's template (``pkg/controller/
+constants``: ``PodSetRequiredTopologyAnnotation``, ``PodSetPreferredTopologyAnnotation``), by
+``scheduling.topology.mode``: the node label of the domain the pod set must (or should) fit in."""
 SP_POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 SP_SCHEDULER_NAME = "scheduler-plugins-scheduler"
 
@@ -222,7 +229,8 @@ class YuniKorn(GangScheduler):
 
 
 class Kueue(GangScheduler):
-    """The RayJob is created suspended in the job's LocalQueue; Kueue admits it whole."""
+    """The RayJob is created suspended in the job's LocalQueue; Kueue admits it whole (with
+    ``scheduling.topology``, each pod set within one domain of the topology level)."""
 
     name = "kueue"
     owns_suspend = True
@@ -238,6 +246,9 @@ class Kueue(GangScheduler):
             out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
         if sched.workload_priority_class:
             out.rayjob_labels[KUEUE_PRIORITY_LABEL] = sched.workload_priority_class
+        if sched.topology is not None:  # every pod template: each group its own domain
+            key = KUEUE_TOPOLOGY_ANNOTATIONS[sched.topology.mode]
+            out.pod_annotations[key] = sched.topology.level
         out.create_suspended = True
         return out
 

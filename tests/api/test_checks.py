@@ -1049,6 +1049,35 @@ TABLE: list[tuple[Any, str, dict[str, Any], list[str]]] = [
     ),
     (
         check_scheduling,
+        "a Kueue topology under another gang scheduler",
+        {
+            "scheduling__gangScheduler": "volcano",
+            "scheduling__topology": {"level": "cloud.provider.com/topology-rack"},
+        },
+        ["spec.scheduling.topology"],
+    ),
+    (
+        check_scheduling,
+        "a Kueue topology level that is no label key",
+        {
+            "scheduling__gangScheduler": "kueue",
+            "scheduling__queue": "lq",
+            "scheduling__topology": {"level": "rack/a/b"},
+        },
+        ["spec.scheduling.topology.level"],
+    ),
+    (
+        check_scheduling,
+        "a Kueue topology level, preferred",
+        {
+            "scheduling__gangScheduler": "kueue",
+            "scheduling__queue": "lq",
+            "scheduling__topology": {"level": "kubernetes.io/hostname", "mode": "preferred"},
+        },
+        [],
+    ),
+    (
+        check_scheduling,
         "a queue without a gang scheduler",
         {"scheduling__gangScheduler": "none", "scheduling__queue": "q"},
         ["spec.scheduling.queue"],

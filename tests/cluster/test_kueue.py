@@ -493,3 +493,154 @@ def test_a_workload_priority_class_is_the_workloads_priority(cp, operator, kueue
     finally:
         cp.kubectl("delete", PPOJOB, "--all", "-n", ns, "--wait=false", check=False)
         cp.kubectl("delete", "workloadpriorityclass", wpc, "--wait=false", check=False)
+
+
+def _tas_nodes(cp: ControlPlane, pool: str, nodes: dict[str, tuple[str, int]]) -> None:
+    """KWOK nodes of ``pool``: name -> (block, GPUs), each labelled with its block."""
+    docs = []
+    for name, (block, gpus) in nodes.items():
+        cap = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {"kwok.x-k8s.io/node": "fake"},
+                    "labels": {
+                        "type": "kwok",
+                        "pool": pool,
+                        BLOCK: block,
+                        "kubernetes.io/hostname": name,
+                    },
+                },
+                "status": {"capacity": cap, "allocatable": cap},
+            }
+        )
+    cp.apply(docs)
+
+    def ready() -> bool:
+        for name in nodes:
+            node = cp.get("node", name) or {}
+            conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+            if conds.get("Ready") != "True":
+                return False
+        return True
+
+    wait_until(ready, 60, f"pool {pool} nodes Ready")
+
+
+BLOCK = "ppojob.test/block"
+
+
+def _tas_queue(cp: ControlPlane, ns: str, pool: str) -> None:
+    """A Topology (block, then node), a ResourceFlavor of ``pool``'s nodes under it, and a
+    ClusterQueue of that flavor behind LocalQueue ``lq`` in ``ns``."""
+    topology, flavor, cq = f"topo-{ns}", f"tas-{ns}", f"cq-{ns}"
+    quota = [
+        {"name": "cpu", "nominalQuota": "100"},
+        {"name": "memory", "nominalQuota": "1Ti"},
+        {"name": "nvidia.com/gpu", "nominalQuota": "100"},
+    ]
+    cp.apply(
+        [
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "Topology",
+                "metadata": {"name": topology},
+                "spec": {"levels": [{"nodeLabel": BLOCK}, {"nodeLabel": "kubernetes.io/hostname"}]},
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ResourceFlavor",
+                "metadata": {"name": flavor},
+                "spec": {"nodeLabels": {"pool": pool}, "topologyName": topology},
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ClusterQueue",
+                "metadata": {"name": cq},
+                "spec": {
+                    "namespaceSelector": {},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": [q["name"] for q in quota],
+                            "flavors": [{"name": flavor, "resources": quota}],
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "LocalQueue",
+                "metadata": {"name": "lq", "namespace": ns},
+                "spec": {"clusterQueue": cq},
+            },
+        ]
+    )
+
+    def active(obj: dict[str, Any] | None) -> bool:
+        return condition((obj or {}).get("status") or {}, "Active").get("status") == "True"
+
+    wait_until(
+        lambda: (
+            active(cp.get("clusterqueue.kueue.x-k8s.io", cq))
+            and active(cp.get("localqueue.kueue.x-k8s.io", "lq", ns))
+        ),
+        60,
+        f"ClusterQueue {cq} (topology {topology}) and LocalQueue {ns}/lq active",
+    )
+
+
+def test_a_topology_level_keeps_each_pod_group_in_one_domain(cp, operator, kueue, ns):
+    """``scheduling.topology`` (Kueue Topology-Aware Scheduling) at the node level: each pod
+    group must fit on one node. Of the pool's nodes only one has the 2 GPUs the actor's two
+    1-GPU pods need together, so Kueue admits the job with both actor pods assigned to that
+    node, and they run there; a job whose 4-pod actor fits on no node is not admitted (the
+    same job without a topology would fit the pool's 6 GPUs)."""
+    pool = f"tas-{ns}"
+    nodes = {
+        f"{pool}-a1": ("a", 1),
+        f"{pool}-a2": ("a", 1),
+        f"{pool}-a3": ("a", 1),
+        f"{pool}-b1": ("b", 2),
+        f"{pool}-b2": ("b", 1),
+    }
+    _tas_nodes(cp, pool, nodes)
+    _tas_queue(cp, ns, pool)
+    level = {"level": "kubernetes.io/hostname"}
+    doc = gpu_job("near", ns, scheduler="kueue", queue="lq", gpus=1, pool=pool)
+    doc["spec"]["scheduling"]["topology"] = level
+    cp.apply(doc)
+    wl = wait_until(lambda: admitted(cp, "near", ns), 90, "Kueue admitting the job by topology")
+    assignments = {a["name"]: a for a in wl["status"]["admission"]["podSetAssignments"]}
+    actor = assignments["actor"]["topologyAssignment"]
+    assert actor["levels"] == ["kubernetes.io/hostname"], actor
+    print(json.dumps({k: a.get("topologyAssignment") for k, a in assignments.items()}))
+    made = wait_until(lambda: all_running(cp, "near", ns), 90, "the job's pods Running")
+    actors = [p for p in made if p["metadata"]["labels"].get("ray.io/group") == "actor"]
+    assert [p["spec"]["nodeName"] for p in actors] == [f"{pool}-b1"] * 2
+
+    # the job goes; the actor's four pods of the next fit on no node (at most 2 GPUs a node)
+    # though the pool's 6 GPUs are free for its 6: not admitted
+    cp.kubectl("delete", PPOJOB, "near", "-n", ns, "--wait=false")
+    wait_until(lambda: not job_pods(cp, "near", ns), 90, "the first job's pods gone")
+    doc = gpu_job("far", ns, scheduler="kueue", queue="lq", gpus=1, pool=pool, actor=4)
+    doc["spec"]["scheduling"]["topology"] = level
+    cp.apply(doc)
+    seen: list[Any] = []
+
+    def refused() -> dict[str, Any] | None:
+        w = workload(cp, "far", ns)
+        seen[:] = [w and w.get("status")]
+        return w if w and wl_cond(w, "QuotaReserved").get("status") == "False" else None
+
+    try:
+        wl = wait_until(refused, 60, "Kueue refusing the job that fits on no node")
+    except TimeoutError:
+        print(json.dumps(seen, indent=1), [p["metadata"]["name"] for p in job_pods(cp, "far", ns)])
+        raise
+    print(wl_cond(wl, "QuotaReserved").get("message"))
+    assert "topology" in wl_cond(wl, "QuotaReserved").get("message", "").lower()
+    assert rayjob_suspended(cp, "far", ns) is True
+    cp.kubectl("delete", PPOJOB, "--all", "-n", ns, "--wait=false", check=False)

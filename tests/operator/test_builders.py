@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ppojob_api.checks.sizes import quantity_bytes
-from ppojob_api.spec import PPOJob, total_gpus
+from ppojob_api.spec import PPOJob, Topology, total_gpus
 from ppojob_api.validation import validate_manifest
 from ppojob_operator import builders, scheduling
 from tests.helpers.manifests import GPU, LAYOUTS, SCHEDULING, base_manifest
@@ -175,6 +175,24 @@ def test_gang_labels_per_scheduler():
     rj = builders.build_children(wpc, namespace="ns1")[-1]
     assert rj["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "urgent"
     assert k["spec"]["suspend"] is True
+    # Kueue's Topology-Aware Scheduling: every pod template (head, each worker group) asks
+    for mode, key in (("required", "podset-required"), ("preferred", "podset-preferred")):
+        tas = make("gae-separate-all", "kueue")
+        tas.spec.scheduling.topology = Topology(level="cloud.provider.com/topology-rack", mode=mode)
+        spec = builders.build_children(tas, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        assert len(groups) == 4
+        for g in groups:
+            annotations = g["template"]["metadata"]["annotations"]
+            assert annotations[f"kueue.x-k8s.io/{key}-topology"] == (
+                "cloud.provider.com/topology-rack"
+            )
+    assert not any(
+        "topology" in a
+        for a in k["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"].get(
+            "annotations", {}
+        )
+    )
     kai = labels("kai")
     assert kai["metadata"]["labels"]["kai.scheduler/queue"] == "research"
     assert kai["spec"]["submissionMode"] == "SidecarMode"

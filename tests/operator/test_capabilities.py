@@ -64,6 +64,12 @@ def job(**spec):
         ({"scheduling": {"queue": "team-a"}}, {"gang_default": "kueue"}, None),
         ({"scheduling": {"queue": "q"}}, {}, "NoGangScheduler"),
         ({"scheduling": {"workloadPriorityClass": "high"}}, {}, "NotKueue"),
+        ({"scheduling": {"topology": {"level": "rack"}}}, {}, "NotKueue"),
+        (
+            {"scheduling": {"queue": "lq", "topology": {"level": "rack"}}},
+            {"gang_default": "kueue"},
+            None,
+        ),
         # kai as the operator's default: KubeRay would requeue these RayJobs with no status
         (
             {"submissionMode": "K8sJobMode", "scheduling": {"queue": "q"}},

@@ -33,6 +33,17 @@ def check_scheduling(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
                     f"use {path}.priorityClassName (the pods' PriorityClass) instead",
                 )
             )
+    if sched.topology is not None:
+        p += _check_topology(sched.topology.level, f"{path}.topology.level")
+        if sched.gang_scheduler not in (None, "kueue"):
+            p.append(
+                Problem(
+                    f"{path}.topology",
+                    f"is Kueue's Topology-Aware Scheduling, and the gang scheduler is "
+                    f"{sched.gang_scheduler}",
+                    f"set {path}.gangScheduler: kueue, or remove {path}.topology",
+                )
+            )
     if sched.gang_scheduler == "kai":
         if not sched.queue:
             p.append(
@@ -194,4 +205,21 @@ def check_ray_memory(spec: PPOJobSpec, prefix: str = "spec") -> list[Problem]:
         )
         for path, memory in pods
         if quantity_bytes(memory) < RAY_NODE_MIN_MEMORY
+    ]
+
+
+def _check_topology(level: str, field: str) -> list[Problem]:
+    """A topology level is a node label key (a qualified name, an optional DNS prefix)."""
+    from ppojob_api import k8s_rules
+
+    errors = k8s_rules.qualified_name(level)
+    if not errors:
+        return []
+    return [
+        Problem(
+            field,
+            f"{level!r} is not a node label key: {errors[0]}",
+            "use one of the node labels your Kueue Topology lists as a level, e.g. "
+            "kubernetes.io/hostname",
+        )
     ]
