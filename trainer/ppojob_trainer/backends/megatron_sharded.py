@@ -1347,19 +1347,26 @@ def _pad_columns(x: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
     return torch.cat([x, pad], 1)
 
 
+def _shift_left(x: torch.Tensor, prompt_mask: torch.Tensor, fill: Any) -> torch.Tensor:
+    """``x`` ``[b, P + T, ...]`` (prompt then response columns) with each row moved left by its
+    prompt's padding, as :func:`~.megatron_inputs.left_aligned` moves the tokens; ``fill``
+    where no token is."""
+    b, total = x.shape[:2]
+    shift = prompt_mask.shape[1] - prompt_mask.long().sum(1)
+    cols = torch.arange(total)[None, :] + shift[:, None]
+    tail = (1,) * (x.dim() - 2)
+    idx = cols.clamp(max=total - 1).view(b, total, *tail).expand_as(x)
+    return x.gather(1, idx).masked_fill(~(cols < total).view(b, total, *tail), fill)
+
+
 def left_aligned_tokens(mb: Mapping[str, torch.Tensor], width: int) -> torch.Tensor:
     """The real tokens (prompt and response, not padding) of :func:`~.megatron_inputs.
     left_aligned`'s rows: ``[b, width]`` bool."""
-    p = mb["prompt_ids"].shape[1]
     response = mb.get("response_mask")
     if response is None:
         response = torch.ones_like(mb["response_ids"], dtype=torch.bool)
     real = torch.cat([mb["prompt_mask"].bool(), response.bool()], 1)
-    total = real.shape[1]
-    shift = p - mb["prompt_mask"].long().sum(1)
-    cols = torch.arange(total)[None, :] + shift[:, None]
-    moved = real.gather(1, cols.clamp(max=total - 1)) & (cols < total)
-    return _pad_columns(moved, width, False)
+    return _pad_columns(_shift_left(real, mb["prompt_mask"], False), width, False)
 
 
 def left_aligned_routes(
@@ -1369,15 +1376,8 @@ def left_aligned_routes(
     (prompt then response columns, :func:`~.torch_backend.policy.replay_layout`) moved as
     :func:`~.megatron_inputs.left_aligned` moves the tokens, ``width`` columns (``-1`` and
     False where no token is)."""
-    p = mb["prompt_ids"].shape[1]
-    total = recorded.shape[1]
-    shift = p - mb["prompt_mask"].long().sum(1)
-    cols = torch.arange(total)[None, :] + shift[:, None]
-    inside = cols < total
-    idx = cols.clamp(max=total - 1)
-    routes = recorded.gather(1, idx[:, :, None, None].expand(-1, -1, *recorded.shape[2:]))
-    routes = routes.masked_fill(~inside[:, :, None, None], -1)
-    ok = valid.gather(1, idx) & inside
+    routes = _shift_left(recorded, mb["prompt_mask"], -1)
+    ok = _shift_left(valid, mb["prompt_mask"], False)
     return _pad_columns(routes, width, -1), _pad_columns(ok, width, False)
 
 
