@@ -38,15 +38,18 @@ class Topology(ApiModel):
     the job names one of those labels."""
 
     level: str = Field(min_length=1, max_length=317)
-    """The node label of the domain each pod group must fit in, one of the Topology's levels
-    (e.g. `cloud.provider.com/topology-rack`, or `kubernetes.io/hostname` for one node). Kueue
-    admits the job only when every group (the head, each worker group: actor, critic, rollout
-    ...) fits in one domain of this level, each its own domain, and places its pods there."""
+    """The node label of the domain each worker group (actor, critic, rollout, ...) is placed
+    in, one of the Topology's levels (e.g. `cloud.provider.com/topology-rack`, or
+    `kubernetes.io/hostname` for one node). Each group gets one domain of this level, chosen
+    group by group (two groups may share one or not). A level the ClusterQueue's flavor's
+    Topology does not list, or a flavor without a topology, keeps the job queued with
+    Kueue's reason on its Workload (`queueTimeoutSeconds` bounds that)."""
 
     mode: Literal["required", "preferred"] = "required"
-    """`required`: a group that fits in no single domain waits (Kueue's
-    `podset-required-topology`). `preferred`: Kueue tries this level, then wider ones (its
-    `podset-preferred-topology`)."""
+    """`required` (Kueue's `podset-required-topology`): the job is admitted only when every
+    worker group fits in one domain of the level; until then it waits. `preferred` (its
+    `podset-preferred-topology`): Kueue tries the level, then each wider one, and a group that
+    fits in no single domain is admitted spread over several."""
 
 
 class Scheduling(ApiModel):
@@ -76,9 +79,10 @@ class Scheduling(ApiModel):
     and kube-scheduler use). Unset: Kueue takes the pods' PriorityClass."""
 
     topology: Topology | None = None
-    """kueue only: Topology-Aware Scheduling of each pod group (the `kueue.x-k8s.io/podset-
-    required-topology` or `-preferred-topology` annotation on every pod template of the
-    RayJob). Unset: Kueue places the pods without regard to topology."""
+    """kueue only: Topology-Aware Scheduling of each worker group (Kueue's
+    podset-required-topology or podset-preferred-topology annotation on the worker groups'
+    pod templates; the head is one pod and gets none). Unset: no request of the job's own
+    (Kueue still places pods by topology in a ClusterQueue whose flavors all have one)."""
 
     timeout_seconds: int = Field(600, ge=1, le=604800)
     """How long the job may wait for all its resources: YuniKorn's placeholder timeout, and the

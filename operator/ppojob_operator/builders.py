@@ -561,6 +561,8 @@ def _pod_template(
     labels = {**extra.labels, JOB_LABEL: name, ROLE_LABEL: group_role, **gang.pod_labels}
     meta: dict[str, Any] = {"labels": labels}
     annotations = {**extra.annotations, **gang.pod_annotations}
+    if group_role != "head":
+        annotations.update(gang.worker_annotations)
     if annotations:
         meta["annotations"] = annotations
     return {"metadata": meta, "spec": pod}

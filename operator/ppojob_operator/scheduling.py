@@ -112,9 +112,10 @@ KUEUE_TOPOLOGY_ANNOTATIONS = {
     "required": "kueue.x-k8s.io/podset-required-topology",
     "preferred": "kueue.x-k8s.io/podset-preferred-topology",
 }
-"""Kueue's Topology-Aware Scheduling annotations on a pod set's template (``pkg/controller/
-constants``: ``PodSetRequiredTopologyAnnotation``, ``PodSetPreferredTopologyAnnotation``), by
-``scheduling.topology.mode``: the node label of the domain the pod set must (or should) fit in."""
+"""Kueue's Topology-Aware Scheduling annotations on a pod set's template (v0.19
+``apis/kueue/v1beta2/topology_types.go``: ``PodSetRequiredTopologyAnnotation``,
+``PodSetPreferredTopologyAnnotation``), by ``scheduling.topology.mode``: the node label of the
+domain the pod set must (or should) fit in."""
 SP_POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 SP_SCHEDULER_NAME = "scheduler-plugins-scheduler"
 
@@ -134,6 +135,8 @@ class GangPlan:
     rayjob_labels: dict[str, str] = field(default_factory=dict)
     pod_labels: dict[str, str] = field(default_factory=dict)
     pod_annotations: dict[str, str] = field(default_factory=dict)
+    worker_annotations: dict[str, str] = field(default_factory=dict)
+    """Annotations of the worker groups' pod templates only (not the head's)."""
     scheduler_name: str | None = None
     create_suspended: bool = False
     objects: list[dict[str, Any]] = field(default_factory=list)
@@ -230,13 +233,14 @@ class YuniKorn(GangScheduler):
 
 class Kueue(GangScheduler):
     """The RayJob is created suspended in the job's LocalQueue; Kueue admits it whole (with
-    ``scheduling.topology``, each pod set within one domain of the topology level)."""
+    ``scheduling.topology``, each worker group within one domain of the topology level)."""
 
     name = "kueue"
     owns_suspend = True
     # Kueue's RayJob webhook (0.17 to 0.19) refuses enableInTreeAutoscaling unless its
     # ElasticJobsViaWorkloadSlices gate is on and the job opts in (raycluster/common.go): an
-    # elastic rollout group under Kueue keeps the replicas it started with.
+    # elastic rollout group under Kueue keeps the replicas it started with (and with workload
+    # slices Kueue would refuse scheduling.topology's annotations on an elastic group).
     autoscaling = False
 
     def plan(self, gang: GangJob) -> GangPlan:
@@ -246,9 +250,13 @@ class Kueue(GangScheduler):
             out.rayjob_labels[KUEUE_QUEUE_LABEL] = sched.queue
         if sched.workload_priority_class:
             out.rayjob_labels[KUEUE_PRIORITY_LABEL] = sched.workload_priority_class
-        if sched.topology is not None:  # every pod template: each group its own domain
+        if sched.topology is not None:
+            # each worker group in one domain, chosen group by group; not the head, one pod,
+            # which fits one domain wherever it fits, and which the annotation would confine
+            # to the ClusterQueue's topology flavors (a head on a CPU pool outside them would
+            # never be admitted)
             key = KUEUE_TOPOLOGY_ANNOTATIONS[sched.topology.mode]
-            out.pod_annotations[key] = sched.topology.level
+            out.worker_annotations[key] = sched.topology.level
         out.create_suspended = True
         return out
 

@@ -593,7 +593,7 @@ def _tas_queue(cp: ControlPlane, ns: str, pool: str) -> None:
 
 
 def test_a_topology_level_keeps_each_pod_group_in_one_domain(cp, operator, kueue, ns):
-    """``scheduling.topology`` (Kueue Topology-Aware Scheduling) at the node level: each pod
+    """``scheduling.topology`` (Kueue Topology-Aware Scheduling) at the node level: each worker
     group must fit on one node. Of the pool's nodes only one has the 2 GPUs the actor's two
     1-GPU pods need together, so Kueue admits the job with both actor pods assigned to that
     node, and they run there; a job whose 4-pod actor fits on no node is not admitted (the
@@ -625,22 +625,38 @@ def test_a_topology_level_keeps_each_pod_group_in_one_domain(cp, operator, kueue
     # though the pool's 6 GPUs are free for its 6: not admitted
     cp.kubectl("delete", PPOJOB, "near", "-n", ns, "--wait=false")
     wait_until(lambda: not job_pods(cp, "near", ns), 90, "the first job's pods gone")
+    wait_until(lambda: workload(cp, "near", ns) is None, 90, "the first job's Workload gone")
     doc = gpu_job("far", ns, scheduler="kueue", queue="lq", gpus=1, pool=pool, actor=4)
     doc["spec"]["scheduling"]["topology"] = level
     cp.apply(doc)
-    seen: list[Any] = []
-
-    def refused() -> dict[str, Any] | None:
-        w = workload(cp, "far", ns)
-        seen[:] = [w and w.get("status")]
-        return w if w and wl_cond(w, "QuotaReserved").get("status") == "False" else None
-
-    try:
-        wl = wait_until(refused, 60, "Kueue refusing the job that fits on no node")
-    except TimeoutError:
-        print(json.dumps(seen, indent=1), [p["metadata"]["name"] for p in job_pods(cp, "far", ns)])
-        raise
-    print(wl_cond(wl, "QuotaReserved").get("message"))
-    assert "topology" in wl_cond(wl, "QuotaReserved").get("message", "").lower()
+    wl = wait_until(
+        lambda: (
+            (w := workload(cp, "far", ns))
+            and wl_cond(w, "QuotaReserved").get("status") == "False"
+            and w
+        ),
+        60,
+        "Kueue refusing the job that fits on no node",
+    )
+    # (with the first job's node still held, 1 of 4 would fit)
+    message = wl_cond(wl, "QuotaReserved").get("message", "")
+    assert "allows to fit only 2 out of 4 pod(s)" in message, message
     assert rayjob_suspended(cp, "far", ns) is True
+
+    # a level the Topology does not list: Kueue's webhook takes it (a label key), its
+    # scheduler keeps the job queued, saying so on the Workload
+    doc = gpu_job("typo", ns, scheduler="kueue", queue="lq", gpus=1, pool=pool)
+    doc["spec"]["scheduling"]["topology"] = {"level": "ppojob.test/rack"}
+    cp.apply(doc)
+    wl = wait_until(
+        lambda: (
+            (w := workload(cp, "typo", ns))
+            and "does not contain the requested level"
+            in wl_cond(w, "QuotaReserved").get("message", "")
+            and w
+        ),
+        60,
+        "Kueue naming the level its Topology lacks",
+    )
+    assert wl_cond(wl, "QuotaReserved").get("status") == "False"
     cp.kubectl("delete", PPOJOB, "--all", "-n", ns, "--wait=false", check=False)

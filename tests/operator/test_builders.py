@@ -175,18 +175,19 @@ def test_gang_labels_per_scheduler():
     rj = builders.build_children(wpc, namespace="ns1")[-1]
     assert rj["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "urgent"
     assert k["spec"]["suspend"] is True
-    # Kueue's Topology-Aware Scheduling: every pod template (head, each worker group) asks
+    # Kueue's Topology-Aware Scheduling: each worker group's pod template asks, the head's not
     for mode, key in (("required", "podset-required"), ("preferred", "podset-preferred")):
         tas = make("gae-separate-all", "kueue")
         tas.spec.scheduling.topology = Topology(level="cloud.provider.com/topology-rack", mode=mode)
         spec = builders.build_children(tas, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
-        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-        assert len(groups) == 4
-        for g in groups:
+        assert len(spec["workerGroupSpecs"]) == 3
+        for g in spec["workerGroupSpecs"]:
             annotations = g["template"]["metadata"]["annotations"]
             assert annotations[f"kueue.x-k8s.io/{key}-topology"] == (
                 "cloud.provider.com/topology-rack"
             )
+        head = spec["headGroupSpec"]["template"]["metadata"].get("annotations", {})
+        assert not any("topology" in a for a in head), head
     assert not any(
         "topology" in a
         for a in k["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"].get(
