@@ -31,18 +31,31 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUPS = {"head": 1, "actor": 2, "critic": 1, "rollout": 1}
 
 
-def make_queue(cp: ControlPlane, ns: str, gpus: int, preemption: dict | None = None) -> str:
-    """A ClusterQueue with ``gpus`` GPUs of quota and LocalQueue ``lq`` in ``ns`` pointing at it;
-    returns the ClusterQueue's name once Kueue reports it active."""
+def make_queue(
+    cp: ControlPlane,
+    ns: str,
+    gpus: int,
+    preemption: dict | None = None,
+    flavor: tuple[str, dict[str, Any]] = (FLAVOR, {}),
+) -> str:
+    """A ClusterQueue with ``gpus`` GPUs of quota in ResourceFlavor ``flavor`` (name, spec) and
+    LocalQueue ``lq`` in ``ns`` pointing at it; returns the ClusterQueue's name once Kueue
+    reports it active."""
     cq = f"cq-{ns}"
     quota = [
         {"name": "cpu", "nominalQuota": "100"},
         {"name": "memory", "nominalQuota": "1Ti"},
         {"name": "nvidia.com/gpu", "nominalQuota": str(gpus)},
     ]
+    name, spec = flavor
     cp.apply(
         [
-            {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR}},
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ResourceFlavor",
+                "metadata": {"name": name},
+                **({"spec": spec} if spec else {}),
+            },
             {
                 "apiVersion": KUEUE_API,
                 "kind": "ClusterQueue",
@@ -53,7 +66,7 @@ def make_queue(cp: ControlPlane, ns: str, gpus: int, preemption: dict | None = N
                     "resourceGroups": [
                         {
                             "coveredResources": [q["name"] for q in quota],
-                            "flavors": [{"name": FLAVOR, "resources": quota}],
+                            "flavors": [{"name": name, "resources": quota}],
                         }
                     ],
                 },
@@ -536,60 +549,20 @@ BLOCK = "ppojob.test/block"
 def _tas_queue(cp: ControlPlane, ns: str, pool: str) -> None:
     """A Topology (block, then node), a ResourceFlavor of ``pool``'s nodes under it, and a
     ClusterQueue of that flavor behind LocalQueue ``lq`` in ``ns``."""
-    topology, flavor, cq = f"topo-{ns}", f"tas-{ns}", f"cq-{ns}"
-    quota = [
-        {"name": "cpu", "nominalQuota": "100"},
-        {"name": "memory", "nominalQuota": "1Ti"},
-        {"name": "nvidia.com/gpu", "nominalQuota": "100"},
-    ]
+    topology = f"topo-{ns}"
+    levels = [{"nodeLabel": BLOCK}, {"nodeLabel": "kubernetes.io/hostname"}]
     cp.apply(
         [
             {
                 "apiVersion": KUEUE_API,
                 "kind": "Topology",
                 "metadata": {"name": topology},
-                "spec": {"levels": [{"nodeLabel": BLOCK}, {"nodeLabel": "kubernetes.io/hostname"}]},
-            },
-            {
-                "apiVersion": KUEUE_API,
-                "kind": "ResourceFlavor",
-                "metadata": {"name": flavor},
-                "spec": {"nodeLabels": {"pool": pool}, "topologyName": topology},
-            },
-            {
-                "apiVersion": KUEUE_API,
-                "kind": "ClusterQueue",
-                "metadata": {"name": cq},
-                "spec": {
-                    "namespaceSelector": {},
-                    "resourceGroups": [
-                        {
-                            "coveredResources": [q["name"] for q in quota],
-                            "flavors": [{"name": flavor, "resources": quota}],
-                        }
-                    ],
-                },
-            },
-            {
-                "apiVersion": KUEUE_API,
-                "kind": "LocalQueue",
-                "metadata": {"name": "lq", "namespace": ns},
-                "spec": {"clusterQueue": cq},
-            },
+                "spec": {"levels": levels},
+            }
         ]
     )
-
-    def active(obj: dict[str, Any] | None) -> bool:
-        return condition((obj or {}).get("status") or {}, "Active").get("status") == "True"
-
-    wait_until(
-        lambda: (
-            active(cp.get("clusterqueue.kueue.x-k8s.io", cq))
-            and active(cp.get("localqueue.kueue.x-k8s.io", "lq", ns))
-        ),
-        60,
-        f"ClusterQueue {cq} (topology {topology}) and LocalQueue {ns}/lq active",
-    )
+    spec = {"nodeLabels": {"pool": pool}, "topologyName": topology}
+    make_queue(cp, ns, gpus=100, flavor=(f"tas-{ns}", spec))
 
 
 def test_a_topology_level_keeps_each_pod_group_in_one_domain(cp, operator, kueue, ns):
