@@ -183,3 +183,34 @@ def test_sequence_parallel_shares_add_up_to_the_whole_sequence(tmp_path: Path) -
     # the counts' all-reduce was judged, its tensors placed for the group's device
     assert any(s.endswith(":ReplayTopK._balance_loss") for s in r["sites"]), r["sites"]
     assert r["violations"] == []
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 8.0])
+def test_megatrons_share_of_a_micro_batch_carries_its_weight_and_the_fp16_loss_scale(
+    loss_scale: float,
+) -> None:
+    """``_Sharded._balance`` gives each router the coefficient times the micro-batch's loss
+    weight over the layers, times the loss scale megatron-core's fp16 optimizer multiplies the
+    main loss by (``config.grad_scale_func``: the aux gradient would otherwise be divided by it
+    at the step); a filler micro-batch and one without a weight get none."""
+    from types import SimpleNamespace
+
+    from ppojob_trainer.backends.megatron_routing import ReplayTopK
+    from ppojob_trainer.backends.megatron_sharded import _Sharded
+    from ppojob_trainer.distributed import ShardIdentity
+
+    m = _Sharded.__new__(_Sharded)
+    m.shard, m.device, m.sequence_parallel = ShardIdentity("actor"), torch.device("cpu"), False
+    m.router_aux_loss = 0.1
+    m.shape = SimpleNamespace(layers=4)
+    scaled = None if loss_scale == 1.0 else (lambda x: x * loss_scale)
+    m.config = SimpleNamespace(grad_scale_func=scaled)
+    routers = {0: ReplayTopK(), 1: ReplayTopK()}
+    tokens = torch.tensor([[True, True, False]])
+    assert m._balance(routers, {"_aux": (0.5, 1.0), "_tokens": tokens})
+    for r in routers.values():
+        assert r.scale == pytest.approx(0.1 * 0.5 / 4 * loss_scale)
+        assert r.valid.tolist() == [True, True, False]
+    for off in ({"_aux": (0.5, 1.0), "_tokens": tokens, "_filler": True}, {"_tokens": tokens}):
+        assert not m._balance(routers, off)
+        assert all(r.scale is None for r in routers.values())
