@@ -196,9 +196,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _one_process_shards(model_dir: Path, out: Path) -> None:
-    """A one-process FSDP actor and critic (no group) after all but the last update on the
-    whole batch, checkpointed to ``out`` (``actor/``, ``critic/``)."""
+def _one_process(model_dir: Path) -> tuple:
+    """A one-process FSDP actor and critic (no group) and its shard identity."""
     from ppojob_api.training import TrainingSettings
     from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
@@ -215,12 +214,18 @@ def _one_process_shards(model_dir: Path, out: Path) -> None:
         total_updates=UPDATES,
     )
     critic = TorchValueTrainer(model_dir, "float32", s, seed=0, total_updates=UPDATES)
+    return actor, critic, ShardIdentity("actor", dp_rank=0, dp_size=1)
+
+
+def _one_process_shards(model_dir: Path, out: Path) -> None:
+    """:func:`_one_process`'s actor and critic after all but the last update on the whole
+    batch, checkpointed to ``out`` (``actor/``, ``critic/``)."""
+    actor, critic, one = _one_process(model_dir)
     for _ in range(UPDATES - 1):
         batch = _batch()
         batch["ref_logprobs"] = actor.logprobs(batch, reference=True)
         actor.update(batch, policy_loss, micro_batch_size=2)
         critic.update(batch, value_loss, micro_batch_size=2)
-    one = ShardIdentity("actor", dp_rank=0, dp_size=1)
     actor.save_checkpoint(out / "actor", one)
     critic.save_checkpoint(out / "critic", one)
 
@@ -277,24 +282,9 @@ def test_fsdp_matches_replicas_and_restores_its_shards(tmp_path: Path) -> None:
 
     # another data-parallel size: one process (no group) resumes from the two workers' shards
     # and makes the last update on the whole batch; it lands where the two workers' did
-    from ppojob_api.training import TrainingSettings
-    from ppojob_trainer.backends.torch_backend.policy import TorchPolicyTrainer
     from ppojob_trainer.backends.torch_backend.sharding import full_state_dict
-    from ppojob_trainer.backends.torch_backend.value import TorchValueTrainer
-    from ppojob_trainer.distributed import ShardIdentity
 
-    s = TrainingSettings(learning_rate=1e-2, sharding="fsdp", grad_clip=1.0)
-    actor = TorchPolicyTrainer(
-        model_dir,
-        "float32",
-        s,
-        temperature=1.0,
-        need_reference=True,
-        entropy_grad=True,
-        total_updates=UPDATES,
-    )
-    critic = TorchValueTrainer(model_dir, "float32", s, seed=0, total_updates=UPDATES)
-    one = ShardIdentity("actor", dp_rank=0, dp_size=1)
+    actor, critic, one = _one_process(model_dir)
     actor.load_checkpoint(tmp_path / "ckpt" / "actor", one)
     critic.load_checkpoint(tmp_path / "ckpt" / "critic", one)
     assert actor.opt.updates == critic.opt.updates == UPDATES - 1
