@@ -9,44 +9,22 @@ from __future__ import annotations
 
 import uuid
 
-from tests.helpers.cluster_jobs import bound, gpu_job, pods, unschedulable, wait_children
+from tests.helpers.cluster_jobs import (
+    bound,
+    gpu_job,
+    pods,
+    pool_nodes,
+    unschedulable,
+    wait_children,
+)
 from tests.helpers.cluster_jobs import status as status_of
 from tests.helpers.controlplane import SP_SCHEDULER, wait_until
-
-
-def _pool_nodes(cp, pool: str, names_gpus: dict[str, int]) -> None:
-    docs = []
-    for name, gpus in names_gpus.items():
-        cap = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
-        docs.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "annotations": {"kwok.x-k8s.io/node": "fake"},
-                    "labels": {"type": "kwok", "pool": pool},
-                },
-                "status": {"capacity": cap, "allocatable": cap},
-            }
-        )
-    cp.apply(docs)
-
-    def ready() -> bool:
-        for name in names_gpus:
-            node = cp.get("node", name) or {}
-            conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
-            if conds.get("Ready") != "True":
-                return False
-        return True
-
-    wait_until(ready, 60, f"pool {pool} nodes Ready")
 
 
 def test_gang_is_all_or_nothing(cp, operator, ns):
     pool = f"gang-{uuid.uuid4().hex[:6]}"
     # 8 + 7 = 15 GPUs: three of the four 4-GPU workers (and the head) would fit one by one
-    _pool_nodes(cp, pool, {f"{pool}-a": 8, f"{pool}-b": 7})
+    pool_nodes(cp, pool, {f"{pool}-a": 8, f"{pool}-b": 7})
     cp.apply(gpu_job("big", ns, scheduler="scheduler-plugins", gpus=4, pool=pool))
     wait_children(cp, "big", ns)
     pg = wait_until(
@@ -81,7 +59,7 @@ def test_gang_is_all_or_nothing(cp, operator, ns):
     assert any(running["message"].endswith(m) for m in words), (running["message"], words)
 
     # the missing capacity arrives: every pod of the gang is bound
-    _pool_nodes(cp, pool, {f"{pool}-c": 4})
+    pool_nodes(cp, pool, {f"{pool}-c": 4})
     wait_until(
         lambda: (p := pods(cp, "big", ns)) and len(p) == 5 and all(map(bound, p)),
         120,
@@ -122,7 +100,7 @@ def test_a_10_pod_gang_stuck_on_one_pod_frees_its_gpus_within_the_permit_timeout
     import time
 
     pool = f"gang10-{uuid.uuid4().hex[:6]}"
-    _pool_nodes(cp, pool, {f"{pool}-{i}": 1 for i in range(10)})
+    pool_nodes(cp, pool, {f"{pool}-{i}": 1 for i in range(10)})
     big = gpu_job(
         "big10", ns, scheduler="scheduler-plugins", actor=4, critic=4, rollout=1, pool=pool
     )

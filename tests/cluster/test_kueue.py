@@ -20,6 +20,7 @@ from tests.helpers.cluster_jobs import (
     condition,
     gpu_job,
     pods,
+    pool_nodes,
     running,
     status,
     wait_children,
@@ -508,41 +509,6 @@ def test_a_workload_priority_class_is_the_workloads_priority(cp, operator, kueue
         cp.kubectl("delete", "workloadpriorityclass", wpc, "--wait=false", check=False)
 
 
-def _tas_nodes(cp: ControlPlane, pool: str, nodes: dict[str, tuple[str, int]]) -> None:
-    """KWOK nodes of ``pool``: name -> (block, GPUs), each labelled with its block."""
-    docs = []
-    for name, (block, gpus) in nodes.items():
-        cap = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
-        docs.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "annotations": {"kwok.x-k8s.io/node": "fake"},
-                    "labels": {
-                        "type": "kwok",
-                        "pool": pool,
-                        BLOCK: block,
-                        "kubernetes.io/hostname": name,
-                    },
-                },
-                "status": {"capacity": cap, "allocatable": cap},
-            }
-        )
-    cp.apply(docs)
-
-    def ready() -> bool:
-        for name in nodes:
-            node = cp.get("node", name) or {}
-            conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
-            if conds.get("Ready") != "True":
-                return False
-        return True
-
-    wait_until(ready, 60, f"pool {pool} nodes Ready")
-
-
 BLOCK = "ppojob.test/block"
 
 
@@ -579,7 +545,15 @@ def test_a_topology_level_keeps_each_pod_group_in_one_domain(cp, operator, kueue
         f"{pool}-b1": ("b", 2),
         f"{pool}-b2": ("b", 1),
     }
-    _tas_nodes(cp, pool, nodes)
+    pool_nodes(
+        cp,
+        pool,
+        {name: gpus for name, (_, gpus) in nodes.items()},
+        {
+            name: {BLOCK: block, "kubernetes.io/hostname": name}
+            for name, (block, _) in nodes.items()
+        },
+    )
     _tas_queue(cp, ns, pool)
     level = {"level": "kubernetes.io/hostname"}
     doc = gpu_job("near", ns, scheduler="kueue", queue="lq", gpus=1, pool=pool)

@@ -79,6 +79,44 @@ def gpu_job(
     }
 
 
+def pool_nodes(
+    cp: ControlPlane,
+    pool: str,
+    names_gpus: dict[str, int],
+    labels: dict[str, dict[str, str]] | None = None,
+) -> None:
+    """KWOK GPU nodes of ``pool`` (label ``pool``, which only its tests' jobs select): name ->
+    GPUs, each with its ``labels`` (e.g. a topology block) besides; returns once all are
+    Ready."""
+    docs = []
+    for name, gpus in names_gpus.items():
+        cap = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        extra = (labels or {}).get(name, {})
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {"kwok.x-k8s.io/node": "fake"},
+                    "labels": {"type": "kwok", "pool": pool, **extra},
+                },
+                "status": {"capacity": cap, "allocatable": cap},
+            }
+        )
+    cp.apply(docs)
+
+    def ready() -> bool:
+        for name in names_gpus:
+            node = cp.get("node", name) or {}
+            conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
+            if conds.get("Ready") != "True":
+                return False
+        return True
+
+    wait_until(ready, 60, f"pool {pool} nodes Ready")
+
+
 def job(cp: ControlPlane, name: str, ns: str) -> dict[str, Any] | None:
     return cp.get(PPOJOB, name, ns)
 
