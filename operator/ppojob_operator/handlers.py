@@ -24,7 +24,7 @@ from typing import Any
 import kopf
 
 from ppojob_api.spec import GROUP, PLURAL, VERSION
-from ppojob_operator import capabilities, k8s, leader, metrics, reconcile, watch
+from ppojob_operator import capabilities, k8s, leader, metrics, pods, reconcile, watch
 from ppojob_operator.builders import JOB_LABEL, MANAGED_BY
 from ppojob_operator.state import OperatorConfig, State, plain
 
@@ -237,14 +237,19 @@ async def check_crd() -> None:
 
 
 def pod_waiting(state: State, body: Any, type: str | None = None) -> bool:
-    """Whether a pod's event matters: deleted, a container waiting, not placed, or placed since
-    the scheduler could not (filtered before kopf invokes and logs the handler)."""
+    """Whether a pod's event matters: deleted, a container waiting, a failed job submitter
+    (``pods.failed_submitter``), not placed, or placed since the scheduler could not (filtered
+    before kopf invokes and logs the handler)."""
     if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
         return True
     status = body.get("status") or {}
-    statuses = status.get("containerStatuses") or []
-    statuses += status.get("initContainerStatuses") or []
+    statuses = [
+        *(status.get("containerStatuses") or []),
+        *(status.get("initContainerStatuses") or []),
+    ]
     if any("waiting" in (cs.get("state") or {}) for cs in statuses):
+        return True
+    if pods.failed_submitter(body) is not None:
         return True
     for c in status.get("conditions") or []:
         if c.get("type") == "PodScheduled" and c.get("status") == "False":

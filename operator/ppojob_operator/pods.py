@@ -1,5 +1,6 @@
-"""Pure: what a job's pods say that KubeRay does not — an image that cannot be had, and how a pod
-went away (:func:`pod_loss`: the evidence of a disruption).
+"""Pure: what a job's pods say that KubeRay does not — an image that cannot be had, a job
+submitter that died before KubeRay looks at it (:func:`failed_submitter`), and how a pod went
+away (:func:`pod_loss`: the evidence of a disruption).
 
 KubeRay (v1.5) keeps a RayJob ``Initializing`` for as long as a pod waits for its image: the
 RayJob's own status never names the cause, and the job would wait until its deadline (or for
@@ -58,6 +59,43 @@ def unavailable_image(pod: dict[str, Any], now: dt.datetime) -> str | None:
                 f"cannot be used ({reason}{': ' + detail if detail else ''}); fix spec.image "
                 "(or spec.imagePullPolicy / spec.imagePullSecrets) and recreate the job"
             )
+    return None
+
+
+SUBMITTER_CONTAINER = "ray-job-submitter"
+"""The container KubeRay adds to the head pod of a SidecarMode RayJob
+(``utils.SubmitterContainerName``): it waits for the dashboard, then runs ``ray job submit`` and
+follows the job."""
+
+
+def failed_submitter(pod: dict[str, Any]) -> str | None:
+    """KubeRay's account of the head pod's ``ray-job-submitter`` container when it terminated with
+    a nonzero exit code, and the pod is not going away; None otherwise.
+
+    KubeRay (v1.6 ``rayjob_controller.go``) reads that container only once the RayJob is
+    ``Running``; while it is ``Initializing`` (its RayCluster not yet Ready: a worker pod still
+    starting), a submitter that failed (``ray job submit`` answered ``500 No available agent to
+    submit job`` when the head's dashboard agent came up more than 10 s after the dashboard, or
+    the job failed at once) is never looked at again: the head pod's restartPolicy is Never, so
+    nothing submits, and the RayJob stays ``Initializing`` for ever. A pod being deleted or
+    disrupted is left to its loss (:func:`pod_loss`): its submitter dies with it."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or pod_loss(pod, deleted=False) is not None:
+        return None
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != SUBMITTER_CONTAINER:
+            continue
+        ended = (cs.get("state") or {}).get("terminated") or {}
+        code = ended.get("exitCode")
+        if not ended or not code:
+            return None
+        why = ended.get("reason") or "Error"
+        return (
+            f"Ray head pod container {SUBMITTER_CONTAINER} terminated with exit code {code}: "
+            f"{why} (kubectl logs -n {meta.get('namespace', '?')} {meta.get('name', '?')} "
+            f"-c {SUBMITTER_CONTAINER})"
+        )
     return None
 
 

@@ -43,6 +43,24 @@ def attempt_failed(rayjob: dict[str, Any]) -> bool:
     return dep == "Failed" or (dep == "Complete" and st.get("jobStatus") not in ("SUCCEEDED",))
 
 
+def submission_failed(rayjob: dict[str, Any], submitter: str | None) -> dict[str, Any]:
+    """The RayJob as failed (``SubmissionFailed``, KubeRay's own reason and line for a failed
+    submitter container) when its head pod's submitter exited nonzero (``submitter``:
+    ``pods.failed_submitter``) while KubeRay keeps it ``Initializing``, which it would for ever
+    (KubeRay v1.6 reads the submitter only once ``Running``); else the RayJob as it is. The
+    copy's attempt ends like one KubeRay failed: classified, then restarted or failed."""
+    st = rayjob.get("status") or {}
+    if not submitter or st.get("jobDeploymentStatus") != "Initializing":
+        return rayjob
+    failed = {
+        **st,
+        "jobDeploymentStatus": "Failed",
+        "reason": "SubmissionFailed",
+        "message": f"{submitter}, while the RayJob was Initializing",
+    }
+    return {**rayjob, "status": failed}
+
+
 def failure_cause(rayjob: dict[str, Any], trainer_error: str | None) -> str:
     """One line: KubeRay's reason and the trainer's account (else KubeRay's message)."""
     st = rayjob.get("status") or {}
@@ -204,5 +222,6 @@ __all__ = [
     "queue_timeout_message",
     "restart_delay",
     "restart_status",
+    "submission_failed",
     "unschedulable",
 ]

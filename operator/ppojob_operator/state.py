@@ -97,6 +97,10 @@ class JobState:
     """Per Ray cluster: its pods that went away (deleted, disrupted) while it ran, by name, with
     what Kubernetes said of each (``pods.pod_loss``): evidence for the class of that attempt's
     failure (``restarts.decision``)."""
+    failed_submitters: dict[str, str] = field(default_factory=dict)
+    """Per Ray cluster: KubeRay's line for its head pod's submitter container that exited
+    nonzero (``pods.failed_submitter``), which ends an attempt KubeRay keeps ``Initializing``
+    (``restarts.submission_failed``)."""
     rayjob_deletions: int = 0
     """RayJob DELETED events seen: a pass that read the RayJob before one of them must not
     write a status from that copy."""

@@ -1,8 +1,8 @@
 """``spec.suspend`` of a started job, applied to its run: under Kueue through its Workload's
 ``spec.active`` (Kueue owns ``RayJob.spec.suspend``: it evicts and suspends the RayJob, and
 unsuspends it on readmission), otherwise through ``RayJob.spec.suspend``. Also reads the Kueue
-Workload whose conditions explain a held job, and stops the run of a job the operator failed
-(:func:`stop_failed`: under Kueue by deleting its RayJob, never by writing a field Kueue owns)."""
+Workload whose conditions explain a held job. (The run of a job the operator failed is stopped by
+``timers.stop_failed``: under Kueue by deleting its RayJob, never by writing a field Kueue owns.)"""
 
 from __future__ import annotations
 
@@ -72,22 +72,6 @@ async def find_workload(rayjob: dict[str, Any]) -> tuple[str, dict[str, Any]] | 
                     return version, wl
         return None
     return None
-
-
-async def stop_failed(st: JobState, rayjob: dict[str, Any]) -> None:
-    """Stop the run of a job the operator failed (an image that cannot be had), so that no pod
-    of it keeps holding what it was given. Under Kueue, which owns ``RayJob.spec.suspend`` (it
-    unsuspends a RayJob whose Workload is admitted), the RayJob itself is deleted, with its uid
-    as the precondition (never a next attempt made under its name): Kueue then releases the
-    quota and its Workload goes with the RayJob. Otherwise the operator owns
-    ``RayJob.spec.suspend`` and suspends it (KubeRay removes every pod; the RayJob stays to
-    be looked at)."""
-    labels = (rayjob.get("metadata") or {}).get("labels") or {}
-    if KUEUE_QUEUE_LABEL in labels:
-        await timers.delete_rayjob(st.key, rayjob)
-        return
-    name = rayjob["metadata"]["name"]
-    await k8s.apatch("ray.io/v1", "RayJob", st.key[0], name, {"spec": {"suspend": True}})
 
 
 async def apply_suspend(

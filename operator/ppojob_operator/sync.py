@@ -44,6 +44,9 @@ class Desired:
     """The attempt's queueing deadline, not yet passed: the status is synced again then."""
     expired: tuple[str, str] | None = None
     """The deadline passed: the (reason, message) the attempt was queued with."""
+    stop: dict[str, Any] | None = None
+    """A RayJob the operator failed that KubeRay keeps running (``restarts.submission_failed``):
+    the verdict is held (``JobState.note``) and its run stopped (``timers.stop_failed``)."""
 
 
 @dataclass
@@ -133,6 +136,8 @@ def _following(
     progress = (body.get("status") or {}).get("progress") or {}
     trainer_error = progress.get("error")
     cluster = (rj.get("status") or {}).get("rayClusterName") or ""
+    real = rj
+    rj = restarts.submission_failed(rj, st.failed_submitters.get(cluster))
     lost = list(st.lost_pods.get(cluster, {}).values())
     error_at = restarts.epoch(progress.get("updatedAt")) if trainer_error else None
     decided = restarts.decision(job, rj, base, trainer_error, lost, error_at)
@@ -151,6 +156,8 @@ def _following(
         unplaced=unplaced(st, cluster),
     )
     out = Desired(desired, decided, trainer_error, sched, rj)
+    if rj is not real and decided is not None and decided.action == "Fail":
+        out.stop = real  # KubeRay would keep it running: the operator stops it
     started = run_started({**base, "progress": progress})
     deadline = restarts.queue_deadline(job, rj, desired["phase"], started)
     if deadline is not None and clock >= deadline:
@@ -280,6 +287,12 @@ async def _status_pass(state: State, st: JobState, rayjob: dict[str, Any] | None
         )
         await k8s.apost_event(done.body, "Warning", "StatusEdited", msg)
     await timers.after_failure(state, st, done.body, done.want.decided)
+    decided, stop = done.want.decided, done.want.stop
+    if stop is not None and decided is not None:
+        want = done.want.status  # the verdict as written, held from now on
+        failed = next((c for c in want.get("conditions") or [] if c.get("type") == "Failed"), {})
+        st.note = ("Failed", want.get("reason") or decided.reason, failed.get("message") or "")
+        await timers.stop_failed(st, stop)
     return done
 
 

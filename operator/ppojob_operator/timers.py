@@ -15,6 +15,7 @@ from typing import Any
 from ppojob_api.failures import Decision
 from ppojob_operator import k8s, metrics, restarts
 from ppojob_operator.builders import JOB_LABEL
+from ppojob_operator.scheduling import KUEUE_QUEUE_LABEL
 from ppojob_operator.state import JobState, State, event_once
 
 log = logging.getLogger(__name__)
@@ -168,3 +169,20 @@ def schedule_restart(state: State, st: JobState, delay: float) -> None:
         await delete_rayjob(key, failed)
 
     st.restart = asyncio.get_running_loop().create_task(_restart())
+
+
+async def stop_failed(st: JobState, rayjob: dict[str, Any]) -> None:
+    """Stop the run of a job the operator failed (an image that cannot be had, a submitter that
+    died before KubeRay looked at it), so that no pod of it keeps holding what it was given.
+    Under Kueue, which owns ``RayJob.spec.suspend`` (it
+    unsuspends a RayJob whose Workload is admitted), the RayJob itself is deleted, with its uid
+    as the precondition (never a next attempt made under its name): Kueue then releases the
+    quota and its Workload goes with the RayJob. Otherwise the operator owns
+    ``RayJob.spec.suspend`` and suspends it (KubeRay removes every pod; the RayJob stays to
+    be looked at)."""
+    labels = (rayjob.get("metadata") or {}).get("labels") or {}
+    if KUEUE_QUEUE_LABEL in labels:
+        await delete_rayjob(st.key, rayjob)
+        return
+    name = rayjob["metadata"]["name"]
+    await k8s.apatch("ray.io/v1", "RayJob", st.key[0], name, {"spec": {"suspend": True}})

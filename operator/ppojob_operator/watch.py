@@ -30,8 +30,9 @@ from ppojob_operator.state import (
     owner_key,
 )
 from ppojob_operator.status import changed_fields
-from ppojob_operator.suspend import apply_suspend, held_workload, stop_failed
+from ppojob_operator.suspend import apply_suspend, held_workload
 from ppojob_operator.sync import sync_status
+from ppojob_operator.timers import stop_failed
 
 
 async def apply_spec_change(
@@ -119,9 +120,10 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
 
 async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = None) -> None:
     """A pod of one of our jobs changed: a deleted or disrupted one is remembered for its
-    attempt (evidence for its failure's class, ``pods.pod_loss``); an image it cannot get fails
+    attempt (evidence for its failure's class, ``pods.pod_loss``), so is a head pod's failed
+    submitter (``pods.failed_submitter``: the attempt's end); an image it cannot get fails
     the job (the verdict is written first, then the run is stopped so that no pod of it holds
-    anything: ``suspend.stop_failed``, which under Kueue deletes the RayJob rather than write
+    anything: ``timers.stop_failed``, which under Kueue deletes the RayJob rather than write
     ``spec.suspend``, Kueue's field)."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
@@ -146,6 +148,10 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     if st is not None and loss is not None and phase == "Running":  # evidence (restarts.py)
         seen = st.lost_pods.setdefault(cluster, {})
         seen[loss.pod] = pods.merged(seen.get(loss.pod), loss)
+    failed = pods.failed_submitter(pod) if labels.get("ray.io/node-type") == "head" else None
+    if st is not None and failed is not None and st.failed_submitters.get(cluster) != failed:
+        st.failed_submitters[cluster] = failed  # ends an Initializing attempt (restarts.py)
+        await sync_status(state, st)
     if gone:
         return
     if st is None or st.body is None or (st.note or ("",))[0] == "Failed":

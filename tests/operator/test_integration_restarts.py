@@ -170,3 +170,60 @@ def test_a_raising_reward_function_stays_an_application_error_when_a_pod_is_dele
         assert attempt() == "0", "the application error was restarted as a disruption"
         assert (st.get("disruptions") or 0, st.get("restarts") or 0) == (0, 0)
         assert not any(e["reason"] == "RestartingAfterDisruption" for e in events())
+
+
+def head_pod_with_failed_submitter(name: str, cluster_name: str) -> dict:
+    submitter = {"terminated": {"exitCode": 1, "reason": "Error"}}
+    pod = job_pod({"phase": "Running"}, container="ray-head")
+    pod["metadata"]["name"] = name
+    pod["metadata"]["labels"].update({"ray.io/cluster": cluster_name, "ray.io/node-type": "head"})
+    pod["status"]["containerStatuses"] = [
+        {"name": "ray-head", "state": {"running": {}}},
+        {"name": "ray-job-submitter", "state": submitter},
+    ]
+    return pod
+
+
+def test_a_submitter_that_fails_while_the_rayjob_initializes_ends_the_attempt(cluster):
+    """Issue 42: KubeRay (v1.6) reads a SidecarMode submitter only once the RayJob is Running; a
+    submitter that exited 1 while it was Initializing (``ray job submit`` refused by a dashboard
+    whose agent came up late, seen on the real node after a restart) would leave the job
+    Initializing for ever. The operator ends that attempt as KubeRay would a Running one
+    (SubmissionFailed, KubeRay's line) and applies the failure policy: with backoffLimit 1 a
+    counted restart, then BackoffLimitExceeded, the run stopped (RayJob suspended) and the
+    verdict kept whatever the RayJob says next."""
+    base = "/api/v1/namespaces/ns1/pods"
+    with Operator(cluster.url, ["ns1"]):
+        create_job(backoffLimit=1, failurePolicy={"retryDelaySeconds": 0})
+        wait_for(phase_is("Pending"))
+        set_rayjob_status({"jobDeploymentStatus": "Initializing", "rayClusterName": "demo-rc-a"})
+        wait_for(phase_is("Initializing"))
+        kube.request("POST", base, head_pod_with_failed_submitter("demo-head-a", "demo-rc-a"))
+        wait_for(lambda: attempt() == "1", timeout=20)  # deleted and made again
+        st = job_status()
+        assert (st.get("restarts"), st.get("disruptions") or 0) == (1, 0)
+        last = st["lastRestart"]
+        assert (last["failureClass"], last["reason"]) == ("Application", "RestartingAfterError")
+        assert (
+            "SubmissionFailed: Ray head pod container ray-job-submitter terminated with "
+            in (last["message"])
+        )
+        assert "kubectl logs -n ns1 demo-head-a -c ray-job-submitter" in last["message"]
+        assert "while the RayJob was Initializing" in last["message"]
+
+        # the second attempt's submitter fails the same way: no retry left
+        set_rayjob_status({"jobDeploymentStatus": "Initializing", "rayClusterName": "demo-rc-b"})
+        kube.request("POST", base, head_pod_with_failed_submitter("demo-head-b", "demo-rc-b"))
+        wait_for(phase_is("Failed"), timeout=20)
+        failed = cond("Failed")
+        assert failed["reason"] == "SubmissionFailed", failed  # KubeRay's reason for it
+        assert "demo-head-b -c ray-job-submitter" in failed["message"]
+        wait_for(lambda: any(e["reason"] == "BackoffLimitExceeded" for e in events()))
+        # KubeRay would keep its pods: the operator stops the run
+        wait_for(lambda: kube.get(*RJ, "ns1", "demo")["spec"].get("suspend") is True, timeout=20)
+        assert attempt() == "1" and job_status()["restarts"] == 1
+        set_rayjob_status({"jobDeploymentStatus": "Suspended"})
+        kube.patch(*PPO, "ns1", "demo", {"metadata": {"labels": {"touch": "1"}}})
+        wait_for(lambda: kube.get(*PPO, "ns1", "demo")["metadata"]["labels"].get("touch"))
+        assert job_status()["phase"] == "Failed"
+        assert cond("Failed") == failed  # the verdict as first written

@@ -1,4 +1,5 @@
-"""The image verdict from a pod's container statuses (operator/ppojob_operator/pods.py)."""
+"""The image verdict and a failed submitter from a pod's container statuses
+(operator/ppojob_operator/pods.py), and the attempt a failed submitter ends (restarts.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import datetime as dt
 
 import pytest
 
-from ppojob_operator.pods import PULL_GRACE_S, unavailable_image
+from ppojob_api.failures import classify
+from ppojob_operator.pods import PULL_GRACE_S, failed_submitter, unavailable_image
+from ppojob_operator.restarts import attempt_failed, submission_failed
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
 
@@ -54,3 +57,65 @@ def test_a_pod_without_a_creation_time_never_times_out() -> None:
     p = pod("ImagePullBackOff")
     del p["metadata"]["creationTimestamp"]
     assert unavailable_image(p, NOW) is None
+
+
+# ------------------------------------------------------------------ a failed SidecarMode submitter
+
+
+def head_pod(submitter: dict, *, deleting: bool = False, disrupted: bool = False) -> dict:
+    meta: dict = {"name": "job-head-x", "namespace": "ns1"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-01T12:00:00Z"
+    conditions = []
+    if disrupted:
+        conditions.append(
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+        )
+    statuses = [
+        {"name": "ray-head", "state": {"running": {}}},
+        {"name": "ray-job-submitter", "state": submitter},
+    ]
+    return {"metadata": meta, "status": {"conditions": conditions, "containerStatuses": statuses}}
+
+
+EXITED_1 = {"terminated": {"exitCode": 1, "reason": "Error"}}
+
+
+@pytest.mark.parametrize(
+    ("submitter", "deleting", "disrupted", "failed"),
+    [
+        (EXITED_1, False, False, True),
+        ({"terminated": {"exitCode": 0, "reason": "Completed"}}, False, False, False),
+        ({"running": {}}, False, False, False),
+        ({"waiting": {"reason": "PodInitializing"}}, False, False, False),
+        (EXITED_1, True, False, False),  # the pod is going: its loss says why, not this
+        (EXITED_1, False, True, False),  # an eviction under way: a disruption, not this
+    ],
+)
+def test_a_head_pods_submitter_that_exited_nonzero_is_reported_in_kuberays_words(
+    submitter: dict, deleting: bool, disrupted: bool, failed: bool
+) -> None:
+    line = failed_submitter(head_pod(submitter, deleting=deleting, disrupted=disrupted))
+    if not failed:
+        assert line is None
+        return
+    assert line is not None
+    assert line.startswith("Ray head pod container ray-job-submitter terminated with exit code 1")
+    assert "kubectl logs -n ns1 job-head-x -c ray-job-submitter" in line
+    # classified by the failure policy as KubeRay's own line for it is: never as exit code 1
+    # of the trainer's (a refused config, which would fail at once)
+    assert classify(line) == "Application"
+
+
+def test_only_an_initializing_rayjob_is_ended_by_its_failed_submitter() -> None:
+    line = failed_submitter(head_pod(EXITED_1))
+    initializing = {"metadata": {"name": "rj"}, "status": {"jobDeploymentStatus": "Initializing"}}
+    ended = submission_failed(initializing, line)
+    assert attempt_failed(ended) and not attempt_failed(initializing)
+    assert ended["status"]["reason"] == "SubmissionFailed"
+    assert ended["status"]["message"] == f"{line}, while the RayJob was Initializing"
+    assert initializing["status"]["jobDeploymentStatus"] == "Initializing"  # not changed
+    assert submission_failed(initializing, None) is initializing
+    # a Running RayJob's failed submitter is KubeRay's to see (it fails the RayJob itself)
+    running = {"metadata": {"name": "rj"}, "status": {"jobDeploymentStatus": "Running"}}
+    assert submission_failed(running, line) is running
