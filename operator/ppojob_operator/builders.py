@@ -79,6 +79,25 @@ PRESTOP_COMMAND = [
 """The head's preStop hook: ask the trainer (the Ray job's driver, which is not the container's
 first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
 its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
+AGENT_PORT = 52365
+"""The Ray dashboard agent's HTTP port (KubeRay's ``DefaultDashboardAgentListenPort``; the job's
+``rayStartParams`` leave it alone)."""
+AGENT_WAIT_S = 180
+POSTSTART_COMMAND = [
+    "sh",
+    "-c",
+    f'i=0; while [ $i -lt {AGENT_WAIT_S} ]; do python -c "import urllib.request as u; '
+    f"u.urlopen('http://127.0.0.1:{AGENT_PORT}/api/healthz', timeout=2)\" >/dev/null 2>&1 "
+    "&& exit 0; i=$((i+1)); sleep 1; done; exit 0",
+]
+"""The head's postStart hook: wait (at most :data:`AGENT_WAIT_S` s, and never fail: a failed hook
+kills the container) until the head's Ray dashboard agent answers its health check. kubelet
+starts a pod's containers in order and a container's postStart hook holds back the next one, so
+KubeRay's ``ray-job-submitter`` (appended after the Ray container in SidecarMode) starts only then.
+Its own wait is for the dashboard's GCS health alone, and the dashboard's job API waits 10 s for
+the head's agent (Ray's ``WAIT_AVAILABLE_AGENT_TIMEOUT``) before it answers ``500 No available
+agent to submit job``: on a busy node the agent came later than that after a restart, and the
+submitter exited 1 with nothing submitted (``pods.failed_submitter``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +558,10 @@ def _pod_template(
     pod["volumes"] += [dict(v) for v in extra.volumes]
     container["volumeMounts"] += [dump(m) for m in extra.volume_mounts]
     if group_role == "head":
-        pod["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": PRESTOP_COMMAND}}}
+        pod["containers"][0]["lifecycle"] = {
+            "postStart": {"exec": {"command": POSTSTART_COMMAND}},
+            "preStop": {"exec": {"command": PRESTOP_COMMAND}},
+        }
     else:
         # The trainer's token (it may patch the PPOJob's status) only where the trainer's
         # driver runs: worker pods run user code (reward functions) and need no API access.

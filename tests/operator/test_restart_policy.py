@@ -4,6 +4,13 @@ made), and the pod settings a preemption needs (grace period, the head's preStop
 
 from __future__ import annotations
 
+import http.server
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
 import pytest
 
 from ppojob_api.failures import PodLoss
@@ -302,3 +309,49 @@ def test_an_attempt_that_lost_a_pod_is_a_disruption_whatever_the_trainer_saw() -
     lost = restarts.decision(j, rayjob(j), {}, died, [deleted])
     assert lost is not None and lost.failure_class == "Disruption" and lost.action == "Restart"
     assert "pod tiny-x-worker-1 was deleted" in lost.message
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    answers: list[int] = []
+
+    def do_GET(self) -> None:
+        code = self.answers.pop(0) if self.answers else 200
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b"raylet: success\ngcs: success" if code == 200 else b"gcs: failed")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_heads_poststart_hook_holds_the_submitter_until_the_agent_answers() -> None:
+    """The head's postStart hook (which kubelet finishes before it starts the next container,
+    KubeRay's submitter) returns once the dashboard agent's health check answers 200, after its
+    503s; with nothing answering it gives up at its bound, and never fails (a failed postStart
+    hook kills the container). Run as the container runs it, against a health check on loopback
+    on a free port (the hook's port swapped for it), with ``python`` this interpreter."""
+    j = job()
+    head = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    container = head["headGroupSpec"]["template"]["spec"]["containers"][0]
+    hook = container["lifecycle"]["postStart"]["exec"]["command"]
+    assert hook == builders.POSTSTART_COMMAND
+    assert f"127.0.0.1:{builders.AGENT_PORT}/api/healthz" in hook[-1]
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    shim = tempfile.mkdtemp()
+    os.symlink(sys.executable, os.path.join(shim, "python"))
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+    script = hook[-1].replace(str(builders.AGENT_PORT), str(port))
+    try:
+        _Health.answers = [503, 503]
+        done = subprocess.run([*hook[:-1], script], env=env, timeout=60, check=False)
+        assert done.returncode == 0
+        assert _Health.answers == []  # it asked until the agent answered 200
+        _Health.answers = [503] * 1000  # an agent that never comes up
+        bounded = script.replace(f"-lt {builders.AGENT_WAIT_S}", "-lt 3")
+        assert bounded != script
+        done = subprocess.run([*hook[:-1], bounded], env=env, timeout=60, check=False)
+        assert done.returncode == 0 and len(_Health.answers) == 1000 - 3
+    finally:
+        server.shutdown()
