@@ -686,6 +686,69 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint
     assert steps_run(host) == list(range(1, SUSPEND_STEPS + 1))
 
 
+DRAIN_STEPS = 80
+
+
+def test_a_drained_node_stops_the_job_with_its_checkpoint_and_uncordoned_it_resumes(
+    real_cluster: RealCluster,
+) -> None:
+    """``kubectl drain`` of the node (its job's pods; the operator stays) through the Eviction
+    API, with no periodic checkpoint and no PodDisruptionBudget (with one, the drain would wait
+    for the job: ``tests/cluster/test_children.py``): every pod of the job gets its SIGTERM, the
+    trainer checkpoints its last completed step and exits ``Preempted`` naming it; the operator
+    classifies the evictions as a disruption (the pods' ``DisruptionTarget``) and restarts the
+    job uncounted, whose pods wait while the node is cordoned; uncordoned, the job resumes at
+    that checkpoint and redoes no step."""
+    cluster, ns, name = real_cluster, "drain", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    doc = ppojob(cluster, name, ns, DRAIN_STEPS, claim="ckpt", interval=0, backoff=2)
+    doc["spec"]["failurePolicy"]["podDisruptionBudget"] = False
+    apply(cluster, doc)
+    wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 1, 600, "step 1", interval=1.0)
+    head = pod_of(cluster, ns, "head")
+    assert head is not None
+    node = head["spec"]["nodeName"]
+    at_signal = progress_step(get_job(cluster, ns, name))
+    t0 = time.monotonic()
+    try:
+        out = cluster.kubectl(
+            "drain",
+            node,
+            "--pod-selector=ray.io/node-type",
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=300s",
+            timeout=330,
+        )
+        drained = time.monotonic() - t0
+        assert "evicting pod" in out or "evicted" in out, out
+        # the first attempt's end: the trainer's account of its stop
+        ended = wait_until(
+            lambda: next((e for e in attempt_events(host) if e["event"] != "start"), None),
+            120,
+            "the first attempt's end in attempts.jsonl",
+            interval=1.0,
+        )
+        stopped = stop_checkpoint(ended["error"])
+        assert checkpoints(host) == [stopped], (checkpoints(host), stopped)
+        assert stopped >= at_signal, (stopped, at_signal)
+    finally:
+        cluster.kubectl("uncordon", node)
+    job, _ = watch(cluster, ns, name, 900)
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    status = job["status"]
+    assert status.get("disruptions", 0) >= 1 and not status.get("restarts"), status
+    assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
+    assert "(EvictionByEvictionAPI)" in status["lastRestart"]["message"], status["lastRestart"]
+    assert starts(host)[:2] == [0, stopped], attempt_events(host)
+    assert steps_run(host) == list(range(1, DRAIN_STEPS + 1))
+    print(
+        f"\ndrain: step {at_signal} reported at the drain, checkpoint at step {stopped}, "
+        f"drain returned after {drained:.1f}s, steps redone 0"
+    )
+
+
 # --------------------------------------------------------------------------- elastic rollout
 
 ELASTIC_STEPS = 200
