@@ -94,9 +94,11 @@ OPERATOR_RULES: list[dict] = [
         "verbs": ["get"],
     },
     {
+        # a worker pod of an ended attempt is deleted again with a short grace period
+        # (pods.lingering_worker)
         "apiGroups": [""],
         "resources": ["pods"],
-        "verbs": ["list", "watch"],
+        "verbs": ["list", "watch", "delete"],
     },
     {
         "apiGroups": [""],

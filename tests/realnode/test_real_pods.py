@@ -519,6 +519,38 @@ def test_an_image_that_does_not_exist_fails_the_job_with_the_reason(
     wait_until(lambda: not job_pods(cluster, ns), 120, "the job's pods to go")
 
 
+def test_a_worker_hung_inside_a_step_is_named_and_on_stall_is_applied(
+    real_cluster: RealCluster,
+) -> None:
+    """Issue 42: rank 0 of the actor blocks for ever on entering ``train`` inside a real step (the
+    tests' fault gate ``PPOJOB_HANG_GATE``, set through ``spec.podTemplate.env``; the driver
+    passes it to its workers). The stall watchdog (its floor, 20 s: the steps here take well
+    under a second) ends the attempt with one line naming the role, rank and phase; the
+    operator applies ``failurePolicy.onStall: Restart``: an uncounted restart, which hangs the
+    same way, and with ``maxDisruptions: 1`` the job then fails, naming the hung rank."""
+    cluster, ns, name = real_cluster, "stall", "tiny"
+    namespace(cluster, ns)
+    doc = ppojob(cluster, name, ns, 20)
+    doc["spec"]["podTemplate"] = {"env": [{"name": "PPOJOB_HANG_GATE", "value": "actor:0:train"}]}
+    doc["spec"]["failurePolicy"].update(
+        {"stallTimeoutSeconds": 20, "onStall": "Restart", "maxDisruptions": 1}
+    )
+    apply(cluster, doc)
+    job, _ = watch(cluster, ns, name, 900)
+    status = job["status"]
+    assert status["phase"] == "Failed", json.dumps(status, indent=1)
+    assert status.get("disruptions") == 1 and not status.get("restarts"), status
+    last = status["lastRestart"]
+    assert (last["failureClass"], last["reason"]) == ("Disruption", "RestartingAfterDisruption")
+    for text in (last["message"], condition(job, "Failed").get("message", "")):
+        assert "Stalled: " in text and "actor rank 0 (train)" in text, text
+        assert "no step progress for 20s" in text, text
+    events = json.loads(cluster.kubectl("get", "events", "-n", ns, "-o", "json"))["items"]
+    assert any(e["reason"] == "DisruptionLimitExceeded" for e in events), [
+        (e["reason"], e["message"]) for e in events
+    ]
+
+
 # --------------------------------------------------------------------------- disruptions
 
 
@@ -684,6 +716,67 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     assert starts(host) == [0, before[-1]], attempt_events(host)  # resumed at the checkpoint
     assert steps_run(host) == list(range(1, SUSPEND_STEPS + 1))
+
+
+LONG_STEPS = 6
+LONG_STEP_S = 12  # the actor's train sleeps this long every step (PPOJOB_HANG_GATE's seconds)
+
+
+def test_long_steps_in_flight_finish_and_checkpoint_when_the_head_then_a_worker_go(
+    real_cluster: RealCluster,
+) -> None:
+    """Issue 42 with steps of a real job's kind (each over 12 s: the actor's train sleeps, the
+    tests' gate), no periodic checkpoint, the default grace period (120 s): the head deleted,
+    then, in the next attempt, the actor's worker pod deleted. Each time the step in flight is
+    finished, not abandoned (it fits the grace period), and checkpointed: the stop's account
+    names that step and its checkpoint; the next attempt starts there and no step is run
+    twice. The worker's SIGTERM reaches ``ray start --block``, which drains its Ray node and
+    keeps the actor alive (the drain's bound is the grace period) while the driver, told of the
+    drain by the GCS, finishes the step and has that actor write its share of the checkpoint."""
+    cluster, ns, name = real_cluster, "long-steps", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    doc = ppojob(cluster, name, ns, LONG_STEPS, claim="ckpt", interval=0)
+    gate = {"name": "PPOJOB_HANG_GATE", "value": f"actor:0:train:{LONG_STEP_S}"}
+    doc["spec"]["podTemplate"] = {"env": [gate]}
+    apply(cluster, doc)
+    figures = []
+    for n, node_type in enumerate(("head", "worker")):
+        begun = 0 if n == 0 else figures[-1]["checkpoint"]
+
+        def ran_a_step_of_its_own(n: int = n, begun: int = begun) -> bool:
+            try:
+                return len(starts(host)) == n + 1 and steps_run(host)[-1] > begun
+            except (OSError, ValueError, IndexError):  # not written yet
+                return False
+
+        wait_until(ran_a_step_of_its_own, 600, f"attempt {n} to complete a step", interval=0.5)
+        done = steps_run(host)[-1]
+        pod = pod_of(cluster, ns, node_type)
+        assert pod is not None, node_type
+        t0 = time.monotonic()
+        cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
+        ended = wait_until(
+            lambda n=n: ([e for e in attempt_events(host) if e["event"] != "start"][n:] or [None])[
+                0
+            ],
+            300,
+            f"attempt {n}'s end in attempts.jsonl",
+            interval=0.5,
+        )
+        took = time.monotonic() - t0
+        stopped = stop_checkpoint(ended["error"])
+        assert "finished the step in flight" in ended["error"], ended
+        # the step in flight at the signal (the one after the last completed) is in it
+        assert stopped == done + 1, (done, ended)
+        figures.append({"pod": node_type, "in flight": done + 1, "checkpoint": stopped})
+        figures[-1]["signal to account (s)"] = round(took, 1)
+    job, _ = watch(cluster, ns, name, 900)
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    assert job["status"].get("disruptions") == 2 and not job["status"].get("restarts")
+    assert starts(host) == [0] + [f["checkpoint"] for f in figures], attempt_events(host)
+    assert steps_run(host) == list(range(1, LONG_STEPS + 1))  # each step once: none redone
+    print(f"\nlong steps ({LONG_STEP_S}s each): {figures}, steps redone 0")
 
 
 DRAIN_STEPS = 80

@@ -106,3 +106,24 @@ def test_start_up_waits_have_no_limit_until_a_step_has_completed() -> None:
     WATCHDOG.step_took(2.0)
     assert WATCHDOG.limit_for(["start"]) == 30
     WATCHDOG.configure(None)
+
+
+def test_the_gate_with_seconds_makes_a_slow_step_not_a_hung_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``role:rank:phase:seconds`` (the real-pod tests' long steps): the gate's rank sleeps that
+    long on entering that phase, then goes on; another rank or phase does not wait."""
+    from ppojob_trainer.workers.host import WorkerHost
+
+    host = WorkerHost.__new__(WorkerHost)  # the gate reads only these two
+    host.roles, host.events = {"actor": (0, 1)}, []
+    monkeypatch.setenv(HANG_GATE_ENV, "actor:0:train:0.3")
+    t = time.monotonic()
+    host._hang_gate("actor", "train")
+    assert time.monotonic() - t >= 0.3 and host.events == ["slow.actor.train"]
+    t = time.monotonic()
+    host._hang_gate("actor", "save checkpoint")
+    host._hang_gate("critic", "train")
+    monkeypatch.setenv(HANG_GATE_ENV, "actor:1:train:30")
+    host._hang_gate("actor", "train")
+    assert time.monotonic() - t < 0.3 and host.events == ["slow.actor.train"]

@@ -94,7 +94,7 @@ rules:
     verbs: ["get"]
   - apiGroups: [""]
     resources: ["pods"]
-    verbs: ["list", "watch"]
+    verbs: ["list", "watch", "delete"]
   - apiGroups: [""]
     resources: ["events"]
     verbs: ["create"]
