@@ -476,6 +476,11 @@ class Progress(ApiModel):
     """Why the trainer failed, when it did: one line naming the field and the cause (also the
     message of the Failed condition)."""
 
+    warning: str | None = None
+    """A problem the trainer found that does not stop it, as `<Reason>: <one line naming the
+    field and the fix>` (e.g. `GracePeriodTooShort`: the pods' grace period is shorter than a
+    step and a checkpoint as measured); the operator posts it as a Warning event."""
+
 
 class RestartRecord(ApiModel):
     """The last restart the operator made, and why."""

@@ -167,6 +167,15 @@ def _following(
     return out
 
 
+def trainer_warning(line: str) -> tuple[str, str]:
+    """The event (reason, message) of the trainer's ``status.progress.warning``
+    (``<Reason>: <message>``; a line without a CamelCase reason is a ``TrainerWarning``)."""
+    reason, sep, message = line.partition(": ")
+    if sep and reason.isalnum() and reason[:1].isupper():
+        return reason, message
+    return "TrainerWarning", line
+
+
 def patch_of(base: dict[str, Any], want: Desired, edited: list[str]) -> dict[str, Any]:
     """The merge patch from ``base`` to the desired status; ``edited`` keys are put back."""
     patch = status_patch(base, want.status)
@@ -287,6 +296,9 @@ async def _status_pass(state: State, st: JobState, rayjob: dict[str, Any] | None
         )
         await k8s.apost_event(done.body, "Warning", "StatusEdited", msg)
     await timers.after_failure(state, st, done.body, done.want.decided)
+    warning = ((done.body.get("status") or {}).get("progress") or {}).get("warning")
+    if warning:
+        await event_once(st, done.body, "Warning", *trainer_warning(str(warning)))
     decided, stop = done.want.decided, done.want.stop
     if stop is not None and decided is not None:
         want = done.want.status  # the verdict as written, held from now on

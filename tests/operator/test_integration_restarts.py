@@ -277,3 +277,28 @@ def test_the_worker_pods_of_an_ended_attempt_are_released_at_once(cluster):
     }
     # the one evicted while its driver ran was left alone
     assert [name for name, _ in deletes] == ["demo-rc-a-worker-ended"], deletes
+
+
+def test_the_trainers_warning_is_a_warning_event_once(cluster):
+    """``status.progress.warning`` (``<Reason>: <message>``, the trainer's grace-period check)
+    becomes one Warning event with that reason, however often the status is synced again."""
+    line = (
+        "GracePeriodTooShort: spec.failurePolicy.terminationGracePeriodSeconds 5s is shorter "
+        "than a step (9.0s) plus a checkpoint (2.0s) with a 20% margin (13s)"
+    )
+    with Operator(cluster.url, ["ns1"]):
+        create_job()
+        wait_for(phase_is("Pending"))
+        set_rayjob_status(RUNNING)
+        wait_for(phase_is("Running"))
+        progress = {"step": 2, "totalSteps": 10, "warning": line}
+        kube.patch(*PPO, "ns1", "demo", {"status": {"progress": progress}}, "status")
+        wanted = line.split(": ", 1)[1]
+        wait_for(
+            lambda: any(is_event(e, "Warning", "GracePeriodTooShort", wanted) for e in events())
+        )
+        kube.patch(*PPO, "ns1", "demo", {"metadata": {"labels": {"touch": "1"}}})
+        wait_for(lambda: kube.get(*PPO, "ns1", "demo")["metadata"]["labels"].get("touch"))
+        set_rayjob_status({**RUNNING, "startTime": "2026-01-01T00:00:00Z"})
+        wait_for(lambda: job_status().get("startTime"))
+        assert sum(e["reason"] == "GracePeriodTooShort" for e in events()) == 1

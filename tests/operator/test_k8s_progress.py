@@ -97,6 +97,16 @@ def test_a_failure_is_written_for_the_operator_and_cleared_by_the_next_start():
     assert api.calls[-1][5]["status"]["progress"]["error"] is None
 
 
+def test_a_warning_is_written_for_the_operator_and_cleared_by_the_next_start():
+    api = FakeApi()
+    rep = KubernetesProgressReporter("j", "ns", api=api)
+    line = "GracePeriodTooShort: spec.failurePolicy.terminationGracePeriodSeconds 5s is short"
+    rep.warn(line)
+    assert api.calls[-1][5]["status"]["progress"]["warning"] == line
+    rep.start(total_steps=3)
+    assert api.calls[-1][5]["status"]["progress"]["warning"] is None
+
+
 def test_phase_times_mismatch_and_entropy_reach_the_status():
     """time/<phase>, the step time, the log-prob mismatch and the entropy go into status.progress
     (the operator exports them as Prometheus metrics); a phase the step did not run is cleared

@@ -689,3 +689,11 @@ def test_the_status_carries_the_memory_plan():
     assert st["memoryPlan"]["engineFractionSource"] == "auto"
     noted = note_status(job, "Pending", "Waiting", "", generation=1, previous=None, now="t")
     assert noted["memoryPlan"] == st["memoryPlan"]
+
+
+def test_the_trainers_warning_line_gives_the_events_reason() -> None:
+    from ppojob_operator.sync import trainer_warning
+
+    assert trainer_warning("GracePeriodTooShort: raise it") == ("GracePeriodTooShort", "raise it")
+    assert trainer_warning("no reason: here") == ("TrainerWarning", "no reason: here")
+    assert trainer_warning("plain") == ("TrainerWarning", "plain")

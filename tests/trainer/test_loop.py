@@ -21,6 +21,7 @@ class Recorder:
         self.reports: list[tuple[int, dict]] = []
         self.summary = None
         self.checkpoints: list[list[tuple[int, str]]] = []
+        self.warnings: list[str] = []
 
     def start(self, total, start_step=0):
         self.started = total
@@ -33,6 +34,9 @@ class Recorder:
 
     def checkpointed(self, checkpoints):
         self.checkpoints.append(checkpoints)
+
+    def warn(self, message):
+        self.warnings.append(message)
 
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # conftest: loopback Ray + model cache
@@ -65,6 +69,21 @@ def test_bad_manifest_lists_problems():
     with pytest.raises(SpecError) as err:
         config_from_manifest(bad)
     assert "spec.training.steps" in str(err.value)
+
+
+def test_a_grace_period_shorter_than_a_step_and_a_checkpoint_is_reported_once(tmp_path):
+    """Issue 42: the first checkpoint (interval 1 here) measures a step and a checkpoint against
+    the pods' grace period; one too short is reported once, as the status's warning (the
+    operator's Warning event), naming the field and the length to raise it to; one long enough
+    is not."""
+    cfg = config_from_manifest(_manifest(**{"training.checkpointInterval": 1}))
+    train(cfg, tmp_path / "short", rec := Recorder(), max_steps=3, grace_seconds=0.5)
+    assert len(rec.warnings) == 1, rec.warnings  # once, though every step was checkpointed
+    line = rec.warnings[0]
+    assert line.startswith("GracePeriodTooShort: spec.failurePolicy.terminationGracePeriodSeconds")
+    assert "raise it to at least" in line
+    train(cfg, tmp_path / "long", rec := Recorder(), max_steps=2, grace_seconds=3600)
+    assert rec.warnings == []
 
 
 @pytest.mark.slow

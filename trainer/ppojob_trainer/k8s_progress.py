@@ -118,8 +118,8 @@ class KubernetesProgressReporter(ProgressReporter):
 
     def start(self, total_steps: int, start_step: int = 0) -> None:
         self._total = total_steps
-        # (a null clears the error an earlier attempt of the job may have left)
-        self._patch({"step": start_step, "totalSteps": total_steps, "error": None})
+        # (a null clears the error and warning an earlier attempt of the job may have left)
+        self._patch({"step": start_step, "totalSteps": total_steps, "error": None, "warning": None})
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         now = self._clock()
@@ -170,3 +170,8 @@ class KubernetesProgressReporter(ProgressReporter):
         """Write why the run failed into ``status.progress.error``; the operator puts it into the
         PPOJob's Failed condition."""
         self._patch({"error": message})
+
+    def warn(self, message: str) -> None:
+        """Write a problem that does not stop the run into ``status.progress.warning``; the
+        operator posts it as a Warning event (its reason, the part before ``: ``)."""
+        self._patch({"warning": message})

@@ -78,6 +78,10 @@ class ProgressReporter:
     def fail(self, message: str) -> None:
         """The run failed or was interrupted; `message` is one line naming the cause."""
 
+    def warn(self, message: str) -> None:
+        """A problem that does not stop the run: ``<Reason>: <one line naming the field and the
+        fix>`` (e.g. a grace period too short for a step and a checkpoint)."""
+
 
 class CompositeReporter(ProgressReporter):
     """Forwards every call to each of its reporters, in order."""
@@ -104,6 +108,10 @@ class CompositeReporter(ProgressReporter):
     def fail(self, message: str) -> None:
         for r in self.reporters:
             r.fail(message)
+
+    def warn(self, message: str) -> None:
+        for r in self.reporters:
+            r.warn(message)
 
 
 def _json_value(value: Any) -> Any:

@@ -219,6 +219,9 @@ class _Run:
             problem = grace_problem(int(stop.grace_seconds), step_seconds, stop.checkpoint_seconds)
             if problem:
                 log.warning("%s", problem)
+                warn = getattr(self.reporter, "warn", None)  # (reporters of tests may lack it)
+                if warn is not None:
+                    warn(f"GracePeriodTooShort: {problem}")
                 self.warned = True
 
     def _finish(self) -> None:
