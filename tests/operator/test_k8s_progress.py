@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ppojob_trainer.k8s_progress import KubernetesProgressReporter
 
 
@@ -87,24 +89,22 @@ def test_the_loops_own_metric_names_reach_the_status():
     assert p2["rewardMean"] == 0.75 and p2["step"] == 2
 
 
-def test_a_failure_is_written_for_the_operator_and_cleared_by_the_next_start():
+@pytest.mark.parametrize(
+    ("call", "key", "line"),
+    [
+        ("fail", "error", "the rollout worker could not start: data.rewardFunction: 'nope:f'"),
+        ("warn", "warning", "GracePeriodTooShort: spec.failurePolicy.terminationGracePeriod..."),
+    ],
+)
+def test_a_failure_or_warning_is_written_for_the_operator_and_cleared_by_the_next_start(
+    call: str, key: str, line: str
+) -> None:
     api = FakeApi()
     rep = KubernetesProgressReporter("j", "ns", api=api)
-    line = "the rollout worker could not start: data.rewardFunction: 'nope:f': cannot import"
-    rep.fail(line)
-    assert api.calls[-1][5]["status"]["progress"]["error"] == line
+    getattr(rep, call)(line)
+    assert api.calls[-1][5]["status"]["progress"][key] == line
     rep.start(total_steps=3)
-    assert api.calls[-1][5]["status"]["progress"]["error"] is None
-
-
-def test_a_warning_is_written_for_the_operator_and_cleared_by_the_next_start():
-    api = FakeApi()
-    rep = KubernetesProgressReporter("j", "ns", api=api)
-    line = "GracePeriodTooShort: spec.failurePolicy.terminationGracePeriodSeconds 5s is short"
-    rep.warn(line)
-    assert api.calls[-1][5]["status"]["progress"]["warning"] == line
-    rep.start(total_steps=3)
-    assert api.calls[-1][5]["status"]["progress"]["warning"] is None
+    assert api.calls[-1][5]["status"]["progress"][key] is None
 
 
 def test_phase_times_mismatch_and_entropy_reach_the_status():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import realnode as rn
-from tests.helpers.controlplane import ROOT, ControlPlane, wait_until
+from tests.helpers.controlplane import ROOT, ControlPlane, Kueue, wait_until
 
 CHART = ROOT / "charts" / "ppojob-operator"
 OPERATOR_NS = "ppojob-system"
@@ -141,3 +141,21 @@ def operator_pod(cluster: RealCluster) -> dict:
 
 
 __all__ = ["RealCluster", "operator_pod", "wait_until"]
+
+
+@pytest.fixture()
+def real_kueue(real_cluster: RealCluster) -> Iterator[Kueue]:
+    """Kueue's manager (RayJob integration, its real webhooks) on the real node's control plane,
+    for one test; stopped with its webhook configurations deleted after it (the API server
+    would otherwise call a webhook that is gone for every later RayJob)."""
+    k = Kueue(real_cluster.cp)
+    try:
+        k.start()
+        print(f"\nkueue started in {k.start_seconds:.1f}s", file=sys.stderr)
+        yield k
+    finally:
+        k.stop()
+        for hook in k.webhooks():
+            real_cluster.cp.kubectl(
+                "delete", hook["kind"].lower(), hook["metadata"]["name"], check=False
+            )

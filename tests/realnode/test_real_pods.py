@@ -958,3 +958,118 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
     assert sum(r["rollout/lost"] for r in rows) >= 1, [r["rollout/lost"] for r in rows]
     # a new pod came for the group (it keeps its 2 replicas)
     assert len(wait_until(lambda: len(p := rollout_pods()) == 2 and p, 120, "2 rollout pods")) == 2
+
+
+# --------------------------------------------------------------------------- Kueue preemption
+
+KUEUE_STEPS = 30
+KUEUE_STEP_S = 3  # the low job's actor trains this long every step (the tests' gate)
+
+
+def test_a_kueue_preemption_checkpoints_the_step_in_flight_and_the_job_resumes_there(
+    real_cluster: RealCluster, real_kueue: Any
+) -> None:
+    """Issue 42 on the real Kueue: a low-priority job (steps of over 3 s, no periodic checkpoint)
+    runs in a ClusterQueue with room for one job; a high-priority job comes, Kueue preempts the
+    low one (its Workload evicted, its RayJob suspended, KubeRay deletes its pods) and the
+    trainer, told by the head's preStop hook, finishes the step in flight, checkpoints it and
+    exits ``Preempted``. The high job runs; once it has finished Kueue admits the low one
+    again, which resumes at that checkpoint and runs no step twice."""
+    from tests.helpers.controlplane import KUEUE_API
+
+    cluster, ns = real_cluster, "kueue-preempt"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    cq = f"cq-{ns}"
+    cluster.cp.apply(
+        [
+            {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": "node"}},
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ClusterQueue",
+                "metadata": {"name": cq},
+                "spec": {
+                    "namespaceSelector": {},
+                    "preemption": {"withinClusterQueue": "LowerPriority"},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": ["cpu", "memory"],
+                            "flavors": [
+                                {
+                                    "name": "node",
+                                    # one job (head 0.3 + KubeRay's submitter 0.5 + actor 1)
+                                    "resources": [
+                                        {"name": "cpu", "nominalQuota": "2500m"},
+                                        {"name": "memory", "nominalQuota": "20Gi"},
+                                    ],
+                                }
+                            ],
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "LocalQueue",
+                "metadata": {"name": "lq", "namespace": ns},
+                "spec": {"clusterQueue": cq},
+            },
+            *[
+                {
+                    "apiVersion": "scheduling.k8s.io/v1",
+                    "kind": "PriorityClass",
+                    "metadata": {"name": f"{ns}-{level}"},
+                    "value": value,
+                }
+                for level, value in (("low", 100), ("high", 1000))
+            ],
+        ]
+    )
+
+    def queued(name: str, steps: int, level: str, claim: str | None) -> dict[str, Any]:
+        doc = ppojob(cluster, name, ns, steps, claim=claim, interval=0)
+        doc["spec"]["scheduling"] = {
+            "gangScheduler": "kueue",
+            "queue": "lq",
+            "priorityClassName": f"{ns}-{level}",
+        }
+        return doc
+
+    low = queued("low", KUEUE_STEPS, "low", "ckpt")
+    gate = {"name": "PPOJOB_HANG_GATE", "value": f"actor:0:train:{KUEUE_STEP_S}"}
+    low["spec"]["podTemplate"] = {"env": [gate]}
+    apply(cluster, low)
+
+    def ran() -> list[int]:
+        try:
+            return steps_run(host)
+        except (OSError, ValueError):  # not written yet, or a line being written
+            return []
+
+    done = wait_until(ran, 600, "a step of the low job", interval=0.5)[-1]
+    t0 = time.monotonic()
+    apply(cluster, queued("high", 3, "high", None))
+    ended = wait_until(
+        lambda: next((e for e in attempt_events(host) if e["event"] != "start"), None),
+        300,
+        "the low job's first attempt to end",
+        interval=0.5,
+    )
+    took = time.monotonic() - t0
+    stopped = stop_checkpoint(ended["error"])
+    assert "finished the step in flight" in ended["error"], ended
+    # the step in flight when the stop came (Kueue's eviction and KubeRay's deletion take a
+    # step or two) was finished: every step run so far is in the checkpoint
+    assert stopped > done and ran()[-1] == stopped, (done, ran(), ended)
+    assert checkpoints(host) == [stopped]  # the run's only checkpoint so far
+    high, _ = watch(cluster, ns, "high", 900)
+    assert high["status"]["phase"] == "Succeeded", json.dumps(high["status"], indent=1)
+    job, _ = watch(cluster, ns, "low", 900)
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    assert starts(host) == [0, stopped], attempt_events(host)
+    assert steps_run(host) == list(range(1, KUEUE_STEPS + 1))  # none run twice
+    print(
+        f"\nkueue preemption: step {done} done at the high job's creation, checkpoint at step "
+        f"{stopped}, "
+        f"{took:.1f}s from the high job's creation to the low trainer's account, steps redone 0"
+    )
