@@ -523,15 +523,16 @@ def test_a_worker_hung_inside_a_step_is_named_and_on_stall_is_applied(
     real_cluster: RealCluster,
 ) -> None:
     """Issue 42: rank 0 of the actor blocks for ever on entering ``train`` inside a real step (the
-    tests' fault gate ``PPOJOB_HANG_GATE``, set through ``spec.podTemplate.env``; the driver
-    passes it to its workers). The stall watchdog (its floor, 20 s: the steps here take well
-    under a second) ends the attempt with one line naming the role, rank and phase; the
-    operator applies ``failurePolicy.onStall: Restart``: an uncounted restart, which hangs the
-    same way, and with ``maxDisruptions: 1`` the job then fails, naming the hung rank."""
+    tests' fault gate ``PPOJOB_HANG_GATE``, in the actor's pods through ``roles.actor.env``).
+    The stall watchdog (its floor, 20 s: the steps here take well under a second) ends the
+    attempt with one line naming the role, rank and phase; the operator applies
+    ``failurePolicy.onStall: Restart``: an uncounted restart, which hangs the same way, and with
+    ``maxDisruptions: 1`` the job then fails, naming the hung rank."""
     cluster, ns, name = real_cluster, "stall", "tiny"
     namespace(cluster, ns)
     doc = ppojob(cluster, name, ns, 20)
-    doc["spec"]["podTemplate"] = {"env": [{"name": "PPOJOB_HANG_GATE", "value": "actor:0:train"}]}
+    gate = {"name": "PPOJOB_HANG_GATE", "value": "actor:0:train"}
+    doc["spec"]["roles"]["actor"]["env"] = [gate]
     doc["spec"]["failurePolicy"].update(
         {"stallTimeoutSeconds": 20, "onStall": "Restart", "maxDisruptions": 1}
     )
@@ -738,7 +739,7 @@ def test_long_steps_in_flight_finish_and_checkpoint_when_the_head_then_a_worker_
     host = volume(cluster, ns)
     doc = ppojob(cluster, name, ns, LONG_STEPS, claim="ckpt", interval=0)
     gate = {"name": "PPOJOB_HANG_GATE", "value": f"actor:0:train:{LONG_STEP_S}"}
-    doc["spec"]["podTemplate"] = {"env": [gate]}
+    doc["spec"]["roles"]["actor"]["env"] = [gate]
     apply(cluster, doc)
     figures = []
     for n, node_type in enumerate(("head", "worker")):
@@ -1037,7 +1038,7 @@ def test_a_kueue_preemption_checkpoints_the_step_in_flight_and_the_job_resumes_t
 
     low = queued("low", KUEUE_STEPS, "low", "ckpt")
     gate = {"name": "PPOJOB_HANG_GATE", "value": f"actor:0:train:{KUEUE_STEP_S}"}
-    low["spec"]["podTemplate"] = {"env": [gate]}
+    low["spec"]["roles"]["actor"]["env"] = [gate]
     apply(cluster, low)
 
     def ran() -> list[int]:
