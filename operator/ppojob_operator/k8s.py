@@ -455,17 +455,9 @@ async def apatch(
 
 
 async def adelete(
-    api_version: str,
-    kind: str,
-    namespace: str,
-    name: str,
-    *,
-    uid: str | None = None,
-    grace_seconds: int | None = None,
+    api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None
 ) -> bool:
     """Delete an object (background propagation); False if it was already gone.
-    ``grace_seconds``: the pod's grace period for this deletion (a pod already terminating
-    with a longer one gets the shorter).
 
     With ``uid`` the delete is conditional (``preconditions.uid``): it removes only that
     object, never another one made under the same name since it was read (a restart's next
@@ -479,8 +471,6 @@ async def adelete(
     }
     if uid:
         options["preconditions"] = {"uid": uid}
-    if grace_seconds is not None:
-        options["gracePeriodSeconds"] = grace_seconds
     try:
         await arequest("DELETE", path_for(api_version, kind, namespace, name), options)
     except ApiError as exc:

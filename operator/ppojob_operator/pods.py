@@ -99,33 +99,6 @@ def failed_submitter(pod: dict[str, Any]) -> str | None:
     return None
 
 
-RELEASE_GRACE_S = 1
-"""The grace period a worker pod of an ended attempt is given (:func:`lingering_worker`)."""
-
-
-def lingering_worker(pod: dict[str, Any]) -> bool:
-    """Whether ``pod`` is a Ray worker pod being deleted with a grace period longer than
-    :data:`RELEASE_GRACE_S`. Once the attempt's driver has ended, nothing in it waits to be
-    saved, but its SIGTERM goes to ``ray start --block``, which first asks the GCS to drain the
-    node, bounded by ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (the grace period: the operator
-    sets it so that a live driver can checkpoint). With the head pod deleted at the same time,
-    that RPC waits out the whole bound for a GCS that is gone (Ray 2.60 ``Node.
-    _drain_node_before_shutdown``): measured on the real node, a worker of a restarted attempt
-    held its CPU for the full 120 s default and the next attempt's worker could not be placed.
-    Such a pod is deleted again with the short grace period (the API server keeps the shorter
-    of the two)."""
-    meta = pod.get("metadata") or {}
-    if not meta.get("deletionTimestamp"):
-        return False
-    if (meta.get("labels") or {}).get("ray.io/node-type") != "worker":
-        return False
-    grace = meta.get("deletionGracePeriodSeconds")
-    try:
-        return grace is None or int(grace) > RELEASE_GRACE_S
-    except (TypeError, ValueError):
-        return False
-
-
 def _epoch(raw: object) -> float | None:
     try:
         return dt.datetime.fromisoformat(str(raw).replace("Z", "+00:00")).timestamp()

@@ -94,11 +94,9 @@ OPERATOR_RULES: list[dict] = [
         "verbs": ["get"],
     },
     {
-        # a worker pod of an ended attempt is deleted again with a short grace period
-        # (pods.lingering_worker)
         "apiGroups": [""],
         "resources": ["pods"],
-        "verbs": ["list", "watch", "delete"],
+        "verbs": ["list", "watch"],
     },
     {
         "apiGroups": [""],

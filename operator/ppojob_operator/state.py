@@ -97,10 +97,6 @@ class JobState:
     """Per Ray cluster: its pods that went away (deleted, disrupted) while it ran, by name, with
     what Kubernetes said of each (``pods.pod_loss``): evidence for the class of that attempt's
     failure (``restarts.decision``)."""
-    ended_clusters: set[str] = field(default_factory=set)
-    """Ray clusters whose attempt's driver has ended (their RayJob seen ``Complete`` or
-    ``Failed``): their worker pods, once deleted, are released at once
-    (``pods.lingering_worker``)."""
     failed_submitters: dict[str, str] = field(default_factory=dict)
     """Per Ray cluster: KubeRay's line for its head pod's submitter container that exited
     nonzero (``pods.failed_submitter``), which ends an attempt KubeRay keeps ``Initializing``

@@ -15,7 +15,6 @@ job whose image cannot be pulled.
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from typing import Any
 
 from ppojob_operator import k8s, metrics, pods, reconcile, restarts
@@ -34,8 +33,6 @@ from ppojob_operator.status import changed_fields
 from ppojob_operator.suspend import apply_suspend, held_workload
 from ppojob_operator.sync import sync_status
 from ppojob_operator.timers import stop_failed
-
-log = logging.getLogger(__name__)
 
 
 async def apply_spec_change(
@@ -116,9 +113,6 @@ async def on_rayjob_event(state: State, type: str | None, rayjob: dict[str, Any]
             return  # on its way out (its PPOJob's garbage): not worth remembering
         st = state.track(key)
     st.rayjob = rayjob
-    status = rayjob.get("status") or {}
-    if status.get("jobDeploymentStatus") in ("Complete", "Failed") and status.get("rayClusterName"):
-        st.ended_clusters.add(status["rayClusterName"])  # its driver is done
     await refresh_yunikorn_app(st, rayjob)
     st.workload = await held_workload(rayjob)
     await sync_status(state, st)
@@ -158,9 +152,6 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     if st is not None and failed is not None and st.failed_submitters.get(cluster) != failed:
         st.failed_submitters[cluster] = failed  # ends an Initializing attempt (restarts.py)
         await sync_status(state, st)
-    ended = st is not None and cluster in st.ended_clusters
-    if ended and type != "DELETED" and pods.lingering_worker(pod):
-        await release(st, pod)
     if gone:
         return
     if st is None or st.body is None or (st.note or ("",))[0] == "Failed":
@@ -176,20 +167,6 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     rayjob = owned_by(st.rayjob, st.uid)
     if rayjob is not None:
         await stop_failed(st, rayjob)
-
-
-async def release(st: JobState, pod: dict[str, Any]) -> None:
-    """Delete a worker pod of an ended attempt again, with the short grace period
-    (``pods.lingering_worker``), exactly that pod (its uid the precondition)."""
-    meta = pod["metadata"]
-    name, uid = meta.get("name") or "", meta.get("uid")
-    try:
-        await k8s.adelete("v1", "Pod", st.key[0], name, uid=uid, grace_seconds=pods.RELEASE_GRACE_S)
-    except k8s.Replaced:
-        pass  # that pod is gone, and another took its name
-    except k8s.ApiError as exc:
-        metrics.API_ERRORS.labels("delete").inc()
-        log.warning("%s/%s: could not release pod %s: %s", *st.key, name, exc)
 
 
 async def refresh_yunikorn_app(job: JobState, rayjob: dict[str, Any]) -> None:

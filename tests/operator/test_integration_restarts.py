@@ -229,56 +229,6 @@ def test_a_submitter_that_fails_while_the_rayjob_initializes_ends_the_attempt(cl
         assert cond("Failed") == failed  # the verdict as first written
 
 
-def test_the_worker_pods_of_an_ended_attempt_are_released_at_once(cluster):
-    """Issue 42, seen on the real node: the worker pods of an attempt whose driver has ended
-    (its RayJob Failed, here, and restarted) are deleted again with a 1 s grace period, so that
-    their ``ray start`` does not wait the whole grace period for a GCS that is gone while the
-    next attempt's pods wait for their CPUs; a worker pod of a cluster whose driver may still run
-    (being evicted while it checkpoints) keeps its grace period."""
-    deletes: list[tuple[str, object]] = []
-
-    def record(_km, request):
-        if request.method.value == "DELETE" and "/pods/" in request.url.path:
-            deletes.append((request.url.path.rsplit("/", 1)[-1], request.data))
-
-    cluster.after_each_request(record)
-
-    def terminating(name: str, cluster_name: str) -> dict:
-        pod = worker_pod(cluster_name)
-        pod["metadata"].update(
-            name=name,
-            uid=f"uid-{name}",
-            deletionTimestamp="2026-12-01T12:00:00Z",
-            deletionGracePeriodSeconds=120,
-        )
-        pod["metadata"]["labels"]["ray.io/node-type"] = "worker"
-        return pod
-
-    base = "/api/v1/namespaces/ns1/pods"
-    with Operator(cluster.url, ["ns1"]):
-        create_job(failurePolicy={"retryDelaySeconds": 0})
-        wait_for(phase_is("Pending"))
-        set_rayjob_status({**RUNNING, "rayClusterName": "demo-rc-a"})
-        wait_for(phase_is("Running"))
-        # evicted while the driver runs: the grace period is the driver's to checkpoint in
-        kube.request("POST", base, terminating("demo-rc-a-worker-live", "demo-rc-a"))
-        set_rayjob_status(
-            {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}
-        )
-        # the lost pod makes a disruption of a failure with no account: restarted at once
-        wait_for(lambda: attempt() == "1", timeout=20)
-        kube.request("POST", base, terminating("demo-rc-a-worker-ended", "demo-rc-a"))
-        wait_for(lambda: deletes)
-    released = [(name, body) for name, body in deletes if name == "demo-rc-a-worker-ended"]
-    assert len(released) == 1, deletes
-    body = released[0][1]
-    assert body["gracePeriodSeconds"] == 1 and body["preconditions"] == {
-        "uid": "uid-demo-rc-a-worker-ended"
-    }
-    # the one evicted while its driver ran was left alone
-    assert [name for name, _ in deletes] == ["demo-rc-a-worker-ended"], deletes
-
-
 def test_the_trainers_warning_is_a_warning_event_once(cluster):
     """``status.progress.warning`` (``<Reason>: <message>``, the trainer's grace-period check)
     becomes one Warning event with that reason, however often the status is synced again."""

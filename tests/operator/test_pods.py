@@ -8,12 +8,7 @@ import datetime as dt
 import pytest
 
 from ppojob_api.failures import classify
-from ppojob_operator.pods import (
-    PULL_GRACE_S,
-    failed_submitter,
-    lingering_worker,
-    unavailable_image,
-)
+from ppojob_operator.pods import PULL_GRACE_S, failed_submitter, unavailable_image
 from ppojob_operator.restarts import attempt_failed, submission_failed
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -124,24 +119,3 @@ def test_only_an_initializing_rayjob_is_ended_by_its_failed_submitter() -> None:
     # a Running RayJob's failed submitter is KubeRay's to see (it fails the RayJob itself)
     running = {"metadata": {"name": "rj"}, "status": {"jobDeploymentStatus": "Running"}}
     assert submission_failed(running, line) is running
-
-
-@pytest.mark.parametrize(
-    ("node_type", "deleting", "grace", "lingers"),
-    [
-        ("worker", True, 120, True),
-        ("worker", True, None, True),  # the pod's own default: more than the short one
-        ("worker", True, 1, False),  # already released
-        ("worker", False, None, False),  # not being deleted
-        ("head", True, 120, False),  # the head's preStop hook ends at once once the driver has
-    ],
-)
-def test_a_worker_pod_being_deleted_with_a_long_grace_period_lingers(
-    node_type: str, deleting: bool, grace: int | None, lingers: bool
-) -> None:
-    meta: dict = {"name": "p", "labels": {"ray.io/node-type": node_type}}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-12-01T12:00:00Z"
-    if grace is not None:
-        meta["deletionGracePeriodSeconds"] = grace
-    assert lingering_worker({"metadata": meta}) is lingers

@@ -94,7 +94,7 @@ rules:
     verbs: ["get"]
   - apiGroups: [""]
     resources: ["pods"]
-    verbs: ["list", "watch", "delete"]
+    verbs: ["list", "watch"]
   - apiGroups: [""]
     resources: ["events"]
     verbs: ["create"]
