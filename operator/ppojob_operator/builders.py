@@ -83,15 +83,23 @@ AGENT_PORT = 52365
 """The Ray dashboard agent's HTTP port (KubeRay's ``DefaultDashboardAgentListenPort``; the job's
 ``rayStartParams`` leave it alone)."""
 AGENT_WAIT_S = 180
-POSTSTART_COMMAND = [
-    "sh",
-    "-c",
-    f'i=0; while [ $i -lt {AGENT_WAIT_S} ]; do python -c "import urllib.request as u; '
-    f"u.urlopen('http://127.0.0.1:{AGENT_PORT}/api/healthz', timeout=2)\" >/dev/null 2>&1 "
-    "&& exit 0; i=$((i+1)); sleep 1; done; exit 0",
-]
-"""The head's postStart hook: wait (at most :data:`AGENT_WAIT_S` s, and never fail: a failed hook
-kills the container) until the head's Ray dashboard agent answers its health check. kubelet
+AGENT_WAIT_PROGRAM = f"""import time, urllib.error, urllib.request
+end = time.monotonic() + {AGENT_WAIT_S}
+while time.monotonic() < end:
+    try:
+        urllib.request.urlopen("http://localhost:{AGENT_PORT}/api/healthz", timeout=2)
+        break
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            break  # an agent without this check (Ray < 2.53) answers: it is up
+    except Exception:
+        pass
+    time.sleep(1)
+"""
+POSTSTART_COMMAND = ["sh", "-c", 'python -c "$0" >/dev/null 2>&1; exit 0', AGENT_WAIT_PROGRAM]
+"""The head's postStart hook (SidecarMode): wait (at most :data:`AGENT_WAIT_S` s by the clock, and
+never fail: a failed hook kills the container) until the head's Ray dashboard agent answers its
+health check (``localhost``: the agent binds ``::1`` where IPv6 is the loopback). kubelet
 starts a pod's containers in order and a container's postStart hook holds back the next one, so
 KubeRay's ``ray-job-submitter`` (appended after the Ray container in SidecarMode) starts only then.
 Its own wait is for the dashboard's GCS health alone, and the dashboard's job API waits 10 s for
@@ -558,10 +566,10 @@ def _pod_template(
     pod["volumes"] += [dict(v) for v in extra.volumes]
     container["volumeMounts"] += [dump(m) for m in extra.volume_mounts]
     if group_role == "head":
-        pod["containers"][0]["lifecycle"] = {
-            "postStart": {"exec": {"command": POSTSTART_COMMAND}},
-            "preStop": {"exec": {"command": PRESTOP_COMMAND}},
-        }
+        lifecycle: dict[str, Any] = {"preStop": {"exec": {"command": PRESTOP_COMMAND}}}
+        if spec.submission_mode == "SidecarMode":  # the submitter is the next container
+            lifecycle["postStart"] = {"exec": {"command": POSTSTART_COMMAND}}
+        pod["containers"][0]["lifecycle"] = lifecycle
     else:
         # The trainer's token (it may patch the PPOJob's status) only where the trainer's
         # driver runs: worker pods run user code (reward functions) and need no API access.

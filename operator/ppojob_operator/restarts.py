@@ -52,6 +52,8 @@ def submission_failed(rayjob: dict[str, Any], submitter: str | None) -> dict[str
     st = rayjob.get("status") or {}
     if not submitter or st.get("jobDeploymentStatus") != "Initializing":
         return rayjob
+    if (rayjob.get("spec") or {}).get("suspend"):
+        return rayjob  # being suspended (Kueue's eviction, spec.suspend): its pods are going
     failed = {
         **st,
         "jobDeploymentStatus": "Failed",

@@ -137,7 +137,8 @@ def _following(
     trainer_error = progress.get("error")
     cluster = (rj.get("status") or {}).get("rayClusterName") or ""
     real = rj
-    rj = restarts.submission_failed(rj, st.failed_submitters.get(cluster))
+    if not job.spec.suspend:  # (a suspended job is not failed for its stopping submitter)
+        rj = restarts.submission_failed(rj, st.failed_submitters.get(cluster))
     lost = list(st.lost_pods.get(cluster, {}).values())
     error_at = restarts.epoch(progress.get("updatedAt")) if trainer_error else None
     decided = restarts.decision(job, rj, base, trainer_error, lost, error_at)

@@ -116,6 +116,8 @@ def test_only_an_initializing_rayjob_is_ended_by_its_failed_submitter() -> None:
     assert ended["status"]["message"] == f"{line}, while the RayJob was Initializing"
     assert initializing["status"]["jobDeploymentStatus"] == "Initializing"  # not changed
     assert submission_failed(initializing, None) is initializing
+    suspended = {**initializing, "spec": {"suspend": True}}  # (Kueue's eviction): left alone
+    assert submission_failed(suspended, line) is suspended
     # a Running RayJob's failed submitter is KubeRay's to see (it fails the RayJob itself)
     running = {"metadata": {"name": "rj"}, "status": {"jobDeploymentStatus": "Running"}}
     assert submission_failed(running, line) is running

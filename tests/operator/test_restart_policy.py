@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -325,33 +327,50 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_heads_poststart_hook_holds_the_submitter_until_the_agent_answers() -> None:
-    """The head's postStart hook (which kubelet finishes before it starts the next container,
-    KubeRay's submitter) returns once the dashboard agent's health check answers 200, after its
-    503s; with nothing answering it gives up at its bound, and never fails (a failed postStart
-    hook kills the container). Run as the container runs it, against a health check on loopback
-    on a free port (the hook's port swapped for it), with ``python`` this interpreter."""
+    """The head's postStart hook (SidecarMode: kubelet finishes it before it starts the next
+    container, KubeRay's submitter) returns once the dashboard agent's health check answers 200
+    after its 503s, or answers anything else (an older Ray without that check); with nothing but
+    503s it gives up at its bound by the clock; a missing ``python`` does not fail it (a failed
+    postStart hook kills the container). Run as the container runs it, against a health check on
+    loopback on a free port (the hook's port swapped for it), ``python`` this interpreter. With
+    K8sJobMode (no submitter container) there is no hook to wait in."""
     j = job()
     head = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
     container = head["headGroupSpec"]["template"]["spec"]["containers"][0]
     hook = container["lifecycle"]["postStart"]["exec"]["command"]
     assert hook == builders.POSTSTART_COMMAND
-    assert f"127.0.0.1:{builders.AGENT_PORT}/api/healthz" in hook[-1]
+    assert f"localhost:{builders.AGENT_PORT}/api/healthz" in hook[-1]
     server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     shim = tempfile.mkdtemp()
     os.symlink(sys.executable, os.path.join(shim, "python"))
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
-    script = hook[-1].replace(str(builders.AGENT_PORT), str(port))
+    program = hook[-1].replace(str(builders.AGENT_PORT), str(port))
+
+    def run(program: str, path: str = env["PATH"]) -> tuple[int, float]:
+        t = time.monotonic()
+        sh = shutil.which(hook[0])  # found on this PATH: the one given may have no python
+        done = subprocess.run(
+            [sh, *hook[1:-1], program], env={**env, "PATH": path}, timeout=60, check=False
+        )
+        return done.returncode, time.monotonic() - t
+
     try:
         _Health.answers = [503, 503]
-        done = subprocess.run([*hook[:-1], script], env=env, timeout=60, check=False)
-        assert done.returncode == 0
+        assert run(program)[0] == 0
         assert _Health.answers == []  # it asked until the agent answered 200
+        _Health.answers = [503, 404, 503]
+        assert run(program)[0] == 0 and _Health.answers == [503]  # up, without that check
         _Health.answers = [503] * 1000  # an agent that never comes up
-        bounded = script.replace(f"-lt {builders.AGENT_WAIT_S}", "-lt 3")
-        assert bounded != script
-        done = subprocess.run([*hook[:-1], bounded], env=env, timeout=60, check=False)
-        assert done.returncode == 0 and len(_Health.answers) == 1000 - 3
+        bounded = program.replace(f"+ {builders.AGENT_WAIT_S}", "+ 3")
+        assert bounded != program
+        code, took = run(bounded)
+        assert code == 0 and 3 <= took < 15 and 1000 - 5 <= len(_Health.answers) < 1000
+        assert run(program, path="/nonexistent")[0] == 0  # no python: no failure either
     finally:
         server.shutdown()
+    k8s_job = job(submissionMode="K8sJobMode")
+    rayjob = builders.build_children(k8s_job, namespace="ns1")[-1]
+    pod = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert set(pod["containers"][0]["lifecycle"]) == {"preStop"}
