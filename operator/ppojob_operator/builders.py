@@ -79,6 +79,10 @@ PRESTOP_COMMAND = [
 """The head's preStop hook: ask the trainer (the Ray job's driver, which is not the container's
 first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
 its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
+SUBMITTER_CONTAINER = "ray-job-submitter"
+"""KubeRay's submitter container (``utils.SubmitterContainerName``): in SidecarMode the container
+it adds to the head pod (it waits for the dashboard, runs ``ray job submit`` and follows the job),
+in K8sJobMode the one of the submitter pod (:func:`submitter_template`)."""
 AGENT_PORT = 52365
 """The Ray dashboard agent's HTTP port (KubeRay's ``DefaultDashboardAgentListenPort``; the job's
 ``rayStartParams`` leave it alone)."""
@@ -653,7 +657,7 @@ def submitter_template(job: PPOJob) -> dict[str, Any]:
         },
         "containers": [
             {
-                "name": "ray-job-submitter",
+                "name": SUBMITTER_CONTAINER,
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "resources": {k: dict(v) for k, v in SUBMITTER_RESOURCES.items()},

@@ -21,6 +21,7 @@ import datetime as dt
 from typing import Any
 
 from ppojob_api.failures import DISRUPTION_TARGET_REASONS, PodLoss
+from ppojob_operator.builders import SUBMITTER_CONTAINER
 
 REASON = "ImageUnavailable"
 PERMANENT = frozenset({"ErrImageNeverPull", "InvalidImageName"})
@@ -60,12 +61,6 @@ def unavailable_image(pod: dict[str, Any], now: dt.datetime) -> str | None:
                 "(or spec.imagePullPolicy / spec.imagePullSecrets) and recreate the job"
             )
     return None
-
-
-SUBMITTER_CONTAINER = "ray-job-submitter"
-"""The container KubeRay adds to the head pod of a SidecarMode RayJob
-(``utils.SubmitterContainerName``): it waits for the dashboard, then runs ``ray job submit`` and
-follows the job."""
 
 
 def failed_submitter(pod: dict[str, Any]) -> str | None:
