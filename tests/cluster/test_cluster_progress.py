@@ -9,6 +9,7 @@ terminal RayJob status KubeRay would write, and checks the PPOJob turns Succeede
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,24 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
         '{"status":{"progress":{"step":0}}}',
     )
     assert ok.returncode == 0, ok.stderr
+    # a warning as the trainer writes it (its grace-period check): stored by the API server's
+    # schema, posted once by the operator as a Warning event of its reason; the run's start
+    # clears it (below)
+    short = "GracePeriodTooShort: spec.failurePolicy.terminationGracePeriodSeconds 5s is short"
+    body = json.dumps({"status": {"progress": {"warning": short}}})
+    warned = as_trainer(
+        "patch", PPOJOB, "prog", "-n", ns, "--subresource=status", "--type=merge", "-p", body
+    )
+    assert warned.returncode == 0, warned.stderr
+    assert status(cp, "prog", ns)["progress"]["warning"] == short
+
+    def warning_event() -> list[dict]:
+        items = cp.get("events", namespace=ns)["items"]
+        return [e for e in items if e["reason"] == "GracePeriodTooShort"]
+
+    [event] = wait_until(warning_event, 30, "the operator's GracePeriodTooShort event")
+    assert event["type"] == "Warning" and event["message"] == short.split(": ", 1)[1]
+    assert event["involvedObject"]["name"] == "prog"
     for args in [
         (
             "patch",
@@ -166,6 +185,7 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
     assert all(r for _, r in seen), seen  # Reward shown with every Step
     progress = status(cp, "prog", ns)["progress"]
     assert progress["step"] == 6 and isinstance(progress["rewardMean"], float)
+    assert "warning" not in progress  # the run's start cleared the earlier warning
 
     # KubeRay's verdict (it cannot reach a dashboard on fake pods): the job succeeded
     cp.kubectl(
