@@ -280,17 +280,24 @@ def decide(
     )
 
 
-def grace_problem(grace_seconds: int, step_seconds: float, checkpoint_seconds: float) -> str | None:
-    """Why ``grace_seconds`` cannot cover finishing a step and writing a checkpoint that took
-    ``step_seconds`` and ``checkpoint_seconds`` (with a 20 % margin), or None when it can."""
-    need = 1.2 * (step_seconds + checkpoint_seconds)
+def grace_problem(
+    grace_seconds: int, exposed_seconds: float, checkpoint_seconds: float
+) -> str | None:
+    """Why ``grace_seconds`` cannot cover what a stop must let finish and then a checkpoint
+    (with a 20 % margin), or None when it can. ``exposed_seconds``: the longest part of a step
+    that a stop cannot cut short with a checkpoint of the completed steps (the trainer's
+    measure: the step's training, from the end of its generation; with colocated engines, its
+    generation too when that is longer)."""
+    need = 1.2 * (exposed_seconds + checkpoint_seconds)
     if grace_seconds >= need:
         return None
     return (
-        f"spec.failurePolicy.terminationGracePeriodSeconds {grace_seconds}s is shorter than a "
-        f"step ({step_seconds:.1f}s) plus a checkpoint ({checkpoint_seconds:.1f}s) with a 20% "
-        f"margin ({need:.0f}s): on SIGTERM the trainer abandons the step and completed steps "
-        f"since the last checkpoint are lost; raise it to at least {int(need) + 1}"
+        f"spec.failurePolicy.terminationGracePeriodSeconds {grace_seconds}s is shorter than "
+        f"the part of a step a stop must let finish ({exposed_seconds:.1f}s: its training; "
+        f"with colocated engines, its generation too) plus a checkpoint "
+        f"({checkpoint_seconds:.1f}s) with a 20% margin ({need:.0f}s): a SIGTERM there "
+        f"abandons the step and completed steps since the last checkpoint are lost; raise it "
+        f"to at least {int(need) + 1}"
     )
 
 

@@ -178,8 +178,11 @@ class FailurePolicy(ApiModel):
     termination_grace_period_seconds: int = Field(120, ge=1, le=86400)
     """Grace period of the job's pods (their `terminationGracePeriodSeconds`). On SIGTERM the
     trainer finishes the step in flight, writes a checkpoint and exits `Preempted` (code 75)
-    within it. It must cover a step plus a checkpoint: the trainer measures both and reports
-    when it does not."""
+    within it. A step that cannot finish in time is abandoned: before its training starts, with
+    a checkpoint of the completed steps; once training started, the newest checkpoint stands.
+    So it must cover a step's training plus a checkpoint: the trainer checkpoints the first
+    step of each attempt to time one (whatever `checkpointInterval`) and reports when it does
+    not."""
 
 
 class KeyRef(ApiModel):

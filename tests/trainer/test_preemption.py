@@ -208,8 +208,14 @@ class _ScriptedStop(StopSignal):
 class _StubTrainer:
     """What the run loop asks of a trainer: a step, evaluation, checkpoint state."""
 
+    committed = False
+    completed = exposed_s = None
+
     def step(self, step: int) -> dict[str, float]:
         return {"reward/mean": 0.5, "time/step": 0.01}
+
+    def checkpointable(self) -> bool:
+        return True
 
     def eval_due(self, done: int, total: int) -> bool:
         return False

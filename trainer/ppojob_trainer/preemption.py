@@ -17,9 +17,12 @@ period ends (the reasons, with references to Ray's and KubeRay's source: docs/tr
 - lets the step in flight finish (the workers cannot be checkpointed mid-step), writes a
   checkpoint of it, and raises :class:`Preempted`;
 - when the grace period left cannot cover the rest of the step plus a checkpoint (it measures
-  both), abandons the step: the main thread is interrupted at ``grace - checkpoint cost - margin``
-  and the run ends with the newest checkpoint already written (completed steps since it are lost;
-  ``failures.grace_problem`` warns of this beforehand).
+  both), abandons the step: at the step's commit (before it sends any work to the trained
+  workers) when the training its last steps took no longer fits, else when the main thread is
+  interrupted at ``grace - checkpoint cost - margin``. Until the commit, the trained workers hold
+  the last completed step untouched, so the run writes a checkpoint of it at once
+  (``driver/run.py``); after it, the run ends with the newest checkpoint already written
+  (completed steps since it are lost; ``failures.grace_problem`` warns of this beforehand).
 
 No torch, no Ray: the loop and the command lines share it.
 """
@@ -84,6 +87,8 @@ class StopSignal:
         """Measured cost of the last checkpoint (the loop updates it)."""
         self.in_step = False
         self.abandoned = False
+        self.deadline: float | None = None
+        """When the grace period ends (``time.monotonic()``; None without one)."""
         self._event = threading.Event()
         self._timer: threading.Timer | None = None
         self._lock = threading.RLock()  # (re-entrant: a SIGTERM handler may run inside request)
@@ -104,6 +109,7 @@ class StopSignal:
             if grace_left is not None:
                 grace = grace_left if grace is None else min(grace, grace_left)
             if grace is not None:
+                self.deadline = self.at + grace
                 budget = grace - self.checkpoint_seconds - MARGIN_S
                 self._timer = threading.Timer(max(budget, 0.0), self._abandon)
                 self._timer.daemon = True
@@ -111,6 +117,11 @@ class StopSignal:
             # set last: whoever wakes on the event (another thread) finds the timer armed
             self._event.set()
         log.warning("%s: stopping after the step in flight, with a checkpoint", cause)
+
+    def time_left(self) -> float | None:
+        """Seconds left of the grace period once a stop was asked for (None: no stop or no
+        grace period known)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def _abandon(self) -> None:
         if self.in_step:

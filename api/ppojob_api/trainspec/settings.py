@@ -106,7 +106,9 @@ class Training(TrainingSettings):
     must be absolute when spec.checkpointVolume is set (the volume is mounted there)."""
 
     checkpoint_interval: int = Field(0, ge=0)
-    """Save every this many steps (and at the end). 0 saves only at the end."""
+    """Save every this many steps (and at the end). 0 saves only at the end. A stop (SIGTERM)
+    always saves the completed steps; in a pod, the first step of each attempt is saved too, to
+    time a checkpoint against the grace period (spec.failurePolicy)."""
 
     eval_interval: int = Field(10, ge=1)
     """Evaluate on spec.data.evalPrompts every this many steps (and after the last step)."""

@@ -37,7 +37,8 @@ class Generation:
     """The engines, in the order of ``gens``."""
     data_state: tuple[Any, dict[str, Any]] | None = None
     """The data order before this step's prompts were drawn (a checkpoint taken while it is
-    in flight rewinds to it, so a resumed run draws the same prompts)."""
+    in flight, launched ahead or taken by a step that then stopped, rewinds to it, so a resumed
+    run draws the same prompts)."""
     parts: list[Part] | None = None
     """Elastic engines: what each engine was given, to generate again elsewhere if it is lost
     (``gens`` are then the refs of the results without their batches)."""
@@ -75,6 +76,8 @@ class Rollouts:
         """Generation launched ahead of its step (maxStaleness > 0), by step."""
         self.launched = 0
         """Every step before this one has had its generation launched."""
+        self.taken: Generation | None = None
+        """The generation of the step in flight (None between steps: :meth:`step_done`)."""
 
     def take(self, step: int, total_steps: int | None) -> Rollout:
         """Step ``step``'s generation, launched now or (maxStaleness > 0) at an earlier step's
@@ -90,7 +93,7 @@ class Rollouts:
         for j in window:
             self.pending[j] = self.launch(j)
         self.launched = max(self.launched, window.stop)
-        current = self.pending.pop(step)
+        current = self.taken = self.pending.pop(step)
         out = Rollout(current.ranges, current.gens, current.engines)
         if self.pool is not None:  # an engine lost now loses only its prompts (re-queued)
             out.ranges, out.gens, out.engines = self.pool.settle(current.parts or [])
@@ -106,9 +109,7 @@ class Rollouts:
         fresh prompts, numbered after the earlier rounds' (group ids stay distinct)."""
         cfg = self.cfg
         n_prompts, k = cfg.data.rollout_batch_size, cfg.data.samples_per_prompt
-        data_state = None
-        if cfg.algorithm.max_staleness > 0:
-            data_state = (self.data_rng.getstate(), self.task.state())
+        data_state = (self.data_rng.getstate(), self.task.state())
         examples = self.task.sample(n_prompts, self.data_rng)
         parts, engines = [], []
         offset = round_ * n_prompts
@@ -218,11 +219,22 @@ class Rollouts:
             else surviving(done)
         )
 
+    def step_done(self) -> None:
+        """The step in flight completed: its prompts are trained on."""
+        self.taken = None
+
+    def in_flight(self) -> list[Any]:
+        """Refs of every generation in flight or done and not trained on yet: the step's own
+        and those launched ahead."""
+        gens = [g for gen in self.pending.values() for g in gen.gens]
+        return gens + (self.taken.gens if self.taken is not None else [])
+
     def data_state(self) -> tuple[Any, dict[str, Any]]:
-        """The data order and task state a checkpoint saves: generation launched ahead is not
-        saved, so a resumed run draws those steps' prompts again, from the data order before
-        the earliest of them."""
-        ahead = [g for g in self.pending.values() if g.data_state is not None]
+        """The data order and task state a checkpoint saves: generation launched ahead, or
+        taken by a step that did not complete, is not saved, so a resumed run draws those
+        steps' prompts again, from the data order before the earliest of them."""
+        flight = [*self.pending.values(), *([self.taken] if self.taken is not None else [])]
+        ahead = [g for g in flight if g.data_state is not None]
         if ahead:
             return min(ahead, key=lambda g: g.step).data_state  # type: ignore[return-value]
         return self.data_rng.getstate(), self.task.state()

@@ -24,8 +24,8 @@ from ..checkpoint import (
     load_checkpoint,
     step_dir_name,
 )
-from ..preemption import Preempted, StopSignal, watch
-from .trainer import PPOTrainer
+from ..preemption import MARGIN_S, Preempted, StopSignal, watch
+from .trainer import PPOTrainer, StepAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +155,14 @@ class _Run:
     stop: StopSignal
     first: int = 0
     last_ckpt_step: int = 0
+    timed: bool = False
+    """A checkpoint was written (and timed) by this process."""
     warned: bool = False
     """The grace period was found too short for a step and a checkpoint (warned once)."""
 
     def run(self) -> None:
         tr, result, stop = self.cfg.training, self.result, self.stop
+        self.trainer.may_commit = self._may_commit
         if tr.resume:
             self.first = resume(self.trainer, self.ckpt_dir)
             result.checkpoint = _newest(self.ckpt_dir)
@@ -171,11 +174,17 @@ class _Run:
                 if stop.requested:
                     break
                 self._step(step)
-        except KeyboardInterrupt:
-            if not stop.abandoned:
+        except (KeyboardInterrupt, StepAbandoned) as exc:
+            if isinstance(exc, KeyboardInterrupt) and not stop.abandoned:
                 raise
-            # the grace period ran out mid-step: what the newest complete checkpoint holds
-            # survives
+            # the step in flight is abandoned (at its commit, or the grace period ran out). Until
+            # its commit the trained workers hold the completed steps: they are checkpointed
+            # now; after it, what the newest complete checkpoint holds survives
+            done = self.trainer.completed
+            if not self.trainer.committed and done is not None and done[0] + 1 > result.steps:
+                self._report(*done)  # the step completed; its evaluation was cut short
+            if result.steps != self.last_ckpt_step and self.trainer.checkpointable():
+                self._checkpoint(result.steps, None)
             newest = _newest(self.ckpt_dir)
             raise Preempted(self.last_ckpt_step, newest, stop.cause or "stop", True) from None
         if stop.requested:
@@ -197,26 +206,45 @@ class _Run:
                 result.eval_reward = metrics["eval/reward_mean"]
         finally:
             stop.in_step = False
-        metrics["time/elapsed"] = time.perf_counter() - self.t_start
-        result.history.append(metrics)
-        result.steps = step + 1
-        self.reporter.report(step + 1, metrics)
+        self._report(step, metrics)
         due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
-        if due or stop.requested:
-            self._checkpoint(step + 1, metrics["time/step"])
+        # with a grace period (in a pod), the first step of a process is checkpointed whatever
+        # the interval: a stop needs the checkpoint's cost, and the grace period is checked
+        # against it now, before any stop
+        probe = stop.grace_seconds is not None and not self.timed
+        if due or stop.requested or probe:
+            self._checkpoint(step + 1, self.trainer.exposed_s)
 
-    def _checkpoint(self, steps: int, step_seconds: float | None) -> None:
-        """A checkpoint of ``steps`` completed steps; the first one that knows a step's length
-        says once when the grace period cannot hold a step and a checkpoint."""
+    def _report(self, step: int, metrics: dict[str, float]) -> None:
+        """A completed step's record and report."""
+        metrics["time/elapsed"] = time.perf_counter() - self.t_start
+        self.result.history.append(metrics)
+        self.result.steps = step + 1
+        self.reporter.report(step + 1, metrics)
+
+    def _may_commit(self) -> bool:
+        """At a step's commit: False (abandon the step, checkpoint the completed ones) when a
+        stop was asked for and what is left of the grace period no longer holds the training
+        the last step took after its commit, plus a checkpoint."""
+        left, stop = self.stop.time_left(), self.stop
+        if left is None or self.trainer.commit_s is None:
+            return True
+        return left >= self.trainer.commit_s + stop.checkpoint_seconds + MARGIN_S
+
+    def _checkpoint(self, steps: int, exposed_seconds: float | None) -> None:
+        """A checkpoint of ``steps`` completed steps; the first one that knows what a stop must
+        let a step finish (``exposed_seconds``, :attr:`PPOTrainer.exposed_s`) says once when
+        the grace period cannot hold that and a checkpoint."""
         tr, stop = self.cfg.training, self.stop
         t_ckpt = time.perf_counter()
         self.result.checkpoint = save(
             self.trainer, self.ckpt_dir, steps, tr.keep_checkpoints, self.reporter
         )
         stop.checkpoint_seconds = time.perf_counter() - t_ckpt
-        self.last_ckpt_step = steps
-        if step_seconds is not None and not self.warned and stop.grace_seconds is not None:
-            problem = grace_problem(int(stop.grace_seconds), step_seconds, stop.checkpoint_seconds)
+        self.last_ckpt_step, self.timed = steps, True
+        if exposed_seconds is not None and not self.warned and stop.grace_seconds is not None:
+            grace = int(stop.grace_seconds)
+            problem = grace_problem(grace, exposed_seconds, stop.checkpoint_seconds)
             if problem:
                 log.warning("%s", problem)
                 warn = getattr(self.reporter, "warn", None)  # (reporters of tests may lack it)

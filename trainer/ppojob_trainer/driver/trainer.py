@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,24 @@ class PPOTrainer:
         self.total_steps: int | None = None
         """The run's step count (:func:`~.run.train` sets it): no generation is launched
         past it."""
+        self.committed = False
+        """The step in flight has sent work to the trained workers (from its commit, once its
+        generation is done, until it ends): before that they hold the last completed step
+        untouched (:meth:`checkpointable`)."""
+        self.commit_s: float | None = None
+        """Seconds from the last completed step's commit to its end: what a stop must leave
+        for the step once it has committed."""
+        self.completed: tuple[int, dict[str, float]] | None = None
+        """The last step completed, with its metrics (the run reports it when a stop cut its
+        evaluation short)."""
+        self.exposed_s: float | None = None
+        """Of the last completed step, the longest part a stop could not have cut short with a
+        checkpoint of the completed steps: from its commit to its end; with colocated engines
+        (whose generation holds a save back), its generation too when that was longer."""
+        self.may_commit: Callable[[], bool] = lambda: True
+        """Asked at each step's commit (:func:`~.run.train` sets it): False abandons the step
+        there (:class:`StepAbandoned`), while a checkpoint of the completed steps can still be
+        written."""
         WATCHDOG.configure(cfg.stall_timeout_seconds)  # every wait of the driver (watchdog.py)
         self.cluster = Cluster(cfg, self.topo, threads)
         try:
@@ -129,6 +148,17 @@ class PPOTrainer:
         rollout = self.rollouts.take(step, self.total_steps)
         version = self.weights.version  # the actor's weights (and, at their sync, the engines')
         self.weights.release()  # (colocated engines free their memory for training)
+        # the commit: nothing reaches the trained workers before the step's generation is done,
+        # so a stop until here can checkpoint the completed steps at once (run.py)
+        WATCHDOG.wait(
+            [
+                ("rollout", e, "generate", g)
+                for e, g in zip(rollout.engines, rollout.gens, strict=True)
+            ]
+        )
+        if not self.may_commit():
+            raise StepAbandoned(step)
+        self.committed, t_commit = True, time.perf_counter()
         # 2. values: each critic worker puts one object per actor worker; we keep only refs.
         values = critic.call("compute_values", rollout.ranges, actor.ranges, *rollout.gens)
         # 3. old/ref log-probs, advantages and returns on the actor workers.
@@ -154,7 +184,28 @@ class PPOTrainer:
         # 7. metrics, once every worker has reported (one that has not is named).
         refs = StepRefs(rollout, values, prepared, critic_done, actor_done, woken, synced)
         metrics, overlap = self._metrics(rollout, self._collect(refs), version)
-        return self._timed(metrics, overlap, t0)
+        self.commit_s = time.perf_counter() - t_commit
+        generation_s = t_commit - t0
+        colocated = self.topo.colocated
+        self.exposed_s = max(self.commit_s, generation_s) if colocated else self.commit_s
+        metrics = self._timed(metrics, overlap, t0)
+        # the step is complete, in this order (a stop's interrupt may land between any two):
+        # its record, its prompts trained on, then the workers' state is the completed steps'
+        self.completed = (step, metrics)
+        self.rollouts.step_done()
+        self.committed = False
+        return metrics
+
+    def checkpointable(self) -> bool:
+        """Whether a checkpoint of the completed steps can be written now, in the middle of a
+        step: the step has not committed (its training calls are not sent) and no generation
+        runs in a trained worker's process (colocated engines) to hold the save back."""
+        if self.committed:
+            return False
+        if self.topo.colocated:
+            flight = self.rollouts.in_flight()
+            return len(WATCHDOG.done(flight)) == len(flight)
+        return True
 
     def _prepare(self, rollout: Rollout, values: list[Any], version: int) -> list[Any]:
         """Old/ref log-probs, advantages and returns on every actor worker. A critic in
@@ -273,8 +324,18 @@ class PPOTrainer:
 
     def state(self, step: int) -> dict[str, Any]:
         """The driver's own (small) checkpoint state: step, data order, KL coefficient, task,
-        and every worker process's generators."""
+        and every worker process's generators. In the middle of a step (:meth:`checkpointable`),
+        an engine's process that is generating is not asked (None: a resumed run gives it
+        fresh generators; its sampling is seeded per call anyway)."""
         rng, task = self.rollouts.data_state()
+        roles = self.trained_roles()
+        trained = {h._actor_id.hex() for r in roles for h in self.groups.role(r).handles}
+        mid_step = self.rollouts.taken is not None
+        asked = [
+            h.rng_state.remote() if not mid_step or h._actor_id.hex() in trained else None
+            for h in self.groups.all_hosts
+        ]
+        got = iter(WATCHDOG.get([a for a in asked if a is not None], "worker", "checkpoint rng"))
         return {
             "step": step,
             "fingerprint": self.fingerprint(),
@@ -282,9 +343,7 @@ class PPOTrainer:
             "kl_coef": self.kl_ctl.value,
             "task": task,
             # every worker process's generators (dropout, sampling helpers), in host order
-            "rng": WATCHDOG.get(
-                [h.rng_state.remote() for h in self.groups.all_hosts], "worker", "checkpoint rng"
-            ),
+            "rng": [None if a is None else next(got) for a in asked],
         }
 
     def fingerprint(self) -> dict[str, Any]:
@@ -303,7 +362,8 @@ class PPOTrainer:
                 waits += group.call("set_state", role, state[role])
         rng = state.get("rng")
         if rng is not None and len(rng) == len(all_hosts):
-            waits += [h.set_rng_state.remote(r) for h, r in zip(all_hosts, rng, strict=True)]
+            pairs = zip(all_hosts, rng, strict=True)
+            waits += [h.set_rng_state.remote(r) for h, r in pairs if r is not None]
         else:
             log.warning(
                 "checkpoint holds no RNG state for these %d worker processes; "
@@ -359,6 +419,15 @@ class PPOTrainer:
         # engines own processes of their own (sglang), sandbox workers their tool pools: they
         # are stopped before their host is killed
         self.cluster.shutdown([*engines, *getattr(self, "sandbox_hosts", [])])
+
+
+class StepAbandoned(Exception):
+    """A stop asked for a step's end before its commit (:attr:`PPOTrainer.may_commit`): the
+    trained workers still hold the completed steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(f"step {step + 1} abandoned before its training")
 
 
 def _as_rng_state(s: Any) -> tuple[Any, ...]:

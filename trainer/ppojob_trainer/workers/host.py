@@ -161,12 +161,15 @@ class WorkerHost:
     def _hang_gate(self, role: str, phase: str) -> None:
         """Tests only (:data:`HANG_GATE_ENV`): block for ever (or for the gate's seconds) when
         this process is the gate's rank of ``role`` entering ``phase``."""
-        gate = os.environ.get(HANG_GATE_ENV)
-        if not gate or role not in self.roles:
+        gates = os.environ.get(HANG_GATE_ENV)
+        if not gates or role not in self.roles:
             return
-        want_role, want_rank, rest = gate.split(":", 2)
-        want_phase, _, seconds = rest.partition(":")
-        if (want_role, int(want_rank), want_phase) != (role, self.roles[role][0], phase):
+        for gate in gates.split(","):
+            want_role, want_rank, rest = gate.split(":", 2)
+            want_phase, _, seconds = rest.partition(":")
+            if (want_role, int(want_rank), want_phase) == (role, self.roles[role][0], phase):
+                break
+        else:
             return
         if seconds:  # a slow step, of a known length
             self.events.append(f"slow.{role}.{phase}")
@@ -722,8 +725,8 @@ HANG_GATE_ENV = "PPOJOB_HANG_GATE"
 """Fault injection for tests: ``role:rank:phase`` (e.g. ``actor:1:train``; phases generate,
 values, train, release memory, save checkpoint): that rank of that role blocks for ever on
 entering that phase, inside a real step; ``role:rank:phase:seconds`` (``actor:0:train:15``): it
-sleeps that long there, every step (steps of a known length, as a GPU job's are long). Unset
-(always, outside tests): nothing."""
+sleeps that long there, every step (steps of a known length, as a GPU job's are long); several
+gates, comma-separated. Unset (always, outside tests): nothing."""
 
 FAULT_GATE_ENV = "PPOJOB_ROLLOUT_FAULT_GATE"
 """Fault injection for tests: the name of a Ray actor that an engine's process asks before it
