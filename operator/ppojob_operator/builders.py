@@ -66,8 +66,8 @@ ENV_RAY_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 on SIGTERM before it kills the node's processes (Ray's default: 30 s). A worker pod gets the
 grace period here, so its raylet and actors live until the driver, which hears of the drain from
 the GCS at once, has finished or abandoned its step and written the checkpoint (and let its actors
-go: a draining node with no leases left ends at once), or until kubelet's SIGKILL. Worker pods
-get no preStop hook: it would hold back the SIGTERM, and so the drain the driver hears of. See
+go: a draining node with no leases left ends at once), or until kubelet's SIGKILL. A worker pod's
+preStop hook (:data:`WORKER_PRESTOP_COMMAND`) holds the SIGTERM back for at most a second. See
 docs/trainer-guide.md, "Preemption"."""
 STOP_FILE = "/tmp/ppojob-stop"
 RUNNING_FILE = "/tmp/ppojob-running"
@@ -79,6 +79,37 @@ PRESTOP_COMMAND = [
 """The head's preStop hook: ask the trainer (the Ray job's driver, which is not the container's
 first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
 its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
+GCS_PROBE_S = 1
+WORKER_PRESTOP_PROGRAM = f"""import os, signal, socket
+host, _, port = os.environ.get("RAY_ADDRESS", "").rpartition(":")
+if host and port.isdigit():
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout={GCS_PROBE_S}).close()
+    except OSError:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+                    argv0 = f.read().split(b"\\0")[0]
+                if argv0.endswith(b"/raylet"):
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+"""
+WORKER_PRESTOP_COMMAND = [
+    "sh",
+    "-c",
+    'python -c "$0" >/dev/null 2>&1; exit 0',
+    WORKER_PRESTOP_PROGRAM,
+]
+"""A worker pod's preStop hook: when the head's GCS does not answer (``RAY_ADDRESS``, which
+KubeRay sets in a worker's container, within :data:`GCS_PROBE_S`), kill the node's raylet, so
+that ``ray start --block`` (the container's first process, which watches its children every
+second) ends the container at once. Without it, a worker pod deleted after its head (a restart
+tears the old cluster down) waits out its grace period: the SIGTERM handler's drain request to
+the gone GCS is retried until ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (:data:`ENV_RAY_DRAIN`, the
+grace period), and the pod holds its CPUs and GPUs from the next attempt meanwhile (measured on
+the real node: more than 97 s of 120). With the head up, it returns at once and the drain goes
+on as before. It never fails (a missing ``python`` included)."""
 SUBMITTER_CONTAINER = "ray-job-submitter"
 """KubeRay's submitter container (``utils.SubmitterContainerName``): in SidecarMode the container
 it adds to the head pod (it waits for the dashboard, runs ``ray job submit`` and follows the job),
@@ -578,6 +609,9 @@ def _pod_template(
         # The trainer's token (it may patch the PPOJob's status) only where the trainer's
         # driver runs: worker pods run user code (reward functions) and need no API access.
         pod["automountServiceAccountToken"] = False
+        pod["containers"][0]["lifecycle"] = {
+            "preStop": {"exec": {"command": WORKER_PRESTOP_COMMAND}}
+        }
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if node_selector:

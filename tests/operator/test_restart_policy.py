@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import http.server
 import os
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,7 +179,8 @@ def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
     """The head's preStop hook asks the driver to stop. A worker's SIGTERM goes straight to its
     ``ray start --block``, which drains the Ray node (the driver hears of it from the GCS) for up
     to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: the grace period, so that the worker's actors live
-    until the driver has checkpointed; a preStop hook would only hold the SIGTERM back."""
+    until the driver has checkpointed; the worker's own preStop hook only ends its node early
+    once the head is gone."""
     j = job(failurePolicy={"terminationGracePeriodSeconds": 300})
     rj = builders.build_children(j, namespace="ns1")[-1]
     spec = rj["spec"]
@@ -190,7 +194,10 @@ def test_pods_get_the_grace_period_and_the_head_its_prestop_hook() -> None:
     hook = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
     assert env["PPOJOB_STOP_FILE"] in hook[-1] and env["PPOJOB_RUNNING_FILE"] in hook[-1]
-    assert all("lifecycle" not in w["containers"][0] for w in workers)
+    for w in workers:  # (the worker's hook: test_a_worker_pods_prestop_...)
+        assert w["containers"][0]["lifecycle"] == {
+            "preStop": {"exec": {"command": builders.WORKER_PRESTOP_COMMAND}}
+        }
     assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" not in env  # the head: its preStop hook
     for w in workers:
         env = {e["name"]: e.get("value") for e in w["containers"][0]["env"]}
@@ -374,3 +381,71 @@ def test_the_heads_poststart_hook_holds_the_submitter_until_the_agent_answers() 
     rayjob = builders.build_children(k8s_job, namespace="ns1")[-1]
     pod = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert set(pod["containers"][0]["lifecycle"]) == {"preStop"}
+
+
+def test_a_worker_pods_prestop_ends_its_ray_node_at_once_only_when_the_head_is_gone(
+    tmp_path: Path,
+) -> None:
+    """A worker pod's preStop hook, run as the container runs it (``python`` this interpreter),
+    in a PID namespace of its own (its ``/proc`` holds only what the test starts there): with
+    the head's GCS answering at ``RAY_ADDRESS`` (a loopback listener) the node's raylet (a
+    process whose argv[0] ends in ``/raylet``) lives; with nothing listening there it is killed,
+    within the probe's bound; without an address nothing is touched. The hook never fails. The
+    head gets the stop-file hook instead."""
+    j = job()
+    spec = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
+    worker = spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    hook = worker["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == builders.WORKER_PRESTOP_COMMAND
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == builders.PRESTOP_COMMAND
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").symlink_to(sys.executable)
+    raylet = tmp_path / "ray" / "raylet"
+    raylet.parent.mkdir()
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", raylet)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    alive = listener.getsockname()[1]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    gone = closed.getsockname()[1]  # bound, not listening: the connection is refused
+    hook_sh = " ".join(shlex.quote(a) for a in hook)
+    # in the namespace: the fake raylet, the hook, then whether the raylet still runs
+    script = (
+        f"{shlex.quote(str(raylet))} 600 & pid=$!; {hook_sh}; echo rc=$?; "
+        # (a killed child is a zombie, state Z, until the shell reaps it: then it is gone)
+        "state=$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null); "
+        '[ "${state:-Z}" = Z ] && echo raylet=dead || echo raylet=alive; '
+        "kill -9 $pid 2>/dev/null; wait 2>/dev/null; true"
+    )
+
+    def run(address: str | None) -> tuple[str, float]:
+        env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+        env.pop("RAY_ADDRESS", None)
+        if address is not None:
+            env["RAY_ADDRESS"] = address
+        t = time.monotonic()
+        out = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        return out, time.monotonic() - t
+
+    try:
+        out, _ = run(f"127.0.0.1:{alive}")
+        assert "rc=0" in out and "raylet=alive" in out, out
+        out, took = run(f"127.0.0.1:{gone}")
+        assert "rc=0" in out and "raylet=dead" in out, out
+        assert took < 10, took
+        out, _ = run(None)
+        assert "rc=0" in out and "raylet=alive" in out, out
+    finally:
+        listener.close()
+        closed.close()
