@@ -80,20 +80,46 @@ PRESTOP_COMMAND = [
 first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
 its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
 GCS_PROBE_S = 1
-WORKER_PRESTOP_PROGRAM = f"""import os, signal, socket
-host, _, port = os.environ.get("RAY_ADDRESS", "").rpartition(":")
-if host and port.isdigit():
+WORKER_EXIT_WAIT_S = 5
+WORKER_PRESTOP_PROGRAM = f"""import os, signal, socket, time
+port = os.environ.get("RAY_ADDRESS", "").rpartition(":")[2]
+port = int(port) if port.isdigit() else 6379
+def gcs_peers():
+    # the node's established connections to the GCS port: the head pod's address as the raylet
+    # reached it (its service name may already be gone while the head lives in its preStop)
+    peers = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            ip, _, rport = f[2].partition(":")
+            if f[3] != "01" or int(rport, 16) != port:
+                continue
+            raw = bytes.fromhex(ip)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+            peers.add(socket.inet_ntop(family, raw))
+    return peers
+def answers(ip):
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout={GCS_PROBE_S}).close()
+        socket.create_connection((ip, port), timeout={GCS_PROBE_S}).close()
+        return True
     except OSError:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{{pid}}/cmdline", "rb") as f:
-                    argv0 = f.read().split(b"\\0")[0]
-                if argv0.endswith(b"/raylet"):
+        return False
+if not any(answers(ip) for ip in gcs_peers()):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+                if f.read().split(b"\\0")[0].endswith(b"/raylet"):
                     os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
+        except OSError:
+            pass
+    # `ray start --block` sees its raylet die within a second and ends the container (and this
+    # hook with it); the SIGTERM that would start its drain must not come before that
+    time.sleep({WORKER_EXIT_WAIT_S})
 """
 WORKER_PRESTOP_COMMAND = [
     "sh",
@@ -101,15 +127,20 @@ WORKER_PRESTOP_COMMAND = [
     'python -c "$0" >/dev/null 2>&1; exit 0',
     WORKER_PRESTOP_PROGRAM,
 ]
-"""A worker pod's preStop hook: when the head's GCS does not answer (``RAY_ADDRESS``, which
-KubeRay sets in a worker's container, within :data:`GCS_PROBE_S`), kill the node's raylet, so
-that ``ray start --block`` (the container's first process, which watches its children every
-second) ends the container at once. Without it, a worker pod deleted after its head (a restart
+"""A worker pod's preStop hook: when no GCS answers on the node's established connections to the
+GCS port (``RAY_ADDRESS``'s, which KubeRay sets in a worker's container; each probed within
+:data:`GCS_PROBE_S`), kill the node's raylet and wait (at most :data:`WORKER_EXIT_WAIT_S`): ``ray
+start --block``, the container's first process, which checks its children every second, then
+ends the container, and the hook with it (kubelet records that as a ``FailedPreStopHook``
+event on the pod being torn down). Without it, a worker pod deleted after its head (a restart
 tears the old cluster down) waits out its grace period: the SIGTERM handler's drain request to
-the gone GCS is retried until ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (:data:`ENV_RAY_DRAIN`, the
-grace period), and the pod holds its CPUs and GPUs from the next attempt meanwhile (measured on
-the real node: more than 97 s of 120). With the head up, it returns at once and the drain goes
-on as before. It never fails (a missing ``python`` included)."""
+the gone GCS is retried until ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (:data:`ENV_RAY_DRAIN`,
+the grace period), and the pod holds its CPUs and GPUs from the next attempt meanwhile (measured
+on the real node: more than 97 s of 120). The head is probed at the address the node is
+connected to, not by its Service's name: a whole cluster's deletion (a suspend) removes the
+Service while the head still lives in its own preStop, writing the checkpoint these workers
+take part in. With the head up, the hook returns at once and the drain goes on as before. It
+never fails (a missing ``python`` included)."""
 SUBMITTER_CONTAINER = "ray-job-submitter"
 """KubeRay's submitter container (``utils.SubmitterContainerName``): in SidecarMode the container
 it adds to the head pod (it waits for the dashboard, runs ``ray job submit`` and follows the job),

@@ -387,11 +387,14 @@ def test_a_worker_pods_prestop_ends_its_ray_node_at_once_only_when_the_head_is_g
     tmp_path: Path,
 ) -> None:
     """A worker pod's preStop hook, run as the container runs it (``python`` this interpreter),
-    in a PID namespace of its own (its ``/proc`` holds only what the test starts there): with
-    the head's GCS answering at ``RAY_ADDRESS`` (a loopback listener) the node's raylet (a
-    process whose argv[0] ends in ``/raylet``) lives; with nothing listening there it is killed,
-    within the probe's bound; without an address nothing is touched. The hook never fails. The
-    head gets the stop-file hook instead."""
+    in a PID namespace of its own whose first process stands for ``ray start --block`` (it ends
+    when its raylet, a process whose argv[0] ends in ``/raylet``, dies; the namespace, and the
+    hook, end with it). The head's GCS is a loopback listener on ``RAY_ADDRESS``'s port:
+    - the node connected to it and it answers: the hook returns at once, the raylet lives;
+    - the node connected to it and it no longer accepts (the head gone without a reset): the
+      raylet is killed and the container ends before the hook's own bound;
+    - no connection to the GCS port at all (the head's process gone): the same.
+    The hook never fails. The head gets the stop-file hook instead."""
     j = job()
     spec = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
     worker = spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
@@ -405,28 +408,35 @@ def test_a_worker_pods_prestop_ends_its_ray_node_at_once_only_when_the_head_is_g
     raylet = tmp_path / "ray" / "raylet"
     raylet.parent.mkdir()
     shutil.copy(shutil.which("sleep") or "/bin/sleep", raylet)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    alive = listener.getsockname()[1]
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    gone = closed.getsockname()[1]  # bound, not listening: the connection is refused
     hook_sh = " ".join(shlex.quote(a) for a in hook)
-    # in the namespace: the fake raylet, the hook, then whether the raylet still runs
-    script = (
-        f"{shlex.quote(str(raylet))} 600 & pid=$!; {hook_sh}; echo rc=$?; "
-        # (a killed child is a zombie, state Z, until the shell reaps it: then it is gone)
+    start_raylet = f"{shlex.quote(str(raylet))} 600 & pid=$!; "
+    # the hook in front, then whether the raylet still runs (a killed child is a zombie, state
+    # Z, until the shell reaps it: then it is gone)
+    returns = (
+        f"{start_raylet}{hook_sh}; echo rc=$?; "
         "state=$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null); "
         '[ "${state:-Z}" = Z ] && echo raylet=dead || echo raylet=alive; '
         "kill -9 $pid 2>/dev/null; wait 2>/dev/null; true"
     )
+    # As the pod runs them: the first process stands for `ray start --block`, which looks at its
+    # raylet once a second and ends when it died; kubelet sends its SIGTERM (which would start
+    # the drain) as soon as the hook returns. The hook must not return first.
+    block = f"""import subprocess, sys, time
+raylet = subprocess.Popen([{str(raylet)!r}, "600"])
+hook = subprocess.Popen({hook!r})
+while True:
+    for _ in range(20):
+        if hook.poll() is not None:
+            print("SIGTERM before the raylet's death was seen"); sys.exit(0)
+        time.sleep(0.05)
+    if raylet.poll() is not None:
+        print("raylet=dead"); sys.exit(0)
+"""
+    ends = f"exec python -c {shlex.quote(block)}"
 
-    def run(address: str | None) -> tuple[str, float]:
+    def run(port: int, script: str) -> tuple[str, float]:
         env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
-        env.pop("RAY_ADDRESS", None)
-        if address is not None:
-            env["RAY_ADDRESS"] = address
+        env["RAY_ADDRESS"] = f"head-svc.ns1.svc.cluster.local:{port}"  # (a name never resolved)
         t = time.monotonic()
         out = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
@@ -438,14 +448,23 @@ def test_a_worker_pods_prestop_ends_its_ray_node_at_once_only_when_the_head_is_g
         ).stdout
         return out, time.monotonic() - t
 
+    gcs = socket.socket()
+    gcs.bind(("127.0.0.1", 0))
+    gcs.listen()
+    port = gcs.getsockname()[1]
+    node = socket.create_connection(("127.0.0.1", port))  # the raylet's connection to the GCS
+    peer, _ = gcs.accept()
     try:
-        out, _ = run(f"127.0.0.1:{alive}")
+        out, took = run(port, returns)
         assert "rc=0" in out and "raylet=alive" in out, out
-        out, took = run(f"127.0.0.1:{gone}")
-        assert "rc=0" in out and "raylet=dead" in out, out
-        assert took < 10, took
-        out, _ = run(None)
-        assert "rc=0" in out and "raylet=alive" in out, out
+        assert took < builders.WORKER_EXIT_WAIT_S, took
+        gcs.close()  # the GCS stops accepting; the node's connection stays established
+        out, took = run(port, ends)
+        assert out.strip() == "raylet=dead", out
+        assert took < builders.WORKER_EXIT_WAIT_S - 1, took  # the container ended the hook
     finally:
-        listener.close()
-        closed.close()
+        node.close()
+        peer.close()
+        gcs.close()
+    out, took = run(port, ends)  # no connection to the GCS port at all
+    assert out.strip() == "raylet=dead" and took < builders.WORKER_EXIT_WAIT_S - 1, (out, took)

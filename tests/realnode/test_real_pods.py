@@ -227,6 +227,13 @@ def checkpoints(host: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in host.glob("step-*") if p.is_dir())
 
 
+def with_probe(*stops: int) -> list[int]:
+    """The checkpoints of a first attempt with no periodic checkpoint: the one after its first
+    step (in a pod a grace period is set, and the trainer times a checkpoint before any stop)
+    and the stop's."""
+    return sorted({1, *stops})
+
+
 def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in job["status"].get("conditions", []) if c["type"] == type_), {})
 
@@ -567,6 +574,16 @@ def attempt_events(host: Path) -> list[dict[str, Any]]:
     return read_attempts(host / "output")
 
 
+def first_end(host: Path, what: str) -> dict[str, Any]:
+    """Wait for the first attempt's end in attempts.jsonl (the trainer's account of its stop)."""
+    return wait_until(
+        lambda: next((e for e in attempt_events(host) if e["event"] != "start"), None),
+        300,
+        what,
+        interval=0.5,
+    )
+
+
 def starts(host: Path) -> list[int]:
     return [e["step"] for e in attempt_events(host) if e["event"] == "start"]
 
@@ -702,8 +719,8 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint
     suspended = get_job(cluster, ns, name)["status"]
     before = steps_run(host)
     assert before and before[-1] < SUSPEND_STEPS, before  # stopped mid-run
-    # SIGTERM: the last completed step checkpointed, the one checkpoint of the run so far
-    assert checkpoints(host) == [before[-1]], (checkpoints(host), before)
+    # SIGTERM: the last completed step checkpointed, beside the first step's (the probe)
+    assert checkpoints(host) == with_probe(before[-1]), (checkpoints(host), before)
     error = (suspended.get("progress") or {}).get("error") or ""
     assert stop_checkpoint(error) == before[-1], suspended
     assert [(e["event"], e["step"]) for e in attempt_events(host)] == [
@@ -755,6 +772,8 @@ def test_long_steps_in_flight_finish_and_checkpoint_when_the_head_then_a_worker_
         done = steps_run(host)[-1]
         pod = pod_of(cluster, ns, node_type)
         assert pod is not None, node_type
+        worker = pod_of(cluster, ns, "worker")
+        assert worker is not None
         t0 = time.monotonic()
         cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
         ended = wait_until(
@@ -772,12 +791,90 @@ def test_long_steps_in_flight_finish_and_checkpoint_when_the_head_then_a_worker_
         assert stopped == done + 1, (done, ended)
         figures.append({"pod": node_type, "in flight": done + 1, "checkpoint": stopped})
         figures[-1]["signal to account (s)"] = round(took, 1)
+        if node_type == "head":
+            # the restart tears the old cluster down after its head: the old worker pod's
+            # preStop hook finds no GCS and ends its Ray node at once, instead of the SIGTERM
+            # drain's retries to the gone GCS holding the pod (and its CPU) for the grace period
+            t_end, gone = time.monotonic(), worker["metadata"]["name"]
+            wait_until(
+                lambda gone=gone: (
+                    gone not in {p["metadata"]["name"] for p in job_pods(cluster, ns)}
+                ),
+                120,
+                f"the old attempt's worker pod {gone} to go",
+                interval=0.5,
+            )
+            figures[-1]["old worker gone after the account (s)"] = round(
+                time.monotonic() - t_end, 1
+            )
+            assert figures[-1]["old worker gone after the account (s)"] < 45, figures
     job, _ = watch(cluster, ns, name, 900)
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     assert job["status"].get("disruptions") == 2 and not job["status"].get("restarts")
     assert starts(host) == [0] + [f["checkpoint"] for f in figures], attempt_events(host)
     assert steps_run(host) == list(range(1, LONG_STEPS + 1))  # each step once: none redone
     print(f"\nlong steps ({LONG_STEP_S}s each): {figures}, steps redone 0")
+
+
+LONGER_STEPS = 3
+LONGER_GENERATE_S = 8  # the engine's generation sleeps this long every step (the gate)
+LONGER_TRAIN_S = 30  # and the actor's training this long: a step of about 40 s
+LONGER_GRACE_S = 30  # the pods' grace period (the least with a volume): shorter than a step
+
+
+def test_a_step_longer_than_the_grace_period_is_abandoned_with_the_completed_steps_saved(
+    real_cluster: RealCluster,
+) -> None:
+    """Issue 42, a step (about 40 s: 8 s of generation, 30 s of training, the tests' gate)
+    longer than the pods' grace period (30 s), no periodic checkpoint: the actor's worker pod
+    deleted as the third step begins. The trainer cannot finish the step; it lets the generation end
+    (its engine is colocated in the actor's process), sees at the step's commit that the
+    training the last step took no longer fits, abandons the step there, before any training,
+    and checkpoints the completed steps while the worker's Ray node drains. Its account says it
+    abandoned the step and names that checkpoint; the next attempt starts there and redoes no
+    completed step. The grace period's check (after the first step) warned beforehand."""
+    cluster, ns, name = real_cluster, "longer", "tiny"
+    namespace(cluster, ns)
+    host = volume(cluster, ns)
+    doc = ppojob(cluster, name, ns, LONGER_STEPS, claim="ckpt", interval=0)
+    doc["spec"]["failurePolicy"]["terminationGracePeriodSeconds"] = LONGER_GRACE_S
+    gates = f"rollout:0:generate:{LONGER_GENERATE_S},actor:0:train:{LONGER_TRAIN_S}"
+    doc["spec"]["roles"]["actor"]["env"] = [{"name": "PPOJOB_HANG_GATE", "value": gates}]
+    apply(cluster, doc)
+
+    def two_steps() -> bool:
+        try:
+            return len(steps_run(host)) >= 2
+        except (OSError, ValueError):  # not written yet
+            return False
+
+    # the second step's record is written as the third step begins: its generation has 8 s
+    wait_until(two_steps, 600, "two completed steps", interval=0.2)
+    done = steps_run(host)[-1]
+    warning = ((get_job(cluster, ns, name).get("status") or {}).get("progress") or {}).get(
+        "warning"
+    ) or ""
+    assert warning.startswith("GracePeriodTooShort: "), warning
+    pod = pod_of(cluster, ns, "worker")
+    assert pod is not None
+    t0 = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
+    ended = first_end(host, "the first attempt's end in attempts.jsonl")
+    took = time.monotonic() - t0
+    stopped = stop_checkpoint(ended["error"])
+    assert "abandoned the step in flight" in ended["error"], ended
+    assert stopped == done == steps_run(host)[-1], (done, ended)  # every completed step
+    assert checkpoints(host) == with_probe(stopped)
+    job, _ = watch(cluster, ns, name, 900)
+    assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
+    assert job["status"].get("disruptions") == 1 and not job["status"].get("restarts")
+    assert starts(host) == [0, stopped], attempt_events(host)
+    assert steps_run(host) == list(range(1, LONGER_STEPS + 1))  # each step once: none redone
+    print(
+        f"\nstep longer than the grace period ({LONGER_GRACE_S}s): completed {done}, step "
+        f"{done + 1} in flight, checkpoint {stopped}, steps redone 0, signal to the trainer's "
+        f"account {took:.1f}s"
+    )
 
 
 DRAIN_STEPS = 80
@@ -825,7 +922,7 @@ def test_a_drained_node_stops_the_job_with_its_checkpoint_and_uncordoned_it_resu
             interval=1.0,
         )
         stopped = stop_checkpoint(ended["error"])
-        assert checkpoints(host) == [stopped], (checkpoints(host), stopped)
+        assert checkpoints(host) == with_probe(stopped), (checkpoints(host), stopped)
         assert stopped >= at_signal, (stopped, at_signal)
     finally:
         cluster.kubectl("uncordon", node)
@@ -1050,19 +1147,14 @@ def test_a_kueue_preemption_checkpoints_the_step_in_flight_and_the_job_resumes_t
     done = wait_until(ran, 600, "a step of the low job", interval=0.5)[-1]
     t0 = time.monotonic()
     apply(cluster, queued("high", 3, "high", None))
-    ended = wait_until(
-        lambda: next((e for e in attempt_events(host) if e["event"] != "start"), None),
-        300,
-        "the low job's first attempt to end",
-        interval=0.5,
-    )
+    ended = first_end(host, "the low job's first attempt to end")
     took = time.monotonic() - t0
     stopped = stop_checkpoint(ended["error"])
     assert "finished the step in flight" in ended["error"], ended
     # the step in flight when the stop came (Kueue's eviction and KubeRay's deletion take a
     # step or two) was finished: every step run so far is in the checkpoint
     assert stopped > done and ran()[-1] == stopped, (done, ran(), ended)
-    assert checkpoints(host) == [stopped]  # the run's only checkpoint so far
+    assert checkpoints(host) == with_probe(stopped)  # and no other so far
     high, _ = watch(cluster, ns, "high", 900)
     assert high["status"]["phase"] == "Succeeded", json.dumps(high["status"], indent=1)
     job, _ = watch(cluster, ns, "low", 900)

@@ -148,17 +148,7 @@ class PPOTrainer:
         rollout = self.rollouts.take(step, self.total_steps)
         version = self.weights.version  # the actor's weights (and, at their sync, the engines')
         self.weights.release()  # (colocated engines free their memory for training)
-        # the commit: nothing reaches the trained workers before the step's generation is done,
-        # so a stop until here can checkpoint the completed steps at once (run.py)
-        WATCHDOG.wait(
-            [
-                ("rollout", e, "generate", g)
-                for e, g in zip(rollout.engines, rollout.gens, strict=True)
-            ]
-        )
-        if not self.may_commit():
-            raise StepAbandoned(step)
-        self.committed, t_commit = True, time.perf_counter()
+        t_commit = self._commit(step, rollout)
         # 2. values: each critic worker puts one object per actor worker; we keep only refs.
         values = critic.call("compute_values", rollout.ranges, actor.ranges, *rollout.gens)
         # 3. old/ref log-probs, advantages and returns on the actor workers.
@@ -184,13 +174,30 @@ class PPOTrainer:
         # 7. metrics, once every worker has reported (one that has not is named).
         refs = StepRefs(rollout, values, prepared, critic_done, actor_done, woken, synced)
         metrics, overlap = self._metrics(rollout, self._collect(refs), version)
+        return self._complete(step, metrics, overlap, t0, t_commit)
+
+    def _commit(self, step: int, rollout: Rollout) -> float:
+        """The step's commit (when it returns): nothing reaches the trained workers before the
+        step's generation is done, so a stop until then can checkpoint the completed steps at
+        once (run.py); :attr:`may_commit` may abandon the step here. Returns its time."""
+        gens = zip(rollout.engines, rollout.gens, strict=True)
+        WATCHDOG.wait([("rollout", e, "generate", g) for e, g in gens])
+        if not self.may_commit():
+            raise StepAbandoned(step)
+        self.committed = True
+        return time.perf_counter()
+
+    def _complete(
+        self, step: int, metrics: dict[str, float], overlap: float, t0: float, t_commit: float
+    ) -> dict[str, float]:
+        """The step's timings, then the step is complete, in this order (a stop's interrupt may
+        land between any two): its record, its prompts trained on, the workers' state is the
+        completed steps'."""
         self.commit_s = time.perf_counter() - t_commit
         generation_s = t_commit - t0
         colocated = self.topo.colocated
         self.exposed_s = max(self.commit_s, generation_s) if colocated else self.commit_s
         metrics = self._timed(metrics, overlap, t0)
-        # the step is complete, in this order (a stop's interrupt may land between any two):
-        # its record, its prompts trained on, then the workers' state is the completed steps'
         self.completed = (step, metrics)
         self.rollouts.step_done()
         self.committed = False
@@ -328,13 +335,12 @@ class PPOTrainer:
         an engine's process that is generating is not asked (None: a resumed run gives it
         fresh generators; its sampling is seeded per call anyway)."""
         rng, task = self.rollouts.data_state()
-        roles = self.trained_roles()
-        trained = {h._actor_id.hex() for r in roles for h in self.groups.role(r).handles}
-        mid_step = self.rollouts.taken is not None
-        asked = [
-            h.rng_state.remote() if not mid_step or h._actor_id.hex() in trained else None
-            for h in self.groups.all_hosts
-        ]
+        hosts = self.groups.all_hosts
+        if self.rollouts.taken is not None:  # mid-step: the trained workers' processes only
+            roles = self.trained_roles()
+            trained = {h._actor_id.hex() for r in roles for h in self.groups.role(r).handles}
+            hosts = [h if h._actor_id.hex() in trained else None for h in hosts]
+        asked = [None if h is None else h.rng_state.remote() for h in hosts]
         got = iter(WATCHDOG.get([a for a in asked if a is not None], "worker", "checkpoint rng"))
         return {
             "step": step,
