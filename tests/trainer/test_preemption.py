@@ -297,7 +297,7 @@ def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) ->
         def expendable_actors(self) -> set[str]:
             return {"engine"}
 
-        def shutdown(self) -> None:
+        def shutdown(self, stopping: bool = False) -> None:
             seen["shutdown"] = True
 
     monkeypatch.setattr(run.runtime, "connect_ray", lambda: None)

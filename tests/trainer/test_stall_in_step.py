@@ -47,9 +47,9 @@ def test_a_rank_hung_in_its_checkpoint_save_is_named_and_the_on_stall_action_fol
     shutdowns: list[float] = []
     real_shutdown = Cluster.shutdown
 
-    def timed(self: Cluster, closing: list[Any]) -> None:
+    def timed(self: Cluster, closing: list[Any], stopping: bool = False) -> None:
         t = time.monotonic()
-        real_shutdown(self, closing)
+        real_shutdown(self, closing, stopping)
         shutdowns.append(time.monotonic() - t)
 
     monkeypatch.setattr(Cluster, "shutdown", timed)

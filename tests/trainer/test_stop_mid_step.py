@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ SLOW_S = 4.0  # the gated phase's length, every step
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 
-def _cfg(colocated: bool = False):
+def _cfg(colocated: bool = False, *extra: tuple[str, object]):
     sets = [
         ("training.steps", 4),
         ("training.seed", 11),
@@ -52,7 +53,7 @@ def _cfg(colocated: bool = False):
     ]
     if not colocated:
         sets.append(("roles.rollout.resources.cpus", 1))
-    return load_manifest(TINY, sets)[1]
+    return load_manifest(TINY, [*sets, *extra])[1]
 
 
 def _train(cfg, out: Path, grace: float | None = None):
@@ -134,3 +135,33 @@ def test_a_step_whose_training_no_longer_fits_is_abandoned_at_its_commit(
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     _train(cfg, out)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_a_stop_during_an_evaluation_checkpoints_the_step_it_follows_within_the_grace_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engines evaluate after every step (20 s here, the gate); a stop as step 2 begins:
+    step 2 completes, its evaluation outlasts the grace period (3 s), the timer cuts it short,
+    and step 2 is reported and checkpointed at once, not after the evaluation (the engines'
+    processes, busy evaluating, are not asked for their generators)."""
+    monkeypatch.setenv(HANG_GATE_ENV, "rollout:0:evaluate:20")
+    cfg = _cfg(False, ("data.evalPrompts", "builtin:count-up"), ("training.evalInterval", 1))
+    out = tmp_path / "out"
+    from ppojob_trainer.driver.trainer import PPOTrainer
+
+    step, asked = PPOTrainer.step, {}
+
+    def stepping(self, i: int):
+        if i == 1:
+            asked["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, i)
+
+    monkeypatch.setattr(PPOTrainer, "step", stepping)
+    with pytest.raises(Preempted) as info:
+        _train(cfg, out, 3.0)
+    took = time.monotonic() - asked["at"]
+    assert info.value.abandoned and info.value.step == 2, info.value
+    assert _ckpt_steps(out) == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert took < 12, took  # within the grace period (3 s) and step 2 (about 1 s), not 20 s

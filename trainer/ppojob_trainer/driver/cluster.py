@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 CLOSE_S = 60.0
 """How long shutdown waits for engines and sandbox workers to stop their own processes."""
 CLOSE_AFTER_STALL_S = 5.0
-"""The same after a stall (a hung worker's host never answers: it is killed after this)."""
+"""The same after a stall (a hung worker's host never answers: it is killed after this) or a
+stop (SIGTERM: the grace period runs)."""
 
 
 def worker_env() -> dict[str, str]:
@@ -244,13 +245,15 @@ class Cluster:
         self.started.append(handle)
         return handle
 
-    def shutdown(self, closing: list[Any]) -> None:
+    def shutdown(self, closing: list[Any], stopping: bool = False) -> None:
         """Kill every process started and release the placement group (safe to call twice);
         ``closing`` (engines and sandbox workers, which own processes of their own: sglang,
         tool pools) are asked to stop those first."""
         hosts, self.started = self.started, []
-        # after a stall a hung worker would hold its host's close call for the whole bound
-        bound = CLOSE_AFTER_STALL_S if WATCHDOG.stalled else CLOSE_S
+        # after a stall a hung worker would hold its host's close call for the whole bound; so
+        # would an engine still generating or evaluating when a stop ended the run, whose grace
+        # period is running
+        bound = CLOSE_AFTER_STALL_S if WATCHDOG.stalled or stopping else CLOSE_S
         try:
             WATCHDOG.get_within([h.close.remote() for h in closing], bound)
         except Exception:  # a dead or stuck host: killing it below is all that is left

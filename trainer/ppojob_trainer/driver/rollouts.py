@@ -78,6 +78,9 @@ class Rollouts:
         """Every step before this one has had its generation launched."""
         self.taken: Generation | None = None
         """The generation of the step in flight (None between steps: :meth:`step_done`)."""
+        self.step_refs: list[Any] = []
+        """Every engine call of the step in flight: its generation, dynamic sampling's later
+        rounds and the engines' assembly of the groups picked (:meth:`in_flight`)."""
 
     def take(self, step: int, total_steps: int | None) -> Rollout:
         """Step ``step``'s generation, launched now or (maxStaleness > 0) at an earlier step's
@@ -94,11 +97,13 @@ class Rollouts:
             self.pending[j] = self.launch(j)
         self.launched = max(self.launched, window.stop)
         current = self.taken = self.pending.pop(step)
+        self.step_refs = list(current.gens)
         out = Rollout(current.ranges, current.gens, current.engines)
         if self.pool is not None:  # an engine lost now loses only its prompts (re-queued)
             out.ranges, out.gens, out.engines = self.pool.settle(current.parts or [])
         if algo.dynamic_sampling is not None:
             out = self.refill(step, current)
+        self.step_refs += out.gens
         return out
 
     def launch(self, step: int, round_: int = 0) -> Generation:
@@ -142,6 +147,8 @@ class Rollouts:
         kept = 0
         while not rounds or (kept < need and len(rounds) < max_rounds):
             gen = first if not rounds else self.launch(step, len(rounds))
+            if gen is not first:
+                self.step_refs += gen.gens
             WATCHDOG.wait(
                 [("rollout", e, "generate", r) for e, r in zip(gen.engines, gen.gens, strict=True)]
             )
@@ -221,13 +228,12 @@ class Rollouts:
 
     def step_done(self) -> None:
         """The step in flight completed: its prompts are trained on."""
-        self.taken = None
+        self.taken, self.step_refs = None, []
 
     def in_flight(self) -> list[Any]:
         """Refs of every generation in flight or done and not trained on yet: the step's own
         and those launched ahead."""
-        gens = [g for gen in self.pending.values() for g in gen.gens]
-        return gens + (self.taken.gens if self.taken is not None else [])
+        return [g for gen in self.pending.values() for g in gen.gens] + self.step_refs
 
     def data_state(self) -> tuple[Any, dict[str, Any]]:
         """The data order and task state a checkpoint saves: generation launched ahead, or

@@ -90,12 +90,16 @@ def train(
     trainer = PPOTrainer(cfg, threads=threads)
     trainer.total_steps = total
     result = TrainResult(steps=0)
+    stopping = False
     try:
         draining = partial(draining_ray_nodes, trainer.expendable_actors)
         with watch(grace_seconds, draining=draining) as stop:
-            _Run(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop).run()
+            try:
+                _Run(trainer, cfg, ckpt_dir, reporter, result, total, t_start, stop).run()
+            finally:
+                stopping = stop.requested
     finally:
-        trainer.shutdown()
+        trainer.shutdown(stopping)
     return result
 
 

@@ -66,6 +66,9 @@ class Reports:
 class PPOTrainer:
     """Ray worker processes of all roles in one placement group, and the step."""
 
+    evaluating = False
+    """An evaluation runs on the engines (or a stop cut it short)."""
+
     def __init__(self, cfg: TrainerConfig, threads: dict[str, int] | None = None) -> None:
         self.cfg = cfg
         self.topo = resolve_topology(cfg)
@@ -206,10 +209,13 @@ class PPOTrainer:
     def checkpointable(self) -> bool:
         """Whether a checkpoint of the completed steps can be written now, in the middle of a
         step: the step has not committed (its training calls are not sent) and no generation
-        runs in a trained worker's process (colocated engines) to hold the save back."""
+        or evaluation runs in a trained worker's process (colocated engines) to hold the save
+        back."""
         if self.committed:
             return False
-        if self.topo.colocated:
+        if self.topo.colocated:  # (the engines' calls would hold the save back)
+            if self.evaluating:
+                return False
             flight = self.rollouts.in_flight()
             return len(WATCHDOG.done(flight)) == len(flight)
         return True
@@ -302,7 +308,10 @@ class PPOTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts, split over the engines, scored."""
+        # (left set when a stop cuts the evaluation short: the engines' processes are busy)
+        self.evaluating = True
         total = self.rollouts.evaluate(self.eval_examples)
+        self.evaluating = False
         return {"eval/reward_mean": total / len(self.eval_examples)}
 
     def sandbox_calls(self) -> list[int]:
@@ -336,7 +345,7 @@ class PPOTrainer:
         fresh generators; its sampling is seeded per call anyway)."""
         rng, task = self.rollouts.data_state()
         hosts = self.groups.all_hosts
-        if self.rollouts.taken is not None:  # mid-step: the trained workers' processes only
+        if self.rollouts.taken is not None or self.evaluating:  # the trained workers' only
             roles = self.trained_roles()
             trained = {h._actor_id.hex() for r in roles for h in self.groups.role(r).handles}
             hosts = [h if h._actor_id.hex() in trained else None for h in hosts]
@@ -418,13 +427,15 @@ class PPOTrainer:
             hosts += [*self.groups.rollout.handles, *(s.host for s in self.engines.starting)]
         return {h._actor_id.hex() for h in hosts}
 
-    def shutdown(self) -> None:
-        """Kill every worker started and release the placement group (safe to call twice)."""
+    def shutdown(self, stopping: bool = False) -> None:
+        """Kill every worker started and release the placement group (safe to call twice).
+        ``stopping``: a stop (SIGTERM) ends the run, within a grace period: the engines, maybe
+        still busy with work the stop abandoned, get the short bound to close."""
         groups = getattr(self, "groups", None)  # (None: the start failed before the groups)
         engines = groups.rollout.handles if groups is not None else self.cluster.hosts["rollout"]
         # engines own processes of their own (sglang), sandbox workers their tool pools: they
         # are stopped before their host is killed
-        self.cluster.shutdown([*engines, *getattr(self, "sandbox_hosts", [])])
+        self.cluster.shutdown([*engines, *getattr(self, "sandbox_hosts", [])], stopping)
 
 
 class StepAbandoned(Exception):

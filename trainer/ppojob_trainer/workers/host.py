@@ -351,6 +351,7 @@ class WorkerHost:
 
     def evaluate(self, examples: list[Any]) -> dict[str, float]:
         _fault_gate("evaluate", prompts=[e.prompt for e in examples])
+        self._hang_gate("rollout", "evaluate")
         if self.cfg.algorithm.partial_rollout:
             self._load_offer()
         return self.rollout.evaluate(examples)
@@ -723,7 +724,7 @@ def synced(seconds: float, version: int) -> dict[str, float]:
 
 HANG_GATE_ENV = "PPOJOB_HANG_GATE"
 """Fault injection for tests: ``role:rank:phase`` (e.g. ``actor:1:train``; phases generate,
-values, train, release memory, save checkpoint): that rank of that role blocks for ever on
+evaluate, values, train, release memory, save checkpoint): that rank of that role blocks for ever on
 entering that phase, inside a real step; ``role:rank:phase:seconds`` (``actor:0:train:15``): it
 sleeps that long there, every step (steps of a known length, as a GPU job's are long); several
 gates, comma-separated. Unset (always, outside tests): nothing."""
