@@ -79,37 +79,28 @@ PRESTOP_COMMAND = [
 """The head's preStop hook: ask the trainer (the Ray job's driver, which is not the container's
 first process and never sees its SIGTERM) to stop, and wait while it finishes its step and writes
 its checkpoint. kubelet runs it inside the pod's grace period, before the SIGTERM."""
-GCS_PROBE_S = 1
 WORKER_EXIT_WAIT_S = 5
-WORKER_PRESTOP_PROGRAM = f"""import os, signal, socket, time
-port = os.environ.get("RAY_ADDRESS", "").rpartition(":")[2]
-port = int(port) if port.isdigit() else 6379
-def gcs_peers():
-    # the node's established connections to the GCS port: the head pod's address as the raylet
-    # reached it (its service name may already be gone while the head lives in its preStop)
-    peers = set()
+WORKER_PRESTOP_PROGRAM = f"""import os, signal, time
+address = os.environ.get("RAY_ADDRESS", "")
+port = address.rpartition(":")[2]
+def connections():
+    # (state, remote port) of this pod's TCP connections, from its network namespace's tables
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            rows = open(table).read().splitlines()[1:]
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
         except OSError:
             continue
         for row in rows:
-            f = row.split()
-            ip, _, rport = f[2].partition(":")
-            if f[3] != "01" or int(rport, 16) != port:
-                continue
-            raw = bytes.fromhex(ip)
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-            peers.add(socket.inet_ntop(family, raw))
-    return peers
-def answers(ip):
-    try:
-        socket.create_connection((ip, port), timeout={GCS_PROBE_S}).close()
-        return True
-    except OSError:
-        return False
-if not any(answers(ip) for ip in gcs_peers()):
+            fields = row.split()
+            out.append((fields[3], int(fields[2].rpartition(":")[2], 16)))
+    return out
+seen = connections() if "://" not in address and port.isdigit() else []
+# the tables are real (this node's raylet listens: state 0A) and no connection to the GCS port
+# is established (state 01): the GCS closed them all, the head is gone
+listening = any(state == "0A" for state, _ in seen)
+if listening and not any(state == "01" and rport == int(port) for state, rport in seen):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{{pid}}/cmdline", "rb") as f:
@@ -127,20 +118,22 @@ WORKER_PRESTOP_COMMAND = [
     'python -c "$0" >/dev/null 2>&1; exit 0',
     WORKER_PRESTOP_PROGRAM,
 ]
-"""A worker pod's preStop hook: when no GCS answers on the node's established connections to the
-GCS port (``RAY_ADDRESS``'s, which KubeRay sets in a worker's container; each probed within
-:data:`GCS_PROBE_S`), kill the node's raylet and wait (at most :data:`WORKER_EXIT_WAIT_S`): ``ray
-start --block``, the container's first process, which checks its children every second, then
-ends the container, and the hook with it (kubelet records that as a ``FailedPreStopHook``
-event on the pod being torn down). Without it, a worker pod deleted after its head (a restart
-tears the old cluster down) waits out its grace period: the SIGTERM handler's drain request to
-the gone GCS is retried until ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (:data:`ENV_RAY_DRAIN`,
-the grace period), and the pod holds its CPUs and GPUs from the next attempt meanwhile (measured
-on the real node: more than 97 s of 120). The head is probed at the address the node is
-connected to, not by its Service's name: a whole cluster's deletion (a suspend) removes the
-Service while the head still lives in its own preStop, writing the checkpoint these workers
-take part in. With the head up, the hook returns at once and the drain goes on as before. It
-never fails (a missing ``python`` included)."""
+"""A worker pod's preStop hook: when the pod holds no established connection to the GCS port
+(``RAY_ADDRESS``'s, which KubeRay sets in a worker's container), the head's GCS has closed them
+all: it is gone. Then kill the node's raylet and wait (at most :data:`WORKER_EXIT_WAIT_S`):
+``ray start --block``, the container's first process, which checks its children every second,
+ends the container, and the hook with it (kubelet records that as a ``FailedPreStopHook`` event
+on the pod being torn down). Without it, a worker pod deleted after its head (a restart tears
+the old cluster down) waits out its grace period: the SIGTERM handler's drain request to the
+gone GCS is retried until ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (:data:`ENV_RAY_DRAIN`, the
+grace period), and the pod holds its CPUs and GPUs from the next attempt meanwhile (measured on
+the real node: more than 97 s of 120). No new connection is tried, and the head's Service is not
+looked up: a whole cluster's deletion (a suspend) removes the Service (a ClusterIP one's address
+stops answering new connections) while the head still lives in its own preStop, writing the
+checkpoint these workers take part in, and their established connections to it stand. With the
+head up the hook returns at once and the drain goes on as before; tables it cannot read (no
+listening socket in them) or an address with a scheme leave the node alone. It never fails (a
+missing ``python`` included)."""
 SUBMITTER_CONTAINER = "ray-job-submitter"
 """KubeRay's submitter container (``utils.SubmitterContainerName``): in SidecarMode the container
 it adds to the head pod (it waits for the dashboard, runs ``ray job submit`` and follows the job),

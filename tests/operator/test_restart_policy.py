@@ -390,10 +390,12 @@ def test_a_worker_pods_prestop_ends_its_ray_node_at_once_only_when_the_head_is_g
     in a PID namespace of its own whose first process stands for ``ray start --block`` (it ends
     when its raylet, a process whose argv[0] ends in ``/raylet``, dies; the namespace, and the
     hook, end with it). The head's GCS is a loopback listener on ``RAY_ADDRESS``'s port:
-    - the node connected to it and it answers: the hook returns at once, the raylet lives;
-    - the node connected to it and it no longer accepts (the head gone without a reset): the
-      raylet is killed and the container ends before the hook's own bound;
-    - no connection to the GCS port at all (the head's process gone): the same.
+    - the node connected to it: the hook returns at once, the raylet lives; so it does when the
+      GCS no longer takes new connections (a suspend removed a ClusterIP Service while the head
+      writes its checkpoint) but the node's connection stands: no new one is tried;
+    - no connection to the GCS port (the GCS closed them: the head is gone): the raylet is
+      killed and the container ends before the hook's own bound;
+    - an address with a scheme (``ray://``, not the GCS): nothing is touched.
     The hook never fails. The head gets the stop-file hook instead."""
     j = job()
     spec = builders.build_children(j, namespace="ns1")[-1]["spec"]["rayClusterSpec"]
@@ -434,9 +436,10 @@ while True:
 """
     ends = f"exec python -c {shlex.quote(block)}"
 
-    def run(port: int, script: str) -> tuple[str, float]:
+    def run(port: int, script: str, address: str | None = None) -> tuple[str, float]:
         env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
-        env["RAY_ADDRESS"] = f"head-svc.ns1.svc.cluster.local:{port}"  # (a name never resolved)
+        # (a name never resolved: the hook reads the port alone)
+        env["RAY_ADDRESS"] = address or f"head-svc.ns1.svc.cluster.local:{port}"
         t = time.monotonic()
         out = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
@@ -458,13 +461,14 @@ while True:
         out, took = run(port, returns)
         assert "rc=0" in out and "raylet=alive" in out, out
         assert took < builders.WORKER_EXIT_WAIT_S, took
-        gcs.close()  # the GCS stops accepting; the node's connection stays established
-        out, took = run(port, ends)
-        assert out.strip() == "raylet=dead", out
-        assert took < builders.WORKER_EXIT_WAIT_S - 1, took  # the container ended the hook
+        gcs.close()  # no new connection is taken; the node's own stands
+        out, took = run(port, returns)
+        assert "rc=0" in out and "raylet=alive" in out, out
     finally:
         node.close()
         peer.close()
         gcs.close()
-    out, took = run(port, ends)  # no connection to the GCS port at all
+    out, took = run(port, ends)  # no connection to the GCS port left
     assert out.strip() == "raylet=dead" and took < builders.WORKER_EXIT_WAIT_S - 1, (out, took)
+    out, _ = run(port, returns, address=f"ray://head-svc:{port}")
+    assert "rc=0" in out and "raylet=alive" in out, out
