@@ -103,7 +103,8 @@ class Rollouts:
             out.ranges, out.gens, out.engines = self.pool.settle(current.parts or [])
         if algo.dynamic_sampling is not None:
             out = self.refill(step, current)
-        self.step_refs += out.gens
+        known = set(self.step_refs)  # (the generation itself, unless settled or refilled)
+        self.step_refs += [g for g in out.gens if g not in known]
         return out
 
     def launch(self, step: int, round_: int = 0) -> Generation:
