@@ -497,18 +497,41 @@ def test_the_operator_runs_as_the_charts_deployment(real_cluster: RealCluster) -
 # --------------------------------------------------------------------------- failures
 
 
-def test_a_reward_function_that_raises_fails_the_job_with_its_message(
+def test_a_reward_function_that_raises_fails_the_job_with_its_message_though_a_pod_is_deleted(
     real_cluster: RealCluster,
 ) -> None:
-    cluster, ns = real_cluster, "reward-raises"
+    """Issue 42: a user deletes the crashing job's worker pod as soon as the trainer's error is
+    in the PPOJob's status, while KubeRay still holds the attempt as running (the operator
+    records the pod's loss as evidence for the attempt). An error of the trainer's own stays an
+    application error: the job fails with the reward's message (``backoffLimit: 0``), no
+    uncounted disruption restarts it."""
+    cluster, ns, name = real_cluster, "reward-raises", "bad-reward"
     namespace(cluster, ns)
     # os.path.join takes any arguments, then refuses the lists the reward gets
-    apply(cluster, ppojob(cluster, "bad-reward", ns, 5, reward_function="posixpath:join"))
-    job, _ = watch(cluster, ns, "bad-reward", 400)
-    assert job["status"]["phase"] == "Failed"
+    apply(cluster, ppojob(cluster, name, ns, 5, reward_function="posixpath:join"))
+
+    def trainer_error() -> str | None:
+        job = get_job(cluster, ns, name)
+        return ((job.get("status") or {}).get("progress") or {}).get("error")
+
+    error = wait_until(trainer_error, 400, "the trainer's error in the PPOJob's status", 0.1)
+    worker = pod_of(cluster, ns, "worker")
+    assert worker is not None, "no worker pod when the trainer's error came"
+    cluster.kubectl("delete", "pod", "-n", ns, worker["metadata"]["name"], "--wait=false")
+    rayjob = cluster.cp.get("rayjob.ray.io", name, ns) or {}
+    # the deletion came while the attempt was running: the operator holds it as evidence
+    assert (rayjob.get("status") or {}).get("jobDeploymentStatus") == "Running", rayjob.get(
+        "status"
+    )
+    assert get_job(cluster, ns, name)["status"]["phase"] == "Running"
+    job, _ = watch(cluster, ns, name, 300)
+    status = job["status"]
+    assert status["phase"] == "Failed", json.dumps(status, indent=1)
+    assert not status.get("disruptions") and not status.get("restarts"), status
+    assert not status.get("lastRestart"), status
     message = condition(job, "Failed").get("message", "")
     assert "data.rewardFunction" in message and "posixpath:join" in message, message
-    assert "TypeError" in message, message
+    assert "TypeError" in message and "TypeError" in error, (message, error)
 
 
 def test_an_image_that_does_not_exist_fails_the_job_with_the_reason(
@@ -706,9 +729,13 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint
     host = volume(cluster, ns)
     apply(cluster, ppojob(cluster, name, ns, SUSPEND_STEPS, claim="ckpt", interval=0))
     wait_until(lambda: progress_step(get_job(cluster, ns, name)) >= 1, 600, "step 1", interval=1.0)
+    done = steps_run(host)[-1]
+    t0 = time.monotonic()
     cluster.cp.kubectl(
         "patch", "ppojob", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
     )
+    first_end(host, "the trainer's account of the stop")
+    took = time.monotonic() - t0
     wait_until(
         lambda: get_job(cluster, ns, name)["status"].get("phase") == "Suspended",
         300,
@@ -734,6 +761,10 @@ def test_suspend_removes_every_pod_and_resume_continues_from_the_stop_checkpoint
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     assert starts(host) == [0, before[-1]], attempt_events(host)  # resumed at the checkpoint
     assert steps_run(host) == list(range(1, SUSPEND_STEPS + 1))
+    print(
+        f"\nsuspend: completed {done} when patched, checkpoint {before[-1]}, steps redone 0, "
+        f"patch to the trainer's account {took:.1f}s"
+    )
 
 
 LONG_STEPS = 6
