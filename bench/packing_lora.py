@@ -25,7 +25,9 @@ with the same memory bound of
   - ``packed+budget``: ``packing: true`` and ``maxTokensPerMicroBatch: 2304`` (sequences
     concatenated without padding, first-fit decreasing by tokens).
 For each: the median over ``--repeats`` runs (after one warm-up) of one no-grad log-prob pass
-(what old/ref log-probs cost) and one optimizer update (forward, backward, AdamW). Tokens/s
+(what old/ref log-probs cost) and one optimizer update (forward, backward, AdamW); the repeats
+run in rounds, each timing every layout once, so a change of the machine's load between rounds
+reaches all of them alike (each update's times are printed too). Tokens/s
 counts the real (unpadded) prompt + response tokens of the mini-batch over that time, so it is
 comparable across the three. Each row prints its speed-up over ``padded`` and over the row
 before it (the budget over padded; packing over the budget alone), and what its micro-batches
@@ -64,7 +66,6 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -133,11 +134,9 @@ def loss_fn(logp, ent, mb):
     return loss, {}
 
 
-def timed(fn, repeats: int, warm_up=None) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call (run inside the
-    context manager ``warm_up``, when given: what it records is not timed)."""
-    with warm_up if warm_up is not None else nullcontext():
-        fn()
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -206,17 +205,36 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
         " give a cost linear in tokens)",
         flush=True,
     )
-    out: dict[str, dict[str, float]] = {}
-    prev = None
+    trainers, counted = {}, {}
     for name, kw in layouts.items():
         if name == "packed, dense mask":  # the model keeps sdpa: the block-diagonal mask
             with mock.patch.object(torch_policy, "use_packed_attention", lambda m: False):
-                t = trainer(model_dir, **kw)
+                t = trainers[name] = trainer(model_dir, **kw)
         else:
-            t = trainer(model_dir, **kw)
+            t = trainers[name] = trainer(model_dir, **kw)
         fwd_in, upd_in = InputCounter(t), InputCounter(t)
-        fwd = timed(lambda t=t: t.logprobs(batch), repeats, fwd_in)
-        upd = timed(lambda t=t: t.update(batch, loss_fn, 8), repeats, upd_in)
+        with fwd_in:  # the warm-ups, counted
+            t.logprobs(batch)
+        with upd_in:
+            t.update(batch, loss_fn, 8)
+        counted[name] = fwd_in, upd_in
+    # the repeats in rounds, each timing every layout once: a change of the machine's load
+    # between rounds reaches all rows alike
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in layouts}
+    for _ in range(repeats):
+        for name, t in trainers.items():
+            fwd, upd = times[name]
+            t0 = time.perf_counter()
+            t.logprobs(batch)
+            fwd.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            t.update(batch, loss_fn, 8)
+            upd.append(time.perf_counter() - t0)
+    out: dict[str, dict[str, float]] = {}
+    prev = None
+    for name in layouts:
+        fwd, upd = (statistics.median(x) for x in times[name])
+        fwd_in, upd_in = counted[name]
         processed = upd_in.processed
         o = out[name] = {
             "logprobs_s": fwd,
@@ -240,6 +258,10 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
         )
         if fwd_in.processed != processed:
             print(f"    (the log-prob pass processed {fwd_in.processed} positions)", flush=True)
+        print(
+            "    update times: " + ", ".join(f"{x:.2f}" for x in times[name][1]) + " s",
+            flush=True,
+        )
         prev = name
     pad, bud, pak = out["padded"], out["padded+budget"], out["packed+budget"]
     print(
