@@ -221,7 +221,8 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
     # the repeats in rounds, each timing every layout once: a change of the machine's load
     # between rounds reaches all rows alike
     times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in layouts}
-    for _ in range(repeats):
+    for r in range(repeats):
+        t_round = time.perf_counter()
         for name, t in trainers.items():
             fwd, upd = times[name]
             t0 = time.perf_counter()
@@ -230,6 +231,7 @@ def bench_packing(model_dir: Path, repeats: int, n: int = 32) -> dict[str, dict[
             t0 = time.perf_counter()
             t.update(batch, loss_fn, 8)
             upd.append(time.perf_counter() - t0)
+        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - t_round:.0f} s", flush=True)
     out: dict[str, dict[str, float]] = {}
     prev = None
     for name in layouts:
