@@ -4,11 +4,11 @@
     python bench/packing_lora.py --part packing # or --part lora
     python bench/packing_lora.py --threads 2 --repeats 3
     python bench/packing_lora.py --samples 16 --hidden 64 --layers 2 --repeats 1  # a loaded box
-    python bench/packing_lora.py --hidden 1024 --layers 2 --samples 16  # a width one trains
+    python bench/packing_lora.py --hidden 1024 --layers 2 --threads 1  # a width one trains
 
 Model: a small real architecture, Qwen2 (grouped-query attention, RMSNorm, SwiGLU) randomly
 initialised from a tiny config (hidden 128, 4 layers, 4 heads / 2 KV heads, MLP 384, vocabulary
-2048: 1.2 M parameters), float32, saved to a temporary directory; no download. ``--hidden`` and
+2048: 1.3 M parameters), float32, saved to a temporary directory; no download. ``--hidden`` and
 ``--layers`` change its size (MLP 3x hidden; from hidden 1024 heads of 128, as Qwen2.5-1.5B/7B:
 8 at 1024). Everything runs through the torch backend's real ``TorchPolicyTrainer`` (the actor),
 in this process.
