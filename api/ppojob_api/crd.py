@@ -138,6 +138,15 @@ def structural_schema(schema: dict[str, Any]) -> dict[str, Any]:
                         out["default"] = value
                 else:
                     out[key] = value
+        if nullable and "enum" in out:
+            # The API server checks a null it keeps (nullable) against the enum, which no null
+            # satisfies (not even a listed one): `gangScheduler: null` would be refused while
+            # `ppojob validate` reads it as unset. Not nullable, the null is pruned and the field
+            # is unset in the stored object too, the same verdict; a null that meant anything
+            # but the default could not be stored at all.
+            if "default" in out:
+                raise ValueError(f"a nullable enum with a default cannot take null: {out}")
+            nullable = False
         if nullable:
             out["nullable"] = True
         if "enum" in out and "type" not in out:

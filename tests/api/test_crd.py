@@ -111,6 +111,29 @@ def test_defaults_enums_and_bounds_are_present() -> None:
     assert "image" in _schema()["properties"]["spec"]["required"]
 
 
+def test_no_enum_is_nullable() -> None:
+    """The API server checks a null it keeps (a nullable field) against the enum, which no null
+    satisfies: a nullable ``gangScheduler`` refused ``gangScheduler: null``, which `ppojob
+    validate` reads as unset. Not nullable, the null is pruned: unset in the stored object too
+    (tests/cluster/test_api_agreement.py runs both through the real API server)."""
+    enums: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if "enum" in node:
+                enums.append(path)
+                assert not node.get("nullable"), f"{path}: a nullable enum"
+            for key, value in node.items():
+                walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, path)
+
+    walk(_schema(), "")
+    assert any(p.endswith("gangScheduler") for p in enums), enums
+    assert any(p.endswith("effect") for p in enums), enums
+
+
 def test_defaults_are_valid_under_their_own_schema() -> None:
     for path, node in _walk(_schema()):
         if "default" in node:

@@ -71,7 +71,16 @@ def cases() -> list[tuple[str, dict[str, Any], bool]]:
     out += [(f"snake {p}", set_path(TINY, p, v), True) for p, v, _ in SNAKE_CASE]
     out += [(f"metadata {m}"[:90], with_metadata(m), True) for m, *_ in METADATA_REFUSED]
     out += [(f"metadata {m}"[:90], with_metadata(m), True) for m in METADATA_ACCEPTED]
+    out += [(f"null in a nullable enum {p}", set_path(TINY, p, v), True) for p, v in NULL_ENUMS]
     return out
+
+
+NULL_ENUMS: list[tuple[str, Any]] = [
+    ("spec.scheduling.gangScheduler", None),
+    ("spec.head.tolerations", [{"key": "g", "operator": "Exists", "effect": None}]),
+]
+"""Nulls in nullable enum fields, which `ppojob validate` reads as unset: the API server must
+store them (it checks a null against the enum as well)."""
 
 
 def test_validate_and_the_api_server_agree(cp: ControlPlane, ns: str) -> None:
