@@ -167,6 +167,53 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
     assert other.restored is None
 
 
+def test_the_worker_counts_may_change_across_a_resume_but_not_the_states_layout() -> None:
+    """Each worker saves its shard of one global state, read back resharded by another count
+    (tests/trainer/test_resume.py resumes two FSDP workers' step on one): the worker counts are
+    not in the fingerprint; the backend, the sharding and the pipeline and expert sizes, which
+    decide what was saved, are."""
+    from ppojob_api.training import TrainerConfig
+    from ppojob_trainer.checkpoint import config_fingerprint
+
+    def fingerprint(actor: dict, critic: dict | None = None, sharding: str = "none") -> dict:
+        roles = {"actor": {"replicas": 1, **actor}, "rollout": {"replicas": 1}}
+        if critic is not None:
+            roles["critic"] = {"replicas": 1, **critic}
+        algo = {"advantageEstimator": "gae" if critic is not None else "grpo"}
+        return config_fingerprint(
+            TrainerConfig.model_validate(
+                {
+                    "roles": roles,
+                    "algorithm": algo,
+                    "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+                    "training": {"steps": 2, "sharding": sharding},
+                }
+            )
+        )
+
+    assert fingerprint({}) == fingerprint({"replicas": 4})
+    assert fingerprint({}, {}) == fingerprint({"replicas": 2}, {"replicas": 3})
+    megatron = {"backend": "megatron", "replicas": 4}
+    tensor2 = {**megatron, "parallelism": {"tensor": 2}}
+    assert fingerprint(megatron) == fingerprint(tensor2)  # dist_checkpointing reshards it
+    changed = [  # (the one key that differs, one fingerprint, another)
+        ("spec.roles.actor.backend", fingerprint({}), fingerprint(megatron)),
+        ("spec.roles.actor (sharding)", fingerprint({}), fingerprint({}, sharding="fsdp")),
+        (
+            "spec.roles.actor.parallelism.pipeline",
+            fingerprint(megatron),
+            fingerprint({**megatron, "parallelism": {"pipeline": 2}}),
+        ),
+        (
+            "spec.roles.critic.backend",
+            fingerprint({}, {}),
+            fingerprint({}, {"backend": "megatron"}),
+        ),
+    ]
+    for key, one, other in changed:
+        assert [k for k in one if one[k] != other.get(k)] == [key], key
+
+
 def test_a_changed_dataset_is_detected_onresume(tmp_path: Path) -> None:
     """Same settings, same file name, other prompts: the checkpoint's data order is meaningless
     for them, so resuming fails naming the prompt source."""

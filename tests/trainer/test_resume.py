@@ -4,11 +4,14 @@ uninterrupted run (fixed seed) and loses no completed step."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from ppojob_trainer.checkpoint import complete_checkpoints, latest_checkpoint
 from ppojob_trainer.manifest import load_manifest
@@ -105,3 +108,32 @@ def test_a_sharded_run_resumes_from_its_workers_shards(tmp_path: Path, monkeypat
     export = whole / "checkpoints" / "hf" / "step-000003"
     assert (export / "actor" / "config.json").exists()
     assert (export / "critic" / "value_head.safetensors").exists()
+
+    # The same checkpoint resumed by one worker (a job restarted where fewer CPUs/GPUs are
+    # free): each role's two shards are read back resharded, to the very weights the two
+    # workers held at step 2 (their export then), and the run trains on from there.
+    from ppojob_trainer.driver.run import resume
+    from ppojob_trainer.driver.trainer import PPOTrainer
+
+    narrow_cfg = load_manifest(TINY, [*sets[:-2], ("roles.actor.resources.cpus", 1)])[1]
+    assert narrow_cfg.roles.workers_of("actor") == 1
+    narrow = tmp_path / "narrow-checkpoints"
+    shutil.copytree(parts / "checkpoints" / "step-000002", narrow / "step-000002")
+    trainer = PPOTrainer(narrow_cfg)
+    try:
+        assert resume(trainer, narrow) == 2
+        trainer.export_pretrained(tmp_path / "narrow")
+        metrics = trainer.step(2)
+    finally:
+        trainer.shutdown()
+    wide = parts / "checkpoints" / "hf" / "step-000002"
+    for role in ("actor", "critic"):
+        files = sorted(p.name for p in (wide / role).glob("*.safetensors"))
+        assert files == sorted(p.name for p in (tmp_path / "narrow" / role).glob("*.safetensors"))
+        for name in files:
+            ours = load_file(tmp_path / "narrow" / role / name)
+            theirs = load_file(wide / role / name)
+            assert ours.keys() == theirs.keys() and ours, (role, name)
+            for key, tensor in theirs.items():
+                assert torch.equal(ours[key], tensor), (role, name, key)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["reward/mean"] >= 0

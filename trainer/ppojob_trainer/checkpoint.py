@@ -189,26 +189,39 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int)
 # ---------------------------------------------------------------------------------------------
 def config_fingerprint(cfg: Any, prompts_digest: str | None = None) -> dict[str, Any]:
     """The settings a checkpoint is only valid under (a ``TrainerConfig``), by spec path: the
-    model, every role's worker count, the prompt source (and ``prompts_digest``, a digest of the
-    prompts it holds: :meth:`Task.digest`), the data batch sizes, the seed and the estimator.
-    Stored in each checkpoint as ``fingerprint`` and compared on resume
-    (:func:`check_fingerprint`)."""
+    model, the prompt source (and ``prompts_digest``, a digest of the prompts it holds:
+    :meth:`Task.digest`), the data batch sizes, the seed, the estimator, and what decides the
+    layout of the trained roles' saved state: each one's backend, its sharding and its pipeline
+    and expert sizes. Stored in each checkpoint as ``fingerprint`` and compared on resume
+    (:func:`check_fingerprint`).
+
+    The worker counts are not in it: each worker writes its shard of one global state
+    (torch.distributed.checkpoint on the torch backend, replicated or FSDP;
+    ``dist_checkpointing`` on megatron), which a run with another data-parallel size (megatron:
+    also another tensor size) reads back resharded; the engines hold no trained state. A resume
+    on fewer or more workers (a job restarted where fewer GPUs are free) continues the run."""
     roles, data, algo = cfg.roles, cfg.data, cfg.algorithm
-    has_critic = roles.effective_critic(algo.needs_critic) is not None
-    return {
+    critic = roles.effective_critic(algo.needs_critic)
+    out: dict[str, Any] = {
         "spec.data.prompts": data.prompts,
         "spec.data.prompts (content sha256)": prompts_digest,
         "spec.model.path": cfg.model.path,
         "spec.model.criticPath": cfg.model.critic_path,
-        "spec.roles.actor (workers)": roles.workers_of("actor"),
-        "spec.roles.critic (workers)": roles.workers_of("critic") if has_critic else 0,
-        "spec.roles.rollout (workers)": roles.workers_of("rollout"),
         "spec.data.rolloutBatchSize": data.rollout_batch_size,
         "spec.data.samplesPerPrompt": data.samples_per_prompt,
         "spec.training.miniBatchSize": cfg.training.mini_batch_size,
         "spec.training.seed": cfg.training.seed,
         "spec.algorithm.advantageEstimator": algo.advantage_estimator,
     }
+    trained = [("actor", roles.actor, cfg.training)]
+    if critic is not None:
+        trained.append(("critic", critic, cfg.critic_training()))
+    for name, role, training in trained:
+        out[f"spec.roles.{name}.backend"] = role.backend
+        out[f"spec.roles.{name} (sharding)"] = training.sharding
+        out[f"spec.roles.{name}.parallelism.pipeline"] = role.parallelism.pipeline
+        out[f"spec.roles.{name}.parallelism.expert"] = role.parallelism.expert
+    return out
 
 
 def check_fingerprint(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> None:

@@ -381,8 +381,9 @@ class PPOTrainer:
             waits += [h.set_rng_state.remote(r) for h, r in pairs if r is not None]
         else:
             log.warning(
-                "checkpoint holds no RNG state for these %d worker processes; "
-                "resuming with fresh generators",
+                "checkpoint holds the RNG states of %s worker processes, this run has %d "
+                "(another worker count): resuming with fresh generators",
+                "no" if rng is None else len(rng),
                 len(all_hosts),
             )
         WATCHDOG.get(waits, "worker", "resume")
