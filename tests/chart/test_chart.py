@@ -20,7 +20,13 @@ from tests.helpers.helm import CHART, ROOT, run_helm
 # A recent Kubernetes release kubernetes-validate ships schemas for (also helm v4's client).
 K8S_VERSION = "1.35"
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterqueues", "admissionchecks"}
-BUILTIN_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "apiextensions.k8s.io/v1"}
+BUILTIN_GROUPS = {
+    "v1",
+    "apps/v1",
+    "rbac.authorization.k8s.io/v1",
+    "apiextensions.k8s.io/v1",
+    "admissionregistration.k8s.io/v1",
+}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -145,6 +151,8 @@ def test_defaults_render_the_expected_objects(render) -> None:
         ("RoleBinding", "ppojob-ppojob-operator-leader-election"),
         ("Service", "ppojob-ppojob-operator-metrics"),
         ("ServiceAccount", "ppojob-ppojob-operator"),
+        ("ValidatingAdmissionPolicy", "ppojob-ppojob-operator-trainer-status"),
+        ("ValidatingAdmissionPolicyBinding", "ppojob-ppojob-operator-trainer-status"),
     ]
     for o in objs:
         if o["kind"] in {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}:
@@ -379,6 +387,31 @@ def test_user_roles_aggregate_and_grant_no_status_writes(render) -> None:
         for g, r, v in _triples(role["rules"]):
             assert g == "ppojob.io"
             assert not (r == "ppojobs/status" and v not in {"get", "list", "watch"})
+
+
+def test_the_trainer_status_policy_guards_every_status_field_but_progress(render) -> None:
+    """The chart's admission policy compares each status field of the CRD, less progress (the
+    trainer's), before and after a trainer's write: a field added to the status is guarded
+    as soon as it is (tests/cluster/test_cluster_progress.py sees the real API server refuse)."""
+    import re
+
+    [policy] = _by_kind(render(), "ValidatingAdmissionPolicy")
+    [binding] = _by_kind(render(), "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["resources"], rule["operations"]) == (["ppojobs/status"], ["UPDATE"])
+    [check] = policy["spec"]["validations"]
+    guarded = re.findall(
+        r"object\.\?status\.\?(\w+) == oldObject\.\?status\.\?(\w+)", check["expression"]
+    )
+    assert all(a == b for a, b in guarded), guarded
+    crd = yaml.safe_load(crd_yaml())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert [a for a, _ in guarded] == [f for f in status["properties"] if f != "progress"]
+    [match] = policy["spec"]["matchConditions"]
+    assert "':' + object.metadata.name + '-trainer'" in match["expression"]
+    assert not _by_kind(render("trainerStatusPolicy.enabled=false"), "ValidatingAdmissionPolicy")
 
 
 def test_rbac_can_be_disabled(render) -> None:

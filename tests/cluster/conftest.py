@@ -104,7 +104,8 @@ class OperatorProcess:
 def chart_rbac(
     cp: ControlPlane, release: str = RELEASE, namespace: str = OPERATOR_NS, *values: str
 ) -> list[dict[str, Any]]:
-    """The chart's ServiceAccount and RBAC objects, rendered by helm (``values``: --set ...)."""
+    """The chart's ServiceAccount, RBAC and admission policy objects, rendered by helm
+    (``values``: --set ...)."""
     import subprocess
 
     sets = [a for v in values for a in ("--set", v)]
@@ -115,6 +116,7 @@ def chart_rbac(
         check=True,
     )
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    kinds |= {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     return [d for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") in kinds]
 
 

@@ -77,6 +77,33 @@ def test_trainer_progress_with_the_job_token(cp, operator, ns, tmp_path):
     [event] = wait_until(warning_event, 30, "the operator's GracePeriodTooShort event")
     assert event["type"] == "Warning" and event["message"] == short.split(": ", 1)[1]
     assert event["involvedObject"]["name"] == "prog"
+
+    # ... and for its progress only: the chart's admission policy refuses any other change of
+    # the status (phase, conditions, the restart counters) made with the job's token
+    def refused(change: dict) -> str:
+        body = json.dumps({"status": change})
+        args = ("patch", PPOJOB, "prog", "-n", ns, "--subresource=status", "--type=merge")
+        out = as_trainer(*args, "--dry-run=server", "-p", body)
+        return out.stderr if out.returncode else ""
+
+    message = "a trainer writes only status.progress of its job"
+    assert message in wait_until(lambda: refused({"phase": "Succeeded"}), 30, "the policy")
+    for change in ({"conditions": []}, {"restarts": 7}, {"disruptions": 3}, {"rayJobName": "x"}):
+        assert message in refused(change), change
+    assert not refused({"progress": {"step": 0}})
+    assert not cp.kubectl(  # the operator's (here: the admin's) writes are not the trainer's
+        "patch",
+        PPOJOB,
+        "prog",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "--dry-run=server",
+        "-p",
+        '{"status":{"restarts":7}}',
+        check=False,
+    ).returncode
     for args in [
         (
             "patch",
