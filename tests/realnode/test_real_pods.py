@@ -254,6 +254,7 @@ own, other = sys.argv[1:3]
 out = {}
 for label, method, path, body in [
     ("own status", "PATCH", f"{jobs}/{own}/status", {"status": {}}),
+    ("own phase", "PATCH", f"{jobs}/{own}/status?dryRun=All", {"status": {"phase": "Failed"}}),
     ("other status", "PATCH", f"{jobs}/{other}/status", {"status": {}}),
     ("own spec", "PATCH", f"{jobs}/{own}", {"spec": {"suspend": True}}),
     ("secrets", "GET", f"/api/v1/namespaces/{ns}/secrets", None),
@@ -416,8 +417,11 @@ def test_the_final_reward_is_clearly_above_the_start(trained: dict[str, Any]) ->
 
 
 def test_the_jobs_token_patches_only_its_own_jobs_status(trained: dict[str, Any]) -> None:
+    """From a trainer pod, with its ServiceAccount token: its own job's status (the chart's
+    admission policy refuses any change but ``status.progress``: its phase), and nothing else."""
     assert trained["token"] == {
         "own status": 200,
+        "own phase": 403,
         "other status": 403,
         "own spec": 403,
         "secrets": 403,
