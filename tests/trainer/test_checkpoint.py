@@ -170,12 +170,14 @@ def test_resume_with_a_changed_fingerprint_fails_naming_the_fields(tmp_path: Pat
 def test_the_worker_counts_may_change_across_a_resume_but_not_the_states_layout() -> None:
     """Each worker saves its shard of one global state, read back resharded by another count
     (tests/trainer/test_resume.py resumes two FSDP workers' step on one): the worker counts are
-    not in the fingerprint; the backend, the sharding and the pipeline and expert sizes, which
-    decide what was saved, are."""
+    not in the fingerprint; the backend, the sharding, the model-parallel sizes and the LoRA
+    adapters, which decide what was saved, are."""
     from ppojob_api.training import TrainerConfig
     from ppojob_trainer.checkpoint import config_fingerprint
 
-    def fingerprint(actor: dict, critic: dict | None = None, sharding: str = "none") -> dict:
+    def fingerprint(
+        actor: dict, critic: dict | None = None, sharding: str = "none", lora: dict | None = None
+    ) -> dict:
         roles = {"actor": {"replicas": 1, **actor}, "rollout": {"replicas": 1}}
         if critic is not None:
             roles["critic"] = {"replicas": 1, **critic}
@@ -185,6 +187,7 @@ def test_the_worker_counts_may_change_across_a_resume_but_not_the_states_layout(
                 {
                     "roles": roles,
                     "algorithm": algo,
+                    "model": {"lora": lora},
                     "data": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
                     "training": {"steps": 2, "sharding": sharding},
                 }
@@ -194,8 +197,7 @@ def test_the_worker_counts_may_change_across_a_resume_but_not_the_states_layout(
     assert fingerprint({}) == fingerprint({"replicas": 4})
     assert fingerprint({}, {}) == fingerprint({"replicas": 2}, {"replicas": 3})
     megatron = {"backend": "megatron", "replicas": 4}
-    tensor2 = {**megatron, "parallelism": {"tensor": 2}}
-    assert fingerprint(megatron) == fingerprint(tensor2)  # dist_checkpointing reshards it
+    assert fingerprint(megatron) == fingerprint({**megatron, "replicas": 2})
     changed = [  # (the one key that differs, one fingerprint, another)
         ("spec.roles.actor.backend", fingerprint({}), fingerprint(megatron)),
         ("spec.roles.actor (sharding)", fingerprint({}), fingerprint({}, sharding="fsdp")),
@@ -205,9 +207,21 @@ def test_the_worker_counts_may_change_across_a_resume_but_not_the_states_layout(
             fingerprint({**megatron, "parallelism": {"pipeline": 2}}),
         ),
         (
+            "spec.roles.actor.parallelism.tensor",  # (the GPU optimizer's format: data only)
+            fingerprint(megatron),
+            fingerprint({**megatron, "parallelism": {"tensor": 2}}),
+        ),
+        (
             "spec.roles.critic.backend",
             fingerprint({}, {}),
             fingerprint({}, {"backend": "megatron"}),
+        ),
+        ("spec.model.lora", fingerprint({}), fingerprint({}, lora={"rank": 8})),
+        ("spec.model.lora", fingerprint({}, lora={"rank": 8}), fingerprint({}, lora={"rank": 4})),
+        (
+            "spec.model.lora",
+            fingerprint({}, lora={"rank": 8}),
+            fingerprint({}, lora={"rank": 8, "alpha": 32}),
         ),
     ]
     for key, one, other in changed:

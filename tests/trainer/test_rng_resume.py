@@ -68,3 +68,21 @@ def test_checkpoint_saves_and_restores_every_workers_rng_states():
         assert all(_same(r, w) for r, w in zip(restored, wanted, strict=True))
     finally:
         second.shutdown()
+    assert state["rng_layout"] == [["actor:0"], ["rollout:0"]]
+
+    # Resumed on another layout of as many processes (the worker counts may change across a
+    # resume): two actor workers, each with its engine. No process gets another's generators.
+    other = TrainerConfig.model_validate(
+        {
+            **cfg.model_dump(by_alias=True),
+            "roles": {"actor": {"replicas": 2}, "rollout": {"colocateWithActor": True}},
+        }
+    )
+    third = PPOTrainer(other)
+    try:
+        assert third.rng_layout() == [["actor:0", "rollout:0"], ["actor:1", "rollout:1"]]
+        assert third.restore(state) == 1
+        kept = ray.get([h.rng_state.remote() for h in third.groups.all_hosts])
+        assert not any(_same(k, w) for k, w in zip(kept, wanted, strict=True))
+    finally:
+        third.shutdown()

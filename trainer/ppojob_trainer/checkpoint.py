@@ -191,15 +191,16 @@ def config_fingerprint(cfg: Any, prompts_digest: str | None = None) -> dict[str,
     """The settings a checkpoint is only valid under (a ``TrainerConfig``), by spec path: the
     model, the prompt source (and ``prompts_digest``, a digest of the prompts it holds:
     :meth:`Task.digest`), the data batch sizes, the seed, the estimator, and what decides the
-    layout of the trained roles' saved state: each one's backend, its sharding and its pipeline
-    and expert sizes. Stored in each checkpoint as ``fingerprint`` and compared on resume
-    (:func:`check_fingerprint`).
+    layout of the trained roles' saved state: each one's backend, its sharding, its model
+    parallel sizes and the LoRA adapters. Stored in each checkpoint as ``fingerprint`` and
+    compared on resume (:func:`check_fingerprint`).
 
     The worker counts are not in it: each worker writes its shard of one global state
     (torch.distributed.checkpoint on the torch backend, replicated or FSDP;
-    ``dist_checkpointing`` on megatron), which a run with another data-parallel size (megatron:
-    also another tensor size) reads back resharded; the engines hold no trained state. A resume
-    on fewer or more workers (a job restarted where fewer GPUs are free) continues the run."""
+    ``dist_checkpointing`` on megatron, its distributed optimizer in the ``dp_reshardable``
+    format), which a run with another data-parallel size reads back resharded; the engines hold
+    no trained state. A resume on fewer or more workers (a job restarted where fewer GPUs are
+    free) continues the run; the tensor, pipeline, context and expert sizes must stay."""
     roles, data, algo = cfg.roles, cfg.data, cfg.algorithm
     critic = roles.effective_critic(algo.needs_critic)
     out: dict[str, Any] = {
@@ -219,8 +220,20 @@ def config_fingerprint(cfg: Any, prompts_digest: str | None = None) -> dict[str,
     for name, role, training in trained:
         out[f"spec.roles.{name}.backend"] = role.backend
         out[f"spec.roles.{name} (sharding)"] = training.sharding
-        out[f"spec.roles.{name}.parallelism.pipeline"] = role.parallelism.pipeline
-        out[f"spec.roles.{name}.parallelism.expert"] = role.parallelism.expert
+        par = role.parallelism
+        for axis in ("tensor", "pipeline", "context", "expert"):
+            out[f"spec.roles.{name}.parallelism.{axis}"] = getattr(par, axis)
+    lora = cfg.model.lora  # the adapters alone are saved: their shapes, and alpha's scale
+    out["spec.model.lora"] = (
+        None
+        if lora is None
+        else {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "targetModules": list(lora.target_modules),
+            "modulesToSave": list(lora.modules_to_save),
+        }
+    )
     return out
 
 

@@ -113,3 +113,35 @@ def test_a_moe_checkpoint_resumes_bit_identically_with_and_without_expert_parall
     # at expert 2 each rank writes about half of the experts' state, not all of it
     written, shard = res["ep2"]["written"]["actor"], res["ep2"]["shard_bytes"]["actor"]
     assert len(written) == 2 and max(written) <= max(shard) * 1.15 + OVERHEAD, (written, shard)
+
+
+def test_the_distributed_optimizers_format_is_one_megatron_core_can_save() -> None:
+    """The GPU path's distributed optimizer saves in ``DISTRIB_OPTIM_SHARDING``. It does not run
+    on the CPU, so this reads megatron-core 0.16.1 itself: the builder of the deprecated default
+    (``fully_sharded_model_space``) makes ShardedTensors with a ``flattened_range``, which its
+    mapping refuses at construction; the builder of ours passes none."""
+    import dataclasses
+    import inspect
+
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from ppojob_trainer.backends.megatron_sharded import DISTRIB_OPTIM_SHARDING
+
+    builders = {
+        "dp_reshardable": DistributedOptimizer.sharded_param_state_dp_reshardable,
+        "fully_sharded_model_space": DistributedOptimizer.sharded_param_state_fs_model_space,
+    }
+    ok = ShardedTensor.from_rank_offsets("k", torch.zeros(4))
+    with pytest.raises(CheckpointingException, match="flattened_range"):
+        dataclasses.replace(ok, data=torch.zeros(2), flattened_range=slice(0, 2))
+    assert "flattened_range=item_slice" in inspect.getsource(builders["fully_sharded_model_space"])
+    ours = inspect.getsource(builders[DISTRIB_OPTIM_SHARDING])
+    assert "ShardedTensor(" in ours
+    assert all(
+        arg.strip() == "flattened_range=None,"
+        for arg in ours.splitlines()
+        if "flattened_range=" in arg
+    ), ours

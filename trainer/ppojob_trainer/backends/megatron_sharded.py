@@ -54,6 +54,14 @@ TE_NORMS = [
 ]
 
 
+DISTRIB_OPTIM_SHARDING = "dp_reshardable"
+"""The format of the distributed optimizer's (GPU) sharded state: megatron-core 0.16.1 refuses
+its deprecated default, ``fully_sharded_model_space`` (a ShardedTensor with ``flattened_range``,
+which dist_checkpointing's mapping rejects); ``dp_reshardable``, Megatron-LM's default, saves
+each rank's buffers in parallel and reshards across data-parallel sizes only (the fingerprint
+keeps the other sizes: ``checkpoint.config_fingerprint``)."""
+
+
 def _rename(sd: Mapping[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict:
     """``sd`` with every key ending in a pair's first suffix ending in its second instead."""
     out = {}
@@ -1062,7 +1070,7 @@ class _Sharded:
             state["optimizer"] = self.optimizer.sharded_state_dict(
                 model,
                 is_loading=loading,
-                metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"},
+                metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING},
             )
             return state
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor

@@ -359,7 +359,18 @@ class PPOTrainer:
             "task": task,
             # every worker process's generators (dropout, sampling helpers), in host order
             "rng": [None if a is None else next(got) for a in asked],
+            "rng_layout": self.rng_layout(),
         }
+
+    def rng_layout(self) -> list[list[str]]:
+        """The roles and ranks each of ``all_hosts`` holds (``role:rank``), in host order: the
+        processes a checkpoint's generator states belong to."""
+        groups = self.groups
+        roles = [(r, groups.role(r).handles) for r in ("actor", "critic", "rollout")]
+        return [
+            sorted(f"{r}:{i}" for r, handles in roles for i, h in enumerate(handles) if h is host)
+            for host in groups.all_hosts
+        ]
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings and the prompt data a checkpoint of this run depends on."""
@@ -375,16 +386,21 @@ class PPOTrainer:
                 waits += group.call("load_checkpoint", role, str(path / role))
             elif role in state:  # a checkpoint written before per-worker shards
                 waits += group.call("set_state", role, state[role])
-        rng = state.get("rng")
-        if rng is not None and len(rng) == len(all_hosts):
+        rng, layout = state.get("rng"), state.get("rng_layout")
+        # the generators go back only to processes holding the same roles and ranks (a resume
+        # on other worker counts, which the fingerprint allows, starts them afresh)
+        same = layout == self.rng_layout() if layout is not None else None
+        if rng is not None and len(rng) == len(all_hosts) and same is not False:
             pairs = zip(all_hosts, rng, strict=True)
             waits += [h.set_rng_state.remote(r) for h, r in pairs if r is not None]
         else:
             log.warning(
-                "checkpoint holds the RNG states of %s worker processes, this run has %d "
-                "(another worker count): resuming with fresh generators",
+                "checkpoint holds the RNG states of %s worker processes laid out as %s, this "
+                "run has %d laid out as %s: resuming with fresh generators",
                 "no" if rng is None else len(rng),
+                layout,
                 len(all_hosts),
+                self.rng_layout(),
             )
         WATCHDOG.get(waits, "worker", "resume")
         WATCHDOG.get(self.weights.start(), "rollout", "weight sync")
