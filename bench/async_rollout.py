@@ -8,7 +8,14 @@ one row per run:
 ``sync``        the example as written: actor, critic and engine in one worker process with
                 both cores, maxStaleness 0 (today's loop; what `ppojob run` does by default)
 ``sync-split``  maxStaleness 0 with the engine in a process of its own (actor 1 core, engine
-                1 core): the same placement as the asynchronous runs, without the overlap
+                1 core): the same placement as the asynchronous runs, without the overlap,
+                and ``async-1-is``'s importanceSampling setting (accepted at staleness 0,
+                where it weighs each token by pi_old / pi_engine: the engine's and the actor's
+                log-prob mismatch alone, weights near 1; ``is w``, ``is max`` and ``capped``
+                show how near), so that it differs from ``async-1-is`` in maxStaleness alone
+``sync-critic``  ``async-1-is-critic``'s placement (critic and engine apart) and
+                importanceSampling setting with maxStaleness 0: differs from
+                ``async-1-is-critic`` in maxStaleness alone
 ``async-1``     that placement with algorithm.maxStaleness 1: the engine generates step k+1
                 while the actor trains on step k
 ``async-2``     the same with maxStaleness 2
@@ -29,6 +36,17 @@ one row per run:
                 1.22x with start-up), same final rewards. At load 5-8 it is slower than
                 ``async-1-is`` (0.150 against 0.136 s): it needs idle cores (README)
 
+Rows that differ by one thing (the summary prints the median of their per-seed ratios):
+``sync-split`` -> ``async-1-is`` and ``sync-critic`` -> ``async-1-is-critic``: asynchrony
+(maxStaleness 0 -> 1) with the critic in the actor's process, and apart; ``sync-split`` ->
+``async-1``: asynchrony without the correction (maxStaleness and importanceSampling);
+``sync-split`` -> ``sync-critic`` and ``async-1-is`` -> ``async-1-is-critic``: the critic apart
+(sync, async). ``sync`` -> ``sync-split`` (the engine apart) and ``sync`` -> ``sync-critic``
+(the three-process layout) change the placement and, with it, the importanceSampling setting
+at staleness 0 (the mismatch correction only). ``sync`` -> ``async-1-is-critic`` changes all of
+it at once (the README's earlier 1.48x), and its ratio is the product of ``sync`` ->
+``sync-critic`` and ``sync-critic`` -> ``async-1-is-critic``.
+
 Method: every run trains the example's full ``--steps`` (500) steps with the same seed per row
 pair. Time to 0.9: the step whose 10-step trailing mean reward first reaches 0.9 and stays there
 for 10 steps (``bench/time_to_reward.py``'s criterion); ``to 0.9 s`` is its ``elapsed_seconds``
@@ -41,13 +59,17 @@ step's samples whose tokens came from more than one policy version; ``is w``, ``
 ``capped`` (importance sampling): the mean over steps of ``is/weight_mean`` (the raw token
 weight's mean), the largest ``is/weight_max`` of the run and the mean of ``is/capped_share`` (a
 dash: the row does not have them). Speed-ups are the sync row's seconds over the row's, per
-seed, then averaged; ``mean step time`` compares the median step times.
+seed, then averaged; ``mean step time`` compares the median step times. The summary then gives,
+per configuration over the seeds, the median and [min-max] of the step to 0.9, ``train s``,
+``to 0.9 s``, the median step time and the final reward, and for each one-thing pair the median
+and [min-max] of the per-seed ratios base / changed of steps, ``train s``, ``to 0.9 s`` and
+``step s`` (above 1: the change helps).
 A run whose local Ray fails to start (an overloaded machine) is retried.
 The machine's 2 cores are shared with whatever else runs (the figures say so when it did):
 compare rows of one invocation, not figures across machines.
 
-Usage: python bench/async_rollout.py [--seeds 1 2] [--configs sync sync-split async-1 async-2
-       async-1-is async-1-is-critic ...]
+Usage: python bench/async_rollout.py [--seeds 1 2 3 4 5] [--configs sync sync-split
+       sync-critic async-1 async-2 async-1-is async-1-is-critic ...]
        [--steps 500]
 
 On a machine too loaded to train 500 steps per configuration, ``--steps 40`` still compares step
@@ -85,7 +107,16 @@ SPLIT_CRITIC = (
 )
 CONFIGS: dict[str, tuple[str, ...]] = {
     "sync": (),
-    "sync-split": (*SPLIT, "algorithm.maxStaleness=0"),
+    "sync-split": (
+        *SPLIT,
+        "algorithm.maxStaleness=0",
+        "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
+    ),
+    "sync-critic": (
+        *SPLIT_CRITIC,
+        "algorithm.maxStaleness=0",
+        "algorithm.importanceSampling={level: token, mode: truncate, cap: 2.0}",
+    ),
     "async-1": (*SPLIT, "algorithm.maxStaleness=1"),
     "async-2": (*SPLIT, "algorithm.maxStaleness=2"),
     "async-1-partial": (*SPLIT, "algorithm.maxStaleness=1", "algorithm.partialRollout=true"),
@@ -180,7 +211,7 @@ def row_line(config: str, seed: int, r: dict[str, float | None]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
@@ -211,27 +242,109 @@ def main() -> None:
                 results[config, seed] = r
                 print(row_line(config, seed, r), flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
-    if "sync" not in args.configs:
-        return
-    for config in args.configs:
+    for line in summary_lines(results, args.configs, args.seeds):
+        print(line)
+
+
+# The pairs of rows that differ by one thing (base, changed, what changes). ``sync-split`` and
+# ``sync-critic`` carry async-1-is's importanceSampling setting at staleness 0 (there it weighs
+# each token by pi_old / pi_engine, the engine's and the actor's log-prob mismatch alone: the
+# rows' ``is w``, ``is max`` and ``capped`` show how far from 1), so that each is one key
+# (maxStaleness) from its asynchronous partner; against ``sync`` they change the layout and
+# that setting.
+PAIRS: tuple[tuple[str, str, str], ...] = (
+    ("sync", "sync-split", "engine apart (+IS at staleness 0)"),
+    ("sync-split", "async-1-is", "asynchrony, critic with the actor"),
+    ("sync-split", "async-1", "asynchrony without IS"),
+    ("sync-critic", "async-1-is-critic", "asynchrony, critic apart"),
+    ("sync", "sync-critic", "the layout (+IS at staleness 0)"),
+    ("sync-split", "sync-critic", "critic apart, sync"),
+    ("async-1-is", "async-1-is-critic", "critic apart, async"),
+    ("sync", "async-1-is-critic", "all of it (the earlier 1.48x)"),
+)
+SUMMARY_KEYS = (
+    ("step", "step to 0.9", ".0f"),
+    ("train", "train s", ".1f"),
+    ("to", "to 0.9 s", ".1f"),
+    ("step_s", "step s", ".3f"),
+    ("final", "final", ".3f"),
+)
+
+
+def _spread(values: list[float], spec: str) -> str:
+    """``median [min-max]`` of the values (``never`` when there are none)."""
+    if not values:
+        return "never"
+    lo, hi = min(values), max(values)
+    return f"{format(statistics.median(values), spec)} [{format(lo, spec)}-{format(hi, spec)}]"
+
+
+def summary_lines(
+    results: dict[tuple[str, int], dict[str, float | None]],
+    configs: list[str],
+    seeds: list[int],
+) -> list[str]:
+    """Per configuration over the seeds, the median and [min-max] of the step and the seconds to
+    0.9 (training alone, and with start-up), the median step time and the final reward (a seed
+    that never reached 0.9 is left out of those and counted); then, for each pair of rows that
+    differ by one thing (``PAIRS``), the median and [min-max] of the per-seed ratios base /
+    changed (above 1: the change is faster, or, for steps, needs fewer); then the mean
+    speed-ups over ``sync`` as before."""
+    lines = [f"medians [min-max] over seeds {' '.join(map(str, seeds))}:"]
+    lines.append(
+        f"{'config':17} {'n':>3} " + " ".join(f"{name:>20}" for _, name, _ in SUMMARY_KEYS)
+    )
+    for config in configs:
+        runs = [results[config, s] for s in seeds if (config, s) in results]
+        reached = sum(r["step"] is not None for r in runs)
+        cells = []
+        for key, _, spec in SUMMARY_KEYS:
+            values = [float(r[key]) for r in runs if r[key] is not None]  # type: ignore[arg-type]
+            cells.append(f"{_spread(values, spec):>20}")
+        lines.append(f"{config:17} {reached}/{len(runs)} " + " ".join(cells))
+    lines.append("one-thing pairs, median [min-max] of the per-seed ratios base / changed:")
+    lines.append(
+        f"{'base -> changed':38} {'what':34} {'n':>2} {'steps':>17} {'train s':>17} "
+        f"{'to 0.9 s':>17} {'step s':>17}"
+    )
+    for base, changed, what in PAIRS:
+        if base not in configs or changed not in configs:
+            continue
+        cells = []
+        counts = []
+        for key in ("step", "train", "to", "step_s"):
+            ratios = [
+                results[base, s][key] / results[changed, s][key]  # type: ignore[operator]
+                for s in seeds
+                if results[base, s][key] and results[changed, s][key]
+            ]
+            counts.append(len(ratios))
+            cells.append(f"{_spread(ratios, '.2f'):>17}")
+        lines.append(f"{base + ' -> ' + changed:38} {what:34} {min(counts):>2} " + " ".join(cells))
+    if "sync" not in configs:
+        return lines
+    for config in configs:
         if config == "sync":
             continue
         for key, name in (("to", "to 0.9 (start-up included)"), ("train", "training to 0.9")):
             ratios = [
                 results["sync", s][key] / results[config, s][key]  # type: ignore[operator]
-                for s in args.seeds
+                for s in seeds
                 if results["sync", s][key] and results[config, s][key]
             ]
             if ratios:
                 mean = sum(ratios) / len(ratios)
-                print(f"{config}: {name} {mean:.2f}x the sync speed ({len(ratios)} seed(s))")
-        steps = [results["sync", s]["step_s"] / results[config, s]["step_s"] for s in args.seeds]
-        print(
-            f"{config}: median step time {sum(steps) / len(steps):.2f}x the sync speed "  # type: ignore[operator]
+                lines.append(f"{config}: {name} {mean:.2f}x the sync speed ({len(ratios)} seed(s))")
+        steps = [results["sync", s]["step_s"] / results[config, s]["step_s"] for s in seeds]  # type: ignore[operator]
+        lines.append(
+            f"{config}: median step time {sum(steps) / len(steps):.2f}x the sync speed "
             f"({len(steps)} seed(s))"
         )
-        finals = [results[config, s]["final"] - results["sync", s]["final"] for s in args.seeds]
-        print(f"{config}: final reward {sum(finals) / len(finals):+.3f} vs sync (mean over seeds)")
+        finals = [results[config, s]["final"] - results["sync", s]["final"] for s in seeds]  # type: ignore[operator]
+        lines.append(
+            f"{config}: final reward {sum(finals) / len(finals):+.3f} vs sync (mean over seeds)"
+        )
+    return lines
 
 
 if __name__ == "__main__":

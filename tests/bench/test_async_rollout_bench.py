@@ -55,3 +55,44 @@ def test_the_split_critic_row_gives_actor_critic_and_engine_a_process_each_on_2_
     assert sum(cpus) <= 2
     assert [max(1, round(c)) for c in cpus] == [1, 1, 1]  # the loop's threads per process
     assert split.algorithm == base.algorithm  # the same objective and staleness
+
+
+def test_each_sync_row_differs_from_its_asynchronous_partner_in_max_staleness_alone() -> None:
+    """``sync-critic`` -> ``async-1-is-critic`` and ``sync-split`` -> ``async-1-is``: the same
+    placement and objective settings, maxStaleness 0 against 1."""
+    from bench.async_rollout import CONFIGS, _config
+
+    for sync, asynchronous in (("sync-critic", "async-1-is-critic"), ("sync-split", "async-1-is")):
+        a, b = set(CONFIGS[sync]), set(CONFIGS[asynchronous])
+        assert a - b == {"algorithm.maxStaleness=0"}
+        assert b - a == {"algorithm.maxStaleness=1"}
+        s, x = _config(sync, 1, 5), _config(asynchronous, 1, 5)
+        assert (s.algorithm.max_staleness, x.algorithm.max_staleness) == (0, 1)
+        assert s.roles == x.roles
+        assert s.algorithm.model_copy(update={"max_staleness": 1}) == x.algorithm
+
+
+def test_the_summary_gives_medians_spreads_and_the_one_thing_pairs_ratios() -> None:
+    from bench.async_rollout import summary_lines
+
+    def run(step: int | None, train: float, step_s: float) -> dict[str, float | None]:
+        reached = step is not None
+        return {
+            "step": step,
+            "to": train + 8.0 if reached else None,
+            "train": train if reached else None,
+            "step_s": step_s,
+            "final": 1.0,
+        }
+
+    results = {}
+    for seed, (a, b) in enumerate(((30.0, 20.0), (40.0, 40.0), (50.0, 25.0)), start=1):
+        results["sync-critic", seed] = run(260, a, 0.1)
+        results["async-1-is-critic", seed] = run(260 if seed != 3 else None, b, 0.08)
+    lines = summary_lines(results, ["sync-critic", "async-1-is-critic"], [1, 2, 3])
+    row = next(line for line in lines if line.startswith("async-1-is-critic "))
+    assert row.split()[1] == "2/3"  # reached 0.9 / seeds
+    assert "30.0 [20.0-40.0]" in row  # train s: median [min-max] over the seeds that reached it
+    pair = next(line for line in lines if line.startswith("sync-critic -> async-1-is-critic"))
+    assert "1.25 [1.00-1.50]" in pair  # train s: 30/20, 40/40
+    assert "1.25 [1.25-1.25]" in pair  # step s: 0.1/0.08 on every seed
