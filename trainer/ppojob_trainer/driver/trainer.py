@@ -366,6 +366,8 @@ class PPOTrainer:
         """The roles and ranks each of ``all_hosts`` holds (``role:rank``), in host order: the
         processes a checkpoint's generator states belong to."""
         groups = self.groups
+        if not groups.all_hosts:
+            return []
         roles = [(r, groups.role(r).handles) for r in ("actor", "critic", "rollout")]
         return [
             sorted(f"{r}:{i}" for r, handles in roles for i, h in enumerate(handles) if h is host)
