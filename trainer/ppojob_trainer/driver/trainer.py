@@ -388,11 +388,12 @@ class PPOTrainer:
                 waits += group.call("load_checkpoint", role, str(path / role))
             elif role in state:  # a checkpoint written before per-worker shards
                 waits += group.call("set_state", role, state[role])
-        rng, layout = state.get("rng"), state.get("rng_layout")
+        rng, layout, current = state.get("rng"), state.get("rng_layout"), self.rng_layout()
         # the generators go back only to processes holding the same roles and ranks (a resume
-        # on other worker counts, which the fingerprint allows, starts them afresh)
-        same = layout == self.rng_layout() if layout is not None else None
-        if rng is not None and len(rng) == len(all_hosts) and same is not False:
+        # on other worker counts, which the fingerprint allows, starts them afresh); a
+        # checkpoint written before layouts were recorded is matched by its length alone
+        same = layout is None or layout == current
+        if rng is not None and len(rng) == len(all_hosts) and same:
             pairs = zip(all_hosts, rng, strict=True)
             waits += [h.set_rng_state.remote(r) for h, r in pairs if r is not None]
         else:
@@ -402,7 +403,7 @@ class PPOTrainer:
                 "no" if rng is None else len(rng),
                 layout,
                 len(all_hosts),
-                self.rng_layout(),
+                current,
             )
         WATCHDOG.get(waits, "worker", "resume")
         WATCHDOG.get(self.weights.start(), "rollout", "weight sync")
