@@ -474,6 +474,12 @@ state = "{self.state / "state"}"
             "serializeImagePulls": False,
             "registerNode": True,
             "podPidsLimit": -1,
+            # CPU limits are not enforced here: the jobs' pods ask for fractions of the node's 2
+            # cores so that one job fits beside the operator (the head 0.3), and under a CFS
+            # quota of that size the head's Ray processes and the driver took twice as long to
+            # start (an attempt's pods to its first step: 64 s with the quota, 36 s without; the
+            # suspend test 246 s against 169 s, 2026-12-07). Scheduling still counts requests.
+            "cpuCFSQuota": False,
         }
         cfg_path = self.dir / "kubelet.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
