@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "operator"), str(ROOT)]
 
+from bench.records import Figure, add_record_arguments, write_record  # noqa: E402
 from ppojob_api.memory_plan import (  # noqa: E402
     GiB,
     Shape,
@@ -250,12 +251,7 @@ def main() -> int:
     ap.add_argument("--gpu-gib", type=float, help="GPU memory; default: from the node selector")
     ap.add_argument("--measure", action="store_true", help="check the plan against CPU peaks")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--record",
-        metavar="NAME",
-        help="write each process's planned peak to bench/records/NAME.json (bench/records.py)",
-    )
-    ap.add_argument("--load", help="with --record: a note of the machine's load")
+    add_record_arguments(ap, "memory")  # each process's planned peak
     args = ap.parse_args()
     if args.child:
         _child(json.loads(args.child))
@@ -282,8 +278,6 @@ def main() -> int:
         print(_experts_line(shape, actor))
     print(format_plan(plans, gib))
     if args.record:
-        from bench.records import Figure, write_record
-
         figures = {f"{p.name}.peak": Figure(p.peak / GiB, "GiB", 2) for p in plans}
         write_record(args.record, figures, load=args.load)
     return 0 if all(p.peak <= gib * GiB for p in plans) else 1

@@ -254,5 +254,21 @@ def write_record(
     return path
 
 
+def add_record_arguments(parser: object, default: str | None = None) -> None:
+    """``--record [NAME]`` (off by default; NAME defaults to ``default``) and ``--load NOTE`` on
+    a bench script's argparse parser."""
+    parser.add_argument(  # type: ignore[attr-defined]
+        "--record",
+        nargs="?",
+        const=default,
+        metavar="NAME",
+        help=f"write the printed figures to bench/records/NAME.json (default NAME: {default}; "
+        f"${ENV_DIR} moves the directory)",
+    )
+    parser.add_argument(  # type: ignore[attr-defined]
+        "--load", help="with --record: a note of the machine's load (default: load averages)"
+    )
+
+
 def load_record(path: str | os.PathLike[str]) -> dict[str, object]:
     return json.loads(Path(path).read_text())

@@ -233,3 +233,16 @@ def test_memory_py_record_flag_writes_the_plans_peaks(tmp_path: Path) -> None:
         assert f"{role}: peak {figures[key]['text']} of" in out.stdout
     assert rec["command"].startswith("python bench/memory.py ")
     assert rec["machine"]["load"] == "test"
+
+
+def test_packing_lora_figures_are_the_ones_its_table_prints() -> None:
+    from bench.packing_lora import packing_figures
+
+    # the hidden-1024 run's update medians (bench/README.md): its ratios come out as printed
+    out = {"padded": 13.22, "padded+budget": 9.51, "packed+budget": 7.47}
+    figures = packing_figures({k: {"update_s": v} for k, v in out.items()})
+    recorded = load_record(RECORDS / "packing_h1024_e6ffd82.json")["figures"]
+    for key in ("budget.update_vs_padded", "packed_budget.update_vs_padded"):
+        assert figures[key].text == recorded[key]["text"]
+    assert figures["packed_budget.update_vs_previous"].text == "1.27x"
+    assert figures["padded.update"].text == "13.22 s"
