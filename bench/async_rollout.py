@@ -91,6 +91,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.records import Figure, add_record_arguments, write_record
 from bench.time_to_reward import EXAMPLE, crossing
 
 SPLIT = (
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=500)
+    add_record_arguments(parser, "async_rollout")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(
@@ -241,9 +243,13 @@ def main() -> None:
                 r = run_one(config, seed, args.steps, Path(tmp) / f"{config}-{seed}")
                 results[config, seed] = r
                 print(row_line(config, seed, r), flush=True)
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    end = os.getloadavg()[0]
+    print(f"load average at the end {end:.1f}")
     for line in summary_lines(results, args.configs, args.seeds):
         print(line)
+    if args.record:
+        note = args.load or f"load average {load:.1f} at the start, {end:.1f} at the end"
+        write_record(args.record, record_figures(results, args.configs, args.seeds), load=note)
 
 
 # The pairs of rows that differ by one thing (base, changed, what changes). ``sync-split`` and
@@ -345,6 +351,53 @@ def summary_lines(
             f"{config}: final reward {sum(finals) / len(finals):+.3f} vs sync (mean over seeds)"
         )
     return lines
+
+
+# the summary's columns as record figures: (key, unit, decimals, unit printed in the docs' tables)
+RECORD_KEYS = {
+    "step": ("steps_to_0.9", "steps", 0, False),
+    "train": ("train_to_0.9", "s", 1, True),
+    "to": ("to_0.9_with_startup", "s", 1, True),
+    "step_s": ("median_step", "s", 3, True),
+    "final": ("final_last10", "", 3, True),
+}
+RATIO_KEYS = {
+    "step": "steps_to_0.9",
+    "train": "train_to_0.9",
+    "to": "with_startup",
+    "step_s": "median_step",
+}
+
+
+def record_figures(
+    results: dict[tuple[str, int], dict[str, float | None]],
+    configs: list[str],
+    seeds: list[int],
+) -> dict[str, Figure]:
+    """The medians :func:`summary_lines` prints, as record figures: ``<config>.<key>`` and
+    ``ratio.<base>_to_<changed>.<key>`` (the one-thing pairs' per-seed ratios)."""
+    figures: dict[str, Figure] = {}
+    for config in configs:
+        runs = [results[config, s] for s in seeds if (config, s) in results]
+        for key, (name, unit, digits, shown) in RECORD_KEYS.items():
+            values = [float(r[key]) for r in runs if r[key] is not None]  # type: ignore[arg-type]
+            if values:
+                median = statistics.median(values)
+                figures[f"{config}.{name}"] = Figure(median, unit, digits, unit_shown=shown)
+    for base, changed, _ in PAIRS:
+        if base not in configs or changed not in configs:
+            continue
+        for key, name in RATIO_KEYS.items():
+            ratios = [
+                results[base, s][key] / results[changed, s][key]  # type: ignore[operator]
+                for s in seeds
+                if results[base, s][key] and results[changed, s][key]
+            ]
+            if ratios:
+                figures[f"ratio.{base}_to_{changed}.{name}"] = Figure(
+                    statistics.median(ratios), "", 2
+                )
+    return figures
 
 
 if __name__ == "__main__":

@@ -178,7 +178,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--json", help="write the figures here")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(parser, "megatron_load_memory")
     args = parser.parse_args()
+    figures: dict[str, Figure] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_bytes = write_random_llama(Path(tmp) / "model", layers=args.layers)
@@ -192,8 +198,14 @@ def main() -> None:
                     f"{over:>13.0f}"
                 )
                 rows.append({"tp": tp, "model": model_bytes, **r})
+                key = f"tp{tp}.rank{r['rank']}"
+                mib = {"unit": "MiB", "digits": 0, "unit_shown": False}
+                figures[f"{key}.added"] = Figure(r["added"] / MiB, **mib)
+                figures[f"{key}.added_minus_shard"] = Figure(over, **mib)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.record:
+        write_record(args.record, figures, load=args.load)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,11 @@ def main() -> None:
     )
     parser.add_argument("--window", type=int, default=10, help="moving-average steps")
     parser.add_argument("--hold", type=int, default=10, help="steps the average must stay up")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(parser, "megatron_tiny")
     args = parser.parse_args()
     what = {
         "megatron": "megatron TP2",
@@ -120,6 +125,7 @@ def main() -> None:
         f"{'seed':>4} {'first':>6} {'step':>5} {'seconds':>8} {'setup s':>8} {'s/step':>7} "
         f"{'final':>6} {'wall s':>7}"
     )
+    figures: dict[str, Figure] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             r = run_one(
@@ -139,6 +145,14 @@ def main() -> None:
                 f"{r['step_s']:7.3f} {r['final']:6.3f} {r['wall']:7.1f}",
                 flush=True,
             )
+            if r["step"] is not None:
+                figures[f"seed{seed}.steps_to_0.9"] = Figure(
+                    r["step"], "steps", 0, unit_shown=False
+                )
+            figures[f"seed{seed}.s_per_step"] = Figure(r["step_s"], "s", 3, unit_shown=False)
+            figures[f"seed{seed}.final"] = Figure(r["final"], "", 3)
+    if args.record:
+        write_record(args.record, figures, load=args.load)
 
 
 if __name__ == "__main__":

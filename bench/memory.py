@@ -4,6 +4,7 @@
     python bench/memory.py examples/ppojob-qwen3-moe-megatron-ep.yaml         # a MoE plan
     python bench/memory.py FILE --set roles.actor.backend=torch ...           # another layout
     python bench/memory.py --measure                                          # plan vs CPU peak
+    python bench/memory.py FILE --record NAME     # also write bench/records/NAME.json (records.py)
 
 The plan (``ppojob_api.memory_plan``) is arithmetic over the model's shape and the spec. For a
 mixture-of-experts model (the Qwen3-30B-A3B-shaped example, plan only: no GPU here) it also
@@ -37,8 +38,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "operator")]
+sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT / "operator"), str(ROOT)]
 
+from bench.records import Figure, add_record_arguments, write_record  # noqa: E402
 from ppojob_api.memory_plan import (  # noqa: E402
     GiB,
     Shape,
@@ -249,6 +251,7 @@ def main() -> int:
     ap.add_argument("--gpu-gib", type=float, help="GPU memory; default: from the node selector")
     ap.add_argument("--measure", action="store_true", help="check the plan against CPU peaks")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_record_arguments(ap, "memory")  # each process's planned peak
     args = ap.parse_args()
     if args.child:
         _child(json.loads(args.child))
@@ -274,6 +277,9 @@ def main() -> int:
     if shape is not None and shape.experts:
         print(_experts_line(shape, actor))
     print(format_plan(plans, gib))
+    if args.record:
+        figures = {f"{p.name}.peak": Figure(p.peak / GiB, "GiB", 2) for p in plans}
+        write_record(args.record, figures, load=args.load)
     return 0 if all(p.peak <= gib * GiB for p in plans) else 1
 
 

@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--coefficients", type=float, nargs="+", default=[1e-6, 0.01, 0.1])
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.records import Figure, add_record_arguments, command_line, write_record
+
+    add_record_arguments(ap, "moe_balance")
     a = ap.parse_args(argv)
+    figures: dict[str, Figure] = {}
     print(f"examples/ppojob-tiny.yaml, builtin:tiny-qwen3-moe, {a.steps} steps, window {a.window}")
     print("seed  coefficient  router_balance first -> last   reward_mean first -> last")
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{seed:>4}  {coef:>11g}  {b0:>10.3f} -> {b1:.3f}        {r0:.3f} -> {r1:.3f}"
                 )
+                key = f"seed{seed}.coef{coef:g}".replace("e-0", "e-")
+                figures[f"{key}.router_balance_first"] = Figure(b0, "", 3)
+                figures[f"{key}.router_balance_last"] = Figure(b1, "", 3)
+    if a.record:
+        write_record(
+            a.record,
+            figures,
+            command=None if argv is None else command_line([__file__, *argv]),
+            load=a.load,
+        )
     return 0
 
 

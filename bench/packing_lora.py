@@ -62,15 +62,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
+if TYPE_CHECKING:
+    from bench.records import Figure
 
 import torch  # noqa: E402
 
@@ -404,6 +408,27 @@ def bench_lora(model_dir: Path, repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def packing_figures(out: dict[str, dict[str, float]]) -> dict[str, Figure]:
+    """The packing part's printed figures per layout: the update's seconds, its speed-up over
+    padded and over the layout before (``<layout>.update``, ``.update_vs_padded``,
+    ``.update_vs_previous``; layouts named as in bench/README.md's tables)."""
+    from bench.records import Figure
+
+    names = {"padded": "padded", "padded+budget": "budget", "packed+budget": "packed_budget"}
+    figures: dict[str, Figure] = {}
+    prev = None
+    for name, o in out.items():
+        key = names.get(name) or re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+        figures[f"{key}.update"] = Figure(o["update_s"], "s", 2)
+        if prev is not None:
+            figures[f"{key}.update_vs_padded"] = Figure(
+                out["padded"]["update_s"] / o["update_s"], "x", 2
+            )
+            figures[f"{key}.update_vs_previous"] = Figure(prev / o["update_s"], "x", 2)
+        prev = o["update_s"]
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["packing", "lora", "all"], default="all")
@@ -412,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=32, help="samples of the packing batch")
     ap.add_argument("--hidden", type=int, default=128, help="hidden size (MLP: 3x)")
     ap.add_argument("--layers", type=int, default=4)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.records import add_record_arguments, command_line, write_record
+
+    add_record_arguments(ap, "packing")  # the packing part's figures
     args = ap.parse_args(argv)
     from safetensors.torch import load_file
 
@@ -429,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if args.part in ("packing", "all"):
-            bench_packing(model_dir, args.repeats, args.samples)
+            packing = bench_packing(model_dir, args.repeats, args.samples)
+            if args.record:
+                command = None if argv is None else command_line([__file__, *argv])
+                write_record(args.record, packing_figures(packing), command, load=args.load)
         if args.part in ("lora", "all"):
             bench_lora(model_dir, args.repeats)
     return 0

@@ -270,6 +270,9 @@ def main() -> int:
     ap.add_argument("--models", default="builtin:tiny-llama,builtin:small-llama")
     ap.add_argument("--block", type=int, default=1, help="steps per alternating block")
     ap.add_argument("--cpus", type=float, help="override the actor's resources.cpus (threads)")
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(ap, "step_overhead")
     args = ap.parse_args()
     os.environ.setdefault("PPOJOB_CACHE_DIR", str(Path.home() / ".cache" / "ppojob"))
     # as PPOTrainer sets for its workers; here for the in-process one (read when torch loads)
@@ -283,8 +286,10 @@ def main() -> int:
     )
     start_local_ray()
     worst = 0.0
+    figures: dict[str, Figure] = {}
+    models = args.models.split(",")
     try:
-        for model in args.models.split(","):
+        for model in models:
             cfg = load_cfg(args.manifest, model, args.cpus)
             params = count_parameters(load_causal_lm(resolve_model_path(model, cfg.training.seed)))
             ray_t, local_t, reward_diff, threads = measure(cfg, args.steps, args.warmup, args.block)
@@ -307,12 +312,20 @@ def main() -> int:
                 f"   ratio {ratio:.2f}"
             )
             print(f"  same work: max |mean reward difference| at equal steps {reward_diff:.2e}")
+            key = "" if len(models) == 1 else model.split(":")[-1] + "."
+            figures[f"{key}full_step_median"] = Figure(
+                ray_t["step"] * 1e3, "ms", 1, unit_shown=False
+            )
+            figures[f"{key}ray_part"] = Figure((ray_t["step"] - phases) * 1e3, "ms", 1)
+            figures[f"{key}ray_over_one_process"] = Figure(ratio, "", 2)
     finally:
         shutdown_ray()
     print(f"\nworst ratio: {worst:.2f} (goal <= 1.25)")
+    if args.record:
+        write_record(args.record, figures, load=args.load)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer")]
+    sys.path[:0] = [str(ROOT / "api"), str(ROOT / "trainer"), str(ROOT)]
     raise SystemExit(main())

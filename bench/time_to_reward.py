@@ -159,6 +159,10 @@ def main() -> None:
     parser.add_argument("--min-last", type=float, default=0.95, help="goal of the closing mean")
     parser.add_argument("--stop", action="store_true", help="stop each run at the criterion")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    sys.path.insert(0, str(ROOT))
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(parser, "time_to_reward")
     args = parser.parse_args()
     if args.window < 1 or args.hold < 1 or args.last < 1:
         parser.error("--window, --hold and --last must be >= 1")
@@ -212,6 +216,12 @@ def main() -> None:
             f"{mode}: lowest last{args.last} {low:.3f}, {verdict} the {args.min_last} goal "
             f"(seeds {' '.join(map(str, args.seeds))})"
         )
+    if args.record:  # the two verdicts' figures, per mode
+        figures = {f"{m}.slowest_to_0.9": Figure(secs, "s", 1) for m, secs in worst.items()}
+        figures.update(
+            {f"{m}.last{args.last}_min": Figure(low, "", 3) for m, low in lowest.items()}
+        )
+        write_record(args.record, figures, load=args.load)
 
 
 if __name__ == "__main__":

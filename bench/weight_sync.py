@@ -271,6 +271,11 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=1, help="syncs of each method not counted")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(parser, "weight_sync")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = run(args.syncs, args.bucket_mb, args.layers, args.warmup)
@@ -294,14 +299,19 @@ def main() -> None:
         f"{'method':<11} {'s/sync':>8} {'GB/s':>6} {'x bound':>8} {'bytes/sync':>12} "
         f"{'collectives':>11} {'buckets':>7}"
     )
+    figures = {"memcpy_bound": Figure(bound, "s", 3, unit_shown=False)}
     for name, rows in out["results"].items():
         s = statistics.median(r["seconds"] for r in rows)
+        key = f"{name.replace('-', '_')}_s_per_sync"
+        figures[key] = Figure(s, "s", 3, unit_shown=False)
         r0 = rows[0]
         print(
             f"{name:<11} {s:>8.3f} {gb * ENGINES / s:>6.2f} {s / bound:>8.1f} "
             f"{int(r0['bytes']):>12} {int(r0['collectives']):>11} {int(r0['buckets']):>7}"
         )
     print("every engine holds the sender's tensors bit for bit:", out["equal"])
+    if args.record:
+        write_record(args.record, figures, load=args.load)
 
 
 if __name__ == "__main__":

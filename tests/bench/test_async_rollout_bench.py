@@ -96,3 +96,20 @@ def test_the_summary_gives_medians_spreads_and_the_one_thing_pairs_ratios() -> N
     pair = next(line for line in lines if line.startswith("sync-critic -> async-1-is-critic"))
     assert "1.25 [1.00-1.50]" in pair  # train s: 30/20, 40/40
     assert "1.25 [1.25-1.25]" in pair  # step s: 0.1/0.08 on every seed
+
+
+def test_the_record_holds_the_summarys_medians_under_the_docs_keys() -> None:
+    from bench.async_rollout import record_figures
+
+    def run(step: int, train: float) -> dict[str, float | None]:
+        return {"step": step, "to": train + 8.0, "train": train, "step_s": 0.1, "final": 0.999}
+
+    results = {}
+    for seed, (a, b) in enumerate(((30.0, 20.0), (40.0, 40.0), (50.0, 25.0)), start=1):
+        results["sync-critic", seed] = run(260, a)
+        results["async-1-is-critic", seed] = run(270, b)
+    figures = record_figures(results, ["sync-critic", "async-1-is-critic"], [1, 2, 3])
+    assert figures["async-1-is-critic.train_to_0.9"].text == "25.0 s"
+    assert figures["async-1-is-critic.steps_to_0.9"].text == "270"
+    assert figures["sync-critic.final_last10"].text == "0.999"
+    assert figures["ratio.sync-critic_to_async-1-is-critic.train_to_0.9"].text == "1.50"
