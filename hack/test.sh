@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite as `make test` and CI run it, in three pytest processes side by side:
 #   - the real-node tests (tests/realnode/: PPOJobs in real pods on a kubelet built here, mostly
-#     waiting for pods to start and Ray to form),
+#     waiting for pods to start and Ray to form; themselves in two lanes on one node, then the
+#     tests that need the whole node: tests/realnode/session.py),
 #   - the control-plane tests (tests/cluster/: a real API server, KubeRay, Kueue, the gang
 #     schedulers and KWOK; mostly waiting for controllers: about 40 % of one core, measured),
 #   - everything else (the trainer's Ray and torch tests: the CPU-bound part),
@@ -23,7 +24,13 @@ export PPOJOB_TEST_TIMEOUT_SCALE="${PPOJOB_TEST_TIMEOUT_SCALE:-3}"
 mkdir -p build
 node_log=build/realnode-tests.log
 cluster_log=build/cluster-tests.log
-"$py" -m pytest -q --durations=15 -m realnode >"$node_log" 2>&1 &
+# the real node once, its tests in lanes side by side, then those that need the whole node
+# (tests/realnode/session.py); PPOJOB_REALNODE_SEQUENTIAL=1: one pytest process, one at a time
+if [ -n "${PPOJOB_REALNODE_SEQUENTIAL:-}" ]; then
+  "$py" -m pytest -q --durations=15 -m realnode >"$node_log" 2>&1 &
+else
+  "$py" -m tests.realnode.session >"$node_log" 2>&1 &
+fi
 realnode=$!
 "$py" -m pytest -q --durations=15 -m "not realnode" tests/cluster >"$cluster_log" 2>&1 &
 cluster=$!

@@ -426,6 +426,36 @@ class ControlPlane:
         self.admin_kubeconfig = workdir / "admin.kubeconfig"
         self.start_seconds: float | None = None
         self._ctx: ssl.SSLContext | None = None
+        self.foreign_pids: set[int] = set()  # an attached handle's: the starting process's
+
+    # ---- one control plane, several processes
+    def handoff(self) -> dict[str, Any]:
+        """What another process needs to use this started control plane (:meth:`attach`)."""
+        return {
+            "workdir": str(self.workdir),
+            "out": str(self.out),
+            "api_address": self.api_address,
+            "real_nodes": self.real_nodes,
+            "api_port": self.api_port,
+            "pki": {name: str(path) for name, path in self.pki.items()},
+            "pids": sorted(c.proc.pid for c in self.components.values() if c.proc is not None),
+        }
+
+    @classmethod
+    def attach(cls, state: dict[str, Any]) -> ControlPlane:
+        """A handle on a control plane another process started (and stops): requests,
+        ``kubectl``, ``helm``, Kueue. Its components are that process's: :attr:`foreign_pids`."""
+        cp = cls(
+            Path(state["workdir"]),
+            out=Path(state["out"]),
+            api_address=state["api_address"],
+            real_nodes=state["real_nodes"],
+        )
+        cp.api_port = state["api_port"]
+        cp.server = f"https://{cp.api_address}:{cp.api_port}"
+        cp.pki = {name: Path(path) for name, path in state["pki"].items()}
+        cp.foreign_pids = set(state["pids"])
+        return cp
 
     # ---- helpers
     def kubectl(

@@ -190,6 +190,21 @@ class RealNode:
         self.sock = self.state / "containerd.sock"
         self.imported: list[str] = []
 
+    # ---- one node, several processes
+    def handoff(self) -> dict[str, Any]:
+        """What another process needs to use this started node (:meth:`attach`)."""
+        return {"dir": str(self.dir), "state": str(self.state), "netns": sorted(self.netns_before)}
+
+    @classmethod
+    def attach(cls, cp: ControlPlane, state: dict[str, Any]) -> RealNode:
+        """A handle on a node another process started (and stops): its checks
+        (:meth:`network_report`, :meth:`listeners`), never :meth:`stop`."""
+        node = cls(cp, Path(state["dir"]))
+        node.state = Path(state["state"])
+        node.sock = node.state / "containerd.sock"
+        node.netns_before = set(state["netns"])
+        return node
+
     # ---- processes
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component:
         comp = Component(name, argv, self.cp.logdir / f"{name}.log", env)
@@ -577,6 +592,7 @@ state = "{self.state / "state"}"
         """(address:port, process) of every TCP/UDP socket listening on the host that a process
         of this run (control plane, node, containerd's shims) holds: ``ss -lntupH``."""
         pids = {c.proc.pid for c in self.cp.components.values() if c.proc is not None}
+        pids |= self.cp.foreign_pids
         pids |= {
             pid
             for pid, argv in _processes()

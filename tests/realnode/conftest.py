@@ -1,34 +1,28 @@
-"""Fixtures of the real-node tests: the control plane with a kubelet node
-(tests/helpers/realnode.py), both images built here from the project's Dockerfiles
-(hack/images/build.sh), and the operator installed by `helm install` of
-charts/ppojob-operator, running as the chart's Deployment on the node with its in-cluster
-configuration.
+"""Fixtures of the real-node tests: the control plane with a kubelet node, both images and the
+operator installed by `helm install` (tests/realnode/session.py).
 
-Run alone with `pytest -m realnode`. The node needs root (a kubelet, containerd, a bridge): on a
-machine where that is impossible the session fails with the reason (never a silent skip).
-The teardown checks the machine is left as found (no mount, network namespace, bridge, process
-or iptables chain of the run): a leftover fails the session.
+``pytest -m realnode`` starts that node for the run and stops it at the end; under
+``python -m tests.realnode.session`` (`make test`) the tests attach to the node it started
+(``PPOJOB_REALNODE_STATE``) and that process stops it. The node needs root (a kubelet,
+containerd, a bridge): on a machine where that is impossible the session fails with the reason
+(never a silent skip). The teardown checks the machine is left as found (no mount, network
+namespace, bridge, process or iptables chain of the run): a leftover fails the session.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import realnode as rn
-from tests.helpers.controlplane import ROOT, ControlPlane, Kueue, wait_until
-
-CHART = ROOT / "charts" / "ppojob-operator"
-OPERATOR_NS = "ppojob-system"
-RELEASE = "ppojob-operator"
+from tests.helpers.controlplane import Kueue, wait_until
+from tests.realnode import session
+from tests.realnode.session import OPERATOR_NS, RELEASE, RealCluster
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,99 +31,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.realnode)
 
 
-@dataclass
-class RealCluster:
-    cp: ControlPlane
-    node: rn.RealNode
-    images: dict[str, str]
-    workdir: Path
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def trainer_image(self) -> str:
-        return self.images["trainer"]
-
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 60) -> str:
-        return self.cp.kubectl(*args, check=check, timeout=timeout).stdout
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @pytest.fixture(scope="module")  # torn down before the next test directory runs
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
-    timings: dict[str, float] = {}
-    t = time.monotonic()
-    rn.ensure_packages()
-    images = rn.build_images()
-    timings["images"] = time.monotonic() - t
+    if os.environ.get(session.STATE_ENV):
+        yield session.attach(Path(os.environ[session.STATE_ENV]))
+        return
     # short: the kubelet's and containerd's paths end up in socket names and mount tables
     workdir = Path(tmp_path_factory.mktemp("rn"))
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _interrupt)  # a killed pytest still tears the node down
-    rn.make_bridge()
-    cp = ControlPlane(workdir / "cp", api_address=rn.GATEWAY, real_nodes=True)
-    node = rn.RealNode(cp, workdir / "node")
-    (workdir / "node").mkdir()
-
-    def teardown() -> None:
-        t = time.monotonic()
-        node.stop()
-        stopped = {"node stop": time.monotonic() - t}
-        cp.stop()
-        rn.remove_bridge()
-        stopped["control plane stop"] = time.monotonic() - t - stopped["node stop"]
-        print(
-            "\nreal node teardown: " + ", ".join(f"{k} {v:.1f}s" for k, v in stopped.items()),
-            file=sys.stderr,
-        )
-
-    atexit.register(teardown)
+        signal.signal(
+            signal.SIGTERM, session.interrupt
+        )  # a killed pytest still tears the node down
+    cluster = session.start(workdir)
+    atexit.register(session.stop, cluster)
     try:
-        t = time.monotonic()
-        cp.start()
-        timings["control plane"] = time.monotonic() - t
-        t = time.monotonic()
-        node.start(images)
-        timings["node"] = time.monotonic() - t
-        t = time.monotonic()
-        repo, tag = images["operator"].rsplit(":", 1)
-        proc = subprocess.run(
-            [
-                str(cp.helm_bin),
-                "install",
-                RELEASE,
-                str(CHART),
-                f"--kubeconfig={cp.admin_kubeconfig}",
-                f"--namespace={OPERATOR_NS}",
-                "--create-namespace",
-                f"--set=image.repository={repo}",
-                f"--set=image.tag={tag}",
-                "--set=image.pullPolicy=Never",
-                "--wait",
-                "--timeout=3m",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        if proc.returncode != 0:
-            raise rn.ControlPlaneError(f"helm install failed: {proc.stderr[-3000:]}")
-        timings["helm install"] = time.monotonic() - t
-        cluster = RealCluster(cp, node, images, workdir, timings)
-        print(
-            "\nreal node: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()),
-            file=sys.stderr,
-        )
         yield cluster
-    except BaseException:
-        sys.stderr.write(cp.logs())
-        raise
     finally:
-        teardown()
-        atexit.unregister(teardown)
-    left = node.leftovers()
+        left = session.stop(cluster)
+        atexit.unregister(session.stop)
     assert not left, f"the real node left these behind: {left}"
 
 

@@ -4,9 +4,11 @@ image built here -> Ray forms a cluster across them -> the trainer runs the PPO 
 reads the verdict from the Ray dashboard -> the PPOJob ends. Nothing here writes a status by hand.
 
 The job is the tiny example (count-up, 133k-parameter Llama) sized for this 2-core node: head
-0.3 CPU (+ KubeRay's 0.5-CPU submitter sidecar), one 1-CPU worker that holds actor, critic and
-rollout. Checkpoints go to a hostPath PersistentVolume the test provisions on the node, so the
-test reads the trainer's own metrics.jsonl and checkpoints from the host.
+0.1 CPU (+ KubeRay's 0.5-CPU submitter sidecar), one 0.3-CPU worker (Ray counts it as 1: KubeRay
+rounds up) that holds actor, critic and rollout: two jobs fit beside the operator, one per lane
+(session.py; the node's kubelet enforces no CPU limit). Checkpoints go to a hostPath
+PersistentVolume the test provisions on the node, so the test reads the trainer's own
+metrics.jsonl and checkpoints from the host.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ def ppojob(
     spec: dict[str, Any] = {
         "image": image or cluster.trainer_image,
         "imagePullPolicy": "Never",  # imported into the node; there is no registry
-        "head": {"cpus": 0.3, "memory": "3Gi"},
+        "head": {"cpus": 0.1, "memory": "3Gi"},
         "model": {"path": "builtin:tiny-llama"},
         "roles": {
-            "actor": {"replicas": 1, "resources": {"cpus": 1, "memory": "4Gi"}},
+            "actor": {"replicas": 1, "resources": {"cpus": 0.3, "memory": "4Gi"}},
             "rollout": {"colocateWithActor": True},
         },
         "algorithm": {
@@ -646,6 +648,7 @@ SUSPEND_STEPS = 80  # a suspension goes through KubeRay (a few seconds more); it
 DISRUPTIONS = [("head", []), ("worker", ["--grace-period=0", "--force"])]
 
 
+@pytest.mark.second_lane
 def test_a_preempted_head_checkpoints_its_last_step_and_a_lost_worker_resumes_from_it(
     real_cluster: RealCluster,
 ) -> None:
@@ -775,6 +778,7 @@ LONG_STEPS = 6
 LONG_STEP_S = 12  # the actor's train sleeps this long every step (PPOJOB_HANG_GATE's seconds)
 
 
+@pytest.mark.second_lane
 def test_long_steps_in_flight_finish_and_checkpoint_when_the_head_then_a_worker_go(
     real_cluster: RealCluster,
 ) -> None:
@@ -857,6 +861,7 @@ LONGER_TRAIN_S = 30  # and the actor's training this long: a step of about 40 s
 LONGER_GRACE_S = 30  # the pods' grace period (the least with a volume): shorter than a step
 
 
+@pytest.mark.second_lane
 def test_a_step_longer_than_the_grace_period_is_abandoned_with_the_completed_steps_saved(
     real_cluster: RealCluster,
 ) -> None:
@@ -915,6 +920,7 @@ def test_a_step_longer_than_the_grace_period_is_abandoned_with_the_completed_ste
 DRAIN_STEPS = 80
 
 
+@pytest.mark.whole_node
 def test_a_drained_node_stops_the_job_with_its_checkpoint_and_uncordoned_it_resumes(
     real_cluster: RealCluster,
 ) -> None:
@@ -980,6 +986,7 @@ def test_a_drained_node_stops_the_job_with_its_checkpoint_and_uncordoned_it_resu
 ELASTIC_STEPS = 200
 
 
+@pytest.mark.whole_node
 def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealCluster) -> None:
     """Issue 24 on real pods: rollout engines in a worker group of their own, elastic between 1
     and 2, started with 1 pod. The trainer asks for a second engine, and KubeRay's in-tree
@@ -993,7 +1000,7 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
     namespace(cluster, ns)
     host = volume(cluster, ns)
     doc = ppojob(cluster, name, ns, ELASTIC_STEPS, claim="ckpt", interval=100)
-    # the node has 2 CPUs: the operator 0.1, head 0.3 (+ 0.5 for KubeRay's submitter, + 0.1
+    # the node has 2 CPUs: the operator 0.1, head 0.1 (+ 0.5 for KubeRay's submitter, + 0.1
     # for its autoscaler), actor 0.5, 2 x 0.2
     doc["spec"]["roles"] = {
         "actor": {"replicas": 1, "resources": {"cpus": 0.5, "memory": "3Gi"}},
@@ -1099,6 +1106,7 @@ KUEUE_STEPS = 30
 KUEUE_STEP_S = 3  # the low job's actor trains this long every step (the tests' gate)
 
 
+@pytest.mark.whole_node
 def test_a_kueue_preemption_checkpoints_the_step_in_flight_and_the_job_resumes_there(
     real_cluster: RealCluster, real_kueue: Any
 ) -> None:
@@ -1130,9 +1138,10 @@ def test_a_kueue_preemption_checkpoints_the_step_in_flight_and_the_job_resumes_t
                             "flavors": [
                                 {
                                     "name": "node",
-                                    # one job (head 0.3 + KubeRay's submitter 0.5 + actor 1)
+                                    # one job (head 0.1 + KubeRay's submitter 0.5 + actor
+                                    # 0.3), not two
                                     "resources": [
-                                        {"name": "cpu", "nominalQuota": "2500m"},
+                                        {"name": "cpu", "nominalQuota": "1500m"},
                                         {"name": "memory", "nominalQuota": "20Gi"},
                                     ],
                                 }
