@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_record_arguments(ap, "packing")  # the packing part's figures
     args = ap.parse_args(argv)
+    if args.record and args.part == "lora":
+        ap.error("--record writes the packing part's figures: the LoRA part has no record yet")
     from safetensors.torch import load_file
 
     torch.set_num_threads(args.threads)

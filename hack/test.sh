@@ -34,8 +34,8 @@ fi
 realnode=$!
 "$py" -m pytest -q --durations=15 -m "not realnode" tests/cluster >"$cluster_log" 2>&1 &
 cluster=$!
-# an interrupted suite still tears the node and the control plane down (each pytest turns
-# SIGTERM into a clean stop)
+# an interrupted suite still tears the node and the control plane down (each pytest, and the
+# real-node session with its lanes, turns SIGTERM into a clean stop)
 trap 'kill -TERM "$realnode" "$cluster" 2>/dev/null; wait "$realnode" "$cluster"; exit 130' INT TERM
 "$py" -m pytest -q --durations=25 -m "not realnode" --ignore=tests/cluster
 main=$?

@@ -24,11 +24,13 @@ RECORDS = ROOT / "bench" / "records"
 DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
-CODE = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.S)
+# spans never cross a blank line: a stray backtick or ** cannot hide the paragraphs after it
+CODE = re.compile(r"(`+)(?!`)(?:(?!\n[ \t]*\n).)+?(?<!`)\1(?!`)", re.S)
 # any link into a records directory, and the complete form: a .json file and a figure key
 RECORD_TARGET = re.compile(r"\]\(([^)\s]*records/[^)\s]*)\)")
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s#]*records/[^)\s#]+\.json)#([^)\s]+)\)")
-BOLD = re.compile(r"\*\*(.+?)\*\*", re.S)
+BOLD = re.compile(r"(\*\*|__)((?:(?!\n[ \t]*\n).)+?)\1", re.S)
+ANY_RECORD = re.compile(r"records/[\w.-]+\.json")
 UNITS = (
     "x|%|ms|s|min|h|GiB|MiB|KiB|TiB|GB|MB|KB|TB|bytes|steps?|tok/s|tokens/s|tests|passed|"
     "samples|mutants"
@@ -79,6 +81,12 @@ def test_every_link_to_a_record_resolves_to_the_figure_it_prints() -> None:
             if not re.search(r"records/[^)\s#]+\.json#\S+$", m.group(1)):
                 line = text.count("\n", 0, m.start()) + 1
                 bad.append(f"{_rel(doc)}:{line}: {m.group(1)!r} names no record and figure key")
+        # a record named any other way (a link with a title, a reference-style link, HTML)
+        spans = [m.span() for m in LINK.finditer(text)]
+        for m in ANY_RECORD.finditer(text):
+            if not any(a <= m.start() < b for a, b in spans):
+                line = text.count("\n", 0, m.start()) + 1
+                bad.append(f"{_rel(doc)}:{line}: {m.group()!r} outside a [figure](record#key) link")
     for doc, line, text, path, key in _links():
         where = f"{_rel(doc)}:{line}: [{text}]"
         if path not in records:
@@ -96,8 +104,10 @@ def test_every_link_to_a_record_resolves_to_the_figure_it_prints() -> None:
 
 
 def _commit_exists(commit: str) -> bool:
+    """The commit is HEAD's or an ancestor's (not merely an object in the clone)."""
+    sha = commit.removesuffix("+dirty")
     out = subprocess.run(
-        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True
+        ["git", "merge-base", "--is-ancestor", sha, "HEAD"], cwd=ROOT, capture_output=True
     )
     return out.returncode == 0
 
@@ -152,9 +162,9 @@ def test_every_bold_figure_in_the_docs_is_a_record_link() -> None:
     for doc in DOCS:
         text = _prose(doc.read_text())
         for span in BOLD.finditer(text):
-            inner = LINK.sub(_blank, span.group(1))
+            inner = LINK.sub(_blank, span.group(2))
             for m in FIGURE.finditer(inner):
-                at = span.start(1) + m.start()
+                at = span.start(2) + m.start()
                 line = text.count("\n", 0, at) + 1
                 bad.append(
                     f"{_rel(doc)}:{line}: bold {m.group()!r} (in {span.group()!r}) has no "

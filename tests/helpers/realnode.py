@@ -490,10 +490,11 @@ state = "{self.state / "state"}"
             "registerNode": True,
             "podPidsLimit": -1,
             # CPU limits are not enforced here: the jobs' pods ask for fractions of the node's 2
-            # cores so that one job fits beside the operator (the head 0.3), and under a CFS
-            # quota of that size the head's Ray processes and the driver took twice as long to
-            # start (an attempt's pods to its first step: 64 s with the quota, 36 s without; the
-            # suspend test 246 s against 169 s, 2026-12-07). Scheduling still counts requests.
+            # cores so that two jobs fit beside the operator (tests/realnode/session.py), and
+            # under a CFS quota that small the head's Ray processes and the driver took twice as
+            # long to start (an attempt's pods to its first step: 64 s with the quota, 36 s
+            # without; the suspend test 246 s against 169 s, 2026-12-07, with the head at 0.3
+            # CPU). Scheduling still counts requests.
             "cpuCFSQuota": False,
         }
         cfg_path = self.dir / "kubelet.yaml"
@@ -620,12 +621,14 @@ state = "{self.state / "state"}"
                 mnt = line.split()[4]
                 if mnt.startswith(dirs):
                     found.append(f"mount {mnt}")
+        # the control plane's processes too (Kueue's manager, started by a test, among them)
+        dirs = (*dirs, str(self.cp.workdir))
         if Path("/var/run/netns").is_dir():
             found += [f"netns {n}" for n in set(os.listdir("/var/run/netns")) - self.netns_before]
         if Path(f"/sys/class/net/{BRIDGE}").exists():
             found.append(f"bridge {BRIDGE}")
         for pid, argv in _processes():
-            if str(self.sock) in argv or str(self.state) in argv or str(self.dir) in argv:
+            if str(self.sock) in argv or any(d in argv for d in dirs):
                 found.append(f"process {pid}: {argv[:120]}")
         for save in ("iptables-save", "ip6tables-save"):
             chains = [

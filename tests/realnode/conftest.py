@@ -33,15 +33,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module")  # torn down before the next test directory runs
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # a killed pytest still runs its teardowns (the node's, Kueue's)
+        signal.signal(signal.SIGTERM, session.interrupt)
     if os.environ.get(session.STATE_ENV):
         yield session.attach(Path(os.environ[session.STATE_ENV]))
         return
     # short: the kubelet's and containerd's paths end up in socket names and mount tables
     workdir = Path(tmp_path_factory.mktemp("rn"))
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(
-            signal.SIGTERM, session.interrupt
-        )  # a killed pytest still tears the node down
     cluster = session.start(workdir)
     atexit.register(session.stop, cluster)
     try:

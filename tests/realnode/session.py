@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import realnode as rn
-from tests.helpers.controlplane import ROOT, ControlPlane
+from tests.helpers.controlplane import ROOT, ControlPlane, wait_until
 
 CHART = ROOT / "charts" / "ppojob-operator"
 OPERATOR_NS = "ppojob-system"
@@ -165,6 +166,30 @@ def _pytest(lane: str, expression: str, env: dict[str, str]) -> tuple[subprocess
     return proc, log
 
 
+START_DEADLINE_S = 2400
+"""The node's start (a cold one builds both images: about 13 min on this machine) must end by
+then, or the run fails with the traceback of where it was."""
+
+
+def _deadline(signum: int, frame: object) -> None:
+    raise TimeoutError(f"the real node did not start within {START_DEADLINE_S} s")
+
+
+def clear_jobs(cluster: RealCluster) -> None:
+    """Every PPOJob and RayJob deleted and their pods gone (force: no grace period): what the
+    lanes left (a finished job keeps its pods for ``ttlSecondsAfterFinished``; a failed test's
+    job may still run) must not share the node with the whole-node tests."""
+    cluster.kubectl("delete", "ppojobs,rayjobs", "--all", "-A", "--wait=false", check=False)
+    ray_pods = ["pods", "-A", "-l", "ray.io/node-type"]
+    cluster.kubectl("delete", *ray_pods, "--grace-period=0", "--force", "--wait=false", check=False)
+    wait_until(
+        lambda: not cluster.kubectl("get", *ray_pods, "-o", "name").strip(),
+        300,
+        "the lanes' pods to go",
+        interval=1.0,
+    )
+
+
 def main() -> int:
     """Start the node, run the lanes side by side, then the whole-node tests, stop the node."""
     signal.signal(signal.SIGTERM, interrupt)  # a killed run still tears the node down
@@ -172,37 +197,56 @@ def main() -> int:
     # short: the kubelet's and containerd's paths end up in socket names and mount tables
     workdir = Path(tempfile.mkdtemp(prefix="ppojob-rn-"))
     t0 = time.monotonic()
-    cluster = start(workdir)
+    signal.signal(signal.SIGALRM, _deadline)
+    signal.alarm(START_DEADLINE_S)
+    try:
+        cluster = start(workdir)  # stops what it started when it fails
+    finally:
+        signal.alarm(0)
+    atexit.register(stop, cluster)  # should the teardown below be cut short
     running: list[subprocess.Popen] = []
     results: list[tuple[str, int, Path, float]] = []
+    left: list[str] | None = None
     try:
         state = workdir / "state.json"
         state.write_text(json.dumps(cluster.handoff()))
         env = {**os.environ, STATE_ENV: str(state)}
         t = time.monotonic()
-        lanes = {lane: _pytest(lane, expr, env) for lane, expr in LANES.items()}
-        running = [proc for proc, _ in lanes.values()]
+        lanes = {}
+        for lane, expression in LANES.items():
+            lanes[lane] = _pytest(lane, expression, env)
+            running.append(lanes[lane][0])
         for lane, (proc, log) in lanes.items():
             results.append((lane, proc.wait(), log, time.monotonic() - t))
+        running = []
+        clear_jobs(cluster)
         t = time.monotonic()
         proc, log = _pytest(*ALONE, env)
         running = [proc]
         results.append((ALONE[0], proc.wait(), log, time.monotonic() - t))
         running = []
     finally:
-        for proc in running:
+        # the teardown is not to be cut short by a second signal (hack/test.sh's trap sends one)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for proc in running:  # an interrupted run: each lane's pytest runs its teardowns
             proc.send_signal(signal.SIGTERM)
         for proc in running:
-            proc.wait()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         left = stop(cluster)
-    for lane, rc, log, seconds in results:
-        print(f"\n---------- {lane} (exit code {rc}, {seconds:.0f} s) ----------")
-        print(log.read_text())
-    print(f"real-node run: {time.monotonic() - t0:.0f} s in all")
-    if left:
-        print(f"the real node left these behind: {left}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+        atexit.unregister(stop)
+        for lane, rc, log, seconds in results:
+            print(f"\n---------- {lane} (exit code {rc}, {seconds:.0f} s) ----------")
+            print(log.read_text())
+        print(f"real-node run: {time.monotonic() - t0:.0f} s in all")
+        if left:
+            print(f"the real node left these behind: {left}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     failed = [rc for _, rc, _, _ in results if rc != 0]
     return failed[0] if failed else int(bool(left))
 
