@@ -51,7 +51,8 @@ def parse(text: str) -> dict[str, dict[str, float]]:
             parts[f"realnode.{lane}"] = counts
             real = parts.setdefault("realnode", {})
             for k in ("passed", "failed"):
-                real[k] = real.get(k, 0.0) + counts.get(k, 0.0)
+                if counts.get(k):
+                    real[k] = real.get(k, 0.0) + counts[k]
         elif order:
             parts[order.pop(0)] = counts
         else:  # a sequential real-node run (PPOJOB_REALNODE_SEQUENTIAL=1): one pytest
@@ -62,6 +63,8 @@ def parse(text: str) -> dict[str, dict[str, float]]:
 def figures(parts: dict[str, dict[str, float]]) -> dict[str, Figure]:
     out: dict[str, Figure] = {}
     for part, counts in parts.items():
+        if part == "total":
+            continue
         for key, value in counts.items():
             if key == "seconds":
                 out[f"{part}.time"] = Figure(value, "min s")
