@@ -24,7 +24,7 @@ burst's first create to that point; the "settled" time is the burst's last watch
 Figures are printed for both operators and as ratios ours / floor.
 
 Run: .venv/bin/python bench/operator_load.py [--burst 300] [--single 20] [--quiet 2]
-     [--grant-escalation]
+     [--grant-escalation] [--record [NAME]]
 
 One job at a time, most of our latency is the API server's RBAC escalation checks on the
 trainer's Role and RoleBinding: the operator holds neither ``escalate`` nor ``bind`` on roles, so
@@ -326,6 +326,21 @@ def measure(
     return out
 
 
+RECORD_KEYS = (
+    "single_p50",
+    "burst_total",
+    "burst_settled",
+    "burst_p50",
+    "burst_p99",
+    "burst_cpu_operator",
+    "burst_cpu_apiserver",
+    "writes_per_job_single",
+    "writes_per_job_burst",
+    "peak_rss_mb",
+)
+"""The record's keys of the printed rows, in their order (``ppojob.``, ``floor.``, ``ratio.``)."""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--burst", type=int, default=300)
@@ -343,6 +358,9 @@ def main() -> int:
         help="also grant our operator `bind` and `escalate` on roles (the chart does not): the API "
         "server then skips the escalation checks of the trainer's Role and RoleBinding",
     )
+    from bench.records import Figure, add_record_arguments, write_record
+
+    add_record_arguments(ap, "operator_load")
     args = ap.parse_args()
     from ppojob_operator.rbac import OPERATOR_RULES
 
@@ -438,16 +456,24 @@ def main() -> int:
         ("(d) operator peak RSS, MB", lambda r: r["rss"]),
     ]
     print(f"{'measure':48s} {'ppojob':>10s} {'floor':>10s} {'ratio':>8s}")
-    for label, fn in rows:
+    figures: dict[str, Figure] = {}
+    for (label, fn), key in zip(rows, RECORD_KEYS, strict=True):
         a, b = fn(ours), fn(floor)
         ratio = a / b if b else float("nan")
         print(f"{label:48s} {a:10.2f} {b:10.2f} {ratio:7.2f}x")
+        unit, digits = ("ms", 1) if key == "single_p50" else ("", 2)
+        figures[f"ppojob.{key}"] = Figure(a, unit, digits)
+        figures[f"floor.{key}"] = Figure(b, unit, digits)
+        if b:
+            figures[f"ratio.{key}"] = Figure(ratio, "x", 1)
     print("writes per job (one at a time), ppojob:")
     for k, v in ours["per_job"].items():
         print(f"    {k:44s} {v:6.2f}")
     print("writes per job (one at a time), floor:")
     for k, v in floor["per_job"].items():
         print(f"    {k:44s} {v:6.2f}")
+    if args.record:
+        write_record(args.record, figures, load=args.load)
     return 0
 
 
