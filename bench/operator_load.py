@@ -183,7 +183,7 @@ def job_body(name: str, ns: str) -> dict:
         "apiVersion": "ppojob.io/v1alpha1",
         "kind": "PPOJob",
         "metadata": {"name": name, "namespace": ns},
-        "spec": {"image": "ghcr.io/ppojob/trainer:0.1.0"},
+        "spec": {"image": "ghcr.io/ppojob/trainer:0.1.0", "model": {"path": "builtin:tiny-llama"}},
     }
 
 
