@@ -5,6 +5,7 @@ weight-update group), then writes every TCP socket this process listens on."""
 
 from __future__ import annotations
 
+import faulthandler
 import ipaddress
 import json
 import os
@@ -42,6 +43,8 @@ def listening() -> list[str]:
 
 def main() -> None:
     rank, world, port, port2, out = (*map(int, sys.argv[1:5]), sys.argv[5])
+    # a hang shows where it is: every thread's stack, before the test's deadline (300 s)
+    faulthandler.dump_traceback_later(240, exit=True)
     import torch
     import torch.distributed as dist
 
@@ -49,16 +52,17 @@ def main() -> None:
     from ppojob_trainer.backends.weight_sync import init_custom_group
     from ppojob_trainer.distributed import ShardIdentity, init_role_groups
 
-    init_role_groups(["actor"], rank, world, "127.0.0.1", port, "gloo")
+    init_role_groups(["actor"], rank, world, "127.0.0.1", port, "gloo", timeout_s=200)
     init_parallel(ShardIdentity("actor", tp_rank=rank, tp_size=world), "cpu", 0)
     if world > 1:
-        group = init_custom_group("gloo", "127.0.0.1", port2, world, rank, "weights")
+        group = init_custom_group("gloo", "127.0.0.1", port2, world, rank, "weights", 200)
         t = torch.ones(1)
         dist.all_reduce(t, group=group)
         assert t.item() == world
     with open(out, "w") as f:
         json.dump(listening(), f)
     dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -11,15 +11,33 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import ppojob_api
 import ppojob_trainer
-from ppojob_trainer.distributed import free_port
+from ppojob_trainer.distributed import free_port, rendezvous_port
 
 DRIVER = Path(__file__).with_name("local_listeners_driver.py")
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """The output of every process, each given what is left of one deadline; past it, all are
+    killed and the test fails with every rank's output (the driver dumps its threads' stacks
+    before the deadline: where a hang is shows)."""
+    deadline = time.monotonic() + timeout_s
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1.0))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outs = [q.communicate()[0] for q in procs]
+            pytest.fail("a rank hung:\n" + "\n".join(o[-6000:] for o in outs))
+    return logs
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -28,7 +46,8 @@ def test_local_megatron_process_groups_listen_on_loopback_only(world: int, tmp_p
     ours = [str(Path(m.__file__).parents[1]) for m in (ppojob_api, ppojob_trainer)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(ours), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("GLOO_SOCKET_IFNAME", None)  # the code under test must choose the interface
-    ports = [str(free_port()), str(free_port())]
+    # the world's port as a run hands it out (no store of an earlier group left at its path)
+    ports = [str(rendezvous_port("127.0.0.1")), str(free_port())]
     procs = [
         subprocess.Popen(
             [sys.executable, str(DRIVER), str(r), str(world), *ports, str(tmp_path / f"{r}.json")],
@@ -39,8 +58,8 @@ def test_local_megatron_process_groups_listen_on_loopback_only(world: int, tmp_p
         )
         for r in range(world)
     ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    logs = finish(procs, 300)
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
     for r in range(world):
         addresses = json.loads((tmp_path / f"{r}.json").read_text())
         assert addresses, "gloo listens somewhere: nothing found means the check is broken"

@@ -274,6 +274,62 @@ def test_a_stop_anywhere_between_steps_checkpoints_every_completed_step(
     assert info.value.checkpoint == str(newest)
 
 
+@pytest.mark.parametrize("during_a_step", [True, False])
+def test_the_account_says_whether_a_step_was_in_flight_at_the_stop(
+    tmp_path: Path, during_a_step: bool
+) -> None:
+    """A stop asked for inside step 2 lets it finish: "finished the step in flight". One asked for
+    after step 2's report (its checkpoint or the loop's next look, where a pod's SIGTERM lands
+    as often as in a step) has no step to finish, and the account says so instead of claiming
+    one: both checkpoint the 2 completed steps."""
+    from types import SimpleNamespace
+
+    from ppojob_trainer.driver.run import TrainResult, _Run
+    from ppojob_trainer.preemption import Preempted
+    from ppojob_trainer.progress import LocalProgressReporter
+
+    stop = StopSignal()
+
+    class Trainer(_StubTrainer):
+        def step(self, step: int) -> dict[str, float]:
+            if during_a_step and step == 1:
+                stop.request("SIGTERM")
+            return super().step(step)
+
+    class Reporter(LocalProgressReporter):
+        def report(self, step: int, metrics: dict[str, float]) -> None:
+            super().report(step, metrics)
+            if not during_a_step and step == 2:
+                stop.request("SIGTERM")
+
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(
+            resume=False, checkpoint_interval=0, keep_checkpoints=2, export_hugging_face=False
+        )
+    )
+    run = _Run(
+        Trainer(),  # type: ignore[arg-type]
+        cfg,  # type: ignore[arg-type]
+        tmp_path / "ckpt",
+        Reporter(tmp_path / "out", show_bar=False),
+        TrainResult(steps=0),
+        5,
+        time.perf_counter(),
+        stop,
+    )
+    with pytest.raises(Preempted) as info:
+        run.run()
+    assert info.value.step == 2 and info.value.in_flight is during_a_step
+    said = "finished the step in flight" if during_a_step else "no step was in flight"
+    assert str(info.value) == (
+        f"SIGTERM: {said}; 2 completed steps are in checkpoint {info.value.checkpoint}; "
+        "the next run resumes there"
+    )
+    newest = latest_checkpoint(tmp_path / "ckpt")
+    assert newest is not None and str(newest) == info.value.checkpoint
+    assert newest.name == "step-000002"
+
+
 def test_a_training_run_watches_the_draining_ray_nodes(tmp_path, monkeypatch) -> None:
     """``train`` hands the GCS's draining nodes to ``watch``: without it a worker pod's SIGTERM
     reaches the driver only as an ActorDiedError when the grace period ends."""

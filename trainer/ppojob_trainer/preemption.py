@@ -66,10 +66,23 @@ class Preempted(Exception):
 
     reason = "Preempted"
 
-    def __init__(self, step: int, checkpoint: str | None, cause: str, abandoned: bool) -> None:
+    def __init__(
+        self,
+        step: int,
+        checkpoint: str | None,
+        cause: str,
+        abandoned: bool,
+        in_flight: bool = True,
+    ) -> None:
         self.step, self.checkpoint, self.cause, self.abandoned = step, checkpoint, cause, abandoned
+        self.in_flight = in_flight or abandoned
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
-        what = "abandoned the step in flight" if abandoned else "finished the step in flight"
+        if abandoned:
+            what = "abandoned the step in flight"
+        elif in_flight:
+            what = "finished the step in flight"
+        else:  # the stop came between two steps (a checkpoint, the report): none to finish
+            what = "no step was in flight"
         super().__init__(
             f"{cause}: {what}; {step} completed steps are in {where}; the next run resumes there"
         )
@@ -105,6 +118,7 @@ class StopSignal:
             if self.cause is not None:
                 return
             self.cause, self.at = cause, time.monotonic()
+            self.in_step_at_stop = self.in_step
             grace = self.grace_seconds
             if grace_left is not None:
                 grace = grace_left if grace is None else min(grace, grace_left)

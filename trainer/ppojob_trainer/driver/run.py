@@ -196,7 +196,8 @@ class _Run:
                 # the stop came after the last step's own check (between it and the loop's):
                 # no step is in flight, so the completed ones are saved here
                 self._checkpoint(result.steps, None)
-            raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False)
+            in_flight = stop.in_step_at_stop is not False  # (unknown: as before, in flight)
+            raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False, in_flight)
         self._finish()
 
     def _step(self, step: int) -> None:
