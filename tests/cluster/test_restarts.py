@@ -60,20 +60,50 @@ def assert_exactly_one_child_each(cp, ns: str, names: list[str]) -> None:
         assert set(per_job.values()) == {1}, (kind, {k: v for k, v in per_job.items() if v != 1})
 
 
-def test_operator_killed_during_a_burst_of_50(cp, operator, ns):
+def test_operator_killed_during_a_burst_of_50(cp, operator, ns, tmp_path):
+    """SIGKILL while the operator is part-way through 50 new jobs, then a restart: every job gets
+    exactly one of each child, and the RayJobs stay suspended. The operator reaches the API
+    server through a proxy that passes its writes one at a time, 0.03 s each (the burst's
+    writes, children, statuses and events, take 15 s or more however fast the operator is):
+    the kill, once 3 RayJobs exist, lands mid-burst on any machine (unslowed, a quiet machine
+    finished all 50 before a poll saw the third)."""
+    from tests.helpers.controlplane import write_kubeconfig
+    from tests.helpers.faultproxy import FaultProxy
+
+    none = dict(p500=0, p429=0, p409=0, p_reset_before=0, p_reset_after=0)
+    proxy = FaultProxy(
+        cp.server, cp.pki["ca.crt"], **none, watch_seconds=(1e6, 1e6), write_seconds=0.03
+    ).start()
+    kubeconfig = write_kubeconfig(
+        tmp_path / "slowed.kubeconfig",
+        proxy.url,
+        cp.pki["ca.crt"],
+        token=yaml_token(operator.kubeconfig),
+    )
     docs = burst(ns, 50, "b")
     names = [d["metadata"]["name"] for d in docs]
-    cp.apply(docs)
-    # kill it once it has started on the burst, before it has finished
-    wait_until(lambda: len(children_per_job(cp, ns)["rayjob.ray.io"]) >= 3, 60, "the first RayJobs")
-    operator.kill()
-    done_at_kill = len(children_per_job(cp, ns)["rayjob.ray.io"])
-    operator.start()
-    wait_until(lambda: settled(cp, ns, names, "Suspended"), 240, "50 jobs settled")
+    operator.stop()
+    try:
+        operator.start(kubeconfig)
+        cp.apply(docs)
+        # kill it once it has started on the burst, before it has finished
+        wait_until(lambda: len(cp.get("rayjobs.ray.io", namespace=ns)["items"]) >= 3, 60, "RayJobs")
+        operator.kill()
+        done_at_kill = len(cp.get("rayjobs.ray.io", namespace=ns)["items"])
+        assert 3 <= done_at_kill < 50, done_at_kill
+        operator.start(kubeconfig)
+        wait_until(lambda: settled(cp, ns, names, "Suspended"), 240, "50 jobs settled")
+    finally:
+        operator.stop()
+        proxy.stop()
+        operator.start()
     assert_exactly_one_child_each(cp, ns, names)
     rayjobs = cp.get("rayjobs.ray.io", namespace=ns)["items"]
     assert [r["metadata"]["name"] for r in rayjobs if not r["spec"].get("suspend")] == []
-    print(f"RayJobs when the operator was killed: {done_at_kill}/50")
+    assert proxy.created["rayjobs"] == 50, dict(proxy.created)  # none deleted and made again
+    print(
+        f"RayJobs when the operator was killed: {done_at_kill}/50; requests {dict(proxy.injected)}"
+    )
 
 
 def test_fault_injecting_proxy_across_100_jobs(cp, operator, ns, tmp_path):

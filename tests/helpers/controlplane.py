@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -134,9 +133,11 @@ def layer_tool(name: str) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 for a component that binds it later, outside the range
+    outgoing connections take theirs from (the trainer's :func:`free_port`)."""
+    from ppojob_trainer.distributed import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range("127.0.0.1")
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:

@@ -48,12 +48,16 @@ class FaultProxy:
         p_reset_before: float = 0.03,
         p_reset_after: float = 0.03,
         watch_seconds: tuple[float, float] = (1.0, 5.0),
+        write_seconds: float = 0.0,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.ca = ca
         self.rng = random.Random(seed)
         self.p = dict(p500=p500, p429=p429, p409=p409, before=p_reset_before, after=p_reset_after)
         self.watch_seconds = watch_seconds
+        self.write_seconds = write_seconds
+        """Every write (POST, PUT, PATCH, DELETE) waits this long, one write at a time: a burst
+        that takes a known time however fast the client is (0: writes pass at once)."""
         self.injected: Counter = Counter()
         # objects the API server created (201) through the proxy, per collection (resource
         # plural): the operator's children, counted per job by the test
@@ -113,8 +117,13 @@ class FaultProxy:
             auto_decompress=False,
         )
 
+        writing = asyncio.Lock()
+
         async def handle(request: web.Request) -> web.StreamResponse:
             watch = request.query.get("watch") in ("true", "1")
+            if self.write_seconds and request.method in ("POST", "PUT", "PATCH", "DELETE"):
+                async with writing:
+                    await asyncio.sleep(self.write_seconds)
             kind = self._pick(request.method, watch)
             self.injected[kind] += 1
             if kind == "p500":

@@ -96,3 +96,33 @@ def test_a_rendezvous_port_comes_with_no_store_left_from_a_killed_run(monkeypatc
     assert cluster.rendezvous_address() == ("127.0.0.1", port)
     assert not os.path.exists(distributed.store_path(port))
     del stale
+
+
+def test_a_free_port_comes_from_below_the_range_outgoing_connections_use(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A rendezvous port is bound seconds after it is chosen (after a rank's imports). Outgoing
+    connections take their local ports from the kernel's ephemeral range, so free_port hands out
+    ports below it, each found free by binding it; a port in use there is passed over; with no
+    range to read, the kernel's pick."""
+    import random
+    import socket
+
+    from ppojob_trainer import distributed
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    monkeypatch.setattr(distributed, "EPHEMERAL_RANGE", str(ranges))
+    ports = [free_port() for _ in range(40)]
+    assert all(distributed.PORT_FLOOR <= p < 32768 for p in ports), ports
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        script = iter([taken, 23456])
+        monkeypatch.setattr(random, "randrange", lambda a, b: next(script))
+        assert free_port() == 23456  # the listener's port passed over
+    monkeypatch.undo()
+    monkeypatch.setattr(distributed, "EPHEMERAL_RANGE", str(tmp_path / "absent"))
+    kernels = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert free_port() >= kernels  # the kernel's pick, from its range

@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 NCCL_ENV: dict[str, str] = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
@@ -57,8 +58,36 @@ class ShardIdentity:
         return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PORT_FLOOR = 20000
+"""The lowest port :func:`free_port` hands out below the kernel's ephemeral range (above Ray's
+default range of worker ports, 10002-19999, which Ray's workers bind as they start)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for the rendezvous of a process group)."""
+    """A TCP port free on ``host`` right now, for a listener that binds it later (a process
+    group's rendezvous, an engine's server: seconds later, after imports).
+
+    Taken below the kernel's ephemeral range where there is room (Linux: 32768 and up by
+    default): every outgoing connection takes its local port from that range, so a port from
+    it that is free now can be a client's by the time its listener binds it (on a busy host,
+    the bind then fails or the group waits on the wrong peer). A random port below the range,
+    found free by binding it, is taken only by another explicit bind. Elsewhere (no such
+    range known, or none free below it after a few tries): the kernel's pick."""
+    import random
+
+    try:
+        low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(16 if low > PORT_FLOOR else 0):
+        port = random.randrange(PORT_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
