@@ -66,7 +66,9 @@ def test_operator_killed_during_a_burst_of_50(cp, operator, ns, tmp_path):
     server through a proxy that passes its writes one at a time, 0.03 s each (the burst's
     writes, children, statuses and events, take 15 s or more however fast the operator is):
     the kill, once 3 RayJobs exist, lands mid-burst on any machine (unslowed, a quiet machine
-    finished all 50 before a poll saw the third)."""
+    finished all 50 before a poll saw the third). Writes queued in the proxy at the kill still
+    reach the server (aiohttp finishes a handler whose client is gone), before any write of the
+    restarted operator: the 201s the proxy counts are every create the server did."""
     from tests.helpers.controlplane import write_kubeconfig
     from tests.helpers.faultproxy import FaultProxy
 

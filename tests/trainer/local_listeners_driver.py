@@ -44,7 +44,7 @@ def listening() -> list[str]:
 def main() -> None:
     rank, world, port, port2, out = (*map(int, sys.argv[1:5]), sys.argv[5])
     # a hang shows where it is: every thread's stack, before the test's deadline (300 s)
-    faulthandler.dump_traceback_later(240, exit=True)
+    faulthandler.dump_traceback_later(270)
     import torch
     import torch.distributed as dist
 

@@ -120,9 +120,18 @@ def test_a_free_port_comes_from_below_the_range_outgoing_connections_use(
         busy.listen()
         taken = busy.getsockname()[1]
         script = iter([taken, 23456])
-        monkeypatch.setattr(random, "randrange", lambda a, b: next(script))
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(script))
         assert free_port() == 23456  # the listener's port passed over
     monkeypatch.undo()
     monkeypatch.setattr(distributed, "EPHEMERAL_RANGE", str(tmp_path / "absent"))
     kernels = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert free_port() >= kernels  # the kernel's pick, from its range
+
+
+def test_free_ports_are_distinct(monkeypatch) -> None:
+    """An engine's two ports (its server's, its NCCL group's) are two picks: never one twice."""
+    from ppojob_trainer import distributed
+
+    picks = iter([24001, 24001, 24002])
+    monkeypatch.setattr(distributed, "free_port", lambda host: next(picks))
+    assert distributed.free_ports(2) == [24001, 24002]

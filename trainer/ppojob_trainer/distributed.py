@@ -80,8 +80,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
+    pick = random.SystemRandom()  # (not the seeded generator a checkpoint saves and restores)
     for _ in range(16 if low > PORT_FLOOR else 0):
-        port = random.randrange(PORT_FLOOR, low)
+        port = pick.randrange(PORT_FLOOR, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
@@ -91,6 +92,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports from :func:`free_port` (two picks can be the same port)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def is_loopback(address: str) -> bool:

@@ -118,7 +118,6 @@ class StopSignal:
             if self.cause is not None:
                 return
             self.cause, self.at = cause, time.monotonic()
-            self.in_step_at_stop = self.in_step
             grace = self.grace_seconds
             if grace_left is not None:
                 grace = grace_left if grace is None else min(grace, grace_left)

@@ -412,13 +412,14 @@ class SGLangGenerationEngine(GenerationEngine):
         stop_ids: Sequence[int],
         visible_devices: Sequence[str] | None = None,
     ) -> None:
-        from ..distributed import free_port
+        from ..distributed import free_ports
 
         engine_cls = sglang_object("Engine")
         # a colocated engine is sized by the plan for the GPU it shares with the actor
         gib = _device_gib() if cfg.roles.rollout.colocate_with_actor else None
+        server_port, nccl_port = free_ports(2)
         with _engine_env(visible_devices):
-            args = engine_args(cfg, model_dir, (free_port(), free_port()), gpu_gib=gib)
+            args = engine_args(cfg, model_dir, (server_port, nccl_port), gpu_gib=gib)
             self.engine = engine_cls(**args)
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = sorted(set(stop_ids))

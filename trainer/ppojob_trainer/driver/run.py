@@ -162,6 +162,8 @@ class _Run:
     timed: bool = False
     """A checkpoint was written (and timed) by this process."""
     warned: bool = False
+    stopped_in_step: bool = False
+    """The stop (once asked for) came while the last step ran: it was finished, not skipped."""
     """The grace period was found too short for a step and a checkpoint (warned once)."""
 
     def run(self) -> None:
@@ -196,7 +198,7 @@ class _Run:
                 # the stop came after the last step's own check (between it and the loop's):
                 # no step is in flight, so the completed ones are saved here
                 self._checkpoint(result.steps, None)
-            in_flight = stop.in_step_at_stop is not False  # (unknown: as before, in flight)
+            in_flight = self.stopped_in_step
             raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False, in_flight)
         self._finish()
 
@@ -210,6 +212,9 @@ class _Run:
                 metrics.update(trainer.evaluate())
                 result.eval_reward = metrics["eval/reward_mean"]
         finally:
+            # a stop asked for by now came in this step (or just before it, past the loop's
+            # look): the step ran after it, and the account says it finished the step in flight
+            self.stopped_in_step = stop.cause is not None
             stop.in_step = False
         self._report(step, metrics)
         due = tr.checkpoint_interval and (step + 1) % tr.checkpoint_interval == 0
