@@ -227,6 +227,29 @@ class _StubTrainer:
         return {"step": step}
 
 
+def _five_steps(tmp_path: Path, trainer: object, reporter: type, stop: StopSignal) -> object:
+    """The run loop over ``trainer`` for 5 steps, no periodic checkpoint, under ``stop``."""
+    from types import SimpleNamespace
+
+    from ppojob_trainer.driver.run import TrainResult, _Run
+
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(
+            resume=False, checkpoint_interval=0, keep_checkpoints=2, export_hugging_face=False
+        )
+    )
+    return _Run(
+        trainer,  # type: ignore[arg-type]
+        cfg,  # type: ignore[arg-type]
+        tmp_path / "ckpt",
+        reporter(tmp_path / "out", show_bar=False),
+        TrainResult(steps=0),
+        5,
+        time.perf_counter(),
+        stop,
+    )
+
+
 @pytest.mark.parametrize(
     ("answers", "stopped_at"),
     [
@@ -243,29 +266,13 @@ class _StubTrainer:
 def test_a_stop_anywhere_between_steps_checkpoints_every_completed_step(
     tmp_path: Path, answers: list[bool], stopped_at: int
 ) -> None:
-    from types import SimpleNamespace
 
-    from ppojob_trainer.driver.run import TrainResult, _Run
     from ppojob_trainer.preemption import Preempted
     from ppojob_trainer.progress import LocalProgressReporter
 
-    cfg = SimpleNamespace(
-        training=SimpleNamespace(
-            resume=False, checkpoint_interval=0, keep_checkpoints=2, export_hugging_face=False
-        )
-    )
     stop = _ScriptedStop(answers)
     stop.cause = "SIGTERM"
-    run = _Run(
-        _StubTrainer(),  # type: ignore[arg-type]
-        cfg,  # type: ignore[arg-type]
-        tmp_path / "ckpt",
-        LocalProgressReporter(tmp_path / "out", show_bar=False),
-        TrainResult(steps=0),
-        5,
-        time.perf_counter(),
-        stop,
-    )
+    run = _five_steps(tmp_path, _StubTrainer(), LocalProgressReporter, stop)
     with pytest.raises(Preempted) as info:
         run.run()
     assert info.value.step == stopped_at and not info.value.abandoned
@@ -282,9 +289,7 @@ def test_the_account_says_whether_a_step_was_in_flight_at_the_stop(
     after step 2's report (its checkpoint or the loop's next look, where a pod's SIGTERM lands
     as often as in a step) has no step to finish, and the account says so instead of claiming
     one: both checkpoint the 2 completed steps."""
-    from types import SimpleNamespace
 
-    from ppojob_trainer.driver.run import TrainResult, _Run
     from ppojob_trainer.preemption import Preempted
     from ppojob_trainer.progress import LocalProgressReporter
 
@@ -302,21 +307,7 @@ def test_the_account_says_whether_a_step_was_in_flight_at_the_stop(
             if not during_a_step and step == 2:
                 stop.request("SIGTERM")
 
-    cfg = SimpleNamespace(
-        training=SimpleNamespace(
-            resume=False, checkpoint_interval=0, keep_checkpoints=2, export_hugging_face=False
-        )
-    )
-    run = _Run(
-        Trainer(),  # type: ignore[arg-type]
-        cfg,  # type: ignore[arg-type]
-        tmp_path / "ckpt",
-        Reporter(tmp_path / "out", show_bar=False),
-        TrainResult(steps=0),
-        5,
-        time.perf_counter(),
-        stop,
-    )
+    run = _five_steps(tmp_path, Trainer(), Reporter, stop)
     with pytest.raises(Preempted) as info:
         run.run()
     assert info.value.step == 2 and info.value.in_flight is during_a_step
