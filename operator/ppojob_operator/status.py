@@ -11,6 +11,8 @@ jobDeploymentStatus                jobStatus               phase
 "" / New                           any                     Pending (Suspended if spec.suspend)
 Initializing / Retrying / Waiting  any                     Initializing
 Running                            RUNNING                 Running
+Running                            SUCCEEDED / FAILED /    Running (finishing: KubeRay is
+                                   STOPPED                 completing the RayJob)
 Running                            other                   Initializing (submitting)
 Complete                           SUCCEEDED               Succeeded
 Complete                           FAILED / STOPPED        Failed
@@ -133,6 +135,14 @@ def phase_of(
     if dep == "Running":
         if js == "RUNNING":
             return "Running", "RayJobRunning", "the trainer is running"
+        if js in ("SUCCEEDED", "FAILED", "STOPPED"):
+            # the Ray job ended and KubeRay has not marked the RayJob Complete yet (it waits for
+            # its submitter to exit): the job ran, and its phase does not step back
+            return (
+                "Running",
+                "RayJobFinishing",
+                f"the Ray job ended ({js}); KubeRay is completing it",
+            )
         return "Initializing", "Submitting", f"the Ray cluster is up; job status {js or 'unset'}"
     if dep in ("Initializing", "Retrying", "Waiting"):
         why = "retrying with a new Ray cluster" if dep == "Retrying" else "starting the Ray cluster"

@@ -32,16 +32,20 @@ def children_per_job(cp, ns: str) -> dict[str, Counter]:
     return out
 
 
-def converged(cp, ns: str, names: list[str], phase: str) -> bool:
+def converged_jobs(cp, ns: str, phase: str) -> set[str]:
+    """The jobs whose status is written for their spec: in ``phase``, with their RayJob."""
     items = cp.get(PPOJOB, namespace=ns)["items"]
-    done = {
+    return {
         i["metadata"]["name"]
         for i in items
         if (i.get("status") or {}).get("phase") == phase
         and i["status"].get("observedGeneration") == i["metadata"]["generation"]
         and i["status"].get("rayJobName") == i["metadata"]["name"]
     }
-    return done >= set(names)
+
+
+def converged(cp, ns: str, names: list[str], phase: str) -> bool:
+    return converged_jobs(cp, ns, phase) >= set(names)
 
 
 def settled(cp, ns: str, names: list[str], phase: str) -> bool:
@@ -62,22 +66,24 @@ def assert_exactly_one_child_each(cp, ns: str, names: list[str]) -> None:
 
 def test_operator_killed_during_a_burst_of_50(cp, operator, ns, tmp_path):
     """SIGKILL while the operator is part-way through 50 new jobs, then a restart: every job gets
-    exactly one of each child, and the RayJobs stay suspended. The operator reaches the API
-    server through a proxy that passes its writes one at a time, 0.03 s each (the burst's
-    writes, children, statuses and events, take 15 s or more however fast the operator is):
-    the kill, once 3 RayJobs exist, lands mid-burst on any machine (unslowed, a quiet machine
-    finished all 50 before a poll saw the third). Writes queued in the proxy at the kill still
-    reach the server (aiohttp finishes a handler whose client is gone), before any write of the
-    restarted operator: the 201s the proxy counts are every create the server did."""
+    exactly one of each child, and the RayJobs stay suspended.
+
+    The operator reaches the API server through a proxy that, once the server has created 3
+    RayJobs, holds every later write: the operator is frozen mid-burst on any machine (unheld,
+    a quiet machine finished all 50 before a poll saw the third RayJob, and a loaded one had
+    written 35 statuses by the time the kill landed). It is killed there, and what it had not
+    sent is lost with it (the proxy drops the held writes). A job's status is its last write,
+    sent once its RayJob exists: at most the jobs of the first 2 RayJobs have one when the
+    restart begins, whatever ran in parallel."""
     from tests.helpers.controlplane import write_kubeconfig
     from tests.helpers.faultproxy import FaultProxy
 
     none = dict(p500=0, p429=0, p409=0, p_reset_before=0, p_reset_after=0)
     proxy = FaultProxy(
-        cp.server, cp.pki["ca.crt"], **none, watch_seconds=(1e6, 1e6), write_seconds=0.03
+        cp.server, cp.pki["ca.crt"], **none, watch_seconds=(1e6, 1e6), hold_after=("rayjobs", 3)
     ).start()
     kubeconfig = write_kubeconfig(
-        tmp_path / "slowed.kubeconfig",
+        tmp_path / "held.kubeconfig",
         proxy.url,
         cp.pki["ca.crt"],
         token=yaml_token(operator.kubeconfig),
@@ -88,11 +94,16 @@ def test_operator_killed_during_a_burst_of_50(cp, operator, ns, tmp_path):
     try:
         operator.start(kubeconfig)
         cp.apply(docs)
-        # kill it once it has started on the burst, before it has finished
-        wait_until(lambda: len(cp.get("rayjobs.ray.io", namespace=ns)["items"]) >= 3, 60, "RayJobs")
+        wait_until(lambda: proxy.held, 60, "the operator's writes after 3 RayJobs to be held")
         operator.kill()
-        done_at_kill = len(cp.get("rayjobs.ray.io", namespace=ns)["items"])
-        assert 3 <= done_at_kill < 50, done_at_kill
+        proxy.release()
+        wait_until(lambda: proxy.pending == 0, 60, "the killed operator's writes to end")
+        rayjobs_at_kill = len(cp.get("rayjobs.ray.io", namespace=ns)["items"])
+        done_at_kill = len(converged_jobs(cp, ns, "Suspended"))
+        assert done_at_kill < proxy.hold_after[1] <= rayjobs_at_kill, (
+            done_at_kill,
+            rayjobs_at_kill,
+        )
         operator.start(kubeconfig)
         wait_until(lambda: settled(cp, ns, names, "Suspended"), 240, "50 jobs settled")
     finally:
@@ -104,7 +115,8 @@ def test_operator_killed_during_a_burst_of_50(cp, operator, ns, tmp_path):
     assert [r["metadata"]["name"] for r in rayjobs if not r["spec"].get("suspend")] == []
     assert proxy.created["rayjobs"] == 50, dict(proxy.created)  # none deleted and made again
     print(
-        f"RayJobs when the operator was killed: {done_at_kill}/50; requests {dict(proxy.injected)}"
+        f"when the operator was killed: {rayjobs_at_kill}/50 RayJobs, {done_at_kill}/50 jobs "
+        f"with their status; {proxy.held} writes held and dropped"
     )
 
 

@@ -48,25 +48,32 @@ class FaultProxy:
         p_reset_before: float = 0.03,
         p_reset_after: float = 0.03,
         watch_seconds: tuple[float, float] = (1.0, 5.0),
-        write_seconds: float = 0.0,
+        hold_after: tuple[str, int] | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.ca = ca
         self.rng = random.Random(seed)
         self.p = dict(p500=p500, p429=p429, p409=p409, before=p_reset_before, after=p_reset_after)
         self.watch_seconds = watch_seconds
-        self.write_seconds = write_seconds
-        """Every write (POST, PUT, PATCH, DELETE) waits this long, one write at a time: a burst
-        that takes a known time however fast the client is (0: writes pass at once)."""
+        self.hold_after = hold_after
+        """``(plural, n)``: once the server has created ``n`` objects of ``plural`` through the
+        proxy, every later write waits in it (counted in :attr:`held`) until :meth:`release`,
+        which answers them 503 unsent: the client is stopped at that point however fast it
+        runs (and killed there, what it had not sent is lost with it)."""
+        self.held = 0
         self.injected: Counter = Counter()
         # objects the API server created (201) through the proxy, per collection (resource
         # plural): the operator's children, counted per job by the test
         self.created: Counter = Counter()
+        self.pending = 0
+        """Requests other than watches being handled now (a client's queued writes included,
+        which still reach the server when the client is gone)."""
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
+        self._released: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -84,6 +91,12 @@ class FaultProxy:
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread:
             self._thread.join(15)
+
+    def release(self) -> None:
+        """Answer the writes :attr:`hold_after` holds (503, never sent), and pass every later
+        one."""
+        if self._loop and self._released is not None:
+            self._loop.call_soon_threadsafe(self._released.set)
 
     def _run(self) -> None:
         asyncio.run(self._main())
@@ -117,13 +130,28 @@ class FaultProxy:
             auto_decompress=False,
         )
 
-        writing = asyncio.Lock()
+        self._released = asyncio.Event()
 
         async def handle(request: web.Request) -> web.StreamResponse:
             watch = request.query.get("watch") in ("true", "1")
-            if self.write_seconds and request.method in ("POST", "PUT", "PATCH", "DELETE"):
-                async with writing:
-                    await asyncio.sleep(self.write_seconds)
+            self.pending += not watch
+            try:
+                return await forward(request, watch)
+            finally:
+                self.pending -= not watch
+
+        async def forward(request: web.Request, watch: bool) -> web.StreamResponse:
+            plural, n = self.hold_after or ("", 0)
+            writes = request.method in ("POST", "PUT", "PATCH", "DELETE")
+            if plural and writes and self.created[plural] >= n and not self._released.is_set():
+                self.held += 1
+                await self._released.wait()
+                self.injected["dropped"] += 1  # (its client is gone: it never left it)
+                return web.Response(
+                    status=503,
+                    body=_status(503, "ServiceUnavailable", "a held write"),
+                    content_type="application/json",
+                )
             kind = self._pick(request.method, watch)
             self.injected[kind] += 1
             if kind == "p500":

@@ -27,6 +27,11 @@ def rayjob(dep="", js="", **extra):
         ("Initializing", "", "Initializing"),
         ("Running", "PENDING", "Initializing"),
         ("Running", "RUNNING", "Running"),
+        # the Ray job ended, KubeRay not done with the RayJob (seen on real pods: a job at its
+        # last step showed Initializing between Running and Succeeded)
+        ("Running", "SUCCEEDED", "Running"),
+        ("Running", "FAILED", "Running"),
+        ("Running", "STOPPED", "Running"),
         ("Complete", "SUCCEEDED", "Succeeded"),
         ("Complete", "FAILED", "Failed"),
         ("Failed", "FAILED", "Failed"),

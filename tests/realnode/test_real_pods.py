@@ -143,12 +143,17 @@ def job_pods(cluster: RealCluster, ns: str) -> list[dict[str, Any]]:
     ]
 
 
-def pod_of(cluster: RealCluster, ns: str, node_type: str) -> dict[str, Any] | None:
+def pod_of(
+    cluster: RealCluster, ns: str, node_type: str, ray_cluster: str | None = None
+) -> dict[str, Any] | None:
+    """A live pod of ``node_type`` of the job (of the Ray cluster ``ray_cluster`` when given: a
+    restarted job's old cluster can still have pods while the new one runs)."""
     live = [
         p
         for p in job_pods(cluster, ns)
         if p["metadata"]["labels"]["ray.io/node-type"] == node_type
         and not p["metadata"].get("deletionTimestamp")
+        and ray_cluster in (None, p["metadata"]["labels"].get("ray.io/cluster"))
     ]
     return live[0] if live else None
 
@@ -175,10 +180,11 @@ def watch(
     rows: list[dict[str, str]] = []
 
     def ended() -> dict[str, Any] | None:
+        # the object first, then the row: the last row is at least as new as the ended job
+        job = get_job(cluster, ns, name)
         row = table_row(cluster, ns, name)
         if not rows or row != rows[-1]:
             rows.append(row)
-        job = get_job(cluster, ns, name)
         if on_row is not None:
             on_row(row, job)
         return job if job.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
@@ -393,6 +399,9 @@ def test_kubectl_get_ppojobs_shows_step_and_reward_moving(trained: dict[str, Any
     assert len(set(rewards)) >= 2, rows
     phases = [r["Phase"] for r in rows if r["Phase"] != "<none>"]
     assert "Running" in phases and phases[-1] == "Succeeded", phases
+    # once running, never back (the Ray job's end before KubeRay's Complete once read
+    # Initializing here)
+    assert set(phases[phases.index("Running") :]) == {"Running", "Succeeded"}, phases
     polled = trained["rows"]
     assert {"PHASE", "STEP", "STEPS", "REWARD"} <= set(polled[-1]), polled[-1]
     assert polled[-1]["STEP"] == str(STEPS) and polled[-1]["PHASE"] == "Succeeded"
@@ -690,10 +699,13 @@ def test_a_preempted_head_checkpoints_its_last_step_and_a_lost_worker_resumes_fr
             except (OSError, ValueError, IndexError):  # not written yet
                 return
         node_type, how = DISRUPTIONS[len(deleted)]
-        pod = pod_of(cluster, ns, node_type)
+        ray_cluster = status.get("rayClusterName")
+        pod = pod_of(cluster, ns, node_type, ray_cluster) if ray_cluster else None
         if pod is None:
             return
-        deleted.append({"step": step, "pod": pod["metadata"]["name"], "type": node_type})
+        deleted.append(
+            {"step": step, "pod": pod["metadata"]["name"], "type": node_type, "of": ray_cluster}
+        )
         cluster.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false", *how)
 
     job, _ = watch(cluster, ns, name, 900, disrupt)
@@ -705,7 +717,10 @@ def test_a_preempted_head_checkpoints_its_last_step_and_a_lost_worker_resumes_fr
     assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
     messages.add(status["lastRestart"]["message"])
     for d in deleted:  # each restart named the pod that went
-        assert any(f"pod {d['pod']} was deleted" in m for m in messages), (d, messages)
+        assert any(f"pod {d['pod']} was deleted" in m for m in messages), json.dumps(
+            {"deleted": deleted, "messages": sorted(messages), "attempts": attempt_events(host)},
+            indent=1,
+        )
     events = attempt_events(host)
     # the first attempt ended with the trainer's account of its stop, naming the checkpoint
     first_end = next(e for e in events if e["event"] != "start")
