@@ -145,7 +145,10 @@ async def on_pod_event(state: State, pod: dict[str, Any], type: str | None = Non
     gone = type == "DELETED" or bool(meta.get("deletionTimestamp"))
     phase = ((st.body or {}).get("status") or {}).get("phase") if st is not None else None
     loss = pods.pod_loss(pod, deleted=gone)
-    if st is not None and loss is not None and phase == "Running":  # evidence (restarts.py)
+    # evidence for the attempt's end (restarts.py), in any phase but a final one: the phase read
+    # here lags the trainer (it becomes Running once KubeRay reports the Ray job RUNNING and
+    # that status comes back), and a worker force-deleted in that gap is seen once or twice
+    if st is not None and loss is not None and phase not in ("Succeeded", "Failed"):
         seen = st.lost_pods.setdefault(cluster, {})
         seen[loss.pod] = pods.merged(seen.get(loss.pod), loss)
     failed = pods.failed_submitter(pod) if labels.get("ray.io/node-type") == "head" else None

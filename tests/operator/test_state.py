@@ -225,3 +225,39 @@ def test_the_rayjob_is_posted_without_waiting_for_the_trainers_rbac(patches, mon
     assert posted.index("RoleBinding") > posted.index("Role")
     for kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"):
         assert posted.index(kind) < posted.index("RayJob"), posted
+
+
+@pytest.mark.parametrize(
+    ("phase", "kept"),
+    [("Initializing", True), ("Running", True), ("Pending", True), ("Succeeded", False)],
+)
+def test_a_pod_force_deleted_before_the_job_reads_running_is_evidence(patches, phase, kept):
+    """A worker force-deleted (grace 0: one DELETED event) while the job's status, which lags
+    the trainer, still says Initializing is remembered for its attempt, so the restart names
+    it (seen on real pods: the trainer was training, the phase not yet Running, and the
+    restart's message named no pod); a finished job's pods (KubeRay's clean-up) are not."""
+    from ppojob_operator.builders import JOB_LABEL
+
+    async def scenario() -> Any:
+        state = new_state()
+        body = ppojob()
+        body["status"] = {"phase": phase}
+        await watch.on_ppojob_event(state, "ADDED", body)
+        labels = {JOB_LABEL: "demo", "ray.io/cluster": "demo-c1", "ray.io/node-type": "worker"}
+        meta = {
+            "name": "demo-c1-actor-worker-x",
+            "namespace": "ns1",
+            "labels": labels,
+            "deletionTimestamp": "2026-01-01T00:00:10Z",
+            "deletionGracePeriodSeconds": 0,
+        }
+        await watch.on_pod_event(state, {"metadata": meta, "status": {}}, "DELETED")
+        return state.get(KEY)
+
+    st = asyncio.run(scenario())
+    assert st is not None
+    seen = st.lost_pods.get("demo-c1", {})
+    if kept:
+        assert seen["demo-c1-actor-worker-x"].line == "pod demo-c1-actor-worker-x was deleted"
+    else:
+        assert seen == {}
