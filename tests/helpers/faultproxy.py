@@ -66,8 +66,8 @@ class FaultProxy:
         # plural): the operator's children, counted per job by the test
         self.created: Counter = Counter()
         self.pending = 0
-        """Requests other than watches being handled now (a client's queued writes included,
-        which still reach the server when the client is gone)."""
+        """Requests other than watches being handled now (held writes included, until
+        :meth:`release` answers them)."""
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -162,9 +162,9 @@ class _Run:
     timed: bool = False
     """A checkpoint was written (and timed) by this process."""
     warned: bool = False
+    """The grace period was found too short for a step and a checkpoint (warned once)."""
     stopped_in_step: bool = False
     """The stop (once asked for) came while the last step ran: it was finished, not skipped."""
-    """The grace period was found too short for a step and a checkpoint (warned once)."""
 
     def run(self) -> None:
         tr, result, stop = self.cfg.training, self.result, self.stop
@@ -198,8 +198,8 @@ class _Run:
                 # the stop came after the last step's own check (between it and the loop's):
                 # no step is in flight, so the completed ones are saved here
                 self._checkpoint(result.steps, None)
-            in_flight = self.stopped_in_step
-            raise Preempted(result.steps, result.checkpoint, stop.cause or "stop", False, in_flight)
+            cause = stop.cause or "stop"
+            raise Preempted(result.steps, result.checkpoint, cause, False, self.stopped_in_step)
         self._finish()
 
     def _step(self, step: int) -> None:
