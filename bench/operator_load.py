@@ -7,11 +7,19 @@ process with a ServiceAccount token (ours: the chart's ClusterRole; the floor: t
 needs). The floor is the simplest possible kopf operator: one create handler that makes one
 adopted ConfigMap with the official client.
 
-(a) one job at a time: PPOJob created -> its RayJob (floor: ConfigMap) seen by a watch, p50
+(a) one job at a time: PPOJob created -> its RayJob (floor: ConfigMap) seen by a watch, p50.
+    Each job finds the operator idle: the next is created once this one's status has settled
+    and no watch event came for ``--single-quiet`` s (default 0.5). ``--single-quiet 0`` creates
+    them back to back (the next job as soon as this one's child is seen, as before 2026-12-07),
+    which also measures the previous job's last writes (its status, the trainer's Role and
+    RoleBinding, kopf's handling of its children's watch events) on the same event loop.
 (b) a burst of N jobs: total until every child is seen, p50 and p99 per-job latency, and the
     time until the last write of the burst (statuses settled, below)
 (c) writes per job (from the API server's audit log: create/patch/update/delete by the operator)
 (d) the operator's peak RSS
+(e) each one-at-a-time job's requests (reads included) from its create to its child's create,
+    from the audit log (which also logs the bench's creates of the jobs: time zero): the median
+    job's are printed with their start and duration, and the p50 count is recorded
 and the operator's and the API server's CPU seconds during the burst beside them.
 
 End of a measurement: the operator is stopped only once every job's status has settled (ours:
@@ -24,19 +32,17 @@ burst's first create to that point; the "settled" time is the burst's last watch
 Figures are printed for both operators and as ratios ours / floor.
 
 Run: .venv/bin/python bench/operator_load.py [--burst 300] [--single 20] [--quiet 2]
-     [--grant-escalation] [--record [NAME]]
+     [--single-quiet 0.5] [--grant-escalation] [--record [NAME]]
 
-One job at a time, most of our latency is the API server's RBAC escalation checks on the
-trainer's Role and RoleBinding: the operator holds neither ``escalate`` nor ``bind`` on roles, so
-the server lists the operator's own (Cluster)RoleBindings to confirm the new object grants no
+The trainer's Role and RoleBinding: the operator holds neither ``escalate`` nor ``bind`` on
+roles, so the API server lists the operator's own (Cluster)RoleBindings to confirm each grants no
 more than it holds. That list is a consistent read from the watch cache, which waits until the
 cache has caught up with etcd (progress requested every 100 ms: k8s.io/apiserver
-pkg/storage/cacher); the RoleBinding, posted right after its Role was written, waits ~100 ms every
-time, the Role ~80 ms whenever other writes just happened (back to back jobs here).
-``--grant-escalation`` measures the operator with ``bind`` and ``escalate`` on roles, which skips
-both checks (one at a time 20 ms instead of 200 ms on this machine); the chart does not grant
-them (they would let the operator grant, through any Role in any namespace, permissions it does
-not hold).
+pkg/storage/cacher): the RoleBinding takes ~100 ms every time (the timeline shows it). Since
+2026-12-01 both are posted beside the RayJob, off its path; ``--grant-escalation`` (``bind`` and
+``escalate`` on roles, which skips both checks; the chart does not grant them: they would let the
+operator grant, through any Role in any namespace, permissions it does not hold) shows whether
+they still cost the child anything.
 """
 
 from __future__ import annotations
@@ -207,6 +213,56 @@ def audit_writes(log: Path, user: str, names: set[str]) -> collections.Counter:
     return counts
 
 
+def _stamp(ts: str) -> float:
+    """An audit timestamp (RFC 3339 with microseconds) as seconds since the epoch."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def request_timelines(log: Path, user: str, names: list[str], child: str) -> list[list[tuple]]:
+    """For each job created one at a time: every request of ``user`` (reads included) from the
+    job's create (the admin's, in the audit log) until its ``child`` create was answered, as
+    (start ms, duration ms, "verb resource[/sub] name") from the job's create."""
+    created: dict[str, float] = {}
+    answered: dict[str, float] = {}
+    mine: list[tuple[float, float, str, str]] = []
+    with log.open() as f:
+        for line in f:
+            ev = json.loads(line)
+            if ev.get("stage") != "ResponseComplete":
+                continue
+            ref = ev.get("objectRef") or {}
+            start, end = _stamp(ev["requestReceivedTimestamp"]), _stamp(ev["stageTimestamp"])
+            if ev["user"]["username"] != user:
+                if ev["verb"] == "create" and ref.get("resource") == "ppojobs":
+                    created[ref.get("name") or ""] = start
+                    answered[ref.get("name") or ""] = end
+                continue
+            what = ref.get("resource", "") + (
+                "/" + ref["subresource"] if ref.get("subresource") else ""
+            )
+            mine.append((start, end, f"{ev['verb']} {what} {ref.get('name') or ''}".strip(), what))
+    mine.sort()
+    out = []
+    for n in names:
+        t0 = created.get(n)
+        if t0 is None:
+            continue
+        done = [e for s, e, label, what in mine if s >= t0 and what == child and label.endswith(n)]
+        if not done:
+            continue
+        out.append(
+            [(0.0, (answered[n] - t0) * 1e3, f"(the job's create, {n})")]
+            + [
+                ((s - t0) * 1e3, (e - s) * 1e3, label)
+                for s, e, label, _ in mine
+                if t0 <= s <= done[0]
+            ]
+        )
+    return out
+
+
 def measure(
     cp: ControlPlane,
     label: str,
@@ -219,6 +275,7 @@ def measure(
     audit: Path,
     settled: Callable[[dict], bool],
     quiet: float,
+    single_quiet: float,
 ) -> dict:
     ns = f"bench-{label}"
     sa = f"{label}-operator"
@@ -278,6 +335,18 @@ def measure(
             t = create(n)
             wait_until(lambda n=n: n in watcher.seen, 30, n, interval=0.002)
             lat.append(watcher.seen[n] - t)
+            # one at a time: the next job finds the operator idle (this job's status written,
+            # no watch event for `single_quiet` s), not busy with this one's last writes
+            wait_until(
+                lambda n=n: (
+                    n in jobs.latest
+                    and settled(jobs.latest[n])
+                    and time.monotonic() - max(jobs.last_event, watcher.last_event) >= single_quiet
+                ),
+                30,
+                f"{n} settles",
+                interval=0.01,
+            )
         out["single"] = lat
         bnames = [f"burst-{i}" for i in range(burst)]
         api_pid = cp.components["kube-apiserver"].proc.pid
@@ -323,6 +392,7 @@ def measure(
             per_job[what] += v
     out["per_job"] = {k: v / len(names) for k, v in sorted(per_job.items())}
     out["burst_writes"] = sum(v for (j, _), v in counts.items() if j in bnames) / burst
+    out["timelines"] = request_timelines(audit, user, names, plural)
     return out
 
 
@@ -351,6 +421,13 @@ def main() -> int:
         default=2.0,
         help="seconds without a watch event on any PPOJob or child that end the measurement, "
         "once every job's status has settled",
+    )
+    ap.add_argument(
+        "--single-quiet",
+        type=float,
+        default=0.5,
+        help="one at a time: after a job's child is seen, wait until its status has settled and "
+        "no watch event came for this many seconds before the next job (0: back to back)",
     )
     ap.add_argument(
         "--grant-escalation",
@@ -386,6 +463,11 @@ def main() -> int:
                     "omitStages": ["RequestReceived"],
                     "rules": [
                         {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                        {  # the bench's creates of the jobs (each job's time zero)
+                            "level": "Metadata",
+                            "verbs": ["create"],
+                            "resources": [{"group": "ppojob.io", "resources": ["ppojobs"]}],
+                        },
                         {"level": "None"},
                     ],
                 }
@@ -422,6 +504,7 @@ def main() -> int:
                     audit,
                     ours_settled,
                     args.quiet,
+                    args.single_quiet,
                 ),
                 "floor": measure(
                     cp,
@@ -435,6 +518,7 @@ def main() -> int:
                     audit,
                     floor_settled,
                     args.quiet,
+                    args.single_quiet,
                 ),
             }
         finally:
@@ -472,6 +556,20 @@ def main() -> int:
     print("writes per job (one at a time), floor:")
     for k, v in floor["per_job"].items():
         print(f"    {k:44s} {v:6.2f}")
+    for label, res in (("ppojob", ours), ("floor", floor)):
+        lines = res["timelines"]
+        if not lines:
+            continue
+        ends = [t[-1][0] + t[-1][1] for t in lines]
+        mid = lines[ends.index(statistics.median_low(ends))]
+        count = statistics.median(len(t) - 1 for t in lines)
+        print(
+            f"{label}: requests from the job's create to its child's (audit log; the median "
+            f"job, {len(mid) - 1} requests; p50 over jobs: {count})"
+        )
+        figures[f"{label}.requests_to_child_p50"] = Figure(count, "", 1)
+        for start, took, what in mid:
+            print(f"    +{start:6.1f} ms  {took:5.1f} ms  {what}")
     if args.record:
         write_record(args.record, figures, load=args.load)
     return 0
