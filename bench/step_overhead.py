@@ -172,7 +172,7 @@ def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
             sync_s = 0.0
             if plan.actor_trains or offload:
                 syncs += 1
-                sync_s = host.sync_colocated(syncs, [])
+                sync_s = host.sync_colocated(syncs, [])["seconds"]
             total = time.perf_counter() - t0
         if kl.coefficient > 0:
             kl_ctl.update(prepared[1].get("kl_sum", 0.0) / n, n)
@@ -214,6 +214,13 @@ class LocalSteps:
 
 
 PHASES = ("generate", "values", "prepare", "train_critic", "train_actor", "weight_sync")
+BREAKDOWN = (
+    ("before", "step start -> first call on the worker"),
+    ("between", "the worker idle between the step's calls (round trips)"),
+    ("arguments", "the calls' argument deserialisation"),
+    ("outputs", "the calls' output storing"),
+    ("after", "last call's end -> step end (reports, metrics)"),
+)
 
 
 def ray_phases(row: dict[str, float]) -> dict[str, float]:
@@ -224,7 +231,46 @@ def ray_phases(row: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float, int]:
+def ray_breakdown(events: list[dict], windows: list[tuple[float, float]]) -> dict[str, float]:
+    """Where the Ray step's time goes besides the role code, from Ray's task timeline
+    (``ray.timeline()``: each actor call's span on its worker, with its
+    ``task:deserialize_arguments``, ``task:execute`` and ``task:store_outputs`` parts) over the
+    driver's step ``windows`` (wall clock, s). Medians over steps, in seconds, of:
+    ``before``, from the step's start to its first call on the worker (the driver launching the
+    generation); ``between``, the worker idle between two of the step's calls (the driver's
+    round trips: the commit waits for the generation before it sends the training calls; a call
+    whose arguments are refs is sent once they are ready); ``arguments``, ``outputs``: the
+    calls' argument deserialisation and output storing; ``after``, from the last call's end to
+    the step's end (the driver fetching the reports, the metrics); ``calls``: the step's calls.
+    """
+    spans = sorted(
+        (e for e in events if e.get("ph") == "X" and str(e.get("tid", "")).startswith("worker")),
+        key=lambda e: e["ts"],
+    )
+    out: dict[str, list[float]] = {
+        k: [] for k in ("before", "between", "arguments", "outputs", "after", "calls")
+    }
+    for t0, t1 in windows:
+        mine = [e for e in spans if t0 * 1e6 <= e["ts"] <= t1 * 1e6]
+        calls = [e for e in mine if not e["name"].startswith("task:")]
+        if not calls:
+            continue
+        out["before"].append(calls[0]["ts"] / 1e6 - t0)
+        out["after"].append(t1 - (calls[-1]["ts"] + calls[-1]["dur"]) / 1e6)
+        out["between"].append(
+            sum(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in itertools.pairwise(calls))
+            / 1e6
+        )
+        for key, name in (
+            ("arguments", "task:deserialize_arguments"),
+            ("outputs", "task:store_outputs"),
+        ):
+            out[key].append(sum(e["dur"] for e in mine if e["name"] == name) / 1e6)
+        out["calls"].append(float(len(calls)))
+    return {k: statistics.median(v) if v else float("nan") for k, v in out.items()}
+
+
+def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float, int, dict]:
     """Median phase times of the Ray step and of the one-process step, the largest
     difference of their mean rewards at equal steps and the worker's torch threads (the
     one-process step takes the Ray worker's). The two run in alternating blocks of
@@ -236,6 +282,7 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
     local = LocalSteps(cfg, threads)
     ray_rows: list[dict[str, float]] = []
     local_rows: list[dict[str, float]] = []
+    windows: list[tuple[float, float]] = []
     try:
         reward_diff = 0.0
         for s in range(warmup):
@@ -246,9 +293,14 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
         while len(ray_rows) < steps:
             n = min(block, steps - len(ray_rows))
             for _ in range(n):
+                t0 = time.time()
                 ray_rows.append(ray_phases(trainer.step(s)))
+                windows.append((t0, time.time()))
                 s += 1
             local_rows += [next(local) for _ in range(n)]
+        import ray
+
+        breakdown = ray_breakdown(ray.timeline(), windows)
     finally:
         trainer.shutdown()
         local.close()
@@ -259,7 +311,7 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
     def median(rows):
         return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in (*PHASES, "step")}
 
-    return median(ray_rows), median(local_rows), reward_diff, threads
+    return median(ray_rows), median(local_rows), reward_diff, threads, breakdown
 
 
 def main() -> int:
@@ -292,7 +344,9 @@ def main() -> int:
         for model in models:
             cfg = load_cfg(args.manifest, model, args.cpus)
             params = count_parameters(load_causal_lm(resolve_model_path(model, cfg.training.seed)))
-            ray_t, local_t, reward_diff, threads = measure(cfg, args.steps, args.warmup, args.block)
+            ray_t, local_t, reward_diff, threads, parts = measure(
+                cfg, args.steps, args.warmup, args.block
+            )
             ratio = ray_t["step"] / local_t["step"]
             worst = max(worst, ratio)
             print(
@@ -311,6 +365,17 @@ def main() -> int:
                 f"  {'full step':<14}{ray_t['step'] * 1e3:>10.1f}{local_t['step'] * 1e3:>14.1f}"
                 f"   ratio {ratio:.2f}"
             )
+            print(
+                f"  Ray's part from its task timeline ({parts['calls']:.0f} calls a step, "
+                "medians in ms):"
+            )
+            for key, label in BREAKDOWN:
+                print(f"    {label:<58}{parts[key] * 1e3:>8.1f}")
+            contention = sum(ray_t[k] - local_t[k] for k in PHASES if k != "generate")
+            print(
+                f"    {'the training phases, Ray minus one process (shared cores)':<58}"
+                f"{contention * 1e3:>8.1f}"
+            )
             print(f"  same work: max |mean reward difference| at equal steps {reward_diff:.2e}")
             key = "" if len(models) == 1 else model.split(":")[-1] + "."
             figures[f"{key}full_step_median"] = Figure(
@@ -318,6 +383,8 @@ def main() -> int:
             )
             figures[f"{key}ray_part"] = Figure((ray_t["step"] - phases) * 1e3, "ms", 1)
             figures[f"{key}ray_over_one_process"] = Figure(ratio, "", 2)
+            for part, _ in BREAKDOWN:
+                figures[f"{key}ray_{part}"] = Figure(parts[part] * 1e3, "ms", 1)
     finally:
         shutdown_ray()
     print(f"\nworst ratio: {worst:.2f} (goal <= 1.25)")
