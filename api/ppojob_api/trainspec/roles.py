@@ -202,7 +202,10 @@ class RolloutRole(_Role):
     A colocated rollout takes its worker count from the actor."""
 
     offload: bool = True
-    """With colocateWithActor: release the engines' weights and KV cache while the actor trains."""
+    """With colocateWithActor: sglang engines release their weights and KV cache while the actor
+    trains and take them back for the weight sync. The torch engine keeps its copy of the
+    weights (the memory plan counts it as held throughout) and holds no KV cache between
+    generations: for it the setting changes nothing."""
 
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
     """Fraction of GPU memory an sglang engine may use for weights and KV cache. Unset: an engine
