@@ -220,6 +220,7 @@ BREAKDOWN = (
     ("arguments", "the calls' argument deserialisation"),
     ("outputs", "the calls' output storing"),
     ("after", "last call's end -> step end (reports, metrics)"),
+    ("untimed", "inside the calls, outside the role timers (ray.put)"),
 )
 
 
@@ -231,7 +232,9 @@ def ray_phases(row: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def ray_breakdown(events: list[dict], windows: list[tuple[float, float]]) -> dict[str, float]:
+def ray_breakdown(
+    events: list[dict], windows: list[tuple[float, float]], timed: list[float]
+) -> dict[str, float]:
     """Where the Ray step's time goes besides the role code, from Ray's task timeline
     (``ray.timeline()``: each actor call's span on its worker, with its
     ``task:deserialize_arguments``, ``task:execute`` and ``task:store_outputs`` parts) over the
@@ -241,16 +244,19 @@ def ray_breakdown(events: list[dict], windows: list[tuple[float, float]]) -> dic
     round trips: the commit waits for the generation before it sends the training calls; a call
     whose arguments are refs is sent once they are ready); ``arguments``, ``outputs``: the
     calls' argument deserialisation and output storing; ``after``, from the last call's end to
-    the step's end (the driver fetching the reports, the metrics); ``calls``: the step's calls.
+    the step's end (the driver fetching the reports, the metrics); ``untimed``, the calls'
+    execution less ``timed`` (each step's phase times: the role code's own timers), what the
+    worker does inside the calls around the role code (its ``ray.put`` of the batches it hands
+    on, which the one-process step does not serialise); ``calls``: the step's calls.
     """
     spans = sorted(
         (e for e in events if e.get("ph") == "X" and str(e.get("tid", "")).startswith("worker")),
         key=lambda e: e["ts"],
     )
     out: dict[str, list[float]] = {
-        k: [] for k in ("before", "between", "arguments", "outputs", "after", "calls")
+        k: [] for k in ("before", "between", "arguments", "outputs", "after", "untimed", "calls")
     }
-    for t0, t1 in windows:
+    for (t0, t1), phases in zip(windows, timed, strict=True):
         mine = [e for e in spans if t0 * 1e6 <= e["ts"] <= t1 * 1e6]
         calls = [e for e in mine if not e["name"].startswith("task:")]
         if not calls:
@@ -266,6 +272,8 @@ def ray_breakdown(events: list[dict], windows: list[tuple[float, float]]) -> dic
             ("outputs", "task:store_outputs"),
         ):
             out[key].append(sum(e["dur"] for e in mine if e["name"] == name) / 1e6)
+        executed = sum(e["dur"] for e in mine if e["name"] == "task:execute") / 1e6
+        out["untimed"].append(executed - phases)
         out["calls"].append(float(len(calls)))
     return {k: statistics.median(v) if v else float("nan") for k, v in out.items()}
 
@@ -300,7 +308,8 @@ def measure(cfg, steps: int, warmup: int, block: int) -> tuple[dict, dict, float
             local_rows += [next(local) for _ in range(n)]
         import ray
 
-        breakdown = ray_breakdown(ray.timeline(), windows)
+        timed = [sum(r[k] for k in PHASES) for r in ray_rows]
+        breakdown = ray_breakdown(ray.timeline(), windows, timed)
     finally:
         trainer.shutdown()
         local.close()
