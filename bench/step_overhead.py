@@ -107,6 +107,7 @@ def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
     mean reward. ``threads``: the Ray worker's torch thread count."""
     from ppojob_trainer.algorithms import AdaptiveKLController, FixedKLController, plan_step
     from ppojob_trainer.driver.groups import step_seed
+    from ppojob_trainer.driver.topology import resolve_topology
     from ppojob_trainer.models import cache_root
     from ppojob_trainer.tasks import make_task
     from ppojob_trainer.workers.host import WorkerHost
@@ -142,7 +143,7 @@ def local_steps(cfg, threads: int) -> Iterator[dict[str, float]]:
         if kl.target is not None
         else FixedKLController(kl.coefficient)
     )
-    offload = roles.rollout.offload
+    offload = resolve_topology(cfg).offload  # (as the driver: the torch engine has none)
     syncs = 0
     for step in itertools.count():
         with in_process():

@@ -32,7 +32,8 @@ def test_colocated_engines_live_in_the_actor_workers_and_take_staged_buckets() -
     topo = resolve_topology(
         _cfg({"actor": {"replicas": 2}, "rollout": {"colocateWithActor": True}})
     )
-    assert topo.colocated and topo.offload and topo.weight_sync == "colocated"
+    # (offload is on by default, but the torch engine has nothing to release)
+    assert topo.colocated and not topo.offload and topo.weight_sync == "colocated"
     assert topo.layout == (("actor", 2),) and topo.engines == 2
     assert topo.elastic is None and not topo.partial
     assert topo.hosted_roles("actor", 1, 2) == {
@@ -42,10 +43,14 @@ def test_colocated_engines_live_in_the_actor_workers_and_take_staged_buckets() -
     }
 
 
-def test_colocated_without_offload_keeps_the_engines_memory() -> None:
-    roles = {"rollout": {"colocateWithActor": True, "offload": False}}
-    topo = resolve_topology(_cfg(roles))
-    assert topo.colocated and not topo.offload
+def test_only_colocated_sglang_engines_with_offload_release_their_memory() -> None:
+    gpus = {"replicas": 2, "resources": {"gpus": 1}}
+    sglang = {"colocateWithActor": True, "backend": "sglang"}
+    assert resolve_topology(_cfg({"actor": gpus, "rollout": sglang})).offload
+    kept = resolve_topology(_cfg({"actor": gpus, "rollout": {**sglang, "offload": False}}))
+    assert kept.colocated and not kept.offload
+    torch_engine = resolve_topology(_cfg({"actor": gpus, "rollout": {"colocateWithActor": True}}))
+    assert torch_engine.colocated and not torch_engine.offload
 
 
 def test_engines_of_their_own_on_cpus_take_a_broadcast_by_default() -> None:

@@ -205,7 +205,7 @@ class RolloutRole(_Role):
     """With colocateWithActor: sglang engines release their weights and KV cache while the actor
     trains and take them back for the weight sync. The torch engine keeps its copy of the
     weights (the memory plan counts it as held throughout) and holds no KV cache between
-    generations: for it the setting changes nothing."""
+    generations: for it the setting changes nothing (the driver sends it no release or resume)."""
 
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
     """Fraction of GPU memory an sglang engine may use for weights and KV cache. Unset: an engine

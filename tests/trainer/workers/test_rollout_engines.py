@@ -11,6 +11,7 @@ import ray
 import torch
 
 from ppojob_api.training import TrainerConfig
+from ppojob_trainer.driver import topology
 from ppojob_trainer.driver.trainer import PPOTrainer
 from ppojob_trainer.driver.weights import BroadcastSync, DeferredSync
 
@@ -34,9 +35,12 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_colocated_engines_are_told_to_release_before_training_and_resume_before_new_weights():
+def test_colocated_engines_are_told_to_release_before_training_and_resume_before_new_weights(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """The order of the engines' release/resume calls, not what they free: the torch engine's
-    release and resume do nothing (SGLang's free and retake GPU memory, which needs a GPU).
+    release and resume do nothing (SGLang's free and retake GPU memory, which needs a GPU), so
+    the driver sends them only to engines of ``RELEASING_BACKENDS``, here the torch engine too.
     Two actor workers, each with a colocated engine and critic (gae); one prompt, so the
     second engine gets none and sits the step out (fewer prompts than engines used to raise
     IndexError). Step 0 is a critic warm-up step: the actor does not train, yet the woken
@@ -46,6 +50,7 @@ def test_colocated_engines_are_told_to_release_before_training_and_resume_before
         "rollout": {"colocateWithActor": True, "offload": True},
     }
     cfg = _cfg(roles, prompts=1, advantageEstimator="gae", criticWarmupSteps=1)
+    monkeypatch.setattr(topology, "RELEASING_BACKENDS", frozenset({"torch", "sglang"}))
     trainer = PPOTrainer(cfg)
     try:
         assert len(trainer.hosts["rollout"]) == 2 and trainer.groups.engine_groups == [
