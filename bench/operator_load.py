@@ -249,7 +249,11 @@ def request_timelines(log: Path, user: str, names: list[str], child: str) -> lis
         t0 = created.get(n)
         if t0 is None:
             continue
-        done = [e for s, e, label, what in mine if s >= t0 and what == child and label.endswith(n)]
+        done = [
+            e
+            for s, e, label, what in mine
+            if s >= t0 and what == child and label.rsplit(" ", 1)[-1] == n
+        ]
         if not done:
             continue
         out.append(

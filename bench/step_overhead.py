@@ -221,7 +221,7 @@ BREAKDOWN = (
     ("arguments", "the calls' argument deserialisation"),
     ("outputs", "the calls' output storing"),
     ("after", "last call's end -> step end (reports, metrics)"),
-    ("untimed", "inside the calls, outside the role timers (ray.put)"),
+    ("untimed", "inside the calls, outside the role timers"),
 )
 
 
@@ -247,8 +247,12 @@ def ray_breakdown(
     calls' argument deserialisation and output storing; ``after``, from the last call's end to
     the step's end (the driver fetching the reports, the metrics); ``untimed``, the calls'
     execution less ``timed`` (each step's phase times: the role code's own timers), what the
-    worker does inside the calls around the role code (its ``ray.put`` of the batches it hands
-    on, which the one-process step does not serialise); ``calls``: the step's calls.
+    worker does inside the calls around the timed role code (generation's work after its timer,
+    the host's bookkeeping, puts outside the timers); ``calls``: the step's calls. The training
+    phases' own timers hold the object store's gets and puts inside the role code (``ray.get``
+    of the batches, ``ray.put`` of the values and prepared batches), which the one-process step
+    hands over in memory: their difference from the one-process step's is that and the shared
+    cores, not separated here. The layout has one worker process (every span is its).
     """
     spans = sorted(
         (e for e in events if e.get("ph") == "X" and str(e.get("tid", "")).startswith("worker")),
@@ -382,10 +386,7 @@ def main() -> int:
             for key, label in BREAKDOWN:
                 print(f"    {label:<58}{parts[key] * 1e3:>8.1f}")
             contention = sum(ray_t[k] - local_t[k] for k in PHASES if k != "generate")
-            print(
-                f"    {'the training phases, Ray minus one process (shared cores)':<58}"
-                f"{contention * 1e3:>8.1f}"
-            )
+            print(f"    {'the training phases, Ray minus one process':<58}{contention * 1e3:>8.1f}")
             print(f"  same work: max |mean reward difference| at equal steps {reward_diff:.2e}")
             key = "" if len(models) == 1 else model.split(":")[-1] + "."
             figures[f"{key}full_step_median"] = Figure(

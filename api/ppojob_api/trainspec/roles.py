@@ -191,6 +191,12 @@ class ElasticRollout(ApiModel):
     at least minReplicas it never waits: a new engine joins the step after it is up)."""
 
 
+RELEASING_BACKENDS = frozenset({"sglang"})
+"""Rollout backends whose engines free memory when released (SGLang's memory saver). The torch
+engine keeps its weights and holds no KV cache between generations: for it ``offload`` changes
+nothing, so no release or wake is sent to it (:attr:`RolloutRole.releases_memory`)."""
+
+
 class RolloutRole(_Role):
     """The generation engines."""
 
@@ -223,6 +229,12 @@ class RolloutRole(_Role):
     minReplicas and maxReplicas, and more join up to maxReplicas when there is room; the gang
     holds minReplicas of them. An engine lost mid-step does not fail the step. Unset: every
     engine is part of the gang and losing one fails the step."""
+
+    @property
+    def releases_memory(self) -> bool:
+        """The engines release their memory while the actor trains and wake it for the weight
+        sync: colocated, ``offload`` on, and a backend of :data:`RELEASING_BACKENDS`."""
+        return self.colocate_with_actor and self.offload and self.backend in RELEASING_BACKENDS
 
 
 class RewardRole(_Role):

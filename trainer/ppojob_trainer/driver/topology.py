@@ -22,13 +22,6 @@ load queued ahead of its next generation and waited on at the next step; ``broad
 actor's leader broadcasts to every engine over a process group of their own."""
 
 
-RELEASING_BACKENDS = frozenset({"sglang"})
-"""Rollout backends whose engines free memory when released (SGLang's memory saver). The torch
-engine keeps its weights and holds no KV cache between generations, so ``roles.rollout.offload``
-changes nothing for it, and the driver sends its engines no release and no resume (two calls a
-step, one of them a round trip, that it would answer with nothing)."""
-
-
 def engine_tensor_size(cfg: TrainerConfig) -> int:
     """GPUs one rollout engine spans: `parallelism.tensor` for sglang, else 1."""
     rollout = cfg.roles.rollout
@@ -96,8 +89,8 @@ class Topology:
     colocated: bool
     """Engines share the actor workers' processes and GPUs."""
     offload: bool
-    """Colocated engines release their memory while the actor trains (``roles.rollout.offload``,
-    for the engines of :data:`RELEASING_BACKENDS`)."""
+    """Colocated engines release their memory while the actor trains
+    (``RolloutRole.releases_memory``: ``offload``, for the backends whose engines free any)."""
     elastic: ElasticRollout | None
     """``roles.rollout.elastic`` (engines of their own only): engines may be lost and join."""
     partial: bool
@@ -167,7 +160,7 @@ def resolve_topology(cfg: TrainerConfig) -> Topology:
         has_critic=critic is not None,
         critic_with_actor=critic_with_actor,
         colocated=colocated,
-        offload=colocated and roles.rollout.offload and roles.rollout.backend in RELEASING_BACKENDS,
+        offload=roles.rollout.releases_memory,
         elastic=elastic,
         partial=partial,
         max_staleness=cfg.algorithm.max_staleness,

@@ -565,7 +565,7 @@ class WorkerHost:
         ray.get([p.drop_weights.remote() for p in peers])
         self.drop_weights()
         rollout = self.cfg.roles.rollout
-        if rollout.colocate_with_actor and rollout.offload:  # the rest of the engine wakes
+        if rollout.releases_memory:  # the rest of the engine wakes
             self.empty_cache()
             engine.resume_memory(WAKE_AFTER_SYNC)
         return synced(time.perf_counter() - t0, self.policy_version)
