@@ -199,7 +199,7 @@ def offload_server_args(cfg: Any) -> dict[str, bool]:
     needed; with LoRA a sync sends the adapters only, and the base weights must come back from
     the host copy (host memory: the engine's weights per GPU; the memory plan says so)."""
     rollout = cfg.roles.rollout
-    offload = bool(rollout.colocate_with_actor and rollout.offload)
+    offload = rollout.releases_memory
     return {
         "enable_memory_saver": offload,
         "enable_weights_cpu_backup": offload and cfg.model.lora is not None,
@@ -424,7 +424,7 @@ class SGLangGenerationEngine(GenerationEngine):
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = sorted(set(stop_ids))
         rollout = cfg.roles.rollout
-        self.offload = rollout.colocate_with_actor and rollout.offload
+        self.offload = rollout.releases_memory
         self.lora = cfg.model.lora
         self.adapter_loaded = False
         self.routing = None
