@@ -1103,7 +1103,10 @@ def test_a_lost_elastic_rollout_pod_costs_only_its_samples(real_cluster: RealClu
     assert "autoscaler" in head_containers, head_containers
     status = job["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-    assert not status.get("restarts") and not status.get("disruptions"), status
+    # (told in full when it fails: the restart's condition and the attempt's end name the cause)
+    assert not status.get("restarts") and not status.get("disruptions"), json.dumps(
+        {"status": status, "attempts": attempt_events(host)}, indent=1
+    )
     rows = metrics(host)
     assert [r["step"] for r in rows] == list(range(1, ELASTIC_STEPS + 1))
     # one attempt, never restarted (metrics.jsonl alone keeps each step once either way)

@@ -82,8 +82,8 @@ STILL_STARTING: list[int] = []
 
 EXPENDABLE: list[Any] = []
 """When the last :func:`_run` ended: how many actors a draining node may hold without stopping
-the job (the engines, live and starting; no reward workers here), and whether an actor worker
-was among them."""
+the job (the engines, live, starting and let go of; no reward workers here), whether an actor
+worker was among them, and their actor ids."""
 
 
 def _run(
@@ -102,7 +102,7 @@ def _run(
         STILL_STARTING[:] = [len(trainer.engines.starting)]
         spare = trainer.expendable_actors()
         actors = {h._actor_id.hex() for h in trainer.hosts["actor"]}
-        EXPENDABLE[:] = [len(spare), bool(spare & actors)]
+        EXPENDABLE[:] = [len(spare), bool(spare & actors), spare]
     finally:
         trainer.shutdown()
     return history, trained
@@ -152,6 +152,10 @@ def test_an_engine_killed_mid_step_loses_only_its_prompts_and_is_replaced(
     initial = gens[0]["checksum"]
     assert first["version"] == survivor["version"] == 1
     assert first["checksum"] == survivor["checksum"] != initial
+    # a draining node holding the lost engine stops nothing (Ray lists it alive until its node
+    # is marked dead, after the driver dropped it): the live two and the lost one
+    assert EXPENDABLE[:2] == [3, False]
+    assert killed["engine"] in EXPENDABLE[2]
 
 
 def test_too_few_engines_left_fail_the_step_naming_the_role_and_the_counts(
@@ -191,7 +195,7 @@ def test_the_trainer_never_waits_for_engines_beyond_the_minimum(
     assert STILL_STARTING == [1]  # the engine beyond the minimum, started but never joined
     # a draining node holding only engines (the live one or the one starting) stops nothing;
     # one holding the actor worker does
-    assert EXPENDABLE == [2, False]
+    assert EXPENDABLE[:2] == [2, False]
     first_start = next(a["engine"] for a in log if a["event"] == "start")
     assert {a["engine"] for a in log if a["event"] == "generate"} == {first_start}
 

@@ -39,8 +39,8 @@ class Part:
     seed: int
     host: Any
     batch: Any
-    """Ref of the batch (a return value of the call: owned by the driver, so it outlives the
-    engine)."""
+    """Ref of the batch (a return value of the call: owned by the driver, so the ref outlives
+    the engine; a batch above Ray's inline size lives in the engine's node until fetched)."""
     info: Any
     """Ref of the rest of the result (metrics, span, version)."""
 
@@ -74,6 +74,9 @@ class RewardWorkers:
         self.ranks = list(range(len(self.hosts)))
         self.replaced = 0
         """Reward workers found lost and started again so far."""
+        self.released: list[str] = []
+        """Actor ids (hex) of the reward workers let go of (lost, or replacements that could
+        not start): :attr:`ElasticEngines.released`."""
 
     def scored(self) -> list[int]:
         """Samples each reward worker scored so far."""
@@ -99,6 +102,7 @@ class RewardWorkers:
             return
         new = {}
         for i in dead:
+            self.released.append(self.hosts[i]._actor_id.hex())
             with contextlib.suppress(Exception):  # (a process unreachable but alive)
                 ray.kill(self.hosts[i])
             new[i] = self.cluster.start_reward_worker(*self.how[self.ranks[i]])
@@ -131,6 +135,7 @@ class RewardWorkers:
             error = f"its process died ({type(exc).__name__})"
         if error:
             log.warning("roles.reward: a new reward worker could not start: %s", error)
+            self.released.append(host._actor_id.hex())
             with contextlib.suppress(Exception):
                 ray.kill(host)
         return not error
@@ -163,6 +168,13 @@ class ElasticEngines:
         """Engines lost so far."""
         self.failed_starts = 0
         """Engines that could not start so far."""
+        self.released: list[str] = []
+        """Actor ids (hex) of the engines let go of (lost, or failed to start). The GCS lists
+        such an actor alive for a while after its process is gone (until its node is marked
+        dead), and its node drains meanwhile (a pod deleted: ``ray start`` got its SIGTERM): the
+        run no longer needs it, so that drain is no reason to stop the job
+        (:meth:`~.trainer.PPOTrainer.expendable_actors`). Appended to only (read from the stop
+        watcher's thread)."""
         self.lost_at_step = 0
         self.requeued = 0
         """Prompts of the current step generated again after their engine was lost."""
@@ -189,6 +201,7 @@ class ElasticEngines:
         for host in hosts:
             if not self.groups.drop_engine(host):
                 continue  # (already dropped)
+            self.released.append(host._actor_id.hex())
             slot = self.slots.pop(id(host), None)
             if slot is not None:
                 self.free_slots.append(slot)
@@ -232,10 +245,12 @@ class ElasticEngines:
             if not ready:
                 return
             new = next(s for s in self.starting if s.started == ready[0])
-            self.starting.remove(new)
+            # (still listed as starting while it joins: expendable, should its node drain)
             error = self._join(new)
             if error:
                 log.warning("a new rollout engine could not start: %s", error)
+                self.released.append(new.host._actor_id.hex())
+                self.starting.remove(new)
                 self.failed_starts += 1
                 if new.slot is not None:
                     self.free_slots.append(new.slot)
@@ -245,6 +260,7 @@ class ElasticEngines:
                     log.debug("could not kill an engine that failed to start", exc_info=True)
                 continue
             self.groups.add_engine(new.host)
+            self.starting.remove(new)
             if new.slot is not None:
                 self.slots[id(new.host)] = new.slot
 

@@ -440,12 +440,17 @@ class PPOTrainer:
         """Actor ids (hex) of the workers whose loss the run absorbs: elastic rollout engines
         (dropped, their prompts generated again, replaced) and reward workers (their part
         scored again by the others, replaced). A Ray node draining with only these on it is no
-        reason to stop the job (``run.draining_ray_nodes``). Read from the stop watcher's
-        thread: a snapshot of the lists, never changed here."""
-        hosts = list(self.rollouts.rewards.hosts)
+        reason to stop the job (``run.draining_ray_nodes``), nor is one holding those let go
+        of (lost or failed to start: ``released``), which the GCS lists alive until their node
+        is marked dead. Read from the stop watcher's thread: a snapshot of the lists, never
+        changed here."""
+        rewards = self.rollouts.rewards
+        hosts = list(rewards.hosts)
+        released = list(rewards.released)
         if self.engines is not None:
             hosts += [*self.groups.rollout.handles, *(s.host for s in self.engines.starting)]
-        return {h._actor_id.hex() for h in hosts}
+            released += self.engines.released
+        return {h._actor_id.hex() for h in hosts} | set(released)
 
     def shutdown(self, stopping: bool = False) -> None:
         """Kill every worker started and release the placement group (safe to call twice).

@@ -242,8 +242,10 @@ class WorkerHost:
         self, examples: list[Any], first_sample: int, seed: int
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """:meth:`generate` for elastic engines: (the batch, the rest of the result) as two
-        return values, both owned by the caller (the driver), so a batch outlives an engine
-        lost after generating it (one this process put would die with it)."""
+        return values, both owned by the caller (the driver), so an engine lost after
+        generating does not take their refs with it (one this process put would die with it).
+        A batch above Ray's inline size stays in this node's object store until the actor
+        workers fetch it: lost with the node before then (docs/trainer-guide.md)."""
         _fault_gate(
             "generate",
             first_sample=first_sample,
