@@ -199,9 +199,11 @@ class ElasticEngines:
         """Forget lost engines (each once), free their placement-group slots and start
         replacements where there is room."""
         for host in hosts:
+            aid = host._actor_id.hex()
+            if aid not in self.released:  # (before it leaves the live list: read meanwhile)
+                self.released.append(aid)
             if not self.groups.drop_engine(host):
                 continue  # (already dropped)
-            self.released.append(host._actor_id.hex())
             slot = self.slots.pop(id(host), None)
             if slot is not None:
                 self.free_slots.append(slot)
