@@ -170,6 +170,9 @@ def test_all_workers_lost_fail_the_call_naming_roles_reward_and_the_counts(rm: P
 REPLACED: list[int] = []
 """Reward workers each :func:`_steps` run started again in a lost one's place."""
 
+SPARE: list[set[str]] = []
+"""Each :func:`_steps` run's expendable actors at its end (``PPOTrainer.expendable_actors``)."""
+
 
 def _steps(rm: Path, monkeypatch: pytest.MonkeyPatch, gate: str, steps: int) -> list[dict]:
     """The metrics of ``steps`` training steps with two reward workers, gated by ``gate``."""
@@ -180,6 +183,7 @@ def _steps(rm: Path, monkeypatch: pytest.MonkeyPatch, gate: str, steps: int) -> 
         return [trainer.step(step) for step in range(steps)]
     finally:
         REPLACED.append(trainer.rollouts.rewards.replaced)
+        SPARE.append(trainer.expendable_actors())
         trainer.shutdown()
 
 
@@ -192,6 +196,7 @@ def test_a_step_with_a_reward_worker_killed_scores_as_an_undisturbed_step(
     step is the undisturbed run's, exactly. Before step 1 the trainer starts a worker in the
     lost one's place, so step 1 too is split as undisturbed and scores the same."""
     REPLACED.clear()
+    SPARE.clear()
     gate = Gate.options(name="reward-gate-run").remote()
     undisturbed = _steps(rm, monkeypatch, "reward-gate-run", 2)
     ray.kill(gate)
@@ -216,6 +221,10 @@ def test_a_step_with_a_reward_worker_killed_scores_as_an_undisturbed_step(
     assert [m["reward/model_resent"] for m in undisturbed] == [0.0, 0.0]
     assert [m["reward/model_remote"] for m in disturbed] == [32.0, 32.0]
     assert REPLACED == [0, 1]  # (undisturbed, disturbed)
+    # a draining node holding the lost worker stops nothing (the GCS lists it alive until its
+    # node is marked dead): the two live workers and the lost one
+    assert [len(s) for s in SPARE] == [2, 3]
+    assert killed["worker"] in SPARE[1]
     for a, b in zip(undisturbed, disturbed, strict=True):  # both steps score as undisturbed
         keys = [k for k in a if k.startswith(("reward", "advantages")) and "resent" not in k]
         assert "reward/model_mean" in keys and a["reward/model_mean"] != 0.0
