@@ -88,9 +88,9 @@ class _InProcessRay:
 def in_process() -> Iterator[None]:
     """``ray`` of the worker modules swapped for :class:`_InProcessRay` (the Ray workers run in
     other processes: they are not affected)."""
-    from ppojob_trainer.workers import actor, critic, host
+    from ppojob_trainer.workers import actor, handoff, host
 
-    mods = (host, actor, critic)
+    mods = (host, actor, handoff)
     saved = [m.ray for m in mods]
     for m in mods:
         m.ray = _InProcessRay

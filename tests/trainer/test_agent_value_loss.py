@@ -16,7 +16,7 @@ import yaml
 
 from ppojob_trainer.distributed import ShardIdentity
 from ppojob_trainer.manifest import config_from_doc
-from ppojob_trainer.workers import critic as critic_mod
+from ppojob_trainer.workers import handoff
 from ppojob_trainer.workers.critic import CriticWorker
 
 TINY = yaml.safe_load(
@@ -74,7 +74,7 @@ def _loss_and_grad(
         "action_mask": ACTION.clone(),
         "old_values": old,
     }
-    monkeypatch.setattr(critic_mod, "ray", SimpleNamespace(get=lambda ref: ref))
+    monkeypatch.setattr(handoff, "ray", SimpleNamespace(get=lambda ref: ref))
     worker.train(1, [([returns], {})], [(0, 2)], updates=1)
     loss, grad = worker.trainer.seen[0]
     return loss, grad

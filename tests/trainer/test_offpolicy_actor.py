@@ -39,9 +39,10 @@ class _NoRay:
 
 @pytest.fixture(autouse=True)
 def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ppojob_trainer.workers import actor
+    from ppojob_trainer.workers import actor, handoff
 
     monkeypatch.setattr(actor, "ray", _NoRay)
+    monkeypatch.setattr(handoff, "ray", _NoRay)
 
 
 def _cfg(staleness: int) -> Any:

@@ -154,3 +154,17 @@ def test_dp_leaders_are_the_tp_pp_cp_rank_0_workers_in_dp_order() -> None:
     assert dp_leaders([_shard(0)]) == [0]
     with pytest.raises(KeyError):
         dp_leaders([_shard(1)])  # a data-parallel rank without its leader
+
+
+def test_one_process_is_one_actor_worker_with_its_engine_and_critic() -> None:
+    colocated = {"colocateWithActor": True}
+    assert resolve_topology(_cfg({"actor": {"replicas": 1}, "rollout": colocated})).one_process
+    grpo = _cfg({"actor": {"replicas": 1}, "rollout": colocated}, advantageEstimator="grpo")
+    assert resolve_topology(grpo).one_process  # (no critic at all)
+    two = _cfg({"actor": {"replicas": 2}, "rollout": colocated})
+    apart = _cfg({"actor": {"replicas": 1}, "rollout": {"replicas": 1}})
+    critic = _cfg(
+        {"actor": {"replicas": 1}, "critic": {"colocateWithActor": False}, "rollout": colocated}
+    )
+    for cfg in (two, apart, critic):
+        assert not resolve_topology(cfg).one_process, cfg.roles

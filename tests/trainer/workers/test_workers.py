@@ -368,3 +368,45 @@ def test_long_prompts_are_truncated_from_the_left():
     assert kept[-2:] == full[-2:] and tok.convert_tokens_to_ids("0") in kept
     assert tok.convert_tokens_to_ids("1") not in kept
     assert ids[1][mask[1]].tolist() == tok(short)["input_ids"]  # short prompts untouched
+
+
+def _one_process_cfg() -> TrainerConfig:
+    roles = {
+        "actor": {"replicas": 1, "resources": {"cpus": 1}},
+        "rollout": {"colocateWithActor": True},
+    }
+    return TrainerConfig.model_validate(
+        {
+            "roles": roles,
+            "algorithm": {"advantageEstimator": "gae"},
+            "data": {"rolloutBatchSize": 3, "samplesPerPrompt": 2, "maxResponseLength": 8},
+            "training": {"steps": 3, "learningRate": 1e-3, "seed": 3},
+        }
+    )
+
+
+@pytest.mark.slow
+def test_a_one_process_run_hands_over_in_memory_and_trains_as_through_the_store(monkeypatch):
+    from ppojob_trainer.driver.topology import Topology
+
+    cfg = _one_process_cfg()
+    runs = {}
+    for mode in ("memory", "store"):
+        if mode == "store":  # the same layout, told it is not one process
+            monkeypatch.setattr(Topology, "one_process", property(lambda self: False))
+        trainer = PPOTrainer(cfg)
+        try:
+            assert len(trainer.groups.all_hosts) == 1
+            host = trainer.groups.all_hosts[0]
+            runs[mode] = [trainer.step(s) for s in range(3)]
+            # every object handed over was read, and none is left behind in the process
+            assert ray.get(host.handoffs.remote()) == (mode, 0)
+            received = ray.get(host.received_values.remote())
+            computed = ray.get(host.computed_values.remote())
+            assert torch.equal(received[1], computed[1])
+        finally:
+            trainer.shutdown()
+    keys = ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm")
+    assert [[m[k] for k in keys] for m in runs["memory"]] == [
+        [m[k] for k in keys] for m in runs["store"]
+    ]

@@ -111,7 +111,13 @@ class Cluster:
                     self.engine_threads = nthreads
                 host_class = self.engine_class() if owner == "rollout" else RemoteWorkerHost
                 handle = host_class.options(**opts).remote(
-                    self.cfg_json, hosted, rendezvous, nthreads, device, str(cache_root())
+                    self.cfg_json,
+                    hosted,
+                    rendezvous,
+                    nthreads,
+                    device,
+                    str(cache_root()),
+                    one_process=self.topo.one_process,
                 )
                 for r in hosted:
                     hosts[r].append(handle)

@@ -105,6 +105,14 @@ class Topology:
     sandbox_workers: int
 
     @property
+    def one_process(self) -> bool:
+        """The whole run is one worker process: one actor worker, its engine and its critic (if
+        any) colocated with it, so every role reads what another role wrote in that process
+        (the rollout batch, the values, the returns) and hands it over in memory
+        (:mod:`~ppojob_trainer.workers.handoff`). Reward and sandbox workers do not read those."""
+        return self.colocated and self.layout == (("actor", 1),)
+
+    @property
     def critic_apart(self) -> bool:
         """The critic in processes of its own: its values reach the actor's prepare nested."""
         return self.has_critic and not self.critic_with_actor

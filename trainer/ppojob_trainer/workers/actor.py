@@ -24,6 +24,7 @@ from ..agent import policy_mask
 from ..backends.base import PolicyTrainer
 from ..distributed import ShardIdentity
 from ..teacher import make_teacher
+from . import handoff
 from .group import balanced_shares, overlap, shard_range
 from .rollout import cat_batches, slice_batch
 
@@ -49,13 +50,14 @@ def fetch_range(parts: Sequence[Part], lo: int, hi: int) -> dict[str, torch.Tens
     keys = [ref for _, _, ref in parts]
     for stale in [k for k in _FETCHED if k not in keys]:
         del _FETCHED[stale]
+    handoff.drop_older_than(keys)
     pieces = []
     for start, end, ref in parts:
         ov = overlap((start, end), (lo, hi))
         if ov is None:
             continue
         if ref not in _FETCHED:
-            _FETCHED[ref] = ray.get(ref)
+            _FETCHED[ref] = handoff.get(ref)
         pieces.append(slice_batch(_FETCHED[ref], ov[0] - start, ov[1] - start))
     return cat_batches(pieces)
 
@@ -415,7 +417,7 @@ class ActorWorker:
             for c_lo, c_hi in critic_ranges:
                 ov = overlap((lo, hi), (c_lo, c_hi))
                 returns_refs.append(
-                    None if ov is None else ray.put(ret[ov[0] - lo : ov[1] - lo].clone())
+                    None if ov is None else handoff.put(ret[ov[0] - lo : ov[1] - lo].clone())
                 )
         return returns_refs, metrics
 
@@ -448,7 +450,7 @@ class ActorWorker:
                 continue
             if isinstance(outer, ray.ObjectRef):  # the critic's compute_values, still a ref
                 outer = ray.get(outer)
-            pieces.append(ray.get(outer[self.shard.dp_rank]))
+            pieces.append(handoff.get(outer[self.shard.dp_rank]))
         widths = {p.shape[1] for p in pieces}
         if len(widths) > 1:
             width = max(widths)

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from ppojob_api.training import TrainerConfig
@@ -16,6 +15,7 @@ from .. import algorithms as A
 from ..agent import policy_mask
 from ..backends.base import ValueTrainer
 from ..distributed import ShardIdentity
+from . import handoff
 from .actor import (
     Part,
     balances_tokens,
@@ -86,7 +86,9 @@ class CriticWorker:
         refs: list[Any] = []
         for a_range in actor_ranges:
             ov = overlap((lo, hi), a_range)
-            refs.append(None if ov is None else ray.put(values[ov[0] - lo : ov[1] - lo].clone()))
+            refs.append(
+                None if ov is None else handoff.put(values[ov[0] - lo : ov[1] - lo].clone())
+            )
         return refs
 
     def train(
@@ -108,7 +110,7 @@ class CriticWorker:
         for outer, a_range in zip(returns_lists, actor_ranges, strict=True):
             if overlap(a_range, (lo, hi)) is None:
                 continue
-            pieces.append(ray.get(outer[0][self.shard.dp_rank]))
+            pieces.append(handoff.get(outer[0][self.shard.dp_rank]))
         width = self.batch["response_ids"].shape[1]
         pieces = [
             torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], 1)

@@ -26,6 +26,7 @@ from ..backends.weight_sync import WeightStream, broadcast_stream, flatten, init
 from ..distributed import data_parallel_group, identity, init_role_groups, model_parallel_identity
 from ..errors import naming
 from ..models import resolve_model_path, set_trust_remote_code
+from . import handoff
 
 
 class WorkerHost:
@@ -39,7 +40,11 @@ class WorkerHost:
         threads: int,
         device: str = "cpu",
         cache_dir: str | None = None,
+        one_process: bool = False,
     ) -> None:
+        """``one_process``: the run's only worker process (every role reads what another put
+        here, so the hand-overs stay in memory: :mod:`.handoff`)."""
+        handoff.in_memory(one_process)
         # A failure to start is not raised here (Ray would print the actor's traceback and the
         # driver get an ActorDiedError): ready() reports it as one line naming the field.
         self._start_error: str | None = None
@@ -178,6 +183,11 @@ class WorkerHost:
         self.events.append(f"hang.{role}.{phase}")
         threading.Event().wait()  # never set: the stall watchdog must name this rank
 
+    def handoffs(self) -> tuple[str, int]:
+        """How this process hands objects to its other roles (``memory`` or ``store``) and how
+        many it holds in memory now (:mod:`.handoff`)."""
+        return handoff.mode(), handoff.held()
+
     def calls(self) -> list[str]:
         """The calls this process ran so far, oldest first (``engine.generate``,
         ``engine.release_memory``, ``actor.train``...): the order of a step, checked by tests."""
@@ -201,7 +211,7 @@ class WorkerHost:
     def generate(self, examples: list[Any], first_sample: int, seed: int) -> dict[str, Any]:
         self._hang_gate("rollout", "generate")
         batch, out = self._generate(examples, first_sample, seed)
-        return {"batch": ray.put(batch), **out}
+        return {"batch": handoff.put(batch), **out}
 
     def _generate(
         self, examples: list[Any], first_sample: int, seed: int
@@ -339,13 +349,13 @@ class WorkerHost:
         loss), numbered from ``first_sample``."""
         from .rollout import select_groups
 
-        batches = [ray.get(g["batch"]) for g in gens]
+        batches = [handoff.get(g["batch"]) for g in gens]
         k = self.cfg.data.samples_per_prompt
         batch = select_groups(batches, picks, first_sample, k)
         # (the loop reports the rewards of every generated sample, not these picked ones)
         metrics = {"n": float(batch["response_ids"].shape[0])}
         return {
-            "batch": ray.put(batch),
+            "batch": handoff.put(batch),
             "metrics": metrics,
             "span": (min(g["span"][0] for g in gens), max(g["span"][1] for g in gens)),
             "version": min(g["version"] for g in gens),
