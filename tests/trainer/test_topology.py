@@ -166,5 +166,11 @@ def test_one_process_is_one_actor_worker_with_its_engine_and_critic() -> None:
     critic = _cfg(
         {"actor": {"replicas": 1}, "critic": {"colocateWithActor": False}, "rollout": colocated}
     )
-    for cfg in (two, apart, critic):
+    ahead = TrainerConfig.model_validate(  # (refused by validation; never in memory either)
+        {
+            "roles": {"actor": {"replicas": 1}, "rollout": colocated},
+            "algorithm": {"maxStaleness": 1},
+        }
+    )
+    for cfg in (two, apart, critic, ahead):
         assert not resolve_topology(cfg).one_process, cfg.roles

@@ -109,8 +109,11 @@ class Topology:
         """The whole run is one worker process: one actor worker, its engine and its critic (if
         any) colocated with it, so every role reads what another role wrote in that process
         (the rollout batch, the values, the returns) and hands it over in memory
-        (:mod:`~ppojob_trainer.workers.handoff`). Reward and sandbox workers do not read those."""
-        return self.colocated and self.layout == (("actor", 1),)
+        (:mod:`~ppojob_trainer.workers.handoff`). Reward and sandbox workers do not read those.
+        Not with generation launched ahead (``maxStaleness``, which validation refuses for
+        colocated engines): a later step's batch, put before this step's dynamic-sampling
+        pick, would be dropped as stale when this step reads its own."""
+        return self.colocated and self.layout == (("actor", 1),) and self.max_staleness == 0
 
     @property
     def critic_apart(self) -> bool:
