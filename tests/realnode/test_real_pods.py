@@ -989,14 +989,28 @@ def test_a_drained_node_stops_the_job_with_its_checkpoint_and_uncordoned_it_resu
     job, _ = watch(cluster, ns, name, 900)
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     status = job["status"]
-    assert status.get("disruptions", 0) >= 1 and not status.get("restarts"), status
-    assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
-    assert "(EvictionByEvictionAPI)" in status["lastRestart"]["message"], status["lastRestart"]
+    why = json.dumps({"status": status, "attempts": attempt_events(host)}, indent=1)
+    assert not status.get("restarts"), why  # never an application error's counted restart
+    if status.get("lastRestart"):
+        # the operator saw the attempt fail: a disruption, named by the pods' eviction
+        assert status.get("disruptions", 0) >= 1, why
+        assert status["lastRestart"]["failureClass"] == "Disruption", status["lastRestart"]
+        assert "(EvictionByEvictionAPI)" in status["lastRestart"]["message"], why
+        how = "the operator restarted it as a disruption"
+    else:
+        # KubeRay 1.6.1 fails a SidecarMode RayJob only when a reconcile finds no head pod or
+        # the old head's submitter terminated non-zero; when the RayCluster controller has
+        # already made the new head by then, the RayJob stays Running and the new head's
+        # submitter runs the job again: the same attempt of the PPOJob resumes (a limit,
+        # docs/troubleshooting.md). The resume itself must be the same.
+        assert not status.get("disruptions"), why
+        assert status["rayJobName"] == name, why
+        how = "KubeRay ran it again on the new head, inside the same RayJob"
     assert starts(host)[:2] == [0, stopped], attempt_events(host)
     assert steps_run(host) == list(range(1, DRAIN_STEPS + 1))
     print(
         f"\ndrain: step {at_signal} reported at the drain, checkpoint at step {stopped}, "
-        f"drain returned after {drained:.1f}s, steps redone 0"
+        f"drain returned after {drained:.1f}s, steps redone 0; {how}"
     )
 
 
