@@ -66,3 +66,25 @@ def test_what_a_step_leaves_unread_is_dropped_when_a_later_step_reads(
     assert [handoff.get(r).numel() for r in (*step, later)] == [1, 2, 3]
     handoff.drop_older_than(["an ObjectRef"])  # refs of the store: nothing to drop
     handoff.in_memory(False)
+
+
+def test_reading_a_steps_batches_drops_what_earlier_steps_left_unread(
+    store: dict[str, Any],
+) -> None:
+    """``fetch_range`` (every role's read of a step's rollout parts) drops the local objects
+    of earlier steps: a step abandoned at its commit leaves its batch unread."""
+    from ppojob_trainer.workers.actor import fetch_range
+
+    handoff.in_memory(True)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"prompt_ids": torch.zeros(n, 2), "response_ids": torch.arange(n)[:, None]}
+
+    abandoned = handoff.put(batch(4))  # generated, never read
+    ref = handoff.put(batch(4))
+    assert handoff.held() == 2
+    got = fetch_range([(0, 4, ref)], 1, 3)
+    assert got["response_ids"].flatten().tolist() == [1, 2]
+    assert handoff.held() == 0  # the step's batch is read (cached per step), the old one gone
+    with pytest.raises(RuntimeError):
+        handoff.get(abandoned)
